@@ -1,0 +1,1 @@
+"""The ``kvfabric`` command line: one entry point, one subcommand per component."""

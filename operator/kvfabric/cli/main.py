@@ -1,0 +1,76 @@
+"""Entry point of the ``kvfabric`` command.
+
+Each subcommand lives beside the component it drives, in a module that exposes ``configure(parser)``
+and ``run(args) -> int``. Those modules import only the standard library at import time, so that
+``kvfabric --help`` works in every image (the operator image has no torch, the cache-server image no
+kopf) and heavy imports happen only when a subcommand runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Protocol, cast
+
+# name -> (module, one-line summary). Order is the order shown by --help.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "version": ("kvfabric.cli.version_cmd", "print kvfabric's version and the pinned component versions"),
+    "cluster": ("kvfabric.localcluster.cli", "run a real local Kubernetes control plane with fake GPU nodes"),
+    "cacheserver": ("kvfabric.cacheserver.cli", "run the per-node KV-chunk cache server"),
+    "operator": ("kvfabric.operator.cli", "run the KVCachePool operator (reconciler + injection webhook)"),
+    "engine": ("kvfabric.refengine.cli", "run the torch reference engine on token-id prompts"),
+    "bench": ("kvfabric.bench.cli", "run a benchmark (storage, ttft, operator) and print ratios"),
+    "demo": ("kvfabric.demo.cli", "run the whole fabric on the local cluster and replay a chat workload"),
+}
+
+
+class _Subcommand(Protocol):
+    def configure(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def _load(name: str) -> _Subcommand | None:
+    module_name, _ = SUBCOMMANDS[name]
+    try:
+        return cast(_Subcommand, importlib.import_module(module_name))
+    except ModuleNotFoundError as exc:
+        # A subcommand whose component is not installed in this image is listed but unavailable.
+        if exc.name is not None and module_name.startswith(exc.name):
+            return None
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the top-level parser with every available subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="kvfabric",
+        description="kvfabric: a KV-cache fabric for LLM inference on Kubernetes.",
+        epilog="Run 'kvfabric COMMAND --help' for the options of one command.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (_, summary) in SUBCOMMANDS.items():
+        module = _load(name)
+        if module is None:
+            continue
+        child = sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
+        module.configure(child)
+        child.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen subcommand; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    module = cast(_Subcommand, args._module)
+    try:
+        return module.run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The one list of pinned control-plane component versions.
+
+Changing a pin changes the cache key, so the next ``kvfabric cluster up`` rebuilds the binaries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Final
+
+KUBERNETES_VERSION: Final = "v1.36.3"
+# The etcd release that k8s.io/kubernetes v1.36.3 itself requires (go.etcd.io/etcd/client/v3 v3.6.8).
+ETCD_VERSION: Final = "v3.6.8"
+KWOK_VERSION: Final = "v0.8.0"
+
+PINS: Final[dict[str, str]] = {
+    "kubernetes": KUBERNETES_VERSION,
+    "etcd": ETCD_VERSION,
+    "kwok": KWOK_VERSION,
+}
+
+BINARIES: Final = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok")
+
+
+def cache_root() -> Path:
+    """Where built binaries are kept: ``$KVFABRIC_CACHE_DIR`` or ``~/.cache/kvfabric``."""
+    env = os.environ.get("KVFABRIC_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvfabric"
+
+
+def pin_key() -> str:
+    """A short digest of the pins and the build script, part of the cache directory's name."""
+    script = (Path(__file__).parent / "build-binaries.sh").read_bytes()
+    digest = hashlib.sha256(json.dumps(PINS, sort_keys=True).encode() + script).hexdigest()[:10]
+    return f"k8s-{KUBERNETES_VERSION}-{digest}"
+
+
+def bin_dir() -> Path:
+    """The bin directory for the current pins."""
+    return cache_root() / pin_key() / "bin"

@@ -1,0 +1,1 @@
+"""The per-node KV-chunk cache server: tiered storage (DRAM, local disk, shared volume) behind gRPC."""

@@ -1,0 +1,308 @@
+"""The cache server's configuration: the schema of the ``config.yaml`` the operator renders.
+
+The operator builds :class:`ServerConfig`, dumps it with ``model_dump(mode="json")`` into a ConfigMap
+key ``config.yaml``, and the DaemonSet runs ``kvfabric cacheserver --config /etc/kvfabric/config.yaml``.
+Byte sizes are plain integers here; the operator converts Kubernetes quantities before rendering.
+Every model forbids unknown keys so that a typo in a ConfigMap fails loudly at start-up instead of
+being ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "DiskTierConfig",
+    "DramTierConfig",
+    "LimitsConfig",
+    "ListenConfig",
+    "MetricsConfig",
+    "ServerConfig",
+    "ShmConfig",
+    "TLSConfig",
+    "TiersConfig",
+    "apply_overrides",
+]
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True)
+
+
+class TLSConfig(_Model):
+    """TLS material for the TCP listener (PEM files, typically mounted from a Secret)."""
+
+    cert_file: Path = Field(description="PEM certificate chain presented by the TCP listener.")
+    key_file: Path = Field(description="PEM private key matching cert_file.")
+
+
+class ListenConfig(_Model):
+    """Where the server listens: a Unix socket for same-node engines, TCP for peers and tools."""
+
+    unix_socket: Path = Field(
+        description="Path of the Unix-domain socket that engines on this node connect to "
+        "(the client target is 'unix://<this path>'). Same-node bulk bytes go through the shm arena."
+    )
+    tcp_host: str = Field(default="0.0.0.0", description="Address the TCP listener binds to.")
+    tcp_port: int | None = Field(
+        default=7070,
+        ge=0,
+        le=65535,
+        description="TCP port for remote peers and tools (payloads streamed in gRPC messages); "
+        "null disables TCP; 0 picks a free port (tests).",
+    )
+    tls: TLSConfig | None = Field(
+        default=None, description="Serve TLS on the TCP listener when set; the Unix socket stays plain."
+    )
+    token_file: Path | None = Field(
+        default=None,
+        description="File holding a bearer token; when set every TCP call must send "
+        "'authorization: Bearer <token>'. The Unix socket is protected by file permissions instead.",
+    )
+
+
+class ShmConfig(_Model):
+    """The shared-memory arena: files on a tmpfs directory shared with the engine pods of the node."""
+
+    dir: Path = Field(
+        description="tmpfs directory shared with engine pods (e.g. a hostPath under /dev/shm). The server "
+        "owns it: the DRAM tier's blocks and the store staging slots live here as files with "
+        "unguessable names in a directory clients can traverse but not list."
+    )
+    arena_bytes: int = Field(
+        default=1 * GiB,
+        gt=0,
+        description="Budget in bytes for store staging slots handed to same-node clients; a store "
+        "that does not fit is dropped (backpressure), never queued.",
+    )
+    slot_lease_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="A staging slot not committed within this time (e.g. its client died) is reclaimed.",
+    )
+
+
+class MetricsConfig(_Model):
+    """The HTTP endpoint for Prometheus metrics and the pod's probes."""
+
+    host: str = Field(default="0.0.0.0", description="Address the metrics/probe HTTP server binds to.")
+    port: int | None = Field(
+        default=9090,
+        ge=0,
+        le=65535,
+        description="Port serving GET /metrics (Prometheus), /healthz and /readyz (200 while serving); "
+        "null disables it; 0 picks a free port.",
+    )
+
+
+class DramTierConfig(_Model):
+    """The DRAM tier (blocks on the tmpfs arena directory), evicted least-recently-used."""
+
+    capacity_bytes: int = Field(gt=0, description="Byte budget of the DRAM tier.")
+    high_watermark: float = Field(
+        default=1.0, gt=0, le=1, description="Fraction of capacity_bytes at which eviction starts."
+    )
+    low_watermark: float = Field(
+        default=0.9, gt=0, lt=1, description="Fraction of capacity_bytes eviction brings usage down to."
+    )
+
+    @model_validator(mode="after")
+    def _check_watermarks(self) -> Self:
+        _check_watermark_order(self.low_watermark, self.high_watermark)
+        return self
+
+
+class DiskTierConfig(_Model):
+    """A directory tier of block files (local NVMe, or a shared volume several servers mount)."""
+
+    path: Path = Field(description="Directory holding the tier's block files (created if missing).")
+    capacity_bytes: int = Field(gt=0, description="Byte budget of the tier (block files incl. headers).")
+    high_watermark: float = Field(
+        default=0.9, gt=0, le=1, description="Fraction of capacity at which eviction starts."
+    )
+    low_watermark: float = Field(
+        default=0.75, gt=0, lt=1, description="Fraction of capacity eviction brings usage down to."
+    )
+    min_free_fraction: float = Field(
+        default=0.05,
+        ge=0,
+        lt=1,
+        description="Never write when the filesystem itself has less than this fraction free, whatever "
+        "the budget says (another tenant may share the disk).",
+    )
+
+    @model_validator(mode="after")
+    def _check_watermarks(self) -> Self:
+        _check_watermark_order(self.low_watermark, self.high_watermark)
+        return self
+
+
+class TiersConfig(_Model):
+    """The storage tiers, fastest first. DRAM is mandatory; the disk tiers are optional."""
+
+    dram: DramTierConfig = Field(description="The DRAM tier.")
+    local_disk: DiskTierConfig | None = Field(
+        default=None, description="Node-local disk tier (LRU); null disables it."
+    )
+    shared: DiskTierConfig | None = Field(
+        default=None,
+        description="Shared-volume tier seen by several servers (evicted oldest bucket first); "
+        "null disables it.",
+    )
+    write_back: Literal["all", "none"] = Field(
+        default="all",
+        description="'all': every put is written back asynchronously to every lower tier; "
+        "'none': keep puts in DRAM only.",
+    )
+
+    @model_validator(mode="after")
+    def _check_distinct_paths(self) -> Self:
+        if self.local_disk is not None and self.shared is not None:
+            a, b = self.local_disk.path.absolute(), self.shared.path.absolute()
+            if a == b or a in b.parents or b in a.parents:
+                raise ValueError(f"tiers.local_disk.path ({a}) and tiers.shared.path ({b}) must not overlap")
+        return self
+
+
+class LimitsConfig(_Model):
+    """Request limits and backpressure."""
+
+    max_payload_bytes: int = Field(
+        default=128 * MiB, gt=0, description="Largest accepted chunk payload; larger is INVALID_ARGUMENT."
+    )
+    max_keys_per_request: int = Field(
+        default=4096, gt=0, description="Most keys in one Lookup/Load/Store/Delete request."
+    )
+    max_concurrent_loads: int = Field(
+        default=64, gt=0, description="Loads served at once; more wait for a slot until their deadline."
+    )
+    max_concurrent_stores: int = Field(
+        default=8,
+        gt=0,
+        description="Stores accepted at once; a store beyond this is dropped and counted, never queued.",
+    )
+    store_queue_bytes: int = Field(
+        default=2 * GiB,
+        gt=0,
+        description="Bytes of accepted puts waiting for write-back to the disk tiers; beyond it "
+        "write-backs are dropped (the block stays in DRAM only).",
+    )
+    default_deadline_ms: int = Field(
+        default=5000, gt=0, description="Deadline applied to a call whose client set none."
+    )
+    io_threads: int = Field(default=4, gt=0, description="Threads doing disk I/O and checksums.")
+
+
+class ServerConfig(_Model):
+    """Everything one cache server needs. The operator renders exactly this model."""
+
+    server_id: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$",
+        description="Name of this server on the shared volume (its journal and leases). "
+        "Default: $NODE_NAME, else the hostname.",
+    )
+    listen: ListenConfig = Field(description="Listeners.")
+    shm: ShmConfig = Field(description="Shared-memory arena for same-node clients.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Metrics and probes.")
+    tiers: TiersConfig = Field(description="Storage tiers.")
+    ttl_seconds: int = Field(
+        default=86400, gt=0, description="Blocks not hit for about this long expire (whole buckets)."
+    )
+    bucket_seconds: int = Field(
+        default=3600, gt=0, description="Width of one TTL bucket (directory) in seconds."
+    )
+    journal_poll_seconds: float = Field(
+        default=0.25, gt=0, le=1, description="How often the other servers' journals are tailed."
+    )
+    janitor_interval_seconds: float = Field(
+        default=5.0, gt=0, description="How often eviction, expiry and lease renewal run."
+    )
+    lease_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="A server whose lease on the shared volume is older than this is considered dead "
+        "and loses its share of bucket expiry.",
+    )
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Limits and backpressure.")
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
+        default="INFO", description="Log level of the JSON logs on stderr."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _upper_log_level(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("log_level"), str):
+            data = {**data, "log_level": data["log_level"].upper()}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.bucket_seconds > self.ttl_seconds:
+            raise ValueError(
+                f"bucket_seconds ({self.bucket_seconds}) must not exceed ttl_seconds ({self.ttl_seconds})"
+            )
+        if self.limits.max_payload_bytes > self.tiers.dram.capacity_bytes:
+            raise ValueError(
+                f"limits.max_payload_bytes ({self.limits.max_payload_bytes}) exceeds "
+                f"tiers.dram.capacity_bytes ({self.tiers.dram.capacity_bytes}): no payload could be stored"
+            )
+        return self
+
+    def resolved_server_id(self) -> str:
+        """Return the server id: the configured one, else ``$NODE_NAME``, else the hostname."""
+        sid = self.server_id or os.environ.get("NODE_NAME") or socket.gethostname()
+        # Sanitize: the id becomes a file name on the shared volume.
+        return "".join(c if c.isalnum() or c in "._-" else "_" for c in sid)[:200] or "server"
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> ServerConfig:
+        """Load and validate a YAML file (the operator's ConfigMap key)."""
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a YAML mapping at the top level")
+        return cls.model_validate(data)
+
+    def to_yaml(self) -> str:
+        """Render as YAML, exactly as the operator writes it."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _check_watermark_order(low: float, high: float) -> None:
+    if not low < high:
+        raise ValueError(f"low_watermark ({low}) must be below high_watermark ({high})")
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Return ``data`` with dotted-path ``overrides`` (``{"listen.tcp_port": 7071}``) applied.
+
+    Used by the CLI: a flag such as ``--set tiers.dram.capacity_bytes=1073741824`` or a dedicated
+    option overrides one leaf of the YAML before validation, so validation messages stay the same.
+    """
+    out: dict[str, Any] = _deep_copy(data)
+    for dotted, value in overrides.items():
+        node = out
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _deep_copy(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in d.items()}

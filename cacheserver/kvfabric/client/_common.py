@@ -1,0 +1,250 @@
+"""Pieces shared by the sync and async clients: validation, channels, error mapping, shm file I/O."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeAlias
+
+import grpc
+
+from kvfabric.client import errors
+from kvfabric.client.results import LookupResult
+from kvfabric.rpc.v1 import cache_pb2 as pb
+
+Payload: TypeAlias = bytes | bytearray | memoryview
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+# Larger than any payload we accept; the server enforces its own limit.
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+]
+STREAM_PIECE_BYTES = 4 << 20
+TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_LOCAL_DISK: "local_disk", pb.TIER_SHARED: "shared"}
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A parsed client target."""
+
+    address: str
+    """What grpc dials: ``unix:///abs/path`` or ``host:port``."""
+    is_unix: bool
+
+
+def parse_target(target: str) -> Target:
+    """Accept ``unix:///abs/path.sock`` (same node) or ``host:port`` (remote)."""
+    if target.startswith("unix://"):
+        path = target[len("unix://") :]
+        if not path.startswith("/"):
+            raise errors.InvalidRequest(f"unix target must be absolute (unix:///path): {target!r}")
+        return Target(target, True)
+    if target.startswith("unix:"):
+        raise errors.InvalidRequest(f"use unix:///absolute/path, not {target!r}")
+    if ":" not in target:
+        raise errors.InvalidRequest(f"target must be 'unix:///path' or 'host:port': {target!r}")
+    return Target(target, False)
+
+
+def check_ids(namespace: str, keys: Sequence[str]) -> None:
+    """Raise :class:`InvalidRequest` unless namespace and keys are 64-char lower-case hex digests."""
+    if not isinstance(namespace, str) or not _HEX64.fullmatch(namespace):
+        raise errors.InvalidRequest(f"namespace must be 64 lower-case hex characters: {namespace!r:.80}")
+    for key in keys:
+        if not isinstance(key, str) or not _HEX64.fullmatch(key):
+            raise errors.InvalidRequest(f"key must be 64 lower-case hex characters: {key!r:.80}")
+
+
+def metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """Per-call metadata carrying the bearer token, if any."""
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def credentials(tls_ca: str | os.PathLike[str] | None) -> grpc.ChannelCredentials | None:
+    """TLS channel credentials trusting ``tls_ca`` (a PEM file), or None for plaintext."""
+    if tls_ca is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+
+
+def map_rpc_error(exc: grpc.RpcError) -> errors.CacheError:
+    """Translate a gRPC error into the client's typed errors (the caller chains the cause)."""
+    # Every RpcError raised by a channel is also a grpc.Call; the stubs cannot express that.
+    code_fn = getattr(exc, "code", None)
+    details_fn = getattr(exc, "details", None)
+    code: grpc.StatusCode | None = code_fn() if callable(code_fn) else None
+    detail = (details_fn() if callable(details_fn) else None) or str(exc)
+    msg = f"{code.name if code else 'UNKNOWN'}: {detail}"
+    match code:
+        case grpc.StatusCode.DEADLINE_EXCEEDED:
+            return errors.CacheTimeout(msg)
+        case grpc.StatusCode.INVALID_ARGUMENT | grpc.StatusCode.OUT_OF_RANGE:
+            return errors.InvalidRequest(msg)
+        case grpc.StatusCode.NOT_FOUND:
+            return errors.NotFound(msg)
+        case grpc.StatusCode.DATA_LOSS:
+            return errors.CacheCorrupt(msg)
+        case grpc.StatusCode.UNAUTHENTICATED | grpc.StatusCode.PERMISSION_DENIED:
+            return errors.PermissionDenied(msg)
+        case grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return errors.CacheOverloaded(msg)
+        case _:
+            return errors.CacheUnavailable(msg)
+
+
+def lookup_result(resp: pb.LookupResponse) -> LookupResult:
+    """Convert a LookupResponse."""
+    return LookupResult(matched=resp.matched, tiers=[TIER_NAMES.get(t, "unknown") for t in resp.tiers])
+
+
+def check_timeout(timeout: float) -> None:
+    """Every call needs a positive deadline: a cache that hangs must never stall inference."""
+    if not timeout > 0:
+        raise errors.InvalidRequest(f"timeout must be > 0 seconds, got {timeout!r}")
+
+
+def store_chunks(namespace: str, keys: Sequence[str], payloads: Sequence[Payload]) -> Iterator[pb.StoreChunk]:
+    """Split payloads into StoreChunk messages of at most :data:`STREAM_PIECE_BYTES` data each."""
+    for i, (key, payload) in enumerate(zip(keys, payloads, strict=True)):
+        view = memoryview(payload).cast("B")
+        n = len(view)
+        first = pb.StoreChunk(key=key, total_length=n, data=bytes(view[:STREAM_PIECE_BYTES]))
+        if i == 0:
+            first.namespace = namespace
+        yield first
+        for off in range(STREAM_PIECE_BYTES, n, STREAM_PIECE_BYTES):
+            yield pb.StoreChunk(data=bytes(view[off : off + STREAM_PIECE_BYTES]))
+
+
+def check_payloads(keys: Sequence[str], payloads: Sequence[Payload]) -> None:
+    """Keys and payloads must pair up one to one."""
+    if len(keys) != len(payloads):
+        raise errors.InvalidRequest(f"{len(keys)} keys but {len(payloads)} payloads")
+
+
+class LoadAssembler:
+    """Reassembles streamed LoadChunk messages into whole payloads (stops at the first gap)."""
+
+    def __init__(self, buffers: Sequence[memoryview] | None = None) -> None:
+        self._buffers = buffers
+        self.payloads: list[bytes] = []
+        self.count = 0
+        self._pieces: list[bytes] = []
+        self._index = -1
+        self._total = 0
+        self._filled = 0
+
+    def feed(self, chunk: pb.LoadChunk) -> None:
+        """Consume one streamed piece."""
+        if chunk.index != self._index:
+            self._finish()
+            if chunk.index != self.count:
+                raise errors.CacheCorrupt(
+                    f"load stream skipped to index {chunk.index}, expected {self.count}"
+                )
+            self._index, self._total, self._filled = chunk.index, chunk.total_length, 0
+            if self._buffers is not None:
+                if chunk.index >= len(self._buffers):
+                    raise errors.CacheCorrupt("server sent more payloads than requested")
+                if len(self._buffers[chunk.index]) < self._total:
+                    raise errors.InvalidRequest(
+                        f"buffer {chunk.index} holds {len(self._buffers[chunk.index])} bytes, "
+                        f"payload is {self._total}"
+                    )
+        if chunk.offset != self._filled or self._filled + len(chunk.data) > self._total:
+            raise errors.CacheCorrupt("load stream pieces out of order")
+        if self._buffers is not None:
+            self._buffers[self._index][self._filled : self._filled + len(chunk.data)] = chunk.data
+        else:
+            self._pieces.append(chunk.data)
+        self._filled += len(chunk.data)
+
+    def _finish(self) -> None:
+        if self._index < 0:
+            return
+        if self._filled != self._total:
+            raise errors.CacheCorrupt(f"payload {self._index} truncated: {self._filled}/{self._total}")
+        if self._buffers is None:
+            data = self._pieces[0] if len(self._pieces) == 1 else b"".join(self._pieces)
+            self.payloads.append(data)
+            self._pieces = []
+        self.count += 1
+        self._index = -1
+
+    def done(self) -> None:
+        """Call at the end of the stream."""
+        self._finish()
+
+
+# --- shared-memory arena file I/O -------------------------------------------------------------------
+
+
+def _slot_path(shm_dir: Path, name: str) -> Path:
+    # The server names files; still refuse anything that could escape the arena directory.
+    if not name or "/" in name or name in (".", "..") or "\0" in name:
+        raise errors.CacheCorrupt(f"server sent an invalid arena slot name {name!r:.80}")
+    return shm_dir / name
+
+
+def shm_read_all(shm_dir: Path, slots: Sequence[pb.ShmSlot]) -> list[bytes]:
+    """Read the named arena files; stops at the first one that vanished (evicted meanwhile)."""
+    out: list[bytes] = []
+    for slot in slots:
+        try:
+            fd = os.open(_slot_path(shm_dir, slot.name), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            break
+        try:
+            data = os.pread(fd, slot.length, 0)
+            if len(data) != slot.length:
+                # pread on tmpfs returns everything unless the file is shorter: not what we were told.
+                raise errors.CacheCorrupt(
+                    f"arena slot {slot.name} is {len(data)} bytes, expected {slot.length}"
+                )
+        finally:
+            os.close(fd)
+        out.append(data)
+    return out
+
+
+def shm_read_into(shm_dir: Path, slots: Sequence[pb.ShmSlot], buffers: Sequence[memoryview]) -> int:
+    """Copy named arena files into ``buffers`` (one kernel copy each); returns how many were loaded."""
+    done = 0
+    for slot, buf in zip(slots, buffers, strict=False):
+        if len(buf) < slot.length:
+            raise errors.InvalidRequest(f"buffer {done} holds {len(buf)} bytes, payload is {slot.length}")
+        try:
+            fd = os.open(_slot_path(shm_dir, slot.name), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            break
+        try:
+            got = 0
+            target = buf.cast("B") if buf.format != "B" else buf
+            while got < slot.length:
+                n = os.preadv(fd, [target[got : slot.length]], got)
+                if n <= 0:
+                    raise errors.CacheCorrupt(f"arena slot {slot.name} is shorter than {slot.length}")
+                got += n
+        finally:
+            os.close(fd)
+        done += 1
+    return done
+
+
+def shm_write(shm_dir: Path, slots: Sequence[pb.ShmSlot], payloads: Sequence[Payload]) -> None:
+    """Write each payload into its assigned staging file (skipping slots the server left empty)."""
+    for slot, payload in zip(slots, payloads, strict=True):
+        if not slot.name:
+            continue
+        view = memoryview(payload).cast("B")
+        fd = os.open(_slot_path(shm_dir, slot.name), os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            put = 0
+            while put < len(view):
+                put += os.pwritev(fd, [view[put:]], put)
+        finally:
+            os.close(fd)

@@ -1,0 +1,196 @@
+"""The blocking cache client."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from kvfabric.client import _common as c
+from kvfabric.client.errors import CacheTimeout, InvalidRequest
+from kvfabric.client.results import LookupResult, StoreResult
+from kvfabric.rpc.v1 import cache_pb2 as pb
+from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
+
+__all__ = ["CacheClient"]
+
+T = TypeVar("T")
+
+
+class CacheClient:
+    """A transport to one cache server: deadlines on every call, typed errors, no retries.
+
+    ``target`` is ``unix:///abs/path.sock`` (same node) or ``host:port`` (remote). With a Unix target and
+    ``shm_dir`` (the server's arena directory as mounted in this process), payloads move through shared
+    memory; otherwise they are streamed in gRPC messages. ``token`` is sent as a bearer token, ``tls_ca``
+    (a PEM file) turns on TLS for TCP targets. Thread-safe; reuse one client per process.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        shm_dir: str | os.PathLike[str] | None = None,
+        token: str | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self._target = c.parse_target(target)
+        self._shm_dir = Path(shm_dir) if shm_dir is not None and self._target.is_unix else None
+        self._md = c.metadata(token)
+        creds = c.credentials(tls_ca)
+        if creds is not None and not self._target.is_unix:
+            self._channel = grpc.secure_channel(self._target.address, creds, options=c.CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.insecure_channel(self._target.address, options=c.CHANNEL_OPTIONS)
+        # The generated stub is untyped; the request/response messages are typed by cache_pb2.pyi.
+        self._stub: Any = pb_grpc.CacheStub(self._channel)  # type: ignore[no-untyped-call]
+        self._health_check: Any = self._channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=_health_request,
+            response_deserializer=_health_status,
+        )
+
+    @property
+    def uses_shm(self) -> bool:
+        """True when bulk bytes go through the shared-memory arena."""
+        return self._shm_dir is not None
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except grpc.RpcError as exc:
+            raise c.map_rpc_error(exc) from exc
+
+    def lookup(self, namespace: str, keys: Sequence[str], *, timeout: float) -> LookupResult:
+        """How many leading ``keys`` are stored, and in which tier each one is."""
+        c.check_timeout(timeout)
+        c.check_ids(namespace, keys)
+        req = pb.LookupRequest(namespace=namespace, keys=keys)
+        return c.lookup_result(self._call(lambda: self._stub.Lookup(req, timeout=timeout, metadata=self._md)))
+
+    def load(self, namespace: str, keys: Sequence[str], *, timeout: float) -> list[bytes]:
+        """Payloads of the leading present keys (stops at the first miss)."""
+        c.check_timeout(timeout)
+        c.check_ids(namespace, keys)
+        req = pb.LoadRequest(namespace=namespace, keys=keys)
+        if self._shm_dir is not None:
+            shm_dir = self._shm_dir
+            resp = self._call(lambda: self._stub.ShmLoad(req, timeout=timeout, metadata=self._md))
+            return c.shm_read_all(shm_dir, resp.slots)
+        asm = c.LoadAssembler()
+        self._stream_load(req, timeout, asm)
+        return asm.payloads
+
+    def load_into(
+        self, namespace: str, keys: Sequence[str], buffers: Sequence[memoryview], *, timeout: float
+    ) -> int:
+        """Copy the leading present payloads into ``buffers``; returns how many were loaded."""
+        c.check_timeout(timeout)
+        c.check_ids(namespace, keys)
+        if len(buffers) < len(keys):
+            raise InvalidRequest(f"{len(keys)} keys but only {len(buffers)} buffers")
+        req = pb.LoadRequest(namespace=namespace, keys=keys)
+        if self._shm_dir is not None:
+            shm_dir = self._shm_dir
+            resp = self._call(lambda: self._stub.ShmLoad(req, timeout=timeout, metadata=self._md))
+            return c.shm_read_into(shm_dir, resp.slots, buffers)
+        asm = c.LoadAssembler(buffers)
+        self._stream_load(req, timeout, asm)
+        return asm.count
+
+    def _stream_load(self, req: pb.LoadRequest, timeout: float, asm: c.LoadAssembler) -> None:
+        def run() -> None:
+            for chunk in self._stub.Load(req, timeout=timeout, metadata=self._md):
+                asm.feed(chunk)
+            asm.done()
+
+        self._call(run)
+
+    def store(
+        self, namespace: str, keys: Sequence[str], payloads: Sequence[c.Payload], *, timeout: float
+    ) -> StoreResult:
+        """Store payloads; keys the server cannot take now are dropped (counted), never an error."""
+        c.check_timeout(timeout)
+        c.check_ids(namespace, keys)
+        c.check_payloads(keys, payloads)
+        if not keys:
+            return StoreResult(0, 0)
+        deadline = time.monotonic() + timeout
+        if self._shm_dir is not None:
+            shm_dir = self._shm_dir
+            begin = pb.ShmStoreBeginRequest(
+                namespace=namespace, keys=keys, lengths=[memoryview(p).nbytes for p in payloads]
+            )
+            resp = self._call(lambda: self._stub.ShmStoreBegin(begin, timeout=timeout, metadata=self._md))
+            try:
+                c.shm_write(shm_dir, resp.slots, payloads)
+            except BaseException:
+                commit = pb.ShmStoreCommitRequest(lease_id=resp.lease_id, abort=True)
+                # The lease expires on its own if this fails.
+                with contextlib.suppress(grpc.RpcError):
+                    self._stub.ShmStoreCommit(commit, timeout=1.0, metadata=self._md)
+                raise
+            commit = pb.ShmStoreCommitRequest(lease_id=resp.lease_id)
+            left = _remaining(deadline)
+            done = self._call(lambda: self._stub.ShmStoreCommit(commit, timeout=left, metadata=self._md))
+            return StoreResult(done.accepted, done.dropped)
+        chunks = c.store_chunks(namespace, keys, payloads)
+        done = self._call(lambda: self._stub.Store(chunks, timeout=timeout, metadata=self._md))
+        return StoreResult(done.accepted, done.dropped)
+
+    def delete(self, namespace: str, keys: Sequence[str], *, timeout: float) -> int:
+        """Delete keys from every tier; returns how many were stored."""
+        c.check_timeout(timeout)
+        c.check_ids(namespace, keys)
+        req = pb.DeleteRequest(namespace=namespace, keys=keys)
+        resp = self._call(lambda: self._stub.Delete(req, timeout=timeout, metadata=self._md))
+        return int(resp.deleted)
+
+    def stats(self, *, timeout: float) -> dict[str, Any]:
+        """Return the server's statistics (tiers' usage, counters) as a dict."""
+        c.check_timeout(timeout)
+        resp = self._call(lambda: self._stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=self._md))
+        out: dict[str, Any] = json.loads(resp.json)
+        return out
+
+    def health(self, *, timeout: float) -> bool:
+        """Return True when the server's gRPC health service says SERVING, False on any failure."""
+        c.check_timeout(timeout)
+        try:
+            return bool(self._health_check(b"", timeout=timeout, metadata=self._md))
+        except grpc.RpcError:
+            return False
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    def __enter__(self) -> CacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise CacheTimeout("deadline passed while writing to the shared-memory arena")
+    return left
+
+
+# The health service's messages are tiny; hand-rolled (de)serializers avoid importing grpc_health's
+# generated modules into every client process. HealthCheckRequest{service=""} encodes as b"".
+def _health_request(_: bytes) -> bytes:
+    return b""
+
+
+def _health_status(data: bytes) -> bool:
+    # HealthCheckResponse: field 1 (varint) status; SERVING == 1 -> b"\x08\x01".
+    return data == b"\x08\x01"

@@ -1,0 +1,1 @@
+"""Wire protocols of kvfabric (generated protobuf/gRPC code lives in versioned subpackages)."""

@@ -1,0 +1,1 @@
+"""The kvfabric operator: KVCachePool API, reconciler, status and the injection webhook."""

@@ -1,0 +1,1 @@
+"""Versioned KVCachePool API types (pydantic models; the CRD is generated from them)."""

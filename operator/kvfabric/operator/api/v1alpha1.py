@@ -1,0 +1,673 @@
+"""``kvfabric.io/v1alpha1`` ``KVCachePool``: the pydantic models that are the CRD's single source of truth.
+
+``python -m kvfabric.operator.crdgen`` turns these models into ``crds/kvfabric.io_kvcachepools.yaml``;
+a test regenerates the file in memory and fails when it drifts. Field descriptions become the CRD's
+documentation (``kubectl explain kvcachepool.spec``), defaults become schema defaults applied by the API
+server, and the ``x-kubernetes-validations`` (CEL) rules attached here are what rejects contradictory
+pools at admission with a message that names the field.
+
+Every string carries ``maxLength`` and every list ``maxItems``: without them the API server's CEL cost
+estimator assumes unbounded inputs and refuses the CRD.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Final
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP: Final = "kvfabric.io"
+VERSION: Final = "v1alpha1"
+KIND: Final = "KVCachePool"
+PLURAL: Final = "kvcachepools"
+SINGULAR: Final = "kvcachepool"
+SHORT_NAMES: Final = ("kvp",)
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+
+# The opt-in label consumer pods carry; its value is the pool's name.
+POOL_LABEL: Final = "kvfabric.io/pool"
+
+# A Kubernetes resource quantity ("64Gi", "500M", "1.5Ti"). Validated by pattern; parsed to bytes by
+# kvfabric.operator.quantity. Kept a string (not int-or-string) so CEL's quantity() can compare them.
+QUANTITY_PATTERN: Final = r"^([+]?[0-9.]+)([eE][-+]?[0-9]+|[numkMGTPE]i?|Ki)?$"
+
+
+def _cel(
+    rule: str, message: str, *, field_path: str | None = None, reason: str | None = None
+) -> dict[str, str]:
+    rule_dict = {"rule": rule, "message": message}
+    if field_path is not None:
+        rule_dict["fieldPath"] = field_path
+    if reason is not None:
+        rule_dict["reason"] = reason
+    return rule_dict
+
+
+def _validations(*rules: dict[str, str]) -> dict[str, Any]:
+    return {"x-kubernetes-validations": list(rules)}
+
+
+# Schema default of a nested object: the API server then applies each field's own default.
+_OBJECT_DEFAULT: Final[dict[str, Any]] = {"default": {}}
+
+Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=32)]
+
+
+class _Model(BaseModel):
+    """Base: camelCase on the wire, snake_case in Python, unknown fields rejected."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class PullPolicy(StrEnum):
+    """Image pull policy of the cache-server container."""
+
+    IF_NOT_PRESENT = "IfNotPresent"
+    ALWAYS = "Always"
+    NEVER = "Never"
+
+
+class ImageSpec(_Model):
+    """The cache-server image. The tag is required and must be pinned."""
+
+    repository: str = Field(
+        default="ghcr.io/kvfabric/kvfabric",
+        min_length=1,
+        max_length=255,
+        description="Image repository, without tag or digest.",
+    )
+    tag: str = Field(
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(@sha256:[a-f0-9]{64})?$",
+        description="Pinned image tag (optionally followed by @sha256:digest). 'latest' is rejected: a "
+        "floating tag makes rollouts unreproducible and hides which cache server runs where.",
+        json_schema_extra=_validations(
+            _cel(
+                "self != 'latest' && !self.startsWith('latest@')",
+                "spec.image.tag must be a pinned version, not 'latest'",
+            )
+        ),
+    )
+    pull_policy: PullPolicy = Field(default=PullPolicy.IF_NOT_PRESENT, description="Image pull policy.")
+
+
+class TolerationOperator(StrEnum):
+    """Toleration operator."""
+
+    EXISTS = "Exists"
+    EQUAL = "Equal"
+
+
+class TaintEffect(StrEnum):
+    """Taint effect a toleration matches."""
+
+    NO_SCHEDULE = "NoSchedule"
+    PREFER_NO_SCHEDULE = "PreferNoSchedule"
+    NO_EXECUTE = "NoExecute"
+
+
+class Toleration(_Model):
+    """A toleration, as in a pod spec (without tolerationSeconds)."""
+
+    key: str | None = Field(default=None, max_length=253, description="Taint key; empty matches all keys.")
+    operator: TolerationOperator = Field(default=TolerationOperator.EQUAL, description="Exists or Equal.")
+    value: str | None = Field(default=None, max_length=63, description="Taint value for operator Equal.")
+    effect: TaintEffect | None = Field(default=None, description="Taint effect; empty matches all effects.")
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            _cel(
+                "self.operator != 'Exists' || !has(self.value) || self.value == ''",
+                "spec.placement.tolerations: a toleration with operator Exists must not set a value",
+            )
+        )
+    )
+
+
+def _default_tolerations() -> list[Toleration]:
+    return [
+        Toleration(key="nvidia.com/gpu", operator=TolerationOperator.EXISTS, effect=TaintEffect.NO_SCHEDULE)
+    ]
+
+
+def _default_node_selector() -> dict[str, Any]:
+    return {"nvidia.com/gpu.present": "true"}
+
+
+class Placement(_Model):
+    """Which nodes run a cache server."""
+
+    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=_default_node_selector,
+        max_length=16,
+        description="Node labels a node must carry to run a cache server (default: GPU nodes).",
+        json_schema_extra={"maxProperties": 16, "default": dict(_default_node_selector())},
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=_default_tolerations,
+        max_length=16,
+        description="Tolerations of the cache-server pods (default: the nvidia.com/gpu taint).",
+        json_schema_extra={
+            "default": [
+                t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in _default_tolerations()
+            ]
+        },
+    )
+    opt_out_node_label: str = Field(
+        default="kvfabric.io/deploy",
+        min_length=1,
+        max_length=253,
+        pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+        description="Nodes labelled '<this key>=false' never run a cache server of this pool.",
+    )
+    priority_class_name: str | None = Field(
+        default=None, max_length=253, description="Priority class of the cache-server pods."
+    )
+
+
+class MemoryTier(_Model):
+    """The DRAM tier (and the shared-memory arena consumers map)."""
+
+    size: Quantity = Field(
+        description="DRAM capacity of each node's cache server, e.g. 64Gi.",
+        json_schema_extra=_validations(
+            _cel(
+                "isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))",
+                "spec.tiers.memory.size must be a positive quantity such as 64Gi",
+            )
+        ),
+    )
+
+
+class Watermarks(_Model):
+    """Eviction watermarks as fractions of capacity: evict from ``high`` down to ``low``."""
+
+    high: float = Field(default=0.9, ge=0.01, le=1.0, description="Start evicting above this fill ratio.")
+    low: float = Field(default=0.75, ge=0.01, le=1.0, description="Stop evicting below this fill ratio.")
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            _cel(
+                "self.low < self.high", "watermarks.low must be lower than watermarks.high", field_path=".low"
+            )
+        )
+    )
+
+
+_FORBIDDEN_HOST_PATHS: Final = (
+    "/proc",
+    "/sys",
+    "/dev",
+    "/etc",
+    "/boot",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/usr",
+    "/root",
+    "/var/lib/kubelet",
+    "/var/lib/containerd",
+    "/var/lib/docker",
+    "/var/run",
+    "/run",
+)
+_FORBIDDEN_LIST: Final = "[" + ", ".join(f"'{p}'" for p in _FORBIDDEN_HOST_PATHS) + "]"
+
+
+class HostPathSource(_Model):
+    """A directory on the node (e.g. a local NVMe mount)."""
+
+    path: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Absolute directory on the node. '/' and system or kubelet directories are rejected. "
+        "Immutable: moving it would orphan the cached blocks.",
+        json_schema_extra=_validations(
+            _cel("self.startsWith('/')", "spec.tiers.localDisk.hostPath.path must be an absolute path"),
+            _cel(
+                "!self.matches('^/+$')",
+                "spec.tiers.localDisk.hostPath.path must not be the root directory '/'",
+            ),
+            _cel(
+                "!self.contains('/../') && !self.endsWith('/..') && !self.contains('//')",
+                "spec.tiers.localDisk.hostPath.path must be a normalised path without '..' or '//'",
+            ),
+            _cel(
+                f"!{_FORBIDDEN_LIST}.exists(p, self == p || self.startsWith(p + '/'))",
+                "spec.tiers.localDisk.hostPath.path must not be a system or kubelet directory "
+                f"({', '.join(_FORBIDDEN_HOST_PATHS)})",
+            ),
+            _cel("self == oldSelf", "spec.tiers.localDisk.hostPath.path is immutable"),
+        ),
+    )
+
+
+class EmptyDirSource(_Model):
+    """A pod-lifetime scratch volume (data is lost when the cache-server pod is replaced)."""
+
+    size_limit: Quantity | None = Field(default=None, description="emptyDir sizeLimit.")
+
+
+class LocalDiskTier(_Model):
+    """The node-local disk tier: exactly one of ``hostPath`` or ``emptyDir``."""
+
+    host_path: HostPathSource | None = Field(default=None, description="Use a directory on the node.")
+    empty_dir: EmptyDirSource | None = Field(default=None, description="Use an emptyDir volume.")
+    capacity: Quantity = Field(description="Bytes the cache server may use on this disk, e.g. 1400Gi.")
+    watermarks: Watermarks = Field(
+        default_factory=Watermarks,
+        # A full default: the CEL rule on Watermarks is checked against the default itself.
+        json_schema_extra={"default": {"high": 0.9, "low": 0.75}},
+        description="Eviction watermarks.",
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            _cel(
+                "has(self.hostPath) != has(self.emptyDir)",
+                "spec.tiers.localDisk must set exactly one of hostPath or emptyDir",
+            ),
+            _cel(
+                "!has(self.emptyDir) || !has(self.emptyDir.sizeLimit) || "
+                "quantity(self.capacity).compareTo(quantity(self.emptyDir.sizeLimit)) <= 0",
+                "spec.tiers.localDisk.capacity must not exceed emptyDir.sizeLimit",
+                field_path=".capacity",
+            ),
+            _cel(
+                "has(self.hostPath) == has(oldSelf.hostPath)",
+                "spec.tiers.localDisk: the disk source (hostPath or emptyDir) is immutable",
+            ),
+        )
+    )
+
+
+class AccessMode(StrEnum):
+    """PVC access mode."""
+
+    READ_WRITE_MANY = "ReadWriteMany"
+    READ_WRITE_ONCE = "ReadWriteOnce"
+    READ_WRITE_ONCE_POD = "ReadWriteOncePod"
+    READ_ONLY_MANY = "ReadOnlyMany"
+
+
+class ClaimTemplate(_Model):
+    """A PersistentVolumeClaim the pool creates and owns (deleted with the pool)."""
+
+    storage_class_name: str | None = Field(
+        default=None,
+        max_length=253,
+        description="Storage class (default: the cluster default). Immutable.",
+        json_schema_extra=_validations(
+            _cel("self == oldSelf", "spec.tiers.shared.claimTemplate.storageClassName is immutable")
+        ),
+    )
+    size: Quantity = Field(description="Requested size of the claim.")
+    access_modes: list[AccessMode] = Field(
+        default_factory=lambda: [AccessMode.READ_WRITE_MANY],
+        json_schema_extra={"default": [AccessMode.READ_WRITE_MANY.value]},
+        min_length=1,
+        max_length=4,
+        description="Access modes; every node mounts the claim, so ReadWriteMany is the default.",
+    )
+
+
+class SharedTier(_Model):
+    """A volume every node mounts, so a chunk stored on one node is a hit on another."""
+
+    existing_claim: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="Name of an existing PVC in the pool's namespace. Immutable.",
+        json_schema_extra=_validations(
+            _cel("self == oldSelf", "spec.tiers.shared.existingClaim is immutable")
+        ),
+    )
+    claim_template: ClaimTemplate | None = Field(default=None, description="A PVC the pool creates and owns.")
+    capacity: Quantity = Field(description="Bytes the pool may use on the shared volume.")
+    watermarks: Watermarks = Field(
+        default_factory=Watermarks,
+        # A full default: the CEL rule on Watermarks is checked against the default itself.
+        json_schema_extra={"default": {"high": 0.9, "low": 0.75}},
+        description="Eviction watermarks.",
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            _cel(
+                "has(self.existingClaim) != has(self.claimTemplate)",
+                "spec.tiers.shared must set exactly one of existingClaim or claimTemplate",
+            ),
+            _cel(
+                "has(self.existingClaim) == has(oldSelf.existingClaim)",
+                "spec.tiers.shared: the volume source (existingClaim or claimTemplate) is immutable",
+            ),
+            _cel(
+                "!has(self.claimTemplate) || "
+                "quantity(self.capacity).compareTo(quantity(self.claimTemplate.size)) <= 0",
+                "spec.tiers.shared.capacity must not exceed claimTemplate.size",
+                field_path=".capacity",
+            ),
+        )
+    )
+
+
+class Tiers(_Model):
+    """The storage tiers of each cache server."""
+
+    memory: MemoryTier = Field(description="Host DRAM tier; required.")
+    local_disk: LocalDiskTier | None = Field(default=None, description="Optional node-local disk tier.")
+    shared: SharedTier | None = Field(default=None, description="Optional shared (RWX) tier.")
+
+
+class SelectorOperator(StrEnum):
+    """Label-selector requirement operator."""
+
+    IN = "In"
+    NOT_IN = "NotIn"
+    EXISTS = "Exists"
+    DOES_NOT_EXIST = "DoesNotExist"
+
+
+class SelectorRequirement(_Model):
+    """One label-selector requirement."""
+
+    key: str = Field(min_length=1, max_length=317, description="Label key.")
+    operator: SelectorOperator = Field(description="In, NotIn, Exists or DoesNotExist.")
+    values: list[Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=list, max_length=64, description="Values for In/NotIn."
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            _cel(
+                "(self.operator in ['In', 'NotIn']) == (has(self.values) && size(self.values) > 0)",
+                "selector matchExpressions: In/NotIn need values, Exists/DoesNotExist must not have values",
+            )
+        )
+    )
+
+
+class LabelSelector(_Model):
+    """A Kubernetes label selector."""
+
+    match_labels: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict,
+        description="Labels that must match exactly.",
+        json_schema_extra={"maxProperties": 32},
+    )
+    match_expressions: list[SelectorRequirement] = Field(
+        default_factory=list, max_length=16, description="Set-based requirements."
+    )
+
+
+class FailurePolicy(StrEnum):
+    """What the API server does when the injection webhook is unreachable."""
+
+    IGNORE = "Ignore"
+    FAIL = "Fail"
+
+
+class Deadlines(_Model):
+    """Per-operation deadlines the connector enforces before falling back to recompute."""
+
+    lookup_ms: int | None = Field(default=None, ge=1, le=60000, description="Lookup deadline (ms).")
+    load_ms: int | None = Field(default=None, ge=1, le=600000, description="Load deadline (ms).")
+    store_ms: int | None = Field(default=None, ge=1, le=600000, description="Store deadline (ms).")
+
+
+class Consumers(_Model):
+    """Which pods get the connector injected, and how."""
+
+    pod_selector: LabelSelector | None = Field(
+        default=None,
+        description="Extra labels an opted-in pod must match (the opt-in label kvfabric.io/pool is always "
+        "required).",
+    )
+    namespace_selector: LabelSelector | None = Field(
+        default=None,
+        description="Namespaces whose pods may use this pool (default: only the pool's namespace). A pod "
+        "in another namespace names the pool with the annotation kvfabric.io/pool-namespace.",
+    )
+    failure_policy: FailurePolicy = Field(
+        default=FailurePolicy.IGNORE,
+        description="Documented intent for the webhook configuration; the shipped webhook fails open "
+        "(Ignore) so a down operator never blocks inference pods.",
+    )
+    tenant: str | None = Field(
+        default=None,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="Tenant salt injected as KVFABRIC_TENANT (separates key spaces).",
+    )
+    deadlines: Deadlines | None = Field(default=None, description="Connector deadlines.")
+
+
+IntOrPercent = Annotated[
+    int | str,
+    Field(
+        json_schema_extra={
+            "x-kubernetes-int-or-string": True,
+            "x-kubernetes-validations": [
+                _cel(
+                    "type(self) == int ? self >= 1 : string(self).matches('^[1-9][0-9]?%$|^100%$')",
+                    "spec.updateStrategy.maxUnavailable must be a positive integer or a percentage "
+                    "between 1% and 100%",
+                )
+            ],
+        }
+    ),
+]
+
+
+class UpdateStrategy(_Model):
+    """How a configuration change rolls across nodes."""
+
+    max_unavailable: IntOrPercent = Field(
+        default=1, description="Cache servers that may be down at once during a rollout (int or 'N%')."
+    )
+
+
+class Resources(_Model):
+    """Container resources; by default derived from the memory tier (requests = size + 1Gi)."""
+
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict, description="Resource requests.", json_schema_extra={"maxProperties": 16}
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict, description="Resource limits.", json_schema_extra={"maxProperties": 16}
+    )
+
+
+class Metrics(_Model):
+    """Prometheus metrics of the cache servers."""
+
+    enabled: bool = Field(default=True, description="Expose the metrics Service.")
+    port: int = Field(default=9090, ge=1024, le=65535, description="Metrics/health port of the cache server.")
+
+
+class Server(_Model):
+    """Cache-server process settings."""
+
+    port: int = Field(default=7070, ge=1024, le=65535, description="TCP port for peers and tools.")
+    log_level: str = Field(
+        default="info",
+        pattern=r"^(debug|info|warning|error)$",
+        max_length=16,
+        description="Log level of the cache server.",
+    )
+
+
+class KVCachePoolSpec(_Model):
+    """Desired state of a pool of per-node KV-cache servers."""
+
+    image: ImageSpec = Field(description="Cache-server image (pinned tag).")
+    placement: Placement = Field(
+        default_factory=Placement, json_schema_extra=_OBJECT_DEFAULT, description="Node placement."
+    )
+    tiers: Tiers = Field(description="Storage tiers.")
+    ttl_seconds: int = Field(
+        default=86400, ge=60, le=31536000, description="Time-to-live of a stored chunk, in seconds."
+    )
+    chunk_tokens: int = Field(
+        default=256,
+        ge=16,
+        le=8192,
+        description="Tokens per cached chunk (a multiple of 16, the engine block size). Immutable: it "
+        "defines the key space.",
+        json_schema_extra=_validations(
+            _cel("self % 16 == 0", "spec.chunkTokens must be a multiple of 16"),
+            _cel("self == oldSelf", "spec.chunkTokens is immutable (it defines the key space)"),
+        ),
+    )
+    consumers: Consumers = Field(
+        default_factory=Consumers,
+        json_schema_extra=_OBJECT_DEFAULT,
+        description="Injection into consumer pods.",
+    )
+    update_strategy: UpdateStrategy = Field(
+        default_factory=UpdateStrategy, json_schema_extra=_OBJECT_DEFAULT, description="Rollout strategy."
+    )
+    resources: Resources | None = Field(default=None, description="Container resources.")
+    metrics: Metrics = Field(
+        default_factory=Metrics, json_schema_extra=_OBJECT_DEFAULT, description="Metrics endpoint."
+    )
+    server: Server = Field(
+        default_factory=Server,
+        json_schema_extra=_OBJECT_DEFAULT,
+        description="Cache-server process settings.",
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            _cel(
+                "!has(self.resources) || !has(self.resources.limits) "
+                "|| !('memory' in self.resources.limits) "
+                "|| quantity(self.resources.limits['memory'])"
+                ".compareTo(quantity(self.tiers.memory.size)) >= 0",
+                "spec.resources.limits.memory must be at least spec.tiers.memory.size",
+                field_path=".resources.limits",
+            ),
+        )
+    )
+
+
+class ConditionStatus(StrEnum):
+    """Condition status."""
+
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(_Model):
+    """A status condition (metav1.Condition shape)."""
+
+    type: str = Field(max_length=64, description="Ready, Progressing, Degraded, ConfigValid, ...")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(max_length=128, description="CamelCase reason.")
+    message: str = Field(default="", max_length=4096, description="Human-readable detail.")
+    observed_generation: int = Field(default=0, description="Pool generation this condition describes.")
+    last_transition_time: str | None = Field(
+        default=None,
+        description="When status last changed (RFC 3339).",
+        json_schema_extra={"format": "date-time"},
+    )
+
+
+class NodeCounts(_Model):
+    """Cache-server counts over the selected nodes."""
+
+    desired: int = Field(default=0, description="Nodes that should run a cache server.")
+    ready: int = Field(default=0, description="Nodes whose cache server is ready (any revision).")
+    updated: int = Field(default=0, description="Nodes running the current revision.")
+    available: int = Field(default=0, description="Nodes whose current-revision server is available.")
+
+
+class Connection(_Model):
+    """What consumers use to reach the pool (also injected into their pods)."""
+
+    socket: str = Field(default="", description="Node-local Unix socket path.")
+    shm_dir: str = Field(default="", description="Node-local shared-memory directory.")
+    host_dir: str = Field(default="", description="hostPath directory holding the socket and shm dir.")
+    remote: str = Field(default="", description="host:port of the node-local Service.")
+    service: str = Field(default="", description="Node-local Service name.")
+    metrics_service: str = Field(default="", description="Metrics Service name.")
+    config_map: str = Field(default="", description="ConfigMap with the server configuration.")
+    config_hash: str = Field(default="", description="Hash of the server configuration.")
+    chunk_tokens: int = Field(default=0, description="Tokens per chunk.")
+
+
+class ConsumerCounts(_Model):
+    """Pods that opted in to this pool."""
+
+    matched: int = Field(default=0, description="Pods labelled kvfabric.io/pool=<this pool>.")
+    injected: int = Field(default=0, description="Pods injected with the current config hash.")
+    stale: int = Field(default=0, description="Pods injected with an older config hash.")
+    skipped: int = Field(default=0, description="Pods the webhook skipped (see their annotation).")
+
+
+class KVCachePoolStatus(_Model):
+    """Observed state; written only by the operator."""
+
+    observed_generation: int = Field(default=0, description="Generation last reconciled.")
+    revision: str = Field(default="", description="Hash of the current server configuration.")
+    node_summary: str = Field(default="", description="'ready/desired' for printing.")
+    nodes: NodeCounts = Field(default_factory=NodeCounts, description="Node counts.")
+    connection: Connection = Field(default_factory=Connection, description="Connection details.")
+    consumers: ConsumerCounts = Field(default_factory=ConsumerCounts, description="Consumer counts.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Ready, Progressing, Degraded, ConfigValid, StorageReady, InjectionReady.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+
+class KVCachePool(_Model):
+    """A pool of per-node KV-cache servers and the consumers that use it."""
+
+    api_version: str = Field(default=API_VERSION, description="kvfabric.io/v1alpha1")
+    kind: str = Field(default=KIND, description="KVCachePool")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Standard object metadata.")
+    spec: KVCachePoolSpec = Field(description="Desired state.")
+    status: KVCachePoolStatus | None = Field(default=None, description="Observed state.")
+
+    model_config = ConfigDict(extra="ignore")
+
+    @property
+    def name(self) -> str:
+        """The pool's name."""
+        return str(self.metadata.get("name", ""))
+
+    @property
+    def namespace(self) -> str:
+        """The pool's namespace."""
+        return str(self.metadata.get("namespace", ""))
+
+
+# Rules on the object root: child objects are named after the pool, so its name must be a DNS-1035
+# label short enough for "<name>-metrics" and the DaemonSet's pod names.
+ROOT_VALIDATIONS: Final = [
+    _cel(
+        "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$') && self.metadata.name.size() <= 40",
+        "metadata.name must be a DNS-1035 label of at most 40 characters (it names Services)",
+    ),
+]
+
+PRINTER_COLUMNS: Final = [
+    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {
+        "name": "Reason",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+        "priority": 1,
+    },
+    {"name": "Nodes", "type": "string", "jsonPath": ".status.nodeSummary", "description": "ready/desired"},
+    {"name": "Consumers", "type": "integer", "jsonPath": ".status.consumers.injected"},
+    {"name": "Revision", "type": "string", "jsonPath": ".status.revision", "priority": 1},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]

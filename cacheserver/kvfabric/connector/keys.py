@@ -1,0 +1,149 @@
+"""Chunking of token ids, chained chunk keys and the compatibility namespace (DESIGN.md section 3).
+
+Everything here is a pure function of its arguments. Keys must be identical in every process and on
+every host, so nothing depends on Python's ``hash()``, on ``PYTHONHASHSEED``, on dict order or on the
+platform's byte order: token ids are encoded as fixed-width little-endian integers and the
+namespace is hashed from a canonical JSON document with sorted keys.
+
+- ``key_{-1} = H(namespace)``
+- ``key_i = H(key_{i-1} || token_ids_i)`` where ``token_ids_i`` is the i-th whole chunk.
+
+``H`` is SHA-256 (32 bytes, lower-case hex on the wire and on disk).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+# Format version of the key derivation itself. Bumping it changes every namespace, which is the
+# safe way to retire chunks written by an incompatible connector.
+KEY_SCHEME_VERSION = 1
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# Token ids are encoded as unsigned 32-bit little-endian integers: every tokenizer in use has far
+# fewer than 2**32 entries, and a fixed width makes the byte string unambiguous.
+_TOKEN_MAX = 2**32 - 1
+
+
+def is_hex64(value: str) -> bool:
+    """Return whether ``value`` is a 64-character lower-case hex string (a key or a namespace)."""
+    return _HEX64.fullmatch(value) is not None
+
+
+@dataclass(frozen=True)
+class NamespaceSpec:
+    """Everything that changes the bytes of a KV chunk. Two engines share chunks iff these are equal.
+
+    The fields are hashed in canonical form by :meth:`digest`; adding a field changes every digest,
+    which is intended (old chunks simply become misses).
+    """
+
+    model_id: str
+    """Model name or path as the engine loaded it, e.g. ``meta-llama/Llama-3.1-8B``."""
+    model_revision: str
+    """Model revision (commit hash or tag); weights with another revision produce other KV."""
+    kv_dtype: str
+    """Dtype or quantization of the KV cache, e.g. ``bfloat16``, ``float32``, ``fp8_e4m3``."""
+    num_layers: int
+    """Number of attention layers whose KV is in a chunk payload."""
+    num_kv_heads: int
+    """KV heads held by this rank."""
+    head_dim: int
+    """Size of one head (K and V each)."""
+    block_size: int
+    """Tokens per KV-cache block of the engine (a chunk is a whole number of blocks)."""
+    chunk_tokens: int
+    """Tokens per chunk."""
+    layout: str = "kvfabric.chunk.v1/LBHNC"
+    """Byte layout of the chunk payload (see ``kvfabric.connector.layout``)."""
+    tp_size: int = 1
+    """Tensor-parallel size; each rank stores its own slice until a rank-independent layout exists."""
+    tp_rank: int = 0
+    """Tensor-parallel rank of this worker."""
+    lora: str = ""
+    """LoRA adapter name and revision, empty for none."""
+    tenant: str = ""
+    """Tenant: chunks of different tenants never mix, even for identical prompts."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens <= 0 or self.block_size <= 0 or self.chunk_tokens % self.block_size:
+            raise ValueError(
+                f"chunk_tokens ({self.chunk_tokens}) must be a positive multiple of block_size "
+                f"({self.block_size})"
+            )
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+
+    def canonical(self) -> bytes:
+        """Return the canonical byte encoding that :meth:`digest` hashes."""
+        doc = {"scheme": KEY_SCHEME_VERSION, **asdict(self)}
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+    def digest(self) -> str:
+        """Return the namespace: SHA-256 of :meth:`canonical`, 64 lower-case hex characters."""
+        return hashlib.sha256(self.canonical()).hexdigest()
+
+
+def encode_tokens(token_ids: Sequence[int]) -> bytes:
+    """Encode token ids as fixed-width unsigned 32-bit little-endian integers.
+
+    Raises ``ValueError`` for ids outside ``[0, 2**32)``, which no tokenizer produces: failing loudly
+    is better than silently aliasing two prompts.
+    """
+    try:
+        return struct.pack(f"<{len(token_ids)}I", *token_ids)
+    except struct.error as exc:
+        bad = next((t for t in token_ids if not 0 <= t <= _TOKEN_MAX), None)
+        raise ValueError(f"token id {bad!r} cannot be encoded as uint32") from exc
+
+
+def num_whole_chunks(num_tokens: int, chunk_tokens: int) -> int:
+    """Return how many whole chunks ``num_tokens`` tokens contain (stores cache only whole chunks)."""
+    if chunk_tokens <= 0:
+        raise ValueError("chunk_tokens must be positive")
+    return max(num_tokens, 0) // chunk_tokens
+
+
+def num_loadable_chunks(num_prompt_tokens: int, chunk_tokens: int) -> int:
+    """Return how many leading chunks of a prompt may be *loaded*.
+
+    At least one prompt token is always recomputed, because the engine needs a forward pass over
+    it to produce the first output's logits; so a prompt of exactly ``k * chunk_tokens`` tokens can
+    load at most ``k - 1`` chunks.
+    """
+    return num_whole_chunks(num_prompt_tokens - 1, chunk_tokens)
+
+
+def chunk_token_ids(token_ids: Sequence[int], chunk_tokens: int) -> list[Sequence[int]]:
+    """Split ``token_ids`` into whole chunks of ``chunk_tokens``; a partial tail is dropped."""
+    n = num_whole_chunks(len(token_ids), chunk_tokens)
+    return [token_ids[i * chunk_tokens : (i + 1) * chunk_tokens] for i in range(n)]
+
+
+def chunk_keys(
+    namespace: str, token_ids: Sequence[int], chunk_tokens: int, *, max_chunks: int | None = None
+) -> list[str]:
+    """Return the chained keys of the whole chunks of ``token_ids`` under ``namespace``.
+
+    Key ``i`` commits to the namespace and to every token of chunks ``0..i``, so equal keys mean
+    equal prefixes (up to SHA-256 collisions) and a lookup of the leading keys finds the longest
+    stored prefix. ``max_chunks`` stops early (no need to hash chunks that could never be used).
+    """
+    if not is_hex64(namespace):
+        raise ValueError("namespace must be 64 lower-case hex characters")
+    n = num_whole_chunks(len(token_ids), chunk_tokens)
+    if max_chunks is not None:
+        n = min(n, max(max_chunks, 0))
+    prev = hashlib.sha256(bytes.fromhex(namespace)).digest()
+    keys: list[str] = []
+    for i in range(n):
+        h = hashlib.sha256(prev)
+        h.update(encode_tokens(token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]))
+        prev = h.digest()
+        keys.append(prev.hex())
+    return keys

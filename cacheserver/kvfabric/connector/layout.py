@@ -1,0 +1,200 @@
+"""Chunk payloads: the byte format of one chunk, and gather/scatter against a paged KV cache.
+
+A chunk payload is a fixed 128-byte header followed by the body. The body holds, for every layer in
+registration order, the chunk's blocks of that layer's KV tensor exactly as the engine stores them
+(vLLM 0.33 logical layout ``[blocks, kv_heads, block_size, head_k + head_v]``), i.e. a contiguous
+``[layers, blocks, kv_heads, block_size, head_k + head_v]`` array. The cache server treats it as
+opaque bytes; the header exists so that the connector can check, end to end, that a payload is the
+chunk it asked for (namespace and key), of the expected shape, and intact (xxh3-64 of the body)
+before a single byte of it reaches the KV cache.
+
+The gather/scatter helpers index the block dimension of each layer tensor, so they work for any
+stride permutation of that logical view (vLLM's LBHNC, LBNHC, ... physical orders) and for the
+legacy FlashAttention shape ``[2, blocks, block_size, kv_heads, head]`` (block dimension 1).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+MAGIC = b"KVFC"
+FORMAT_VERSION = 1
+HEADER_SIZE = 128
+# magic, version, flags, namespace, key, num_tokens, num_layers, body_len, xxh3-64(body)
+_HEADER = struct.Struct("<4sHH32s32sIIQQ")
+
+
+class PayloadError(ValueError):
+    """A payload failed verification; ``reason`` is ``corrupt`` or ``namespace-mismatch``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def block_dim_of(tensor: torch.Tensor) -> int:
+    """Return the block dimension of a per-layer KV tensor (0 for vLLM >= 0.33, 1 for legacy FA)."""
+    if tensor.dim() == 5 and tensor.shape[0] == 2:
+        return 1
+    return 0
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """Shape facts about one registered layer tensor."""
+
+    name: str
+    block_dim: int
+    block_shape: tuple[int, ...]
+    """Shape of ``tensor.select(block_dim, i)`` (one block)."""
+    dtype: torch.dtype
+
+    @property
+    def block_numel(self) -> int:
+        """Elements of one block of this layer."""
+        n = 1
+        for s in self.block_shape:
+            n *= s
+        return n
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of this layer."""
+        return self.block_numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ChunkGeometry:
+    """Byte geometry of a chunk payload for a set of registered layers."""
+
+    layers: tuple[LayerGeometry, ...]
+    blocks_per_chunk: int
+    block_size: int
+
+    @classmethod
+    def from_kv_caches(
+        cls, kv_caches: dict[str, torch.Tensor], *, block_size: int, chunk_tokens: int
+    ) -> ChunkGeometry:
+        """Describe the payload for ``kv_caches`` (layer name -> tensor, in forward order)."""
+        if chunk_tokens % block_size:
+            raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of block_size {block_size}")
+        layers = []
+        for name, t in kv_caches.items():
+            bd = block_dim_of(t)
+            shape = list(t.shape)
+            del shape[bd]
+            layers.append(LayerGeometry(name, bd, tuple(shape), t.dtype))
+        return cls(tuple(layers), chunk_tokens // block_size, block_size)
+
+    @property
+    def layer_bytes(self) -> list[int]:
+        """Bytes of one chunk of each layer."""
+        return [g.block_bytes * self.blocks_per_chunk for g in self.layers]
+
+    @property
+    def body_bytes(self) -> int:
+        """Bytes of a chunk's body (all layers)."""
+        return sum(self.layer_bytes)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of a whole payload (header + body)."""
+        return HEADER_SIZE + self.body_bytes
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per chunk."""
+        return self.blocks_per_chunk * self.block_size
+
+    def layer_view(self, payload: bytearray | memoryview, layer: int, first_block: int = 0) -> torch.Tensor:
+        """Return a tensor view of ``layer``'s blocks ``first_block..`` inside ``payload``'s body.
+
+        The view has shape ``[blocks, *block_shape]`` and shares memory with ``payload``.
+        """
+        g = self.layers[layer]
+        offset = HEADER_SIZE + sum(self.layer_bytes[:layer]) + first_block * g.block_bytes
+        count = (self.blocks_per_chunk - first_block) * g.block_numel
+        flat = torch.frombuffer(payload, dtype=g.dtype, count=count, offset=offset)
+        return flat.view(self.blocks_per_chunk - first_block, *g.block_shape)
+
+    def new_payload(self) -> bytearray:
+        """Allocate a zeroed payload buffer."""
+        return bytearray(self.payload_bytes)
+
+
+def _index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
+
+
+def gather_layer(
+    geometry: ChunkGeometry, layer: int, kv_layer: torch.Tensor, block_ids: Sequence[int], payload: bytearray
+) -> None:
+    """Copy ``block_ids`` (one whole chunk) of ``kv_layer`` into ``payload``'s slot for ``layer``."""
+    g = geometry.layers[layer]
+    if len(block_ids) != geometry.blocks_per_chunk:
+        raise ValueError(f"a chunk has {geometry.blocks_per_chunk} blocks, got {len(block_ids)}")
+    dst = geometry.layer_view(payload, layer)
+    src = kv_layer.index_select(g.block_dim, _index(block_ids, kv_layer.device))
+    if g.block_dim != 0:
+        src = src.movedim(g.block_dim, 0)
+    dst.copy_(src)
+
+
+def scatter_layer(
+    geometry: ChunkGeometry,
+    layer: int,
+    payload: bytearray | memoryview,
+    kv_layer: torch.Tensor,
+    block_ids: Sequence[int],
+    *,
+    first_block: int = 0,
+) -> None:
+    """Copy blocks ``first_block..`` of ``layer`` from ``payload`` into ``block_ids`` of ``kv_layer``."""
+    g = geometry.layers[layer]
+    if len(block_ids) != geometry.blocks_per_chunk - first_block:
+        raise ValueError("block_ids do not match the chunk's remaining blocks")
+    src = geometry.layer_view(payload, layer, first_block).to(kv_layer.device, non_blocking=True)
+    kv_layer.index_copy_(g.block_dim, _index(block_ids, kv_layer.device), src.movedim(0, g.block_dim))
+
+
+def seal(payload: bytearray, *, namespace: str, key: str, num_tokens: int, num_layers: int) -> None:
+    """Write the header of ``payload`` (whose body is already filled)."""
+    body = memoryview(payload)[HEADER_SIZE:]
+    header = _HEADER.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        0,
+        bytes.fromhex(namespace),
+        bytes.fromhex(key),
+        num_tokens,
+        num_layers,
+        len(body),
+        xxhash.xxh3_64_intdigest(body),
+    )
+    payload[: len(header)] = header
+    payload[len(header) : HEADER_SIZE] = bytes(HEADER_SIZE - len(header))
+
+
+def verify(
+    payload: bytearray | memoryview, *, namespace: str, key: str, num_tokens: int, num_layers: int
+) -> None:
+    """Raise :class:`PayloadError` unless ``payload`` is the intact chunk ``key`` of ``namespace``."""
+    view = memoryview(payload)
+    if len(view) < HEADER_SIZE:
+        raise PayloadError("corrupt", "payload shorter than its header")
+    magic, version, _flags, ns, k, tokens, layers, body_len, checksum = _HEADER.unpack_from(view)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise PayloadError("corrupt", "bad magic or format version")
+    if ns != bytes.fromhex(namespace):
+        raise PayloadError("namespace-mismatch", "payload belongs to another namespace")
+    if k != bytes.fromhex(key):
+        raise PayloadError("corrupt", "payload belongs to another key")
+    if tokens != num_tokens or layers != num_layers or body_len != len(view) - HEADER_SIZE:
+        raise PayloadError("corrupt", "payload shape does not match this engine")
+    if xxhash.xxh3_64_intdigest(view[HEADER_SIZE:]) != checksum:
+        raise PayloadError("corrupt", "payload checksum mismatch")

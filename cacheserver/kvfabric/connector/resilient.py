@@ -1,0 +1,360 @@
+"""Resilience on top of the transport client: deadlines, bounded retries, a circuit breaker, counters.
+
+The connector must never make a request slower than recomputing it would have been, and never fail
+it. So every call here:
+
+- has a deadline that is enforced *by the caller's wait*, not only by the transport: the transport
+  call runs on a small thread pool and the caller stops waiting when the deadline passes, even if
+  the server is frozen (SIGSTOP) and the transport misbehaves. Loads write into staging buffers that
+  the caller owns and abandons on timeout, so a late reply can never touch the KV cache;
+- never raises: failures become an outcome with a reason (``not-found``, ``timeout``,
+  ``unavailable``, ``corrupt``, ``namespace-mismatch``), counted in :class:`Counters`;
+- goes through a per-endpoint circuit breaker, so a dead server costs a few deadlines and then
+  nothing (fail fast) until a probe succeeds;
+- tries the node-local endpoint (Unix socket + shared memory) first and the remote one (TCP) next.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import enum
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from kvfabric.client.errors import (
+    CacheCorrupt,
+    CacheError,
+    CacheTimeout,
+    CacheUnavailable,
+    NotFound,
+)
+from kvfabric.client.results import LookupResult, StoreResult
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Reason(enum.StrEnum):
+    """Why a chunk was not served from the cache (or a store did not land)."""
+
+    NOT_FOUND = "not-found"
+    TIMEOUT = "timeout"
+    UNAVAILABLE = "unavailable"
+    CORRUPT = "corrupt"
+    NAMESPACE_MISMATCH = "namespace-mismatch"
+
+
+class Transport(Protocol):
+    """The subset of ``kvfabric.client.CacheClient`` the connector uses."""
+
+    def lookup(self, namespace: str, keys: Sequence[str], *, timeout: float) -> LookupResult:
+        """Return how many leading keys are stored and their tiers."""
+        ...
+
+    def load_into(
+        self, namespace: str, keys: Sequence[str], buffers: Sequence[memoryview], *, timeout: float
+    ) -> int:
+        """Copy leading payloads into ``buffers``; return how many."""
+        ...
+
+    def store(
+        self,
+        namespace: str,
+        keys: Sequence[str],
+        payloads: Sequence[bytes | bytearray | memoryview],
+        *,
+        timeout: float,
+    ) -> StoreResult:
+        """Store payloads under keys."""
+        ...
+
+    def close(self) -> None:
+        """Release the connection."""
+        ...
+
+
+class Counters:
+    """Thread-safe counters of cache outcomes, by reason. ``snapshot()`` returns plain dicts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._c: Counter[str] = Counter()
+
+    def add(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``name``."""
+        with self._lock:
+            self._c[name] += n
+
+    def miss(self, reason: Reason, chunks: int = 1) -> None:
+        """Count a lookup that found nothing usable (per request) for ``reason``."""
+        self.add(f"miss.{reason.value}")
+        self.add(f"miss_chunks.{reason.value}", chunks)
+
+    def fallback(self, reason: Reason, chunks: int = 1) -> None:
+        """Count a hit that could not be loaded and was recomputed, for ``reason``."""
+        self.add(f"fallback.{reason.value}")
+        self.add(f"fallback_chunks.{reason.value}", chunks)
+
+    def get(self, name: str) -> int:
+        """Return counter ``name`` (0 if never incremented)."""
+        with self._lock:
+            return self._c[name]
+
+    def snapshot(self) -> dict[str, int]:
+        """Return a copy of every counter."""
+        with self._lock:
+            return dict(self._c)
+
+
+class CircuitBreaker:
+    """Consecutive-failure breaker: closed -> open (fail fast) -> half-open (one probe) -> closed.
+
+    Only timeouts and unavailability count as failures: a miss or a corrupt block says the server is
+    alive and answering.
+    """
+
+    def __init__(self, failures: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._threshold = failures
+        self._cooldown = cooldown_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._open_until: float | None = None
+        self._probing = False
+
+    @property
+    def state(self) -> str:
+        """``closed``, ``open`` or ``half-open``."""
+        with self._lock:
+            if self._open_until is None:
+                return "closed"
+            return "open" if self._clock() < self._open_until else "half-open"
+
+    def allow(self) -> bool:
+        """Return whether a call may go through now (at most one probe while half-open)."""
+        with self._lock:
+            if self._open_until is None:
+                return True
+            if self._clock() < self._open_until or self._probing:
+                return False
+            self._probing = True
+            return True
+
+    def success(self) -> None:
+        """Record a call that reached a live server."""
+        with self._lock:
+            self._failures = 0
+            self._open_until = None
+            self._probing = False
+
+    def failure(self) -> None:
+        """Record a timeout or an unreachable server."""
+        with self._lock:
+            self._failures += 1
+            self._probing = False
+            if self._failures >= self._threshold:
+                self._open_until = self._clock() + self._cooldown
+
+
+@dataclass
+class Endpoint:
+    """One cache server reachable through one transport, with its own breaker."""
+
+    name: str
+    factory: Callable[[], Transport]
+    breaker: CircuitBreaker
+    _client: Transport | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def client(self) -> Transport:
+        """Return the transport, connecting on first use (a server may start after the engine)."""
+        with self._lock:
+            if self._client is None:
+                self._client = self.factory()
+            return self._client
+
+    def close(self) -> None:
+        """Close the transport if it was opened."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a broken connection must not fail shutdown
+                log.debug("closing %s failed", self.name, exc_info=True)
+
+
+@dataclass(frozen=True)
+class LookupOutcome:
+    """Result of a resilient lookup: ``matched`` leading keys, or 0 with a ``reason``."""
+
+    matched: int
+    tiers: list[str]
+    reason: Reason | None = None
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    """Result of a resilient load: ``count`` leading buffers filled; ``reason`` if fewer than asked."""
+
+    count: int
+    reason: Reason | None = None
+
+
+def _classify(exc: BaseException) -> Reason:
+    if isinstance(exc, CacheTimeout | cf.TimeoutError | TimeoutError):
+        return Reason.TIMEOUT
+    if isinstance(exc, CacheCorrupt):
+        return Reason.CORRUPT
+    if isinstance(exc, NotFound):
+        return Reason.NOT_FOUND
+    # CacheUnavailable, permission/invalid-request (misconfiguration), connection errors, bugs:
+    # all mean "this server cannot help now".
+    return Reason.UNAVAILABLE
+
+
+def _invoke(op: Callable[[Transport, float], T], ep: Endpoint, timeout: float) -> T:
+    return op(ep.client(), timeout)
+
+
+class ResilientCache:
+    """Deadline-bounded, never-raising access to one or more cache endpoints (first is preferred)."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[Endpoint],
+        *,
+        retries: int = 1,
+        counters: Counters | None = None,
+        io_threads: int = 4,
+    ) -> None:
+        self.endpoints = list(endpoints)
+        self.retries = retries
+        self.counters = counters or Counters()
+        # Loads and lookups never queue behind stores: separate pools.
+        self._io = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-io")
+        self._closed = False
+
+    def _call(self, deadline: float, op: Callable[[Transport, float], T]) -> tuple[T | None, Reason | None]:
+        """Run ``op`` against the endpoints in order until one answers, within ``deadline``."""
+        last: Reason = Reason.UNAVAILABLE
+        for ep in self.endpoints:
+            attempts = 0
+            while attempts <= self.retries:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None, Reason.TIMEOUT
+                if not ep.breaker.allow():
+                    last = Reason.UNAVAILABLE
+                    self.counters.add(f"breaker_open.{ep.name}")
+                    break
+                attempts += 1
+                try:
+                    fut = self._io.submit(_invoke, op, ep, remaining)
+                    result = fut.result(timeout=remaining)
+                except Exception as exc:  # every failure becomes a reason, never an exception
+                    reason = _classify(exc)
+                    if reason in (Reason.TIMEOUT, Reason.UNAVAILABLE):
+                        ep.breaker.failure()
+                    else:
+                        ep.breaker.success()
+                    log.debug("cache call to %s failed: %s (%r)", ep.name, reason, exc)
+                    self.counters.add(f"error.{ep.name}.{reason.value}")
+                    if reason is Reason.UNAVAILABLE:
+                        last = reason
+                        if not isinstance(exc, CacheUnavailable):
+                            break  # not transient: go to the next endpoint without retrying
+                        continue
+                    return None, reason
+                ep.breaker.success()
+                return result, None
+        return None, last
+
+    def lookup(self, namespace: str, keys: Sequence[str], deadline_s: float) -> LookupOutcome:
+        """Return how many leading ``keys`` are stored; 0 with a reason on any failure."""
+        if not keys:
+            return LookupOutcome(0, [])
+        deadline = time.monotonic() + deadline_s
+        res, reason = self._call(deadline, lambda c, t: c.lookup(namespace, keys, timeout=t))
+        if res is None:
+            return LookupOutcome(0, [], reason or Reason.UNAVAILABLE)
+        matched = max(0, min(res.matched, len(keys)))
+        tiers = list(res.tiers[:matched])
+        return LookupOutcome(matched, tiers, None if matched else Reason.NOT_FOUND)
+
+    def load_into(
+        self, namespace: str, keys: Sequence[str], buffers: Sequence[bytearray], deadline: float
+    ) -> LoadOutcome:
+        """Fill the leading ``buffers`` with the payloads of ``keys`` before ``deadline`` (monotonic).
+
+        The buffers are the caller's staging area. After a timeout they may still be written by
+        an abandoned transport call, so the caller must drop them, never reuse them.
+        """
+        if not keys:
+            return LoadOutcome(0)
+        views = [memoryview(b) for b in buffers]
+        res, reason = self._call(deadline, lambda c, t: c.load_into(namespace, keys, views, timeout=t))
+        if res is None:
+            return LoadOutcome(0, reason or Reason.UNAVAILABLE)
+        count = max(0, min(int(res), len(keys)))
+        return LoadOutcome(count, None if count == len(keys) else Reason.NOT_FOUND)
+
+    def store(
+        self,
+        namespace: str,
+        keys: Sequence[str],
+        payloads: Sequence[bytes | bytearray | memoryview],
+        deadline_s: float,
+    ) -> StoreResult | None:
+        """Store ``payloads``; return the server's answer or ``None`` (counted) on failure."""
+        deadline = time.monotonic() + deadline_s
+        res, reason = self._call(deadline, lambda c, t: c.store(namespace, keys, payloads, timeout=t))
+        if res is None:
+            self.counters.add(f"store_failed.{(reason or Reason.UNAVAILABLE).value}", len(keys))
+            return None
+        self.counters.add("store_accepted", res.accepted)
+        self.counters.add("store_dropped", res.dropped)
+        return res
+
+    def close(self) -> None:
+        """Stop the I/O pool without waiting for abandoned calls, and close the transports."""
+        if self._closed:
+            return
+        self._closed = True
+        self._io.shutdown(wait=False, cancel_futures=True)
+        for ep in self.endpoints:
+            ep.close()
+
+
+def transport_factory(
+    target: str, *, shm_dir: str | None = None, token: str | None = None, tls_ca: str | None = None
+) -> Callable[[], Transport]:
+    """Return a factory for the real ``kvfabric.client.CacheClient`` (imported on first use)."""
+
+    def make() -> Transport:
+        from kvfabric.client import CacheClient  # noqa: PLC0415 - deferred: grpc starts threads
+
+        client: Transport = CacheClient(target, shm_dir=shm_dir, token=token, tls_ca=tls_ca)
+        return client
+
+    return make
+
+
+__all__ = [
+    "CacheError",
+    "CircuitBreaker",
+    "Counters",
+    "Endpoint",
+    "LoadOutcome",
+    "LookupOutcome",
+    "Reason",
+    "ResilientCache",
+    "Transport",
+    "transport_factory",
+]

@@ -1,0 +1,170 @@
+"""Connector settings: one documented object, read from the environment the operator injects.
+
+Sources, highest priority first:
+
+1. explicit keyword arguments (the vLLM connector passes ``kv_connector_extra_config`` here);
+2. environment variables ``KVFABRIC_<FIELD>`` (what the operator's webhook injects);
+3. a JSON or YAML file whose path is in ``KVFABRIC_SETTINGS_FILE``;
+4. the defaults below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+SETTINGS_FILE_ENV = "KVFABRIC_SETTINGS_FILE"
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """Read settings from the JSON/YAML file named by ``KVFABRIC_SETTINGS_FILE`` (if set)."""
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls)
+        self._values = self._read()
+
+    @staticmethod
+    def _read() -> dict[str, Any]:
+        path = os.environ.get(SETTINGS_FILE_ENV)
+        if not path:
+            return {}
+        text = Path(path).read_text(encoding="utf-8")
+        # YAML is a superset of JSON, but json gives better errors for .json files.
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: settings file must hold a mapping, got {type(data).__name__}")
+        # Accept both ``chunk_tokens`` and ``KVFABRIC_CHUNK_TOKENS`` spellings in the file.
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            name = str(key)
+            if name.upper().startswith("KVFABRIC_"):
+                name = name[len("KVFABRIC_") :]
+            out[name.lower()] = value
+        return out
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._values.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return {k: v for k, v in self._values.items() if k in self.settings_cls.model_fields}
+
+
+class ConnectorSettings(BaseSettings):
+    """How the connector reaches the cache server and how long it may wait for it.
+
+    Every deadline bounds how much a request can be delayed by the cache: when it expires the
+    connector gives up and the engine recomputes. A dead cache costs at most the deadlines, never a
+    failed request.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVFABRIC_", extra="ignore", frozen=True)
+
+    socket: str | None = None
+    """Unix socket of the node-local cache server (``/run/kvfabric/cache.sock`` or ``unix:///...``).
+    Bulk bytes then travel through the shared-memory arena in ``shm_dir``."""
+    shm_dir: str | None = None
+    """Directory of the shared-memory arena shared with the node-local server (a tmpfs)."""
+    remote: str | None = None
+    """Optional ``host:port`` of a cache server reached over TCP when the socket is unusable."""
+    token: str | None = None
+    """Bearer token for the TCP listener (the Unix socket needs none)."""
+    tls_ca: str | None = None
+    """CA bundle (path) to verify the TCP listener's certificate; plaintext when unset."""
+    chunk_tokens: int = Field(default=256, gt=0)
+    """Tokens per chunk; must be a multiple of the engine's block size."""
+    tenant: str = ""
+    """Tenant name; part of the namespace, so tenants never share chunks."""
+    model_revision: str = ""
+    """Model revision to put in the namespace when the engine does not know it (vLLM: ``--revision``)."""
+    lookup_deadline_ms: int = Field(default=100, gt=0)
+    """Deadline of the scheduler-side prefix lookup. On expiry the request is a miss."""
+    load_deadline_ms: int = Field(default=2000, gt=0)
+    """Deadline of loading the hit chunks of one request; on expiry the engine recomputes them."""
+    store_deadline_ms: int = Field(default=5000, gt=0)
+    """Deadline of one background store; stores never block a request."""
+    min_hit_tokens: int = Field(default=0, ge=0)
+    """Hits shorter than this are reported as misses: for short prefixes the fixed cost of a load
+    exceeds the prefill it saves (about 1-2k tokens on an H100)."""
+    retries: int = Field(default=1, ge=0, le=5)
+    """Extra attempts after an ``unavailable`` error, within the same deadline."""
+    breaker_failures: int = Field(default=3, ge=1)
+    """Consecutive timeouts/unavailable errors that open the circuit breaker of one endpoint."""
+    breaker_cooldown_ms: int = Field(default=5000, gt=0)
+    """How long an open breaker fails fast before one probe call is let through."""
+    store_queue_bytes: int = Field(default=1 << 30, gt=0)
+    """Bytes of pending background stores; beyond this new stores are dropped (a future recompute)."""
+    enabled: bool = True
+    """Kill switch: when false the connector reports no hits and stores nothing."""
+    pool: str = ""
+    """Name of the KVCachePool (informational; used in logs and metrics)."""
+    config_hash: str = ""
+    """Hash of the injected configuration (informational; lets the pool count stale pods)."""
+
+    @field_validator("socket")
+    @classmethod
+    def _strip_scheme(cls, value: str | None) -> str | None:
+        if value and value.startswith("unix://"):
+            value = value[len("unix://") :]
+        if value and not value.startswith("/"):
+            raise ValueError("socket must be an absolute path")
+        return value or None
+
+    @field_validator("remote")
+    @classmethod
+    def _check_remote(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError("remote must be host:port")
+        return value
+
+    @model_validator(mode="after")
+    def _check_deadlines(self) -> ConnectorSettings:
+        if self.socket is None and self.shm_dir is not None:
+            raise ValueError("shm_dir is only meaningful with socket")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Explicit arguments > environment > settings file > defaults (no dotenv, no secrets dir)."""
+        return (init_settings, env_settings, _FileSource(settings_cls))
+
+    @classmethod
+    def load(cls, overrides: dict[str, Any] | None = None) -> ConnectorSettings:
+        """Build settings from the sources above; ``overrides`` (e.g. vLLM extra config) win.
+
+        Keys in ``overrides`` may be spelled ``chunk_tokens`` or ``KVFABRIC_CHUNK_TOKENS``; unknown
+        keys are ignored so that one extra-config dict can carry options for other components.
+        """
+        clean: dict[str, Any] = {}
+        for key, value in (overrides or {}).items():
+            name = key[len("KVFABRIC_") :] if key.upper().startswith("KVFABRIC_") else key
+            if name.lower() in cls.model_fields:
+                clean[name.lower()] = value
+        return cls(**clean)
+
+    @property
+    def configured(self) -> bool:
+        """Whether any cache server is configured at all."""
+        return self.enabled and (self.socket is not None or self.remote is not None)

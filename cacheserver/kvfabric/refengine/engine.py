@@ -1,0 +1,232 @@
+"""The reference engine: drives the connector through vLLM's scheduler/worker call sequence.
+
+Per request (one request per step, no batching: the point is fidelity to the call sequence and to
+the arithmetic, not throughput):
+
+scheduler: ``get_num_new_matched_tokens`` -> allocate blocks -> ``update_state_after_alloc`` ->
+``build_connector_meta``; worker: ``bind_connector_metadata`` -> ``start_load_kv`` -> per layer
+``wait_for_layer_load`` / ``save_kv_layer`` -> ``wait_for_save`` -> ``get_finished`` ->
+``get_block_ids_with_load_errors`` -> ``clear_connector_metadata``; when the request ends,
+``request_finished``. A failed load is handled like vLLM's ``kv_load_failure_policy="recompute"``:
+the step's output is discarded and the request is rescheduled from the first failed block.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvfabric.connector.core import ConnectorMetadata, KVFabricConnectorCore, Role, build_cache
+from kvfabric.connector.keys import NamespaceSpec
+from kvfabric.connector.resilient import ResilientCache
+from kvfabric.connector.settings import ConnectorSettings
+from kvfabric.refengine.model import ModelConfig, RefModel
+
+
+@dataclass
+class Request:
+    """The scheduler's view of a request (vLLM ``Request`` look-alike)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+
+
+@dataclass
+class KVCacheBlocks:
+    """vLLM ``KVCacheBlocks`` look-alike: one KV-cache group."""
+
+    blocks: list[int]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        """Block ids per KV-cache group."""
+        return (self.blocks,)
+
+
+@dataclass
+class NewRequestData:
+    """vLLM ``NewRequestData`` look-alike (fields the connector reads)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """vLLM ``CachedRequestData`` look-alike."""
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """vLLM ``SchedulerOutput`` look-alike."""
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: ConnectorMetadata | None = None
+
+
+@dataclass
+class GenerateResult:
+    """Outcome of one request."""
+
+    output_token_ids: list[int]
+    first_logits: torch.Tensor
+    ttft_s: float
+    hit_tokens: int
+    tier: str | None
+    fallback_reason: str | None
+    recomputed_after_load_error: bool
+
+
+class OutOfBlocksError(RuntimeError):
+    """The prompt does not fit in the engine's KV cache."""
+
+
+class Engine:
+    """One model, one paged KV cache, optionally a connector (two halves, as in vLLM)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        settings: ConnectorSettings | None = None,
+        cache: ResilientCache | None = None,
+        model: RefModel | None = None,
+    ) -> None:
+        """Build the engine; with ``settings`` (and a server in them, or an explicit ``cache``) it caches."""
+        self.config = config
+        self.model = model or RefModel(config)
+        self.block_size = block_size
+        self.kv_caches = self.model.new_kv_caches(num_blocks, block_size)
+        self._free = list(range(num_blocks))
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self.scheduler_conn: KVFabricConnectorCore | None = None
+        self.worker_conn: KVFabricConnectorCore | None = None
+        if settings is not None and settings.enabled:
+            cache = cache if cache is not None else build_cache(settings)
+            spec = self.namespace_spec(config, settings, block_size)
+            self.scheduler_conn = KVFabricConnectorCore(Role.SCHEDULER, settings, spec, cache=cache)
+            self.worker_conn = KVFabricConnectorCore(Role.WORKER, settings, spec, cache=cache)
+            self.worker_conn.register_kv_caches(self.kv_caches)
+
+    @staticmethod
+    def namespace_spec(config: ModelConfig, settings: ConnectorSettings, block_size: int) -> NamespaceSpec:
+        """Return the compatibility namespace of an engine with this model and settings."""
+        return NamespaceSpec(
+            model_id=config.name,
+            model_revision=settings.model_revision or config.revision,
+            kv_dtype="float32",
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            block_size=block_size,
+            chunk_tokens=settings.chunk_tokens,
+            tenant=settings.tenant,
+        )
+
+    def _step(
+        self, so: SchedulerOutput, req: Request, start: int, n: int, table: list[int]
+    ) -> tuple[torch.Tensor, set[int]]:
+        sched, worker = self.scheduler_conn, self.worker_conn
+        if sched is None or worker is None:
+            return self.model.forward(
+                req.prompt_token_ids[start : start + n], start, table, self.kv_caches
+            ), set()
+        so.kv_connector_metadata = sched.build_connector_meta(so)
+        worker.bind_connector_metadata(so.kv_connector_metadata)
+        worker.start_load_kv(None)
+        try:
+            logits = self.model.forward(
+                req.prompt_token_ids[start : start + n], start, table, self.kv_caches, hooks=worker
+            )
+        finally:
+            worker.wait_for_save()
+            worker.get_finished(so.finished_req_ids)
+            errors = worker.get_block_ids_with_load_errors()
+            worker.clear_connector_metadata()
+        return logits, errors
+
+    def generate(self, prompt_token_ids: Sequence[int], max_tokens: int = 1) -> GenerateResult:
+        """Prefill ``prompt_token_ids`` and decode ``max_tokens`` tokens greedily."""
+        with self._lock:
+            return self._generate(list(prompt_token_ids), max(1, max_tokens))
+
+    def _generate(self, prompt: list[int], max_tokens: int) -> GenerateResult:
+        if not prompt:
+            raise ValueError("empty prompt")
+        t0 = time.perf_counter()
+        req = Request(f"req-{next(self._ids)}", prompt)
+        n = len(prompt)
+        sched, worker = self.scheduler_conn, self.worker_conn
+        ext = 0
+        if sched is not None:
+            ext, _ = sched.get_num_new_matched_tokens(req, 0)
+        need = -(-(n + max_tokens) // self.block_size)
+        if need > len(self._free):
+            raise OutOfBlocksError(f"request needs {need} blocks, {len(self._free)} free")
+        table, self._free = self._free[:need], self._free[need:]
+        try:
+            if sched is not None:
+                sched.update_state_after_alloc(req, KVCacheBlocks(table), ext)
+            so = SchedulerOutput(
+                scheduled_new_reqs=[NewRequestData(req.request_id, prompt, (table,), ext)],
+                num_scheduled_tokens={req.request_id: n - ext},
+            )
+            logits, errors = self._step(so, req, ext, n - ext, table)
+            hit, recomputed = ext, False
+            if errors:
+                # vLLM "recompute" policy: resume from the first block whose KV did not arrive.
+                hit = min(table.index(b) for b in errors) * self.block_size
+                recomputed = True
+                so = SchedulerOutput(
+                    scheduled_cached_reqs=CachedRequestData([req.request_id], set(), [None], [hit]),
+                    num_scheduled_tokens={req.request_id: n - hit},
+                )
+                logits, _ = self._step(so, req, hit, n - hit, table)
+            first = logits.clone()
+            out = [int(torch.argmax(logits))]
+            ttft = time.perf_counter() - t0
+            reports = worker.take_load_reports() if worker is not None else []
+            tier = next((r.tier for r in reports if r.tier), None) if hit else None
+            reason = next((r.reason.value for r in reports if r.reason), None)
+            if reason is None and sched is not None and ext == 0:
+                lr = sched.lookup_reason(req)
+                reason = lr.value if lr else None
+            for i in range(max_tokens - 1):
+                pos = n + i
+                so = SchedulerOutput(
+                    scheduled_cached_reqs=CachedRequestData([req.request_id], set(), [None], [pos]),
+                    num_scheduled_tokens={req.request_id: 1},
+                )
+                tokens = [*prompt, *out]
+                step_req = Request(req.request_id, tokens)
+                logits, _ = self._step(so, step_req, pos, 1, table)
+                out.append(int(torch.argmax(logits)))
+            return GenerateResult(out, first, ttft, hit, tier, reason, recomputed)
+        finally:
+            if sched is not None:
+                sched.request_finished(req, table)
+            self._free.extend(table)
+
+    def close(self) -> None:
+        """Stop the connector's threads."""
+        if self.worker_conn is not None:
+            self.worker_conn.shutdown()
+        if self.scheduler_conn is not None:
+            self.scheduler_conn.shutdown()

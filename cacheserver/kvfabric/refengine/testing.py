@@ -1,0 +1,16 @@
+"""Test helpers for the reference engine: a tiny model configuration and deterministic prompts."""
+
+from __future__ import annotations
+
+import torch
+
+from kvfabric.refengine.model import ModelConfig
+
+TINY = ModelConfig(vocab_size=512, hidden=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn=128)
+"""A model small enough that a test prefill takes milliseconds."""
+
+
+def prompt(n: int, seed: int, vocab_size: int = TINY.vocab_size) -> list[int]:
+    """Return ``n`` pseudo-random token ids (deterministic per seed)."""
+    g = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(0, vocab_size, (n,), generator=g)]

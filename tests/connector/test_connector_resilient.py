@@ -1,0 +1,105 @@
+"""The resilience layer: deadlines enforced by the caller, retries, circuit breaker, reasons."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvfabric.connector.resilient import CircuitBreaker, Endpoint, Reason, ResilientCache, Transport
+from kvfabric.connector.testing import MemoryTransport
+
+NS = "a" * 64
+KEYS = ["b" * 64, "c" * 64]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def fake() -> Iterator[MemoryTransport]:
+    t = MemoryTransport()
+    yield t
+    t.release.set()  # free threads parked in a "hung" call
+
+
+def _const(t: MemoryTransport) -> Callable[[], Transport]:
+    return lambda: t
+
+
+def make(*transports: MemoryTransport, retries: int = 1, failures: int = 3) -> ResilientCache:
+    eps = [Endpoint(f"ep{i}", _const(t), CircuitBreaker(failures, 60.0)) for i, t in enumerate(transports)]
+    return ResilientCache(eps, retries=retries)
+
+
+def test_hit_and_miss(fake: MemoryTransport) -> None:
+    cache = make(fake)
+    assert cache.store(NS, KEYS[:1], [b"x" * 8], 1.0) is not None
+    hit = cache.lookup(NS, KEYS, 1.0)
+    assert (hit.matched, hit.tiers, hit.reason) == (1, ["dram"], None)
+    miss = cache.lookup(NS, KEYS[1:], 1.0)
+    assert (miss.matched, miss.reason) == (0, Reason.NOT_FOUND)
+    cache.close()
+
+
+def test_hung_server_times_out_then_breaker_fails_fast(fake: MemoryTransport) -> None:
+    cache = make(fake, failures=2)
+    fake.hang.set()  # the fake ignores its timeout argument, like a SIGSTOPped peer would
+    for _ in range(2):
+        out = cache.lookup(NS, KEYS, 0.05)
+        assert (out.matched, out.reason) == (0, Reason.TIMEOUT)
+    calls = len(fake.calls)
+    out = cache.lookup(NS, KEYS, 0.05)
+    assert out.reason is Reason.UNAVAILABLE
+    assert len(fake.calls) == calls, "an open breaker must not call the server"
+    assert cache.counters.get("breaker_open.ep0") == 1
+    cache.close()
+
+
+def test_unavailable_is_retried_then_next_endpoint(fake: MemoryTransport) -> None:
+    remote = MemoryTransport(tier="shared")
+    remote.blocks[(NS, KEYS[0])] = b"p"
+    fake.down = True
+    cache = make(fake, remote, retries=2)
+    out = cache.lookup(NS, KEYS, 1.0)
+    assert (out.matched, out.tiers) == (1, ["shared"])
+    assert fake.calls == ["lookup"] * 3  # one try + two retries
+    assert cache.counters.get("error.ep0.unavailable") == 3
+    cache.close()
+
+
+def test_load_timeout_abandons_buffers(fake: MemoryTransport) -> None:
+    fake.blocks[(NS, KEYS[0])] = b"z" * 4
+    fake.hang.set()
+    cache = make(fake)
+    buf = bytearray(4)
+    out = cache.load_into(NS, KEYS[:1], [buf], time.monotonic() + 0.05)
+    assert (out.count, out.reason) == (0, Reason.TIMEOUT)
+    cache.close()
+
+
+def test_breaker_half_open_probe() -> None:
+    clock = FakeClock()
+    br = CircuitBreaker(2, 5.0, clock)
+    br.failure()
+    assert br.allow()
+    br.failure()
+    assert br.state == "open"
+    assert not br.allow()
+    clock.now += 5.0
+    assert br.state == "half-open"
+    assert br.allow()  # one probe
+    assert not br.allow()  # and only one
+    br.failure()
+    assert not br.allow()
+    clock.now += 5.0
+    assert br.allow()
+    br.success()
+    assert br.state == "closed"
+    assert br.allow()

@@ -1,0 +1,156 @@
+"""The reference engine + connector against an in-memory store: fast checks of the logic.
+
+The same properties are checked against real cache-server processes in test_refengine_server.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvfabric.connector import layout
+from kvfabric.connector.resilient import CircuitBreaker, Endpoint, ResilientCache
+from kvfabric.connector.settings import ConnectorSettings
+from kvfabric.connector.testing import MemoryTransport
+from kvfabric.refengine.engine import Engine
+from kvfabric.refengine.model import RefModel
+from kvfabric.refengine.testing import TINY, prompt
+
+SETTINGS = ConnectorSettings(chunk_tokens=32, lookup_deadline_ms=200, load_deadline_ms=300)
+
+
+@pytest.fixture
+def store() -> Iterator[MemoryTransport]:
+    t = MemoryTransport()
+    yield t
+    t.release.set()
+
+
+def engine(model: RefModel, store: MemoryTransport, settings: ConnectorSettings = SETTINGS) -> Engine:
+    cache = ResilientCache([Endpoint("mem", lambda: store, CircuitBreaker(2, 60.0))])
+    return Engine(TINY, num_blocks=64, settings=settings, cache=cache, model=model)
+
+
+def baseline(model: RefModel, tokens: list[int], max_tokens: int = 3) -> tuple[torch.Tensor, list[int]]:
+    e = Engine(TINY, num_blocks=64, model=model)
+    r = e.generate(tokens, max_tokens)
+    return r.first_logits, r.output_token_ids
+
+
+def warm(model: RefModel, store: MemoryTransport, tokens: list[int]) -> None:
+    e = engine(model, store)
+    r = e.generate(tokens, 1)
+    assert r.hit_tokens == 0
+    assert e.worker_conn is not None
+    assert e.worker_conn.wait_for_stores(60)
+    e.close()
+
+
+def test_loaded_prefix_gives_recomputed_logits(tiny_model: RefModel, store: MemoryTransport) -> None:
+    tokens = prompt(200, 1)
+    ref_logits, ref_out = baseline(tiny_model, tokens)
+    warm(tiny_model, store, tokens)
+    assert len(store.blocks) == 6  # 200 tokens -> 6 whole chunks of 32
+    e = engine(tiny_model, store)
+    r = e.generate(tokens, 3)
+    assert (r.hit_tokens, r.tier, r.fallback_reason) == (192, "dram", None)
+    assert (r.first_logits - ref_logits).abs().max().item() <= 1e-5
+    assert r.output_token_ids == ref_out
+    e.close()
+
+
+def test_partial_prefix_hit(tiny_model: RefModel, store: MemoryTransport) -> None:
+    shared = prompt(100, 2)
+    warm(tiny_model, store, shared)
+    tokens = shared[:80] + prompt(90, 3)  # diverges inside chunk 2
+    e = engine(tiny_model, store)
+    r = e.generate(tokens, 2)
+    assert r.hit_tokens == 64
+    ref_logits, ref_out = baseline(tiny_model, tokens, 2)
+    assert (r.first_logits - ref_logits).abs().max().item() <= 1e-5
+    assert r.output_token_ids == ref_out
+    e.close()
+
+
+def test_corrupt_chunk_is_recomputed_from_there(tiny_model: RefModel, store: MemoryTransport) -> None:
+    tokens = prompt(200, 4)
+    warm(tiny_model, store, tokens)
+    e = engine(tiny_model, store)
+    assert e.scheduler_conn is not None
+    bad = e.scheduler_conn._state(type("R", (), {"request_id": "x", "prompt_token_ids": tokens})()).keys[3]
+    store.corrupt_keys.add(bad)
+    r = e.generate(tokens, 2)
+    assert r.recomputed_after_load_error
+    assert (r.hit_tokens, r.fallback_reason) == (96, "corrupt")  # the three intact chunks are used
+    ref_logits, ref_out = baseline(tiny_model, tokens, 2)
+    assert (r.first_logits - ref_logits).abs().max().item() <= 1e-5
+    assert r.output_token_ids == ref_out
+    assert e.worker_conn is not None
+    assert e.worker_conn.counters.get("fallback_chunks.corrupt") == 3
+    e.close()
+
+
+def test_foreign_namespace_payload_is_never_loaded(tiny_model: RefModel, store: MemoryTransport) -> None:
+    tokens = prompt(100, 5)
+    warm(tiny_model, store, tokens)
+    e = engine(tiny_model, store)
+    assert e.worker_conn is not None
+    ns = e.worker_conn.namespace
+    # A payload sealed for another namespace placed under this namespace's key (a buggy or hostile
+    # server): the header check turns it into a miss.
+    for (space, key), data in list(store.blocks.items()):
+        buf = bytearray(data)
+        layout.seal(buf, namespace="f" * 64, key=key, num_tokens=32, num_layers=TINY.num_layers)
+        store.blocks[(space, key)] = bytes(buf)
+        assert space == ns
+    r = e.generate(tokens, 1)
+    assert (r.hit_tokens, r.fallback_reason) == (0, "namespace-mismatch")
+    ref_logits, _ = baseline(tiny_model, tokens, 1)
+    assert (r.first_logits - ref_logits).abs().max().item() <= 1e-5
+    e.close()
+
+
+def test_revision_or_dtype_change_is_a_miss(tiny_model: RefModel, store: MemoryTransport) -> None:
+    tokens = prompt(100, 6)
+    warm(tiny_model, store, tokens)
+    other = engine(tiny_model, store, SETTINGS.model_copy(update={"model_revision": "other"}))
+    r = other.generate(tokens, 1)
+    assert (r.hit_tokens, r.fallback_reason) == (0, "not-found")
+    other.close()
+
+
+def test_hung_store_costs_at_most_the_deadline(tiny_model: RefModel, store: MemoryTransport) -> None:
+    tokens = prompt(100, 7)
+    warm(tiny_model, store, tokens)
+    e = engine(tiny_model, store)
+    store.hang.set()
+    r = e.generate(tokens, 2)
+    assert (r.hit_tokens, r.fallback_reason) == (0, "timeout")
+    ref_logits, ref_out = baseline(tiny_model, tokens, 2)
+    assert (r.first_logits - ref_logits).abs().max().item() <= 1e-5
+    assert r.output_token_ids == ref_out
+    e.close()
+
+
+def test_load_that_hangs_after_a_hit_is_recomputed(tiny_model: RefModel, store: MemoryTransport) -> None:
+    tokens = prompt(100, 8)
+    warm(tiny_model, store, tokens)
+    e = engine(tiny_model, store)
+    original = store.load_into
+
+    def hang_load(*args: object, **kwargs: object) -> int:
+        threading.Event().wait(5)  # longer than the 300 ms load deadline
+        return 0
+
+    store.load_into = hang_load  # type: ignore[method-assign]
+    r = e.generate(tokens, 2)
+    store.load_into = original  # type: ignore[method-assign]
+    assert r.recomputed_after_load_error
+    assert (r.hit_tokens, r.fallback_reason) == (0, "timeout")
+    ref_logits, ref_out = baseline(tiny_model, tokens, 2)
+    assert (r.first_logits - ref_logits).abs().max().item() <= 1e-5
+    assert r.output_token_ids == ref_out
+    e.close()

@@ -69,6 +69,14 @@ go build -trimpath -ldflags "-s -w" -o "$WORK/out/etcd" .
 # --- kwok: no replace directives, a plain install works --------------------------------------------
 step "building kwok $KWOK_VERSION"
 GOBIN="$WORK/out" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+# kwok needs Stage definitions; take the "fast" set (nodes Ready at once, heartbeats through Leases,
+# pods Running and Ready at once, deleted pods finalized) from the same pinned module.
+KWOK_DIR=$(go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" | sed -n 's/.*"Dir": "\(.*\)",*/\1/p')
+S="$KWOK_DIR/kustomize/stage"
+for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
+         pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
+  printf -- '---\n'; cat "$S/$f"
+done > "$WORK/out/kwok-stages.yaml"
 
 # Publish all binaries at once, so an interrupted build never leaves a half-filled cache.
 mv "$WORK"/out/* "$BIN"/

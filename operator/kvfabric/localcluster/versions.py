@@ -22,7 +22,15 @@ PINS: Final[dict[str, str]] = {
     "kwok": KWOK_VERSION,
 }
 
-BINARIES: Final = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok")
+BINARIES: Final = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubectl",
+    "kwok",
+    "kwok-stages.yaml",
+)
 
 
 def cache_root() -> Path:

@@ -1,0 +1,47 @@
+# kvfabric developer tasks. `make help` lists them.
+SHELL := /bin/bash
+UV := uv run --frozen
+PYTEST_ARGS ?=
+
+##@ Main
+
+.PHONY: demo
+demo: bootstrap ## Run the whole fabric on the local cluster with its defaults
+	$(UV) kvfabric demo
+
+.PHONY: test
+test: bootstrap lint ## Install what is needed, lint, and run every test (unit, process, cluster, e2e)
+	$(UV) pytest tests e2e $(PYTEST_ARGS)
+
+##@ Pieces
+
+.PHONY: bootstrap
+bootstrap: ## Install Debian packages, uv, .venv and the pinned Kubernetes binaries (idempotent)
+	@scripts/bootstrap.sh
+
+.PHONY: lint
+lint: ## ruff, ruff format --check, mypy --strict, import-linter
+	$(UV) ruff check .
+	$(UV) ruff format --check .
+	$(UV) mypy
+	$(UV) lint-imports
+
+.PHONY: fmt
+fmt: ## Format and autofix
+	$(UV) ruff format .
+	$(UV) ruff check --fix .
+
+.PHONY: generate
+generate: ## Regenerate the CRDs and the protobuf stubs
+	$(UV) python -m kvfabric.operator.crdgen
+	scripts/gen-proto.sh
+
+.PHONY: cluster-up cluster-down
+cluster-up: bootstrap ## Start the local control plane (fake GPU nodes) and leave it running
+	$(UV) kvfabric cluster up
+cluster-down: ## Stop the local control plane
+	$(UV) kvfabric cluster down
+
+.PHONY: help
+help: ## Show this help
+	@awk 'BEGIN {FS = ":.*##"} /^[a-zA-Z_-]+:.*?##/ { printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2 } /^##@/ { printf "\n\033[1m%s\033[0m\n", substr($$0, 5) }' $(MAKEFILE_LIST)

@@ -1,0 +1,1 @@
+"""The one-command demo: the whole fabric on the local cluster."""

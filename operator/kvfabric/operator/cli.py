@@ -1,0 +1,130 @@
+"""``kvfabric operator``: run the KVCachePool operator (reconciler + injection webhook) as a process.
+
+Imports only the standard library at import time (see :mod:`kvfabric.cli.main`); kopf and the
+Kubernetes client load when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the operator's options to ``parser``."""
+    parser.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"), help="kubeconfig file")
+    parser.add_argument("--context", default=None, help="kubeconfig context")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable; globs ok)",
+    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (default)")
+    parser.add_argument(
+        "--peering",
+        default=None,
+        metavar="NAME",
+        help="join kopf peering NAME instead of running standalone (needs kopf's peering CRD)",
+    )
+    parser.add_argument("--resync-seconds", type=float, default=30.0, help="periodic full resync interval")
+    parser.add_argument(
+        "--liveness",
+        default=None,
+        metavar="URL",
+        help="serve liveness/readiness, e.g. http://0.0.0.0:8080/healthz",
+    )
+    hook = parser.add_argument_group("injection webhook")
+    hook.add_argument("--no-webhook", action="store_true", help="do not serve the injection webhook")
+    hook.add_argument("--webhook-addr", default="127.0.0.1", help="address the webhook server listens on")
+    hook.add_argument("--webhook-port", type=int, default=9443, help="webhook port")
+    hook.add_argument("--webhook-cert", type=Path, default=None, help="serving certificate (PEM)")
+    hook.add_argument("--webhook-key", type=Path, default=None, help="serving key (PEM)")
+    hook.add_argument("--webhook-ca", type=Path, default=None, help="CA of the serving certificate (PEM)")
+    hook.add_argument(
+        "--webhook-cert-dir",
+        type=Path,
+        default=None,
+        help="where to write a self-signed CA + certificate when --webhook-cert is not given",
+    )
+    hook.add_argument(
+        "--register-webhook",
+        action="store_true",
+        help="apply a MutatingWebhookConfiguration pointing at https://<webhook-host>:<port>/mutate-pods "
+        "(for local clusters without kube-proxy)",
+    )
+    hook.add_argument(
+        "--webhook-host", default=None, help="host in the registered URL (default: --webhook-addr)"
+    )
+    hook.add_argument(
+        "--webhook-config-name", default="kvfabric-pod-injector", help="name of the configuration"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the operator until interrupted; return the exit code."""
+    import asyncio
+
+    import kopf
+
+    from kvfabric.operator import certs, handlers, webhookconfig
+    from kvfabric.operator.kube import KubeClient
+    from kvfabric.operator.render import names
+
+    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
+    if args.kubeconfig:
+        # kopf's login (via the official client) reads $KUBECONFIG.
+        os.environ["KUBECONFIG"] = str(args.kubeconfig)
+    namespaces: list[str] = list(args.namespace)
+    client = KubeClient.from_environment(args.kubeconfig, args.context)
+    server = None
+    if not args.no_webhook:
+        cert, key, ca = args.webhook_cert, args.webhook_key, args.webhook_ca
+        host = args.webhook_host or args.webhook_addr
+        if cert is None or key is None:
+            directory = args.webhook_cert_dir or Path(tempfile.mkdtemp(prefix="kvfabric-webhook-"))
+            generated = certs.generate(directory, [host, "localhost"])
+            cert, key, ca = generated.cert_file, generated.key_file, generated.ca_file
+        server = kopf.WebhookServer(
+            addr=args.webhook_addr,
+            port=args.webhook_port,
+            host=host,
+            certfile=str(cert),
+            pkeyfile=str(key),
+            cafile=str(ca) if ca else None,
+        )
+        if args.register_webhook:
+            if ca is None:
+                raise SystemExit("--register-webhook needs --webhook-ca (or a generated certificate)")
+            config = webhookconfig.render_webhook_configuration(
+                name=args.webhook_config_name,
+                url=f"https://{host}:{args.webhook_port}/{handlers.WEBHOOK_ID}",
+                ca_bundle=Path(ca).read_bytes(),
+            )
+
+            async def register() -> None:
+                reg_client = KubeClient.from_environment(args.kubeconfig, args.context)
+                try:
+                    await reg_client.apply(config, field_manager=names.FIELD_MANAGER)
+                finally:
+                    await reg_client.close()
+
+            asyncio.run(register())
+    app = handlers.OperatorApp(
+        client=client, injection_enabled=server is not None, resync_seconds=args.resync_seconds
+    )
+    registry = handlers.build_registry(app, webhook_server=server, namespaces=namespaces or None)
+    kopf.run(
+        registry=registry,
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        liveness_endpoint=args.liveness,
+    )
+    return 0

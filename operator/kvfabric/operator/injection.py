@@ -1,0 +1,246 @@
+"""Connector injection into consumer pods: a pure function of (pod, known pools, namespace labels).
+
+The webhook handler in :mod:`kvfabric.operator.handlers` only feeds this function from kopf's indexes
+and turns its result into a JSON patch. Every addition is "set if absent", so running it twice yields
+the same pod (the API server may reinvoke webhooks), and nothing here can raise for a well-formed pod.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvfabric.operator.api.v1alpha1 import POOL_LABEL, KVCachePool, LabelSelector
+from kvfabric.operator.render import names
+from kvfabric.operator.render.connection import ConnectionSettings, connection_settings
+
+KV_TRANSFER_FLAG: Final = "--kv-transfer-config"
+KV_TRANSFER_CONFIG: Final = {
+    "kv_connector": "KVFabricConnector",
+    "kv_connector_module_path": "kvfabric.connector.vllm",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
+_SHELLS: Final = {"sh", "bash", "/bin/sh", "/bin/bash", "/usr/bin/env"}
+
+# Skip reasons written to the kvfabric.io/skip-reason annotation.
+SKIP_POOL_NOT_FOUND: Final = "pool-not-found"
+SKIP_NAMESPACE_NOT_SELECTED: Final = "namespace-not-selected"
+SKIP_POD_SELECTOR: Final = "pod-selector-mismatch"
+SKIP_NO_CONTAINER: Final = "no-suitable-container"
+
+
+@dataclass(frozen=True)
+class PoolTarget:
+    """What the webhook needs to know about one pool (built from the pool index)."""
+
+    namespace: str
+    name: str
+    connection: ConnectionSettings
+    pod_selector: LabelSelector | None
+    namespace_selector: LabelSelector | None
+
+
+def pool_target(pool_body: Mapping[str, Any]) -> PoolTarget | None:
+    """Return the injection view of a pool object, or None if it does not parse."""
+    try:
+        pool = KVCachePool.model_validate(dict(pool_body))
+    except ValueError:
+        return None
+    return PoolTarget(
+        namespace=pool.namespace,
+        name=pool.name,
+        connection=connection_settings(pool),
+        pod_selector=pool.spec.consumers.pod_selector,
+        namespace_selector=pool.spec.consumers.namespace_selector,
+    )
+
+
+def selector_matches(selector: LabelSelector, labels: Mapping[str, str]) -> bool:
+    """Return whether ``labels`` satisfy a Kubernetes label selector."""
+    for key, value in selector.match_labels.items():
+        if labels.get(key) != value:
+            return False
+    for req in selector.match_expressions:
+        present = req.key in labels
+        op = req.operator.value
+        if op == "In" and (not present or labels[req.key] not in req.values):
+            return False
+        if op == "NotIn" and present and labels[req.key] in req.values:
+            return False
+        if op == "Exists" and not present:
+            return False
+        if op == "DoesNotExist" and present:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class InjectionResult:
+    """The mutated pod and what happened."""
+
+    pod: dict[str, Any]
+    injected: bool
+    skip_reason: str | None = None
+    detail: str = ""
+
+
+def is_vllm(container: Mapping[str, Any]) -> bool:
+    """Return whether a container runs vLLM (its image, command or args mention it)."""
+    words = [str(container.get("image", ""))]
+    words += [str(w) for w in container.get("command") or []]
+    words += [str(w) for w in container.get("args") or []]
+    return any("vllm" in w.lower() for w in words)
+
+
+def _has_kv_transfer_config(container: Mapping[str, Any]) -> bool:
+    words = [str(w) for w in (container.get("command") or []) + (container.get("args") or [])]
+    if any(KV_TRANSFER_FLAG in w for w in words):
+        return True
+    return any(e.get("name") == "VLLM_KV_TRANSFER_CONFIG" for e in container.get("env") or [])
+
+
+def _is_shell(container: Mapping[str, Any]) -> bool:
+    command = container.get("command") or []
+    return bool(command) and str(command[0]) in _SHELLS and "-c" in [str(c) for c in command[1:3]]
+
+
+def _annotate(pod: dict[str, Any], values: Mapping[str, str | None]) -> None:
+    meta = pod.setdefault("metadata", {})
+    annotations = meta.get("annotations") or {}
+    for key, value in values.items():
+        if value is None:
+            annotations.pop(key, None)
+        else:
+            annotations[key] = value
+    meta["annotations"] = annotations
+
+
+def _skip(pod: dict[str, Any], reason: str, detail: str) -> InjectionResult:
+    _annotate(pod, {names.SKIP_REASON_ANNOTATION: reason})
+    return InjectionResult(pod=pod, injected=False, skip_reason=reason, detail=detail)
+
+
+def inject(
+    pod: Mapping[str, Any],
+    pools: Mapping[tuple[str, str], PoolTarget],
+    namespace_labels: Mapping[str, Mapping[str, str]],
+    *,
+    request_namespace: str | None = None,
+) -> InjectionResult:
+    """Return ``pod`` with the connector injected, or annotated with why it was skipped."""
+    out: dict[str, Any] = copy.deepcopy(dict(pod))
+    meta = out.setdefault("metadata", {})
+    labels: dict[str, str] = meta.get("labels") or {}
+    pool_name = labels.get(POOL_LABEL)
+    if not pool_name:
+        return InjectionResult(pod=out, injected=False, detail="not opted in")
+    annotations = meta.get("annotations") or {}
+    pod_ns = meta.get("namespace") or request_namespace or "default"
+    pool_ns = annotations.get(names.POOL_NAMESPACE_ANNOTATION) or pod_ns
+    target = pools.get((pool_ns, pool_name))
+    if target is None:
+        return _skip(out, SKIP_POOL_NOT_FOUND, f"no KVCachePool {pool_ns}/{pool_name}")
+    if pool_ns != pod_ns:
+        selector = target.namespace_selector
+        if selector is None or not selector_matches(selector, namespace_labels.get(pod_ns, {})):
+            return _skip(
+                out, SKIP_NAMESPACE_NOT_SELECTED, f"namespace {pod_ns} not selected by {pool_ns}/{pool_name}"
+            )
+    if target.pod_selector is not None and not selector_matches(target.pod_selector, labels):
+        return _skip(out, SKIP_POD_SELECTOR, "pod labels do not match spec.consumers.podSelector")
+
+    conn = target.connection
+    if (
+        annotations.get(names.CONFIG_HASH_ANNOTATION) == conn.config_hash
+        and names.INJECTED_ANNOTATION in annotations
+    ):
+        # Already injected with the current settings (webhook reinvocation): change nothing.
+        return InjectionResult(pod=out, injected=True, detail="already injected")
+
+    containers: list[dict[str, Any]] = out.setdefault("spec", {}).get("containers") or []
+    wanted = annotations.get(names.TARGET_CONTAINERS_ANNOTATION)
+    if wanted:
+        wanted_names = [w.strip() for w in wanted.split(",") if w.strip()]
+        by_name = {c.get("name"): c for c in containers}
+        if not wanted_names or any(w not in by_name for w in wanted_names):
+            return _skip(out, SKIP_NO_CONTAINER, f"containers {wanted!r} not all found")
+        targets = [by_name[w] for w in wanted_names]
+    else:
+        targets = [c for c in containers if is_vllm(c)] or containers[:1]
+    if not targets:
+        return _skip(out, SKIP_NO_CONTAINER, "the pod has no containers")
+
+    env = conn.env_with_hash
+    notes: list[str] = []
+    for container in targets:
+        existing = container.get("env") or []
+        present = {e.get("name") for e in existing}
+        # A value the user set wins: it is their explicit override.
+        existing += [{"name": k, "value": v} for k, v in env.items() if k not in present]
+        container["env"] = existing
+        mounts = container.get("volumeMounts") or []
+        if not any(m.get("name") == names.RUN_VOLUME for m in mounts):
+            mounts.append({"name": names.RUN_VOLUME, "mountPath": conn.host_dir})
+        container["volumeMounts"] = mounts
+        if is_vllm(container):
+            notes.append(_add_kv_transfer_config(container))
+    volumes = out["spec"].get("volumes") or []
+    if not any(v.get("name") == names.RUN_VOLUME for v in volumes):
+        # DirectoryOrCreate: the pod must start even before (or without) its node's cache server;
+        # the connector then falls back to recompute.
+        volumes.append(
+            {"name": names.RUN_VOLUME, "hostPath": {"path": conn.host_dir, "type": "DirectoryOrCreate"}}
+        )
+    out["spec"]["volumes"] = volumes
+    detail = {
+        "pool": f"{conn.namespace}/{conn.pool}",
+        "containers": [c.get("name") for c in targets],
+        "env": sorted(env),
+        "volumes": [names.RUN_VOLUME],
+        "kvTransferConfig": [n for n in notes if n],
+    }
+    _annotate(
+        out,
+        {
+            names.INJECTED_ANNOTATION: json.dumps(detail, sort_keys=True, separators=(",", ":")),
+            names.CONFIG_HASH_ANNOTATION: conn.config_hash,
+            names.SKIP_REASON_ANNOTATION: None,
+        },
+    )
+    return InjectionResult(pod=out, injected=True, detail=f"{conn.namespace}/{conn.pool}")
+
+
+def _add_kv_transfer_config(container: dict[str, Any]) -> str:
+    name = str(container.get("name", ""))
+    if _has_kv_transfer_config(container):
+        return f"{name}:user-set"
+    value = json.dumps(KV_TRANSFER_CONFIG, separators=(",", ":"))
+    if _is_shell(container):
+        # A `sh -c "vllm serve ..."` script: append the flag to the script when it is a single command
+        # line; anything more complex is left alone and recorded.
+        command = list(container.get("command") or [])
+        args = list(container.get("args") or [])
+        script_holder, index = (args, 0) if len(command) <= 2 and args else (command, 2)
+        if (
+            index < len(script_holder)
+            and "\n" not in str(script_holder[index]).strip()
+            and "vllm" in str(script_holder[index])
+        ):
+            script_holder[index] = (
+                f"{str(script_holder[index]).rstrip()} {KV_TRANSFER_FLAG} {shlex.quote(value)}"
+            )
+            if script_holder is args:
+                container["args"] = args
+            else:
+                container["command"] = command
+            return f"{name}:shell-appended"
+        return f"{name}:shell-not-modified"
+    args = list(container.get("args") or [])
+    args += [KV_TRANSFER_FLAG, value]
+    container["args"] = args
+    return f"{name}:args"

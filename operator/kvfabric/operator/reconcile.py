@@ -1,0 +1,261 @@
+"""Level-triggered reconciliation of one pool: read, render, apply, prune, observe, report.
+
+The outcome depends only on the pool's spec and what the cluster holds now: no "create fired once"
+memory, no kopf annotations. Any trigger (pool event, child event, periodic resync, operator start)
+runs the same :func:`reconcile_pool`; :class:`ReconcileQueue` coalesces triggers per pool so a burst
+of child events costs one reconcile, and retries failures with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import pydantic
+
+from kvfabric.operator.api.v1alpha1 import KIND, POOL_LABEL, KVCachePool
+from kvfabric.operator.kube import ApiError, KubeClient
+from kvfabric.operator.render import ConfigError, connection_settings, names, render_children
+from kvfabric.operator.status import Event, Observed, compute_status, strip_times
+
+log = logging.getLogger("kvfabric.operator.reconcile")
+
+# Kinds a pool may own and that are pruned when no longer rendered (e.g. metrics disabled).
+_PRUNABLE: Final = ("Service", "PersistentVolumeClaim")
+PoolKey = tuple[str, str]  # (namespace, name)
+
+
+def utcnow() -> str:
+    """Return the current time as RFC 3339 (seconds), as Kubernetes writes it."""
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class ReconcileResult:
+    """What one reconcile did (for logs, tests and the benchmark)."""
+
+    applied: int = 0
+    pruned: int = 0
+    status_changed: bool = False
+    events: list[Event] = field(default_factory=list)
+    ready: bool = False
+
+
+async def reconcile_pool(
+    client: KubeClient, namespace: str, name: str, *, injection_enabled: bool
+) -> ReconcileResult | None:
+    """Bring one pool's children to the rendered state and write its status; None if the pool is gone."""
+    raw = await client.get(KIND, namespace, name)
+    if raw is None or raw.get("metadata", {}).get("deletionTimestamp"):
+        return None  # owner references let the garbage collector remove the children
+    result = ReconcileResult()
+    generation = int(raw["metadata"].get("generation") or 0)
+    previous_status = dict(raw.get("status") or {})
+    config_error: str | None = None
+    revision: str | None = None
+    connection = None
+    claim_name: str | None = None
+    metrics_service: str | None = None
+    try:
+        pool = KVCachePool.model_validate(raw)
+        connection = connection_settings(pool)
+        children = render_children(pool)
+    except (pydantic.ValidationError, ConfigError) as exc:
+        # Keep the children as they are: a bad edit must not tear down a working pool.
+        config_error = str(exc)
+        children = None
+        pool = None
+    if children is not None and pool is not None:
+        revision = children.config_hash
+        # ConfigMap first, DaemonSet next: the new pods must find the new configuration.
+        for obj in children.objects:
+            await client.apply(obj, field_manager=names.FIELD_MANAGER)
+            result.applied += 1
+        result.pruned = await _prune(client, namespace, name, children.objects)
+        shared = pool.spec.tiers.shared
+        if shared is not None:
+            claim_name = shared.existing_claim or names.shared_claim_name(name)
+        if pool.spec.metrics.enabled:
+            metrics_service = names.metrics_service_name(name)
+    elif raw.get("spec", {}).get("tiers", {}).get("shared"):
+        shared_raw = raw["spec"]["tiers"]["shared"]
+        claim_name = shared_raw.get("existingClaim") or names.shared_claim_name(name)
+
+    daemonset = await client.get("DaemonSet", namespace, names.daemonset_name(name))
+    claim = await client.get("PersistentVolumeClaim", namespace, claim_name) if claim_name else None
+    consumers = await _consumer_pods(client, namespace, name)
+    observed = Observed(
+        generation=generation,
+        revision=revision,
+        config_error=config_error,
+        daemonset=daemonset,
+        claim_name=claim_name,
+        claim=claim,
+        consumer_pods=consumers,
+        connection=connection,
+        injection_enabled=injection_enabled,
+        metrics_service=metrics_service,
+        previous_status=previous_status,
+    )
+    status, events = compute_status(observed, utcnow())
+    result.ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
+    if strip_times(status) != strip_times(previous_status):
+        try:
+            await client.patch_status(
+                KIND, namespace, name, status, resource_version=raw["metadata"].get("resourceVersion")
+            )
+        except ApiError as exc:
+            if exc.status == 409:
+                # The pool changed while we looked: the event that changed it triggers another pass.
+                raise RetryNow from exc
+            raise
+        result.status_changed = True
+        result.events = events
+        for event in events:
+            await post_event(client, raw, event)
+    return result
+
+
+class RetryNow(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Reconcile again right away (the pool changed under us)."""
+
+
+async def _prune(client: KubeClient, namespace: str, name: str, desired: list[dict[str, Any]]) -> int:
+    wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in desired}
+    selector = f"{names.OWNER_POOL_LABEL}={name},{names.MANAGED_BY}={names.MANAGED_BY_VALUE}"
+    pruned = 0
+    for kind in _PRUNABLE:
+        for obj in await client.list(kind, namespace, label_selector=selector):
+            obj_name = obj["metadata"]["name"]
+            if (kind, obj_name) not in wanted and await client.delete(kind, namespace, obj_name):
+                pruned += 1
+    return pruned
+
+
+async def _consumer_pods(client: KubeClient, namespace: str, name: str) -> list[dict[str, Any]]:
+    """Return pods that opted in to this pool: same namespace, or elsewhere naming its namespace."""
+    try:
+        pods = await client.list("Pod", None, label_selector=f"{POOL_LABEL}={name}")
+    except ApiError as exc:
+        if exc.status != 403:
+            raise
+        # Without cluster-wide pod access (namespaced install), count the pool's own namespace only.
+        pods = await client.list("Pod", namespace, label_selector=f"{POOL_LABEL}={name}")
+    out = []
+    for pod in pods:
+        meta = pod.get("metadata", {})
+        target_ns = (meta.get("annotations") or {}).get(names.POOL_NAMESPACE_ANNOTATION) or meta.get(
+            "namespace"
+        )
+        if target_ns == namespace:
+            out.append(pod)
+    return out
+
+
+async def post_event(client: KubeClient, pool: dict[str, Any], event: Event) -> None:
+    """Post a core/v1 Event about ``pool``; failures are logged, never raised (events are best effort)."""
+    meta = pool["metadata"]
+    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    body = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": pool.get("apiVersion"),
+            "kind": pool.get("kind"),
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid"),
+            "resourceVersion": meta.get("resourceVersion"),
+        },
+        "type": event.type,
+        "reason": event.reason,
+        "message": event.message,
+        "source": {"component": names.FIELD_MANAGER},
+        "reportingComponent": names.FIELD_MANAGER,
+        "reportingInstance": names.FIELD_MANAGER,
+        "firstTimestamp": now.split(".")[0] + "Z",
+        "lastTimestamp": now.split(".")[0] + "Z",
+        "count": 1,
+    }
+    try:
+        await client.create(body)
+    except (ApiError, OSError) as exc:  # pragma: no cover - best effort
+        log.warning(
+            "could not post event %s for %s/%s: %s", event.reason, meta["namespace"], meta["name"], exc
+        )
+
+
+@dataclass
+class _KeyState:
+    dirty: bool = False
+    running: bool = False
+    failures: int = 0
+
+
+class ReconcileQueue:
+    """Per-pool coalescing work queue with retry/backoff.
+
+    ``trigger`` marks a pool dirty; at most one reconcile per pool runs at a time, and triggers that
+    arrive while it runs fold into one more pass. Failures retry with exponential backoff (max 30 s).
+    """
+
+    def __init__(self, worker: Callable[[PoolKey], Awaitable[Any]], *, max_backoff: float = 30.0) -> None:
+        self._worker = worker
+        self._state: dict[PoolKey, _KeyState] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._max_backoff = max_backoff
+
+    def trigger(self, key: PoolKey) -> None:
+        """Schedule a reconcile of ``key`` (no-op if one is already pending)."""
+        state = self._state.setdefault(key, _KeyState())
+        state.dirty = True
+        if not state.running:
+            state.running = True
+            task = asyncio.get_running_loop().create_task(self._run(key, state))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def forget(self, key: PoolKey) -> None:
+        """Drop bookkeeping for a deleted pool (a running pass finds it gone and stops)."""
+        state = self._state.get(key)
+        if state is not None and not state.running:
+            del self._state[key]
+
+    async def _run(self, key: PoolKey, state: _KeyState) -> None:
+        try:
+            while state.dirty:
+                state.dirty = False
+                try:
+                    await self._worker(key)
+                    state.failures = 0
+                except RetryNow:
+                    state.dirty = True
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    state.failures += 1
+                    delay = min(self._max_backoff, 0.5 * 2 ** min(state.failures, 8))
+                    log.warning("reconcile %s/%s failed (%s); retrying in %.1fs", *key, exc, delay)
+                    await asyncio.sleep(delay)
+                    state.dirty = True
+        finally:
+            state.running = False
+
+    async def close(self) -> None:
+        """Cancel running passes (operator shutdown)."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def idle(self) -> bool:
+        """Return True when no reconcile is running or pending."""
+        return not any(s.running or s.dirty for s in self._state.values())

@@ -1,0 +1,324 @@
+"""Render a pool's children: ConfigMap, DaemonSet, node-local Service, metrics Service, shared PVC.
+
+Each function returns a complete server-side-apply body: every field the operator owns is present,
+fields it does not care about are absent (so other managers, e.g. an autoscaler, may own them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Final
+
+import pydantic
+import yaml
+
+from kvfabric.cacheserver import config as server_config
+from kvfabric.operator.api.v1alpha1 import KVCachePool
+from kvfabric.operator.quantity import QuantityError, format_bytes, to_bytes
+from kvfabric.operator.render import names
+
+_GiB: Final = 1 << 30
+_MiB: Final = 1 << 20
+
+
+class ConfigError(ValueError):
+    """The pool passed the CRD's validation but yields no valid server configuration."""
+
+
+@dataclass(frozen=True)
+class RenderedChildren:
+    """The desired children of one pool, plus the server configuration's hash (the revision)."""
+
+    config_hash: str
+    objects: list[dict[str, Any]]
+
+    def by_kind(self, kind: str) -> list[dict[str, Any]]:
+        """Return the rendered objects of one kind."""
+        return [obj for obj in self.objects if obj["kind"] == kind]
+
+
+def owner_reference(pool: KVCachePool) -> dict[str, Any]:
+    """Return the controller owner reference pointing at ``pool`` (GC deletes children with it)."""
+    return {
+        "apiVersion": pool.api_version,
+        "kind": pool.kind,
+        "name": pool.name,
+        "uid": str(pool.metadata.get("uid", "")),
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(pool: KVCachePool, name: str, component: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": pool.namespace,
+        "labels": names.child_labels(pool.name, component),
+        "ownerReferences": [owner_reference(pool)],
+    }
+
+
+def build_server_config(pool: KVCachePool) -> server_config.ServerConfig:
+    """Return the cache server's configuration for ``pool``; raise :class:`ConfigError` if invalid."""
+    spec = pool.spec
+    base = names.host_dir(pool.namespace, pool.name)
+    try:
+        dram_bytes = to_bytes(spec.tiers.memory.size)
+        tiers: dict[str, Any] = {"dram": {"capacity_bytes": dram_bytes}}
+        disk = spec.tiers.local_disk
+        if disk is not None:
+            tiers["local_disk"] = {
+                "path": names.LOCAL_DISK_MOUNT,
+                "capacity_bytes": to_bytes(disk.capacity),
+                "high_watermark": disk.watermarks.high,
+                "low_watermark": disk.watermarks.low,
+            }
+        shared = spec.tiers.shared
+        if shared is not None:
+            tiers["shared"] = {
+                "path": names.SHARED_MOUNT,
+                "capacity_bytes": to_bytes(shared.capacity),
+                "high_watermark": shared.watermarks.high,
+                "low_watermark": shared.watermarks.low,
+            }
+        return server_config.ServerConfig.model_validate(
+            {
+                "listen": {
+                    "unix_socket": f"{base}/{names.SOCKET_NAME}",
+                    "tcp_host": "0.0.0.0",
+                    "tcp_port": spec.server.port,
+                },
+                # The staging arena is a slice of the DRAM budget, never more than 1 GiB.
+                "shm": {"dir": f"{base}/{names.SHM_NAME}", "arena_bytes": max(1, min(_GiB, dram_bytes // 4))},
+                "metrics": {"host": "0.0.0.0", "port": spec.metrics.port},
+                "tiers": tiers,
+                "ttl_seconds": spec.ttl_seconds,
+                "bucket_seconds": min(3600, spec.ttl_seconds),
+                # A payload larger than the DRAM tier could never be stored; cap it so a small pool is valid.
+                "limits": {"max_payload_bytes": min(128 * _MiB, dram_bytes)},
+                "log_level": spec.server.log_level.upper(),
+            }
+        )
+    except (QuantityError, pydantic.ValidationError) as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def config_yaml(config: server_config.ServerConfig) -> str:
+    """Return the ConfigMap payload: the model dumped to JSON-compatible data, as YAML."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=True)
+
+
+def config_hash(text: str) -> str:
+    """Return the revision: a short digest of the rendered configuration."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def render_configmap(pool: KVCachePool, text: str) -> dict[str, Any]:
+    """Return the ConfigMap holding ``config.yaml``."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(pool, names.configmap_name(pool.name), "config"),
+        "data": {names.CONFIG_KEY: text},
+    }
+
+
+def _resources(pool: KVCachePool) -> dict[str, Any]:
+    spec = pool.spec
+    if spec.resources is not None and (spec.resources.requests or spec.resources.limits):
+        out: dict[str, Any] = {}
+        if spec.resources.requests:
+            out["requests"] = dict(spec.resources.requests)
+        if spec.resources.limits:
+            out["limits"] = dict(spec.resources.limits)
+        return out
+    # Default: the DRAM tier plus headroom for the process itself (cf. LMCache's size + 5Gi, 1.5x limit;
+    # our server keeps payloads on tmpfs, so less headroom is needed).
+    dram = to_bytes(spec.tiers.memory.size)
+    return {
+        "requests": {"cpu": "500m", "memory": format_bytes(dram + 512 * _MiB)},
+        "limits": {"memory": format_bytes(dram + dram // 4 + _GiB)},
+    }
+
+
+def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
+    """Return the DaemonSet; ``revision`` (the config hash) in the template rolls it on change."""
+    spec = pool.spec
+    base = names.host_dir(pool.namespace, pool.name)
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": names.configmap_name(pool.name)}},
+        {"name": names.RUN_VOLUME, "hostPath": {"path": base, "type": "DirectoryOrCreate"}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": names.CONFIG_MOUNT_DIR, "readOnly": True},
+        {"name": names.RUN_VOLUME, "mountPath": base},
+    ]
+    disk = spec.tiers.local_disk
+    if disk is not None:
+        if disk.host_path is not None:
+            volumes.append(
+                {"name": "local-disk", "hostPath": {"path": disk.host_path.path, "type": "DirectoryOrCreate"}}
+            )
+        else:
+            empty: dict[str, Any] = {}
+            if disk.empty_dir is not None and disk.empty_dir.size_limit is not None:
+                empty["sizeLimit"] = disk.empty_dir.size_limit
+            volumes.append({"name": "local-disk", "emptyDir": empty})
+        mounts.append({"name": "local-disk", "mountPath": names.LOCAL_DISK_MOUNT})
+    shared = spec.tiers.shared
+    if shared is not None:
+        claim = shared.existing_claim or names.shared_claim_name(pool.name)
+        volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": claim}})
+        # One sub-directory per pool, so several pools can share one existing claim.
+        mounts.append(
+            {"name": "shared", "mountPath": names.SHARED_MOUNT, "subPath": f"{pool.namespace}-{pool.name}"}
+        )
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {
+                        "matchExpressions": [
+                            {
+                                "key": spec.placement.opt_out_node_label,
+                                "operator": "NotIn",
+                                "values": ["false"],
+                            }
+                        ]
+                    }
+                ]
+            }
+        }
+    }
+    container: dict[str, Any] = {
+        "name": names.CACHE_CONTAINER,
+        "image": f"{spec.image.repository}:{spec.image.tag}",
+        "imagePullPolicy": spec.image.pull_policy.value,
+        "command": ["kvfabric", "cacheserver", "--config", names.CONFIG_PATH],
+        "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+        "ports": [
+            {"name": "cache", "containerPort": spec.server.port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": spec.metrics.port, "protocol": "TCP"},
+        ],
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": "metrics"},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "metrics"},
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
+        "resources": _resources(pool),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": mounts,
+    }
+    pod_spec: dict[str, Any] = {
+        "nodeSelector": dict(spec.placement.node_selector),
+        "tolerations": [
+            t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in spec.placement.tolerations
+        ],
+        "affinity": affinity,
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": 30,
+        "enableServiceLinks": False,
+    }
+    if spec.placement.priority_class_name:
+        pod_spec["priorityClassName"] = spec.placement.priority_class_name
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": _metadata(pool, names.daemonset_name(pool.name), "cache-server"),
+        "spec": {
+            "selector": {"matchLabels": names.selector_labels(pool.name)},
+            "updateStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": spec.update_strategy.max_unavailable, "maxSurge": 0},
+            },
+            "template": {
+                "metadata": {
+                    "labels": names.child_labels(pool.name, "cache-server"),
+                    "annotations": {names.CONFIG_HASH_ANNOTATION: revision},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def render_service(pool: KVCachePool) -> dict[str, Any]:
+    """Return the node-local Service: traffic stays on the client's node (no hostNetwork needed)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(pool, names.service_name(pool.name), "cache-server"),
+        "spec": {
+            "type": "ClusterIP",
+            "internalTrafficPolicy": "Local",
+            "selector": names.selector_labels(pool.name),
+            "ports": [
+                {"name": "cache", "port": pool.spec.server.port, "targetPort": "cache", "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def render_metrics_service(pool: KVCachePool) -> dict[str, Any]:
+    """Return the headless metrics Service (one endpoint per cache server, for Prometheus)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(pool, names.metrics_service_name(pool.name), "metrics"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": names.selector_labels(pool.name),
+            "ports": [
+                {
+                    "name": "metrics",
+                    "port": pool.spec.metrics.port,
+                    "targetPort": "metrics",
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+
+
+def render_shared_claim(pool: KVCachePool) -> dict[str, Any] | None:
+    """Return the PVC the pool owns, or None when the shared tier is absent or uses an existing claim."""
+    shared = pool.spec.tiers.shared
+    if shared is None or shared.claim_template is None:
+        return None
+    template = shared.claim_template
+    spec: dict[str, Any] = {
+        "accessModes": [mode.value for mode in template.access_modes],
+        "resources": {"requests": {"storage": template.size}},
+    }
+    if template.storage_class_name is not None:
+        spec["storageClassName"] = template.storage_class_name
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _metadata(pool, names.shared_claim_name(pool.name), "shared-storage"),
+        "spec": spec,
+    }
+
+
+def render_children(pool: KVCachePool) -> RenderedChildren:
+    """Return every child ``pool`` should have; raise :class:`ConfigError` for an unusable spec."""
+    text = config_yaml(build_server_config(pool))
+    revision = config_hash(text)
+    objects = [render_configmap(pool, text), render_daemonset(pool, revision), render_service(pool)]
+    if pool.spec.metrics.enabled:
+        objects.append(render_metrics_service(pool))
+    claim = render_shared_claim(pool)
+    if claim is not None:
+        objects.append(claim)
+    return RenderedChildren(config_hash=revision, objects=objects)

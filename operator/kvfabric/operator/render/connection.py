@@ -1,0 +1,80 @@
+"""What a consumer pod needs to reach its pool, and the hash that says whether it is current."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from kvfabric.operator.api.v1alpha1 import KVCachePool
+from kvfabric.operator.render import names
+
+
+@dataclass(frozen=True)
+class ConnectionSettings:
+    """The connector settings injected into consumer pods (as ``KVFABRIC_*`` environment variables).
+
+    ``config_hash`` covers exactly these settings: a pool change that consumers must pick up (socket
+    path, chunk size, tenant, deadlines) changes it; resizing a tier does not, so it does not mark
+    every consumer stale.
+    """
+
+    pool: str
+    namespace: str
+    host_dir: str
+    socket: str
+    shm_dir: str
+    remote: str
+    chunk_tokens: int
+    tenant: str | None = None
+    deadlines: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Return the environment variables, without the hash (ordered, deterministic)."""
+        env = {
+            "KVFABRIC_POOL": f"{self.namespace}/{self.pool}",
+            "KVFABRIC_SOCKET": self.socket,
+            "KVFABRIC_SHM_DIR": self.shm_dir,
+            "KVFABRIC_REMOTE": self.remote,
+            "KVFABRIC_CHUNK_TOKENS": str(self.chunk_tokens),
+        }
+        if self.tenant:
+            env["KVFABRIC_TENANT"] = self.tenant
+        for op in ("lookup", "load", "store"):
+            if op in self.deadlines:
+                env[f"KVFABRIC_{op.upper()}_DEADLINE_MS"] = str(self.deadlines[op])
+        return env
+
+    @property
+    def config_hash(self) -> str:
+        """Return a short stable digest of :attr:`env`."""
+        return hashlib.sha256(json.dumps(self.env, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def env_with_hash(self) -> dict[str, str]:
+        """Return :attr:`env` plus ``KVFABRIC_CONFIG_HASH``."""
+        return {**self.env, "KVFABRIC_CONFIG_HASH": self.config_hash}
+
+
+def connection_settings(pool: KVCachePool) -> ConnectionSettings:
+    """Return the connection settings of ``pool``."""
+    name, namespace = pool.name, pool.namespace
+    base = names.host_dir(namespace, name)
+    deadlines: dict[str, int] = {}
+    if pool.spec.consumers.deadlines is not None:
+        d = pool.spec.consumers.deadlines
+        for op, value in (("lookup", d.lookup_ms), ("load", d.load_ms), ("store", d.store_ms)):
+            if value is not None:
+                deadlines[op] = value
+    return ConnectionSettings(
+        pool=name,
+        namespace=namespace,
+        host_dir=base,
+        socket=f"{base}/{names.SOCKET_NAME}",
+        shm_dir=f"{base}/{names.SHM_NAME}",
+        remote=f"{names.service_name(name)}.{namespace}.svc:{pool.spec.server.port}",
+        chunk_tokens=pool.spec.chunk_tokens,
+        tenant=pool.spec.consumers.tenant,
+        deadlines=deadlines,
+    )

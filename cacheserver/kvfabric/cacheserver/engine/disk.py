@@ -1,0 +1,442 @@
+"""A directory tier of block files: local NVMe (LRU) or a shared volume (oldest bucket first).
+
+Layout under the tier's root::
+
+    buckets/<bucket>/<namespace>_<key>.blk   block files (see blockfile.py), one directory per TTL bucket
+    tmp/<server_id>/<random>.tmp             blocks being written (renamed into a bucket when complete)
+
+The index lives in memory and is rebuilt at start-up from block headers only. Reads verify both
+checksums; a block that fails is deleted, counted and reported as a miss. Capacity: a put that would
+take usage above the high watermark first evicts down to the low watermark; a put is also refused
+when the filesystem itself is nearly full (``min_free_fraction``) or reports ENOSPC — a refused
+write-back is a dropped copy, never an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from kvfabric.cacheserver.engine.base import TierUsage
+from kvfabric.cacheserver.engine.blockfile import (
+    ALIGN,
+    HEADER_SIZE,
+    BlockHeader,
+    CorruptBlock,
+    aligned_buffer,
+    read_block_into,
+    read_header,
+    write_block,
+)
+from kvfabric.cacheserver.engine.ids import BlockId
+from kvfabric.cacheserver.engine.journal import Event
+from kvfabric.cacheserver.engine.stats import Counters
+
+__all__ = ["DiskEntry", "DiskTier"]
+
+log = logging.getLogger(__name__)
+EXPIRED_PREFIX = ".expired-"
+
+
+@dataclass(slots=True)
+class DiskEntry:
+    """Index entry of one block file."""
+
+    bucket: int
+    size: int
+    """Whole file size (header + payload)."""
+
+    @property
+    def length(self) -> int:
+        """Payload bytes."""
+        return self.size - HEADER_SIZE
+
+
+class DiskTier:
+    """Block files in bucket directories, with an in-memory index, budget and watermarks."""
+
+    def __init__(
+        self,
+        name: str,
+        root: Path,
+        capacity_bytes: int,
+        *,
+        server_id: str,
+        high_watermark: float = 0.9,
+        low_watermark: float = 0.75,
+        policy: Literal["lru", "oldest_bucket"] = "lru",
+        min_free_fraction: float = 0.05,
+        direct_io: bool = True,
+        counters: Counters | None = None,
+    ) -> None:
+        self.name = name
+        self.root = root
+        self.capacity = capacity_bytes
+        self.high = high_watermark
+        self.low = low_watermark
+        self.policy = policy
+        self.min_free_fraction = min_free_fraction
+        self.direct_io = direct_io
+        self.counters = counters or Counters()
+        self.buckets_dir = root / "buckets"
+        self.tmp_dir = root / "tmp" / server_id
+        self._lock = threading.Lock()
+        self._index: OrderedDict[BlockId, DiskEntry] = OrderedDict()
+        self._by_bucket: dict[int, set[BlockId]] = {}
+        self._used = 0
+        self._reserved = 0
+        self.buckets_dir.mkdir(parents=True, exist_ok=True)
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+
+    # --- start-up ------------------------------------------------------------------------------------
+
+    def scan(self) -> int:
+        """Rebuild the index from block headers and remove this server's leftover temp files.
+
+        Returns the number of blocks indexed. Corrupt headers and misplaced files are deleted.
+        """
+        removed_tmp = 0
+        for e in os.scandir(self.tmp_dir):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(e.path)
+                removed_tmp += 1
+        found: list[tuple[BlockId, int, int, float]] = []
+        for bdir in os.scandir(self.buckets_dir):
+            if bdir.name.startswith(EXPIRED_PREFIX):
+                # A bucket claimed for expiry by a server that died mid-delete: finish the job.
+                shutil.rmtree(bdir.path, ignore_errors=True)
+                continue
+            if not bdir.name.isdigit() or not bdir.is_dir(follow_symlinks=False):
+                continue
+            bucket = int(bdir.name)
+            for f in os.scandir(bdir.path):
+                bid = BlockId.from_filename(f.name)
+                if bid is None:
+                    continue
+                try:
+                    header = read_header(Path(f.path))
+                    if header.bid != bid:
+                        raise CorruptBlock("header names another block")
+                except CorruptBlock as exc:
+                    log.warning("removing corrupt block file", extra={"path": f.path, "reason": str(exc)})
+                    self.counters.inc("checksum_failures", self.name)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(f.path)
+                    continue
+                except FileNotFoundError:
+                    continue
+                found.append((bid, bucket, header.file_size, header.created_at))
+        found.sort(key=lambda t: (t[1], t[3]))  # oldest first: LRU order approximated by age
+        with self._lock:
+            for bid, bucket, size, _ in found:
+                old = self._index.get(bid)
+                if old is not None:
+                    # Two copies (a concurrent write into another bucket): keep the newer bucket's.
+                    self._drop_locked(bid)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._path(bid, old.bucket))
+                self._add_locked(bid, DiskEntry(bucket, size))
+        log.info(
+            "tier index rebuilt",
+            extra={"tier": self.name, "blocks": len(found), "removed_tmp": removed_tmp, "used": self._used},
+        )
+        return len(found)
+
+    def reap_stale_tmp(self, older_than_s: float) -> int:
+        """Remove other (dead) servers' temp files older than ``older_than_s`` seconds."""
+        n = 0
+        now = time.time()
+        with contextlib.suppress(FileNotFoundError):
+            for sdir in os.scandir(self.tmp_dir.parent):
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    for f in os.scandir(sdir.path):
+                        with contextlib.suppress(FileNotFoundError):
+                            if now - f.stat().st_mtime > older_than_s:
+                                os.unlink(f.path)
+                                n += 1
+        return n
+
+    # --- index helpers -------------------------------------------------------------------------------
+
+    def _path(self, bid: BlockId, bucket: int) -> Path:
+        return self.buckets_dir / str(bucket) / bid.filename
+
+    def _add_locked(self, bid: BlockId, entry: DiskEntry) -> None:
+        old = self._index.pop(bid, None)
+        if old is not None:
+            self._used -= old.size
+            self._by_bucket.get(old.bucket, set()).discard(bid)
+        self._index[bid] = entry
+        self._used += entry.size
+        self._by_bucket.setdefault(entry.bucket, set()).add(bid)
+
+    def _drop_locked(self, bid: BlockId) -> DiskEntry | None:
+        entry = self._index.pop(bid, None)
+        if entry is not None:
+            self._used -= entry.size
+            members = self._by_bucket.get(entry.bucket)
+            if members is not None:
+                members.discard(bid)
+                if not members:
+                    del self._by_bucket[entry.bucket]
+        return entry
+
+    def entry(self, bid: BlockId) -> DiskEntry | None:
+        """Return the index entry of a block, or None."""
+        with self._lock:
+            return self._index.get(bid)
+
+    def buckets(self) -> list[int]:
+        """Buckets holding at least one indexed block, oldest first."""
+        with self._lock:
+            return sorted(self._by_bucket)
+
+    def bucket_dirs(self) -> list[int]:
+        """Bucket directories present on disk (includes buckets the index has not heard of)."""
+        out = []
+        with contextlib.suppress(FileNotFoundError):
+            for e in os.scandir(self.buckets_dir):
+                if e.name.isdigit():
+                    out.append(int(e.name))
+        return sorted(out)
+
+    # --- Tier interface ------------------------------------------------------------------------------
+
+    def contains(self, bid: BlockId) -> bool:
+        """Whether the index holds ``bid`` (no filesystem access)."""
+        with self._lock:
+            return bid in self._index
+
+    def get(self, bid: BlockId) -> bytes | None:
+        """Return the verified payload, or None."""
+        entry = self.entry(bid)
+        if entry is None:
+            return None
+        buf = aligned_buffer(entry.length)
+        try:
+            header = self.read_into(bid, memoryview(buf))
+            return None if header is None else buf[: header.length]
+        finally:
+            buf.close()
+
+    def read_into(self, bid: BlockId, dest: memoryview) -> BlockHeader | None:
+        """Read and verify a block into ``dest`` (page-aligned, room for the payload rounded up to 4 KiB).
+
+        A missing file or a checksum failure is a miss; a corrupt file is deleted and counted.
+        """
+        entry = self.entry(bid)
+        if entry is None:
+            return None
+        path = self._path(bid, entry.bucket)
+        try:
+            header = read_block_into(path, bid, dest, direct=self.direct_io)
+        except FileNotFoundError:
+            # Deleted or expired by another server before its journal entry reached us.
+            self._forget(bid, entry.bucket)
+            return None
+        except CorruptBlock as exc:
+            log.warning(
+                "corrupt block removed", extra={"tier": self.name, "path": str(path), "reason": str(exc)}
+            )
+            self.counters.inc("checksum_failures", self.name)
+            self._forget(bid, entry.bucket)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return None
+        with self._lock:
+            if bid in self._index:
+                self._index.move_to_end(bid)
+        return header
+
+    def _forget(self, bid: BlockId, bucket: int) -> None:
+        with self._lock:
+            cur = self._index.get(bid)
+            if cur is not None and cur.bucket == bucket:
+                self._drop_locked(bid)
+
+    def put(
+        self,
+        bid: BlockId,
+        payload: bytes | bytearray | memoryview,
+        *,
+        bucket: int,
+        created_at: float | None = None,
+        checksum: bytes | None = None,
+    ) -> BlockHeader | None:
+        """Write a block atomically into ``bucket``; None if it does not fit (budget or disk full)."""
+        length = memoryview(payload).nbytes
+        size = HEADER_SIZE + length
+        if not self._reserve(size):
+            self.counters.inc("writes_refused", self.name)
+            return None
+        try:
+            if not self._disk_has_room(size):
+                self.counters.inc("writes_refused", self.name)
+                return None
+            try:
+                header = write_block(
+                    self.tmp_dir,
+                    self._path(bid, bucket),
+                    bid,
+                    payload,
+                    created_at=time.time() if created_at is None else created_at,
+                    bucket=bucket,
+                    checksum=checksum,
+                )
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    self.counters.inc("writes_refused", self.name)
+                    return None
+                raise
+            with self._lock:
+                self._add_locked(bid, DiskEntry(bucket, header.file_size))
+            return header
+        finally:
+            with self._lock:
+                self._reserved -= size
+
+    def _disk_has_room(self, size: int) -> bool:
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return False
+        total = st.f_blocks * st.f_frsize
+        free = st.f_bavail * st.f_frsize
+        return free - size - ALIGN >= total * self.min_free_fraction
+
+    def _reserve(self, size: int) -> bool:
+        high = int(self.capacity * self.high)
+        if size > high:
+            return False
+        with self._lock:
+            if self._used + self._reserved + size <= high:
+                self._reserved += size
+                return True
+        self.evict(max(0, min(int(self.capacity * self.low), high - size)))
+        with self._lock:
+            if self._used + self._reserved + size <= high:
+                self._reserved += size
+                return True
+        return False
+
+    def delete(self, bid: BlockId) -> bool:
+        """Delete a block's file and index entry."""
+        with self._lock:
+            entry = self._drop_locked(bid)
+        if entry is None:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(bid, entry.bucket))
+        return True
+
+    def usage(self) -> TierUsage:
+        """Return the current occupancy (as far as the index knows)."""
+        with self._lock:
+            return TierUsage(self.name, self._used, self.capacity, len(self._index), self.high, self.low)
+
+    def evict(self, target_bytes: int) -> list[BlockId]:
+        """Evict until usage is at most ``target_bytes``: LRU, or oldest bucket first."""
+        victims: list[tuple[BlockId, DiskEntry]] = []
+        with self._lock:
+            if self.policy == "lru":
+                while self._index and self._used + self._reserved > target_bytes:
+                    bid = next(iter(self._index))
+                    entry = self._drop_locked(bid)
+                    assert entry is not None
+                    victims.append((bid, entry))
+            else:
+                for bucket in sorted(self._by_bucket):
+                    if self._used + self._reserved <= target_bytes:
+                        break
+                    # Within the oldest bucket, least recently used first.
+                    members = self._by_bucket[bucket]
+                    order = [b for b in self._index if b in members]
+                    for bid in order:
+                        if self._used + self._reserved <= target_bytes:
+                            break
+                        entry = self._drop_locked(bid)
+                        assert entry is not None
+                        victims.append((bid, entry))
+        for bid, entry in victims:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path(bid, entry.bucket))
+        if victims:
+            self.counters.inc("evictions", self.name, len(victims))
+            self.on_evicted([bid for bid, _ in victims])
+        return [bid for bid, _ in victims]
+
+    def on_evicted(self, bids: list[BlockId]) -> None:
+        """Run after evictions (the tiered store hooks this to journal shared-tier deletes)."""
+
+    # --- TTL -----------------------------------------------------------------------------------------
+
+    def refresh(self, bid: BlockId, bucket: int) -> bool:
+        """Move a block into ``bucket`` (a hit keeps it alive); True if it moved."""
+        with self._lock:
+            entry = self._index.get(bid)
+            if entry is None or entry.bucket >= bucket:
+                return False
+            old_bucket = entry.bucket
+        src, dst = self._path(bid, old_bucket), self._path(bid, bucket)
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(src, dst)
+        except FileNotFoundError:
+            self._forget(bid, old_bucket)
+            return False
+        with self._lock:
+            cur = self._index.get(bid)
+            if cur is not None and cur.bucket == old_bucket:
+                self._add_locked(bid, DiskEntry(bucket, cur.size))
+        return True
+
+    def expire_bucket(self, bucket: int) -> list[BlockId] | None:
+        """Delete a whole bucket; None if another server claimed it first.
+
+        The claim is an atomic rename of the directory, so exactly one server expires a bucket.
+        """
+        src = self.buckets_dir / str(bucket)
+        claimed = self.buckets_dir / f"{EXPIRED_PREFIX}{bucket}-{os.urandom(4).hex()}"
+        try:
+            os.rename(src, claimed)
+        except FileNotFoundError:
+            self.forget_bucket(bucket)
+            return None
+        shutil.rmtree(claimed, ignore_errors=True)
+        gone = self.forget_bucket(bucket)
+        self.counters.inc("expired_buckets", self.name)
+        self.counters.inc("expirations", self.name, len(gone))
+        return gone
+
+    def forget_bucket(self, bucket: int) -> list[BlockId]:
+        """Drop a bucket's index entries (it was expired, here or elsewhere)."""
+        with self._lock:
+            members = list(self._by_bucket.get(bucket, ()))
+            for bid in members:
+                self._drop_locked(bid)
+        return members
+
+    # --- journal events from other servers -----------------------------------------------------------
+
+    def apply(self, events: list[Event]) -> None:
+        """Update the index from other servers' journal events (no filesystem access)."""
+        forget: list[int] = []
+        with self._lock:
+            for ev in events:
+                if ev.op == "P" and ev.bid is not None:
+                    self._add_locked(ev.bid, DiskEntry(ev.bucket, HEADER_SIZE + ev.length))
+                elif ev.op == "D" and ev.bid is not None:
+                    self._drop_locked(ev.bid)
+                elif ev.op == "X":
+                    forget.append(ev.bucket)
+        for b in forget:
+            self.forget_bucket(b)

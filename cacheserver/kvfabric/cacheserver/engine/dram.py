@@ -1,0 +1,247 @@
+"""The DRAM tier: one tmpfs file per block in the shared-memory arena directory, evicted LRU.
+
+Keeping DRAM blocks as files on the tmpfs that same-node engines mount is what makes a same-node load
+one copy: the server names the file, the client ``preadv``s it straight into its own buffer. Names are
+128-bit random tokens in a directory that clients may traverse but not list (mode 0711), so a client
+reaches only the blocks the server named to it. Files are read-only to clients and never rewritten:
+a block's file is unlinked on eviction or deletion, and a client that already opened it keeps reading
+the same, complete bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvfabric.cacheserver.engine.base import TierUsage
+from kvfabric.cacheserver.engine.blockfile import ALIGN
+from kvfabric.cacheserver.engine.ids import BlockId
+from kvfabric.cacheserver.engine.stats import Counters
+
+__all__ = ["DramBlock", "DramTier", "OpenBlock"]
+
+DRAM_PREFIX = "d_"
+
+
+@dataclass(frozen=True, slots=True)
+class DramBlock:
+    """Where a DRAM block lives."""
+
+    name: str
+    """File name inside the arena directory."""
+    length: int
+    """Payload bytes."""
+    size: int
+    """Bytes charged to the budget (the file, rounded up to a page)."""
+
+
+class OpenBlock:
+    """An open, read-only handle on a DRAM block; stays valid after eviction. Close it."""
+
+    def __init__(self, fd: int, length: int) -> None:
+        self.fd = fd
+        self.length = length
+        self._map: mmap.mmap | None = None
+
+    def view(self) -> memoryview:
+        """Return the payload as a read-only memoryview (mapped lazily)."""
+        if self._map is None:
+            self._map = mmap.mmap(self.fd, max(self.length, 1), prot=mmap.PROT_READ)
+        return memoryview(self._map)[: self.length]
+
+    def read(self) -> bytes:
+        """Return the payload as bytes (one copy)."""
+        return os.pread(self.fd, self.length, 0)
+
+    def close(self) -> None:
+        """Release the fd and mapping (the mapping stays if a view is still exported)."""
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
+            self._map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> OpenBlock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DramTier:
+    """LRU tier of tmpfs files with a byte budget and high/low watermarks."""
+
+    name = "dram"
+
+    def __init__(
+        self,
+        directory: Path,
+        capacity_bytes: int,
+        *,
+        high_watermark: float = 1.0,
+        low_watermark: float = 0.9,
+        counters: Counters | None = None,
+    ) -> None:
+        self.dir = directory
+        self.capacity = capacity_bytes
+        self.high = high_watermark
+        self.low = low_watermark
+        self.counters = counters or Counters()
+        self._lock = threading.Lock()
+        self._index: OrderedDict[BlockId, DramBlock] = OrderedDict()
+        self._used = 0
+        # Bytes promised to puts in flight; counted so concurrent puts cannot overshoot the budget.
+        self._reserved = 0
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # Traversable but not listable: clients open only the names the server gives them.
+        os.chmod(self.dir, 0o711)  # noqa: S103
+        self._clean_leftovers()
+
+    def _clean_leftovers(self) -> None:
+        # A previous server process's DRAM does not survive it: its files are stale memory.
+        for entry in os.scandir(self.dir):
+            if entry.name.startswith(DRAM_PREFIX) and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+
+    # --- Tier interface ------------------------------------------------------------------------------
+
+    def contains(self, bid: BlockId) -> bool:
+        """Whether the block is resident."""
+        with self._lock:
+            return bid in self._index
+
+    def get(self, bid: BlockId) -> bytes | None:
+        """Return the payload (one copy), or None."""
+        handle = self.open(bid)
+        if handle is None:
+            return None
+        with handle:
+            return handle.read()
+
+    def put(self, bid: BlockId, payload: bytes | bytearray | memoryview, *, bucket: int = 0) -> bool:
+        """Copy ``payload`` into a new block; False if it does not fit."""
+        view = memoryview(payload).cast("B")
+
+        def fill(fd: int) -> None:
+            done = 0
+            while done < len(view):
+                done += os.pwritev(fd, [view[done:]], done)
+
+        return self.put_with(bid, len(view), fill)
+
+    def delete(self, bid: BlockId) -> bool:
+        """Drop a block (clients that opened it keep their bytes)."""
+        with self._lock:
+            blk = self._index.pop(bid, None)
+            if blk is None:
+                return False
+            self._used -= blk.size
+        self._unlink(blk.name)
+        return True
+
+    def usage(self) -> TierUsage:
+        """Return the current occupancy."""
+        with self._lock:
+            return TierUsage(self.name, self._used, self.capacity, len(self._index), self.high, self.low)
+
+    def evict(self, target_bytes: int) -> list[BlockId]:
+        """Evict least-recently-used blocks until usage is at most ``target_bytes``."""
+        gone: list[tuple[BlockId, DramBlock]] = []
+        with self._lock:
+            while self._index and self._used + self._reserved > target_bytes:
+                bid, blk = self._index.popitem(last=False)
+                self._used -= blk.size
+                gone.append((bid, blk))
+        for _, blk in gone:
+            self._unlink(blk.name)
+        if gone:
+            self.counters.inc("evictions", self.name, len(gone))
+        return [bid for bid, _ in gone]
+
+    # --- DRAM-specific -------------------------------------------------------------------------------
+
+    def slot(self, bid: BlockId) -> DramBlock | None:
+        """Where a resident block lives (and mark it recently used), or None."""
+        with self._lock:
+            blk = self._index.get(bid)
+            if blk is not None:
+                self._index.move_to_end(bid)
+            return blk
+
+    def open(self, bid: BlockId) -> OpenBlock | None:
+        """Open a resident block for reading, or None (also None if it was evicted meanwhile)."""
+        blk = self.slot(bid)
+        if blk is None:
+            return None
+        try:
+            fd = os.open(self.dir / blk.name, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        return OpenBlock(fd, blk.length)
+
+    def put_with(self, bid: BlockId, length: int, fill: Callable[[int], None]) -> bool:
+        """Create a block of ``length`` bytes and let ``fill(fd)`` write its payload.
+
+        Room is reserved first (evicting LRU blocks down to the low watermark when needed), so the
+        tier never exceeds its high watermark even with puts in flight. ``fill`` may raise; the
+        block is then discarded and the error propagates.
+        """
+        size = max(ALIGN, -(-length // ALIGN) * ALIGN)
+        if not self._reserve(size):
+            return False
+        name = f"{DRAM_PREFIX}{secrets.token_hex(16)}"
+        path = self.dir / name
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                os.fchmod(fd, 0o644)
+                os.ftruncate(fd, length)
+                fill(fd)
+            finally:
+                os.close(fd)
+        except BaseException:
+            self._unlink(name)
+            with self._lock:
+                self._reserved -= size
+            raise
+        old: DramBlock | None
+        with self._lock:
+            self._reserved -= size
+            old = self._index.pop(bid, None)
+            if old is not None:
+                self._used -= old.size
+            self._index[bid] = DramBlock(name, length, size)
+            self._used += size
+        if old is not None:
+            self._unlink(old.name)
+        return True
+
+    def _reserve(self, size: int) -> bool:
+        high = int(self.capacity * self.high)
+        if size > high:
+            return False
+        with self._lock:
+            if self._used + self._reserved + size <= high:
+                self._reserved += size
+                return True
+        # Make room down to the low watermark (hysteresis: not one eviction per put).
+        self.evict(max(0, min(int(self.capacity * self.low), high - size)))
+        with self._lock:
+            if self._used + self._reserved + size <= high:
+                self._reserved += size
+                return True
+        return False
+
+    def _unlink(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.dir / name)

@@ -1,0 +1,155 @@
+"""Per-server journals on the shared volume: how servers learn each other's blocks without probing.
+
+Each server appends one line per event to ``journals/<server_id>.log`` and tails every other file:
+
+    P <bucket> <namespace> <key> <length>   a block is stored (or refreshed into <bucket>)
+    D <namespace> <key>                     a block was deleted (evicted or by request)
+    X <bucket>                              a whole bucket expired
+
+Lines are tiny single ``write`` calls on an O_APPEND file that only its owner writes, so a reader
+sees whole lines or a partial last line (kept until its newline arrives). The journal is a hint, not
+the truth: a stale "present" entry costs one failed open (then a miss and an index fix), a lost one a
+miss — never wrong bytes, because every read verifies the block's checksums. That is what lets the
+journal be truncated when it grows: on start-up and past :data:`MAX_JOURNAL_BYTES`; a tailer that
+sees a file shrink starts it over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvfabric.cacheserver.engine.ids import BlockId, InvalidId
+
+__all__ = ["Event", "JournalReader", "JournalWriter", "parse_lines"]
+
+MAX_JOURNAL_BYTES = 64 << 20
+SUFFIX = ".log"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One journal entry."""
+
+    op: str
+    bid: BlockId | None = None
+    bucket: int = 0
+    length: int = 0
+
+
+def format_event(ev: Event) -> bytes:
+    """Encode one event as a journal line."""
+    if ev.op == "P" and ev.bid is not None:
+        return f"P {ev.bucket} {ev.bid.namespace} {ev.bid.key} {ev.length}\n".encode()
+    if ev.op == "D" and ev.bid is not None:
+        return f"D {ev.bid.namespace} {ev.bid.key}\n".encode()
+    if ev.op == "X":
+        return f"X {ev.bucket}\n".encode()
+    raise ValueError(f"cannot encode {ev}")
+
+
+def parse_lines(data: bytes) -> Iterator[Event]:
+    """Decode complete lines; malformed ones (e.g. a torn write after a crash) are skipped."""
+    for raw in data.split(b"\n"):
+        parts = raw.decode("ascii", "replace").split()
+        try:
+            if len(parts) == 5 and parts[0] == "P":
+                yield Event("P", BlockId.parse(parts[2], parts[3]), int(parts[1]), int(parts[4]))
+            elif len(parts) == 3 and parts[0] == "D":
+                yield Event("D", BlockId.parse(parts[1], parts[2]))
+            elif len(parts) == 2 and parts[0] == "X":
+                yield Event("X", bucket=int(parts[1]))
+        except (InvalidId, ValueError):
+            continue
+
+
+class JournalWriter:
+    """Appends this server's events to its own journal."""
+
+    def __init__(self, journal_dir: Path, server_id: str) -> None:
+        journal_dir.mkdir(parents=True, exist_ok=True)
+        self.path = journal_dir / f"{server_id}{SUFFIX}"
+        self._lock = threading.Lock()
+        # Start empty: every server rebuilds its index from block headers at start-up, so nothing
+        # this server wrote before its restart is still needed by anyone.
+        self._fd = os.open(
+            self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o644
+        )
+        self._size = 0
+
+    def append(self, events: list[Event]) -> None:
+        """Append events in one write (best effort: a failed append costs other servers a miss)."""
+        if not events:
+            return
+        data = b"".join(format_event(e) for e in events)
+        with self._lock:
+            if self._fd < 0:
+                return
+            try:
+                if self._size + len(data) > MAX_JOURNAL_BYTES:
+                    os.ftruncate(self._fd, 0)
+                    self._size = 0
+                os.write(self._fd, data)
+                self._size += len(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        """Close the journal file."""
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+class JournalReader:
+    """Tails every other server's journal from where it last stopped."""
+
+    def __init__(self, journal_dir: Path, server_id: str) -> None:
+        self.dir = journal_dir
+        self.own = f"{server_id}{SUFFIX}"
+        self._pos: dict[str, int] = {}
+        self._partial: dict[str, bytes] = {}
+
+    def skip_to_end(self) -> None:
+        """Start tailing from the current ends (called before the start-up scan, which covers the past)."""
+        for name, size in self._files():
+            self._pos[name] = size
+
+    def _files(self) -> list[tuple[str, int]]:
+        out = []
+        with contextlib.suppress(FileNotFoundError):
+            for e in os.scandir(self.dir):
+                if e.name.endswith(SUFFIX) and e.name != self.own:
+                    with contextlib.suppress(FileNotFoundError):
+                        out.append((e.name, e.stat().st_size))
+        return out
+
+    def poll(self) -> list[Event]:
+        """Events appended since the last poll, across all other journals."""
+        events: list[Event] = []
+        for name, size in self._files():
+            pos = self._pos.get(name, 0)
+            if size < pos:
+                # Truncated (its owner restarted or rotated): start over; events are idempotent.
+                pos = 0
+                self._partial.pop(name, None)
+            if size == pos:
+                continue
+            try:
+                with open(self.dir / name, "rb") as f:
+                    f.seek(pos)
+                    data = f.read(size - pos)
+            except FileNotFoundError:
+                continue
+            self._pos[name] = pos + len(data)
+            data = self._partial.pop(name, b"") + data
+            cut = data.rfind(b"\n") + 1
+            if cut < len(data):
+                self._partial[name] = data[cut:]
+            events.extend(parse_lines(data[:cut]))
+        return events

@@ -1,0 +1,178 @@
+"""OpenTelemetry metrics exported for Prometheus, plus the HTTP endpoint for scrapes and probes.
+
+Engine events are counted in :class:`~kvfabric.cacheserver.engine.stats.Counters` (the engine imports no
+metrics library); observable instruments read them at scrape time. Latency histograms and request
+counters are recorded by the service directly.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kvfabric.cacheserver.engine.stats import Counters
+from kvfabric.cacheserver.engine.tiered import TieredStore
+
+__all__ = ["Metrics", "ProbeServer"]
+
+# Latency buckets from 50 us to 10 s: lookups are sub-millisecond, 64 MiB disk loads tens of ms.
+_LATENCY_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+)  # fmt: skip
+
+# Engine counter name -> (exported name, description, unit).
+_ENGINE_COUNTERS: dict[str, tuple[str, str, str]] = {
+    "hits": ("kvfabric.cache.hits", "Loads served, per tier the block was found in", "1"),
+    "misses": ("kvfabric.cache.misses", "Loads of a key no tier holds", "1"),
+    "evictions": ("kvfabric.cache.evictions", "Blocks evicted for capacity, per tier", "1"),
+    "expirations": ("kvfabric.cache.expirations", "Blocks deleted by TTL bucket expiry, per tier", "1"),
+    "expired_buckets": ("kvfabric.cache.expired_buckets", "TTL buckets expired by this server", "1"),
+    "checksum_failures": ("kvfabric.cache.checksum_failures", "Corrupt blocks detected and removed", "1"),
+    "dropped_stores": ("kvfabric.cache.dropped_stores", "Stores dropped under backpressure", "1"),
+    "dropped_writebacks": ("kvfabric.cache.dropped_writebacks", "Write-backs to a disk tier dropped", "1"),
+    "writes_refused": ("kvfabric.cache.writes_refused", "Disk writes refused: budget or disk full", "1"),
+    "bytes_written": ("kvfabric.cache.tier_written", "Payload bytes written back to a disk tier", "By"),
+    "stores": ("kvfabric.cache.stores", "Blocks stored into DRAM", "1"),
+}
+
+
+class Metrics:
+    """The server's instruments, on a private Prometheus registry."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._reader = PrometheusMetricReader(registry=self.registry)
+        views = [
+            View(
+                instrument_name="kvfabric.*.duration",
+                aggregation=ExplicitBucketHistogramAggregation(_LATENCY_BUCKETS),
+            )
+        ]
+        self.provider = MeterProvider(metric_readers=[self._reader], views=views)
+        meter = self.provider.get_meter("kvfabric.cacheserver")
+        self._store = store
+        counters: Counters = store.counters
+        for key, (name, desc, unit) in _ENGINE_COUNTERS.items():
+            meter.create_observable_counter(
+                name, callbacks=[_counter_cb(counters, key)], unit=unit, description=desc
+            )
+        meter.create_observable_gauge(
+            "kvfabric.tier.used",
+            callbacks=[self._usage_cb("used")],
+            unit="By",
+            description="Bytes used per tier",
+        )
+        meter.create_observable_gauge(
+            "kvfabric.tier.capacity",
+            callbacks=[self._usage_cb("capacity")],
+            unit="By",
+            description="Tier budgets",
+        )
+        meter.create_observable_gauge(
+            "kvfabric.tier.blocks",
+            callbacks=[self._usage_cb("blocks")],
+            unit="1",
+            description="Blocks per tier",
+        )
+        self.requests = meter.create_counter(
+            "kvfabric.rpc.requests", unit="1", description="RPCs by method and code"
+        )
+        self.lookups = meter.create_counter("kvfabric.cache.lookups", unit="1", description="Lookup requests")
+        self.lookup_keys = meter.create_counter(
+            "kvfabric.cache.lookup_keys",
+            unit="1",
+            description="Keys asked for in lookups, by result (hit/miss)",
+        )
+        self.bytes_out = meter.create_counter(
+            "kvfabric.cache.bytes_out", unit="By", description="Payload bytes served, by transport"
+        )
+        self.bytes_in = meter.create_counter(
+            "kvfabric.cache.bytes_in", unit="By", description="Payload bytes accepted, by transport"
+        )
+        self.load_duration = meter.create_histogram(
+            "kvfabric.load.duration", unit="s", description="Load latency (server side), by transport"
+        )
+        self.store_duration = meter.create_histogram(
+            "kvfabric.store.duration", unit="s", description="Store latency (server side), by transport"
+        )
+        self.lookup_duration = meter.create_histogram(
+            "kvfabric.lookup.duration", unit="s", description="Lookup latency (server side)"
+        )
+
+    def _usage_cb(self, what: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def cb(_: CallbackOptions) -> Iterable[Observation]:
+            for u in [self._store.dram.usage(), *(t.usage() for t in self._store.disk_tiers)]:
+                value = {"used": u.used_bytes, "capacity": u.capacity_bytes, "blocks": u.blocks}[what]
+                yield Observation(value, {"tier": u.name})
+
+        return cb
+
+    def exposition(self) -> bytes:
+        """Prometheus text exposition of every instrument."""
+        return generate_latest(self.registry)
+
+    def shutdown(self) -> None:
+        """Stop the meter provider."""
+        self.provider.shutdown()
+
+
+def _counter_cb(counters: Counters, key: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def cb(_: CallbackOptions) -> Iterable[Observation]:
+        for (name, tier), value in counters.snapshot().items():
+            if name == key:
+                yield Observation(value, {"tier": tier} if tier else {})
+
+    return cb
+
+
+class ProbeServer:
+    """``GET /metrics``, ``/healthz`` (process alive) and ``/readyz`` (serving) on a background thread."""
+
+    def __init__(self, host: str, port: int, metrics: Metrics) -> None:
+        self.ready = False
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, metrics.exposition(), CONTENT_TYPE_LATEST)
+                elif path == "/healthz":
+                    self._send(200, b"ok\n", "text/plain")
+                elif path == "/readyz":
+                    ok = outer.ready
+                    self._send(200 if ok else 503, b"ready\n" if ok else b"not ready\n", "text/plain")
+                else:
+                    self._send(404, b"not found\n", "text/plain")
+
+            def _send(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return  # scrapes every few seconds would drown the logs
+
+        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        self._httpd.daemon_threads = True
+        self.port = int(self._httpd.server_address[1])
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics-http", daemon=True)
+
+    def start(self) -> None:
+        """Start serving."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop serving."""
+        self._httpd.shutdown()
+        self._httpd.server_close()

@@ -1,0 +1,389 @@
+"""The gRPC servicer: translates messages to engine calls and engine outcomes to status codes.
+
+Backpressure lives here: loads and stores have separate thread pools and separate concurrency limits,
+so a load never waits behind a store. A load waits for a slot until its deadline; a store that finds no
+free slot is dropped at once and counted (a dropped store costs a future recompute, never correctness).
+"""
+
+from __future__ import annotations
+
+# Method names are the RPC names of the generated servicer.
+# ruff: noqa: N802
+import asyncio
+import contextlib
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+import grpc.aio
+
+from kvfabric.cacheserver.arena import StagingArena, UnknownLease
+from kvfabric.cacheserver.config import LimitsConfig
+from kvfabric.cacheserver.engine.dram import DramBlock, OpenBlock
+from kvfabric.cacheserver.engine.ids import BlockId, InvalidId, parse_ids
+from kvfabric.cacheserver.engine.tiered import TieredStore
+from kvfabric.cacheserver.metrics import Metrics
+from kvfabric.rpc.v1 import cache_pb2 as pb
+from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
+
+__all__ = ["CacheService", "SharedState"]
+
+T = TypeVar("T")
+_TIER_ENUM = {"dram": pb.TIER_DRAM, "local_disk": pb.TIER_LOCAL_DISK, "shared": pb.TIER_SHARED}
+_DEFAULT_PIECE = 4 << 20
+_MIN_PIECE, _MAX_PIECE = 64 << 10, 64 << 20
+
+
+class SharedState:
+    """What both listeners' servicers share: the store, the arena, pools, limits and metrics."""
+
+    def __init__(
+        self, store: TieredStore, arena: StagingArena, metrics: Metrics, limits: LimitsConfig
+    ) -> None:
+        self.store = store
+        self.arena = arena
+        self.metrics = metrics
+        self.limits = limits
+        self.load_pool = ThreadPoolExecutor(max_workers=limits.io_threads, thread_name_prefix="load")
+        self.store_pool = ThreadPoolExecutor(
+            max_workers=limits.max_concurrent_stores, thread_name_prefix="store"
+        )
+        self.load_slots = asyncio.Semaphore(limits.max_concurrent_loads)
+        self.store_inflight = 0
+
+    def try_store_slot(self) -> bool:
+        """Take a store slot if one is free (never waits: stores are dropped, not queued)."""
+        if self.store_inflight >= self.limits.max_concurrent_stores:
+            return False
+        self.store_inflight += 1
+        return True
+
+    def release_store_slot(self) -> None:
+        """Give back a store slot."""
+        self.store_inflight -= 1
+
+    def close(self) -> None:
+        """Stop the pools."""
+        self.load_pool.shutdown(wait=True, cancel_futures=True)
+        self.store_pool.shutdown(wait=True, cancel_futures=True)
+
+
+class CacheService(pb_grpc.CacheServicer):
+    """One listener's view of the cache service; ``allow_shm`` only on the Unix socket."""
+
+    def __init__(self, state: SharedState, *, allow_shm: bool) -> None:
+        self.s = state
+        self.allow_shm = allow_shm
+        self.transport = "unix" if allow_shm else "tcp"
+
+    # --- helpers -------------------------------------------------------------------------------------
+
+    def _deadline(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
+        left = context.time_remaining()
+        return self.s.limits.default_deadline_ms / 1000 if left is None else max(0.0, left)
+
+    async def _ids(
+        self, namespace: str, keys: list[str], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> list[BlockId]:
+        if len(keys) > self.s.limits.max_keys_per_request:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(keys)} keys exceed max_keys_per_request={self.s.limits.max_keys_per_request}",
+            )
+        try:
+            return parse_ids(namespace, keys)
+        except InvalidId as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _in_pool(self, pool: ThreadPoolExecutor, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn)
+
+    @contextlib.asynccontextmanager
+    async def _load_slot(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
+        try:
+            async with asyncio.timeout(self._deadline(context)):
+                await self.s.load_slots.acquire()
+        except TimeoutError:
+            await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "no load slot free before the deadline")
+        try:
+            yield
+        finally:
+            self.s.load_slots.release()
+
+    # --- RPCs ----------------------------------------------------------------------------------------
+
+    async def Lookup(
+        self, request: pb.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.LookupResponse:
+        """Index-only answer: leading stored keys and their tiers."""
+        t0 = time.perf_counter()
+        bids = await self._ids(request.namespace, list(request.keys), context)
+        tiers = self.s.store.lookup(bids)
+        m = self.s.metrics
+        m.lookups.add(1)
+        m.lookup_keys.add(len(tiers), {"result": "hit"})
+        m.lookup_keys.add(len(bids) - len(tiers), {"result": "miss"})
+        m.lookup_duration.record(time.perf_counter() - t0)
+        return pb.LookupResponse(matched=len(tiers), tiers=[_TIER_ENUM[t] for t in tiers])
+
+    async def ShmLoad(
+        self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ShmLoadResponse:
+        """Name the arena files holding the leading present payloads (promoting from disk if needed)."""
+        if not self.allow_shm:
+            await _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "shared memory is only served on the Unix socket",
+            )
+        t0 = time.perf_counter()
+        bids = await self._ids(request.namespace, list(request.keys), context)
+        store = self.s.store
+
+        def ensure_all() -> list[DramBlock]:
+            out = []
+            for bid in bids:
+                blk = store.ensure_dram(bid)
+                if blk is None:
+                    break
+                out.append(blk)
+            return out
+
+        async with self._load_slot(context):
+            if all(store.dram.contains(b) for b in bids):
+                blocks = ensure_all()  # DRAM only: index work, no I/O, answer inline
+            else:
+                blocks = await self._in_pool(self.s.load_pool, ensure_all)
+        nbytes = sum(b.length for b in blocks)
+        self.s.metrics.bytes_out.add(nbytes, {"transport": "shm"})
+        self.s.metrics.load_duration.record(time.perf_counter() - t0, {"transport": "shm"})
+        return pb.ShmLoadResponse(slots=[pb.ShmSlot(name=b.name, length=b.length) for b in blocks])
+
+    async def Load(
+        self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.LoadChunk]:
+        """Stream the leading present payloads in pieces."""
+        t0 = time.perf_counter()
+        bids = await self._ids(request.namespace, list(request.keys), context)
+        piece = request.max_message_bytes or _DEFAULT_PIECE
+        piece = min(max(piece, _MIN_PIECE), _MAX_PIECE)
+        nbytes = 0
+        async with self._load_slot(context):
+            for i, bid in enumerate(bids):
+                item = await self._in_pool(self.s.load_pool, lambda b=bid: self.s.store.open_block(b))  # type: ignore[misc]
+                if item is None:
+                    break
+                handle = item if isinstance(item, OpenBlock) else None
+                view = handle.view() if handle is not None else memoryview(item)  # type: ignore[arg-type]
+                try:
+                    n = len(view)
+                    for off in range(0, max(n, 1), piece):
+                        yield pb.LoadChunk(
+                            index=i, total_length=n, offset=off, data=bytes(view[off : off + piece])
+                        )
+                    nbytes += n
+                finally:
+                    view.release()
+                    if handle is not None:
+                        handle.close()
+        self.s.metrics.bytes_out.add(nbytes, {"transport": "grpc"})
+        self.s.metrics.load_duration.record(time.perf_counter() - t0, {"transport": "grpc"})
+
+    async def Store(
+        self, request_iterator: AsyncIterator[pb.StoreChunk], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.StoreResponse:
+        """Receive a stream of payload pieces; each complete payload is put into DRAM."""
+        t0 = time.perf_counter()
+        limits = self.s.limits
+        have_slot = self.s.try_store_slot()
+        accepted = dropped = 0
+        namespace: str | None = None
+        cur: _Incoming | None = None
+        nkeys = 0
+        try:
+            async for msg in request_iterator:
+                if namespace is None:
+                    namespace = msg.namespace
+                    await self._ids(namespace, [], context)
+                elif msg.namespace and msg.namespace != namespace:
+                    await _abort(
+                        context, grpc.StatusCode.INVALID_ARGUMENT, "namespace changed within one store"
+                    )
+                if msg.key:
+                    if cur is not None:
+                        ok = await self._finish(cur, have_slot, context)
+                        accepted, dropped = accepted + ok, dropped + (not ok)
+                    nkeys += 1
+                    if nkeys > limits.max_keys_per_request:
+                        await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "too many keys in one store")
+                    (bid,) = await self._ids(namespace, [msg.key], context)
+                    if msg.total_length > limits.max_payload_bytes:
+                        await _abort(
+                            context,
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"payload of {msg.total_length} bytes exceeds "
+                            f"max_payload_bytes={limits.max_payload_bytes}",
+                        )
+                    cur = _Incoming(bid, msg.total_length)
+                elif cur is None:
+                    await _abort(
+                        context, grpc.StatusCode.INVALID_ARGUMENT, "first store message must carry a key"
+                    )
+                if cur.filled + len(msg.data) > cur.total:
+                    await _abort(
+                        context,
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"more data than total_length={cur.total} for key {cur.bid.key}",
+                    )
+                cur.add(msg.data, keep=have_slot)
+            if cur is not None:
+                ok = await self._finish(cur, have_slot, context)
+                accepted, dropped = accepted + ok, dropped + (not ok)
+        finally:
+            if have_slot:
+                self.s.release_store_slot()
+        if dropped:
+            self.s.store.counters.inc("dropped_stores", "grpc", dropped)
+        self.s.metrics.store_duration.record(time.perf_counter() - t0, {"transport": "grpc"})
+        return pb.StoreResponse(accepted=accepted, dropped=dropped)
+
+    async def _finish(
+        self, cur: _Incoming, have_slot: bool, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bool:
+        if cur.filled != cur.total:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"truncated stream: key {cur.bid.key} got {cur.filled} of {cur.total} bytes",
+            )
+        if not have_slot:
+            return False
+        store = self.s.store
+        if store.contains(cur.bid):
+            return True
+        pieces = cur.pieces
+
+        def fill(fd: int) -> None:
+            off = 0
+            for p in pieces:
+                view = memoryview(p)
+                done = 0
+                while done < len(view):
+                    done += os.pwritev(fd, [view[done:]], off + done)
+                off += len(view)
+
+        ok = await self._in_pool(self.s.store_pool, lambda: store.put_with(cur.bid, cur.total, fill))
+        if ok:
+            self.s.metrics.bytes_in.add(cur.total, {"transport": "grpc"})
+        return ok
+
+    async def ShmStoreBegin(
+        self, request: pb.ShmStoreBeginRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ShmStoreBeginResponse:
+        """Hand out staging files for the keys the server can take now."""
+        if not self.allow_shm:
+            await _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "shared memory is only served on the Unix socket",
+            )
+        bids = await self._ids(request.namespace, list(request.keys), context)
+        lengths = list(request.lengths)
+        if len(lengths) != len(bids):
+            await _abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, f"{len(bids)} keys but {len(lengths)} lengths"
+            )
+        too_big = [n for n in lengths if n > self.s.limits.max_payload_bytes]
+        if too_big:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"payload of {too_big[0]} bytes exceeds max_payload_bytes={self.s.limits.max_payload_bytes}",
+            )
+        present = [self.s.store.contains(b) for b in bids]
+        res = await self._in_pool(self.s.store_pool, lambda: self.s.arena.begin(bids, lengths, present))
+        return pb.ShmStoreBeginResponse(
+            lease_id=res.lease_id,
+            slots=[pb.ShmSlot(name=n, length=ln) for n, ln in zip(res.names, res.lengths, strict=True)],
+            dropped=res.dropped,
+            present=res.present,
+        )
+
+    async def ShmStoreCommit(
+        self, request: pb.ShmStoreCommitRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.StoreResponse:
+        """Copy a lease's staging files into DRAM (or abort it)."""
+        if not self.allow_shm:
+            await _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "shared memory is only served on the Unix socket",
+            )
+        t0 = time.perf_counter()
+        arena = self.s.arena
+        try:
+            if request.abort:
+                arena.abort(request.lease_id)
+                return pb.StoreResponse()
+            if not self.s.try_store_slot():
+                # Under pressure: drop the whole lease now rather than queue behind other stores.
+                arena.abort(request.lease_id)
+                self.s.store.counters.inc("dropped_stores", "shm")
+                return pb.StoreResponse(accepted=0, dropped=0)
+        except UnknownLease:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, "unknown or expired store lease")
+        try:
+            accepted, dropped = await self._in_pool(
+                self.s.store_pool, lambda: arena.commit(request.lease_id, self.s.store)
+            )
+        except UnknownLease:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, "unknown or expired store lease")
+        finally:
+            self.s.release_store_slot()
+        self.s.metrics.store_duration.record(time.perf_counter() - t0, {"transport": "shm"})
+        return pb.StoreResponse(accepted=accepted, dropped=dropped)
+
+    async def Delete(
+        self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.DeleteResponse:
+        """Delete keys from every tier."""
+        bids = await self._ids(request.namespace, list(request.keys), context)
+        store = self.s.store
+        n = await self._in_pool(self.s.store_pool, lambda: sum(store.delete(b) for b in bids))
+        return pb.DeleteResponse(deleted=n)
+
+    async def Stats(
+        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.StatsResponse:
+        """Usage and counters as JSON."""
+        stats = self.s.store.stats()
+        stats["arena_used_bytes"] = self.s.arena.used_bytes
+        stats["store_inflight"] = self.s.store_inflight
+        return pb.StatsResponse(json=json.dumps(stats))
+
+
+class _Incoming:
+    """A payload being received in pieces."""
+
+    __slots__ = ("bid", "filled", "pieces", "total")
+
+    def __init__(self, bid: BlockId, total: int) -> None:
+        self.bid = bid
+        self.total = total
+        self.filled = 0
+        self.pieces: list[bytes] = []
+
+    def add(self, data: bytes, *, keep: bool) -> None:
+        self.filled += len(data)
+        if keep and data:
+            self.pieces.append(data)
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode, msg: str) -> NoReturn:
+    await context.abort(code, msg)
+    raise AssertionError("unreachable: abort raises")  # pragma: no cover

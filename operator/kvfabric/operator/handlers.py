@@ -1,5 +1,8 @@
 """kopf wiring: thin handlers that feed the level-triggered reconciler and the pure injector.
 
+Every handler is ``async``: kopf runs sync handlers in a thread pool, but these only touch in-memory
+state and the event loop's reconcile queue, which must happen on the loop.
+
 Only ``@kopf.on.event``, ``@kopf.index``, ``@kopf.on.mutate`` and ``@kopf.on.probe`` handlers are used.
 None of them makes kopf persist anything: no diff-base or progress annotations, no finalizers. A
 restarted operator therefore sees exactly what a fresh one sees, and ``kubectl replace`` or a GitOps
@@ -120,11 +123,11 @@ def build_registry(
         await app.client.close()
 
     @kopf.on.probe(id="reconciles", registry=registry)
-    def probe_reconciles(**_: Any) -> int:
+    async def probe_reconciles(**_: Any) -> int:
         return app.reconciles
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    def pool_event(
+    async def pool_event(
         *, event: kopf.RawEvent, namespace: str | None, name: str, body: kopf.Body, **_: Any
     ) -> None:
         key = (namespace or "", name)
@@ -148,12 +151,12 @@ def build_registry(
             registry=registry,
             id=f"child-{plural}",
         )
-        def child_event(*, namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+        async def child_event(*, namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
             # kopf has no Owns(): map a child's event to its pool by label (and the namespace it shares).
             app.queue.trigger((namespace or "", labels[names.OWNER_POOL_LABEL]))
 
     @kopf.on.event("", "v1", "pods", labels={POOL_LABEL: kopf.PRESENT}, registry=registry)
-    def consumer_event(
+    async def consumer_event(
         *, namespace: str | None, labels: Mapping[str, str], annotations: Mapping[str, str], **_: Any
     ) -> None:
         pool_ns = annotations.get(names.POOL_NAMESPACE_ANNOTATION) or namespace or ""
@@ -162,7 +165,7 @@ def build_registry(
             app.queue.trigger(key)
 
     @kopf.on.event("", "v1", "namespaces", registry=registry)
-    def namespace_event(*, event: kopf.RawEvent, name: str, labels: Mapping[str, str], **_: Any) -> None:
+    async def namespace_event(*, event: kopf.RawEvent, name: str, labels: Mapping[str, str], **_: Any) -> None:
         if event.get("type") == "DELETED":
             app.namespace_labels.pop(name, None)
         else:
@@ -171,7 +174,7 @@ def build_registry(
     if webhook_server is not None:
 
         @kopf.on.mutate("", "v1", "pods", id=WEBHOOK_ID, operations=["CREATE"], registry=registry)
-        def mutate_pod(*, body: kopf.Body, patch: kopf.Patch, namespace: str | None, **_: Any) -> None:
+        async def mutate_pod(*, body: kopf.Body, patch: kopf.Patch, namespace: str | None, **_: Any) -> None:
             try:
                 result = inject(body, app.pools, app.namespace_labels, request_namespace=namespace)
             except Exception:

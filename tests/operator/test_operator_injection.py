@@ -1,0 +1,223 @@
+"""Injection is a pure function of (pod, pools, namespace labels): idempotent and never raising."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+
+from kvfabric.operator import injection
+from kvfabric.operator.injection import KV_TRANSFER_FLAG, inject, pool_target
+from kvfabric.operator.render import names
+
+
+def pool_body(name: str = "pool-a", namespace: str = "llm", **consumers: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvfabric.io/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"image": {"tag": "v1"}, "tiers": {"memory": {"size": "1Gi"}}, "consumers": consumers},
+    }
+
+
+def pools(*bodies: dict[str, Any]) -> dict[tuple[str, str], injection.PoolTarget]:
+    out = {}
+    for body in bodies:
+        target = pool_target(body)
+        assert target is not None
+        out[(target.namespace, target.name)] = target
+    return out
+
+
+def pod(
+    containers: list[dict[str, Any]] | None = None,
+    *,
+    pool: str | None = "pool-a",
+    namespace: str = "llm",
+    annotations: dict[str, str] | None = None,
+    labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    all_labels = dict(labels or {})
+    if pool is not None:
+        all_labels["kvfabric.io/pool"] = pool
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "p",
+            "namespace": namespace,
+            "labels": all_labels,
+            "annotations": annotations or {},
+        },
+        "spec": {"containers": containers or [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]},
+    }
+
+
+POOLS = pools(pool_body())
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def test_vllm_pod_gets_env_volume_args_and_annotations() -> None:
+    result = inject(pod(), POOLS, {})
+    assert result.injected
+    container = result.pod["spec"]["containers"][0]
+    env = env_of(container)
+    target = POOLS[("llm", "pool-a")].connection
+    assert env["KVFABRIC_SOCKET"] == "/run/kvfabric/llm-pool-a/cache.sock"
+    assert env["KVFABRIC_SHM_DIR"] == "/run/kvfabric/llm-pool-a/shm"
+    assert env["KVFABRIC_REMOTE"] == "pool-a.llm.svc:7070"
+    assert env["KVFABRIC_CHUNK_TOKENS"] == "256"
+    assert env["KVFABRIC_POOL"] == "llm/pool-a"
+    assert env["KVFABRIC_CONFIG_HASH"] == target.config_hash
+    assert "KVFABRIC_TENANT" not in env
+    args = container["args"]
+    assert args[-2] == KV_TRANSFER_FLAG
+    assert json.loads(args[-1]) == {
+        "kv_connector": "KVFabricConnector",
+        "kv_connector_module_path": "kvfabric.connector.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+    }
+    assert {"name": "kvfabric-run", "mountPath": "/run/kvfabric/llm-pool-a"} in container["volumeMounts"]
+    assert result.pod["spec"]["volumes"] == [
+        {
+            "name": "kvfabric-run",
+            "hostPath": {"path": "/run/kvfabric/llm-pool-a", "type": "DirectoryOrCreate"},
+        }
+    ]
+    annotations = result.pod["metadata"]["annotations"]
+    assert annotations[names.CONFIG_HASH_ANNOTATION] == target.config_hash
+    assert json.loads(annotations[names.INJECTED_ANNOTATION])["containers"] == ["vllm"]
+    assert names.SKIP_REASON_ANNOTATION not in annotations
+
+
+def test_idempotent() -> None:
+    for original in (
+        pod(),
+        pod([{"name": "vllm", "image": "x:1", "command": ["sh", "-c", "vllm serve m --port 8000"]}]),
+        pod([{"name": "app", "image": "python:3.12"}]),
+    ):
+        once = inject(original, POOLS, {}).pod
+        twice = inject(once, POOLS, {}).pod
+        assert once == twice
+
+
+def test_input_is_not_mutated() -> None:
+    original = pod()
+    snapshot = copy.deepcopy(original)
+    inject(original, POOLS, {})
+    assert original == snapshot
+
+
+def test_user_kv_transfer_config_and_env_win() -> None:
+    container = {
+        "name": "vllm",
+        "image": "vllm/vllm-openai:v0.11.0",
+        "args": ["--kv-transfer-config", '{"kv_connector":"Mine"}'],
+        "env": [{"name": "KVFABRIC_CHUNK_TOKENS", "value": "512"}],
+    }
+    result = inject(pod([container]), POOLS, {})
+    out = result.pod["spec"]["containers"][0]
+    assert out["args"] == ["--kv-transfer-config", '{"kv_connector":"Mine"}']
+    assert env_of(out)["KVFABRIC_CHUNK_TOKENS"] == "512"
+
+
+def test_shell_command_gets_the_flag_appended() -> None:
+    container = {"name": "engine", "image": "x:1", "command": ["sh", "-c"], "args": ["exec vllm serve m"]}
+    out = inject(pod([container]), POOLS, {}).pod["spec"]["containers"][0]
+    assert out["args"][0].startswith("exec vllm serve m --kv-transfer-config '{")
+
+
+def test_multiline_shell_script_is_left_alone() -> None:
+    script = "set -e\nvllm serve m\n"
+    container = {"name": "engine", "image": "x:1", "command": ["bash", "-c", script]}
+    result = inject(pod([container]), POOLS, {})
+    out = result.pod["spec"]["containers"][0]
+    assert out["command"][2] == script
+    assert "engine:shell-not-modified" in result.pod["metadata"]["annotations"][names.INJECTED_ANNOTATION]
+    assert "KVFABRIC_SOCKET" in env_of(out)
+
+
+def test_non_vllm_pod_gets_env_in_first_container_only() -> None:
+    result = inject(
+        pod([{"name": "app", "image": "python:3.12"}, {"name": "sidecar", "image": "envoy:1"}]), POOLS, {}
+    )
+    app, sidecar = result.pod["spec"]["containers"]
+    assert "KVFABRIC_SOCKET" in env_of(app)
+    assert "args" not in app
+    assert "env" not in sidecar
+
+
+def test_target_containers_annotation() -> None:
+    containers = [{"name": "app", "image": "a:1"}, {"name": "engine", "image": "b:1"}]
+    result = inject(pod(containers, annotations={names.TARGET_CONTAINERS_ANNOTATION: "engine"}), POOLS, {})
+    assert "env" not in result.pod["spec"]["containers"][0]
+    assert "KVFABRIC_SOCKET" in env_of(result.pod["spec"]["containers"][1])
+    missing = inject(pod(containers, annotations={names.TARGET_CONTAINERS_ANNOTATION: "nope"}), POOLS, {})
+    assert missing.skip_reason == injection.SKIP_NO_CONTAINER
+    assert missing.pod["metadata"]["annotations"][names.SKIP_REASON_ANNOTATION] == "no-suitable-container"
+
+
+def test_unlabelled_pod_is_untouched() -> None:
+    original = pod(pool=None)
+    result = inject(original, POOLS, {})
+    assert result.pod == original
+    assert not result.injected
+
+
+def test_unknown_pool_is_skipped_and_annotated() -> None:
+    result = inject(pod(pool="missing"), POOLS, {})
+    assert not result.injected
+    assert result.pod["metadata"]["annotations"] == {names.SKIP_REASON_ANNOTATION: "pool-not-found"}
+    assert result.pod["spec"] == pod()["spec"]
+
+
+def test_cross_namespace_needs_the_namespace_selector() -> None:
+    annotations = {names.POOL_NAMESPACE_ANNOTATION: "llm"}
+    other = pod(namespace="team-b", annotations=annotations)
+    result = inject(other, POOLS, {"team-b": {"team": "b"}})
+    assert result.skip_reason == injection.SKIP_NAMESPACE_NOT_SELECTED
+    selecting = pools(pool_body(namespaceSelector={"matchLabels": {"team": "b"}}))
+    assert inject(other, selecting, {"team-b": {"team": "b"}}).injected
+    assert (
+        inject(other, selecting, {"team-b": {"team": "c"}}).skip_reason
+        == injection.SKIP_NAMESPACE_NOT_SELECTED
+    )
+
+
+def test_pod_selector() -> None:
+    selective = pools(
+        pool_body(podSelector={"matchExpressions": [{"key": "tier", "operator": "In", "values": ["gold"]}]})
+    )
+    assert inject(pod(labels={"tier": "gold"}), selective, {}).injected
+    assert inject(pod(labels={"tier": "bronze"}), selective, {}).skip_reason == injection.SKIP_POD_SELECTOR
+
+
+def test_tenant_and_deadlines_are_injected() -> None:
+    tuned = pools(pool_body(tenant="team-a", deadlines={"lookupMs": 5, "loadMs": 200, "storeMs": 1000}))
+    env = env_of(inject(pod(), tuned, {}).pod["spec"]["containers"][0])
+    assert env["KVFABRIC_TENANT"] == "team-a"
+    assert env["KVFABRIC_LOOKUP_DEADLINE_MS"] == "5"
+    assert env["KVFABRIC_LOAD_DEADLINE_MS"] == "200"
+    assert env["KVFABRIC_STORE_DEADLINE_MS"] == "1000"
+
+
+@pytest.mark.parametrize(
+    "container",
+    [
+        {"name": "x", "image": "vllm/vllm-openai:v1"},
+        {"name": "x", "image": "img:1", "command": ["vllm", "serve"]},
+        {"name": "x", "image": "img:1", "command": ["python", "-m", "vllm.entrypoints.openai.api_server"]},
+    ],
+)
+def test_vllm_detection(container: dict[str, Any]) -> None:
+    assert injection.is_vllm(container)
+
+
+def test_garbage_pool_is_ignored() -> None:
+    assert pool_target({"metadata": {"name": "x"}, "spec": {"nope": 1}}) is None

@@ -3,6 +3,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -10,7 +11,7 @@ from pydantic import ValidationError
 
 from kvfabric.cacheserver.config import ServerConfig, apply_overrides
 
-BASE = {
+BASE: dict[str, Any] = {
     "listen": {"unix_socket": "/run/kvfabric/cache.sock"},
     "shm": {"dir": "/dev/shm/kvfabric"},
     "tiers": {
@@ -29,7 +30,8 @@ def test_yaml_round_trip_is_exactly_what_the_operator_renders(tmp_path: Path) ->
     assert again == cfg
     assert again.listen.tcp_port == 7070
     assert again.metrics.port == 9090
-    assert again.ttl_seconds == 86400 and again.bucket_seconds == 3600
+    assert again.ttl_seconds == 86400
+    assert again.bucket_seconds == 3600
 
 
 def test_unknown_fields_are_rejected() -> None:
@@ -85,7 +87,10 @@ def test_cli_reports_invalid_config_clearly(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(apply_overrides(BASE, {"tiers.dram.capacity_bytes": -1})))
     res = subprocess.run(
-        [sys.executable, "-m", "kvfabric.cacheserver", "--config", str(path)], capture_output=True, text=True
+        [sys.executable, "-m", "kvfabric.cacheserver", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert res.returncode == 2
     assert "tiers.dram.capacity_bytes" in res.stderr

@@ -109,7 +109,8 @@ def test_corrupted_block_is_detected_removed_and_reported_as_miss(ns: str) -> No
             loaded = c.load(ns, keys, timeout=10)
             assert loaded == [payloads[0]], "a corrupt block must never be served"
             assert c.lookup(ns, keys, timeout=5).matched == 1
-            assert not files[keys[1]].exists() and not files[keys[2]].exists()
+            assert not files[keys[1]].exists()
+            assert not files[keys[2]].exists()
             stats = c.stats(timeout=5)
             assert stats["counters"]["checksum_failures"]["local_disk"] == 2
             assert c.health(timeout=5)
@@ -121,13 +122,17 @@ def test_filling_past_every_budget_stays_under_high_watermarks(ns: str, tmp_path
         "tiers.dram.high_watermark": 0.9,
         "tiers.dram.low_watermark": 0.5,
     }
-    with cache_server(
-        shared_dir=tmp_path / "shared",
-        dram_bytes=4 * MiB,
-        local_disk_bytes=6 * MiB,
-        shared_bytes=8 * MiB,
-        overrides=overrides,
-    ) as srv, CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c, CacheClient(srv.tcp_target) as r:
+    with (
+        cache_server(
+            shared_dir=tmp_path / "shared",
+            dram_bytes=4 * MiB,
+            local_disk_bytes=6 * MiB,
+            shared_bytes=8 * MiB,
+            overrides=overrides,
+        ) as srv,
+        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c,
+        CacheClient(srv.tcp_target) as r,
+    ):
         for i in range(40):
             keys = [digest("fill", i)]
             client = c if i % 2 else r
@@ -156,21 +161,24 @@ def test_filling_past_every_budget_stays_under_high_watermarks(ns: str, tmp_path
 
 def test_nearly_full_disk_refuses_writes_without_failing_stores(ns: str) -> None:
     # min_free_fraction 0.9999: the filesystem looks full, so every disk write is refused.
-    with cache_server(dram_bytes=8 * MiB, overrides={"tiers.local_disk.min_free_fraction": 0.9999}) as srv:
-        with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
-            for i in range(10):
-                key = digest("full", i)
-                res = c.store(ns, [key], [payload_for(key, 1 * MiB)], timeout=10)
-                assert res.accepted + res.dropped == 1
-            wait_until(lambda: c.stats(timeout=5)["writeback_pending_bytes"] == 0, what="write-backs")
-            stats = c.stats(timeout=5)
-            assert stats["counters"]["writes_refused"]["local_disk"] >= 1
-            assert stats["tiers"]["local_disk"]["blocks"] == 0
-            root = srv.config.tiers.local_disk.path  # type: ignore[union-attr]
-            assert not _block_files(root) and not _tmp_files(root)
-            assert c.health(timeout=5)
-            key = digest("full", 9)
-            assert c.load(ns, [key], timeout=10) == [payload_for(key, 1 * MiB)]
+    with (
+        cache_server(dram_bytes=8 * MiB, overrides={"tiers.local_disk.min_free_fraction": 0.9999}) as srv,
+        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c,
+    ):
+        for i in range(10):
+            key = digest("full", i)
+            res = c.store(ns, [key], [payload_for(key, 1 * MiB)], timeout=10)
+            assert res.accepted + res.dropped == 1
+        wait_until(lambda: c.stats(timeout=5)["writeback_pending_bytes"] == 0, what="write-backs")
+        stats = c.stats(timeout=5)
+        assert stats["counters"]["writes_refused"]["local_disk"] >= 1
+        assert stats["tiers"]["local_disk"]["blocks"] == 0
+        root = srv.config.tiers.local_disk.path  # type: ignore[union-attr]
+        assert not _block_files(root)
+        assert not _tmp_files(root)
+        assert c.health(timeout=5)
+        key = digest("full", 9)
+        assert c.load(ns, [key], timeout=10) == [payload_for(key, 1 * MiB)]
 
 
 def test_client_that_dies_between_begin_and_commit_leaks_nothing(ns: str) -> None:
@@ -181,7 +189,7 @@ def test_client_that_dies_between_begin_and_commit_leaks_nothing(ns: str) -> Non
 
     with cache_server(dram_bytes=16 * MiB, overrides={"shm.slot_lease_seconds": 0.5}) as srv:
         with grpc.insecure_channel(srv.unix_target) as ch:
-            stub = pb_grpc.CacheStub(ch)
+            stub = pb_grpc.CacheStub(ch)  # type: ignore[no-untyped-call]
             keys = [digest("lease", i) for i in range(3)]
             resp = stub.ShmStoreBegin(
                 pb.ShmStoreBeginRequest(namespace=ns, keys=keys, lengths=[4096] * 3), timeout=5

@@ -39,7 +39,6 @@ def node_manifest(name: str, *, gpus: int, managed_by_kwok: bool = True) -> dict
         "status": {
             "capacity": capacity,
             "allocatable": dict(capacity),
-            "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux", "kubeletVersion": "fake"},
         },
     }
 

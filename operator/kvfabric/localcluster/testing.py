@@ -138,3 +138,53 @@ def session_cluster(base: Path) -> Iterator[ClusterHandle]:
         )
     finally:
         cluster.down(progress=lambda _m: None)
+
+
+@contextmanager
+def pod_runner(handle: ClusterHandle, base: Path, node_specs: list[str]) -> Iterator[Path]:
+    """Run ``python -m kvfabric.localcluster.podrunner`` for ``node_specs`` (``NAME[:GPUS]``).
+
+    Yields the runner's base directory (per-node hostPath dirs under ``nodes/<name>/host``, the
+    shared PVC dirs under ``shared/pvc``, pod logs under ``pods/``) once every node is Ready.
+    """
+    import subprocess
+    import sys
+
+    base.mkdir(parents=True, exist_ok=True)
+    args = [
+        sys.executable,
+        "-m",
+        "kvfabric.localcluster.podrunner",
+        "--kubeconfig",
+        str(handle.kubeconfig),
+        "--base",
+        str(base),
+    ]
+    for item in node_specs:
+        args += ["--node", item]
+    with (base / "podrunner.log").open("ab") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    names = [s.partition(":")[0] for s in node_specs]
+    try:
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"pod runner exited:\n{(base / 'podrunner.log').read_text()[-3000:]}")
+            items = handle.get_json("nodes")["items"]
+            return set(names) <= {
+                n["metadata"]["name"]
+                for n in items
+                if any(
+                    c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", [])
+                )
+            }
+
+        wait_for(ready, message="pod-runner nodes Ready")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,180 @@
+"""The pod runner executes what a pod spec says, on a node of the real cluster."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfabric.localcluster.podrunner import spec
+from kvfabric.localcluster.podrunner.runner import pod_request
+from kvfabric.localcluster.testing import ClusterHandle, pod_runner, wait_for
+
+NODE = "runner-cpu-0"
+
+
+@pytest.fixture(scope="module")
+def runner(cluster: ClusterHandle, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with pod_runner(cluster, tmp_path_factory.mktemp("runner"), [f"{NODE}:0"]) as base:
+        yield base
+
+
+SERVER = (
+    "import http.server, os, pathlib, sys\n"
+    "out = pathlib.Path('/data/seen.json')\n"
+    "import json; out.write_text(json.dumps({'node': os.environ['NODE'], 'pod': os.environ['POD'],"
+    " 'greeting': os.environ['GREETING'], 'config': pathlib.Path('/etc/app/app.conf').read_text(),"
+    " 'argv': sys.argv[1:]}))\n"
+    "http.server.test(HandlerClass=http.server.SimpleHTTPRequestHandler, port=8080, bind='127.0.0.1')\n"
+)
+
+
+def _pod(name: str, *, probe_port: int = 8080) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": name}},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": NODE},
+            "terminationGracePeriodSeconds": 2,
+            "containers": [
+                {
+                    "name": "app",
+                    "image": "python:3.11",
+                    "command": [sys.executable, "-c", SERVER],
+                    "args": ["$(GREETING)", "$$literal"],
+                    "env": [
+                        {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                        {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                        {
+                            "name": "GREETING",
+                            "valueFrom": {"configMapKeyRef": {"name": "app", "key": "greeting"}},
+                        },
+                    ],
+                    "ports": [{"name": "http", "containerPort": 8080}],
+                    "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1},
+                    "volumeMounts": [
+                        {"name": "data", "mountPath": "/data"},
+                        {"name": "conf", "mountPath": "/etc/app", "readOnly": True},
+                    ],
+                }
+            ],
+            "volumes": [
+                {"name": "data", "hostPath": {"path": "/var/lib/test-app", "type": "DirectoryOrCreate"}},
+                {"name": "conf", "configMap": {"name": "app"}},
+            ],
+        },
+    }
+
+
+@pytest.mark.cluster
+def test_runs_the_pod_spec_and_reports_ready(cluster: ClusterHandle, namespace: str, runner: Path) -> None:
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "app"},
+            "data": {"greeting": "hello", "app.conf": "mode=test\n"},
+        },
+        namespace=namespace,
+    )
+    cluster.apply(_pod("web"), namespace=namespace)
+
+    pod = wait_for(
+        lambda: (
+            (p := cluster.get_json("pod", "web", "-n", namespace))
+            and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+            and p
+        ),
+        message="pod Ready (its readiness probe passed)",
+    )
+    assert pod["status"]["phase"] == "Running"
+    assert pod["spec"]["nodeName"] == NODE
+
+    # hostPath maps to this node's directory; env, downward API, ConfigMap volume and $(VAR) all held.
+    seen = json.loads((runner / "nodes" / NODE / "host/var/lib/test-app/seen.json").read_text())
+    assert seen == {
+        "node": NODE,
+        "pod": "web",
+        "greeting": "hello",
+        "config": "mode=test\n",
+        "argv": ["hello", "$literal"],
+    }
+    status, _ = pod_request(pod["metadata"]["uid"], 8080, "/")
+    assert status == 200
+
+    cluster.kubectl("delete", "pod", "web", "-n", namespace, "--wait=true", timeout=60)
+    status, _ = pod_request(pod["metadata"]["uid"], 8080, "/", timeout=2)
+    assert status == 0  # the process and its network namespace are gone
+
+
+@pytest.mark.cluster
+def test_an_exiting_container_is_restarted_and_reported(
+    cluster: ClusterHandle, namespace: str, runner: Path
+) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "crash"},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": NODE},
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "c", "image": "x", "command": ["sh", "-c", "exit 3"]}],
+        },
+    }
+    cluster.apply(pod, namespace=namespace)
+    status = wait_for(
+        lambda: (
+            (s := cluster.get_json("pod", "crash", "-n", namespace)["status"].get("containerStatuses"))
+            and s[0]["restartCount"] >= 1
+            and s[0]
+        ),
+        message="a restart",
+    )
+    assert status["ready"] is False
+    assert status["state"].get("terminated", {}).get("exitCode", 3) == 3
+
+
+@pytest.mark.cluster
+def test_a_pod_without_command_is_reported_not_run(
+    cluster: ClusterHandle, namespace: str, runner: Path
+) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "nocmd"},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": NODE},
+            "containers": [{"name": "c", "image": "nginx:1.27"}],
+        },
+    }
+    cluster.apply(pod, namespace=namespace)
+    waiting = wait_for(
+        lambda: (
+            (s := cluster.get_json("pod", "nocmd", "-n", namespace)["status"].get("containerStatuses"))
+            and s[0]["state"].get("waiting")
+        ),
+        message="a waiting reason",
+    )
+    assert waiting["reason"] == "CreateContainerConfigError"
+    assert "entrypoint" in waiting["message"]
+
+
+def test_expand_follows_kubelet_rules() -> None:
+    env = {"A": "1", "B": "two"}
+    assert spec.expand("$(A)-$(B)-$(C)-$$(A)", env) == "1-two-$(C)-$(A)"
+
+
+def test_mounts_are_ordered_parent_first(tmp_path: Path) -> None:
+    c = {
+        "name": "c",
+        "volumeMounts": [{"name": "b", "mountPath": "/a/b/c"}, {"name": "a", "mountPath": "/a"}],
+    }
+    ms = spec.mounts(c, {"a": tmp_path, "b": tmp_path})
+    assert [m.target for m in ms] == ["/a", "/a/b/c"]
+    with pytest.raises(ValueError, match="names no volume"):
+        spec.mounts({"name": "c", "volumeMounts": [{"name": "x", "mountPath": "/x"}]}, {})

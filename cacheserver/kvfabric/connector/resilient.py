@@ -338,7 +338,7 @@ def transport_factory(
     """Return a factory for the real ``kvfabric.client.CacheClient`` (imported on first use)."""
 
     def make() -> Transport:
-        from kvfabric.client import CacheClient  # noqa: PLC0415 - deferred: grpc starts threads
+        from kvfabric.client import CacheClient  # deferred: grpc starts threads
 
         client: Transport = CacheClient(target, shm_dir=shm_dir, token=token, tls_ca=tls_ca)
         return client

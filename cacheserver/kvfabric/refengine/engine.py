@@ -107,12 +107,13 @@ class Engine:
         settings: ConnectorSettings | None = None,
         cache: ResilientCache | None = None,
         model: RefModel | None = None,
+        kv_dtype: torch.dtype = torch.float32,
     ) -> None:
         """Build the engine; with ``settings`` (and a server in them, or an explicit ``cache``) it caches."""
         self.config = config
         self.model = model or RefModel(config)
         self.block_size = block_size
-        self.kv_caches = self.model.new_kv_caches(num_blocks, block_size)
+        self.kv_caches = self.model.new_kv_caches(num_blocks, block_size, kv_dtype)
         self._free = list(range(num_blocks))
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -120,18 +121,23 @@ class Engine:
         self.worker_conn: KVFabricConnectorCore | None = None
         if settings is not None and settings.enabled:
             cache = cache if cache is not None else build_cache(settings)
-            spec = self.namespace_spec(config, settings, block_size)
+            spec = self.namespace_spec(config, settings, block_size, kv_dtype)
             self.scheduler_conn = KVFabricConnectorCore(Role.SCHEDULER, settings, spec, cache=cache)
             self.worker_conn = KVFabricConnectorCore(Role.WORKER, settings, spec, cache=cache)
             self.worker_conn.register_kv_caches(self.kv_caches)
 
     @staticmethod
-    def namespace_spec(config: ModelConfig, settings: ConnectorSettings, block_size: int) -> NamespaceSpec:
+    def namespace_spec(
+        config: ModelConfig,
+        settings: ConnectorSettings,
+        block_size: int,
+        kv_dtype: torch.dtype = torch.float32,
+    ) -> NamespaceSpec:
         """Return the compatibility namespace of an engine with this model and settings."""
         return NamespaceSpec(
             model_id=config.name,
             model_revision=settings.model_revision or config.revision,
-            kv_dtype="float32",
+            kv_dtype=str(kv_dtype).removeprefix("torch."),
             num_layers=config.num_layers,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,

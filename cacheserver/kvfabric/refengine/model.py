@@ -111,11 +111,17 @@ class RefModel:
         self._inv_freq = inv
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(c.num_layers)]
 
-    def new_kv_caches(self, num_blocks: int, block_size: int) -> dict[str, torch.Tensor]:
-        """Allocate the paged KV cache: one ``[blocks, kv_heads, block_size, 2*head_dim]`` per layer."""
+    def new_kv_caches(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32
+    ) -> dict[str, torch.Tensor]:
+        """Allocate the paged KV cache: one ``[blocks, kv_heads, block_size, 2*head_dim]`` per layer.
+
+        ``dtype`` is the KV-cache dtype (compute stays fp32): a bfloat16 cache holds other bytes,
+        so it is another namespace.
+        """
         c = self.config
         return {
-            name: torch.zeros(num_blocks, c.num_kv_heads, block_size, 2 * c.head_dim)
+            name: torch.zeros(num_blocks, c.num_kv_heads, block_size, 2 * c.head_dim, dtype=dtype)
             for name in self.layer_names
         }
 
@@ -162,9 +168,10 @@ class RefModel:
             q = self._rope((x @ p["wq"]).view(n_new, c.num_heads, c.head_dim), positions)
             k = self._rope((x @ p["wk"]).view(n_new, c.num_kv_heads, c.head_dim), positions)
             v = (x @ p["wv"]).view(n_new, c.num_kv_heads, c.head_dim)
-            kv[slot_block, :, slot_off] = torch.cat([k, v], dim=-1)
+            kv[slot_block, :, slot_off] = torch.cat([k, v], dim=-1).to(kv.dtype)
             # Every key comes back out of the paged cache, loaded or computed alike.
             ctx = kv.index_select(0, table).permute(1, 0, 2, 3).reshape(c.num_kv_heads, -1, 2 * c.head_dim)
+            ctx = ctx.to(torch.float32)
             keys, values = ctx[:, :end, : c.head_dim], ctx[:, :end, c.head_dim :]
             attn = self._attention(q.transpose(0, 1), keys, values, start)
             h = h + attn.transpose(0, 1).reshape(n_new, -1) @ p["wo"]

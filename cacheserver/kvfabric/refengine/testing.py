@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from kvfabric.refengine.model import ModelConfig
+from kvfabric.refengine.presets import PRESETS
 
-TINY = ModelConfig(vocab_size=512, hidden=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn=128)
+TINY: ModelConfig = PRESETS["tiny"]
 """A model small enough that a test prefill takes milliseconds."""
 
 

@@ -24,8 +24,7 @@ from kvfabric.cacheserver.arena import StagingArena
 from kvfabric.cacheserver.config import ServerConfig
 from kvfabric.cacheserver.engine.tiered import TieredStore
 from kvfabric.cacheserver.metrics import Metrics, ProbeServer
-from kvfabric.cacheserver.service import CacheService, SharedState
-from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
+from kvfabric.cacheserver.service import CacheService, SharedState, add_to_server
 
 __all__ = ["serve"]
 
@@ -99,7 +98,7 @@ async def serve(
 
     servers: list[grpc.aio.Server] = []
     uds = grpc.aio.server(options=_SERVER_OPTIONS)
-    pb_grpc.add_CacheServicer_to_server(CacheService(state, allow_shm=True), uds)  # type: ignore[no-untyped-call]
+    add_to_server(CacheService(state, allow_shm=True), uds)
     health_pb2_grpc.add_HealthServicer_to_server(health, uds)
     sock = config.listen.unix_socket
     sock.parent.mkdir(parents=True, exist_ok=True)
@@ -114,7 +113,7 @@ async def serve(
         if token:
             interceptors.append(_BearerAuth(token))
         tcp = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
-        pb_grpc.add_CacheServicer_to_server(CacheService(state, allow_shm=False), tcp)  # type: ignore[no-untyped-call]
+        add_to_server(CacheService(state, allow_shm=False), tcp)
         health_pb2_grpc.add_HealthServicer_to_server(health, tcp)
         addr = f"{config.listen.tcp_host}:{config.listen.tcp_port}"
         if tls_pair is not None:

@@ -20,6 +20,7 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError, Message
 
 from kvfabric.cacheserver.arena import StagingArena, UnknownLease
 from kvfabric.cacheserver.config import LimitsConfig
@@ -30,7 +31,7 @@ from kvfabric.cacheserver.metrics import Metrics
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 
-__all__ = ["CacheService", "SharedState"]
+__all__ = ["CacheService", "SharedState", "add_to_server"]
 
 T = TypeVar("T")
 _TIER_ENUM = {"dram": pb.TIER_DRAM, "local_disk": pb.TIER_LOCAL_DISK, "shared": pb.TIER_SHARED}
@@ -70,6 +71,57 @@ class SharedState:
         """Stop the pools."""
         self.load_pool.shutdown(wait=True, cancel_futures=True)
         self.store_pool.shutdown(wait=True, cancel_futures=True)
+
+
+class BadMessage:
+    """Stands in for a request that failed to decode, so the servicer can answer INVALID_ARGUMENT.
+
+    (Left to grpc, an undecodable request is an UNKNOWN status with a Python exception name.)
+    """
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _decoder(cls: type[Message]) -> Callable[[bytes], Any]:
+    def decode(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except (DecodeError, ValueError) as exc:
+            return BadMessage(exc)
+
+    return decode
+
+
+def add_to_server(service: CacheService, server: grpc.aio.Server) -> None:
+    """Register ``service`` like the generated ``add_CacheServicer_to_server``, with tolerant decoders."""
+    enc = _encode
+    handlers = {
+        "Lookup": grpc.unary_unary_rpc_method_handler(service.Lookup, _decoder(pb.LookupRequest), enc),
+        "Load": grpc.unary_stream_rpc_method_handler(service.Load, _decoder(pb.LoadRequest), enc),
+        "Store": grpc.stream_unary_rpc_method_handler(service.Store, _decoder(pb.StoreChunk), enc),
+        "ShmLoad": grpc.unary_unary_rpc_method_handler(service.ShmLoad, _decoder(pb.LoadRequest), enc),
+        "ShmStoreBegin": grpc.unary_unary_rpc_method_handler(
+            service.ShmStoreBegin, _decoder(pb.ShmStoreBeginRequest), enc
+        ),
+        "ShmStoreCommit": grpc.unary_unary_rpc_method_handler(
+            service.ShmStoreCommit, _decoder(pb.ShmStoreCommitRequest), enc
+        ),
+        "Delete": grpc.unary_unary_rpc_method_handler(service.Delete, _decoder(pb.DeleteRequest), enc),
+        "Stats": grpc.unary_unary_rpc_method_handler(service.Stats, _decoder(pb.StatsRequest), enc),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("kvfabric.rpc.v1.Cache", handlers),)
+    )
+
+
+def _encode(msg: Message) -> bytes:
+    return msg.SerializeToString()
+
+
+async def _check(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    if isinstance(request, BadMessage):
+        await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {request.error}")
 
 
 class CacheService(pb_grpc.CacheServicer):
@@ -121,6 +173,7 @@ class CacheService(pb_grpc.CacheServicer):
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.LookupResponse:
         """Index-only answer: leading stored keys and their tiers."""
+        await _check(request, context)
         t0 = time.perf_counter()
         bids = await self._ids(request.namespace, list(request.keys), context)
         tiers = self.s.store.lookup(bids)
@@ -135,6 +188,7 @@ class CacheService(pb_grpc.CacheServicer):
         self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ShmLoadResponse:
         """Name the arena files holding the leading present payloads (promoting from disk if needed)."""
+        await _check(request, context)
         if not self.allow_shm:
             await _abort(
                 context,
@@ -168,6 +222,7 @@ class CacheService(pb_grpc.CacheServicer):
         self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.LoadChunk]:
         """Stream the leading present payloads in pieces."""
+        await _check(request, context)
         t0 = time.perf_counter()
         bids = await self._ids(request.namespace, list(request.keys), context)
         piece = request.max_message_bytes or _DEFAULT_PIECE
@@ -207,6 +262,7 @@ class CacheService(pb_grpc.CacheServicer):
         nkeys = 0
         try:
             async for msg in request_iterator:
+                await _check(msg, context)
                 if namespace is None:
                     namespace = msg.namespace
                     await self._ids(namespace, [], context)
@@ -286,6 +342,7 @@ class CacheService(pb_grpc.CacheServicer):
         self, request: pb.ShmStoreBeginRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ShmStoreBeginResponse:
         """Hand out staging files for the keys the server can take now."""
+        await _check(request, context)
         if not self.allow_shm:
             await _abort(
                 context,
@@ -318,6 +375,7 @@ class CacheService(pb_grpc.CacheServicer):
         self, request: pb.ShmStoreCommitRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.StoreResponse:
         """Copy a lease's staging files into DRAM (or abort it)."""
+        await _check(request, context)
         if not self.allow_shm:
             await _abort(
                 context,
@@ -352,6 +410,7 @@ class CacheService(pb_grpc.CacheServicer):
         self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DeleteResponse:
         """Delete keys from every tier."""
+        await _check(request, context)
         bids = await self._ids(request.namespace, list(request.keys), context)
         store = self.s.store
         n = await self._in_pool(self.s.store_pool, lambda: sum(store.delete(b) for b in bids))
@@ -361,6 +420,7 @@ class CacheService(pb_grpc.CacheServicer):
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.StatsResponse:
         """Usage and counters as JSON."""
+        await _check(request, context)
         stats = self.s.store.stats()
         stats["arena_used_bytes"] = self.s.arena.used_bytes
         stats["store_inflight"] = self.s.store_inflight

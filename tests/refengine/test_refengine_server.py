@@ -50,7 +50,7 @@ def servers(tmp_path: Path) -> Iterator[Callable[..., CacheServerProcess]]:
 
     yield start
     for s in started:
-        s.stop()
+        s.close()
 
 
 def run_engine(model: RefModel, settings: ConnectorSettings | None, tokens: list[int], max_tokens: int = 2,

@@ -6,17 +6,12 @@ connector's logic and of the resilience layer (it can hang, refuse or corrupt on
 
 from __future__ import annotations
 
-import contextlib
-import json
+import shutil
 import signal
-import subprocess
-import sys
+import tempfile
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
-
-import yaml
 
 from kvfabric.client.errors import CacheUnavailable
 from kvfabric.client.results import LookupResult, StoreResult
@@ -94,11 +89,12 @@ def block_files(tier_dir: Path) -> list[Path]:
 
 
 class CacheServerProcess:
-    """A real cache-server process (``python -m kvfabric.cacheserver``) on temporary directories.
+    """A real cache-server process on temporary directories, for the connector's tests and benchmark.
 
-    Used by the connector's integration tests and by ``kvfabric bench ttft``. ``shared`` may be the
-    same directory for several instances (the shared-volume tier). The process can be stopped
-    gracefully, killed, frozen (SIGSTOP) and thawed.
+    A thin layer over :class:`kvfabric.cacheserver.testing.ServerProcess` (the cache server's own
+    test helper) that adds what the connector's fault tests need: a chosen local-disk directory (to
+    restart a "node" with its disk but empty DRAM), a shared volume used by several servers, and
+    SIGSTOP/SIGCONT. The shared-memory arena lives on ``/dev/shm`` when it exists (a real tmpfs).
     """
 
     def __init__(
@@ -110,120 +106,82 @@ class CacheServerProcess:
         local_disk: Path | bool = True,
         dram_bytes: int = 1 << 30,
         tcp: bool = True,
-        write_back: str = "all",
     ) -> None:
-        self.root = root / name
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.socket = self.root / "cache.sock"
-        self.shm_dir = self.root / "shm"
+        from kvfabric.cacheserver.testing import ServerProcess, make_config
+
+        root.mkdir(parents=True, exist_ok=True)
+        shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else root
+        self._shm_root = Path(tempfile.mkdtemp(prefix="kvf-conn-", dir=shm_base))
+        overrides: dict[str, object] = {}
         if isinstance(local_disk, Path):
-            self.local_disk: Path | None = local_disk
-        else:
-            self.local_disk = self.root / "disk" if local_disk else None
+            overrides["tiers.local_disk.path"] = str(local_disk)
+        config = make_config(
+            root,
+            self._shm_root,
+            server_id=name,
+            shared_dir=shared,
+            dram_bytes=dram_bytes,
+            local_disk_bytes=(4 << 30) if local_disk else None,
+            shared_bytes=4 << 30,
+            tcp=tcp,
+            metrics=False,
+            overrides=overrides,
+        )
+        self.process = ServerProcess(config, root)
+        self.socket = config.listen.unix_socket
+        self.shm_dir = config.shm.dir
+        self.local_disk = config.tiers.local_disk.path if config.tiers.local_disk else None
         self.shared = shared
-        tiers: dict[str, object] = {"dram": {"capacity_bytes": dram_bytes}, "write_back": write_back}
-        if self.local_disk is not None:
-            tiers["local_disk"] = {
-                "path": str(self.local_disk),
-                "capacity_bytes": 8 << 30,
-                "min_free_fraction": 0.0,
-            }
-        if shared is not None:
-            tiers["shared"] = {"path": str(shared), "capacity_bytes": 8 << 30, "min_free_fraction": 0.0}
-        self.config = {
-            "server_id": name,
-            "listen": {
-                "unix_socket": str(self.socket),
-                "tcp_host": "127.0.0.1",
-                "tcp_port": 0 if tcp else None,
-            },
-            "shm": {"dir": str(self.shm_dir)},
-            "metrics": {"port": None},
-            "tiers": tiers,
-            "journal_poll_seconds": 0.1,
-        }
-        self.config_path = self.root / "config.yaml"
-        self.config_path.write_text(yaml.safe_dump(self.config))
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.tcp_port: int | None = None
-        self._log = self.root / "server.log"
 
     @property
     def unix_target(self) -> str:
         """Client target of the Unix socket."""
-        return f"unix://{self.socket}"
+        return self.process.unix_target
 
     @property
     def tcp_target(self) -> str:
         """Client target of the TCP listener."""
-        assert self.tcp_port is not None
-        return f"127.0.0.1:{self.tcp_port}"
+        return self.process.tcp_target
 
     def start(self, timeout: float = 60.0) -> CacheServerProcess:
-        """Start the process and wait until it serves (its "serving" log record)."""
-        with contextlib.suppress(FileNotFoundError):
-            self._log.unlink()
-        log_file = self._log.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvfabric.cacheserver", "--config", str(self.config_path)],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-        log_file.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"cache server exited with {self.proc.returncode}:\n{self.log_text()}")
-            for line in self.log_text().splitlines():
-                if '"serving"' in line or "serving" in line.split('"message":')[-1][:12]:
-                    with contextlib.suppress(ValueError):
-                        rec = json.loads(line)
-                        self.tcp_port = rec.get("tcp_port")
-                        return self
-            time.sleep(0.05)
-        raise TimeoutError(f"cache server did not start:\n{self.log_text()}")
+        """Start the process and wait until it serves."""
+        self.process.start(timeout)
+        return self
 
     def log_text(self) -> str:
-        """The process's combined output so far."""
-        try:
-            return self._log.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+        """The process's output so far."""
+        return self.process.logs()
 
     def settings_env(self) -> dict[str, str]:
         """The ``KVFABRIC_*`` variables an engine on this "node" gets (as the operator injects them)."""
-        env = {"KVFABRIC_SOCKET": str(self.socket), "KVFABRIC_SHM_DIR": str(self.shm_dir)}
-        return env
+        return {"KVFABRIC_SOCKET": str(self.socket), "KVFABRIC_SHM_DIR": str(self.shm_dir)}
 
     def freeze(self) -> None:
         """SIGSTOP: the server keeps its sockets but answers nothing (a hung server)."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
+        assert self.process.proc is not None
+        self.process.proc.send_signal(signal.SIGSTOP)
 
     def thaw(self) -> None:
         """SIGCONT."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
+        if self.process.proc is not None and self.process.proc.poll() is None:
+            self.process.proc.send_signal(signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL and reap (a crash)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
+        self.process.kill()
 
     def stop(self) -> None:
-        """SIGTERM (after SIGCONT, in case it is frozen) and wait; SIGKILL if it lingers."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGCONT)
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        """Graceful stop (thawed first, in case it is frozen)."""
+        self.thaw()
+        self.process.stop()
+
+    def close(self) -> None:
+        """Stop and remove the arena directory."""
+        self.stop()
+        shutil.rmtree(self._shm_root, ignore_errors=True)
 
     def __enter__(self) -> CacheServerProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -32,6 +32,14 @@ def _stub(target: str) -> tuple[grpc.Channel, Any]:
     return ch, pb_grpc.CacheStub(ch)  # type: ignore[no-untyped-call]
 
 
+def _rpc_error(call: Callable[[], object]) -> grpc.RpcError | None:
+    try:
+        call()
+    except grpc.RpcError as exc:
+        return exc
+    return None
+
+
 def _serving(srv: ServerProcess) -> bool:
     with CacheClient(srv.unix_target) as c, CacheClient(srv.tcp_target) as r:
         return c.health(timeout=10) and r.health(timeout=10)
@@ -50,25 +58,28 @@ BAD_KEYS = [
 ]
 
 
+def _calls(stub: Any, namespace: str, keys: list[str]) -> list[Callable[[], object]]:
+    return [
+        lambda: stub.Lookup(pb.LookupRequest(namespace=namespace, keys=keys), timeout=5),
+        lambda: stub.ShmLoad(pb.LoadRequest(namespace=namespace, keys=keys), timeout=5),
+        lambda: list(stub.Load(pb.LoadRequest(namespace=namespace, keys=keys), timeout=5)),
+        lambda: stub.Delete(pb.DeleteRequest(namespace=namespace, keys=keys), timeout=5),
+        lambda: stub.ShmStoreBegin(
+            pb.ShmStoreBeginRequest(namespace=namespace, keys=keys, lengths=[1]), timeout=5
+        ),
+        lambda: stub.Store(
+            iter([pb.StoreChunk(namespace=namespace, key=keys[0], total_length=1, data=b"x")]), timeout=5
+        ),
+    ]
+
+
 @pytest.mark.parametrize("bad", BAD_KEYS)
 def test_bad_keys_and_namespaces_are_invalid_argument(srv: ServerProcess, bad: str) -> None:
     ns = digest("ns")
     ch, stub = _stub(srv.unix_target)
     with ch:
         for namespace, keys in ((ns, [bad]), (bad, [digest("k")])):
-            for call in (
-                lambda: stub.Lookup(pb.LookupRequest(namespace=namespace, keys=keys), timeout=5),
-                lambda: stub.ShmLoad(pb.LoadRequest(namespace=namespace, keys=keys), timeout=5),
-                lambda: list(stub.Load(pb.LoadRequest(namespace=namespace, keys=keys), timeout=5)),
-                lambda: stub.Delete(pb.DeleteRequest(namespace=namespace, keys=keys), timeout=5),
-                lambda: stub.ShmStoreBegin(
-                    pb.ShmStoreBeginRequest(namespace=namespace, keys=keys, lengths=[1]), timeout=5
-                ),
-                lambda: stub.Store(
-                    iter([pb.StoreChunk(namespace=namespace, key=keys[0], total_length=1, data=b"x")]),
-                    timeout=5,
-                ),
-            ):
+            for call in _calls(stub, namespace, keys):
                 with pytest.raises(grpc.RpcError) as err:
                     call()
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -155,21 +166,22 @@ def test_fuzz_random_message_bodies(srv: ServerProcess, data: bytes, method: str
     target = srv.tcp_target if tcp else srv.unix_target
     with grpc.insecure_channel(target) as ch:
         path = f"/kvfabric.rpc.v1.Cache/{method}"
-        try:
-            if method == "Store":
-                ch.stream_unary(path)(iter([data, data]), timeout=5)
-            elif method == "Load":
-                list(ch.unary_stream(path)(data, timeout=5))
-            else:
-                ch.unary_unary(path)(data, timeout=5)
-        except grpc.RpcError as exc:
+        call: Callable[[], object]
+        if method == "Store":
+            call = lambda: ch.stream_unary(path)(iter([data, data]), timeout=5)  # type: ignore[arg-type]  # noqa: E731
+        elif method == "Load":
+            call = lambda: list(ch.unary_stream(path)(data, timeout=5))  # type: ignore[arg-type]  # noqa: E731
+        else:
+            call = lambda: ch.unary_unary(path)(data, timeout=5)  # type: ignore[arg-type]  # noqa: E731
+        error = _rpc_error(call)
+        if error is not None:
             # Every failure is a status with a message, never a hang or a crash.
-            assert exc.code() in {
+            assert error.code() in {
                 grpc.StatusCode.INVALID_ARGUMENT,
                 grpc.StatusCode.NOT_FOUND,
                 grpc.StatusCode.FAILED_PRECONDITION,
-            }, exc
-            assert exc.details()
+            }, error
+            assert error.details()
     assert srv.proc is not None
     assert srv.proc.poll() is None
 

@@ -52,8 +52,10 @@ class OpenBlock:
 
     def view(self) -> memoryview:
         """Return the payload as a read-only memoryview (mapped lazily)."""
+        if self.length == 0:
+            return memoryview(b"")  # mmap cannot map an empty file
         if self._map is None:
-            self._map = mmap.mmap(self.fd, max(self.length, 1), prot=mmap.PROT_READ)
+            self._map = mmap.mmap(self.fd, self.length, prot=mmap.PROT_READ)
         return memoryview(self._map)[: self.length]
 
     def read(self) -> bytes:

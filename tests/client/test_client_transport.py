@@ -157,19 +157,21 @@ def test_tcp_with_tls_and_bearer_token(tmp_path: Path) -> None:
 async def test_async_client_round_trip(srv: ServerProcess) -> None:
     keys = [digest("async", i) for i in range(3)]
     payloads = [payload_for(k, 3 * MiB + 7) for k in keys]
-    async with AsyncCacheClient(srv.unix_target, shm_dir=srv.shm_dir) as shm:
-        async with AsyncCacheClient(srv.tcp_target) as tcp:
-            assert await shm.store(NS, keys[:2], payloads[:2], timeout=10) == StoreResult(2, 0)
-            assert await tcp.store(NS, keys[2:], payloads[2:], timeout=10) == StoreResult(1, 0)
-            for c in (shm, tcp):
-                res = await c.lookup(NS, keys, timeout=5)
-                assert res.matched == 3
-                assert await c.load(NS, keys, timeout=10) == payloads
-                bufs = [memoryview(bytearray(len(p))) for p in payloads]
-                assert await c.load_into(NS, keys, bufs, timeout=10) == 3
-                assert [bytes(b) for b in bufs] == payloads
-                assert await c.health(timeout=5)
-                assert "tiers" in await c.stats(timeout=5)
-            assert await tcp.delete(NS, keys, timeout=5) == 3
-            with pytest.raises(InvalidRequest):
-                await tcp.lookup(NS, ["x"], timeout=5)
+    async with (
+        AsyncCacheClient(srv.unix_target, shm_dir=srv.shm_dir) as shm,
+        AsyncCacheClient(srv.tcp_target) as tcp,
+    ):
+        assert await shm.store(NS, keys[:2], payloads[:2], timeout=10) == StoreResult(2, 0)
+        assert await tcp.store(NS, keys[2:], payloads[2:], timeout=10) == StoreResult(1, 0)
+        for c in (shm, tcp):
+            res = await c.lookup(NS, keys, timeout=5)
+            assert res.matched == 3
+            assert await c.load(NS, keys, timeout=10) == payloads
+            bufs = [memoryview(bytearray(len(p))) for p in payloads]
+            assert await c.load_into(NS, keys, bufs, timeout=10) == 3
+            assert [bytes(b) for b in bufs] == payloads
+            assert await c.health(timeout=5)
+            assert "tiers" in await c.stats(timeout=5)
+        assert await tcp.delete(NS, keys, timeout=5) == 3
+        with pytest.raises(InvalidRequest):
+            await tcp.lookup(NS, ["x"], timeout=5)

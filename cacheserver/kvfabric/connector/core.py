@@ -197,6 +197,8 @@ class KVFabricConnectorCore:
         self._loads: list[_PendingLoad] = []
         self._loads_verified = False
         self._failed_reqs: set[str] = set()
+        self.restore_s = 0.0
+        """Seconds the last step spent blocked restoring KV (waiting, verifying, scattering)."""
         self._load_pool: cf.ThreadPoolExecutor | None = None
         self._load_deadline = 0.0
         self._load_errors: set[int] = set()
@@ -353,7 +355,9 @@ class KVFabricConnectorCore:
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         """Start every load of this step into staging buffers; returns without waiting."""
+        t0 = time.perf_counter()
         self._loads, self._loads_verified, self._failed_reqs = [], False, set()
+        self.restore_s = 0.0
         meta, geo, cache = self._meta, self.geometry, self.cache
         if meta is None or not meta.loads or geo is None:
             return
@@ -368,6 +372,7 @@ class KVFabricConnectorCore:
                     cache.load_into, self.namespace, spec.keys, buffers, self._load_deadline
                 )
             self._loads.append(_PendingLoad(spec, buffers, fut))
+        self.restore_s += time.perf_counter() - t0
 
     def _store_pool_for_loads(self) -> cf.ThreadPoolExecutor:
         # Loads get their own pool so that a slow store can never delay them.
@@ -428,17 +433,18 @@ class KVFabricConnectorCore:
         """Block until this layer's KV is in place (or known missing), then scatter it."""
         if not self._loads:
             return
+        t0 = time.perf_counter()
         if not self._loads_verified:
             self._finish_loads()
         geo = self.geometry
         idx = self._layer_index.get(layer_name)
-        if idx is None or geo is None:
-            return
-        kv = self._kv[layer_name]
-        for pl in self._loads:
-            for i in range(pl.valid):
-                skip = pl.spec.skip_blocks if i == 0 else 0
-                layout.scatter_layer(geo, idx, pl.buffers[i], kv, pl.spec.block_ids[i], first_block=skip)
+        if idx is not None and geo is not None:
+            kv = self._kv[layer_name]
+            for pl in self._loads:
+                for i in range(pl.valid):
+                    skip = pl.spec.skip_blocks if i == 0 else 0
+                    layout.scatter_layer(geo, idx, pl.buffers[i], kv, pl.spec.block_ids[i], first_block=skip)
+        self.restore_s += time.perf_counter() - t0
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None, **kwargs: Any

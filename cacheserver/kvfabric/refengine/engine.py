@@ -89,6 +89,8 @@ class GenerateResult:
     tier: str | None
     fallback_reason: str | None
     recomputed_after_load_error: bool
+    restore_s: float = 0.0
+    """Seconds the prefill spent blocked restoring cached KV (part of ``ttft_s``)."""
 
 
 class OutOfBlocksError(RuntimeError):
@@ -195,6 +197,7 @@ class Engine:
                 num_scheduled_tokens={req.request_id: n - ext},
             )
             logits, errors = self._step(so, req, ext, n - ext, table)
+            restore_s = worker.restore_s if worker is not None else 0.0
             hit, recomputed = ext, False
             if errors:
                 # vLLM "recompute" policy: resume from the first block whose KV did not arrive.
@@ -224,7 +227,7 @@ class Engine:
                 step_req = Request(req.request_id, tokens)
                 logits, _ = self._step(so, step_req, pos, 1, table)
                 out.append(int(torch.argmax(logits)))
-            return GenerateResult(out, first, ttft, hit, tier, reason, recomputed)
+            return GenerateResult(out, first, ttft, hit, tier, reason, recomputed, restore_s)
         finally:
             if sched is not None:
                 sched.request_finished(req, table)

@@ -1,0 +1,297 @@
+"""``kvfabric bench ttft``: time to first token, cold (recompute) versus warm from each cache tier.
+
+What runs: the torch reference engine (preset ``bench``: 4 layers, 2 KiB of fp32 KV per token) with
+the kvfabric connector, against real cache-server processes on this machine:
+
+- node A: DRAM + local disk + a shared directory; node B: DRAM + the same shared directory.
+- per prompt length (1k, 4k, 16k; 32k without ``--quick``) the prompt is ``n`` cached tokens plus a
+  32-token new turn: cold (connector off), then a storing run, then warm from A's DRAM, from A's
+  local disk (a fresh A process on the same disk), and from the shared volume (a fresh B).
+- per case: TTFT, bytes moved, the effective restore bandwidth (bytes / time the engine was blocked
+  restoring: wait + verify + scatter) and the raw tier bandwidth (the same keys loaded by a bare
+  client from a server in the same state, measured in the same run).
+- ``miss_overhead``: a workload with zero reuse, connector on versus off (sum of TTFTs).
+- a projection for Llama-3.1-8B and -70B on an H100 from the measured bandwidths and the prefill
+  rates of the reference (``reference/vllm-connector-api.md`` section 11).
+
+Speedups are what they are on this CPU: the reference model's prefill is slow per byte of KV (two
+CPU cores), so CPU speedups are far larger than a GPU's; the projection is the honest GPU number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SUFFIX = 32  # tokens of the "new turn" after the cached prefix
+
+# Prefill rates (tokens/s per GPU, BF16, 40-60 % MFU) from the reference, section 11.2, and KV bytes
+# per token from section 11.1. Midpoints of the published bands; 70B is per GPU at TP8, and a node's
+# eight ranks share one cache server, so a 70B load moves the whole 320 KiB per token through it.
+_PREFILL = {
+    "llama-3.1-8b": {
+        "bytes_per_token": 131072,
+        "tok_s": {2048: 31900, 8192: 28750, 32768: 21000, 131072: 10000},
+    },
+    "llama-3.1-70b": {
+        "bytes_per_token": 327680,
+        "tok_s": {2048: 8 * 3500, 8192: 8 * 3300, 32768: 8 * 2750, 131072: 8 * 1600},
+    },
+}
+_H2D = 50e9  # PCIe 5 host-to-device copy (bytes/s) in series with the tier on a GPU node
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the benchmark's options."""
+    parser.add_argument("--quick", action="store_true", help="1k/4k/16k only, one repetition (< 1 minute)")
+    parser.add_argument("--json", action="store_true", help="print every line as JSON")
+    parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
+    parser.add_argument("--repeats", type=int, default=None, help="repetitions per measurement (default 1/3)")
+
+
+@dataclass
+class Case:
+    """One measured case."""
+
+    prompt_tokens: int
+    source: str
+    ttft_s: float
+    hit_tokens: int
+    tier: str | None
+    bytes_moved: int
+    restore_s: float
+    effective_bw: float
+    raw_bw: float
+    speedup: float
+
+
+def _rate_at(model: str, n: int) -> float:
+    table: dict[int, int] = _PREFILL[model]["tok_s"]  # type: ignore[assignment]
+    points = sorted(table)
+    if n <= points[0]:
+        return float(table[points[0]])
+    for lo, hi in zip(points, points[1:], strict=False):
+        if n <= hi:  # interpolate in log2(n)
+            import math
+
+            f = (math.log2(n) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+            return table[lo] + f * (table[hi] - table[lo])
+    return float(table[points[-1]])
+
+
+def project(bw: float, fixed_s: float, n: int) -> dict[str, float]:
+    """Projected speedup (recompute time / load time) of an ``n``-token prefix on one H100."""
+    out = {}
+    for model, facts in _PREFILL.items():
+        bpt = int(facts["bytes_per_token"])  # type: ignore[call-overload]
+        recompute = n / _rate_at(model, n)
+        load = n * bpt / bw + n * bpt / _H2D + fixed_s
+        out[model] = round(recompute / load, 2)
+    return out
+
+
+def _min_ttft(engine: Any, tokens: list[int], repeats: int) -> Any:
+    best = None
+    for _ in range(repeats):
+        r = engine.generate(tokens, 1)
+        if best is None or r.ttft_s < best.ttft_s:
+            best = r
+    return best
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print per-case lines and a final JSON line."""
+    from kvfabric.client import CacheClient
+    from kvfabric.connector.keys import chunk_keys
+    from kvfabric.connector.settings import ConnectorSettings
+    from kvfabric.connector.testing import CacheServerProcess, block_files
+    from kvfabric.refengine.engine import Engine
+    from kvfabric.refengine.model import RefModel
+    from kvfabric.refengine.presets import preset
+    from kvfabric.refengine.testing import prompt
+
+    sizes = [1024, 4096, 16384] + ([] if args.quick else [32768])
+    repeats = args.repeats or (1 if args.quick else 3)
+    chunk = args.chunk_tokens
+    cfg = preset("bench")
+    model = RefModel(cfg)
+    max_len = max(sizes) + SUFFIX + 16
+    blocks = max_len // 16 + 2
+
+    def emit(doc: dict[str, Any], text: str) -> None:
+        print(json.dumps(doc) if args.json else text, flush=True)
+
+    def settings(srv: CacheServerProcess) -> ConnectorSettings:
+        return ConnectorSettings(
+            socket=str(srv.socket), shm_dir=str(srv.shm_dir), chunk_tokens=chunk,
+            lookup_deadline_ms=1000, load_deadline_ms=30000, store_deadline_ms=30000,
+        )  # fmt: skip
+
+    def engine(srv: CacheServerProcess | None) -> Any:
+        return Engine(cfg, num_blocks=blocks, settings=settings(srv) if srv else None, model=model)
+
+    def raw_bw(srv: CacheServerProcess, ns: str, keys: list[str], payload: int) -> float:
+        c = CacheClient(srv.unix_target, shm_dir=str(srv.shm_dir))
+        try:
+            bufs = [memoryview(bytearray(payload)) for _ in keys]
+            t0 = time.perf_counter()
+            got = c.load_into(ns, keys, bufs, timeout=60)
+            dt = time.perf_counter() - t0
+        finally:
+            c.close()
+        if got != len(keys):
+            raise RuntimeError(f"raw load got {got}/{len(keys)} chunks")
+        return got * payload / dt
+
+    t_start = time.perf_counter()
+    cases: list[Case] = []
+    servers: list[CacheServerProcess] = []
+    with tempfile.TemporaryDirectory(prefix="kvf-bench-") as tmp:
+        root = Path(tmp)
+        shared, disk_a = root / "shared", root / "a-disk"
+        gen = 0
+
+        def fresh(kind: str) -> CacheServerProcess:
+            nonlocal gen
+            gen += 1
+            kw: dict[str, Any] = {"local_disk": disk_a} if kind == "a" else {"local_disk": False}
+            srv = CacheServerProcess(root, name=f"{kind}{gen}", shared=shared, dram_bytes=2 << 30, **kw)
+            servers.append(srv.start())
+            return srv
+
+        try:
+            off = engine(None)
+            off.generate(prompt(256, 0, cfg.vocab_size), 1)  # warm up torch's kernels
+            node_a = fresh("a")
+            for n in sizes:
+                tokens = prompt(n + SUFFIX, n, cfg.vocab_size)
+                cold = _min_ttft(off, tokens, repeats)
+                cases.append(Case(n, "recompute", cold.ttft_s, 0, None, 0, 0.0, 0.0, 0.0, 1.0))
+                emit(asdict(cases[-1]), f"{n:>6} tokens  recompute   TTFT {cold.ttft_s * 1000:9.1f} ms")
+                e = engine(node_a)
+                assert e.worker_conn is not None
+                ns = e.worker_conn.namespace
+                payload = e.worker_conn.geometry.payload_bytes
+                e.generate(tokens, 1)
+                e.worker_conn.wait_for_stores(120)
+                e.close()
+                keys = chunk_keys(ns, tokens, chunk)[: (len(tokens) - 1) // chunk]
+                deadline = time.monotonic() + 120
+                while min(len(block_files(disk_a)), len(block_files(shared))) < len(
+                    block_files(disk_a)
+                ) or len(block_files(shared)) < sum(
+                    len(chunk_keys(ns, prompt(m + SUFFIX, m, cfg.vocab_size), chunk)) for m in sizes if m <= n
+                ):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("write-back to disk tiers did not finish")
+                    time.sleep(0.05)
+
+                def warm(srv: CacheServerProcess, source: str) -> None:
+                    e = engine(srv)
+                    r = e.generate(tokens, 1)
+                    e.close()
+                    if r.tier != source:
+                        raise RuntimeError(
+                            f"expected a hit from {source}, got {r.tier} ({r.fallback_reason})"
+                        )
+                    moved = (r.hit_tokens // chunk) * payload
+                    eff = moved / r.restore_s if r.restore_s > 0 else 0.0
+                    cases.append(Case(n, source, r.ttft_s, r.hit_tokens, r.tier, moved, r.restore_s, eff, 0.0,
+                                      cold.ttft_s / r.ttft_s))  # fmt: skip
+
+                warm(node_a, "dram")
+                cases[-1].raw_bw = raw_bw(node_a, ns, keys, payload)
+                node_a.close()
+                warm(fresh("a"), "local_disk")
+                servers[-1].close()
+                cases[-1].raw_bw = raw_bw(fresh("a"), ns, keys, payload)
+                servers[-1].close()
+                node_b = fresh("b")
+                deadline = time.monotonic() + 60
+                probe = CacheClient(node_b.unix_target, shm_dir=str(node_b.shm_dir))
+                while probe.lookup(ns, keys, timeout=5).matched < len(keys):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("node B never saw the shared chunks")
+                    time.sleep(0.05)
+                probe.close()
+                warm(node_b, "shared")
+                node_b.close()
+                cases[-1].raw_bw = raw_bw(fresh("b"), ns, keys, payload)
+                servers[-1].close()
+                node_a = fresh("a")
+                for c in cases[-3:]:
+                    emit(
+                        asdict(c),
+                        f"{n:>6} tokens  {c.source:<11} TTFT {c.ttft_s * 1000:9.1f} ms  hit {c.hit_tokens:>6}  "
+                        f"moved {c.bytes_moved / 2**20:7.1f} MiB  restore {c.effective_bw / 1e9:6.2f} GB/s  "
+                        f"raw {c.raw_bw / 1e9:6.2f} GB/s  speedup {c.speedup:6.1f}x",
+                    )
+            # Zero reuse: every prompt is new, so the connector only costs (lookup, gather, store).
+            miss_prompts = [prompt(2048, 10_000 + i, cfg.vocab_size) for i in range(6)]
+            on = engine(node_a)
+            ratios = []
+            for rep in range(max(3, repeats)):
+                batch = [[t + 0 for t in p] for p in miss_prompts]
+                for p in batch:  # a new prefix per repetition as well
+                    p[0] = (p[0] + rep + 1) % cfg.vocab_size
+                t_off = sum(off.generate(p, 1).ttft_s for p in batch)
+                for p in batch:
+                    p[1] = (p[1] + 7) % cfg.vocab_size
+                t_on = sum(on.generate(p, 1).ttft_s for p in batch)
+                ratios.append(t_on / t_off)
+            assert on.worker_conn is not None
+            on.worker_conn.wait_for_stores(120)
+            on.close()
+            off.close()
+        finally:
+            for srv in servers:
+                srv.close()
+
+    def pick(n: int, source: str) -> Case:
+        return next(c for c in cases if c.prompt_tokens == n and c.source == source)
+
+    warm_cases = [c for c in cases if c.source != "recompute"]
+    worst = min(warm_cases, key=lambda c: c.effective_bw / c.raw_bw if c.raw_bw else 0.0)
+    big = 16384
+    lookup_fixed = 0.002  # a lookup RPC and one scheduler step, on a GPU node (order of magnitude)
+    result = {
+        "bench": "ttft",
+        "model": "refengine:bench (4 layers, hidden 128, GQA 4/2, fp32 KV 2 KiB/token)",
+        "chunk_tokens": chunk,
+        "speedup_16k_dram": round(pick(big, "dram").speedup, 2),
+        "speedup_16k_disk": round(pick(big, "local_disk").speedup, 2),
+        "speedup_16k_shared": round(pick(big, "shared").speedup, 2),
+        "restore_efficiency": round(worst.effective_bw / worst.raw_bw, 3) if worst.raw_bw else 0.0,
+        "restore_efficiency_worst_case": f"{worst.prompt_tokens}:{worst.source}",
+        "miss_overhead": round(statistics.median(ratios) - 1, 4),
+        "speedups": {f"{c.prompt_tokens}:{c.source}": round(c.speedup, 2) for c in warm_cases},
+        "projected_h100_16k": {
+            tier: project(pick(big, tier).effective_bw, lookup_fixed, big)
+            for tier in ("dram", "local_disk", "shared")
+        },
+        "elapsed_s": round(time.perf_counter() - t_start, 1),
+    }
+    if not args.json:
+        for tier, proj in result["projected_h100_16k"].items():  # type: ignore[attr-defined]
+            print(f"projected H100 speedup at 16k tokens from {tier:<10}: " +
+                  ", ".join(f"{m} {s}x" for m, s in proj.items()))  # fmt: skip
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def main() -> int:
+    """Run as ``python -m kvfabric.bench.ttft``."""
+    parser = argparse.ArgumentParser(prog="kvfabric bench ttft", description=__doc__)
+    configure(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmarks of kvfabric (``kvfabric bench NAME``): storage, TTFT, operator."""

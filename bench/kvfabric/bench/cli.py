@@ -1,0 +1,57 @@
+"""``kvfabric bench NAME``: dispatch to one benchmark module per name.
+
+Each benchmark is a module ``kvfabric.bench.<name>`` exposing ``configure(parser)`` and ``run(args) -> int``
+(stdlib-only imports at module level, like every subcommand). To add one, create the module and add a
+line to :data:`BENCHMARKS`; a listed module that is not installed in this image is simply not offered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Protocol, cast
+
+__all__ = ["BENCHMARKS", "configure", "run"]
+
+# name -> (module, one-line summary). Order is the order shown by --help.
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    # Cache-server storage paths: memcpy, shm, disk, gRPC, Redis baseline, lookup latency.
+    "storage": ("kvfabric.bench.storage", "cache-server data paths against memcpy, raw disk and Redis"),
+    # Plug-in point for the connector/reference-engine engineer: module kvfabric.bench.ttft.
+    "ttft": ("kvfabric.bench.ttft", "time to first token with and without the cache (reference engine)"),
+    # Plug-in point for the operator engineer: module kvfabric.bench.operator.
+    "operator": ("kvfabric.bench.operator", "operator reconcile and webhook latency on the local cluster"),
+}
+
+
+class _Benchmark(Protocol):
+    def configure(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def _load(module_name: str) -> _Benchmark | None:
+    try:
+        return cast(_Benchmark, importlib.import_module(module_name))
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module_name.startswith(exc.name):
+            return None  # not written yet, or not installed in this image
+        raise
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add one sub-parser per available benchmark."""
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, (module_name, summary) in BENCHMARKS.items():
+        module = _load(module_name)
+        if module is None:
+            continue
+        child = sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
+        module.configure(child)
+        child.set_defaults(_bench_module=module)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen benchmark."""
+    module = cast(_Benchmark, args._bench_module)
+    return module.run(args)

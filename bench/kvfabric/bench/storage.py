@@ -1,0 +1,355 @@
+"""``kvfabric bench storage``: the cache server's data paths, measured in one run against baselines.
+
+With 32 MiB chunks (one chunk of Llama-8B KV at 256 tokens), it measures:
+
+* ``memcpy_gbps`` — copying a chunk between two warm buffers in this process (the ceiling for any
+  same-node load, which must land bytes in the caller's buffer);
+* ``shm_store_gbps`` / ``shm_load_gbps`` — store and ``load_into`` through a real server process over
+  its Unix socket and shared-memory arena;
+* ``disk_raw_read_gbps`` — O_DIRECT sequential reads of the very block files the server wrote;
+* ``disk_tier_load_gbps`` — loads after a server restart (DRAM empty, index rebuilt), so every byte
+  comes from the local-disk tier through O_DIRECT (cold: not from the page cache), checksummed,
+  promoted into DRAM and copied into the client's buffers;
+* ``grpc_load_gbps`` — ``load`` over TCP loopback (payloads streamed in gRPC messages);
+* ``redis_get_gbps`` — ``GET`` of the same payloads from a real ``redis-server`` on loopback via redis-py;
+* ``lookup_p99_ms`` — 128-key lookups from 32 concurrent clients (closed loop) over the Unix socket.
+
+The last line printed is one JSON object with every number; ``--json`` prints only that line.
+"""
+
+from __future__ import annotations
+
+# Only the standard library at import time (``kvfabric --help`` must stay light); the client, the
+# test helpers and redis are imported inside the functions that use them.
+import argparse
+import asyncio
+import contextlib
+import json
+import mmap
+import multiprocessing
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["configure", "run"]
+
+MiB = 1 << 20
+TARGETS = (
+    # (label, numerator, denominator or None, comparison, threshold)
+    ("shm_load_gbps >= 0.6 x memcpy_gbps", "shm_load_gbps", "memcpy_gbps", ">=", 0.6),
+    (
+        "disk_tier_load_gbps >= 0.8 x disk_raw_read_gbps",
+        "disk_tier_load_gbps",
+        "disk_raw_read_gbps",
+        ">=",
+        0.8,
+    ),
+    ("grpc_load_gbps >= 1.0 x redis_get_gbps", "grpc_load_gbps", "redis_get_gbps", ">=", 1.0),
+    ("lookup_p99_ms <= 2", "lookup_p99_ms", None, "<=", 2.0),
+)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the storage benchmark's options."""
+    parser.add_argument("--quick", action="store_true", help="fewer chunks and rounds: under a minute")
+    parser.add_argument("--json", action="store_true", help="print only the final JSON line")
+    parser.add_argument("--chunk-mib", type=int, default=32, help="chunk payload size in MiB (default 32)")
+    parser.add_argument(
+        "--chunks", type=int, default=None, help="chunks per round (default 4 quick, 16 full)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="timed rounds per path (default 3 quick, 5 full)"
+    )
+    parser.add_argument(
+        "--lookup-clients", type=int, default=32, help="concurrent lookup clients (default 32)"
+    )
+    parser.add_argument("--lookup-keys", type=int, default=128, help="keys per lookup (default 128)")
+    parser.add_argument(
+        "--lookups", type=int, default=None, help="timed lookups per client (default 100 quick, 400 full)"
+    )
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="directory for the disk tier (default: a temp dir under /var/tmp, which must be a real disk "
+        "for the O_DIRECT numbers to mean anything; tmpfs is detected and reported)",
+    )
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+def _make_payloads(n: int, size: int) -> list[bytes]:
+    # Distinct, incompressible-looking chunks without paying for n * 32 MiB of os.urandom.
+    base = os.urandom(MiB)
+    out = []
+    for i in range(n):
+        rot = base[i * 4099 % MiB :] + base[: i * 4099 % MiB]
+        out.append((rot * (size // MiB + 1))[:size])
+    return out
+
+
+def _memcpy(payloads: list[bytes], rounds: int) -> float:
+    dst = bytearray(len(payloads[0]))
+    view = memoryview(dst)
+    view[:] = payloads[0]  # fault the pages in
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        for p in payloads:
+            view[:] = p
+    return _gbps(rounds * len(payloads) * len(dst), time.perf_counter() - t0)
+
+
+def _raw_direct_read(files: list[Path]) -> float:
+    """O_DIRECT sequential read of whole files into one aligned buffer (one large request per file)."""
+    size = max(f.stat().st_size for f in files)
+    buf = mmap.mmap(-1, -(-size // 4096) * 4096)
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    total = 0
+    t0 = time.perf_counter()
+    for f in files:
+        fd = os.open(f, flags)
+        try:
+            total += os.preadv(fd, [buf], 0)
+        finally:
+            os.close(fd)
+    elapsed = time.perf_counter() - t0
+    buf.close()
+    return _gbps(total, elapsed)
+
+
+@contextlib.contextmanager
+def _redis(payload_count: int, chunk: int) -> Iterator[Any]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        yield None
+        return
+    import redis
+
+    from kvfabric.cacheserver.testing import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--maxmemory", str(payload_count * chunk * 2),
+         "--proto-max-bulk-len", str(max(chunk * 2, 512 * MiB))],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        r = redis.Redis(host="127.0.0.1", port=port)
+        end = time.monotonic() + 30
+        while True:
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.05)
+        yield r
+        r.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _lookup_worker(target: str, ns: str, keys: list[str], clients: int, count: int) -> list[float]:
+    """Run ``clients`` concurrent closed-loop async clients in this process; return latencies (s)."""
+    from kvfabric.client import AsyncCacheClient
+
+    async def one(lat: list[float]) -> None:
+        async with AsyncCacheClient(target) as c:
+            warmup = 20
+            for i in range(warmup + count):
+                t0 = time.perf_counter()
+                res = await c.lookup(ns, keys, timeout=10)
+                dt = time.perf_counter() - t0
+                if res.matched != len(keys):
+                    raise RuntimeError(f"lookup matched {res.matched} of {len(keys)}")
+                if i >= warmup:
+                    lat.append(dt)
+
+    async def main() -> list[float]:
+        lat: list[float] = []
+        await asyncio.gather(*(one(lat) for _ in range(clients)))
+        return lat
+
+    return asyncio.run(main())
+
+
+def _lookup_p99(target: str, ns: str, keys: list[str], clients: int, count: int) -> dict[str, float]:
+    # Spread the clients over a few processes so the clients' own GIL does not dominate the latency.
+    procs = max(1, min(4, clients))
+    per = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(procs) as pool:
+        parts = pool.starmap(_lookup_worker, [(target, ns, keys, n, count) for n in per if n])
+    lat = sorted(x for part in parts for x in part)
+    return {
+        "lookup_p50_ms": round(statistics.median(lat) * 1e3, 3),
+        "lookup_p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 3),
+        "lookups": len(lat),
+    }
+
+
+def _is_tmpfs(path: Path) -> bool:
+    best, fstype = "", ""
+    with open("/proc/mounts", encoding="utf-8") as f:
+        for line in f:
+            parts = line.split()
+            mnt = parts[1]
+            if str(path.resolve()).startswith(mnt) and len(mnt) > len(best):
+                best, fstype = mnt, parts[2]
+    return fstype == "tmpfs"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run every measurement and print the results; the last line is the JSON summary."""
+    from kvfabric.cacheserver.testing import cache_server, digest, wait_until
+    from kvfabric.client import CacheClient
+
+    chunk = args.chunk_mib * MiB
+    n = args.chunks or (4 if args.quick else 16)
+    rounds = args.rounds or (3 if args.quick else 5)
+    lookups = args.lookups or (100 if args.quick else 400)
+
+    def say(*parts: object) -> None:
+        if not args.json:
+            print(*parts, file=sys.stderr, flush=True)
+
+    res: dict[str, Any] = {
+        "chunk_mib": args.chunk_mib,
+        "chunks": n,
+        "rounds": rounds,
+        "quick": bool(args.quick),
+    }
+    payloads = _make_payloads(n, chunk)
+    ns = digest("bench-storage")
+    keys = [digest("chunk", i) for i in range(n)]
+
+    res["memcpy_gbps"] = _memcpy(payloads, rounds)
+    say(f"memcpy                {res['memcpy_gbps']:8.2f} GB/s")
+
+    base = Path(args.workdir) if args.workdir else Path("/var/tmp")
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvf-bench-", dir=base))
+    res["disk_is_tmpfs"] = _is_tmpfs(work)
+    overrides = {
+        "tiers.local_disk.path": str(work / "local"),
+        "limits.max_payload_bytes": chunk,
+        "shm.arena_bytes": 2 * chunk * max(2, n // 4),
+        "limits.store_queue_bytes": n * chunk * 2,
+        "janitor_interval_seconds": 5.0,
+        "log_level": "WARNING",
+    }
+    try:
+        with cache_server(
+            server_id="bench",
+            dram_bytes=(n + 4) * chunk + 256 * MiB,
+            local_disk_bytes=int((n + 4) * (chunk + 4096) / 0.85),
+            metrics=False,
+            overrides=overrides,
+        ) as srv:
+            shm = CacheClient(srv.unix_target, shm_dir=srv.shm_dir)
+            tcp = CacheClient(srv.tcp_target)
+            # Store through the arena (one key per call, as an engine stores chunk by chunk).
+            t0 = time.perf_counter()
+            for k, p in zip(keys, payloads, strict=True):
+                if shm.store(ns, [k], [p], timeout=60).accepted != 1:
+                    raise RuntimeError("store dropped during the benchmark")
+            res["shm_store_gbps"] = _gbps(n * chunk, time.perf_counter() - t0)
+            say(f"shm store             {res['shm_store_gbps']:8.2f} GB/s")
+
+            bufs = [memoryview(bytearray(chunk)) for _ in keys]
+            for b, p in zip(bufs, payloads, strict=True):
+                b[:] = p  # fault the destination pages in, like an engine's long-lived KV buffers
+            shm.load_into(ns, keys, bufs, timeout=60)
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                if shm.load_into(ns, keys, bufs, timeout=60) != n:
+                    raise RuntimeError("shm load missed")
+            res["shm_load_gbps"] = _gbps(rounds * n * chunk, time.perf_counter() - t0)
+            say(f"shm load_into         {res['shm_load_gbps']:8.2f} GB/s")
+
+            tcp.load(ns, keys[:1], timeout=60)
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                got = tcp.load(ns, keys, timeout=120)
+                if len(got) != n:
+                    raise RuntimeError("grpc load missed")
+                del got
+            res["grpc_load_gbps"] = _gbps(rounds * n * chunk, time.perf_counter() - t0)
+            say(f"gRPC load (TCP)       {res['grpc_load_gbps']:8.2f} GB/s")
+
+            # Lookups: 128 keys, all present (the most work per lookup), small payloads.
+            lk = [digest("lookup", i) for i in range(args.lookup_keys)]
+            for i in range(0, len(lk), 32):
+                shm.store(ns, lk[i : i + 32], [b"k" * 1024] * len(lk[i : i + 32]), timeout=60)
+            res.update(_lookup_p99(srv.unix_target, ns, lk, args.lookup_clients, lookups))
+            res["lookup_clients"] = args.lookup_clients
+            res["lookup_keys"] = args.lookup_keys
+            say(f"lookup p50/p99        {res['lookup_p50_ms']:.3f} / {res['lookup_p99_ms']:.3f} ms")
+
+            # Disk: wait for write-back, read the block files raw, then restart the server so the
+            # same bytes are loaded from the disk tier, cold.
+            wait_until(lambda: shm.stats(timeout=10)["writeback_pending_bytes"] == 0, 300, 0.1, "write-back")
+            files = sorted((work / "local" / "buckets").rglob("*.blk"))
+            big = [f for f in files if f.stat().st_size > chunk]
+            res["disk_raw_read_gbps"] = _raw_direct_read(big)
+            say(f"disk raw O_DIRECT     {res['disk_raw_read_gbps']:8.2f} GB/s")
+            shm.close()
+            tcp.close()
+            tier_times: list[float] = []
+            for _ in range(1 if args.quick else 2):
+                srv.restart()
+                with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as cold:
+                    tiers = cold.lookup(ns, keys, timeout=10).tiers
+                    if tiers != ["local_disk"] * n:
+                        raise RuntimeError(f"expected every chunk on local disk after restart, got {tiers}")
+                    t0 = time.perf_counter()
+                    got_n = cold.load_into(ns, keys, bufs, timeout=300)
+                    tier_times.append(time.perf_counter() - t0)
+                    if got_n != n or bytes(bufs[-1]) != payloads[-1]:
+                        raise RuntimeError("disk tier load returned wrong data")
+            res["disk_tier_load_gbps"] = _gbps(len(tier_times) * n * chunk, sum(tier_times))
+            say(f"disk tier load (cold) {res['disk_tier_load_gbps']:8.2f} GB/s")
+
+        with _redis(n, chunk) as r:
+            if r is None:
+                res["redis_get_gbps"] = None
+                say("redis-server not found (apt-get install -y redis-server): redis_get_gbps is null")
+            else:
+                for k, p in zip(keys, payloads, strict=True):
+                    r.set(k, p)
+                r.get(keys[0])
+                t0 = time.perf_counter()
+                for _ in range(rounds):
+                    for k in keys:
+                        if r.get(k) is None:
+                            raise RuntimeError("redis lost a key")
+                res["redis_get_gbps"] = _gbps(rounds * n * chunk, time.perf_counter() - t0)
+                say(f"redis GET (loopback)  {res['redis_get_gbps']:8.2f} GB/s")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    verdicts: dict[str, dict[str, Any]] = {}
+    for label, num, den, op, threshold in TARGETS:
+        measured = res.get(num)
+        reference = res.get(den) if den else 1.0
+        if measured is None or not reference:
+            verdicts[label] = {"value": None, "met": None}
+            continue
+        value = round(measured / reference, 3) if den else measured
+        met = value >= threshold if op == ">=" else value <= threshold
+        verdicts[label] = {"value": value, "met": met}
+        say(f"target {label:50s} measured {value:8.3f}  {'MET' if met else 'MISSED'}")
+    res["targets"] = verdicts
+    print(json.dumps(res), flush=True)
+    return 0

@@ -155,10 +155,12 @@ install_kvfabric() {
 
 shared_volumes() {
   local i released
-  for i in 0 1 2 3 4 5; do
-    mkdir -p "${HOST_DIR}/shared/pv-${i}"
-    chmod 1777 "${HOST_DIR}/shared/pv-${i}"
-  done
+  # One host directory per volume of shared-volumes.yaml (hostPath /mnt/kvfabric-shared/pv-N).
+  sed -n 's#.*path: /mnt/kvfabric-shared/\(pv-[0-9]*\).*#\1#p' "${here}/shared-volumes.yaml" |
+    while read -r i; do
+      mkdir -p "${HOST_DIR}/shared/${i}"
+      chmod 1777 "${HOST_DIR}/shared/${i}"
+    done
   # Volumes left Released by deleted test namespaces: recreate them so they bind again.
   released="$(kc get pv -l kvfabric.io/test-volume=shared \
     -o jsonpath='{range .items[?(@.status.phase=="Released")]}{.metadata.name}{" "}{end}')"

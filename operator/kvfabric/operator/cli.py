@@ -77,9 +77,6 @@ def run(args: argparse.Namespace) -> int:
     from kvfabric.operator.render import names
 
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
-    if args.kubeconfig:
-        # kopf's login (via the official client) reads $KUBECONFIG.
-        os.environ["KUBECONFIG"] = str(args.kubeconfig)
     namespaces: list[str] = list(args.namespace)
     client = KubeClient.from_environment(args.kubeconfig, args.context)
     server = None
@@ -116,7 +113,11 @@ def run(args: argparse.Namespace) -> int:
 
             asyncio.run(register())
     app = handlers.OperatorApp(
-        client=client, injection_enabled=server is not None, resync_seconds=args.resync_seconds
+        client=client,
+        injection_enabled=server is not None,
+        kubeconfig=args.kubeconfig,
+        context=args.context,
+        resync_seconds=args.resync_seconds,
     )
     registry = handlers.build_registry(app, webhook_server=server, namespaces=namespaces or None)
     kopf.run(

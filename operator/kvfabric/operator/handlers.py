@@ -22,7 +22,7 @@ import kopf
 
 from kvfabric.operator.api.v1alpha1 import GROUP, PLURAL, POOL_LABEL, VERSION
 from kvfabric.operator.injection import PoolTarget, inject, pool_target
-from kvfabric.operator.kube import KubeClient
+from kvfabric.operator.kube import SA_TOKEN, KubeClient, bearer_token, load_configuration
 from kvfabric.operator.reconcile import PoolKey, ReconcileQueue, reconcile_pool
 from kvfabric.operator.render import names
 
@@ -43,6 +43,8 @@ class OperatorApp:
 
     client: KubeClient
     injection_enabled: bool
+    kubeconfig: str | None = None
+    context: str | None = None
     resync_seconds: float = 30.0
     queue: ReconcileQueue = field(init=False)
     pools: dict[PoolKey, PoolTarget] = field(default_factory=dict)
@@ -107,11 +109,22 @@ def build_registry(
         app._resync_task = asyncio.get_running_loop().create_task(app.resync_forever(namespaces))
 
     @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        # A custom registry does not inherit kopf's default login handlers: use the official client's
-        # loading (in-cluster account, else $KUBECONFIG / ~/.kube/config), as kopf's default does.
-        info: kopf.ConnectionInfo | None = kopf.login_via_client(**kwargs)
-        return info
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        # A custom registry does not inherit kopf's default login handlers; use the same kubeconfig
+        # (or in-cluster account) as our own client, passed explicitly.
+        cfg, in_cluster = load_configuration(app.kubeconfig, app.context)
+        token = bearer_token(cfg)
+        if in_cluster and SA_TOKEN.exists():
+            token = SA_TOKEN.read_text().strip()
+        return kopf.ConnectionInfo(
+            server=cfg.host,
+            ca_path=cfg.ssl_ca_cert,
+            insecure=not cfg.verify_ssl,
+            scheme="Bearer" if token else None,
+            token=token,
+            certificate_path=cfg.cert_file,
+            private_key_path=cfg.key_file,
+        )
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
@@ -165,7 +178,9 @@ def build_registry(
             app.queue.trigger(key)
 
     @kopf.on.event("", "v1", "namespaces", registry=registry)
-    async def namespace_event(*, event: kopf.RawEvent, name: str, labels: Mapping[str, str], **_: Any) -> None:
+    async def namespace_event(
+        *, event: kopf.RawEvent, name: str, labels: Mapping[str, str], **_: Any
+    ) -> None:
         if event.get("type") == "DELETED":
             app.namespace_labels.pop(name, None)
         else:

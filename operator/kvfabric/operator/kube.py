@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import ssl
 from pathlib import Path
 from typing import Any, Final
@@ -32,7 +33,7 @@ _KINDS: Final[dict[str, tuple[str, str]]] = {
     ),
 }
 _CLUSTER_SCOPED: Final = {"Namespace", "MutatingWebhookConfiguration"}
-_SA_TOKEN: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+SA_TOKEN: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 
 
 class ApiError(Exception):
@@ -50,6 +51,34 @@ class ApiError(Exception):
             return str(json.loads(self.body).get("reason", ""))
         except ValueError:
             return ""
+
+
+def load_configuration(kubeconfig: str | None = None, context: str | None = None) -> tuple[Any, bool]:
+    """Return the official client's Configuration for a kubeconfig or the in-cluster account.
+
+    The second value says whether the in-cluster account was used. The path is passed explicitly
+    because the official client reads ``$KUBECONFIG`` only once, at import time.
+    """
+    from kubernetes import client as k8s_client
+    from kubernetes import config as k8s_config
+
+    cfg = k8s_client.Configuration()
+    path = kubeconfig or os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
+    if Path(path).exists():
+        k8s_config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=path, context=context, client_configuration=cfg
+        )
+        return cfg, False
+    k8s_config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+    return cfg, True
+
+
+def bearer_token(cfg: Any) -> str | None:
+    """Return the bearer token of a Configuration, if it has one."""
+    auth = cfg.api_key.get("BearerToken") or cfg.api_key.get("authorization")
+    if not auth:
+        return None
+    return str(auth).removeprefix("Bearer ").removeprefix("bearer ")
 
 
 def resource_path(kind: str, namespace: str | None = None, name: str | None = None) -> str:
@@ -86,18 +115,7 @@ class KubeClient:
     @classmethod
     def from_environment(cls, kubeconfig: str | None = None, context: str | None = None) -> KubeClient:
         """Build a client from a kubeconfig (``$KUBECONFIG``/``~/.kube/config``) or the in-cluster account."""
-        from kubernetes import client as k8s_client
-        from kubernetes import config as k8s_config
-
-        cfg = k8s_client.Configuration()
-        token_file: Path | None = None
-        try:
-            k8s_config.load_kube_config(  # type: ignore[no-untyped-call]
-                config_file=kubeconfig, context=context, client_configuration=cfg
-            )
-        except (k8s_config.ConfigException, FileNotFoundError, TypeError):
-            k8s_config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-            token_file = _SA_TOKEN  # projected tokens rotate: re-read on every request
+        cfg, in_cluster = load_configuration(kubeconfig, context)
         ctx: ssl.SSLContext | bool = (
             ssl.create_default_context(cafile=cfg.ssl_ca_cert) if cfg.verify_ssl else False
         )
@@ -107,11 +125,13 @@ class KubeClient:
                 ctx.check_hostname = False
                 ctx.verify_mode = ssl.CERT_NONE
             ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
-        token = None
-        auth = cfg.api_key.get("authorization") or cfg.api_key.get("BearerToken")
-        if auth:
-            token = str(auth).removeprefix("Bearer ").removeprefix("bearer ")
-        return cls(str(cfg.host), ssl_context=ctx, token=token, token_file=token_file)
+        # Projected service-account tokens rotate: re-read the file on every request.
+        return cls(
+            str(cfg.host),
+            ssl_context=ctx,
+            token=bearer_token(cfg),
+            token_file=SA_TOKEN if in_cluster else None,
+        )
 
     async def __aenter__(self) -> KubeClient:
         return self

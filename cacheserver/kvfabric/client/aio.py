@@ -83,8 +83,19 @@ class AsyncCacheClient:
         c.check_ids(namespace, keys)
         req = pb.LoadRequest(namespace=namespace, keys=keys)
         if self._shm_dir is not None:
-            resp = await self._call(self._stub.ShmLoad(req, timeout=timeout, metadata=self._md))
-            return await asyncio.to_thread(c.shm_read_all, self._shm_dir, resp.slots)
+            out: list[bytes] = []
+            call = self._stub.ShmLoad(req, timeout=timeout, metadata=self._md)
+            try:
+                async for slot in call:
+                    data = await asyncio.to_thread(c.shm_read_one, self._shm_dir, slot)
+                    if data is None:
+                        break
+                    out.append(data)
+            except grpc.RpcError as exc:
+                raise c.map_rpc_error(exc) from exc
+            finally:
+                call.cancel()
+            return out
         asm = c.LoadAssembler()
         await self._stream_load(req, timeout, asm)
         return asm.payloads
@@ -99,8 +110,23 @@ class AsyncCacheClient:
             raise InvalidRequest(f"{len(keys)} keys but only {len(buffers)} buffers")
         req = pb.LoadRequest(namespace=namespace, keys=keys)
         if self._shm_dir is not None:
-            resp = await self._call(self._stub.ShmLoad(req, timeout=timeout, metadata=self._md))
-            return await asyncio.to_thread(c.shm_read_into, self._shm_dir, resp.slots, buffers)
+            count = 0
+            call = self._stub.ShmLoad(req, timeout=timeout, metadata=self._md)
+            try:
+                async for slot in call:
+                    if count >= len(keys):
+                        break
+                    ok = await asyncio.to_thread(
+                        c.shm_read_one_into, self._shm_dir, slot, buffers[count], count
+                    )
+                    if not ok:
+                        break
+                    count += 1
+            except grpc.RpcError as exc:
+                raise c.map_rpc_error(exc) from exc
+            finally:
+                call.cancel()
+            return count
         asm = c.LoadAssembler(buffers)
         await self._stream_load(req, timeout, asm)
         return asm.count

@@ -81,8 +81,19 @@ class CacheClient:
         req = pb.LoadRequest(namespace=namespace, keys=keys)
         if self._shm_dir is not None:
             shm_dir = self._shm_dir
-            resp = self._call(lambda: self._stub.ShmLoad(req, timeout=timeout, metadata=self._md))
-            return c.shm_read_all(shm_dir, resp.slots)
+            out: list[bytes] = []
+
+            def read_all() -> None:
+                call = self._stub.ShmLoad(req, timeout=timeout, metadata=self._md)
+                for slot in call:
+                    data = c.shm_read_one(shm_dir, slot)
+                    if data is None:
+                        call.cancel()
+                        break
+                    out.append(data)
+
+            self._call(read_all)
+            return out
         asm = c.LoadAssembler()
         self._stream_load(req, timeout, asm)
         return asm.payloads
@@ -98,8 +109,20 @@ class CacheClient:
         req = pb.LoadRequest(namespace=namespace, keys=keys)
         if self._shm_dir is not None:
             shm_dir = self._shm_dir
-            resp = self._call(lambda: self._stub.ShmLoad(req, timeout=timeout, metadata=self._md))
-            return c.shm_read_into(shm_dir, resp.slots, buffers)
+            count = 0
+
+            def read_into() -> None:
+                nonlocal count
+                call = self._stub.ShmLoad(req, timeout=timeout, metadata=self._md)
+                # Copy each block as soon as it is named, while the server promotes the next one.
+                for slot in call:
+                    if count >= len(keys) or not c.shm_read_one_into(shm_dir, slot, buffers[count], count):
+                        call.cancel()
+                        break
+                    count += 1
+
+            self._call(read_into)
+            return count
         asm = c.LoadAssembler(buffers)
         self._stream_load(req, timeout, asm)
         return asm.count

@@ -51,8 +51,9 @@ HEADER_SIZE = 4096
 ALIGN = 4096
 _FMT = struct.Struct("<8sHH32s32sQ16sdq")
 _SUM = struct.Struct("<Q")
-# Read in pieces so the checksum of piece n overlaps nothing but keeps the working set in cache.
-_PIECE = 8 << 20
+# Largest single read/write request. A 32 MiB chunk is read in one O_DIRECT request, which the kernel
+# splits into many queued bios (8 MiB pieces measured slower: a shallower device queue).
+_PIECE = 64 << 20
 
 
 class CorruptBlock(Exception):  # noqa: N818 - a condition, not a programming error

@@ -195,6 +195,8 @@ class TieredStore:
 
         def fill(fd: int) -> None:
             # Read straight into the tmpfs file (page-aligned mapping: O_DIRECT-friendly), verified.
+            # Pages are allocated by the read itself: pre-allocating them (fallocate + MAP_POPULATE)
+            # measured slower, because zeroing then happens twice as visibly on the critical path.
             os.ftruncate(fd, padded)
             with mmap.mmap(fd, padded) as m:
                 view = memoryview(m)

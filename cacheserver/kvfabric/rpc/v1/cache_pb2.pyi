@@ -84,12 +84,6 @@ class ShmSlot(_message.Message):
     length: int
     def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
 
-class ShmLoadResponse(_message.Message):
-    __slots__ = ("slots",)
-    SLOTS_FIELD_NUMBER: _ClassVar[int]
-    slots: _containers.RepeatedCompositeFieldContainer[ShmSlot]
-    def __init__(self, slots: _Optional[_Iterable[_Union[ShmSlot, _Mapping]]] = ...) -> None: ...
-
 class ShmStoreBeginRequest(_message.Message):
     __slots__ = ("namespace", "keys", "lengths")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]

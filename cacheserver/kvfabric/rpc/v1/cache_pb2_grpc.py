@@ -49,10 +49,10 @@ class CacheStub:
                 request_serializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.StoreChunk.SerializeToString,
                 response_deserializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.StoreResponse.FromString,
                 _registered_method=True)
-        self.ShmLoad = channel.unary_unary(
+        self.ShmLoad = channel.unary_stream(
                 '/kvfabric.rpc.v1.Cache/ShmLoad',
                 request_serializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.LoadRequest.SerializeToString,
-                response_deserializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.ShmLoadResponse.FromString,
+                response_deserializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.ShmSlot.FromString,
                 _registered_method=True)
         self.ShmStoreBegin = channel.unary_unary(
                 '/kvfabric.rpc.v1.Cache/ShmStoreBegin',
@@ -145,10 +145,10 @@ def add_CacheServicer_to_server(servicer, server):
                     request_deserializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.StoreChunk.FromString,
                     response_serializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.StoreResponse.SerializeToString,
             ),
-            'ShmLoad': grpc.unary_unary_rpc_method_handler(
+            'ShmLoad': grpc.unary_stream_rpc_method_handler(
                     servicer.ShmLoad,
                     request_deserializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.LoadRequest.FromString,
-                    response_serializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.ShmLoadResponse.SerializeToString,
+                    response_serializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.ShmSlot.SerializeToString,
             ),
             'ShmStoreBegin': grpc.unary_unary_rpc_method_handler(
                     servicer.ShmStoreBegin,
@@ -273,12 +273,12 @@ class Cache:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/kvfabric.rpc.v1.Cache/ShmLoad',
             kvfabric_dot_rpc_dot_v1_dot_cache__pb2.LoadRequest.SerializeToString,
-            kvfabric_dot_rpc_dot_v1_dot_cache__pb2.ShmLoadResponse.FromString,
+            kvfabric_dot_rpc_dot_v1_dot_cache__pb2.ShmSlot.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -389,6 +391,101 @@ def test_connector_payload_image() -> None:
 
     assert KV_TRANSFER_CONFIG["kv_connector_module_path"] in text
     assert KV_TRANSFER_CONFIG["kv_connector"] in text
+
+
+def _replay_env(tmp: Path) -> dict[str, str]:
+    """PATH shims so the builder's ``python`` and ``pip`` are an interpreter that has pip."""
+    base = getattr(sys, "_base_executable", sys.executable)
+    if subprocess.run([base, "-m", "ensurepip", "--version"], capture_output=True, check=False).returncode:
+        pytest.skip(f"{base} has no ensurepip, so `python -m venv` cannot seed pip")
+    if shutil.which("uv") is None:
+        pytest.skip("uv is not on PATH")
+    shims = tmp / "shims"
+    shims.mkdir()
+    for name, line in (("python", f'exec "{base}" "$@"'), ("pip", f'exec "{base}" -m pip "$@"')):
+        (shims / name).write_text(f"#!/bin/sh\n{line}\n")
+        (shims / name).chmod(0o755)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {"VIRTUAL_ENV", "PYTHONPATH", "UV_PROJECT_ENVIRONMENT"}
+    }
+    env.update(
+        PATH=f"{shims}:{env.get('PATH', '')}",
+        UV_PYTHON_DOWNLOADS="never",
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        PIP_ROOT_USER_ACTION="ignore",
+    )
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["operator", "cacheserver", "connector"])
+def test_builder_stage_runs_here(name: str, tmp_path: Path) -> None:
+    """Run the builder stage's own RUN lines on this machine, in a copy of the build context.
+
+    What Docker would do, minus the base image: the absolute paths (/dist, /opt/venv,
+    /kvfabric-connector) move under tmp_path, the host's Python stands in for the image's, and the
+    step installing uv is skipped (uv is here already). The engine's builder is not replayed: its
+    torch comes from the PyTorch CPU index, which this machine cannot reach.
+    """
+    env = _replay_env(tmp_path)
+    df = dockerfile(name)
+    builder = df.stages[0]
+    assert builder.name == "builder"
+    context = tmp_path / "src"
+    context.mkdir()
+    for ins in builder.all("COPY"):
+        *sources, _dest = ins.operands()
+        for source in sources:
+            src = ROOT / source
+            if src.is_dir():
+                ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".mypy_cache")
+                shutil.copytree(src, context / source, ignore=ignore)
+            else:
+                shutil.copy2(src, context / source)
+    remap = {
+        "/dist": tmp_path / "dist",
+        "/opt/venv": tmp_path / "venv",
+        "/kvfabric-connector": tmp_path / "kvfabric-connector",
+    }
+    for ins in builder.all("RUN"):
+        if ins.args.startswith('pip install "uv=='):
+            continue
+        command = ins.args
+        for old, new in remap.items():
+            command = re.sub(rf"(?<![\w./-]){re.escape(old)}(?![\w-])", str(new), command)
+        proc = subprocess.run(
+            ["/bin/sh", "-c", command],
+            cwd=context,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=800,
+            check=False,
+        )
+        assert proc.returncode == 0, (
+            f"{df.path}:{ins.line} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    wheels = list((tmp_path / "dist").glob("kvfabric-*.whl"))
+    assert [w.name for w in wheels] == [f"kvfabric-{__version__}-py3-none-any.whl"]
+    if name == "connector":
+        site = tmp_path / "kvfabric-connector" / "site-packages"
+        assert (site / "kvfabric" / "connector" / "vllm.py").is_file()
+        assert not (site / "torch").exists()
+        assert not (site / "kopf").exists()
+        assert not (site / "bin").exists()
+    else:
+        venv_python = tmp_path / "venv" / "bin" / "python"
+        probe = (
+            "import importlib.util as u; "
+            "print(sorted(m for m in ('kopf', 'torch', 'kubernetes') if u.find_spec(m)))"
+        )
+        found = subprocess.run(
+            [str(venv_python), "-c", probe], capture_output=True, text=True, check=True
+        ).stdout
+        assert found.strip() == ("['kopf', 'kubernetes']" if name == "operator" else "[]")
 
 
 def test_dockerignore_keeps_the_context_small() -> None:

@@ -61,7 +61,7 @@ BAD_KEYS = [
 def _calls(stub: Any, namespace: str, keys: list[str]) -> list[Callable[[], object]]:
     return [
         lambda: stub.Lookup(pb.LookupRequest(namespace=namespace, keys=keys), timeout=5),
-        lambda: stub.ShmLoad(pb.LoadRequest(namespace=namespace, keys=keys), timeout=5),
+        lambda: list(stub.ShmLoad(pb.LoadRequest(namespace=namespace, keys=keys), timeout=5)),
         lambda: list(stub.Load(pb.LoadRequest(namespace=namespace, keys=keys), timeout=5)),
         lambda: stub.Delete(pb.DeleteRequest(namespace=namespace, keys=keys), timeout=5),
         lambda: stub.ShmStoreBegin(
@@ -139,7 +139,7 @@ def test_shm_calls_are_refused_on_tcp_and_lengths_must_match(srv: ServerProcess)
     ch, stub = _stub(srv.tcp_target)
     with ch:
         with pytest.raises(grpc.RpcError) as err:
-            stub.ShmLoad(pb.LoadRequest(namespace=ns, keys=[key]), timeout=5)
+            list(stub.ShmLoad(pb.LoadRequest(namespace=ns, keys=[key]), timeout=5))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     ch, stub = _stub(srv.unix_target)
     with ch:
@@ -169,7 +169,7 @@ def test_fuzz_random_message_bodies(srv: ServerProcess, data: bytes, method: str
         call: Callable[[], object]
         if method == "Store":
             call = lambda: ch.stream_unary(path)(iter([data, data]), timeout=5)  # type: ignore[arg-type]  # noqa: E731
-        elif method == "Load":
+        elif method in ("Load", "ShmLoad"):
             call = lambda: list(ch.unary_stream(path)(data, timeout=5))  # type: ignore[arg-type]  # noqa: E731
         else:
             call = lambda: ch.unary_unary(path)(data, timeout=5)  # type: ignore[arg-type]  # noqa: E731

@@ -211,6 +211,14 @@ class DiskTier:
 
     # --- Tier interface ------------------------------------------------------------------------------
 
+    def has(self, bid: BlockId) -> bool:
+        """Lock-free :meth:`contains` for the lookup hot path.
+
+        A dict membership test is atomic under the GIL; the answer may be a moment stale, which a
+        lookup tolerates (the load that follows re-checks under the lock).
+        """
+        return bid in self._index
+
     def contains(self, bid: BlockId) -> bool:
         """Whether the index holds ``bid`` (no filesystem access)."""
         with self._lock:

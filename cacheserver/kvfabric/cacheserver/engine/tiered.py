@@ -160,12 +160,13 @@ class TieredStore:
     def lookup(self, bids: list[BlockId]) -> list[str]:
         """Tier name of each leading present key (index only, no storage access)."""
         out: list[str] = []
+        dram, local, shared = self.dram, self.local, self.shared
         for bid in bids:
-            if self.dram.contains(bid):
+            if dram.has(bid):
                 out.append("dram")
-            elif self.local is not None and self.local.contains(bid):
+            elif local is not None and local.has(bid):
                 out.append("local_disk")
-            elif self.shared is not None and self.shared.contains(bid):
+            elif shared is not None and shared.has(bid):
                 out.append("shared")
             else:
                 break

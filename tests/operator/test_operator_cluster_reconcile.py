@@ -267,7 +267,9 @@ def test_restart_mid_reconcile_converges_and_kubectl_diff_is_empty(
     finally:
         operator.start()
     wait_for(
-        lambda: all(is_ready(cluster, namespace, f"pool-{i}") for i in range(8)), timeout=120, message="all Ready"
+        lambda: all(is_ready(cluster, namespace, f"pool-{i}") for i in range(8)),
+        timeout=120,
+        message="all Ready",
     )
     for i in range(8):
         pool = get_pool(cluster, namespace, f"pool-{i}")

@@ -1,0 +1,200 @@
+"""The storage engine's pieces on temp dirs, without a server: block format, tiers, journal, TTL."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvfabric.cacheserver.engine.blockfile import (
+    HEADER_SIZE,
+    BlockHeader,
+    CorruptBlock,
+    aligned_buffer,
+    pack_header,
+    read_block_into,
+    read_header,
+    unpack_header,
+    write_block,
+)
+from kvfabric.cacheserver.engine.disk import DiskTier
+from kvfabric.cacheserver.engine.dram import DramTier
+from kvfabric.cacheserver.engine.ids import BlockId, InvalidId, parse_ids
+from kvfabric.cacheserver.engine.journal import Event, JournalReader, JournalWriter, parse_lines
+from kvfabric.cacheserver.engine.ttl import SharedClock, bucket_of, expired_buckets, owner_of
+from kvfabric.cacheserver.testing import digest, payload_for
+
+NS = digest("engine")
+
+
+def bid(i: object) -> BlockId:
+    return BlockId.parse(NS, digest(i))
+
+
+@given(
+    length=st.integers(0, 2**40),
+    created=st.floats(0, 2e9, allow_nan=False),
+    bucket=st.integers(-(2**40), 2**40),
+    checksum=st.binary(min_size=16, max_size=16),
+)
+def test_header_round_trip(length: int, created: float, bucket: int, checksum: bytes) -> None:
+    h = BlockHeader(bid("h"), length, checksum, created, bucket)
+    raw = pack_header(h)
+    assert len(raw) == HEADER_SIZE
+    assert unpack_header(raw) == h
+
+
+def test_any_flipped_header_byte_is_detected() -> None:
+    raw = bytearray(pack_header(BlockHeader(bid("x"), 10, b"\1" * 16, 1.0, 2)))
+    for i in range(0, 8 + 2 + 2 + 32 + 32 + 8 + 16 + 8 + 8 + 8):
+        bad = bytearray(raw)
+        bad[i] ^= 0x01
+        with pytest.raises(CorruptBlock):
+            unpack_header(bytes(bad))
+
+
+def test_block_write_read_and_payload_corruption(tmp_path: Path) -> None:
+    (tmp_path / "tmp").mkdir()
+    b = bid("rw")
+    data = payload_for(b.key, 3 * 4096 + 17)
+    path = tmp_path / "b" / b.filename
+    h = write_block(tmp_path / "tmp", path, b, data, created_at=5.0, bucket=7)
+    assert not list((tmp_path / "tmp").iterdir()), "temp file renamed away"
+    assert read_header(path) == h
+    buf = aligned_buffer(len(data))
+    for direct in (True, False):
+        assert read_block_into(path, b, memoryview(buf), direct=direct).length == len(data)
+        assert bytes(buf[: len(data)]) == data
+    with pytest.raises(CorruptBlock, match="holds"):
+        read_block_into(path, bid("other"), memoryview(buf))
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + len(data) - 1)
+        f.write(b"\0" if data[-1] else b"\1")
+    with pytest.raises(CorruptBlock, match="checksum"):
+        read_block_into(path, b, memoryview(buf))
+    os.truncate(path, HEADER_SIZE + 10)
+    with pytest.raises(CorruptBlock):
+        read_header(path)
+    buf.close()
+
+
+def test_ids_reject_everything_but_hex_digests() -> None:
+    for bad in ("", "a" * 63, "A" * 64, "../" * 21 + "a", "a" * 62 + " a", "\u0660" * 64):
+        with pytest.raises(InvalidId):
+            parse_ids(NS, [digest(1), bad])
+        with pytest.raises(InvalidId):
+            BlockId.parse(bad, digest(1))
+    ids = parse_ids(NS, [digest(1), digest(2)])
+    assert ids == [BlockId(NS, digest(1)), BlockId(NS, digest(2))]
+    assert BlockId.from_filename(ids[0].filename) == ids[0]
+    assert BlockId.from_filename("../" + ids[0].filename[3:]) is None
+
+
+def test_dram_tier_lru_and_budget(tmp_path: Path) -> None:
+    tier = DramTier(tmp_path / "shm", 5 * 4096, high_watermark=1.0, low_watermark=0.6)
+    for i in range(5):
+        assert tier.put(bid(i), payload_for(str(i), 4096))
+    assert tier.slot(bid(0)) is not None  # touch 0: now most recently used
+    assert tier.put(bid(5), payload_for("5", 4096))  # evicts down to 60 % first: 1, 2 go
+    assert tier.usage().used_bytes <= 5 * 4096
+    assert tier.contains(bid(0))
+    assert not tier.contains(bid(1))
+    assert not tier.contains(bid(2))
+    assert tier.get(bid(5)) == payload_for("5", 4096)
+    assert not tier.put(bid(9), b"x" * (6 * 4096)), "larger than the whole budget"
+    # An evicted block's file is gone; a reader that opened it first keeps its bytes.
+    handle = tier.open(bid(5))
+    assert handle is not None
+    assert tier.delete(bid(5))
+    assert handle.read() == payload_for("5", 4096)
+    handle.close()
+    names = {p.name for p in (tmp_path / "shm").iterdir()}
+    assert len(names) == tier.usage().blocks
+
+
+def test_disk_tier_scan_refresh_evict_expire(tmp_path: Path) -> None:
+    def tier() -> DiskTier:
+        return DiskTier(
+            "local_disk", tmp_path / "d", 6 * (HEADER_SIZE + 4096), server_id="me",
+            high_watermark=1.0, low_watermark=0.5,
+        )  # fmt: skip
+
+    t = tier()
+    for i in range(4):
+        assert t.put(bid(i), payload_for(str(i), 4096), bucket=10 + i // 2) is not None
+    (t.tmp_dir / "leftover.tmp").write_bytes(b"half a block")
+    (tmp_path / "d" / "buckets" / "11" / "garbage.blk").write_bytes(b"not a block")
+    t2 = tier()
+    assert t2.scan() == 4
+    assert not list(t2.tmp_dir.iterdir()), "leftover temp files are cleaned at start-up"
+    assert t2.buckets() == [10, 11]
+    assert t2.get(bid(3)) == payload_for("3", 4096)
+    # A hit refreshes a block into the current bucket.
+    assert t2.refresh(bid(0), 12)
+    entry = t2.entry(bid(0))
+    assert entry is not None
+    assert entry.bucket == 12
+    assert (tmp_path / "d" / "buckets" / "12" / bid(0).filename).exists()
+    assert t2.get(bid(0)) == payload_for("0", 4096)
+    # Filling past the budget evicts LRU down to the low watermark and never exceeds the high one.
+    for i in range(4, 10):
+        t2.put(bid(i), payload_for(str(i), 4096), bucket=12)
+        assert t2.usage().used_bytes <= t2.usage().high_bytes
+    # Whole-bucket expiry, claimed once.
+    gone = t2.expire_bucket(12)
+    assert gone is not None
+    assert t2.expire_bucket(12) is None
+    assert 12 not in t2.bucket_dirs()
+
+
+def test_journal_tailing_partial_lines_and_truncation(tmp_path: Path) -> None:
+    jdir = tmp_path / "journals"
+    a = JournalWriter(jdir, "a")
+    reader = JournalReader(jdir, "b")
+    reader.skip_to_end()
+    a.append([Event("P", bid(1), 5, 100), Event("D", bid(2))])
+    with open(a.path, "ab") as f:
+        f.write(b"X 7\nP 9 " + NS.encode())  # a torn, partial last line
+    events = reader.poll()
+    assert events == [Event("P", bid(1), 5, 100), Event("D", bid(2)), Event("X", bucket=7)]
+    with open(a.path, "ab") as f:
+        f.write(f" {bid(3).key} 42\n".encode())
+    assert reader.poll() == [Event("P", bid(3), 9, 42)]
+    # The owner restarts: its journal starts empty; the reader starts over.
+    a.close()
+    a = JournalWriter(jdir, "a")
+    a.append([Event("D", bid(3))])
+    assert reader.poll() == [Event("D", bid(3))]
+    a.close()
+    assert list(parse_lines(b"garbage\nP x y z w\nD " + NS.encode() + b" ../../etc\n")) == []
+
+
+def test_bucket_ownership_is_rendezvous() -> None:
+    servers = [f"node-{i}" for i in range(5)]
+    owners = [owner_of(b, servers) for b in range(1000)]
+    assert set(owners) == set(servers), "every server owns some buckets"
+    # Losing a server moves only its buckets.
+    survivors = servers[1:]
+    for b, o in enumerate(owners):
+        if o != servers[0]:
+            assert owner_of(b, survivors) == o
+    assert owner_of(1, []) is None
+
+
+def test_expiry_arithmetic_and_clock(tmp_path: Path) -> None:
+    assert bucket_of(7199.9, 3600) == 1
+    # Bucket 1 covers [3600, 7200): expired when its end is a TTL ago.
+    assert expired_buckets([0, 1, 2], 7200 + 3600, ttl_seconds=3600, bucket_seconds=3600) == [0, 1]
+    assert expired_buckets([1], 7200 + 3599, ttl_seconds=3600, bucket_seconds=3600) == []
+    clock = SharedClock(tmp_path / "clock")
+    now = clock.now()
+    assert now is not None
+    assert abs(now - (tmp_path / "clock").stat().st_mtime) < 5
+    # An unreachable clock file means "unknown": nothing may expire.
+    (tmp_path / "not-a-dir").write_text("a file where a directory should be")
+    broken = SharedClock(tmp_path / "not-a-dir" / "clock")
+    assert not broken.sync()
+    assert broken.now() is None

@@ -1,0 +1,195 @@
+"""The injection webhook, called by the real API server on Pod CREATE."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from tests.operator.conftest import OperatorProcess, get_pool, is_ready
+
+from kvfabric.localcluster.testing import ClusterHandle, wait_for
+from kvfabric.operator.render import names
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+def pool(name: str = "pool-a", **consumers: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvfabric.io/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": name},
+        "spec": {"image": {"tag": "v0.1.0"}, "tiers": {"memory": {"size": "1Gi"}}, "consumers": consumers},
+    }
+
+
+def deployment(name: str, labels: dict[str, str], replicas: int = 2) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name, **labels}},
+                "spec": {
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "containers": [
+                        {
+                            "name": "vllm",
+                            "image": "vllm/vllm-openai:v0.11.0",
+                            "args": ["--model", "meta-llama/Llama-3.1-8B"],
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def bare_pod(name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"containers": [{"name": "app", "image": "python:3.12", "command": ["sleep", "inf"]}]},
+    }
+
+
+def pods(cluster: ClusterHandle, ns: str, selector: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = cluster.get_json("pods", "-n", ns, "-l", selector)["items"]
+    return items
+
+
+def env_of(pod: dict[str, Any], container: int = 0) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][container].get("env") or []}
+
+
+def wait_pool_known(cluster: ClusterHandle, ns: str, name: str) -> dict[str, Any]:
+    """Wait until the operator has reconciled the pool (so its webhook knows it too)."""
+    wait_for(
+        lambda: get_pool(cluster, ns, name).get("status", {}).get("connection", {}).get("configHash"),
+        timeout=30,
+        message="pool reconciled",
+    )
+    return get_pool(cluster, ns, name)
+
+
+def test_labelled_deployment_gets_injected_and_counted(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess
+) -> None:
+    cluster.apply(pool(), namespace=namespace)
+    current = wait_pool_known(cluster, namespace, "pool-a")["status"]["connection"]
+    cluster.apply(deployment("engine", {"kvfabric.io/pool": "pool-a"}), namespace=namespace)
+    injected = wait_for(
+        lambda: (p := pods(cluster, namespace, "app=engine")) and len(p) == 2 and p,
+        timeout=60,
+        message="2 pods",
+    )
+    for p in injected:
+        env = env_of(p)
+        assert env["KVFABRIC_SOCKET"] == current["socket"]
+        assert env["KVFABRIC_SHM_DIR"] == current["shmDir"]
+        assert env["KVFABRIC_REMOTE"] == current["remote"]
+        assert env["KVFABRIC_CHUNK_TOKENS"] == "256"
+        assert env["KVFABRIC_POOL"] == f"{namespace}/pool-a"
+        assert env["KVFABRIC_CONFIG_HASH"] == current["configHash"]
+        args = p["spec"]["containers"][0]["args"]
+        assert args[:2] == ["--model", "meta-llama/Llama-3.1-8B"]
+        assert args[2] == "--kv-transfer-config"
+        assert json.loads(args[3])["kv_connector"] == "KVFabricConnector"
+        volumes = {v["name"]: v for v in p["spec"]["volumes"]}
+        assert volumes["kvfabric-run"]["hostPath"]["path"] == current["hostDir"]
+        annotations = p["metadata"]["annotations"]
+        assert annotations[names.CONFIG_HASH_ANNOTATION] == current["configHash"]
+        assert json.loads(annotations[names.INJECTED_ANNOTATION])["pool"] == f"{namespace}/pool-a"
+
+    wait_for(
+        lambda: (
+            get_pool(cluster, namespace, "pool-a")["status"]["consumers"]
+            == {"matched": 2, "injected": 2, "stale": 0, "skipped": 0}
+        ),
+        timeout=30,
+        message="consumers counted",
+    )
+
+    # A consumer-visible change (tenant) makes the running pods stale, and status says so.
+    cluster.kubectl(
+        "patch",
+        "kvp",
+        "pool-a",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"consumers": {"tenant": "team-a"}}}),
+    )
+    wait_for(
+        lambda: (
+            get_pool(cluster, namespace, "pool-a")["status"]["consumers"]
+            == {"matched": 2, "injected": 0, "stale": 2, "skipped": 0}
+        ),
+        timeout=30,
+        message="consumers stale",
+    )
+    # New pods get the new settings.
+    cluster.kubectl("delete", "pods", "-n", namespace, "-l", "app=engine", "--wait=false")
+    wait_for(
+        lambda: (
+            get_pool(cluster, namespace, "pool-a")["status"]["consumers"]
+            == {"matched": 2, "injected": 2, "stale": 0, "skipped": 0}
+        ),
+        timeout=60,
+        message="replacement pods injected",
+    )
+    fresh = pods(cluster, namespace, "app=engine")
+    assert all(
+        env_of(p)["KVFABRIC_TENANT"] == "team-a" for p in fresh if not p["metadata"].get("deletionTimestamp")
+    )
+
+
+def test_unlabelled_and_unknown_pool_pods(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess
+) -> None:
+    cluster.apply(pool(), namespace=namespace)
+    wait_pool_known(cluster, namespace, "pool-a")
+    cluster.apply(
+        bare_pod("plain", {"app": "plain"}),
+        bare_pod("lost", {"kvfabric.io/pool": "missing"}),
+        namespace=namespace,
+    )
+    plain = cluster.get_json("pod", "plain", "-n", namespace)
+    assert "env" not in plain["spec"]["containers"][0]
+    assert not [k for k in plain["metadata"].get("annotations") or {} if k.startswith("kvfabric.io/")]
+    assert "kvfabric-run" not in {v["name"] for v in plain["spec"].get("volumes") or []}
+
+    lost = cluster.get_json("pod", "lost", "-n", namespace)
+    assert lost["metadata"]["annotations"][names.SKIP_REASON_ANNOTATION] == "pool-not-found"
+    assert "env" not in lost["spec"]["containers"][0]
+    assert "kvfabric-run" not in {v["name"] for v in lost["spec"].get("volumes") or []}
+
+
+def test_webhook_down_does_not_block_pod_creation(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess
+) -> None:
+    cluster.apply(pool(), namespace=namespace)
+    wait_pool_known(cluster, namespace, "pool-a")
+    operator.stop()
+    try:
+        cluster.apply(bare_pod("while-down", {"kvfabric.io/pool": "pool-a"}), namespace=namespace)
+        created = cluster.get_json("pod", "while-down", "-n", namespace)
+        # Admitted unchanged (failurePolicy Ignore)...
+        assert "env" not in created["spec"]["containers"][0]
+    finally:
+        operator.start()
+    # ...and visible in status as matched but not injected once the operator is back.
+    wait_for(
+        lambda: (
+            (c := get_pool(cluster, namespace, "pool-a")["status"]["consumers"])["matched"] == 1
+            and c["injected"] == 0
+        ),
+        timeout=30,
+        message="uninjected consumer counted",
+    )
+    wait_for(lambda: is_ready(cluster, namespace, "pool-a"), timeout=60, message="pool Ready after restart")

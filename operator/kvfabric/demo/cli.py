@@ -13,8 +13,12 @@ from pathlib import Path
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the demo's options."""
-    parser.add_argument("--dir", type=Path, default=None,
-                        help="cluster state directory (default: a fresh temporary directory)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="cluster state directory (default: a fresh temporary directory)",
+    )
     parser.add_argument("--keep", action="store_true", help="leave the cluster running afterwards")
 
 

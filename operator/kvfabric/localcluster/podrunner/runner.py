@@ -118,7 +118,15 @@ class PodWorker(threading.Thread):
         for vol in self.pod["spec"].get("volumes", []):
             name = vol["name"]
             if "hostPath" in vol:
-                path = self.runner.base / "nodes" / self.node / "host" / vol["hostPath"]["path"].lstrip("/")
+                host_path = vol["hostPath"]["path"]
+                # /run and /dev/shm are tmpfs on a real node; keep them in memory here too, so a
+                # shared-memory arena in a hostPath directory behaves as it would in production.
+                root = (
+                    self.runner.tmpfs_base
+                    if host_path.startswith(("/run/", "/dev/shm/"))
+                    else self.runner.base
+                )
+                path = root / "nodes" / self.node / "host" / host_path.lstrip("/")
                 if vol["hostPath"].get("type") in ("FileOrCreate", "File"):
                     path.parent.mkdir(parents=True, exist_ok=True)
                     path.touch()
@@ -181,12 +189,16 @@ class PodWorker(threading.Thread):
                 "HOSTNAME": self.name,
                 **env,
             }
+            container_mounts = spec.mounts(c, volume_dirs)
+            for m in container_mounts:
+                # Like the kubelet, create a missing subPath as a directory.
+                m.source.mkdir(parents=True, exist_ok=True)
             plans.append(
                 spec.ContainerPlan(
                     name=c["name"],
                     argv=spec.argv(c, full_env),
                     env=full_env,
-                    mounts=spec.mounts(c, volume_dirs),
+                    mounts=container_mounts,
                     working_dir=c.get("workingDir"),
                     readiness=spec.readiness_probe(c),
                 )
@@ -436,6 +448,7 @@ class PodRunner:
         self.base = base.absolute()
         self.nodes = node_specs
         self.host_ip = "127.0.0.1"
+        self.tmpfs_base = Path("/dev/shm/kvfabric-podrunner") / f"runner-{os.getpid()}"
         # The engine's own environment comes first so `kvfabric` and `python` resolve to this install.
         self.path = os.pathsep.join(
             [str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"]
@@ -568,6 +581,7 @@ class PodRunner:
         for n in self.nodes:
             with contextlib.suppress(client.ApiException):
                 self.core.delete_node(n.name)
+        shutil.rmtree(self.tmpfs_base, ignore_errors=True)
 
     def stop(self) -> None:
         """Ask :meth:`run` to finish."""

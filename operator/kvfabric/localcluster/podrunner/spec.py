@@ -189,9 +189,13 @@ def launch_script(plan: ContainerPlan) -> str:
     q = shlex.quote
     lines = ["set -euo pipefail"]
     for m in plan.mounts:
+        # Mount points are created on the host's filesystem (empty directories or files), as a
+        # container runtime would in the image's rootfs; one of the wrong kind is replaced.
         if m.source.is_dir():
+            lines.append(f"[ -d {q(m.target)} ] || rm -f {q(m.target)}")
             lines.append(f"mkdir -p {q(m.target)}")
         else:
+            lines.append(f"[ ! -d {q(m.target)} ] || rmdir {q(m.target)}")
             lines.append(f"mkdir -p {q(str(Path(m.target).parent))} && touch {q(m.target)}")
         lines.append(f"mount --bind {q(str(m.source))} {q(m.target)}")
         if m.read_only:

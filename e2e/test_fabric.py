@@ -1,0 +1,160 @@
+"""The whole fabric on the cluster: operator, cache-server DaemonSet and injected inference pods.
+
+The pod runner really runs the pods the operator rendered (cache servers) and the inference
+Deployment (reference engines) on two GPU nodes; only the GPUs are imaginary.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvfabric.demo.fabric import Fabric, wait_pool_ready
+from kvfabric.demo.workloads import engine_deployment, generate, pool_manifest, prompt, ready_pods
+from kvfabric.localcluster.testing import wait_for
+
+POOL = "pool-e2e"
+CHUNK = 64
+CACHE_SELECTOR = f"app.kubernetes.io/name=kvfabric-cache,app.kubernetes.io/instance={POOL}"
+
+
+@pytest.fixture(scope="module")
+def deployed(fabric: Fabric) -> Iterator[tuple[Fabric, str]]:
+    with fabric.cluster.namespace("e2e") as ns:
+        fabric.cluster.apply(pool_manifest(POOL, chunk_tokens=CHUNK), namespace=ns)
+        wait_pool_ready(fabric.cluster, ns, POOL)
+        fabric.cluster.apply(engine_deployment("engine", POOL), namespace=ns)
+        wait_for(
+            lambda: len(ready_pods(fabric.cluster, ns, "app=engine")) == 2,
+            timeout=180,
+            message="two ready engines",
+        )
+        yield fabric, ns
+
+
+def engines(fabric: Fabric, ns: str) -> dict[str, dict[str, Any]]:
+    return {p["spec"]["nodeName"]: p for p in ready_pods(fabric.cluster, ns, "app=engine")}
+
+
+def cache_pods(fabric: Fabric, ns: str) -> dict[str, dict[str, Any]]:
+    return {p["spec"]["nodeName"]: p for p in ready_pods(fabric.cluster, ns, CACHE_SELECTOR)}
+
+
+def shared_blocks(fabric: Fabric, ns: str) -> int:
+    """Block files on the shared volume (the pod runner's directory behind the pool's claim)."""
+    assert fabric.runner_base is not None
+    root = fabric.runner_base / "shared" / "pvc" / ns
+    return sum(1 for f in root.glob("*/*/buckets/**/*") if f.is_file())
+
+
+def test_cache_servers_run_on_every_gpu_node_and_engines_are_injected(deployed: tuple[Fabric, str]) -> None:
+    fabric, ns = deployed
+    assert sorted(cache_pods(fabric, ns)) == sorted(fabric.gpu_nodes)
+    for pod in engines(fabric, ns).values():
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env", [])}
+        assert env["KVFABRIC_SOCKET"].endswith("/cache.sock")
+        assert env["KVFABRIC_CHUNK_TOKENS"] == str(CHUNK)
+        assert "kvfabric.io/injected" in " ".join(pod["metadata"].get("annotations", {}))
+
+
+def test_a_prefix_stored_on_node_a_is_a_hit_on_node_b(deployed: tuple[Fabric, str]) -> None:
+    fabric, ns = deployed
+    by_node = engines(fabric, ns)
+    a, b = (by_node[n] for n in fabric.gpu_nodes[:2])
+    p = prompt(1, 5 * CHUNK + 7)
+
+    cold = generate(a, p)
+    assert cold["hit_tokens"] == 0
+    # A's connector stores in the background and A's server writes back to the shared volume
+    # asynchronously; wait until the five chunks are block files there.
+    wait_for(lambda: shared_blocks(fabric, ns) >= 5, timeout=30, message="5 blocks on the shared volume")
+    time.sleep(1.5)  # B's server tails A's journal at least once a second
+    warm = generate(b, p)
+    assert warm["hit_tokens"] == 5 * CHUNK
+    assert warm["tier"] == "shared"
+    assert warm["output_token_ids"] == cold["output_token_ids"]  # cached KV gives the same tokens
+
+
+def test_killing_a_cache_server_falls_back_then_recovers(deployed: tuple[Fabric, str]) -> None:
+    fabric, ns = deployed
+    node = fabric.gpu_nodes[0]
+    engine = engines(fabric, ns)[node]
+    p = prompt(2, 4 * CHUNK + 3)
+    reference = generate(engine, p)
+    old = cache_pods(fabric, ns)[node]
+
+    fabric.cluster.kubectl("delete", "pod", old["metadata"]["name"], "-n", ns, "--wait=false")
+    during = generate(engine, p)  # the cache is going away or gone: the request must still succeed
+    assert during["output_token_ids"] == reference["output_token_ids"]
+
+    new = wait_for(
+        lambda: (
+            (c := cache_pods(fabric, ns).get(node)) and c["metadata"]["uid"] != old["metadata"]["uid"] and c
+        ),
+        timeout=120,
+        message="the DaemonSet's replacement cache server",
+    )
+    assert new["spec"]["nodeName"] == node
+    after = wait_for(
+        lambda: (r := generate(engine, p))["hit_tokens"] > 0 and r,
+        timeout=60,
+        message="hits again after the replacement",
+    )
+    assert after["output_token_ids"] == reference["output_token_ids"]
+
+
+def test_changing_the_pool_rolls_cache_servers_without_failing_requests(deployed: tuple[Fabric, str]) -> None:
+    fabric, ns = deployed
+    before = {n: p["metadata"]["uid"] for n, p in cache_pods(fabric, ns).items()}
+    by_node = engines(fabric, ns)
+    p = prompt(3, 3 * CHUNK + 1)
+    expected = generate(by_node[fabric.gpu_nodes[1]], p)["output_token_ids"]
+    failures: list[str] = []
+    results: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            for pod in by_node.values():
+                try:
+                    r = generate(pod, p)
+                    results.append(r)
+                    if r["output_token_ids"] != expected:
+                        failures.append(f"wrong output on {pod['spec']['nodeName']}")
+                except AssertionError as exc:
+                    failures.append(str(exc))
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    try:
+        fabric.cluster.kubectl(
+            "patch",
+            "kvcachepool",
+            POOL,
+            "-n",
+            ns,
+            "--type=merge",
+            "-p",
+            '{"spec":{"tiers":{"memory":{"size":"320Mi"}}}}',
+        )
+        wait_for(
+            lambda: (
+                (now := {n: p["metadata"]["uid"] for n, p in cache_pods(fabric, ns).items()})
+                and set(now) == set(before)
+                and not set(now.values()) & set(before.values())
+            ),
+            timeout=180,
+            message="every cache server replaced",
+        )
+        wait_pool_ready(fabric.cluster, ns, POOL)
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+    assert not failures, failures
+    assert len(results) >= 2
+    cm = fabric.cluster.get_json("configmap", "-n", ns, "-l", f"app.kubernetes.io/instance={POOL}")["items"]
+    assert any("335544320" in "".join(c.get("data", {}).values()) for c in cm)  # 320Mi in bytes

@@ -1,0 +1,203 @@
+"""The whole fabric on the local control plane, as users would run it — for the demo and e2e tests.
+
+:func:`running_fabric` brings up a local cluster whose GPU nodes are served by the pod runner (so the
+cache servers and inference pods the scheduler places there really run), installs the CRDs and RBAC
+from the repository's manifests, creates a PersistentVolume for pools' shared tiers, and runs the
+operator as a local process with its injection webhook registered on 127.0.0.1. It can also target
+an existing cluster named by ``KVFABRIC_TEST_KUBECONFIG`` (kind), where the pod runner is not needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvfabric.localcluster.cluster import LocalCluster, free_port
+from kvfabric.localcluster.testing import ClusterHandle, external_cluster, pod_runner, wait_for
+
+Progress = Callable[[str], None]
+
+SHARED_STORAGE_CLASS = "kvfabric-shared"
+
+
+def repo_root() -> Path:
+    """The checkout holding ``crds/`` and ``manifests/`` (this file lives at operator/kvfabric/demo/)."""
+    for candidate in (Path(__file__).resolve().parents[3], Path.cwd()):
+        if (candidate / "crds" / "kustomization.yaml").exists():
+            return candidate
+    raise FileNotFoundError("cannot find the repository's crds/ directory; run from a kvfabric checkout")
+
+
+@dataclass
+class Fabric:
+    """A running fabric: the cluster handle and where the pod runner keeps node directories."""
+
+    cluster: ClusterHandle
+    runner_base: Path | None
+    gpu_nodes: list[str]
+    operator_log: Path | None = None
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def node_dir(self, node: str) -> Path:
+        """The pod runner's directory standing in for ``node``'s root filesystem (hostPath volumes)."""
+        assert self.runner_base is not None
+        return self.runner_base / "nodes" / node / "host"
+
+
+def shared_volume(name: str, directory: Path) -> dict[str, Any]:
+    """A ReadWriteMany PersistentVolume that pools' shared claims bind to."""
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": name, "labels": {"kvfabric.io/test-volume": "shared"}},
+        "spec": {
+            "capacity": {"storage": "1Ti"},
+            "accessModes": ["ReadWriteMany"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "storageClassName": SHARED_STORAGE_CLASS,
+            "hostPath": {"path": str(directory), "type": "DirectoryOrCreate"},
+        },
+    }
+
+
+def install(cluster: ClusterHandle, root: Path) -> None:
+    """Apply the CRDs (and wait until they are served)."""
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(root / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/kvcachepools.kvfabric.io", "--timeout=60s")
+
+
+@contextlib.contextmanager
+def _operator_process(cluster: ClusterHandle, workdir: Path, progress: Progress) -> Iterator[Path]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / "operator.log"
+    health = free_port()
+    args = [
+        sys.executable,
+        "-m",
+        "kvfabric.cli",
+        "operator",
+        "--kubeconfig",
+        str(cluster.kubeconfig),
+        "-A",
+        "--register-webhook",
+        "--webhook-port",
+        str(free_port()),
+        "--webhook-cert-dir",
+        str(workdir / "certs"),
+        "--liveness",
+        f"http://127.0.0.1:{health}/healthz",
+        "--resync-seconds",
+        "5",
+    ]
+    progress("starting the operator (reconciler + injection webhook on 127.0.0.1)")
+    with log_path.open("ab") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+    try:
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the operator exited:\n{log_path.read_text()[-3000:]}")
+            import urllib.request
+
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=1) as r:
+                    return bool(r.status == 200)
+            except OSError:
+                return False
+
+        wait_for(up, timeout=90, message="the operator's health endpoint")
+        wait_for(
+            lambda: (
+                cluster.kubectl(
+                    "get", "mutatingwebhookconfiguration", "kvfabric-pod-injector", check=False
+                ).returncode
+                == 0
+            ),
+            message="the webhook registration",
+        )
+        yield log_path
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        # The webhook fails open, but leaving it registered would slow every later pod creation.
+        cluster.kubectl(
+            "delete",
+            "mutatingwebhookconfiguration",
+            "kvfabric-pod-injector",
+            "--ignore-not-found",
+            check=False,
+        )
+
+
+@contextlib.contextmanager
+def running_fabric(base: Path, *, gpu_nodes: int = 2, progress: Progress = print) -> Iterator[Fabric]:
+    """Bring the whole fabric up under ``base`` and tear it down afterwards."""
+    root = repo_root()
+    external = os.environ.get("KVFABRIC_TEST_KUBECONFIG")
+    if external:
+        handle = external_cluster(Path(external))
+        progress(f"using the existing cluster at {handle.api_url}")
+        install(handle, root)
+        yield Fabric(cluster=handle, runner_base=None, gpu_nodes=list(handle.gpu_nodes))
+        return
+
+    cluster = LocalCluster(base / "cluster")
+    # kwok keeps one CPU node; the GPU nodes belong to the pod runner, which really runs their pods.
+    state = cluster.up(gpu_nodes=0, cpu_nodes=1, progress=progress)
+    handle = ClusterHandle(
+        kubeconfig=cluster.kubeconfig,
+        kubectl_bin=Path(state.bin_dir) / "kubectl",
+        api_url=f"https://127.0.0.1:{state.ports.apiserver}",
+        cpu_nodes=list(state.cpu_nodes),
+        local_dir=cluster.dir,
+    )
+    names = [f"gpu-node-{chr(ord('a') + i)}" for i in range(gpu_nodes)]
+    try:
+        progress(f"starting the pod runner for nodes {', '.join(names)}")
+        with pod_runner(handle, base / "nodes", [f"{n}:8" for n in names]) as runner_base:
+            handle.gpu_nodes = names
+            progress("installing the CRDs from crds/")
+            install(handle, root)
+            handle.apply(shared_volume("kvfabric-shared", runner_base / "shared" / "volume"))
+            with _operator_process(handle, base / "operator", progress) as op_log:
+                yield Fabric(cluster=handle, runner_base=runner_base, gpu_nodes=names, operator_log=op_log)
+    finally:
+        progress("stopping the cluster")
+        cluster.down(progress=lambda _m: None)
+
+
+def wait_pool_ready(
+    cluster: ClusterHandle, namespace: str, pool: str, timeout: float = 180
+) -> dict[str, Any]:
+    """Wait until the pool's Ready condition is True for its current generation; return the pool."""
+
+    def ready() -> dict[str, Any] | None:
+        obj = cluster.get_json("kvcachepool", pool, "-n", namespace)
+        conds = {c["type"]: c for c in obj.get("status", {}).get("conditions", [])}
+        r = conds.get("Ready")
+        if (
+            r
+            and r["status"] == "True"
+            and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+        ):
+            return obj
+        return None
+
+    result: dict[str, Any] = wait_for(ready, timeout=timeout, interval=0.5, message=f"pool {pool} Ready")
+    return result
+
+
+def elapsed(start: float) -> str:
+    """Seconds since ``start`` for progress lines."""
+    return f"{time.monotonic() - start:5.1f}s"

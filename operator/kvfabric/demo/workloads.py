@@ -1,0 +1,126 @@
+"""Manifests and helpers the whole-fabric tests and the demo share."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+from kvfabric.localcluster.podrunner.runner import pod_request
+from kvfabric.localcluster.testing import ClusterHandle
+
+ENGINE_PORT = 8000
+
+
+def pool_manifest(name: str, *, memory: str = "256Mi", chunk_tokens: int = 64) -> dict[str, Any]:
+    """A pool with all three tiers: DRAM, a node-local disk (hostPath) and a shared claim it owns."""
+    return {
+        "apiVersion": "kvfabric.io/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": name},
+        "spec": {
+            "image": {"repository": "ghcr.io/kvfabric/kvfabric", "tag": "v0.1.0"},
+            "chunkTokens": chunk_tokens,
+            "tiers": {
+                "memory": {"size": memory},
+                "localDisk": {"hostPath": {"path": "/var/lib/kvfabric/nvme"}, "capacity": "1Gi"},
+                "shared": {
+                    "claimTemplate": {
+                        "storageClassName": "kvfabric-shared",
+                        "size": "1Gi",
+                        "accessModes": ["ReadWriteMany"],
+                    },
+                    "capacity": "1Gi",
+                },
+            },
+        },
+    }
+
+
+def engine_deployment(name: str, pool: str, replicas: int = 2) -> dict[str, Any]:
+    """The reference engine as an inference Deployment opted in to ``pool``, one replica per GPU node."""
+    labels = {"app": name}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": {**labels, "kvfabric.io/pool": pool}},
+                "spec": {
+                    "terminationGracePeriodSeconds": 5,
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "affinity": {
+                        "podAntiAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": [
+                                {
+                                    "labelSelector": {"matchLabels": labels},
+                                    "topologyKey": "kubernetes.io/hostname",
+                                }
+                            ]
+                        }
+                    },
+                    "containers": [
+                        {
+                            "name": "engine",
+                            "image": "ghcr.io/kvfabric/engine:v0.1.0",
+                            "command": [
+                                "kvfabric",
+                                "engine",
+                                "serve",
+                                "--host",
+                                "0.0.0.0",
+                                "--port",
+                                str(ENGINE_PORT),
+                                "--max-model-len",
+                                "4096",
+                            ],
+                            "env": [{"name": "OMP_NUM_THREADS", "value": "1"}],
+                            "ports": [{"name": "http", "containerPort": ENGINE_PORT}],
+                            "readinessProbe": {
+                                "httpGet": {"path": "/healthz", "port": "http"},
+                                "periodSeconds": 1,
+                            },
+                            "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def ready_pods(cluster: ClusterHandle, namespace: str, selector: str) -> list[dict[str, Any]]:
+    """Pods matching ``selector`` that are Ready and not terminating."""
+    items: list[dict[str, Any]] = cluster.get_json("pods", "-n", namespace, "-l", selector)["items"]
+    return [
+        p
+        for p in items
+        if p["metadata"].get("deletionTimestamp") is None
+        and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+    ]
+
+
+def generate(
+    pod: dict[str, Any], prompt: list[int], max_tokens: int = 2, timeout: float = 120
+) -> dict[str, Any]:
+    """POST /generate to the engine in ``pod`` (through its network namespace)."""
+    status, body = pod_request(
+        pod["metadata"]["uid"],
+        ENGINE_PORT,
+        "/generate",
+        data=json.dumps({"prompt_token_ids": prompt, "max_tokens": max_tokens}),
+        timeout=timeout,
+    )
+    if status != 200:
+        raise AssertionError(f"engine on {pod['spec']['nodeName']} answered {status}: {body[:500]}")
+    result: dict[str, Any] = json.loads(body)
+    return result
+
+
+def prompt(seed: int, length: int, vocab: int = 512) -> list[int]:
+    """A deterministic pseudo-random prompt."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(length)]

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         host = args.webhook_host or args.webhook_addr
         if cert is None or key is None:
             directory = args.webhook_cert_dir or Path(tempfile.mkdtemp(prefix="kvfabric-webhook-"))
-            generated = certs.generate(directory, [host, "localhost"])
+            generated = certs.generate(directory, sorted({host, "localhost", "127.0.0.1"}))
             cert, key, ca = generated.cert_file, generated.key_file, generated.ca_file
         server = kopf.WebhookServer(
             addr=args.webhook_addr,
@@ -98,11 +98,25 @@ def run(args: argparse.Namespace) -> int:
         if args.register_webhook:
             if ca is None:
                 raise SystemExit("--register-webhook needs --webhook-ca (or a generated certificate)")
-            config = webhookconfig.render_webhook_configuration(
-                name=args.webhook_config_name,
-                url=f"https://{host}:{args.webhook_port}/{handlers.WEBHOOK_ID}",
-                ca_bundle=Path(ca).read_bytes(),
-            )
+            if args.webhook_service:
+                svc_ns, _, svc_name = str(args.webhook_service).partition("/")
+                config = webhookconfig.render_webhook_configuration(
+                    name=args.webhook_config_name,
+                    service={
+                        "namespace": svc_ns,
+                        "name": svc_name,
+                        "path": f"/{handlers.WEBHOOK_ID}",
+                        "port": 443,
+                    },
+                    ca_bundle=Path(ca).read_bytes(),
+                    excluded_namespaces=[svc_ns],
+                )
+            else:
+                config = webhookconfig.render_webhook_configuration(
+                    name=args.webhook_config_name,
+                    url=f"https://{host}:{args.webhook_port}/{handlers.WEBHOOK_ID}",
+                    ca_bundle=Path(ca).read_bytes(),
+                )
 
             async def register() -> None:
                 reg_client = KubeClient.from_environment(args.kubeconfig, args.context)

@@ -63,7 +63,8 @@ def load_configuration(kubeconfig: str | None = None, context: str | None = None
     from kubernetes import config as k8s_config
 
     cfg = k8s_client.Configuration()
-    path = kubeconfig or os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
+    # expanduser, not Path.home(): the latter raises for a uid without a passwd entry (distroless images).
+    path = kubeconfig or os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
     if Path(path).exists():
         k8s_config.load_kube_config(  # type: ignore[no-untyped-call]
             config_file=path, context=context, client_configuration=cfg

@@ -625,9 +625,7 @@ def test_shared_volumes_pass_server_side_dry_run(cluster: ClusterHandle) -> None
     )
 
 
-def test_kind_overlay_renders_the_images_up_sh_loads() -> None:
-    if not (ROOT / "manifests" / "default" / "kustomization.yaml").exists():
-        pytest.skip("manifests/default is not in this checkout yet")
+def kubectl_binary() -> str:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         from kvfabric.localcluster import versions
@@ -636,21 +634,38 @@ def test_kind_overlay_renders_the_images_up_sh_loads() -> None:
         if not candidate.is_file():
             pytest.skip("no kubectl to run kustomize with")
         kubectl = str(candidate)
+    return kubectl
+
+
+@pytest.mark.parametrize("overlay", ["kind", "kind/cert-manager"])
+def test_kind_overlays_render_the_images_up_sh_loads(overlay: str) -> None:
+    if not (ROOT / "manifests" / "default" / "kustomization.yaml").exists():
+        pytest.skip("manifests/default is not in this checkout yet")
     rendered = subprocess.run(
-        [kubectl, "kustomize", str(ROOT / "manifests" / "overlays" / "kind")],
+        [kubectl_binary(), "kustomize", str(ROOT / "manifests" / "overlays" / overlay)],
         capture_output=True,
         text=True,
         check=True,
         timeout=60,
     ).stdout
     built = {f"{repo}:{TAG}" for repo in image_list().values()}
-    deployments = [d for d in yaml.safe_load_all(rendered) if d and d.get("kind") == "Deployment"]
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    deployments = [d for d in docs if d.get("kind") == "Deployment"]
     assert deployments
+    operator_image = f"{image_list()['operator']}:{TAG}"
     for deployment in deployments:
         spec = deployment["spec"]["template"]["spec"]
         for container in spec.get("initContainers", []) + spec["containers"]:
             assert container["image"] in built, container["image"]
             assert container.get("imagePullPolicy") == "IfNotPresent"
+            argv = [*container.get("command", []), *container.get("args", [])]
+            if argv[:2] == ["kvfabric", "operator"]:
+                # kopf is only in the operator image.
+                assert container["image"] == operator_image
+    namespace = deployments[0]["metadata"]["namespace"]
+    assert f'OPERATOR_NAMESPACE="${{OPERATOR_NAMESPACE:-{namespace}}}"' in (KIND / "up.sh").read_text()
+    with_cert_manager = any(d.get("kind") == "Certificate" for d in docs)
+    assert with_cert_manager == overlay.endswith("cert-manager")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -688,7 +703,9 @@ def test_up_sh_uses_what_exists() -> None:
         "operator/kvfabric/cli/version.py",
     ):
         assert referenced in up
-    assert (ROOT / "manifests" / "overlays" / "kind" / "kustomization.yaml").is_file()
+    for overlay in ("kind", "kind/cert-manager", "kind/images"):
+        assert (ROOT / "manifests" / "overlays" / overlay / "kustomization.yaml").is_file()
+    assert "manifests/overlays/kind/cert-manager" in up
     assert "KVFABRIC_TEST_KUBECONFIG=" in up
     assert "uv run pytest e2e" in up
     assert "kind load docker-image" in up
@@ -700,6 +717,9 @@ def test_up_sh_uses_what_exists() -> None:
     from kvfabric.localcluster.nodes import GPU_RESOURCE
 
     assert GPU_RESOURCE == "nvidia.com/gpu"
-    overlay = yaml.safe_load((ROOT / "manifests" / "overlays" / "kind" / "kustomization.yaml").read_text())
-    assert overlay["resources"] == ["../../default"]
-    assert {i["name"]: i["newTag"] for i in overlay["images"]} == {image_list()["operator"]: TAG}
+    component = yaml.safe_load(
+        (ROOT / "manifests" / "overlays" / "kind" / "images" / "kustomization.yaml").read_text()
+    )
+    assert component["kind"] == "Component"
+    assert {i.get("newTag") for i in component["images"]} == {TAG}
+    assert {i.get("newName", i["name"]) for i in component["images"]} == {image_list()["operator"]}

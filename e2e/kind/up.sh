@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run kvfabric's e2e suite on a kind cluster: create the cluster (e2e/kind/kind-config.yaml), make its
-# workers look like GPU nodes, build and load the images (images/), install cert-manager, the operator
+# workers look like GPU nodes, build and load the images (images/), install the operator
 # (manifests/overlays/kind) and the shared-tier volumes, then run `pytest e2e` against it.
 #
 #   e2e/kind/up.sh                 # everything; extra arguments go to pytest (e.g. -k hit -x)
@@ -9,7 +9,8 @@
 #   e2e/kind/down.sh               # delete the cluster
 #
 # Needs: Docker (a running engine), kind v0.33.x, kubectl, uv, and network access for the base images,
-# PyPI, the PyTorch CPU index and cert-manager's release manifest. Re-running it reuses the cluster.
+# PyPI and the PyTorch CPU index (and cert-manager's release with CERT_MANAGER=1). Re-running it
+# reuses the cluster.
 #
 # Environment:
 #   KIND_CLUSTER_NAME         cluster name (default: kvfabric)
@@ -17,8 +18,10 @@
 #                             (default: /tmp/kvfabric-kind; it must be shared with Docker)
 #   KVFABRIC_KIND_KUBECONFIG  kubeconfig written for the cluster (default: $KVFABRIC_KIND_HOST_DIR/kubeconfig);
 #                             ~/.kube/config is not touched
-#   CERT_MANAGER              1 (default): install cert-manager $CERT_MANAGER_VERSION for the webhook's
-#                             certificate; 0: the cluster already has cert-manager
+#   CERT_MANAGER              0 (default): the operator generates its webhook certificate and registers
+#                             the webhook itself (manifests/overlays/kind, from manifests/default);
+#                             1: install cert-manager $CERT_MANAGER_VERSION (unless the cluster has it)
+#                             and let it issue the certificate (manifests/overlays/kind/cert-manager)
 #   OPERATOR_NAMESPACE        namespace of the operator in manifests/ (default: kvfabric-system)
 #   GPUS_PER_NODE             advertised nvidia.com/gpu capacity of each GPU worker (default: 8)
 set -euo pipefail
@@ -29,7 +32,7 @@ root="$(cd "${here}/../.." && pwd)"
 CLUSTER="${KIND_CLUSTER_NAME:-kvfabric}"
 HOST_DIR="${KVFABRIC_KIND_HOST_DIR:-/tmp/kvfabric-kind}"
 KUBECONFIG_FILE="${KVFABRIC_KIND_KUBECONFIG:-${HOST_DIR}/kubeconfig}"
-CERT_MANAGER="${CERT_MANAGER:-1}"
+CERT_MANAGER="${CERT_MANAGER:-0}"
 CERT_MANAGER_VERSION="${CERT_MANAGER_VERSION:-v1.21.2}"
 OPERATOR_NAMESPACE="${OPERATOR_NAMESPACE:-kvfabric-system}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
@@ -124,33 +127,33 @@ build_and_load() {
 }
 
 install_cert_manager() {
-  if [ "${CERT_MANAGER}" != 1 ]; then
-    say "CERT_MANAGER=${CERT_MANAGER}: using the cluster's cert-manager"
+  [ "${CERT_MANAGER}" = 1 ] || return 0
+  if kc get crd certificates.cert-manager.io >/dev/null 2>&1; then
+    say "cert-manager is already installed"
   else
     say "installing cert-manager ${CERT_MANAGER_VERSION}"
     kc apply --server-side --force-conflicts \
       -f "https://github.com/cert-manager/cert-manager/releases/download/${CERT_MANAGER_VERSION}/cert-manager.yaml" >/dev/null
   fi
-  kc get crd certificates.cert-manager.io >/dev/null 2>&1 ||
-    die "cert-manager's CRDs are not installed; run with CERT_MANAGER=1"
   kc -n cert-manager wait --for=condition=Available deployment --all --timeout=300s >/dev/null
 }
 
 install_kvfabric() {
-  local overlay="${root}/manifests/overlays/kind"
+  local overlay="manifests/overlays/kind"
+  [ "${CERT_MANAGER}" = 1 ] && overlay="manifests/overlays/kind/cert-manager"
   [ -f "${root}/manifests/default/kustomization.yaml" ] ||
     die "manifests/default/kustomization.yaml is missing: the operator's kustomize tree is not in this checkout"
-  say "installing the CRDs and the operator (kubectl apply -k manifests/overlays/kind)"
+  say "installing the CRDs and the operator (kubectl apply -k ${overlay})"
   # cert-manager's webhook may need a few seconds after it is Available before it admits Certificates.
   local tries=0
-  until kc apply --server-side --force-conflicts -k "${overlay}" >/dev/null; do
+  until kc apply --server-side --force-conflicts -k "${root}/${overlay}" >/dev/null; do
     tries=$((tries + 1))
-    [ "${tries}" -le 10 ] || die "kubectl apply -k manifests/overlays/kind kept failing"
+    [ "${tries}" -le 10 ] || die "kubectl apply -k ${overlay} kept failing"
     sleep 6
   done
   kc wait --for=condition=Established crd/kvcachepools.kvfabric.io --timeout=60s >/dev/null
   kc -n "${OPERATOR_NAMESPACE}" wait --for=condition=Available deployment --all --timeout=300s >/dev/null ||
-    die "the operator did not become Available; see: kubectl --kubeconfig ${KUBECONFIG_FILE} -n ${OPERATOR_NAMESPACE} logs deploy/<name>"
+    die "the operator did not become Available; see: kubectl --kubeconfig ${KUBECONFIG_FILE} -n ${OPERATOR_NAMESPACE} logs deploy/kvfabric-operator"
 }
 
 shared_volumes() {

@@ -165,3 +165,28 @@ def test_server_with_skewed_clock_never_expires_early(ns: str, tmp_path: Path) -
         assert "expired_buckets" not in stats["counters"]
         assert abs(stats["clock"] - (shared / "clock").stat().st_mtime) < 3600, "volume time, not local time"
         assert c.lookup(ns, keys, timeout=5).matched == 4
+
+
+def test_a_hit_refreshes_the_block_into_the_current_bucket(ns: str, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    cfg = {"ttl_seconds": 3600, "bucket_seconds": 1}
+    key = digest("refresh")
+    with (
+        servers(shared, "node-a", "node-b", local_disk_bytes=None, overrides=cfg) as (a, b),
+        CacheClient(a.unix_target, shm_dir=a.shm_dir) as ca,
+    ):
+        ca.store(ns, [key], [payload_for(key, 8192)], timeout=10)
+        (first,) = wait_until(lambda: _blocks(shared), what="write-back")
+        stored_bucket = int(first.parent.name)
+
+        def moved() -> list[Path]:
+            ca.load(ns, [key], timeout=10)  # a DRAM hit on A
+            return [p for p in _blocks(shared) if int(p.parent.name) > stored_bucket]
+
+        (newer,) = wait_until(moved, what="the block to move into a newer bucket")
+        assert len(_blocks(shared)) == 1
+        # B learns the move from A's journal and loads the block from its new place.
+        with CacheClient(b.unix_target, shm_dir=b.shm_dir) as cb:
+            wait_until(lambda: cb.load(ns, [key], timeout=10), what="B to load the refreshed block")
+            assert cb.load(ns, [key], timeout=10) == [payload_for(key, 8192)]
+        assert newer.exists()

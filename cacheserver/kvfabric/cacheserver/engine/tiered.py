@@ -177,6 +177,7 @@ class TieredStore:
         blk = self.dram.slot(bid)
         if blk is not None:
             self.counters.inc("hits", "dram")
+            self._refresh_later(bid)
             return blk
         for tier in self.disk_tiers:
             entry = tier.entry(bid)
@@ -223,6 +224,19 @@ class TieredStore:
         moved = entry is not None and entry.bucket < bucket and tier.refresh(bid, bucket)
         if moved and entry is not None and tier is self.shared and self.journal is not None:
             self.journal.append([Event("P", bid, bucket, entry.length)])
+
+    def _refresh_later(self, bid: BlockId) -> None:
+        # A block hot in DRAM must not let its disk copies age out: move them into the current
+        # bucket too. Only index lookups here; the rename (a round trip on NFS) runs in the background.
+        now = self.clock.now()
+        if now is None or not self.disk_tiers:
+            return
+        bucket = bucket_of(now, self.config.bucket_seconds)
+        for tier in self.disk_tiers:
+            entry = tier.entry(bid)
+            if entry is not None and entry.bucket < bucket:
+                with contextlib.suppress(RuntimeError):  # shutting down
+                    self._wb_pool.submit(self._refresh, tier, bid)
 
     def open_block(self, bid: BlockId) -> OpenBlock | bytes | None:
         """Return an open DRAM block (promoted if needed) or, if DRAM cannot take it, verified bytes."""

@@ -162,6 +162,46 @@ def scatter_layer(
     kv_layer.index_copy_(g.block_dim, _index(block_ids, kv_layer.device), src.movedim(0, g.block_dim))
 
 
+def scatter_chunks(
+    geometry: ChunkGeometry,
+    layer: int,
+    staging: bytearray | memoryview,
+    kv_layer: torch.Tensor,
+    block_ids: Sequence[Sequence[int]],
+) -> None:
+    """Copy ``layer`` of the first ``len(block_ids)`` whole payloads in ``staging`` into ``kv_layer``.
+
+    ``staging`` holds payloads back to back (``geometry.payload_bytes`` each). One indexed copy per
+    layer instead of one per chunk: the source is a strided view that skips the headers and the
+    other layers, so nothing is copied twice.
+    """
+    n = len(block_ids)
+    if n == 0:
+        return
+    g = geometry.layers[layer]
+    item = g.dtype.itemsize
+    offset = HEADER_SIZE + sum(geometry.layer_bytes[:layer])
+    if g.block_dim != 0 or offset % item or geometry.payload_bytes % item:
+        for i, ids in enumerate(block_ids):  # unusual layouts: one copy per chunk
+            scatter_layer(
+                geometry,
+                layer,
+                memoryview(staging)[i * geometry.payload_bytes :][: geometry.payload_bytes],
+                kv_layer,
+                ids,
+            )
+        return
+    flat = torch.frombuffer(staging, dtype=g.dtype, count=n * geometry.payload_bytes // item)
+    inner = torch.empty(g.block_shape, device="meta").stride()
+    src = flat.as_strided(
+        (n, geometry.blocks_per_chunk, *g.block_shape),
+        (geometry.payload_bytes // item, g.block_numel, *inner),
+        offset // item,
+    )
+    index = torch.as_tensor([list(ids) for ids in block_ids], dtype=torch.long, device=kv_layer.device)
+    kv_layer.index_put_((index,), src.to(kv_layer.device, non_blocking=True))
+
+
 def seal(payload: bytearray, *, namespace: str, key: str, num_tokens: int, num_layers: int) -> None:
     """Write the header of ``payload`` (whose body is already filled)."""
     body = memoryview(payload)[HEADER_SIZE:]

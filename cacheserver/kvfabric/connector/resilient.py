@@ -289,7 +289,7 @@ class ResilientCache:
         return LookupOutcome(matched, tiers, None if matched else Reason.NOT_FOUND)
 
     def load_into(
-        self, namespace: str, keys: Sequence[str], buffers: Sequence[bytearray], deadline: float
+        self, namespace: str, keys: Sequence[str], buffers: Sequence[bytearray | memoryview], deadline: float
     ) -> LoadOutcome:
         """Fill the leading ``buffers`` with the payloads of ``keys`` before ``deadline`` (monotonic).
 

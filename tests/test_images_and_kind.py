@@ -625,6 +625,19 @@ def test_shared_volumes_pass_server_side_dry_run(cluster: ClusterHandle) -> None
     )
 
 
+@pytest.mark.cluster
+def test_kind_overlay_passes_server_dry_run(cluster: ClusterHandle) -> None:
+    if not (ROOT / "manifests" / "default" / "kustomization.yaml").exists():
+        pytest.skip("manifests/default is not in this checkout yet")
+    # A server-side dry run creates nothing: the namespace must exist for the namespaced objects.
+    if cluster.kubectl("get", "namespace", "kvfabric-system", check=False).returncode:
+        cluster.kubectl("create", "namespace", "kvfabric-system")
+    overlay = ROOT / "manifests" / "overlays" / "kind"
+    result = cluster.kubectl("apply", "-k", str(overlay), "--dry-run=server", check=False)
+    assert result.returncode == 0, result.stderr
+    assert "deployment.apps/kvfabric-operator" in result.stdout
+
+
 def kubectl_binary() -> str:
     kubectl = shutil.which("kubectl")
     if kubectl is None:

@@ -706,6 +706,152 @@ def test_script_passes_shellcheck(script: Path) -> None:
     assert proc.returncode == 0, proc.stdout
 
 
+FAKE_TOOLS = {
+    "docker": """
+case "$1" in
+  info) exit 0 ;;
+esac
+""",
+    "kind": """
+case "$1" in
+  version) echo "kind v0.33.0 go1.26.8 linux/amd64" ;;
+  get) [ "$2" = clusters ] && printf '%s\\n' ${FAKE_CLUSTERS:-} ;;
+  create)
+    while [ $# -gt 0 ]; do
+      if [ "$1" = --kubeconfig ]; then echo "apiVersion: v1" >"$2"; fi
+      if [ "$1" = --config ]; then cp "$2" "$FAKE_LOG.config"; fi
+      shift
+    done ;;
+esac
+""",
+    "kubectl": """
+case "$*" in
+  *"get nodes -l nvidia.com/gpu.present=true"*) printf 'kvfabric-worker kvfabric-worker2' ;;
+  *allocatable*) printf 8 ;;
+  *"get pv"*) printf '' ;;
+esac
+""",
+    "uv": """
+echo "KVFABRIC_TEST_KUBECONFIG=$KVFABRIC_TEST_KUBECONFIG" >>"$FAKE_LOG"
+""",
+}
+
+
+def fake_tools(tmp: Path, names: list[str]) -> tuple[dict[str, str], Path]:
+    """Stand-ins for docker, kind, kubectl and uv that log their arguments."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    log = tmp / "calls.log"
+    for name in names:
+        script = bin_dir / name
+        script.write_text(f'#!/bin/sh\necho "{name} $*" >>"$FAKE_LOG"\n{FAKE_TOOLS[name]}')
+        script.chmod(0o755)
+    # The system's commands, less the real tools (a machine may have kubectl or a docker client).
+    system = tmp / "system"
+    system.mkdir()
+    for directory in (Path("/usr/bin"), Path("/bin")):
+        for exe in directory.iterdir():
+            target = system / exe.name
+            if exe.name not in FAKE_TOOLS and not target.exists():
+                target.symlink_to(exe)
+    env = {
+        "PATH": f"{bin_dir}:{system}",
+        "HOME": str(tmp),
+        "FAKE_LOG": str(log),
+        "KVFABRIC_KIND_HOST_DIR": str(tmp / "host"),
+    }
+    return env, log
+
+
+@pytest.mark.parametrize("cert_manager", [False, True])
+def test_up_sh_drives_kind_docker_and_kubectl_in_order(cert_manager: bool, tmp_path: Path) -> None:
+    """Run up.sh with logging stand-ins for the tools it needs: the calls, their order and arguments."""
+    env, log = fake_tools(tmp_path, ["docker", "kind", "kubectl", "uv"])
+    env["CERT_MANAGER"] = "1" if cert_manager else "0"
+    overlay = "manifests/overlays/kind/cert-manager" if cert_manager else "manifests/overlays/kind"
+    proc = subprocess.run(
+        ["bash", str(KIND / "up.sh"), "-x", "-k", "hit"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    calls = log.read_text().splitlines()
+    host = tmp_path / "host"
+    kubeconfig = host / "kubeconfig"
+
+    def index(prefix: str) -> int:
+        matches = [i for i, c in enumerate(calls) if c.startswith(prefix)]
+        assert matches, f"no call starting with {prefix!r} in:\n" + "\n".join(calls)
+        return matches[0]
+
+    create = index(f"kind create cluster --name kvfabric --config {host}/kind-config.yaml")
+    # The config kind got has the host paths moved under KVFABRIC_KIND_HOST_DIR, and they exist.
+    rendered = yaml.safe_load(Path(str(log) + ".config").read_text())
+    mounts = [m["hostPath"] for n in rendered["nodes"] for m in n.get("extraMounts", [])]
+    assert mounts
+    assert all(m.startswith(f"{host}/") and Path(m).is_dir() for m in mounts)
+    for pv in yaml.safe_load_all((KIND / "shared-volumes.yaml").read_text()):
+        if pv["kind"] == "PersistentVolume":
+            relative = pv["spec"]["hostPath"]["path"].removeprefix(SHARED_MOUNT + "/")
+            assert (host / "shared" / relative).is_dir()
+    patch = index(
+        "kubectl --kubeconfig " + str(kubeconfig) + " patch node kvfabric-worker --subresource=status"
+    )
+    assert '"path":"/status/capacity/nvidia.com~1gpu","value":"8"' in calls[patch]
+    index(f"kubectl --kubeconfig {kubeconfig} taint node kvfabric-worker2 nvidia.com/gpu=present:NoSchedule")
+    builds = [c for c in calls if c.startswith("docker build")]
+    loads = [c for c in calls if c.startswith("kind load docker-image")]
+    assert len(builds) == len(loads) == len(IMAGE_DIRS)
+    for directory, repo in image_list().items():
+        assert any(f"-f {ROOT}/images/{directory}/Dockerfile -t {repo}:{TAG} " in b for b in builds)
+        assert f"kind load docker-image {repo}:{TAG} --name kvfabric" in loads
+        assert f"--build-arg KVFABRIC_VERSION={__version__}" in builds[0]
+    kubectl = f"kubectl --kubeconfig {kubeconfig}"
+    apply_k = index(f"{kubectl} apply --server-side --force-conflicts -k {ROOT}/{overlay}")
+    volumes = index(f"kubectl --kubeconfig {kubeconfig} apply -f {KIND}/shared-volumes.yaml")
+    tests = index("uv run pytest e2e -x -k hit")
+    assert calls[tests + 1] == f"KVFABRIC_TEST_KUBECONFIG={kubeconfig}"
+    assert create < patch < index("docker build") < apply_k < volumes < tests
+    if cert_manager:
+        # The stand-in kubectl finds cert-manager's CRD, so it is waited for, not installed.
+        assert index(f"{kubectl} -n cert-manager wait --for=condition=Available") < apply_k
+    else:
+        assert not any("cert-manager" in c for c in calls), "cert-manager only with CERT_MANAGER=1"
+
+
+@pytest.mark.parametrize("missing", ["docker", "kind", "kubectl"])
+def test_up_sh_names_a_missing_tool_and_how_to_get_it(missing: str, tmp_path: Path) -> None:
+    env, log = fake_tools(tmp_path, [n for n in ("docker", "kind", "kubectl", "uv") if n != missing])
+    proc = subprocess.run(
+        ["bash", str(KIND / "up.sh")], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 1
+    assert f"'{missing}' is not on PATH" in proc.stderr
+    assert "Install" in proc.stderr
+    assert not log.exists() or "create" not in log.read_text(), "nothing ran before the check"
+
+
+def test_down_sh_deletes_the_cluster_and_the_host_directory(tmp_path: Path) -> None:
+    env, log = fake_tools(tmp_path, ["kind"])
+    env["FAKE_CLUSTERS"] = "other kvfabric"
+    (tmp_path / "host" / "shared").mkdir(parents=True)
+    proc = subprocess.run(
+        ["bash", str(KIND / "down.sh")], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "kind delete cluster --name kvfabric" in log.read_text().splitlines()
+    assert not (tmp_path / "host").exists()
+    env["FAKE_CLUSTERS"] = "other"
+    proc = subprocess.run(
+        ["bash", str(KIND / "down.sh")], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "no kind cluster named 'kvfabric'" in proc.stderr
+
+
 def test_up_sh_uses_what_exists() -> None:
     up = (KIND / "up.sh").read_text()
     for referenced in (

@@ -1,7 +1,11 @@
-"""``kvfabric demo``: bring up the local cluster and show it.
+"""``kvfabric demo``: the whole fabric on the local cluster, replaying a multi-round chat workload.
 
-Later stages install the operator and cache servers, run reference-engine "inference" pods and replay
-a multi-round chat workload.
+Brings up a real control plane whose GPU nodes are served by the pod runner, installs the CRDs and
+runs the operator, applies the sample pool (plus a shared tier on the demo's RWX volume) and a
+reference-engine Deployment with one replica per GPU node, then replays conversations: a shared
+system prompt plus per-user histories, several users, several rounds, each round sent to the other
+node than the last. It prints the hit rate per round, TTFT cold vs warm, bytes per tier and
+``kubectl get kvp``, and cleans up unless ``--keep`` is given.
 """
 
 from __future__ import annotations
@@ -17,33 +21,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--dir",
         type=Path,
         default=None,
-        help="cluster state directory (default: a fresh temporary directory)",
+        help="working directory (cluster state, node dirs, logs); default: a fresh temp dir",
     )
-    parser.add_argument("--keep", action="store_true", help="leave the cluster running afterwards")
+    parser.add_argument(
+        "--keep", action="store_true", help="leave everything running afterwards (stop it with Ctrl-C)"
+    )
+    parser.add_argument("--users", type=int, default=4, help="concurrent conversations (default 4)")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per conversation (default 4)")
+    parser.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt length")
+    parser.add_argument("--turn-tokens", type=int, default=128, help="tokens a user adds per round")
+    parser.add_argument("--answer-tokens", type=int, default=16, help="tokens the engine answers per round")
+    parser.add_argument("--preset", default="bench", help="reference-engine model size (tiny or bench)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo."""
+    """Run the demo; returns 0 when every request succeeded."""
     import tempfile
 
-    from kvfabric.localcluster.cluster import ClusterStartError, LocalCluster
+    from kvfabric.demo import replay
 
-    directory = args.dir or Path(tempfile.mkdtemp(prefix="kvfabric-demo-"))
-    cluster = LocalCluster(directory)
-
-    def say(msg: str) -> None:
-        print(f"[demo] {msg}", file=sys.stderr, flush=True)
-
-    try:
-        cluster.up(progress=say)
-    except ClusterStartError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    try:
-        print(cluster.kubectl("get", "nodes", "-L", "nvidia.com/gpu.present").stdout)
-    finally:
-        if args.keep:
-            say(f"cluster left running; export KUBECONFIG={cluster.kubeconfig}")
-        else:
-            cluster.down(progress=say)
-    return 0
+    base = args.dir or Path(tempfile.mkdtemp(prefix="kvfabric-demo-"))
+    return replay.main(base, args, progress=lambda m: print(f"[demo] {m}", file=sys.stderr, flush=True))

@@ -37,8 +37,11 @@ def pool_manifest(name: str, *, memory: str = "256Mi", chunk_tokens: int = 64) -
     }
 
 
-def engine_deployment(name: str, pool: str, replicas: int = 2) -> dict[str, Any]:
-    """The reference engine as an inference Deployment opted in to ``pool``, one replica per GPU node."""
+def engine_deployment(name: str, pool: str | None, replicas: int = 2, preset: str = "tiny") -> dict[str, Any]:
+    """The reference engine as an inference Deployment, one replica per GPU node.
+
+    With ``pool`` it opts in to injection (label ``kvfabric.io/pool``); without, it runs with no cache.
+    """
     labels = {"app": name}
     return {
         "apiVersion": "apps/v1",
@@ -48,7 +51,7 @@ def engine_deployment(name: str, pool: str, replicas: int = 2) -> dict[str, Any]
             "replicas": replicas,
             "selector": {"matchLabels": labels},
             "template": {
-                "metadata": {"labels": {**labels, "kvfabric.io/pool": pool}},
+                "metadata": {"labels": {**labels, **({"kvfabric.io/pool": pool} if pool else {})}},
                 "spec": {
                     "terminationGracePeriodSeconds": 5,
                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
@@ -75,7 +78,9 @@ def engine_deployment(name: str, pool: str, replicas: int = 2) -> dict[str, Any]
                                 "--port",
                                 str(ENGINE_PORT),
                                 "--max-model-len",
-                                "4096",
+                                "8192",
+                                "--preset",
+                                preset,
                             ],
                             "env": [{"name": "OMP_NUM_THREADS", "value": "1"}],
                             "ports": [{"name": "http", "containerPort": ENGINE_PORT}],

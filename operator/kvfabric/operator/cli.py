@@ -58,6 +58,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(for local clusters without kube-proxy)",
     )
     hook.add_argument(
+        "--webhook-service",
+        default=None,
+        metavar="NAMESPACE/NAME",
+        help="with --register-webhook: point the configuration at this Service (port 443) instead of a URL",
+    )
+    hook.add_argument(
         "--webhook-host", default=None, help="host in the registered URL (default: --webhook-addr)"
     )
     hook.add_argument(

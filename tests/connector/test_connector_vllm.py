@@ -123,3 +123,46 @@ def test_constructs_under_vllm_factory(
     )
     assert connector.request_finished(req, [0, 1]) == (False, None)
     connector.shutdown()
+
+
+class _TinyModel(_Model):
+    model = "kvfabric/ref-llama"
+    revision = "seed-0"
+    dtype = "torch.float32"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None,
+    reason="with vLLM installed the adapter subclasses the real base, covered by the factory test",
+)
+def test_adapter_drives_a_real_server_through_the_reference_engine(tmp_path: Path) -> None:
+    import torch
+
+    from kvfabric.connector.testing import CacheServerProcess
+    from kvfabric.refengine.engine import Engine
+    from kvfabric.refengine.model import RefModel
+    from kvfabric.refengine.testing import TINY, prompt
+
+    model = RefModel(TINY)
+    tokens = prompt(200, 31)
+    ref = Engine(TINY, num_blocks=64, model=model).generate(tokens, 3)
+    with CacheServerProcess(tmp_path, name="v") as srv:
+        extra = {"socket": str(srv.socket), "shm_dir": str(srv.shm_dir), "chunk_tokens": 32}
+        results = []
+        for _ in range(2):
+            cfg = fake_vllm_config(**extra)
+            cfg.model_config = _TinyModel()
+            cfg.cache_config.cache_dtype = "float32"
+            halves = (
+                kvvllm.KVFabricConnector(cfg, SimpleNamespace(name="SCHEDULER"), None),
+                kvvllm.KVFabricConnector(cfg, SimpleNamespace(name="WORKER"), None),
+            )
+            eng = Engine(TINY, num_blocks=64, model=model, connectors=halves)
+            results.append(eng.generate(tokens, 3))
+            assert halves[1].core.wait_for_stores(60)
+            eng.close()
+    cold, warm = results
+    assert (cold.hit_tokens, warm.hit_tokens, warm.tier) == (0, 192, "dram")
+    for r in results:
+        assert torch.max(torch.abs(r.first_logits - ref.first_logits)).item() <= 1e-5
+        assert r.output_token_ids == ref.output_token_ids

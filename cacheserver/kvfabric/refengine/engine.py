@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -110,8 +111,13 @@ class Engine:
         cache: ResilientCache | None = None,
         model: RefModel | None = None,
         kv_dtype: torch.dtype = torch.float32,
+        connectors: tuple[Any, Any] | None = None,
     ) -> None:
-        """Build the engine; with ``settings`` (and a server in them, or an explicit ``cache``) it caches."""
+        """Build the engine; with ``settings`` (and a server in them, or an explicit ``cache``) it caches.
+
+        ``connectors`` = ``(scheduler_half, worker_half)`` drives other objects with the vLLM
+        connector API instead, e.g. two ``kvfabric.connector.vllm.KVFabricConnector`` instances.
+        """
         self.config = config
         self.model = model or RefModel(config)
         self.block_size = block_size
@@ -121,12 +127,21 @@ class Engine:
         self._lock = threading.Lock()
         self.scheduler_conn: KVFabricConnectorCore | None = None
         self.worker_conn: KVFabricConnectorCore | None = None
-        if settings is not None and settings.enabled:
+        # What the vLLM call sequence is made on; the cores (above) answer the engine's extras.
+        self._sched_api: Any = None
+        self._worker_api: Any = None
+        if connectors is not None:
+            self._sched_api, self._worker_api = connectors
+            self.scheduler_conn = getattr(self._sched_api, "core", self._sched_api)
+            self.worker_conn = getattr(self._worker_api, "core", self._worker_api)
+            self._worker_api.register_kv_caches(self.kv_caches)
+        elif settings is not None and settings.enabled:
             cache = cache if cache is not None else build_cache(settings)
             spec = self.namespace_spec(config, settings, block_size, kv_dtype)
             self.scheduler_conn = KVFabricConnectorCore(Role.SCHEDULER, settings, spec, cache=cache)
             self.worker_conn = KVFabricConnectorCore(Role.WORKER, settings, spec, cache=cache)
             self.worker_conn.register_kv_caches(self.kv_caches)
+            self._sched_api, self._worker_api = self.scheduler_conn, self.worker_conn
 
     @staticmethod
     def namespace_spec(
@@ -151,7 +166,7 @@ class Engine:
     def _step(
         self, so: SchedulerOutput, req: Request, start: int, n: int, table: list[int]
     ) -> tuple[torch.Tensor, set[int]]:
-        sched, worker = self.scheduler_conn, self.worker_conn
+        sched, worker = self._sched_api, self._worker_api
         if sched is None or worker is None:
             return self.model.forward(
                 req.prompt_token_ids[start : start + n], start, table, self.kv_caches
@@ -183,15 +198,15 @@ class Engine:
         n = len(prompt)
         sched, worker = self.scheduler_conn, self.worker_conn
         ext = 0
-        if sched is not None:
-            ext, _ = sched.get_num_new_matched_tokens(req, 0)
+        if self._sched_api is not None:
+            ext, _ = self._sched_api.get_num_new_matched_tokens(req, 0)
         need = -(-(n + max_tokens) // self.block_size)
         if need > len(self._free):
             raise OutOfBlocksError(f"request needs {need} blocks, {len(self._free)} free")
         table, self._free = self._free[:need], self._free[need:]
         try:
-            if sched is not None:
-                sched.update_state_after_alloc(req, KVCacheBlocks(table), ext)
+            if self._sched_api is not None:
+                self._sched_api.update_state_after_alloc(req, KVCacheBlocks(table), ext)
             so = SchedulerOutput(
                 scheduled_new_reqs=[NewRequestData(req.request_id, prompt, (table,), ext)],
                 num_scheduled_tokens={req.request_id: n - ext},
@@ -229,13 +244,12 @@ class Engine:
                 out.append(int(torch.argmax(logits)))
             return GenerateResult(out, first, ttft, hit, tier, reason, recomputed, restore_s)
         finally:
-            if sched is not None:
-                sched.request_finished(req, table)
+            if self._sched_api is not None:
+                self._sched_api.request_finished(req, table)
             self._free.extend(table)
 
     def close(self) -> None:
         """Stop the connector's threads."""
-        if self.worker_conn is not None:
-            self.worker_conn.shutdown()
-        if self.scheduler_conn is not None:
-            self.scheduler_conn.shutdown()
+        for half in (self._worker_api, self._sched_api):
+            if half is not None:
+                half.shutdown()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -76,7 +76,8 @@ class ConnectorSettings(BaseSettings):
     """Unix socket of the node-local cache server (``/run/kvfabric/cache.sock`` or ``unix:///...``).
     Bulk bytes then travel through the shared-memory arena in ``shm_dir``."""
     shm_dir: str | None = None
-    """Directory of the shared-memory arena shared with the node-local server (a tmpfs)."""
+    """Directory of the shared-memory arena shared with the node-local server (a tmpfs). Used only
+    with ``socket``; without it payloads are streamed over the socket."""
     remote: str | None = None
     """Optional ``host:port`` of a cache server reached over TCP when the socket is unusable."""
     token: str | None = None
@@ -131,12 +132,6 @@ class ConnectorSettings(BaseSettings):
         if not sep or not host or not port.isdigit():
             raise ValueError("remote must be host:port")
         return value
-
-    @model_validator(mode="after")
-    def _check_deadlines(self) -> ConnectorSettings:
-        if self.socket is None and self.shm_dir is not None:
-            raise ValueError("shm_dir is only meaningful with socket")
-        return self
 
     @classmethod
     def settings_customise_sources(

@@ -301,16 +301,30 @@ def run(args: argparse.Namespace) -> int:
         "miss_overhead": round(statistics.median(drained) - 1, 4),
         "miss_overhead_contended": round(statistics.median(contended) - 1, 4),
         "speedups": {f"{c.prompt_tokens}:{c.source}": round(c.speedup, 2) for c in warm_cases},
+        # From the bandwidth the connector achieved here, and from the raw tier bandwidth (what a
+        # zero-overhead restore path would get from the same tier on this machine).
         "projected_h100_16k": {
             tier: project(pick(big, tier).effective_bw, lookup_fixed, big)
+            for tier in ("dram", "local_disk", "shared")
+        },
+        "projected_h100_16k_raw_tier": {
+            tier: project(pick(big, tier).raw_bw, lookup_fixed, big)
+            for tier in ("dram", "local_disk", "shared")
+        },
+        "bandwidth_gbps_16k": {
+            tier: {
+                "effective": round(pick(big, tier).effective_bw / 1e9, 3),
+                "raw": round(pick(big, tier).raw_bw / 1e9, 3),
+            }
             for tier in ("dram", "local_disk", "shared")
         },
         "elapsed_s": round(time.perf_counter() - t_start, 1),
     }
     if not args.json:
-        for tier, proj in result["projected_h100_16k"].items():
-            print(f"projected H100 speedup at 16k tokens from {tier:<10}: " +
-                  ", ".join(f"{m} {s}x" for m, s in proj.items()))  # fmt: skip
+        for key, label in (("projected_h100_16k", "restore"), ("projected_h100_16k_raw_tier", "raw tier")):
+            for tier, proj in result[key].items():
+                print(f"projected H100 speedup at 16k tokens, {label} bandwidth of {tier:<10}: " +
+                      ", ".join(f"{m} {s}x" for m, s in proj.items()))  # fmt: skip
     print(json.dumps(result), flush=True)
     return 0
 

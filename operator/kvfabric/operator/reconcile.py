@@ -15,7 +15,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import pydantic
 
@@ -73,11 +73,18 @@ async def reconcile_pool(
         pool = None
     if children is not None and pool is not None:
         revision = children.config_hash
-        # ConfigMap first, DaemonSet next: the new pods must find the new configuration.
-        for obj in children.objects:
+        # The ConfigMap first: pods of a new DaemonSet revision must find the new configuration. The
+        # rest are independent and go in parallel (latency matters when many pools change at once).
+        configmaps = children.by_kind("ConfigMap")
+        for obj in configmaps:
             await client.apply(obj, field_manager=names.FIELD_MANAGER)
-            result.applied += 1
-        result.pruned = await _prune(client, namespace, name, children.objects)
+        others = [obj for obj in children.objects if obj["kind"] != "ConfigMap"]
+        pruned, *_ = await asyncio.gather(
+            _prune(client, namespace, name, children.objects),
+            *(client.apply(obj, field_manager=names.FIELD_MANAGER) for obj in others),
+        )
+        result.applied = len(configmaps) + len(others)
+        result.pruned = cast(int, pruned)
         shared = pool.spec.tiers.shared
         if shared is not None:
             claim_name = shared.existing_claim or names.shared_claim_name(name)
@@ -87,9 +94,11 @@ async def reconcile_pool(
         shared_raw = raw["spec"]["tiers"]["shared"]
         claim_name = shared_raw.get("existingClaim") or names.shared_claim_name(name)
 
-    daemonset = await client.get("DaemonSet", namespace, names.daemonset_name(name))
-    claim = await client.get("PersistentVolumeClaim", namespace, claim_name) if claim_name else None
-    consumers = await _consumer_pods(client, namespace, name)
+    daemonset, claim, consumers = await asyncio.gather(
+        client.get("DaemonSet", namespace, names.daemonset_name(name)),
+        client.get("PersistentVolumeClaim", namespace, claim_name) if claim_name else _none(),
+        _consumer_pods(client, namespace, name),
+    )
     observed = Observed(
         generation=generation,
         revision=revision,
@@ -122,6 +131,10 @@ async def reconcile_pool(
     return result
 
 
+async def _none() -> None:
+    return None
+
+
 class RetryNow(Exception):  # noqa: N818 - a control-flow signal, not an error
     """Reconcile again right away (the pool changed under us)."""
 
@@ -129,9 +142,12 @@ class RetryNow(Exception):  # noqa: N818 - a control-flow signal, not an error
 async def _prune(client: KubeClient, namespace: str, name: str, desired: list[dict[str, Any]]) -> int:
     wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in desired}
     selector = f"{names.OWNER_POOL_LABEL}={name},{names.MANAGED_BY}={names.MANAGED_BY_VALUE}"
+    listed = await asyncio.gather(
+        *(client.list(kind, namespace, label_selector=selector) for kind in _PRUNABLE)
+    )
     pruned = 0
-    for kind in _PRUNABLE:
-        for obj in await client.list(kind, namespace, label_selector=selector):
+    for kind, objs in zip(_PRUNABLE, listed, strict=True):
+        for obj in objs:
             obj_name = obj["metadata"]["name"]
             if (kind, obj_name) not in wanted and await client.delete(kind, namespace, obj_name):
                 pruned += 1

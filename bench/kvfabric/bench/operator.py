@@ -1,0 +1,312 @@
+"""``kvfabric bench operator``: reconcile and webhook latency of the operator on a real control plane.
+
+What runs: the local control plane (``kvfabric.localcluster``: etcd, kube-apiserver, controller-manager,
+scheduler, kwok with 3 fake GPU nodes and 1 CPU node), or the cluster of ``--kubeconfig``; the CRD; and
+``kvfabric operator`` as a subprocess with its webhook on 127.0.0.1.
+
+Measured:
+
+- ``children``: per pool, time from the create call returning to all four children (ConfigMap,
+  DaemonSet, node-local and metrics Services) existing; p50/p99 over ``--pools`` pools created one by
+  one. Goal: under 2 s.
+- ``burst``: ``--burst`` pools created at once; time until every one has all children and a status
+  for its generation (reconciled), and until every one is Ready (kwok reports the pods). Goal: < 30 s.
+- ``webhook``: ``--pods`` AdmissionReview requests for an opted-in pod POSTed to the operator's webhook
+  (the server-side latency the API server sees), and the same number of labelled pod creations
+  through the API server (end to end, webhook included). Goal: webhook p99 under 50 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+_CHILD_KINDS = (("ConfigMap", "-config"), ("DaemonSet", "-cache"), ("Service", ""), ("Service", "-metrics"))
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the benchmark's options."""
+    parser.add_argument(
+        "--kubeconfig", type=Path, default=None, help="use this cluster instead of a local one"
+    )
+    parser.add_argument("--pools", type=int, default=20, help="pools created one by one (children latency)")
+    parser.add_argument("--burst", type=int, default=50, help="pools created at once")
+    parser.add_argument("--pods", type=int, default=200, help="admission requests and pod creations")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument(
+        "--keep", action="store_true", help="leave the local cluster running (prints its dir)"
+    )
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {
+        "n": len(values),
+        "p50_ms": round(_percentile(values, 50) * 1000, 2),
+        "p99_ms": round(_percentile(values, 99) * 1000, 2),
+        "max_ms": round(max(values) * 1000, 2) if values else float("nan"),
+        "mean_ms": round(statistics.fmean(values) * 1000, 2) if values else float("nan"),
+    }
+
+
+def _pool(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvfabric.io/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": name},
+        "spec": {"image": {"tag": "v0.1.0"}, "tiers": {"memory": {"size": "256Mi"}}},
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _bench(kubeconfig: Path, kubectl: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    import asyncio
+    import ssl
+
+    import aiohttp
+
+    from kvfabric.operator import crdgen
+    from kvfabric.operator.kube import ApiError, KubeClient
+
+    subprocess.run(  # noqa: ASYNC221 - setup, before anything is measured
+        [str(kubectl), f"--kubeconfig={kubeconfig}", "apply", "--server-side", "-f", "-"],
+        input=crdgen.render_yaml(),
+        text=True,
+        check=True,
+        capture_output=True,
+    )
+    client = KubeClient.from_environment(str(kubeconfig))
+    for _ in range(300):  # CRD established
+        try:
+            await client.list("KVCachePool", "default")
+            break
+        except ApiError:
+            await asyncio.sleep(0.1)
+    ns = f"bench-{uuid.uuid4().hex[:6]}"
+    await client.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+
+    port = _free_port()
+    cert_dir = Path(tempfile.mkdtemp(prefix="kvfabric-bench-certs-"))
+    config_name = f"kvfabric-bench-{uuid.uuid4().hex[:6]}"
+    with log.open("ab") as log_file:
+        proc = subprocess.Popen(  # noqa: ASYNC220 - the operator under test runs beside the loop
+            [
+                sys.executable,
+                "-m",
+                "kvfabric.cli",
+                "operator",
+                "--kubeconfig",
+                str(kubeconfig),
+                "--webhook-port",
+                str(port),
+                "--webhook-cert-dir",
+                str(cert_dir),
+                "--register-webhook",
+                "--webhook-config-name",
+                config_name,
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        for _ in range(600):
+            with socket.socket() as s:
+                s.settimeout(0.2)
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if proc.poll() is not None:
+                raise RuntimeError(f"operator exited; see {log}")
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)  # initial listing done
+
+        async def children_exist(name: str) -> bool:
+            for kind, suffix in _CHILD_KINDS:
+                if await client.get(kind, ns, name + suffix) is None:
+                    return False
+            return True
+
+        async def wait_children(name: str, start: float) -> float:
+            while not await children_exist(name):  # noqa: ASYNC110 - polling the API server is the point
+                await asyncio.sleep(0.01)
+            return time.perf_counter() - start
+
+        # 1. Children latency, pools one by one.
+        child_times: list[float] = []
+        for i in range(args.pools):
+            name = f"seq-{i}"
+            start = time.perf_counter()
+            await client.create({**_pool(name), "metadata": {"name": name, "namespace": ns}})
+            child_times.append(await wait_children(name, start))
+
+        # 2. A burst of pools created at once. Progress is read with a few list calls per poll, so the
+        # benchmark itself does not load the API server the operator is racing against.
+        async def burst_state() -> tuple[set[str], set[str]]:
+            pools, cms, dss, svcs = await asyncio.gather(
+                client.list("KVCachePool", ns),
+                client.list("ConfigMap", ns),
+                client.list("DaemonSet", ns),
+                client.list("Service", ns),
+            )
+            existing = {o["metadata"]["name"] for o in cms} | {o["metadata"]["name"] for o in dss}
+            existing |= {o["metadata"]["name"] for o in svcs}
+            reconciled, ready = set(), set()
+            for pool in pools:
+                name = pool["metadata"]["name"]
+                status = pool.get("status") or {}
+                has_children = all(name + suffix in existing for _, suffix in _CHILD_KINDS)
+                if has_children and status.get("observedGeneration") == pool["metadata"]["generation"]:
+                    reconciled.add(name)
+                conditions = status.get("conditions") or []
+                if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
+                    ready.add(name)
+            return reconciled, ready
+
+        names = {f"burst-{i}" for i in range(args.burst)}
+        start = time.perf_counter()
+        await asyncio.gather(
+            *(client.create({**_pool(n), "metadata": {"name": n, "namespace": ns}}) for n in sorted(names))
+        )
+        burst_reconciled = burst_ready = float("nan")
+        while time.perf_counter() - start < 300:
+            reconciled, ready_now = await burst_state()
+            elapsed = time.perf_counter() - start
+            if math.isnan(burst_reconciled) and names <= reconciled:
+                burst_reconciled = elapsed
+            if names <= ready_now:
+                burst_ready = elapsed
+                break
+            await asyncio.sleep(0.1)
+
+        # 3. Webhook latency: direct AdmissionReviews, then pod creations through the API server.
+        ctx = ssl.create_default_context(cafile=str(cert_dir / "ca.crt"))
+        review_times: list[float] = []
+        pod: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "x", "namespace": ns, "labels": {"kvfabric.io/pool": "seq-0"}},
+            "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]},
+        }
+        patched = 0
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as session:
+            for i in range(args.pods):
+                review = {
+                    "apiVersion": "admission.k8s.io/v1",
+                    "kind": "AdmissionReview",
+                    "request": {
+                        "uid": str(uuid.uuid4()),
+                        "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                        "resource": {"group": "", "version": "v1", "resource": "pods"},
+                        "namespace": ns,
+                        "operation": "CREATE",
+                        "userInfo": {"username": "bench"},
+                        "object": {**pod, "metadata": {**pod["metadata"], "name": f"r-{i}"}},
+                    },
+                }
+                t0 = time.perf_counter()
+                async with session.post(f"https://127.0.0.1:{port}/mutate-pods", json=review) as response:
+                    answer = await response.json()
+                review_times.append(time.perf_counter() - t0)
+                patched += bool(answer.get("response", {}).get("patch"))
+        create_times: list[float] = []
+        injected = 0
+        for i in range(args.pods):
+            body = {**pod, "metadata": {**pod["metadata"], "name": f"p-{i}"}}
+            t0 = time.perf_counter()
+            created = await client.create(body)
+            create_times.append(time.perf_counter() - t0)
+            injected += "kvfabric.io/injected" in (created["metadata"].get("annotations") or {})
+        unlabelled_times: list[float] = []
+        for i in range(min(args.pods, 50)):
+            body = {**pod, "metadata": {"name": f"u-{i}", "namespace": ns, "labels": {"app": "plain"}}}
+            t0 = time.perf_counter()
+            await client.create(body)
+            unlabelled_times.append(time.perf_counter() - t0)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        try:
+            await client.request("DELETE", f"/api/v1/namespaces/{ns}")
+            await client.request(
+                "DELETE", f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{config_name}"
+            )
+        except ApiError:
+            pass
+        await client.close()
+
+    return {
+        "children_per_pool": {**_summary(child_times), "goal_ms": 2000},
+        "burst": {
+            "pools": args.burst,
+            "all_reconciled_s": round(burst_reconciled, 2),
+            "all_ready_s": round(burst_ready, 2),
+            "goal_s": 30,
+        },
+        "webhook_admission_review": {**_summary(review_times), "patched": patched, "goal_p99_ms": 50},
+        "pod_create_with_injection": {**_summary(create_times), "injected": injected},
+        "pod_create_unlabelled": _summary(unlabelled_times),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print a report (or JSON); return 0."""
+    import asyncio
+
+    log = Path(tempfile.mkdtemp(prefix="kvfabric-bench-operator-")) / "operator.log"
+    cluster = None
+    if args.kubeconfig is not None:
+        kubeconfig = args.kubeconfig
+        kubectl = Path("kubectl")
+    else:
+        from kvfabric.localcluster.cluster import LocalCluster
+
+        cluster = LocalCluster(Path(tempfile.mkdtemp(prefix="kvfabric-bench-cluster-")))
+        state = cluster.up(progress=lambda _m: None)
+        kubeconfig = cluster.kubeconfig
+        kubectl = Path(state.bin_dir) / "kubectl"
+    try:
+        result = asyncio.run(_bench(kubeconfig, kubectl, args, log))
+    finally:
+        if cluster is not None and not args.keep:
+            cluster.down(progress=lambda _m: None)
+    result["operator_log"] = str(log)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        c, b, w = result["children_per_pool"], result["burst"], result["webhook_admission_review"]
+        print(f"children per pool: p50 {c['p50_ms']} ms, p99 {c['p99_ms']} ms (goal < 2000 ms)")
+        print(
+            f"{b['pools']} pools at once: reconciled in {b['all_reconciled_s']} s, "
+            f"Ready in {b['all_ready_s']} s (goal < 30 s)"
+        )
+        print(f"webhook: p50 {w['p50_ms']} ms, p99 {w['p99_ms']} ms over {w['n']} reviews (goal p99 < 50 ms)")
+        p = result["pod_create_with_injection"]
+        print(f"pod create via API server with injection: p50 {p['p50_ms']} ms, p99 {p['p99_ms']} ms")
+    return 0

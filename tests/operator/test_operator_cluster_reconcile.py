@@ -314,3 +314,32 @@ def test_restart_mid_reconcile_converges_and_kubectl_diff_is_empty(
         )
     assert get_pool(cluster, namespace, "pool-0")["metadata"]["resourceVersion"] == rv
     assert cluster.get_json("crd", "kvcachepools.kvfabric.io")["metadata"]["resourceVersion"] == crd_rv
+
+
+def test_opt_out_node_label_removes_a_node(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess
+) -> None:
+    # Uses a pool-specific opt-out key so that labelling a shared node cannot affect other tests' pools.
+    key = f"kvfabric.io/deploy-{namespace}"
+    doc = sample()
+    doc["spec"]["placement"] = {"optOutNodeLabel": key}
+    cluster.apply(doc, namespace=namespace)
+    n = len(cluster.gpu_nodes)
+    wait_for(lambda: is_ready(cluster, namespace, "pool-a"), timeout=90, message="pool Ready")
+    node = cluster.gpu_nodes[0]
+    cluster.kubectl("label", "node", node, f"{key}=false")
+    try:
+
+        def shrunk() -> bool:
+            pool = get_pool(cluster, namespace, "pool-a")
+            placed = {p["spec"].get("nodeName") for p in cache_pods(cluster, namespace, "pool-a")}
+            return bool(
+                pool["status"]["nodes"]["desired"] == n - 1
+                and node not in placed
+                and is_ready(cluster, namespace, "pool-a")
+            )
+
+        wait_for(shrunk, timeout=90, message="opted-out node dropped")
+        assert get_pool(cluster, namespace, "pool-a")["status"]["nodeSummary"] == f"{n - 1}/{n - 1}"
+    finally:
+        cluster.kubectl("label", "node", node, f"{key}-", check=False)

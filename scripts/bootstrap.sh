@@ -10,6 +10,9 @@ say() { printf '[bootstrap] %s\n' "$*" >&2; }
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 need_apt=()
 command -v redis-server >/dev/null || need_apt+=(redis-server)
+command -v shellcheck >/dev/null || need_apt+=(shellcheck)
+command -v curl >/dev/null || need_apt+=(curl)
+command -v ip >/dev/null || need_apt+=(iproute2)
 command -v go >/dev/null || need_apt+=(golang-go)
 if [ ${#need_apt[@]} -gt 0 ]; then
   say "installing Debian packages: ${need_apt[*]}"

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfabric.localcluster.cluster import LocalCluster, free_port
+from kvfabric.localcluster.podrunner.runner import pod_request
 from kvfabric.localcluster.testing import ClusterHandle, external_cluster, pod_runner, wait_for
 
 Progress = Callable[[str], None]
@@ -44,6 +45,26 @@ class Fabric:
     gpu_nodes: list[str]
     operator_log: Path | None = None
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def request(
+        self, pod: dict[str, Any], port: int, path: str, data: str | None = None, timeout: float = 120
+    ) -> tuple[int, str]:
+        """Send an HTTP request to a pod's port.
+
+        Through the pod's network namespace when the pod runner runs it, else through the API
+        server's pod proxy (kind or a real cluster).
+        """
+        if self.runner_base is not None:
+            return pod_request(pod["metadata"]["uid"], port, path, data=data, timeout=timeout)
+        meta = pod["metadata"]
+        url = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}:{port}/proxy{path}"
+        if data is None:
+            out = self.cluster.kubectl("get", "--raw", url, check=False, timeout=timeout)
+        else:
+            out = self.cluster.kubectl(
+                "create", "--raw", url, "-f", "-", input=data, check=False, timeout=timeout
+            )
+        return (200 if out.returncode == 0 else 500), (out.stdout if out.returncode == 0 else out.stderr)
 
     def node_dir(self, node: str) -> Path:
         """The pod runner's directory standing in for ``node``'s root filesystem (hostPath volumes)."""

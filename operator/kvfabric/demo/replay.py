@@ -18,7 +18,6 @@ import yaml
 
 from kvfabric.demo.fabric import SHARED_STORAGE_CLASS, Fabric, repo_root, running_fabric, wait_pool_ready
 from kvfabric.demo.workloads import engine_deployment, generate, ready_pods
-from kvfabric.localcluster.podrunner.runner import pod_request
 from kvfabric.localcluster.testing import wait_for
 
 Progress = Callable[[str], None]
@@ -80,7 +79,7 @@ def tier_bytes(fabric: Fabric, namespace: str, pool: str) -> dict[str, dict[str,
     result: dict[str, dict[str, float]] = {}
     selector = f"app.kubernetes.io/name=kvfabric-cache,app.kubernetes.io/instance={pool}"
     for pod in ready_pods(fabric.cluster, namespace, selector):
-        status, body = pod_request(pod["metadata"]["uid"], 9090, "/metrics", timeout=5)
+        status, body = fabric.request(pod, 9090, "/metrics", timeout=5)
         if status != 200:
             continue
         per_tier: dict[str, float] = {}
@@ -110,8 +109,8 @@ def replay(fabric: Fabric, args: argparse.Namespace, progress: Progress) -> Repo
             # Each round a user lands on the other node: its history is a hit only through the
             # shared volume; the system prompt is shared by everyone.
             node = nodes[(user + rnd) % len(nodes)]
-            out = generate(engines[node], prompt, max_tokens=args.answer_tokens)
-            cold = generate(baseline, prompt, max_tokens=args.answer_tokens)
+            out = generate(fabric, engines[node], prompt, max_tokens=args.answer_tokens)
+            cold = generate(fabric, baseline, prompt, max_tokens=args.answer_tokens)
             if cold["output_token_ids"] != out["output_token_ids"]:
                 raise AssertionError(f"round {rnd + 1} user {user + 1}: output differs from recompute")
             histories[user] += out["output_token_ids"]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvfabric.localcluster.podrunner.runner import pod_request
 from kvfabric.localcluster.testing import ClusterHandle
+
+if TYPE_CHECKING:
+    from kvfabric.demo.fabric import Fabric
 
 ENGINE_PORT = 8000
 
@@ -23,7 +25,7 @@ def pool_manifest(name: str, *, memory: str = "256Mi", chunk_tokens: int = 64) -
             "chunkTokens": chunk_tokens,
             "tiers": {
                 "memory": {"size": memory},
-                "localDisk": {"hostPath": {"path": "/var/lib/kvfabric/nvme"}, "capacity": "1Gi"},
+                "localDisk": {"hostPath": {"path": "/mnt/nvme/kvcache"}, "capacity": "1Gi"},
                 "shared": {
                     "claimTemplate": {
                         "storageClassName": "kvfabric-shared",
@@ -109,11 +111,11 @@ def ready_pods(cluster: ClusterHandle, namespace: str, selector: str) -> list[di
 
 
 def generate(
-    pod: dict[str, Any], prompt: list[int], max_tokens: int = 2, timeout: float = 120
+    fabric: Fabric, pod: dict[str, Any], prompt: list[int], max_tokens: int = 2, timeout: float = 120
 ) -> dict[str, Any]:
-    """POST /generate to the engine in ``pod`` (through its network namespace)."""
-    status, body = pod_request(
-        pod["metadata"]["uid"],
+    """POST /generate to the engine in ``pod``."""
+    status, body = fabric.request(
+        pod,
         ENGINE_PORT,
         "/generate",
         data=json.dumps({"prompt_token_ids": prompt, "max_tokens": max_tokens}),

@@ -207,7 +207,8 @@ class LoadOutcome:
     reason: Reason | None = None
 
 
-def _classify(exc: BaseException) -> Reason:
+def classify(exc: BaseException) -> Reason:
+    """Map an exception from a transport call to a miss reason."""
     if isinstance(exc, CacheTimeout | cf.TimeoutError | TimeoutError):
         return Reason.TIMEOUT
     if isinstance(exc, CacheCorrupt):
@@ -259,7 +260,7 @@ class ResilientCache:
                     fut = self._io.submit(_invoke, op, ep, remaining)
                     result = fut.result(timeout=remaining)
                 except Exception as exc:  # every failure becomes a reason, never an exception
-                    reason = _classify(exc)
+                    reason = classify(exc)
                     if reason in (Reason.TIMEOUT, Reason.UNAVAILABLE):
                         ep.breaker.failure()
                     else:

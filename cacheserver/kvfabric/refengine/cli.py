@@ -29,6 +29,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
         p.add_argument("--max-model-len", type=int, default=32768, help="longest prompt + output")
         p.add_argument("--no-cache", action="store_true", help="ignore KVFABRIC_* and never use a cache")
+        p.add_argument(
+            "--kv-transfer-config",
+            metavar="JSON",
+            help="vLLM-style connector config; its kv_connector_extra_config overrides KVFABRIC_* settings "
+            "(accepted so that a pod injected like a vLLM pod runs unchanged)",
+        )
         if name == "run":
             p.add_argument("--prompts", default="-", help="file of prompts, one per line ('-': stdin)")
             p.add_argument("--max-tokens", type=int, default=1, help="tokens to generate per prompt")
@@ -42,7 +48,11 @@ def _engine(args: argparse.Namespace) -> Any:
     from kvfabric.refengine.engine import Engine
     from kvfabric.refengine.presets import preset
 
-    settings = None if args.no_cache else ConnectorSettings.load()
+    extra: dict[str, Any] = {}
+    if args.kv_transfer_config:
+        doc = json.loads(args.kv_transfer_config)
+        extra = dict(doc.get("kv_connector_extra_config") or {}) if isinstance(doc, dict) else {}
+    settings = None if args.no_cache else ConnectorSettings.load(extra)
     blocks = -(-args.max_model_len // args.block_size) + 1
     return Engine(
         preset(args.preset, args.seed), num_blocks=blocks, block_size=args.block_size, settings=settings

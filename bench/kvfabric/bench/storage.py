@@ -138,7 +138,7 @@ def _redis(payload_count: int, chunk: int) -> Iterator[Any]:
     port = free_port()
     proc = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--maxmemory", str(payload_count * chunk * 2),
+         "--maxmemory", str(payload_count * chunk * 2 + 256 * MiB),
          "--proto-max-bulk-len", str(max(chunk * 2, 512 * MiB))],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip

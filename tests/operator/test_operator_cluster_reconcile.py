@@ -259,8 +259,15 @@ def test_restart_mid_reconcile_converges_and_kubectl_diff_is_empty(
 ) -> None:
     pools = [sample(f"pool-{i}") for i in range(5)]
     cluster.apply(*pools, namespace=namespace)
-    # Crash the operator while it is working on them; nothing it wrote may matter for correctness.
+    # Crash the operator while it is working on them (some children exist, not all pools are Ready);
+    # nothing it wrote may matter for correctness.
+    wait_for(
+        lambda: cluster.get_json("configmaps", "-n", namespace, "-l", names.OWNER_POOL_LABEL)["items"],
+        timeout=30,
+        message="reconciling started",
+    )
     operator.stop(kill=True)
+    assert not all(is_ready(cluster, namespace, f"pool-{i}") for i in range(5))
     try:
         for i in range(5, 8):
             cluster.apply(sample(f"pool-{i}"), namespace=namespace)  # created while it is down

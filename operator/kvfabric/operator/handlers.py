@@ -84,6 +84,12 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     settings.persistence.finalizer = "kvfabric.io/operator"
     # kopf would otherwise turn handler log lines into Kubernetes Events; we post our own, meaningful ones.
     settings.posting.enabled = False
+    # Server-side filtering: without it kopf would stream every ConfigMap, Service, DaemonSet, PVC and
+    # Pod of the cluster and drop the unrelated ones itself (the handlers' labels= filter client-side).
+    owned = f"{names.MANAGED_BY}={names.MANAGED_BY_VALUE},{names.OWNER_POOL_LABEL}"
+    for group, version, plural in _CHILD_KINDS:
+        settings.watching.label_selectors[group, version, plural] = owned
+    settings.watching.label_selectors["", "v1", "pods"] = POOL_LABEL
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 60

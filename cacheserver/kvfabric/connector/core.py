@@ -212,6 +212,7 @@ class KVFabricConnectorCore:
         self._load_errors: set[int] = set()
         self._reports: list[LoadReport] = []
         self._saves: list[tuple[SaveSpec, list[bytearray]]] = []
+        self._saved_layers: set[int] = set()
         self._store_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvfabric-store")
         self._store_lock = threading.Lock()
         self._store_inflight_bytes = 0
@@ -228,6 +229,21 @@ class KVFabricConnectorCore:
         return st
 
     def get_num_new_matched_tokens(self, request: _Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Return ``(tokens the cache can add beyond num_computed_tokens, load_async=False)``.
+
+        Never raises: any failure is "no hit" (the engine recomputes).
+        """
+        try:
+            return self._get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:
+            log.exception("lookup for request %s failed", getattr(request, "request_id", "?"))
+            self.counters.add("internal_error.lookup")
+            st = self._reqs.get(request.request_id)
+            if st is not None:
+                st.hit_tokens, st.matched_chunks, st.pending_load = 0, 0, None
+            return 0, False
+
+    def _get_num_new_matched_tokens(self, request: _Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Return ``(tokens the cache can add beyond num_computed_tokens, load_async=False)``."""
         if self.cache is None:
             return 0, False
@@ -376,7 +392,56 @@ class KVFabricConnectorCore:
         self._loads_verified = False
         self._failed_reqs = set()
 
+    # The worker hooks never raise into the forward pass: a failure turns the step's loads into load
+    # errors (recomputed) and drops its saves. build_connector_meta, by contrast, is allowed to
+    # raise: once vLLM was told that tokens will be loaded, silently loading nothing would be wrong.
+
+    def _fail_step(self, what: str) -> None:
+        log.exception("kvfabric %s failed; the engine recomputes", what)
+        self.counters.add(f"internal_error.{what}")
+        meta = self._meta
+        if meta is not None:
+            for spec in meta.loads:
+                self._failed_reqs.add(spec.req_id)
+                for blocks in spec.block_ids:
+                    self._load_errors.update(blocks)
+        self._loads, self._loads_verified, self._saves = [], True, []
+
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
+        """Start every load of this step into staging buffers; returns without waiting."""
+        try:
+            self._start_load_kv(forward_context, **kwargs)
+        except Exception:
+            self._fail_step("start_load_kv")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until the step's KV is in place or known missing (the first call does the work)."""
+        try:
+            self._wait_for_layer_load(layer_name)
+        except Exception:
+            self._fail_step("wait_for_layer_load")
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None, **kwargs: Any
+    ) -> None:
+        """Copy this layer's part of every chunk to save into staging payloads."""
+        try:
+            self._save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        except Exception:
+            log.exception("kvfabric save_kv_layer failed; this step stores nothing")
+            self.counters.add("internal_error.save_kv_layer")
+            self._saves, self._saved_layers = [], set()
+
+    def wait_for_save(self) -> None:
+        """Hand this step's complete payloads to the background storer (never blocks)."""
+        try:
+            self._wait_for_save()
+        except Exception:
+            log.exception("kvfabric wait_for_save failed; this step stores nothing")
+            self.counters.add("internal_error.wait_for_save")
+            self._saves, self._saved_layers = [], set()
+
+    def _start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         """Start every load of this step into staging buffers; returns without waiting.
 
         A request's chunks are fetched (in groups of at most ``_GROUP_CHUNKS``) on one loader
@@ -507,7 +572,7 @@ class KVFabricConnectorCore:
                 pl.spec.block_ids[first:end],
             )
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
+    def _wait_for_layer_load(self, layer_name: str) -> None:
         """Block until the step's KV is in place or known missing (the first call does the work)."""
         if not self._loads or self._loads_verified:
             return
@@ -515,7 +580,7 @@ class KVFabricConnectorCore:
         self._finish_loads()
         self.restore_s += time.perf_counter() - t0
 
-    def save_kv_layer(
+    def _save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None, **kwargs: Any
     ) -> None:
         """Copy this layer's part of every chunk to save into staging payloads."""
@@ -525,7 +590,9 @@ class KVFabricConnectorCore:
         idx = self._layer_index.get(layer_name)
         if idx is None:
             return
+        self._saved_layers.add(idx)
         if idx == 0:
+            self._saved_layers = {0}
             # A request whose load failed computed this step on missing KV: saving it would poison
             # the cache. The engine recomputes it in a later step, which saves it then.
             self._saves = [
@@ -537,11 +604,17 @@ class KVFabricConnectorCore:
             for blocks, payload in zip(spec.block_ids, payloads, strict=True):
                 layout.gather_layer(geo, idx, kv_layer, blocks, payload)
 
-    def wait_for_save(self) -> None:
+    def _wait_for_save(self) -> None:
         """Hand this step's complete payloads to the background storer (never blocks)."""
         saves, self._saves = self._saves, []
+        layers, self._saved_layers = self._saved_layers, set()
         geo, cache = self.geometry, self.cache
         if not saves or geo is None or cache is None:
+            return
+        if len(layers) != len(geo.layers):
+            # Some layer's hook did not run (e.g. a full CUDA-graph replay): the payloads are
+            # incomplete and must never be stored.
+            self.counters.add("store_skipped_incomplete", sum(len(p) for _, p in saves))
             return
         for spec, payloads in saves:
             size = len(payloads) * geo.payload_bytes

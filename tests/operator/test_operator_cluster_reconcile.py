@@ -350,3 +350,36 @@ def test_opt_out_node_label_removes_a_node(
         assert get_pool(cluster, namespace, "pool-a")["status"]["nodeSummary"] == f"{n - 1}/{n - 1}"
     finally:
         cluster.kubectl("label", "node", node, f"{key}-", check=False)
+
+
+def test_disabling_metrics_prunes_the_metrics_service(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess
+) -> None:
+    cluster.apply(sample(), namespace=namespace)
+    wait_for(lambda: children_exist(cluster, namespace, "pool-a"), timeout=30, message="children")
+    cluster.kubectl(
+        "patch",
+        "kvp",
+        "pool-a",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"metrics":{"enabled":false}}}',
+    )
+    wait_for(
+        lambda: (
+            cluster.kubectl("get", "service", "pool-a-metrics", "-n", namespace, check=False).returncode != 0
+        ),
+        timeout=30,
+        message="metrics Service pruned",
+    )
+    # The rest stays.
+    assert cluster.kubectl("get", "service", "pool-a", "-n", namespace, check=False).returncode == 0
+    pool = get_pool(cluster, namespace, "pool-a")
+    wait_for(
+        lambda: get_pool(cluster, namespace, "pool-a")["status"]["connection"]["metricsService"] == "",
+        timeout=30,
+        message="status without metrics Service",
+    )
+    assert pool["metadata"]["generation"] == 2

@@ -1,0 +1,199 @@
+"""reconcile_pool against an in-memory API: apply, prune, status, conflicts, invalid configs."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from kvfabric.operator import reconcile
+from kvfabric.operator.kube import ApiError
+from kvfabric.operator.render import ConfigError, names
+
+
+class FakeKube:
+    """Just enough of KubeClient: objects keyed by (kind, namespace, name)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str | None, str], dict[str, Any]] = {}
+        self.applied: list[tuple[str, str]] = []
+        self.deleted: list[tuple[str, str]] = []
+        self.events: list[dict[str, Any]] = []
+        self.status_patches = 0
+        self.conflict_next_status = False
+        self._rv = 0
+
+    def _bump(self, obj: dict[str, Any]) -> None:
+        self._rv += 1
+        obj.setdefault("metadata", {})["resourceVersion"] = str(self._rv)
+
+    async def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        obj = self.objects.get((kind, namespace, name))
+        return copy.deepcopy(obj) if obj is not None else None
+
+    async def list(
+        self, kind: str, namespace: str | None = None, *, label_selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        wanted = dict(part.split("=", 1) for part in (label_selector or "").split(",") if "=" in part)
+        out = []
+        for (k, ns, _), obj in self.objects.items():
+            labels = obj.get("metadata", {}).get("labels") or {}
+            if (
+                k == kind
+                and (namespace is None or ns == namespace)
+                and all(labels.get(a) == b for a, b in wanted.items())
+            ):
+                out.append(copy.deepcopy(obj))
+        return out
+
+    async def apply(self, obj: dict[str, Any], *, field_manager: str, force: bool = True) -> dict[str, Any]:
+        assert field_manager == names.FIELD_MANAGER
+        key = (obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"])
+        stored = copy.deepcopy(obj)
+        self._bump(stored)
+        self.objects[key] = stored
+        self.applied.append((obj["kind"], obj["metadata"]["name"]))
+        return stored
+
+    async def patch_status(
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
+        *,
+        resource_version: str | None = None,
+    ) -> dict[str, Any]:
+        if self.conflict_next_status:
+            self.conflict_next_status = False
+            raise ApiError(409, '{"reason":"Conflict"}', method="PATCH", path="status")
+        obj = self.objects[(kind, namespace, name)]
+        assert resource_version == obj["metadata"]["resourceVersion"]
+        obj["status"] = copy.deepcopy(status)
+        self._bump(obj)
+        self.status_patches += 1
+        return obj
+
+    async def delete(self, kind: str, namespace: str | None, name: str) -> bool:
+        self.deleted.append((kind, name))
+        return self.objects.pop((kind, namespace, name), None) is not None
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.events.append(obj)
+        return obj
+
+
+def add_pool(kube: FakeKube, **spec: Any) -> dict[str, Any]:
+    pool = {
+        "apiVersion": "kvfabric.io/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": "p", "namespace": "ns", "uid": "u1", "generation": 1},
+        "spec": {"image": {"tag": "v1"}, "tiers": {"memory": {"size": "1Gi"}}, **spec},
+    }
+    kube._bump(pool)
+    kube.objects[("KVCachePool", "ns", "p")] = pool
+    return pool
+
+
+async def run(kube: FakeKube) -> reconcile.ReconcileResult | None:
+    return await reconcile.reconcile_pool(kube, "ns", "p", injection_enabled=True)  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_first_pass_applies_children_and_writes_status() -> None:
+    kube = FakeKube()
+    add_pool(kube)
+    result = await run(kube)
+    assert result is not None
+    assert result.applied == 4
+    assert kube.applied[0] == ("ConfigMap", "p-config")  # before the DaemonSet that mounts it
+    status = kube.objects[("KVCachePool", "ns", "p")]["status"]
+    assert status["observedGeneration"] == 1
+    assert status["connection"]["configMap"] == "p-config"
+    assert {c["type"] for c in status["conditions"]} >= {"Ready", "ConfigValid"}
+
+
+@pytest.mark.asyncio
+async def test_second_pass_without_change_writes_nothing() -> None:
+    kube = FakeKube()
+    add_pool(kube)
+    await run(kube)
+    patches, events = kube.status_patches, len(kube.events)
+    result = await run(kube)
+    assert result is not None
+    assert not result.status_changed
+    assert kube.status_patches == patches
+    assert len(kube.events) == events
+
+
+@pytest.mark.asyncio
+async def test_prunes_children_no_longer_rendered() -> None:
+    kube = FakeKube()
+    add_pool(kube)
+    await run(kube)
+    kube.objects[("KVCachePool", "ns", "p")]["spec"]["metrics"] = {"enabled": False}
+    result = await run(kube)
+    assert result is not None
+    assert result.pruned == 1
+    assert ("Service", "p-metrics") in kube.deleted
+    assert ("Service", None, "p-metrics") not in kube.objects
+
+
+@pytest.mark.asyncio
+async def test_invalid_server_config_keeps_children_and_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    kube = FakeKube()
+    add_pool(kube)
+    await run(kube)
+    applied = len(kube.applied)
+
+    def broken(_pool: Any) -> Any:
+        raise ConfigError("limits.max_payload_bytes exceeds tiers.dram.capacity_bytes")
+
+    monkeypatch.setattr(reconcile, "render_children", broken)
+    await run(kube)
+    assert len(kube.applied) == applied  # nothing torn down or re-applied
+    assert ("ConfigMap", "ns", "p-config") in kube.objects
+    status = kube.objects[("KVCachePool", "ns", "p")]["status"]
+    config_valid = next(c for c in status["conditions"] if c["type"] == "ConfigValid")
+    assert config_valid["status"] == "False"
+    assert "max_payload_bytes" in config_valid["message"]
+    assert "InvalidServerConfig" in [e["reason"] for e in kube.events]
+
+
+@pytest.mark.asyncio
+async def test_status_conflict_asks_for_an_immediate_retry() -> None:
+    kube = FakeKube()
+    add_pool(kube)
+    kube.conflict_next_status = True
+    with pytest.raises(reconcile.RetryNow):
+        await run(kube)
+    assert await run(kube) is not None
+
+
+@pytest.mark.asyncio
+async def test_deleted_or_deleting_pool_is_left_to_the_garbage_collector() -> None:
+    kube = FakeKube()
+    assert await run(kube) is None
+    pool = add_pool(kube)
+    pool["metadata"]["deletionTimestamp"] = "2026-11-30T00:00:00Z"
+    assert await run(kube) is None
+    assert kube.applied == []
+
+
+@pytest.mark.asyncio
+async def test_missing_existing_claim_is_reported() -> None:
+    kube = FakeKube()
+    add_pool(kube, tiers={"memory": {"size": "1Gi"}, "shared": {"existingClaim": "rwx", "capacity": "1Ti"}})
+    await run(kube)
+    status = kube.objects[("KVCachePool", "ns", "p")]["status"]
+    storage = next(c for c in status["conditions"] if c["type"] == "StorageReady")
+    assert (storage["status"], storage["reason"]) == ("False", "ClaimNotFound")
+    kube.objects[("PersistentVolumeClaim", "ns", "rwx")] = {
+        "metadata": {"name": "rwx"},
+        "status": {"phase": "Bound"},
+    }
+    await run(kube)
+    status = kube.objects[("KVCachePool", "ns", "p")]["status"]
+    storage = next(c for c in status["conditions"] if c["type"] == "StorageReady")
+    assert storage["status"] == "True"

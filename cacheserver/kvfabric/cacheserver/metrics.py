@@ -82,9 +82,6 @@ class Metrics:
             unit="1",
             description="Blocks per tier",
         )
-        self.requests = meter.create_counter(
-            "kvfabric.rpc.requests", unit="1", description="RPCs by method and code"
-        )
         self.lookups = meter.create_counter("kvfabric.cache.lookups", unit="1", description="Lookup requests")
         self.lookup_keys = meter.create_counter(
             "kvfabric.cache.lookup_keys",

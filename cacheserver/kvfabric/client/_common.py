@@ -24,7 +24,7 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
 ]
-STREAM_PIECE_BYTES = 4 << 20
+STREAM_PIECE_BYTES = 1 << 20  # 1-2 MiB messages measured fastest through grpcio
 TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_LOCAL_DISK: "local_disk", pb.TIER_SHARED: "shared"}
 
 

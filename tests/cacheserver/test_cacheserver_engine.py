@@ -20,6 +20,7 @@ from kvfabric.cacheserver.engine.blockfile import (
     unpack_header,
     write_block,
 )
+from kvfabric.cacheserver.engine.base import Tier
 from kvfabric.cacheserver.engine.disk import DiskTier
 from kvfabric.cacheserver.engine.dram import DramTier
 from kvfabric.cacheserver.engine.ids import BlockId, InvalidId, parse_ids
@@ -94,7 +95,9 @@ def test_ids_reject_everything_but_hex_digests() -> None:
 
 
 def test_dram_tier_lru_and_budget(tmp_path: Path) -> None:
-    tier = DramTier(tmp_path / "shm", 5 * 4096, high_watermark=1.0, low_watermark=0.6)
+    tier: DramTier = DramTier(tmp_path / "shm", 5 * 4096, high_watermark=1.0, low_watermark=0.6)
+    as_tier: Tier = tier  # both tiers satisfy the one small interface (checked by mypy)
+    assert as_tier.name == "dram"
     for i in range(5):
         assert tier.put(bid(i), payload_for(str(i), 4096))
     assert tier.slot(bid(0)) is not None  # touch 0: now most recently used
@@ -123,8 +126,10 @@ def test_disk_tier_scan_refresh_evict_expire(tmp_path: Path) -> None:
         )  # fmt: skip
 
     t = tier()
+    as_tier: Tier = t
+    assert as_tier.usage().capacity_bytes == t.capacity
     for i in range(4):
-        assert t.put(bid(i), payload_for(str(i), 4096), bucket=10 + i // 2) is not None
+        assert t.put(bid(i), payload_for(str(i), 4096), bucket=10 + i // 2)
     (t.tmp_dir / "leftover.tmp").write_bytes(b"half a block")
     (tmp_path / "d" / "buckets" / "11" / "garbage.blk").write_bytes(b"not a block")
     t2 = tier()

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import threading
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 
+import grpc
 import pytest
 
-from kvfabric.cacheserver.testing import MiB, cache_server, digest, payload_for
+from kvfabric.cacheserver.testing import MiB, cache_server, digest, payload_for, wait_until
 from kvfabric.client import CacheClient
+from kvfabric.rpc.v1 import cache_pb2 as pb
+from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -71,3 +76,43 @@ def test_stores_beyond_the_arena_are_dropped_and_counted_not_failed() -> None:
         # Loads are unaffected, and the arena is free again for the next store.
         assert c.load(ns, keys, timeout=10) == [payload_for(k, 512 * 1024) for k in keys[:2]]
         assert c.store(ns, keys[2:], [payload_for(k, 512 * 1024) for k in keys[2:]], timeout=10).accepted == 2
+
+
+def test_loads_do_not_wait_behind_stores_and_busy_stores_are_dropped() -> None:
+    ns = digest("busy")
+    hot, slow, extra = digest("hot"), digest("slow"), digest("extra")
+    with (
+        cache_server(dram_bytes=16 * MiB, overrides={"limits.max_concurrent_stores": 1}) as srv,
+        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c,
+        CacheClient(srv.tcp_target) as r,
+        grpc.insecure_channel(srv.tcp_target) as ch,
+    ):
+        assert c.store(ns, [hot], [payload_for(hot, 100_000)], timeout=10).accepted == 1
+        release = threading.Event()
+
+        def slow_stream() -> Iterator[pb.StoreChunk]:
+            yield pb.StoreChunk(namespace=ns, key=slow, total_length=2, data=b"a")
+            release.wait(60)  # hold the only store slot until the checks below are done
+            yield pb.StoreChunk(data=b"b")
+
+        stub = pb_grpc.CacheStub(ch)  # type: ignore[no-untyped-call]
+        holder = stub.Store.future(slow_stream(), timeout=120)
+        try:
+            # The slot is taken once the server has seen the stream's first message; until then a
+            # store may still be accepted, so wait for the first drop rather than assume it.
+            wait_until(
+                lambda: r.store(ns, [extra], [b"x"], timeout=10).dropped == 1,
+                what="the store slot to be busy",
+            )
+            # Stores over both transports are dropped, not queued; loads and lookups are served.
+            assert c.store(ns, [extra], [b"x"], timeout=10).dropped == 1
+            assert c.load(ns, [hot], timeout=10) == [payload_for(hot, 100_000)]
+            assert r.load(ns, [hot], timeout=10) == [payload_for(hot, 100_000)]
+            assert c.lookup(ns, [hot, extra], timeout=5).matched == 1
+        finally:
+            release.set()
+        assert holder.result(timeout=60).accepted == 1
+        assert c.load(ns, [slow], timeout=10) == [b"ab"]
+        stats = c.stats(timeout=5)
+        assert stats["counters"]["dropped_stores"]["grpc"] >= 1
+        assert stats["counters"]["dropped_stores"]["shm"] >= 1

@@ -178,9 +178,14 @@ class StagingArena:
         finally:
             os.close(src)
 
-    def abort(self, lease_id: str) -> None:
-        """Discard a lease's staging files."""
-        self._release(self._take(lease_id))
+    def abort(self, lease_id: str) -> tuple[int, int]:
+        """Discard a lease's staging files; returns ``(accepted, dropped)`` as a commit would report.
+
+        Keys that were already stored count as accepted; every staged key counts as dropped.
+        """
+        lease = self._take(lease_id)
+        self._release(lease)
+        return lease.present, lease.dropped + len(lease.slots)
 
     def _release(self, lease: _Lease) -> None:
         for slot in lease.slots:

@@ -413,9 +413,9 @@ class CacheService(pb_grpc.CacheServicer):
                 return pb.StoreResponse()
             if not self.s.try_store_slot():
                 # Under pressure: drop the whole lease now rather than queue behind other stores.
-                arena.abort(request.lease_id)
-                self.s.store.counters.inc("dropped_stores", "shm")
-                return pb.StoreResponse(accepted=0, dropped=0)
+                accepted, dropped = arena.abort(request.lease_id)
+                self.s.store.counters.inc("dropped_stores", "shm", dropped)
+                return pb.StoreResponse(accepted=accepted, dropped=dropped)
         except UnknownLease:
             await _abort(context, grpc.StatusCode.NOT_FOUND, "unknown or expired store lease")
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import mmap
 import os
 import shutil
 import threading
@@ -271,16 +272,23 @@ class DiskTier:
             if cur is not None and cur.bucket == bucket:
                 self._drop_locked(bid)
 
-    def put(
+    def put(self, bid: BlockId, payload: bytes | bytearray | memoryview, *, bucket: int) -> bool:
+        """Write a block atomically into ``bucket``; False if it does not fit (the Tier interface)."""
+        return self.write(bid, payload, bucket=bucket) is not None
+
+    def write(
         self,
         bid: BlockId,
-        payload: bytes | bytearray | memoryview,
+        payload: bytes | bytearray | memoryview | mmap.mmap,
         *,
         bucket: int,
         created_at: float | None = None,
         checksum: bytes | None = None,
     ) -> BlockHeader | None:
-        """Write a block atomically into ``bucket``; None if it does not fit (budget or disk full)."""
+        """Write a block atomically into ``bucket``; None if it does not fit (budget or disk full).
+
+        ``checksum`` lets a caller writing one payload to several tiers hash it once.
+        """
         length = memoryview(payload).nbytes
         size = HEADER_SIZE + length
         if not self._reserve(size):

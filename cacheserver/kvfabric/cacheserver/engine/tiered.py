@@ -304,7 +304,7 @@ class TieredStore:
                 for tier in job.targets:
                     if tier.contains(job.bid):
                         continue
-                    header = tier.put(job.bid, view, bucket=bucket, created_at=now, checksum=checksum)
+                    header = tier.write(job.bid, view, bucket=bucket, created_at=now, checksum=checksum)
                     if header is None:
                         self.counters.inc("dropped_writebacks", tier.name)
                         continue

@@ -92,6 +92,25 @@ class GenerateResult:
     recomputed_after_load_error: bool
     restore_s: float = 0.0
     """Seconds the prefill spent blocked restoring cached KV (part of ``ttft_s``)."""
+    connector_s: float = 0.0
+    """Seconds of ``ttft_s`` spent inside connector calls (lookup, metadata, hooks, restore)."""
+
+
+class _TimedHooks:
+    """Per-layer hooks that add the time spent in the connector to the engine's account."""
+
+    def __init__(self, engine: Engine, worker: Any) -> None:
+        self._engine, self._worker = engine, worker
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        t0 = time.perf_counter()
+        self._worker.wait_for_layer_load(layer_name)
+        self._engine._connector_s += time.perf_counter() - t0
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: object = None) -> None:
+        t0 = time.perf_counter()
+        self._worker.save_kv_layer(layer_name, kv_layer, attn_metadata)
+        self._engine._connector_s += time.perf_counter() - t0
 
 
 class OutOfBlocksError(RuntimeError):
@@ -125,6 +144,7 @@ class Engine:
         self._free = list(range(num_blocks))
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._connector_s = 0.0
         self.scheduler_conn: KVFabricConnectorCore | None = None
         self.worker_conn: KVFabricConnectorCore | None = None
         # What the vLLM call sequence is made on; the cores (above) answer the engine's extras.
@@ -171,18 +191,26 @@ class Engine:
             return self.model.forward(
                 req.prompt_token_ids[start : start + n], start, table, self.kv_caches
             ), set()
+        t0 = time.perf_counter()
         so.kv_connector_metadata = sched.build_connector_meta(so)
         worker.bind_connector_metadata(so.kv_connector_metadata)
         worker.start_load_kv(None)
+        self._connector_s += time.perf_counter() - t0
         try:
             logits = self.model.forward(
-                req.prompt_token_ids[start : start + n], start, table, self.kv_caches, hooks=worker
+                req.prompt_token_ids[start : start + n],
+                start,
+                table,
+                self.kv_caches,
+                hooks=_TimedHooks(self, worker),
             )
         finally:
+            t0 = time.perf_counter()
             worker.wait_for_save()
             worker.get_finished(so.finished_req_ids)
             errors = worker.get_block_ids_with_load_errors()
             worker.clear_connector_metadata()
+            self._connector_s += time.perf_counter() - t0
         return logits, errors
 
     def generate(self, prompt_token_ids: Sequence[int], max_tokens: int = 1) -> GenerateResult:
@@ -198,8 +226,11 @@ class Engine:
         n = len(prompt)
         sched, worker = self.scheduler_conn, self.worker_conn
         ext = 0
+        self._connector_s = 0.0
         if self._sched_api is not None:
+            t_lookup = time.perf_counter()
             ext, _ = self._sched_api.get_num_new_matched_tokens(req, 0)
+            self._connector_s += time.perf_counter() - t_lookup
         need = -(-(n + max_tokens) // self.block_size)
         if need > len(self._free):
             raise OutOfBlocksError(f"request needs {need} blocks, {len(self._free)} free")
@@ -226,6 +257,7 @@ class Engine:
             first = logits.clone()
             out = [int(torch.argmax(logits))]
             ttft = time.perf_counter() - t0
+            connector_s = self._connector_s
             reports = worker.take_load_reports() if worker is not None else []
             tier = next((r.tier for r in reports if r.tier), None) if hit else None
             reason = next((r.reason.value for r in reports if r.reason), None)
@@ -242,7 +274,7 @@ class Engine:
                 step_req = Request(req.request_id, tokens)
                 logits, _ = self._step(so, step_req, pos, 1, table)
                 out.append(int(torch.argmax(logits)))
-            return GenerateResult(out, first, ttft, hit, tier, reason, recomputed, restore_s)
+            return GenerateResult(out, first, ttft, hit, tier, reason, recomputed, restore_s, connector_s)
         finally:
             if self._sched_api is not None:
                 self._sched_api.request_finished(req, table)

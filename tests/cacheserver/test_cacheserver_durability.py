@@ -78,6 +78,7 @@ def test_kill_9_during_store_storm_then_restart(ns: str, tmp_path: Path) -> None
         for p in _block_files(local_root) + _block_files(shared):
             assert p.stat().st_size == HEADER_SIZE + size
         assert not _tmp_files(local_root), "leftover temporary files were not cleaned"
+        assert not [n for n in os.listdir(srv.shm_dir) if n.startswith("s_")], "stale staging files"
         assert not _tmp_files(shared), "leftover temporary files were not cleaned"
         stats = client.stats(timeout=5)
         assert stats["tiers"]["local_disk"]["blocks"] + stats["tiers"]["shared"]["blocks"] >= found

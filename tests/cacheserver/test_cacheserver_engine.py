@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvfabric.cacheserver.engine.base import Tier
 from kvfabric.cacheserver.engine.blockfile import (
     HEADER_SIZE,
     BlockHeader,
@@ -20,7 +21,6 @@ from kvfabric.cacheserver.engine.blockfile import (
     unpack_header,
     write_block,
 )
-from kvfabric.cacheserver.engine.base import Tier
 from kvfabric.cacheserver.engine.disk import DiskTier
 from kvfabric.cacheserver.engine.dram import DramTier
 from kvfabric.cacheserver.engine.ids import BlockId, InvalidId, parse_ids

@@ -43,6 +43,7 @@ def test_metrics_probes_and_json_logs() -> None:
             "kvfabric_cache_hits",
             "kvfabric_cache_misses",
             "kvfabric_cache_bytes_out",
+            "kvfabric_cache_bytes_in",
             "kvfabric_load_duration",
             "kvfabric_store_duration",
             "kvfabric_tier_used",

@@ -141,19 +141,20 @@ class StagingArena:
             raise UnknownLease(lease_id)
         return lease
 
-    def commit(self, lease_id: str, store: TieredStore) -> tuple[int, int]:
-        """Copy staged payloads into DRAM blocks; returns ``(accepted, dropped)``."""
+    def commit(self, lease_id: str, store: TieredStore) -> tuple[int, int, int]:
+        """Copy staged payloads into DRAM blocks; returns ``(accepted, dropped, bytes stored)``."""
         lease = self._take(lease_id)
-        accepted, dropped = lease.present, lease.dropped
+        accepted, dropped, nbytes = lease.present, lease.dropped, 0
         try:
             for slot in lease.slots:
                 if self._commit_one(slot, store):
                     accepted += 1
+                    nbytes += slot.length
                 else:
                     dropped += 1
         finally:
             self._release(lease)
-        return accepted, dropped
+        return accepted, dropped, nbytes
 
     def _commit_one(self, slot: _Slot, store: TieredStore) -> bool:
         try:

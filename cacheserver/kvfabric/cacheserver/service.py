@@ -419,13 +419,14 @@ class CacheService(pb_grpc.CacheServicer):
         except UnknownLease:
             await _abort(context, grpc.StatusCode.NOT_FOUND, "unknown or expired store lease")
         try:
-            accepted, dropped = await self._in_pool(
+            accepted, dropped, nbytes = await self._in_pool(
                 self.s.store_pool, lambda: arena.commit(request.lease_id, self.s.store)
             )
         except UnknownLease:
             await _abort(context, grpc.StatusCode.NOT_FOUND, "unknown or expired store lease")
         finally:
             self.s.release_store_slot()
+        self.s.metrics.bytes_in.add(nbytes, {"transport": "shm"})
         self.s.metrics.store_duration.record(time.perf_counter() - t0, {"transport": "shm"})
         return pb.StoreResponse(accepted=accepted, dropped=dropped)
 

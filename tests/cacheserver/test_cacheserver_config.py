@@ -69,8 +69,29 @@ def test_cli_help_documents_every_option_and_overrides_apply(tmp_path: Path) -> 
         text=True,
         check=True,
     ).stdout
-    for flag in ("--config", "--tcp-port", "--shm-dir", "--dram-bytes", "--set", "--print-config"):
+    for flag in (
+        "--config",
+        "--tcp-port",
+        "--shm-dir",
+        "--dram-bytes",
+        "--set",
+        "--print-config",
+        "--help-config",
+    ):
         assert flag in out
+    described = subprocess.run(
+        [sys.executable, "-m", "kvfabric.cacheserver", "--help-config"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for path in (
+        "listen.unix_socket",
+        "tiers.local_disk.high_watermark",
+        "limits.max_payload_bytes",
+        "ttl_seconds",
+    ):
+        assert path in described, path
     printed = subprocess.run(
         [
             sys.executable, "-m", "kvfabric.cli.main", "cacheserver", "--config", str(path),

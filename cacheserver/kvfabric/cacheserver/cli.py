@@ -62,6 +62,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--print-config", action="store_true", help="print the effective configuration as YAML and exit"
     )
+    parser.add_argument(
+        "--help-config",
+        action="store_true",
+        help="describe every configuration field (type, default, meaning) and exit",
+    )
 
 
 def _collect(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -87,6 +92,34 @@ def _collect(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     return data, overrides
 
 
+def _describe(model: Any, prefix: str = "") -> list[str]:
+    """One line per leaf field of a pydantic model class: dotted path, type, default, description."""
+    from pydantic import BaseModel
+    from pydantic_core import PydanticUndefined
+
+    lines = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        nested = [
+            a for a in getattr(field.annotation, "__args__", (field.annotation,)) if isinstance(a, type)
+        ]
+        sub = next((a for a in nested if issubclass(a, BaseModel)), None)
+        default = (
+            "required"
+            if field.default is PydanticUndefined and field.default_factory is None
+            else (
+                "default: see below" if field.default_factory is not None else f"default: {field.default!r}"
+            )
+        )
+        type_name = getattr(field.annotation, "__name__", None) or str(field.annotation).replace(
+            "typing.", ""
+        )
+        lines.append(f"{path}  ({type_name}; {default})\n    {field.description or ''}")
+        if sub is not None:
+            lines.extend(_describe(sub, path + "."))
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     """Validate the configuration and serve until SIGTERM/SIGINT."""
     import asyncio
@@ -95,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from kvfabric.cacheserver.config import ServerConfig, apply_overrides
+
+    if args.help_config:
+        print("\n".join(_describe(ServerConfig)))
+        return 0
 
     data, overrides = _collect(args)
     try:

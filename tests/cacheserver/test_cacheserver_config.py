@@ -85,13 +85,13 @@ def test_cli_help_documents_every_option_and_overrides_apply(tmp_path: Path) -> 
         text=True,
         check=True,
     ).stdout
-    for path in (
+    for field in (
         "listen.unix_socket",
         "tiers.local_disk.high_watermark",
         "limits.max_payload_bytes",
         "ttl_seconds",
     ):
-        assert path in described, path
+        assert field in described, field
     printed = subprocess.run(
         [
             sys.executable, "-m", "kvfabric.cli.main", "cacheserver", "--config", str(path),

@@ -32,11 +32,19 @@ def _free_port() -> int:
 class OperatorProcess:
     """``kvfabric operator`` as a subprocess with its webhook on 127.0.0.1 and a self-signed cert."""
 
-    def __init__(self, cluster: ClusterHandle, workdir: Path) -> None:
+    def __init__(
+        self,
+        cluster: ClusterHandle,
+        workdir: Path,
+        *,
+        kubeconfig: Path | None = None,
+        config_name: str | None = None,
+    ) -> None:
         self.cluster = cluster
         self.workdir = workdir
+        self.kubeconfig = kubeconfig or cluster.kubeconfig
         self.port = _free_port()
-        self.config_name = f"kvfabric-test-{uuid.uuid4().hex[:6]}"
+        self.config_name = config_name or f"kvfabric-test-{uuid.uuid4().hex[:6]}"
         self.log_path = workdir / "operator.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -55,7 +63,7 @@ class OperatorProcess:
                 "kvfabric.cli",
                 "operator",
                 "--kubeconfig",
-                str(self.cluster.kubeconfig),
+                str(self.kubeconfig),
                 "--webhook-port",
                 str(self.port),
                 "--webhook-cert-dir",

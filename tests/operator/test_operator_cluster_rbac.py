@@ -1,0 +1,167 @@
+"""The shipped RBAC is enough: the operator runs as its ServiceAccount (token) and still does its job."""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from tests.operator.conftest import OperatorProcess, condition, get_pool, is_ready
+
+from kvfabric.localcluster.testing import ClusterHandle, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+# The name the shipped ClusterRole allows the operator to get/patch (resourceNames).
+CONFIG_NAME = "kvfabric-pod-injector"
+
+
+def _install_rbac(cluster: ClusterHandle, ns: str, suffix: str) -> list[dict[str, Any]]:
+    """Apply the default install's RBAC (and namespace), moved to ``ns`` and renamed so it is private."""
+    docs = [
+        d
+        for d in yaml.safe_load_all(cluster.kubectl("kustomize", str(ROOT / "manifests" / "default")).stdout)
+        if d
+    ]
+    out = []
+    for doc in docs:
+        kind = doc["kind"]
+        if kind in ("CustomResourceDefinition", "Deployment", "Service"):
+            continue
+        if kind == "Namespace":
+            doc["metadata"]["name"] = ns
+        elif kind in ("ClusterRole", "ClusterRoleBinding"):
+            doc["metadata"]["name"] += f"-{suffix}"
+            if kind == "ClusterRoleBinding":
+                doc["roleRef"]["name"] += f"-{suffix}"
+                for subject in doc["subjects"]:
+                    subject["namespace"] = ns
+        else:
+            doc["metadata"]["namespace"] = ns
+        out.append(doc)
+    cluster.kubectl(
+        "apply", "--server-side", "--field-manager=kvfabric-tests", "-f", "-", input=yaml.safe_dump_all(out)
+    )
+    return out
+
+
+def _token_kubeconfig(cluster: ClusterHandle, ns: str, path: Path) -> Path:
+    token = cluster.kubectl("create", "token", "kvfabric-operator", "-n", ns, "--duration=1h").stdout.strip()
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    cluster_entry = admin["clusters"][0]["cluster"]
+    ca = cluster_entry.get("certificate-authority-data")
+    if ca is None:
+        ca = base64.b64encode(Path(cluster_entry["certificate-authority"]).read_bytes()).decode()
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": "c", "cluster": {"server": cluster_entry["server"], "certificate-authority-data": ca}}
+        ],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "c", "user": "operator"}}],
+        "current-context": "operator",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture
+def sa_operator(
+    cluster: ClusterHandle, crd: None, tmp_path: Path, operator: OperatorProcess
+) -> Iterator[OperatorProcess]:
+    """A second operator, authenticated as the shipped ServiceAccount with the shipped ClusterRole."""
+    suffix = uuid.uuid4().hex[:6]
+    ns = f"kvfabric-rbac-{suffix}"
+    docs = _install_rbac(cluster, ns, suffix)
+    kubeconfig = _token_kubeconfig(cluster, ns, tmp_path / "sa.kubeconfig")
+    # The session's operator would do the work too; stop it so only the restricted one acts.
+    operator.stop()
+    proc = OperatorProcess(cluster, tmp_path, kubeconfig=kubeconfig, config_name=CONFIG_NAME)
+    try:
+        proc.start()
+        yield proc
+    finally:
+        proc.stop()
+        log = proc.tail(200)
+        cluster.kubectl(
+            "delete", "mutatingwebhookconfiguration", CONFIG_NAME, "--ignore-not-found", check=False
+        )
+        cluster.kubectl(
+            "delete",
+            "--ignore-not-found",
+            "--wait=false",
+            "-f",
+            "-",
+            input=yaml.safe_dump_all(docs),
+            check=False,
+        )
+        operator.start()
+        assert "Forbidden" not in log, log
+        assert "HTTP 403" not in log, log
+
+
+def test_operator_works_with_the_shipped_least_privilege_rbac(
+    cluster: ClusterHandle, namespace: str, sa_operator: OperatorProcess
+) -> None:
+    cluster.apply(
+        {
+            "apiVersion": "kvfabric.io/v1alpha1",
+            "kind": "KVCachePool",
+            "metadata": {"name": "pool-a"},
+            "spec": {
+                "image": {"tag": "v0.1.0"},
+                "tiers": {
+                    "memory": {"size": "1Gi"},
+                    "shared": {"claimTemplate": {"size": "1Gi"}, "capacity": "1Gi"},
+                },
+            },
+        },
+        namespace=namespace,
+    )
+    # The owned PVC has no volume to bind in this cluster, so the cache pods stay Pending; the status
+    # (written through kvcachepools/status) still reports every selected node.
+    wait_for(
+        lambda: (
+            get_pool(cluster, namespace, "pool-a").get("status", {}).get("nodes", {}).get("desired")
+            == len(cluster.gpu_nodes)
+        ),
+        timeout=90,
+        message="status with node counts",
+    )
+    assert cluster.kubectl("get", "pvc", "pool-a-shared", "-n", namespace, check=False).returncode == 0
+    events = cluster.get_json("events", "-n", namespace, "--field-selector", "involvedObject.name=pool-a")[
+        "items"
+    ]
+    assert events, "the operator could not post Events"
+    # The webhook configuration it registered itself, and injection through it.
+    assert (
+        cluster.get_json("mutatingwebhookconfiguration", CONFIG_NAME)["webhooks"][0]["failurePolicy"]
+        == "Ignore"
+    )
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "consumer", "labels": {"kvfabric.io/pool": "pool-a"}},
+            "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]},
+        },
+        namespace=namespace,
+    )
+    pod = cluster.get_json("pod", "consumer", "-n", namespace)
+    assert "kvfabric.io/injected" in pod["metadata"]["annotations"], json.dumps(pod["metadata"])
+    wait_for(
+        lambda: get_pool(cluster, namespace, "pool-a")["status"]["consumers"]["injected"] == 1,
+        timeout=30,
+        message="consumer counted",
+    )
+    # StorageReady is False (no volume provisioner here), so Ready stays False: that is honest.
+    pool = get_pool(cluster, namespace, "pool-a")
+    assert condition(pool, "StorageReady")["reason"] == "ClaimPending"
+    assert not is_ready(cluster, namespace, "pool-a")

@@ -297,13 +297,15 @@ class KVFabricConnectorCore:
                 st.block_ids = list(new.block_ids[0])
             progress[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
+        # vLLM < 0.2x had no resumed_req_ids (it sent whole block lists for resumed requests).
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
             if st is None:
                 continue
             new_ids = cached.new_block_ids[i]
             if new_ids:
-                if req_id in cached.resumed_req_ids:
+                if req_id in resumed:
                     st.block_ids = list(new_ids[0])
                 else:
                     st.block_ids.extend(new_ids[0])

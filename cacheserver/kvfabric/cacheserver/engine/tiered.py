@@ -109,6 +109,7 @@ class TieredStore:
         self._wb_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="writeback")
         self._wb_lock = threading.Lock()
         self._wb_bytes = 0
+        self._refreshing: set[tuple[str, BlockId]] = set()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -234,9 +235,25 @@ class TieredStore:
         bucket = bucket_of(now, self.config.bucket_seconds)
         for tier in self.disk_tiers:
             entry = tier.entry(bid)
-            if entry is not None and entry.bucket < bucket:
-                with contextlib.suppress(RuntimeError):  # shutting down
-                    self._wb_pool.submit(self._refresh, tier, bid)
+            if entry is None or entry.bucket >= bucket:
+                continue
+            with self._wb_lock:
+                # Hot blocks are hit many times before the rename lands: queue each refresh once.
+                if (tier.name, bid) in self._refreshing:
+                    continue
+                self._refreshing.add((tier.name, bid))
+            try:
+                self._wb_pool.submit(self._refresh_once, tier, bid)
+            except RuntimeError:  # shutting down
+                with self._wb_lock:
+                    self._refreshing.discard((tier.name, bid))
+
+    def _refresh_once(self, tier: DiskTier, bid: BlockId) -> None:
+        try:
+            self._refresh(tier, bid)
+        finally:
+            with self._wb_lock:
+                self._refreshing.discard((tier.name, bid))
 
     def open_block(self, bid: BlockId) -> OpenBlock | bytes | None:
         """Return an open DRAM block (promoted if needed) or, if DRAM cannot take it, verified bytes."""

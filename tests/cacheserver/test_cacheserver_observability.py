@@ -117,3 +117,35 @@ def test_loads_do_not_wait_behind_stores_and_busy_stores_are_dropped() -> None:
         stats = c.stats(timeout=5)
         assert stats["counters"]["dropped_stores"]["grpc"] >= 1
         assert stats["counters"]["dropped_stores"]["shm"] >= 1
+
+
+def test_a_load_that_cannot_get_a_slot_before_its_deadline_times_out() -> None:
+    from kvfabric.client.errors import CacheTimeout
+
+    ns = digest("deadline")
+    big, small = digest("big"), digest("small")
+    with (
+        cache_server(dram_bytes=96 * MiB, overrides={"limits.max_concurrent_loads": 1}) as srv,
+        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c,
+        grpc.insecure_channel(srv.tcp_target) as ch,
+    ):
+        c.store(ns, [big, small], [payload_for(big, 64 * MiB), b"s"], timeout=30)
+        stub = pb_grpc.CacheStub(ch)  # type: ignore[no-untyped-call]
+        # A reader that stops reading: flow control blocks the server's stream, which keeps the only
+        # load slot busy.
+        stalled = stub.Load(pb.LoadRequest(namespace=ns, keys=[big]), timeout=120)
+        assert next(stalled).index == 0
+        with pytest.raises(CacheTimeout):
+            c.load(ns, [small], timeout=0.5)
+        # Lookups never need a load slot.
+        assert c.lookup(ns, [big, small], timeout=5).matched == 2
+        stalled.cancel()
+
+        # The slot is released when the stalled call goes away.
+        def loads() -> bool:
+            try:
+                return c.load(ns, [small], timeout=1) == [b"s"]
+            except CacheTimeout:
+                return False
+
+        wait_until(loads, what="the load slot to free up")

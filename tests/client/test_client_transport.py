@@ -175,3 +175,21 @@ async def test_async_client_round_trip(srv: ServerProcess) -> None:
         assert await tcp.delete(NS, keys, timeout=5) == 3
         with pytest.raises(InvalidRequest):
             await tcp.lookup(NS, ["x"], timeout=5)
+
+
+def test_load_into_any_contiguous_buffer_shape(srv: ServerProcess) -> None:
+    import array
+
+    key = digest("shapes")
+    payload = payload_for(key, 4096)
+    with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as shm, CacheClient(srv.tcp_target) as tcp:
+        shm.store(NS, [key], [payload], timeout=10)
+        for c in (shm, tcp):
+            floats = array.array("f", [0.0]) * 1024  # 4096 bytes as float32
+            grid = memoryview(bytearray(4096)).cast("B", shape=[64, 64])
+            assert c.load_into(NS, [key], [memoryview(floats)], timeout=10) == 1
+            assert floats.tobytes() == payload
+            assert c.load_into(NS, [key], [grid], timeout=10) == 1
+            assert grid.tobytes() == payload
+            with pytest.raises(InvalidRequest, match="writable"):
+                c.load_into(NS, [key], [memoryview(bytes(4096))], timeout=10)

@@ -127,11 +127,22 @@ def check_payloads(keys: Sequence[str], payloads: Sequence[Payload]) -> None:
         raise errors.InvalidRequest(f"{len(keys)} keys but {len(payloads)} payloads")
 
 
+def as_bytes_view(buf: memoryview) -> memoryview:
+    """A flat, writable byte view of a caller's buffer (any format or shape, C-contiguous)."""
+    if buf.readonly:
+        raise errors.InvalidRequest("load buffers must be writable")
+    if buf.format == "B" and buf.ndim == 1:
+        return buf
+    if not buf.c_contiguous:
+        raise errors.InvalidRequest("load buffers must be C-contiguous")
+    return buf.cast("B")
+
+
 class LoadAssembler:
     """Reassembles streamed LoadChunk messages into whole payloads (stops at the first gap)."""
 
     def __init__(self, buffers: Sequence[memoryview] | None = None) -> None:
-        self._buffers = buffers
+        self._buffers = None if buffers is None else [as_bytes_view(b) for b in buffers]
         self.payloads: list[bytes] = []
         self.count = 0
         self._pieces: list[bytes] = []
@@ -210,14 +221,14 @@ def shm_read_one(shm_dir: Path, slot: pb.ShmSlot) -> bytes | None:
 
 def shm_read_one_into(shm_dir: Path, slot: pb.ShmSlot, buf: memoryview, index: int) -> bool:
     """Copy one named arena file into ``buf`` (one copy); False if it vanished."""
-    if len(buf) < slot.length:
-        raise errors.InvalidRequest(f"buffer {index} holds {len(buf)} bytes, payload is {slot.length}")
+    target = as_bytes_view(buf)
+    if target.nbytes < slot.length:
+        raise errors.InvalidRequest(f"buffer {index} holds {target.nbytes} bytes, payload is {slot.length}")
     try:
         fd = os.open(_slot_path(shm_dir, slot.name), os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     try:
-        target = buf.cast("B") if buf.format != "B" else buf
         if slot.length:
             if os.fstat(fd).st_size < slot.length:
                 raise errors.CacheCorrupt(f"arena slot {slot.name} is shorter than {slot.length}")

@@ -11,6 +11,7 @@ the same, complete bytes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import secrets
@@ -26,6 +27,8 @@ from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.stats import Counters
 
 __all__ = ["DramBlock", "DramTier", "OpenBlock"]
+
+log = logging.getLogger(__name__)
 
 DRAM_PREFIX = "d_"
 
@@ -105,7 +108,12 @@ class DramTier:
         self._reserved = 0
         self.dir.mkdir(parents=True, exist_ok=True)
         # Traversable but not listable: clients open only the names the server gives them.
-        os.chmod(self.dir, 0o711)  # noqa: S103
+        try:
+            os.chmod(self.dir, 0o711)  # noqa: S103
+        except PermissionError:
+            # A directory provisioned by someone else (e.g. a hostPath owned by root): keep going,
+            # but say that the arena's names are then listable if its mode allows it.
+            log.warning("cannot set arena directory mode 0711", extra={"dir": str(self.dir)})
         self._clean_leftovers()
 
     def _clean_leftovers(self) -> None:

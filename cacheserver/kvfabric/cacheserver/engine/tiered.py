@@ -11,11 +11,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -339,15 +339,14 @@ class TieredStore:
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until queued write-backs are done (tests, shutdown); True if drained."""
-        done = threading.Event()
-        fut = self._wb_pool.submit(done.set)
-        # Two workers: a second marker guarantees the first batch is drained on both.
-        fut2 = self._wb_pool.submit(done.set)
-        with contextlib.suppress(Exception):
-            fut.result(timeout)
-            fut2.result(timeout)
-        with self._wb_lock:
-            return self._wb_bytes == 0
+        end = time.monotonic() + timeout
+        while True:
+            with self._wb_lock:
+                if self._wb_bytes == 0:
+                    return True
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.01)
 
     def delete(self, bid: BlockId) -> bool:
         """Delete from every tier (and tell the other servers); True if it was stored anywhere."""

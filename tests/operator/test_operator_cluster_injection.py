@@ -193,3 +193,41 @@ def test_webhook_down_does_not_block_pod_creation(
         message="uninjected consumer counted",
     )
     wait_for(lambda: is_ready(cluster, namespace, "pool-a"), timeout=60, message="pool Ready after restart")
+
+
+def test_fail_policy_pool_blocks_uninjectable_pods(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess
+) -> None:
+    name = f"strict-{namespace}"  # pool names are matched across namespaces by the object selector
+    cluster.apply(pool(name, failurePolicy="Fail"), pool("relaxed"), namespace=namespace)
+    wait_pool_known(cluster, namespace, name)
+
+    def registered() -> bool:
+        hooks = cluster.get_json("mutatingwebhookconfiguration", operator.config_name)["webhooks"]
+        return any(h["failurePolicy"] == "Fail" and name in str(h["objectSelector"]) for h in hooks)
+
+    wait_for(registered, timeout=30, message="fail-closed webhook for the strict pool")
+    cluster.apply(bare_pod("strict-up", {"kvfabric.io/pool": name}), namespace=namespace)
+    assert (
+        "kvfabric.io/injected"
+        in cluster.get_json("pod", "strict-up", "-n", namespace)["metadata"]["annotations"]
+    )
+    operator.stop()
+    try:
+        refused = cluster.kubectl(
+            "create",
+            "-n",
+            namespace,
+            "-f",
+            "-",
+            input=json.dumps(bare_pod("strict-down", {"kvfabric.io/pool": name})),
+            check=False,
+        )
+        assert refused.returncode != 0
+        assert "pods.kvfabric.io" in refused.stderr
+        # Consumers of fail-open pools are still admitted.
+        cluster.apply(bare_pod("relaxed-down", {"kvfabric.io/pool": "relaxed"}), namespace=namespace)
+    finally:
+        operator.start()
+    cluster.kubectl("delete", "kvp", name, "-n", namespace)
+    wait_for(lambda: not registered(), timeout=30, message="fail-closed webhook removed with the pool")

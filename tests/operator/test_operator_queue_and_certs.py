@@ -81,3 +81,20 @@ def test_webhook_configuration_fails_open_and_selects_opted_in_pods() -> None:
     assert "kube-system" in hook["namespaceSelector"]["matchExpressions"][0]["values"]
     with pytest.raises(ValueError, match="exactly one"):
         render_webhook_configuration()
+
+
+def test_required_pools_get_a_fail_closed_webhook() -> None:
+    config = render_webhook_configuration(
+        url="https://127.0.0.1:9443/mutate-pods", required_pools=["b", "a", "b"]
+    )
+    ignore, fail = config["webhooks"]
+    assert ignore["failurePolicy"] == "Ignore"
+    assert ignore["objectSelector"]["matchExpressions"] == [
+        {"key": "kvfabric.io/pool", "operator": "Exists"},
+        {"key": "kvfabric.io/pool", "operator": "NotIn", "values": ["a", "b"]},
+    ]
+    assert fail["failurePolicy"] == "Fail"
+    assert fail["objectSelector"]["matchExpressions"] == [
+        {"key": "kvfabric.io/pool", "operator": "In", "values": ["a", "b"]}
+    ]
+    assert fail["clientConfig"] == ignore["clientConfig"]

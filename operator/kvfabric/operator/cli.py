@@ -11,6 +11,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--namespace",
         action="append",
         default=[],
-        help="watch only this namespace (repeatable; globs ok)",
+        help="watch only this namespace (repeatable)",
     )
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (default)")
     parser.add_argument(
@@ -75,13 +76,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the operator until interrupted; return the exit code."""
-    import asyncio
-
     import kopf
 
     from kvfabric.operator import certs, handlers, webhookconfig
     from kvfabric.operator.kube import KubeClient
-    from kvfabric.operator.render import names
 
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
     if not args.verbose:
@@ -92,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     namespaces: list[str] = list(args.namespace)
     client = KubeClient.from_environment(args.kubeconfig, args.context)
     server = None
+    registration = None
     if not args.no_webhook:
         cert, key, ca = args.webhook_cert, args.webhook_key, args.webhook_ca
         host = args.webhook_host or args.webhook_addr
@@ -110,40 +109,34 @@ def run(args: argparse.Namespace) -> int:
         if args.register_webhook:
             if ca is None:
                 raise SystemExit("--register-webhook needs --webhook-ca (or a generated certificate)")
+            ca_bundle = Path(ca).read_bytes()
             if args.webhook_service:
                 svc_ns, _, svc_name = str(args.webhook_service).partition("/")
-                config = webhookconfig.render_webhook_configuration(
-                    name=args.webhook_config_name,
-                    service={
+                target: dict[str, Any] = {
+                    "service": {
                         "namespace": svc_ns,
                         "name": svc_name,
                         "path": f"/{handlers.WEBHOOK_ID}",
                         "port": 443,
                     },
-                    ca_bundle=Path(ca).read_bytes(),
-                    excluded_namespaces=[svc_ns],
-                )
+                    "excluded_namespaces": [svc_ns],
+                }
             else:
-                config = webhookconfig.render_webhook_configuration(
-                    name=args.webhook_config_name,
-                    url=f"https://{host}:{args.webhook_port}/{handlers.WEBHOOK_ID}",
-                    ca_bundle=Path(ca).read_bytes(),
+                target = {"url": f"https://{host}:{args.webhook_port}/{handlers.WEBHOOK_ID}"}
+
+            def render(required: list[str]) -> dict[str, Any]:
+                return webhookconfig.render_webhook_configuration(
+                    name=args.webhook_config_name, ca_bundle=ca_bundle, required_pools=required, **target
                 )
 
-            async def register() -> None:
-                reg_client = KubeClient.from_environment(args.kubeconfig, args.context)
-                try:
-                    await reg_client.apply(config, field_manager=names.FIELD_MANAGER)
-                finally:
-                    await reg_client.close()
-
-            asyncio.run(register())
+            registration = handlers.WebhookRegistration(render=render, namespaces=namespaces or None)
     app = handlers.OperatorApp(
         client=client,
         injection_enabled=server is not None,
         kubeconfig=args.kubeconfig,
         context=args.context,
         resync_seconds=args.resync_seconds,
+        registration=registration,
     )
     registry = handlers.build_registry(app, webhook_server=server, namespaces=namespaces or None)
     kopf.run(

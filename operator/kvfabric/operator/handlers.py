@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -22,7 +22,7 @@ import kopf
 
 from kvfabric.operator.api.v1alpha1 import GROUP, PLURAL, POOL_LABEL, VERSION
 from kvfabric.operator.injection import PoolTarget, inject, pool_target
-from kvfabric.operator.kube import SA_TOKEN, KubeClient, bearer_token, load_configuration
+from kvfabric.operator.kube import SA_TOKEN, ApiError, KubeClient, bearer_token, load_configuration
 from kvfabric.operator.reconcile import PoolKey, ReconcileQueue, reconcile_pool
 from kvfabric.operator.render import names
 
@@ -38,6 +38,34 @@ _CHILD_KINDS = (
 
 
 @dataclass
+class WebhookRegistration:
+    """The MutatingWebhookConfiguration this operator applies and keeps current.
+
+    ``render`` maps the names of pools with ``failurePolicy: Fail`` to the configuration (see
+    :func:`kvfabric.operator.webhookconfig.render_webhook_configuration`).
+    """
+
+    render: Callable[[list[str]], dict[str, Any]]
+    namespaces: list[str] | None = None
+    required: frozenset[str] | None = None
+
+    async def sync(self, client: KubeClient) -> None:
+        """Apply the configuration for the pools that exist now, if it changed."""
+        pools: list[dict[str, Any]] = []
+        scopes: list[str | None] = list(self.namespaces) if self.namespaces else [None]
+        for ns in scopes:
+            pools += await client.list("KVCachePool", ns)
+        required = frozenset(
+            p["metadata"]["name"]
+            for p in pools
+            if (p.get("spec", {}).get("consumers") or {}).get("failurePolicy") == "Fail"
+        )
+        if required != self.required:
+            await client.apply(self.render(sorted(required)), field_manager=names.FIELD_MANAGER)
+            self.required = required
+
+
+@dataclass
 class OperatorApp:
     """The operator's runtime state, shared by its handlers (one per process)."""
 
@@ -45,6 +73,7 @@ class OperatorApp:
     injection_enabled: bool
     kubeconfig: str | None = None
     context: str | None = None
+    registration: WebhookRegistration | None = None
     resync_seconds: float = 30.0
     queue: ReconcileQueue = field(init=False)
     pools: dict[PoolKey, PoolTarget] = field(default_factory=dict)
@@ -112,6 +141,18 @@ def build_registry(
         configure_settings(settings)
         if webhook_server is not None:
             settings.admission.server = webhook_server
+        if app.registration is not None:
+            # Registered before any watch starts, so pods created right after start-up are injected.
+            # Right after the CRD is installed the API server answers 429/404 for a moment: retry
+            # briefly here rather than let kopf retry the whole start-up a minute later.
+            for attempt in range(60):
+                try:
+                    await app.registration.sync(app.client)
+                    break
+                except ApiError as exc:
+                    if attempt == 59 or exc.status not in (404, 429, 500, 503):
+                        raise
+                    await asyncio.sleep(0.5)
         app._resync_task = asyncio.get_running_loop().create_task(app.resync_forever(namespaces))
 
     @kopf.on.login(registry=registry)
@@ -151,14 +192,26 @@ def build_registry(
     ) -> None:
         key = (namespace or "", name)
         if event.get("type") == "DELETED":
-            app.pools.pop(key, None)
+            gone = app.pools.pop(key, None)
             app.queue.forget(key)
+            if app.registration is not None and gone is not None and gone.injection_required:
+                try:
+                    await app.registration.sync(app.client)
+                except ApiError as exc:
+                    log.warning("could not update the webhook configuration: %s", exc)
             return
         target = pool_target(body)
+        previous = app.pools.get(key)
         if target is not None:
             # Kept here (not in a kopf index) so the webhook sees a pool as soon as it is known.
             app.pools[key] = target
         app.queue.trigger(key)
+        required = target is not None and target.injection_required
+        if app.registration is not None and (previous is None or previous.injection_required != required):
+            try:
+                await app.registration.sync(app.client)
+            except ApiError as exc:  # the next pool event or restart retries; injection still works
+                log.warning("could not update the webhook configuration: %s", exc)
 
     for group, version, plural in _CHILD_KINDS:
 

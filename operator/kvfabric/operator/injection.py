@@ -36,13 +36,14 @@ SKIP_NO_CONTAINER: Final = "no-suitable-container"
 
 @dataclass(frozen=True)
 class PoolTarget:
-    """What the webhook needs to know about one pool (built from the pool index)."""
+    """What the webhook needs to know about one pool (kept current from pool events)."""
 
     namespace: str
     name: str
     connection: ConnectionSettings
     pod_selector: LabelSelector | None
     namespace_selector: LabelSelector | None
+    injection_required: bool = False
 
 
 def pool_target(pool_body: Mapping[str, Any]) -> PoolTarget | None:
@@ -57,6 +58,7 @@ def pool_target(pool_body: Mapping[str, Any]) -> PoolTarget | None:
         connection=connection_settings(pool),
         pod_selector=pool.spec.consumers.pod_selector,
         namespace_selector=pool.spec.consumers.namespace_selector,
+        injection_required=pool.spec.consumers.failure_policy.value == "Fail",
     )
 
 

@@ -434,8 +434,9 @@ class Consumers(_Model):
     )
     failure_policy: FailurePolicy = Field(
         default=FailurePolicy.IGNORE,
-        description="Documented intent for the webhook configuration; the shipped webhook fails open "
-        "(Ignore) so a down operator never blocks inference pods.",
+        description="Ignore (default): a consumer pod is admitted uninjected when the operator cannot be "
+        "reached. Fail: its creation is refused instead. Applied by the webhook configuration the "
+        "operator registers (the object selector matches the pool's name in every namespace).",
     )
     tenant: str | None = Field(
         default=None,

@@ -18,8 +18,10 @@ from kvfabric.localcluster.testing import ClusterHandle, wait_for
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-# The name the shipped ClusterRole allows the operator to get/patch (resourceNames).
-CONFIG_NAME = "kvfabric-pod-injector"
+# The name the shipped ClusterRole allows the operator to get/patch (resourceNames); the test renames
+# it (in the role and for its operator) so it never touches a configuration another test or demo uses.
+SHIPPED_CONFIG_NAME = "kvfabric-pod-injector"
+CONFIG_NAME = f"kvfabric-pod-injector-{uuid.uuid4().hex[:6]}"
 
 
 def _install_rbac(cluster: ClusterHandle, ns: str, suffix: str) -> list[dict[str, Any]]:
@@ -30,6 +32,7 @@ def _install_rbac(cluster: ClusterHandle, ns: str, suffix: str) -> list[dict[str
         if d
     ]
     out = []
+    renamed = 0
     for doc in docs:
         kind = doc["kind"]
         if kind in ("CustomResourceDefinition", "Deployment", "Service"):
@@ -38,6 +41,10 @@ def _install_rbac(cluster: ClusterHandle, ns: str, suffix: str) -> list[dict[str
             doc["metadata"]["name"] = ns
         elif kind in ("ClusterRole", "ClusterRoleBinding"):
             doc["metadata"]["name"] += f"-{suffix}"
+            for rule in doc.get("rules", []):
+                if SHIPPED_CONFIG_NAME in rule.get("resourceNames", []):
+                    rule["resourceNames"] = [CONFIG_NAME]
+                    renamed += 1
             if kind == "ClusterRoleBinding":
                 doc["roleRef"]["name"] += f"-{suffix}"
                 for subject in doc["subjects"]:
@@ -45,6 +52,7 @@ def _install_rbac(cluster: ClusterHandle, ns: str, suffix: str) -> list[dict[str
         else:
             doc["metadata"]["namespace"] = ns
         out.append(doc)
+    assert renamed == 1, "the shipped ClusterRole no longer names the webhook configuration"
     cluster.kubectl(
         "apply", "--server-side", "--field-manager=kvfabric-tests", "-f", "-", input=yaml.safe_dump_all(out)
     )

@@ -52,7 +52,7 @@ def test_batched_scatter_equals_per_chunk_scatter() -> None:
     for c, ids in enumerate(chunks):
         view = memoryview(staging)[c * geo.payload_bytes : (c + 1) * geo.payload_bytes]
         for i, t in enumerate(src.values()):
-            layout.gather_layer(geo, i, t, ids, view)  # type: ignore[arg-type]
+            layout.gather_layer(geo, i, t, ids, view)
     targets = [[9, 8], [15, 10], [19, 11]]
     a = {k: torch.zeros_like(v) for k, v in src.items()}
     b = {k: torch.zeros_like(v) for k, v in src.items()}
@@ -100,3 +100,19 @@ def test_verify_rejects_damage_and_foreign_payloads() -> None:
         layout.verify(damaged, namespace=NS, key=KEY, num_tokens=4, num_layers=1)
     with pytest.raises(layout.PayloadError, match="shorter"):
         layout.verify(payload[:10], namespace=NS, key=KEY, num_tokens=4, num_layers=1)
+
+
+def test_batched_gather_equals_per_chunk_gather() -> None:
+    src = caches((20, 2, 4, 16))
+    geo = layout.ChunkGeometry.from_kv_caches(src, block_size=4, chunk_tokens=8)
+    chunks = [[3, 1], [0, 7], [12, 19]]
+    a = bytearray(len(chunks) * geo.payload_bytes)
+    b = bytearray(len(chunks) * geo.payload_bytes)
+    for i, t in enumerate(src.values()):
+        layout.gather_chunks(geo, i, t, chunks, a)
+        for c, ids in enumerate(chunks):
+            layout.gather_layer(
+                geo, i, t, ids, memoryview(b)[c * geo.payload_bytes : (c + 1) * geo.payload_bytes]
+            )
+    assert a == b
+    assert any(a)

@@ -211,7 +211,8 @@ class KVFabricConnectorCore:
         self._load_deadline = 0.0
         self._load_errors: set[int] = set()
         self._reports: list[LoadReport] = []
-        self._saves: list[tuple[SaveSpec, list[bytearray]]] = []
+        # Per save spec: one staging buffer holding its payloads back to back.
+        self._saves: list[tuple[SaveSpec, bytearray]] = []
         self._saved_layers: set[int] = set()
         self._store_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvfabric-store")
         self._store_lock = threading.Lock()
@@ -598,13 +599,12 @@ class KVFabricConnectorCore:
             # A request whose load failed computed this step on missing KV: saving it would poison
             # the cache. The engine recomputes it in a later step, which saves it then.
             self._saves = [
-                (spec, [geo.new_payload() for _ in spec.keys])
+                (spec, bytearray(len(spec.keys) * geo.payload_bytes))
                 for spec in meta.saves
                 if spec.req_id not in self._failed_reqs
             ]
-        for spec, payloads in self._saves:
-            for blocks, payload in zip(spec.block_ids, payloads, strict=True):
-                layout.gather_layer(geo, idx, kv_layer, blocks, payload)
+        for spec, staging in self._saves:
+            layout.gather_chunks(geo, idx, kv_layer, spec.block_ids, staging)
 
     def _wait_for_save(self) -> None:
         """Hand this step's complete payloads to the background storer (never blocks)."""
@@ -616,16 +616,16 @@ class KVFabricConnectorCore:
         if len(layers) != len(geo.layers):
             # Some layer's hook did not run (e.g. a full CUDA-graph replay): the payloads are
             # incomplete and must never be stored.
-            self.counters.add("store_skipped_incomplete", sum(len(p) for _, p in saves))
+            self.counters.add("store_skipped_incomplete", sum(len(spec.keys) for spec, _ in saves))
             return
-        for spec, payloads in saves:
-            size = len(payloads) * geo.payload_bytes
+        for spec, staging in saves:
+            size = len(staging)
             with self._store_lock:
                 if self._store_inflight_bytes + size > self.settings.store_queue_bytes:
-                    self.counters.add("store_dropped_backlog", len(payloads))
+                    self.counters.add("store_dropped_backlog", len(spec.keys))
                     continue
                 self._store_inflight_bytes += size
-            fut = self._store_pool.submit(self._store, spec, payloads, size)
+            fut = self._store_pool.submit(self._store, spec, staging)
             with self._store_lock:
                 self._store_futures.add(fut)
             fut.add_done_callback(self._store_done)
@@ -634,11 +634,13 @@ class KVFabricConnectorCore:
         with self._store_lock:
             self._store_futures.discard(fut)
 
-    def _store(self, spec: SaveSpec, payloads: list[bytearray], size: int) -> None:
+    def _store(self, spec: SaveSpec, staging: bytearray) -> None:
         geo, cache = self.geometry, self.cache
         try:
             assert geo is not None
             assert cache is not None
+            size = geo.payload_bytes
+            payloads = [memoryview(staging)[i * size : (i + 1) * size] for i in range(len(spec.keys))]
             for key, payload in zip(spec.keys, payloads, strict=True):
                 layout.seal(
                     payload,
@@ -652,7 +654,7 @@ class KVFabricConnectorCore:
             log.exception("store of %d chunks failed", len(spec.keys))
         finally:
             with self._store_lock:
-                self._store_inflight_bytes -= size
+                self._store_inflight_bytes -= len(staging)
 
     def wait_for_stores(self, timeout: float) -> bool:
         """Wait until background stores are done (tests, shutdown); return whether they all finished."""

@@ -195,3 +195,33 @@ def test_incomplete_layer_saves_are_never_stored(tiny_model: RefModel, store: Me
     assert store.blocks == {}
     assert worker.counters.get("store_skipped_incomplete") == 3
     e.close()
+
+
+def test_chunked_prefill_saves_every_chunk_and_loads_them(
+    tiny_model: RefModel, store: MemoryTransport
+) -> None:
+    """Prefill in steps that do not line up with chunks (vLLM's chunked prefill), store and load."""
+    tokens = prompt(230, 12)
+    ref_logits, ref_out = baseline(tiny_model, tokens, 3)
+    cache = ResilientCache([Endpoint("mem", lambda: store, CircuitBreaker(2, 60.0))])
+    writer = Engine(
+        TINY, num_blocks=64, settings=SETTINGS, cache=cache, model=tiny_model, max_prefill_tokens=40
+    )
+    cold = writer.generate(tokens, 3)
+    assert writer.worker_conn is not None
+    assert writer.worker_conn.wait_for_stores(60)
+    writer.close()
+    assert len(store.blocks) == 7  # every whole chunk, completed across six steps
+    assert (cold.first_logits - ref_logits).abs().max().item() <= 1e-5
+    cache = ResilientCache([Endpoint("mem", lambda: store, CircuitBreaker(2, 60.0))])
+    reader = Engine(
+        TINY, num_blocks=64, settings=SETTINGS, cache=cache, model=tiny_model, max_prefill_tokens=16
+    )
+    assert reader.scheduler_conn is not None
+    keys = reader.scheduler_conn._state(type("R", (), {"request_id": "x", "prompt_token_ids": tokens})()).keys
+    store.corrupt_keys.add(keys[5])  # the load breaks at chunk 5: chunks 0-4 are used
+    warm = reader.generate(tokens, 3)
+    assert (warm.hit_tokens, warm.fallback_reason, warm.recomputed_after_load_error) == (160, "corrupt", True)
+    assert (warm.first_logits - ref_logits).abs().max().item() <= 1e-5
+    assert warm.output_token_ids == ref_out
+    reader.close()

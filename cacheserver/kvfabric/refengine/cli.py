@@ -30,6 +30,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--max-model-len", type=int, default=32768, help="longest prompt + output")
         p.add_argument("--no-cache", action="store_true", help="ignore KVFABRIC_* and never use a cache")
         p.add_argument(
+            "--max-prefill-tokens",
+            type=int,
+            default=None,
+            help="prefill in steps of this many tokens (chunked prefill)",
+        )
+        p.add_argument(
             "--kv-transfer-config",
             metavar="JSON",
             help="vLLM-style connector config; its kv_connector_extra_config overrides KVFABRIC_* settings "
@@ -55,7 +61,11 @@ def _engine(args: argparse.Namespace) -> Any:
     settings = None if args.no_cache else ConnectorSettings.load(extra)
     blocks = -(-args.max_model_len // args.block_size) + 1
     return Engine(
-        preset(args.preset, args.seed), num_blocks=blocks, block_size=args.block_size, settings=settings
+        preset(args.preset, args.seed),
+        num_blocks=blocks,
+        block_size=args.block_size,
+        settings=settings,
+        max_prefill_tokens=args.max_prefill_tokens,
     )
 
 

@@ -131,6 +131,7 @@ class Engine:
         model: RefModel | None = None,
         kv_dtype: torch.dtype = torch.float32,
         connectors: tuple[Any, Any] | None = None,
+        max_prefill_tokens: int | None = None,
     ) -> None:
         """Build the engine; with ``settings`` (and a server in them, or an explicit ``cache``) it caches.
 
@@ -140,6 +141,8 @@ class Engine:
         self.config = config
         self.model = model or RefModel(config)
         self.block_size = block_size
+        self.max_prefill_tokens = max_prefill_tokens
+        """Tokens per prefill step (vLLM's chunked prefill); None: the whole prompt in one step."""
         self.kv_caches = self.model.new_kv_caches(num_blocks, block_size, kv_dtype)
         self._free = list(range(num_blocks))
         self._ids = itertools.count()
@@ -238,22 +241,34 @@ class Engine:
         try:
             if self._sched_api is not None:
                 self._sched_api.update_state_after_alloc(req, KVCacheBlocks(table), ext)
-            so = SchedulerOutput(
-                scheduled_new_reqs=[NewRequestData(req.request_id, prompt, (table,), ext)],
-                num_scheduled_tokens={req.request_id: n - ext},
-            )
-            logits, errors = self._step(so, req, ext, n - ext, table)
-            restore_s = worker.restore_s if worker is not None else 0.0
-            hit, recomputed = ext, False
-            if errors:
-                # vLLM "recompute" policy: resume from the first block whose KV did not arrive.
-                hit = min(table.index(b) for b in errors) * self.block_size
-                recomputed = True
-                so = SchedulerOutput(
-                    scheduled_cached_reqs=CachedRequestData([req.request_id], set(), [None], [hit]),
-                    num_scheduled_tokens={req.request_id: n - hit},
-                )
-                logits, _ = self._step(so, req, hit, n - hit, table)
+            # Prefill in steps of at most max_prefill_tokens (vLLM's chunked prefill): the first step
+            # schedules the request as new (and loads), later ones as cached requests.
+            step = self.max_prefill_tokens or n
+            computed, hit, recomputed, restore_s = ext, ext, False, 0.0
+            is_new = True
+            logits = torch.empty(0)
+            while computed < n:
+                k = min(n - computed, step)
+                if is_new:
+                    so = SchedulerOutput(
+                        scheduled_new_reqs=[NewRequestData(req.request_id, prompt, (table,), computed)],
+                        num_scheduled_tokens={req.request_id: k},
+                    )
+                else:
+                    so = SchedulerOutput(
+                        scheduled_cached_reqs=CachedRequestData([req.request_id], set(), [None], [computed]),
+                        num_scheduled_tokens={req.request_id: k},
+                    )
+                logits, errors = self._step(so, req, computed, k, table)
+                if is_new:
+                    restore_s = worker.restore_s if worker is not None else 0.0
+                is_new = False
+                if errors:
+                    # vLLM "recompute" policy: resume from the first block whose KV did not arrive.
+                    hit = min(table.index(b) for b in errors) * self.block_size
+                    computed, recomputed = hit, True
+                    continue
+                computed += k
             first = logits.clone()
             out = [int(torch.argmax(logits))]
             ttft = time.perf_counter() - t0

@@ -178,3 +178,71 @@ def test_mounts_are_ordered_parent_first(tmp_path: Path) -> None:
     assert [m.target for m in ms] == ["/a", "/a/b/c"]
     with pytest.raises(ValueError, match="names no volume"):
         spec.mounts({"name": "c", "volumeMounts": [{"name": "x", "mountPath": "/x"}]}, {})
+
+
+@pytest.mark.cluster
+def test_init_containers_run_to_completion_first(
+    cluster: ClusterHandle, namespace: str, runner: Path
+) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "init"},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": NODE},
+            "terminationGracePeriodSeconds": 1,
+            "initContainers": [
+                {
+                    "name": "prepare",
+                    "image": "x",
+                    "command": ["sh", "-c", "echo prepared > /work/flag"],
+                    "volumeMounts": [{"name": "work", "mountPath": "/work"}],
+                }
+            ],
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "x",
+                    "command": ["sleep", "3600"],
+                    "readinessProbe": {"exec": {"command": ["grep", "-q", "prepared", "/work/flag"]}},
+                    "volumeMounts": [{"name": "work", "mountPath": "/work"}],
+                }
+            ],
+            "volumes": [{"name": "work", "emptyDir": {}}],
+        },
+    }
+    cluster.apply(pod, namespace=namespace)
+    wait_for(
+        lambda: any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in cluster.get_json("pod", "init", "-n", namespace)["status"].get("conditions", [])
+        ),
+        message="main Ready after the init container prepared its volume",
+    )
+
+
+@pytest.mark.cluster
+def test_a_failing_init_container_keeps_the_pod_from_starting(
+    cluster: ClusterHandle, namespace: str, runner: Path
+) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "badinit"},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": NODE},
+            "restartPolicy": "Never",
+            "initContainers": [{"name": "prepare", "image": "x", "command": ["sh", "-c", "exit 7"]}],
+            "containers": [{"name": "main", "image": "x", "command": ["sleep", "3600"]}],
+        },
+    }
+    cluster.apply(pod, namespace=namespace)
+    waiting = wait_for(
+        lambda: (
+            (s := cluster.get_json("pod", "badinit", "-n", namespace)["status"].get("containerStatuses"))
+            and s[0]["state"].get("waiting")
+        ),
+        message="the init failure reported",
+    )
+    assert waiting["reason"] == "Init:Error"
+    assert "exited 7" in waiting["message"]

@@ -176,9 +176,9 @@ class PodWorker(threading.Thread):
                 raise ValueError(f"volume {name}: this kind of volume is not supported by the pod runner")
         return dirs
 
-    def _plans(self, volume_dirs: dict[str, Path]) -> list[spec.ContainerPlan]:
+    def _plans(self, volume_dirs: dict[str, Path], kind: str = "containers") -> list[spec.ContainerPlan]:
         plans = []
-        for c in self.pod["spec"]["containers"]:
+        for c in self.pod["spec"].get(kind) or []:
             env = spec.container_env(
                 self.pod, c, pod_ip=self.pod_ip, host_ip=self.runner.host_ip, lookup=self.runner.lookup
             )
@@ -267,7 +267,9 @@ class PodWorker(threading.Thread):
         """Set the pod up, run its containers and probes until stopped, then tear it down."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            plans = self._plans(self._volume_dirs())
+            volume_dirs = self._volume_dirs()
+            init_plans = self._plans(volume_dirs, "initContainers")
+            plans = self._plans(volume_dirs)
             self._setup_netns()
         except (ValueError, OSError, subprocess.CalledProcessError) as exc:
             log.warning("cannot start %s/%s: %s", self.ns, self.name, exc)
@@ -275,6 +277,11 @@ class PodWorker(threading.Thread):
             self.stop_event.wait()
             self._finish()
             return
+        for plan in init_plans:
+            if not self._run_init(plan):
+                self.stop_event.wait()
+                self._finish()
+                return
         self.containers = [_Container(p, self.dir / f"{p.name}.log") for p in plans]
         for c in self.containers:
             self._start(c)
@@ -298,6 +305,29 @@ class PodWorker(threading.Thread):
             self._report()
             self.stop_event.wait(_POLL)
         self._finish()
+
+    def _run_init(self, plan: spec.ContainerPlan) -> bool:
+        """Run one init container to success, retrying failures unless ``restartPolicy: Never``."""
+        c = _Container(plan, self.dir / f"init-{plan.name}.log")
+        never = self.pod["spec"].get("restartPolicy", "Always") == "Never"
+        while not self.stop_event.is_set():
+            self._start(c)
+            assert c.proc is not None
+            while c.proc.poll() is None:
+                if self.stop_event.wait(0.1):
+                    self.containers = [c]  # so _finish stops it
+                    return False
+            if c.proc.returncode == 0:
+                return True
+            log.info("%s/%s init container %s exited %d", self.ns, self.name, plan.name, c.proc.returncode)
+            self._report_config_error(
+                f"init container {plan.name} exited {c.proc.returncode}", reason="Init:Error"
+            )
+            if never:
+                return False
+            c.restarts += 1
+            self.stop_event.wait(min(2.0**c.restarts, _MAX_BACKOFF))
+        return False
 
     def _maybe_probe(self, c: _Container, now: float) -> None:
         p = c.plan.readiness
@@ -412,7 +442,7 @@ class PodWorker(threading.Thread):
             else:
                 log.warning("status update of %s/%s failed: %s", self.ns, self.name, exc.reason)
 
-    def _report_config_error(self, message: str) -> None:
+    def _report_config_error(self, message: str, reason: str = "CreateContainerConfigError") -> None:
         statuses = [
             {
                 "name": c["name"],
@@ -420,7 +450,7 @@ class PodWorker(threading.Thread):
                 "restartCount": 0,
                 "image": c.get("image", ""),
                 "imageID": "",
-                "state": {"waiting": {"reason": "CreateContainerConfigError", "message": message}},
+                "state": {"waiting": {"reason": reason, "message": message}},
             }
             for c in self.pod["spec"]["containers"]
         ]

@@ -38,6 +38,10 @@ class RenderedChildren:
         return [obj for obj in self.objects if obj["kind"] == kind]
 
 
+# The uid/gid the cache-server image runs as (images/cacheserver/Dockerfile: USER 65532:65532).
+CACHE_UID = 65532
+
+
 def owner_reference(pool: KVCachePool) -> dict[str, Any]:
     """Return the controller owner reference pointing at ``pool`` (GC deletes children with it)."""
     return {
@@ -213,11 +217,37 @@ def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
         },
         "resources": _resources(pool),
         "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": CACHE_UID,
+            "runAsGroup": CACHE_UID,
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]},
         },
         "volumeMounts": mounts,
+    }
+    # The kubelet creates missing hostPath directories as root (mode 0755), where the non-root cache
+    # server could not create its socket or blocks. A short root init container with only CHOWN and
+    # FOWNER hands them over; the shared volume is best effort (NFS with root_squash refuses chown,
+    # and there the volume's own permissions must already let the server write).
+    owned = " ".join(m["mountPath"] for m in mounts if m["name"] in (names.RUN_VOLUME, "local-disk"))
+    script = f"chown {CACHE_UID}:{CACHE_UID} {owned}"
+    if shared is not None:
+        script += f" && (chown {CACHE_UID}:{CACHE_UID} {names.SHARED_MOUNT} || true)"
+    prepare: dict[str, Any] = {
+        "name": "prepare-dirs",
+        "image": container["image"],
+        "imagePullPolicy": container["imagePullPolicy"],
+        "command": ["sh", "-c", script],
+        "securityContext": {
+            "runAsUser": 0,
+            "runAsNonRoot": False,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]},
+        },
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
+        "volumeMounts": [m for m in mounts if m["name"] != "config"],
     }
     pod_spec: dict[str, Any] = {
         "nodeSelector": dict(spec.placement.node_selector),
@@ -225,6 +255,7 @@ def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
             t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in spec.placement.tolerations
         ],
         "affinity": affinity,
+        "initContainers": [prepare],
         "containers": [container],
         "volumes": volumes,
         "terminationGracePeriodSeconds": 30,

@@ -72,6 +72,14 @@ INVALID_POOLS: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("etc-host-path", with_("spec.tiers.localDisk.hostPath.path", "/etc"), "hostPath.path"),
     ("dotdot-host-path", with_("spec.tiers.localDisk.hostPath.path", "/mnt/../etc"), "hostPath.path"),
+    ("dot-host-path", with_("spec.tiers.localDisk.hostPath.path", "/."), "hostPath.path"),
+    ("dot-etc-host-path", with_("spec.tiers.localDisk.hostPath.path", "/./etc"), "hostPath.path"),
+    ("kubelet-parent-host-path", with_("spec.tiers.localDisk.hostPath.path", "/var"), "hostPath.path"),
+    (
+        "kubelet-parent-slash-host-path",
+        with_("spec.tiers.localDisk.hostPath.path", "/var/lib/"),
+        "hostPath.path",
+    ),
     (
         "empty-dir-capacity-above-limit",
         with_("spec.tiers.localDisk", {"emptyDir": {"sizeLimit": "1Gi"}, "capacity": "2Gi"}),

@@ -232,13 +232,17 @@ class HostPathSource(_Model):
                 "spec.tiers.localDisk.hostPath.path must not be the root directory '/'",
             ),
             _cel(
-                "!self.contains('/../') && !self.endsWith('/..') && !self.contains('//')",
-                "spec.tiers.localDisk.hostPath.path must be a normalised path without '..' or '//'",
+                "!self.contains('/../') && !self.endsWith('/..') && !self.contains('//')"
+                " && !self.contains('/./') && !self.endsWith('/.')",
+                "spec.tiers.localDisk.hostPath.path must be a normalised path without '.', '..' or '//'",
             ),
             _cel(
-                f"!{_FORBIDDEN_LIST}.exists(p, self == p || self.startsWith(p + '/'))",
-                "spec.tiers.localDisk.hostPath.path must not be a system or kubelet directory "
-                f"({', '.join(_FORBIDDEN_HOST_PATHS)})",
+                # Ancestors count too: the cache server's init container chowns a directory below
+                # this path, and '/var' would put every kubelet directory under the pool's control.
+                f"!{_FORBIDDEN_LIST}.exists(p, self == p || self.startsWith(p + '/')"
+                " || p.startsWith(self + '/') || p.startsWith(self) && self.endsWith('/'))",
+                "spec.tiers.localDisk.hostPath.path must not be a system or kubelet directory or one of "
+                f"their parents ({', '.join(_FORBIDDEN_HOST_PATHS)})",
             ),
             _cel("self == oldSelf", "spec.tiers.localDisk.hostPath.path is immutable"),
         ),

@@ -73,7 +73,7 @@ def build_server_config(pool: KVCachePool) -> server_config.ServerConfig:
         disk = spec.tiers.local_disk
         if disk is not None:
             tiers["local_disk"] = {
-                "path": names.LOCAL_DISK_MOUNT,
+                "path": names.local_disk_dir(pool.namespace, pool.name),
                 "capacity_bytes": to_bytes(disk.capacity),
                 "high_watermark": disk.watermarks.high,
                 "low_watermark": disk.watermarks.low,
@@ -230,8 +230,12 @@ def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
     # server could not create its socket or blocks. A short root init container with only CHOWN and
     # FOWNER hands them over; the shared volume is best effort (NFS with root_squash refuses chown,
     # and there the volume's own permissions must already let the server write).
-    owned = " ".join(m["mountPath"] for m in mounts if m["name"] in (names.RUN_VOLUME, "local-disk"))
-    script = f"chown {CACHE_UID}:{CACHE_UID} {owned}"
+    # Only directories kvfabric owns are chowned: the run directory and a per-pool directory below
+    # the user's disk path, never the path itself (it may be shared with other data).
+    owned = [base]
+    if disk is not None:
+        owned.append(names.local_disk_dir(pool.namespace, pool.name))
+    script = f"mkdir -p {' '.join(owned)} && chown {CACHE_UID}:{CACHE_UID} {' '.join(owned)}"
     if shared is not None:
         script += f" && (chown {CACHE_UID}:{CACHE_UID} {names.SHARED_MOUNT} || true)"
     prepare: dict[str, Any] = {

@@ -33,6 +33,11 @@ CACHE_CONTAINER: Final = "cache"
 RUN_VOLUME: Final = "kvfabric-run"
 
 
+def local_disk_dir(namespace: str, pool: str) -> str:
+    """Return the pool's directory below the local-disk mount (so pools may share one disk path)."""
+    return f"{LOCAL_DISK_MOUNT}/{namespace}-{pool}"
+
+
 def configmap_name(pool: str) -> str:
     """Return the ConfigMap holding the server configuration."""
     return f"{pool}-config"

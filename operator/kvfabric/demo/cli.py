@@ -36,9 +36,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns 0 when every request succeeded."""
+    import shutil
     import tempfile
 
     from kvfabric.demo import replay
 
     base = args.dir or Path(tempfile.mkdtemp(prefix="kvfabric-demo-"))
-    return replay.main(base, args, progress=lambda m: print(f"[demo] {m}", file=sys.stderr, flush=True))
+    try:
+        return replay.main(base, args, progress=lambda m: print(f"[demo] {m}", file=sys.stderr, flush=True))
+    finally:
+        if args.dir is None:
+            # The node directories hold the cache's blocks: a demo leaves nothing behind.
+            shutil.rmtree(base, ignore_errors=True)

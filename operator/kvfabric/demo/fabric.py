@@ -26,6 +26,7 @@ from kvfabric.localcluster.testing import ClusterHandle, external_cluster, pod_r
 Progress = Callable[[str], None]
 
 SHARED_STORAGE_CLASS = "kvfabric-shared"
+SHARED_VOLUMES = 8
 
 
 def repo_root() -> Path:
@@ -190,7 +191,13 @@ def running_fabric(base: Path, *, gpu_nodes: int = 2, progress: Progress = print
             handle.gpu_nodes = names
             progress("installing the CRDs from crds/")
             install(handle, root)
-            handle.apply(shared_volume("kvfabric-shared", runner_base / "shared" / "volume"))
+            # A PersistentVolume binds one claim, so offer several: one per pool's shared claim.
+            handle.apply(
+                *(
+                    shared_volume(f"kvfabric-shared-{i}", runner_base / "shared" / f"volume-{i}")
+                    for i in range(SHARED_VOLUMES)
+                )
+            )
             with _operator_process(handle, base / "operator", progress) as op_log:
                 yield Fabric(cluster=handle, runner_base=runner_base, gpu_nodes=names, operator_log=op_log)
     finally:

@@ -22,7 +22,7 @@ from kvfabric.localcluster.testing import wait_for
 
 Progress = Callable[[str], None]
 NAMESPACE = "kvfabric-demo"
-VOCAB = 2048  # the "bench" preset's vocabulary (the "tiny" one has 512; prompts stay below both)
+VOCAB = {"tiny": 512, "bench": 2048}  # the reference engine presets' vocabulary sizes
 
 
 @dataclass
@@ -91,20 +91,21 @@ def tier_bytes(fabric: Fabric, namespace: str, pool: str) -> dict[str, dict[str,
     return result
 
 
-def replay(fabric: Fabric, args: argparse.Namespace, progress: Progress) -> Report:
+def replay(fabric: Fabric, namespace: str, args: argparse.Namespace, progress: Progress) -> Report:
     """Send every user's rounds, alternating nodes, and collect the outcomes."""
     rng = random.Random(7)
-    system = [rng.randrange(VOCAB) for _ in range(args.system_tokens)]
+    vocab = VOCAB.get(args.preset, 512)
+    system = [rng.randrange(vocab) for _ in range(args.system_tokens)]
     histories: list[list[int]] = [[] for _ in range(args.users)]
-    engines = {p["spec"]["nodeName"]: p for p in ready_pods(fabric.cluster, NAMESPACE, "app=engine")}
-    baseline = ready_pods(fabric.cluster, NAMESPACE, "app=engine-nocache")[0]
+    engines = {p["spec"]["nodeName"]: p for p in ready_pods(fabric.cluster, namespace, "app=engine")}
+    baseline = ready_pods(fabric.cluster, namespace, "app=engine-nocache")[0]
     nodes = sorted(engines)
     report = Report()
     total = args.users * args.rounds
     done = 0
     for rnd in range(args.rounds):
         for user in range(args.users):
-            histories[user] += [rng.randrange(VOCAB) for _ in range(args.turn_tokens)]
+            histories[user] += [rng.randrange(vocab) for _ in range(args.turn_tokens)]
             prompt = system + histories[user]
             # Each round a user lands on the other node: its history is a hit only through the
             # shared volume; the system prompt is shared by everyone.
@@ -139,7 +140,7 @@ def replay(fabric: Fabric, args: argparse.Namespace, progress: Progress) -> Repo
     return report
 
 
-def print_report(report: Report, fabric: Fabric, pool: str) -> None:
+def print_report(report: Report, fabric: Fabric, namespace: str, pool: str) -> None:
     """The summary: hit rate per round, TTFT cold vs warm, bytes per tier, and the pool."""
     print("\n== hit rate per round ==")
     print(
@@ -173,11 +174,39 @@ def print_report(report: Report, fabric: Fabric, pool: str) -> None:
             by_tier[t.tier] = by_tier.get(t.tier, 0) + 1
     print(f"hits by source tier: {by_tier or 'none'}")
     print("\n== bytes per tier (cache servers' /metrics) ==")
-    for node, tiers in sorted(tier_bytes(fabric, NAMESPACE, pool).items()):
+    for node, tiers in sorted(tier_bytes(fabric, namespace, pool).items()):
         cells = "  ".join(f"{tier}={value / 2**20:.1f} MiB" for tier, value in sorted(tiers.items()))
         print(f"{node}: {cells or '(no tier metrics)'}")
     print("\n== kubectl get kvp ==")
-    print(fabric.cluster.kubectl("get", "kvp", "-n", NAMESPACE).stdout)
+    print(fabric.cluster.kubectl("get", "kvp", "-n", namespace).stdout)
+
+
+def deploy_and_replay(
+    fabric: Fabric, namespace: str, args: argparse.Namespace, progress: Progress
+) -> tuple[Report, str]:
+    """Apply the sample pool and the engines in ``namespace``, then replay; returns the report and pool."""
+    cluster = fabric.cluster
+    pool = sample_pool()
+    name = pool["metadata"]["name"]
+    progress(f"applying the sample pool {name!r} (manifests/samples) with a shared tier")
+    cluster.apply(pool, namespace=namespace)
+    wait_pool_ready(cluster, namespace, name)
+    progress("cache servers are Ready on every GPU node; deploying the reference engine (2 replicas)")
+    cluster.apply(engine_deployment("engine", name, preset=args.preset), namespace=namespace)
+    # The baseline: the same engine, not opted in, so it recomputes every prompt.
+    cluster.apply(
+        engine_deployment("engine-nocache", None, replicas=1, preset=args.preset), namespace=namespace
+    )
+    wait_for(
+        lambda: (
+            len(ready_pods(cluster, namespace, "app=engine")) == len(fabric.gpu_nodes)
+            and ready_pods(cluster, namespace, "app=engine-nocache")
+        ),
+        timeout=240,
+        message="engines Ready",
+    )
+    progress(f"replaying {args.users} users x {args.rounds} rounds")
+    return replay(fabric, namespace, args, progress), name
 
 
 def main(base: Path, args: argparse.Namespace, progress: Progress) -> int:
@@ -190,28 +219,8 @@ def main(base: Path, args: argparse.Namespace, progress: Progress) -> int:
             lambda: cluster.kubectl("get", "sa", "default", "-n", NAMESPACE, check=False).returncode == 0,
             message="the demo namespace's default ServiceAccount",
         )
-        pool = sample_pool()
-        name = pool["metadata"]["name"]
-        progress(f"applying the sample pool {name!r} (manifests/samples) with a shared tier")
-        cluster.apply(pool, namespace=NAMESPACE)
-        wait_pool_ready(cluster, NAMESPACE, name)
-        progress("cache servers are Ready on every GPU node; deploying the reference engine (2 replicas)")
-        cluster.apply(engine_deployment("engine", name, preset=args.preset), namespace=NAMESPACE)
-        # The baseline: the same engine, not opted in, so it recomputes every prompt.
-        cluster.apply(
-            engine_deployment("engine-nocache", None, replicas=1, preset=args.preset), namespace=NAMESPACE
-        )
-        wait_for(
-            lambda: (
-                len(ready_pods(cluster, NAMESPACE, "app=engine")) == len(fabric.gpu_nodes)
-                and ready_pods(cluster, NAMESPACE, "app=engine-nocache")
-            ),
-            timeout=240,
-            message="engines Ready",
-        )
-        progress(f"replaying {args.users} users x {args.rounds} rounds")
-        report = replay(fabric, args, progress)
-        print_report(report, fabric, name)
+        report, pool = deploy_and_replay(fabric, NAMESPACE, args, progress)
+        print_report(report, fabric, NAMESPACE, pool)
         progress(f"done in {time.monotonic() - start:.0f}s")
         if args.keep:
             progress(f"everything stays up; KUBECONFIG={cluster.kubeconfig}; press Ctrl-C to stop")

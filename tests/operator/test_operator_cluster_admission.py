@@ -44,6 +44,11 @@ def with_(path: str, value: Any, *, delete: bool = False) -> dict[str, Any]:
 # (case id, pool, text the API server's message must contain: the field's path)
 INVALID_POOLS: list[tuple[str, dict[str, Any], str]] = [
     ("latest-tag", with_("spec.image.tag", "latest"), "spec.image.tag"),
+    (
+        "latest-connector-image",
+        with_("spec.consumers.connectorImage", "ghcr.io/kvfabric/connector:latest"),
+        "spec.consumers.connectorImage",
+    ),
     ("missing-tag", with_("spec.image.tag", None, delete=True), "spec.image.tag"),
     ("missing-memory-tier", with_("spec.tiers.memory", None, delete=True), "spec.tiers.memory"),
     (

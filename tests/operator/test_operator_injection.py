@@ -88,7 +88,8 @@ def test_vllm_pod_gets_env_volume_args_and_annotations() -> None:
         {
             "name": "kvfabric-run",
             "hostPath": {"path": "/run/kvfabric/llm-pool-a", "type": "DirectoryOrCreate"},
-        }
+        },
+        {"name": names.PAYLOAD_VOLUME, "emptyDir": {}},  # the connector payload, for vLLM containers
     ]
     annotations = result.pod["metadata"]["annotations"]
     assert annotations[names.CONFIG_HASH_ANNOTATION] == target.config_hash
@@ -221,3 +222,47 @@ def test_vllm_detection(container: dict[str, Any]) -> None:
 
 def test_garbage_pool_is_ignored() -> None:
     assert pool_target({"metadata": {"name": "x"}, "spec": {"nope": 1}}) is None
+
+
+def test_vllm_pod_gets_the_connector_payload() -> None:
+    out = inject(pod(), POOLS, {}).pod
+    spec = out["spec"]
+    init = {c["name"]: c for c in spec["initContainers"]}[names.PAYLOAD_VOLUME]
+    # Default: the cache server's registry path, image name "connector", the pool's tag.
+    assert init["image"] == "ghcr.io/kvfabric/connector:v1"
+    assert init["volumeMounts"] == [{"name": names.PAYLOAD_VOLUME, "mountPath": names.PAYLOAD_MOUNT}]
+    assert {"name": names.PAYLOAD_VOLUME, "emptyDir": {}} in spec["volumes"]
+    container = spec["containers"][0]
+    assert env_of(container)["PYTHONPATH"] == names.PAYLOAD_PYTHONPATH
+    assert {"name": names.PAYLOAD_VOLUME, "mountPath": names.PAYLOAD_MOUNT, "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    detail = json.loads(out["metadata"]["annotations"][names.INJECTED_ANNOTATION])
+    assert detail["payload"] == "ghcr.io/kvfabric/connector:v1"
+    # Idempotent: a second pass (webhook reinvocation) adds nothing.
+    assert inject(out, POOLS, {}).pod == out
+
+
+def test_payload_respects_user_pythonpath_opt_out_and_pinned_image() -> None:
+    user = {
+        "name": "vllm",
+        "image": "vllm/vllm-openai:v0.11.0",
+        "env": [{"name": "PYTHONPATH", "value": "/app"}],
+    }
+    container = inject(pod([user]), POOLS, {}).pod["spec"]["containers"][0]
+    assert env_of(container)["PYTHONPATH"] == f"{names.PAYLOAD_PYTHONPATH}:/app"
+
+    opted_out = inject(pod(annotations={names.PAYLOAD_ANNOTATION: "false"}), POOLS, {}).pod
+    assert "initContainers" not in opted_out["spec"]
+    assert "PYTHONPATH" not in env_of(opted_out["spec"]["containers"][0])
+
+    custom = pools(pool_body(connectorImage="registry.local/kv/connector@sha256:" + "a" * 64))
+    init = inject(pod(), custom, {}).pod["spec"]["initContainers"][0]
+    assert init["image"] == "registry.local/kv/connector@sha256:" + "a" * 64
+
+
+def test_non_vllm_pods_get_no_payload() -> None:
+    plain = {"name": "engine", "image": "ghcr.io/kvfabric/engine:v0.1.0", "command": ["kvfabric", "engine"]}
+    out = inject(pod([plain]), POOLS, {}).pod
+    assert "initContainers" not in out["spec"]
+    assert "PYTHONPATH" not in env_of(out["spec"]["containers"][0])

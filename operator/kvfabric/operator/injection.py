@@ -191,6 +191,7 @@ def inject(
         container["volumeMounts"] = mounts
         if is_vllm(container):
             notes.append(_add_kv_transfer_config(container))
+
     volumes = out["spec"].get("volumes") or []
     if not any(v.get("name") == names.RUN_VOLUME for v in volumes):
         # DirectoryOrCreate: the pod must start even before (or without) its node's cache server;
@@ -199,6 +200,10 @@ def inject(
             {"name": names.RUN_VOLUME, "hostPath": {"path": conn.host_dir, "type": "DirectoryOrCreate"}}
         )
     out["spec"]["volumes"] = volumes
+    vllm_targets = [c for c in targets if is_vllm(c)]
+    payload = bool(vllm_targets) and annotations.get(names.PAYLOAD_ANNOTATION) != "false"
+    if payload:
+        _add_payload(out["spec"], vllm_targets, conn.connector_image)
     detail = {
         "pool": f"{conn.namespace}/{conn.pool}",
         "containers": [c.get("name") for c in targets],
@@ -206,6 +211,8 @@ def inject(
         "volumes": [names.RUN_VOLUME],
         "kvTransferConfig": [n for n in notes if n],
     }
+    if payload:
+        detail["payload"] = conn.connector_image
     _annotate(
         out,
         {
@@ -215,6 +222,48 @@ def inject(
         },
     )
     return InjectionResult(pod=out, injected=True, detail=f"{conn.namespace}/{conn.pool}")
+
+
+def _add_payload(pod_spec: dict[str, Any], containers: list[dict[str, Any]], image: str) -> None:
+    """Add the connector payload for vLLM containers, as the OpenTelemetry operator's auto-instrumentation.
+
+    An init container copies kvfabric and its dependencies into an emptyDir; the vLLM containers
+    import them through ``PYTHONPATH`` (prepended to any value the user set). Everything is
+    set-if-absent, so a second invocation changes nothing.
+    """
+    volumes = pod_spec.get("volumes") or []
+    if not any(v.get("name") == names.PAYLOAD_VOLUME for v in volumes):
+        volumes.append({"name": names.PAYLOAD_VOLUME, "emptyDir": {}})
+    pod_spec["volumes"] = volumes
+    inits = pod_spec.get("initContainers") or []
+    if not any(c.get("name") == names.PAYLOAD_VOLUME for c in inits):
+        inits.append(
+            {
+                "name": names.PAYLOAD_VOLUME,
+                "image": image,
+                "args": [names.PAYLOAD_MOUNT],
+                "volumeMounts": [{"name": names.PAYLOAD_VOLUME, "mountPath": names.PAYLOAD_MOUNT}],
+                "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "runAsNonRoot": True,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+            }
+        )
+    pod_spec["initContainers"] = inits
+    for container in containers:
+        mounts = container.get("volumeMounts") or []
+        if not any(m.get("name") == names.PAYLOAD_VOLUME for m in mounts):
+            mounts.append({"name": names.PAYLOAD_VOLUME, "mountPath": names.PAYLOAD_MOUNT, "readOnly": True})
+        container["volumeMounts"] = mounts
+        env = container.get("env") or []
+        current = next((e for e in env if e.get("name") == "PYTHONPATH"), None)
+        if current is None:
+            env.append({"name": "PYTHONPATH", "value": names.PAYLOAD_PYTHONPATH})
+        elif "value" in current and names.PAYLOAD_PYTHONPATH not in str(current["value"]).split(":"):
+            current["value"] = f"{names.PAYLOAD_PYTHONPATH}:{current['value']}"
+        container["env"] = env
 
 
 def _add_kv_transfer_config(container: dict[str, Any]) -> str:

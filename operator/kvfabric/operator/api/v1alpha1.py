@@ -449,6 +449,20 @@ class Consumers(_Model):
         description="Tenant salt injected as KVFABRIC_TENANT (separates key spaces).",
     )
     deadlines: Deadlines | None = Field(default=None, description="Connector deadlines.")
+    connector_image: str | None = Field(
+        default=None,
+        min_length=3,
+        max_length=512,
+        description="Image of the connector payload that an init container copies into vLLM pods "
+        "(default: the cache server's repository with the name 'connector' and the same tag). Pods whose "
+        'image already contains kvfabric opt out with the annotation kvfabric.io/inject-payload: "false".',
+        json_schema_extra=_validations(
+            _cel(
+                "self.contains('@') || (self.contains(':') && !self.endsWith(':latest'))",
+                "spec.consumers.connectorImage must be pinned: a tag other than latest, or a digest",
+            ),
+        ),
+    )
 
 
 IntOrPercent = Annotated[

@@ -28,6 +28,8 @@ class ConnectionSettings:
     chunk_tokens: int
     tenant: str | None = None
     deadlines: dict[str, int] = field(default_factory=dict)
+    # Not part of the environment (nor of the hash): the payload image only matters at pod creation.
+    connector_image: str = ""
 
     @property
     def env(self) -> dict[str, str]:
@@ -77,4 +79,12 @@ def connection_settings(pool: KVCachePool) -> ConnectionSettings:
         chunk_tokens=pool.spec.chunk_tokens,
         tenant=pool.spec.consumers.tenant,
         deadlines=deadlines,
+        connector_image=pool.spec.consumers.connector_image or default_connector_image(pool),
     )
+
+
+def default_connector_image(pool: KVCachePool) -> str:
+    """The payload image that matches the pool's cache-server image: ``<registry/org>/connector:<tag>``."""
+    repository = pool.spec.image.repository
+    prefix = repository.rsplit("/", 1)[0] + "/" if "/" in repository else ""
+    return f"{prefix}connector:{pool.spec.image.tag}"

@@ -30,6 +30,10 @@ SHARED_MOUNT: Final = "/var/lib/kvfabric/shared"
 SOCKET_NAME: Final = "cache.sock"
 SHM_NAME: Final = "shm"
 CACHE_CONTAINER: Final = "cache"
+PAYLOAD_VOLUME: Final = "kvfabric-connector"
+PAYLOAD_MOUNT: Final = "/opt/kvfabric"
+PAYLOAD_PYTHONPATH: Final = f"{PAYLOAD_MOUNT}/site-packages"
+PAYLOAD_ANNOTATION: Final = "kvfabric.io/inject-payload"
 RUN_VOLUME: Final = "kvfabric-run"
 
 

@@ -122,7 +122,9 @@ def write_block(
     bucket: int,
     checksum: bytes | None = None,
 ) -> BlockHeader:
-    """Write a block atomically: temp file in ``tmp_dir`` (same filesystem), fsync, rename.
+    """Write a block atomically and durably.
+
+    Temp file in ``tmp_dir`` (same filesystem), fsync, rename, fsync of the directory.
 
     Returns the header written. On any error the temporary file is removed and the error re-raised.
     """
@@ -144,6 +146,9 @@ def write_block(
         fd = -1
         final_path.parent.mkdir(parents=True, exist_ok=True)
         os.rename(tmp, final_path)
+        # The rename is durable only once the directory entry is: without this a power loss could
+        # lose a block the index (and other servers' journals) already list.
+        _fsync_dir(final_path.parent)
     except BaseException:
         if fd >= 0:
             os.close(fd)
@@ -151,6 +156,14 @@ def write_block(
             os.unlink(tmp)
         raise
     return header
+
+
+def _fsync_dir(path: Path) -> None:
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def _write_all(fd: int, view: memoryview, offset: int) -> None:

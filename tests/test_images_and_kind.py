@@ -28,6 +28,7 @@ import yaml
 
 from kvfabric.cli.main import SUBCOMMANDS, build_parser
 from kvfabric.cli.version import __version__
+from kvfabric.demo import workloads
 from kvfabric.localcluster.testing import ClusterHandle
 from kvfabric.operator.api.v1alpha1 import ImageSpec, KVCachePool
 from kvfabric.operator.render import names
@@ -501,7 +502,6 @@ def test_dockerignore_keeps_the_context_small() -> None:
 
 
 def test_e2e_workloads_use_images_we_build() -> None:
-    workloads = pytest.importorskip("kvfabric.demo.workloads")
     built = {f"{repo}:{TAG}" for repo in image_list().values()}
     pool = workloads.pool_manifest("p")
     assert f"{pool['spec']['image']['repository']}:{pool['spec']['image']['tag']}" in built
@@ -611,7 +611,6 @@ def test_shared_volumes_match_the_kind_mounts_and_the_pools_storage_class() -> N
         paths.add(spec["hostPath"]["path"])
         assert pv["metadata"]["labels"]["kvfabric.io/test-volume"] == "shared"  # up.sh recycles by it
     assert len(paths) == len(volumes)
-    workloads = pytest.importorskip("kvfabric.demo.workloads")
     claim = workloads.pool_manifest("p")["spec"]["tiers"]["shared"]["claimTemplate"]
     assert claim["storageClassName"] == storage_class
     assert "ReadWriteMany" in claim["accessModes"]
@@ -627,8 +626,6 @@ def test_shared_volumes_pass_server_side_dry_run(cluster: ClusterHandle) -> None
 
 @pytest.mark.cluster
 def test_kind_overlay_passes_server_dry_run(cluster: ClusterHandle) -> None:
-    if not (ROOT / "manifests" / "default" / "kustomization.yaml").exists():
-        pytest.skip("manifests/default is not in this checkout yet")
     # A server-side dry run creates nothing: the namespace must exist for the namespaced objects.
     if cluster.kubectl("get", "namespace", "kvfabric-system", check=False).returncode:
         cluster.kubectl("create", "namespace", "kvfabric-system")
@@ -639,21 +636,14 @@ def test_kind_overlay_passes_server_dry_run(cluster: ClusterHandle) -> None:
 
 
 def kubectl_binary() -> str:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        from kvfabric.localcluster import versions
+    """The pinned kubectl (its kustomize is the one the README's commands use)."""
+    from kvfabric.localcluster import binaries
 
-        candidate = versions.bin_dir() / "kubectl"
-        if not candidate.is_file():
-            pytest.skip("no kubectl to run kustomize with")
-        kubectl = str(candidate)
-    return kubectl
+    return str(binaries.ensure(quiet=True) / "kubectl")
 
 
 @pytest.mark.parametrize("overlay", ["kind", "kind/cert-manager"])
 def test_kind_overlays_render_the_images_up_sh_loads(overlay: str) -> None:
-    if not (ROOT / "manifests" / "default" / "kustomization.yaml").exists():
-        pytest.skip("manifests/default is not in this checkout yet")
     rendered = subprocess.run(
         [kubectl_binary(), "kustomize", str(ROOT / "manifests" / "overlays" / overlay)],
         capture_output=True,

@@ -313,21 +313,7 @@ class LocalCluster:
             time.sleep(0.2)
 
     def _api_ready(self, state: ClusterState, certs: pki.Pki | None = None) -> bool:
-        p = certs or pki.Pki(
-            *(
-                self.dir / "pki" / n
-                for n in (
-                    "ca.crt",
-                    "ca.key",
-                    "apiserver.crt",
-                    "apiserver.key",
-                    "admin.crt",
-                    "admin.key",
-                    "sa.key",
-                    "sa.pub",
-                )
-            )
-        )
+        p = certs or pki.Pki.in_dir(self.dir / "pki")
         ctx = ssl.create_default_context(cafile=str(p.ca_crt))
         ctx.load_cert_chain(str(p.admin_crt), str(p.admin_key))
         return _http_ok(f"https://127.0.0.1:{state.ports.apiserver}/readyz", context=ctx)

@@ -8,6 +8,7 @@ functions return PEM bytes; :func:`write_pki` is the only one that touches the f
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,21 @@ class Pki:
     admin_key: Path
     sa_key: Path
     sa_pub: Path
+
+    @classmethod
+    def in_dir(cls, directory: Path) -> Pki:
+        """The file names a cluster's ``pki`` directory holds."""
+        names = (
+            "ca.crt",
+            "ca.key",
+            "apiserver.crt",
+            "apiserver.key",
+            "admin.crt",
+            "admin.key",
+            "sa.key",
+            "sa.pub",
+        )
+        return cls(*(directory / n for n in names))
 
 
 def make_service_account_keys() -> tuple[bytes, bytes]:
@@ -67,35 +83,9 @@ def write_pki(directory: Path, *, service_ip: str) -> Pki:
         ca_crt, ca_key, common_name="kvfabric-admin", organization="system:masters", client=True, days=365
     )
     sa_key, sa_pub = make_service_account_keys()
-    pki = Pki(
-        *(
-            directory / n
-            for n in (
-                "ca.crt",
-                "ca.key",
-                "apiserver.crt",
-                "apiserver.key",
-                "admin.crt",
-                "admin.key",
-                "sa.key",
-                "sa.pub",
-            )
-        )
-    )
-    for path, data in zip(
-        (
-            pki.ca_crt,
-            pki.ca_key,
-            pki.apiserver_crt,
-            pki.apiserver_key,
-            pki.admin_crt,
-            pki.admin_key,
-            pki.sa_key,
-            pki.sa_pub,
-        ),
-        (ca_crt, ca_key, api_crt, api_key, admin_crt, admin_key, sa_key, sa_pub),
-        strict=True,
-    ):
+    pki = Pki.in_dir(directory)
+    contents = (ca_crt, ca_key, api_crt, api_key, admin_crt, admin_key, sa_key, sa_pub)
+    for path, data in zip(dataclasses.astuple(pki), contents, strict=True):
         path.write_bytes(data)
         path.chmod(0o600)
     return pki

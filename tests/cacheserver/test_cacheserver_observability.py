@@ -101,10 +101,13 @@ def test_loads_do_not_wait_behind_stores_and_busy_stores_are_dropped() -> None:
         try:
             # The slot is taken once the server has seen the stream's first message; until then a
             # store may still be accepted, so wait for the first drop rather than assume it.
+            # (Probe with another key: a probe accepted before the slot was taken must not store `extra`.)
+            probe = digest("probe")
             wait_until(
-                lambda: r.store(ns, [extra], [b"x"], timeout=10).dropped == 1,
+                lambda: r.store(ns, [probe], [b"x"], timeout=10).dropped == 1,
                 what="the store slot to be busy",
             )
+            assert r.store(ns, [extra], [b"x"], timeout=10).dropped == 1
             # Stores over both transports are dropped, not queued; loads and lookups are served.
             assert c.store(ns, [extra], [b"x"], timeout=10).dropped == 1
             assert c.load(ns, [hot], timeout=10) == [payload_for(hot, 100_000)]

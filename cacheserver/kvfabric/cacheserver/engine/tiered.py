@@ -313,6 +313,7 @@ class TieredStore:
 
     def _writeback(self, job: _Pending) -> None:
         try:
+            volume_now = self.clock.now()
             now = self.clock.now_or_local()
             bucket = bucket_of(now, self.config.bucket_seconds)
             view = job.handle.view()
@@ -320,6 +321,11 @@ class TieredStore:
                 checksum = payload_checksum(view)
                 for tier in job.targets:
                     if tier.contains(job.bid):
+                        continue
+                    if tier is self.shared and volume_now is None:
+                        # Without the volume's clock a skewed local clock would stamp the block into a
+                        # bucket another server expires at once (or keeps too long): skip it instead.
+                        self.counters.inc("dropped_writebacks", tier.name)
                         continue
                     header = tier.write(job.bid, view, bucket=bucket, created_at=now, checksum=checksum)
                     if header is None:

@@ -6,6 +6,7 @@ the ports and process ids), so ``up``, ``status`` and ``down`` can run in differ
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -383,6 +384,7 @@ def _ours(pid: int, bin_dir: Path) -> bool:
 
 def _stop(pid: int, bin_dir: Path, grace: float = 10.0) -> None:
     if not _alive(pid) or not _ours(pid, bin_dir):
+        _reap(pid)
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGTERM)
@@ -397,6 +399,13 @@ def _stop(pid: int, bin_dir: Path, grace: float = 10.0) -> None:
             _reap(pid)
             time.sleep(0.05)
     _reap(pid)
+
+
+@atexit.register
+def _reap_all() -> None:
+    """Collect every child that has exited, so none is left a zombie (or reported as leaked)."""
+    for pid in list(_CHILDREN):
+        _reap(pid)
 
 
 def _reap(pid: int) -> None:

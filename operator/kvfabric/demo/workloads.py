@@ -23,6 +23,9 @@ def pool_manifest(name: str, *, memory: str = "256Mi", chunk_tokens: int = 64) -
         "spec": {
             "image": {"repository": "ghcr.io/kvfabric/kvfabric", "tag": "v0.1.0"},
             "chunkTokens": chunk_tokens,
+            # Generous deadlines: the tests assert hits, and two busy CPU cores can stretch a lookup
+            # past the 100 ms default (the fallback would be correct, but not what the test checks).
+            "consumers": {"deadlines": {"lookupMs": 2000, "loadMs": 10000}},
             "tiers": {
                 "memory": {"size": memory},
                 "localDisk": {"hostPath": {"path": "/mnt/nvme/kvcache"}, "capacity": "1Gi"},

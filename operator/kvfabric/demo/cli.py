@@ -28,7 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--users", type=int, default=4, help="concurrent conversations (default 4)")
     parser.add_argument("--rounds", type=int, default=4, help="rounds per conversation (default 4)")
-    parser.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt length")
+    parser.add_argument("--system-tokens", type=int, default=4096, help="shared system prompt length")
     parser.add_argument("--turn-tokens", type=int, default=128, help="tokens a user adds per round")
     parser.add_argument("--answer-tokens", type=int, default=16, help="tokens the engine answers per round")
     parser.add_argument("--preset", default="bench", help="reference-engine model size (tiny or bench)")

@@ -88,6 +88,7 @@ async def _bench(kubeconfig: Path, kubectl: Path, args: argparse.Namespace, log:
 
     import aiohttp
 
+    from kvfabric.localcluster.testing import stop_process
     from kvfabric.operator import crdgen
     from kvfabric.operator.kube import ApiError, KubeClient
 
@@ -246,12 +247,7 @@ async def _bench(kubeconfig: Path, kubectl: Path, args: argparse.Namespace, log:
             await client.create(body)
             unlabelled_times.append(time.perf_counter() - t0)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, grace=20)
         try:
             await client.request("DELETE", f"/api/v1/namespaces/{ns}")
             await client.request(

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvfabric.localcluster.cluster import LocalCluster, free_port
 from kvfabric.localcluster.podrunner.runner import pod_request
-from kvfabric.localcluster.testing import ClusterHandle, external_cluster, pod_runner, wait_for
+from kvfabric.localcluster.testing import ClusterHandle, external_cluster, pod_runner, stop_process, wait_for
 
 Progress = Callable[[str], None]
 
@@ -146,12 +146,7 @@ def _operator_process(cluster: ClusterHandle, workdir: Path, progress: Progress)
         )
         yield log_path
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, grace=20)
         # The webhook fails open, but leaving it registered would slow every later pod creation.
         cluster.kubectl(
             "delete",

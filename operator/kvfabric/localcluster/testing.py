@@ -82,6 +82,16 @@ class ClusterHandle:
             self.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
+def stop_process(proc: subprocess.Popen[Any], *, grace: float = 20) -> None:
+    """SIGTERM ``proc``, wait up to ``grace`` seconds, then SIGKILL; always reaps it."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_for(
     predicate: Callable[[], Any], *, timeout: float = 60, interval: float = 0.25, message: str = "condition"
 ) -> Any:
@@ -147,7 +157,6 @@ def pod_runner(handle: ClusterHandle, base: Path, node_specs: list[str]) -> Iter
     Yields the runner's base directory (per-node hostPath dirs under ``nodes/<name>/host``, the
     shared PVC dirs under ``shared/pvc``, pod logs under ``pods/``) once every node is Ready.
     """
-    import subprocess
     import sys
 
     base.mkdir(parents=True, exist_ok=True)
@@ -182,9 +191,4 @@ def pod_runner(handle: ClusterHandle, base: Path, node_specs: list[str]) -> Iter
         wait_for(ready, message="pod-runner nodes Ready")
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, grace=60)

@@ -13,9 +13,8 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,6 @@ class Fabric:
     runner_base: Path | None
     gpu_nodes: list[str]
     operator_log: Path | None = None
-    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def request(
         self, pod: dict[str, Any], port: int, path: str, data: str | None = None, timeout: float = 120
@@ -66,11 +64,6 @@ class Fabric:
                 "create", "--raw", url, "-f", "-", input=data, check=False, timeout=timeout
             )
         return (200 if out.returncode == 0 else 500), (out.stdout if out.returncode == 0 else out.stderr)
-
-    def node_dir(self, node: str) -> Path:
-        """The pod runner's directory standing in for ``node``'s root filesystem (hostPath volumes)."""
-        assert self.runner_base is not None
-        return self.runner_base / "nodes" / node / "host"
 
 
 def shared_volume(name: str, directory: Path) -> dict[str, Any]:
@@ -219,8 +212,3 @@ def wait_pool_ready(
 
     result: dict[str, Any] = wait_for(ready, timeout=timeout, interval=0.5, message=f"pool {pool} Ready")
     return result
-
-
-def elapsed(start: float) -> str:
-    """Seconds since ``start`` for progress lines."""
-    return f"{time.monotonic() - start:5.1f}s"

@@ -497,7 +497,15 @@ def test_dockerignore_keeps_the_context_small() -> None:
     ]
     assert lines[0] == "*", "an allow-list"
     allowed = {line[1:] for line in lines if line.startswith("!")}
-    assert {"pyproject.toml", "uv.lock", "README.md", "operator", "cacheserver", "bench"} <= allowed
+    assert {
+        "pyproject.toml",
+        "uv.lock",
+        "README.md",
+        "operator",
+        "cacheserver",
+        "connector",
+        "harness",
+    } <= allowed
     assert not allowed & {".venv", ".git", "tests", "e2e"}
 
 

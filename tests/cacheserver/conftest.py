@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfabric.cacheserver.testing import digest
+from kvfabric.testing.serverproc import digest
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvfabric.cacheserver.testing import MiB, ServerProcess, cache_server, digest, payload_for
 from kvfabric.client import CacheClient
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
+from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for
 
 pytestmark = pytest.mark.slow
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvfabric.cacheserver.engine.blockfile import HEADER_SIZE
-from kvfabric.cacheserver.testing import MiB, cache_server, digest, payload_for, wait_until
 from kvfabric.client import CacheClient
 from kvfabric.client.errors import CacheError
+from kvfabric.testing.serverproc import MiB, cache_server, digest, payload_for, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ from kvfabric.cacheserver.engine.dram import DramTier
 from kvfabric.cacheserver.engine.ids import BlockId, InvalidId, parse_ids
 from kvfabric.cacheserver.engine.journal import Event, JournalReader, JournalWriter, parse_lines
 from kvfabric.cacheserver.engine.ttl import SharedClock, bucket_of, expired_buckets, owner_of
-from kvfabric.cacheserver.testing import digest, payload_for
+from kvfabric.testing.serverproc import digest, payload_for
 
 NS = digest("engine")
 

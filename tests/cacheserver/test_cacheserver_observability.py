@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from kvfabric.cacheserver.testing import MiB, cache_server, digest, payload_for, wait_until
 from kvfabric.client import CacheClient
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
+from kvfabric.testing.serverproc import MiB, cache_server, digest, payload_for, wait_until
 
 pytestmark = pytest.mark.slow
 

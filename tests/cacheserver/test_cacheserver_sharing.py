@@ -14,8 +14,8 @@ import pytest
 from kvfabric.cacheserver.engine.blockfile import aligned_buffer, read_block_into
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.journal import parse_lines
-from kvfabric.cacheserver.testing import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
 from kvfabric.client import CacheClient
+from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from kvfabric.cacheserver.testing import MiB, ServerProcess, cache_server, digest, payload_for
 from kvfabric.client import AsyncCacheClient, CacheClient, LookupResult, StoreResult
 from kvfabric.client.errors import (
     CacheTimeout,
@@ -18,6 +17,7 @@ from kvfabric.client.errors import (
     InvalidRequest,
     PermissionDenied,
 )
+from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for
 
 NS = digest("client-ns")
 

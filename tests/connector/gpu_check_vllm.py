@@ -81,7 +81,7 @@ def _run(model: Path, use_connector: bool, env: dict[str, str]) -> list[dict[str
 
 def main() -> int:
     """Run the check; print a JSON summary; return 0 when it passed."""
-    from kvfabric.connector.testing import CacheServerProcess
+    from kvfabric.testing.memtransport import CacheServerProcess
 
     with tempfile.TemporaryDirectory(prefix="kvf-gpu-") as tmp:
         root = Path(tmp)

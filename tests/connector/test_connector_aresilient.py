@@ -8,7 +8,7 @@ import pytest
 
 from kvfabric.connector.aresilient import AsyncEndpoint, AsyncResilientCache, async_transport_factory
 from kvfabric.connector.resilient import CircuitBreaker, Reason
-from kvfabric.connector.testing import CacheServerProcess
+from kvfabric.testing.memtransport import CacheServerProcess
 
 NS = "a" * 64
 KEYS = ["b" * 64, "c" * 64, "d" * 64]

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvfabric.connector.resilient import CircuitBreaker, Endpoint, Reason, ResilientCache, Transport
-from kvfabric.connector.testing import MemoryTransport
+from kvfabric.testing.memtransport import MemoryTransport
 
 NS = "a" * 64
 KEYS = ["b" * 64, "c" * 64]

@@ -138,10 +138,10 @@ class _TinyModel(_Model):
 def test_adapter_drives_a_real_server_through_the_reference_engine(tmp_path: Path) -> None:
     import torch
 
-    from kvfabric.connector.testing import CacheServerProcess
     from kvfabric.refengine.engine import Engine
     from kvfabric.refengine.model import RefModel
     from kvfabric.refengine.testing import TINY, prompt
+    from kvfabric.testing.memtransport import CacheServerProcess
 
     model = RefModel(TINY)
     tokens = prompt(200, 31)

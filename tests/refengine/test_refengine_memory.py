@@ -14,10 +14,10 @@ import torch
 from kvfabric.connector import layout
 from kvfabric.connector.resilient import CircuitBreaker, Endpoint, ResilientCache
 from kvfabric.connector.settings import ConnectorSettings
-from kvfabric.connector.testing import MemoryTransport
 from kvfabric.refengine.engine import Engine
 from kvfabric.refengine.model import RefModel
 from kvfabric.refengine.testing import TINY, prompt
+from kvfabric.testing.memtransport import MemoryTransport
 
 SETTINGS = ConnectorSettings(chunk_tokens=32, lookup_deadline_ms=200, load_deadline_ms=300)
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from kvfabric.connector.testing import CacheServerProcess
 from kvfabric.refengine.testing import prompt
+from kvfabric.testing.memtransport import CacheServerProcess
 
 
 def post(url: str, doc: Any) -> tuple[int, dict[str, Any]]:

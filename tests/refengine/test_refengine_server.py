@@ -17,10 +17,10 @@ import torch
 
 from kvfabric.client import CacheClient
 from kvfabric.connector.settings import ConnectorSettings
-from kvfabric.connector.testing import CacheServerProcess, block_files
 from kvfabric.refengine.engine import Engine, GenerateResult
 from kvfabric.refengine.model import RefModel
 from kvfabric.refengine.testing import TINY, prompt
+from kvfabric.testing.memtransport import CacheServerProcess, block_files
 
 CHUNK = 32
 LOOKUP_MS, LOAD_MS = 300, 1000

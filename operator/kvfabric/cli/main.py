@@ -4,6 +4,11 @@ Each subcommand lives beside the component it drives, in a module that exposes `
 and ``run(args) -> int``. Those modules import only the standard library at import time, so that
 ``kvfabric --help`` works in every image (the operator image has no torch, the cache-server image no
 kopf) and heavy imports happen only when a subcommand runs.
+
+The product's own subcommands are listed in :data:`SUBCOMMANDS`. The development harness
+(``kvfabric-dev``: ``cluster``, ``engine``, ``bench``, ``demo``) adds its subcommands through the
+``kvfabric.commands`` entry-point group, with a module-level ``SUMMARY``; the product never imports
+the harness, and where the harness is not installed those subcommands simply do not exist.
 """
 
 from __future__ import annotations
@@ -12,18 +17,35 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from typing import Protocol, cast
 
-# name -> (module, one-line summary). Order is the order shown by --help.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
+# The product's subcommands: name -> (module, one-line summary). Order is the order shown by --help.
+PRODUCT_SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "version": ("kvfabric.cli.version_cmd", "print kvfabric's version and the pinned component versions"),
-    "cluster": ("kvfabric.localcluster.cli", "run a real local Kubernetes control plane with fake GPU nodes"),
     "cacheserver": ("kvfabric.cacheserver.cli", "run the per-node KV-chunk cache server"),
     "operator": ("kvfabric.operator.cli", "run the KVCachePool operator (reconciler + injection webhook)"),
-    "engine": ("kvfabric.refengine.cli", "run the torch reference engine on token-id prompts"),
-    "bench": ("kvfabric.bench.cli", "run a benchmark (storage, ttft, operator) and print ratios"),
-    "demo": ("kvfabric.demo.cli", "run the whole fabric on the local cluster and replay a chat workload"),
 }
+
+PLUGIN_GROUP = "kvfabric.commands"
+
+
+def plugin_subcommands() -> dict[str, tuple[str, str]]:
+    """Subcommands other distributions (the development harness) register under :data:`PLUGIN_GROUP`."""
+    found: dict[str, tuple[str, str]] = {}
+    for ep in sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
+        if ep.name in PRODUCT_SUBCOMMANDS:
+            continue  # a plug-in never replaces a product command
+        found[ep.name] = (ep.value, "")
+    return found
+
+
+def all_subcommands() -> dict[str, tuple[str, str]]:
+    """Every subcommand available in this installation, product ones first."""
+    return {**PRODUCT_SUBCOMMANDS, **plugin_subcommands()}
+
+
+SUBCOMMANDS = all_subcommands()
 
 
 class _Subcommand(Protocol):
@@ -51,10 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run 'kvfabric COMMAND --help' for the options of one command.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (_, summary) in SUBCOMMANDS.items():
+    for name, (_, listed) in SUBCOMMANDS.items():
         module = _load(name)
         if module is None:
             continue
+        summary = listed or str(getattr(module, "SUMMARY", name))
         child = sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
         module.configure(child)
         child.set_defaults(_module=module)

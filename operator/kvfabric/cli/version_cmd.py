@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from importlib.metadata import entry_points
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -14,9 +15,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the versions."""
     from kvfabric.cli.version import __version__
-    from kvfabric.localcluster import versions
 
-    info = {"kvfabric": __version__, **versions.PINS}
+    info: dict[str, str] = {"kvfabric": __version__}
+    # Pinned component versions come from installed distributions (the development harness pins the
+    # Kubernetes binaries of its local cluster), so the product never imports the harness.
+    for ep in sorted(entry_points(group="kvfabric.versions"), key=lambda e: e.name):
+        info.update(ep.load())
     if args.json:
         print(json.dumps(info))
     else:

@@ -149,7 +149,7 @@ def _redis(payload_count: int, chunk: int) -> Iterator[Any]:
         return
     import redis
 
-    from kvfabric.cacheserver.testing import free_port
+    from kvfabric.testing.serverproc import free_port
 
     port = free_port()
     proc = subprocess.Popen(
@@ -241,8 +241,8 @@ def _is_tmpfs(path: Path) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Run every measurement and print the results; the last line is the JSON summary."""
-    from kvfabric.cacheserver.testing import cache_server, digest, wait_until
     from kvfabric.client import CacheClient
+    from kvfabric.testing.serverproc import cache_server, digest, wait_until
 
     chunk = args.chunk_mib * MiB
     n = args.chunks or (4 if args.quick else 16)

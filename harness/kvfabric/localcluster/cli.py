@@ -12,6 +12,9 @@ import json
 import sys
 from pathlib import Path
 
+# Shown by `kvfabric --help`; this module is registered under the kvfabric.commands entry points.
+SUMMARY = "run a real local Kubernetes control plane with fake GPU nodes"
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add ``up``, ``down``, ``status`` and ``build``."""

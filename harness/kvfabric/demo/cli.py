@@ -14,6 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
+# Shown by `kvfabric --help`; this module is registered under the kvfabric.commands entry points.
+SUMMARY = "run the whole fabric on the local cluster and replay a chat workload"
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the demo's options."""

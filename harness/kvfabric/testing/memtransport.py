@@ -91,7 +91,7 @@ def block_files(tier_dir: Path) -> list[Path]:
 class CacheServerProcess:
     """A real cache-server process on temporary directories, for the connector's tests and benchmark.
 
-    A thin layer over :class:`kvfabric.cacheserver.testing.ServerProcess` (the cache server's own
+    A thin layer over :class:`kvfabric.testing.serverproc.ServerProcess` (the cache server's own
     test helper) that adds what the connector's fault tests need: a chosen local-disk directory (to
     restart a "node" with its disk but empty DRAM), a shared volume used by several servers, and
     SIGSTOP/SIGCONT. The shared-memory arena lives on ``/dev/shm`` when it exists (a real tmpfs).
@@ -107,7 +107,7 @@ class CacheServerProcess:
         dram_bytes: int = 1 << 30,
         tcp: bool = True,
     ) -> None:
-        from kvfabric.cacheserver.testing import ServerProcess, make_config
+        from kvfabric.testing.serverproc import ServerProcess, make_config
 
         root.mkdir(parents=True, exist_ok=True)
         shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else root

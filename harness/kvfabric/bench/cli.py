@@ -11,6 +11,9 @@ import argparse
 import importlib
 from typing import Protocol, cast
 
+# Shown by `kvfabric --help`; this module is registered under the kvfabric.commands entry points.
+SUMMARY = "run a benchmark (storage, ttft, operator) and print ratios"
+
 __all__ = ["BENCHMARKS", "configure", "run"]
 
 # name -> (module, one-line summary). Order is the order shown by --help.

@@ -115,11 +115,11 @@ def run(args: argparse.Namespace) -> int:
     from kvfabric.client import CacheClient
     from kvfabric.connector.keys import chunk_keys
     from kvfabric.connector.settings import ConnectorSettings
-    from kvfabric.connector.testing import CacheServerProcess, block_files
     from kvfabric.refengine.engine import Engine
     from kvfabric.refengine.model import RefModel
     from kvfabric.refengine.presets import preset
     from kvfabric.refengine.testing import prompt
+    from kvfabric.testing.memtransport import CacheServerProcess, block_files
 
     sizes = [1024, 4096, 16384] + ([] if args.quick else [32768])
     repeats = args.repeats or (1 if args.quick else 3)

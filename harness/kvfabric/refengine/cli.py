@@ -18,6 +18,9 @@ import signal
 import sys
 from typing import Any
 
+# Shown by `kvfabric --help`; this module is registered under the kvfabric.commands entry points.
+SUMMARY = "run the torch reference engine on token-id prompts"
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the ``run`` and ``serve`` subcommands."""

@@ -106,7 +106,7 @@ class Metrics:
 
     def _usage_cb(self, what: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def cb(_: CallbackOptions) -> Iterable[Observation]:
-            for u in [self._store.dram.usage(), *(t.usage() for t in self._store.disk_tiers)]:
+            for u in self._store.usage():
                 value = {"used": u.used_bytes, "capacity": u.capacity_bytes, "blocks": u.blocks}[what]
                 yield Observation(value, {"tier": u.name})
 

@@ -2,9 +2,15 @@
 
 Each server appends one line per event to ``journals/<server_id>.log`` and tails every other file:
 
-    P <bucket> <namespace> <key> <length>   a block is stored (or refreshed into <bucket>)
-    D <namespace> <key>                     a block was deleted (evicted or by request)
-    X <bucket>                              a whole bucket expired
+    P <bucket> <namespace> <key> <length> [<gen>]   a block is stored (or refreshed into <bucket>)
+    D <namespace> <key>                             a block was evicted (no longer on the volume)
+    T <namespace> <key> <gen>                       a delete: no copy older than <gen> may be served
+    X <bucket>                                      a whole bucket expired
+
+``T`` is the one record that is more than a hint: every server applies it to all its tiers (DRAM and
+local disk included), and the shared tier also leaves it on the volume as a tombstone file, so a
+server that was down when it was written still honours it at start-up. Servers of an older release
+skip the records they do not parse (a 6-field ``P``, a ``T``): a miss, never wrong bytes.
 
 Lines are tiny single ``write`` calls on an O_APPEND file that only its owner writes, so a reader
 sees whole lines or a partial last line (kept until its newline arrives). The journal is a hint, not
@@ -39,12 +45,15 @@ class Event:
     bid: BlockId | None = None
     bucket: int = 0
     length: int = 0
+    gen: int = 0
 
 
 def format_event(ev: Event) -> bytes:
     """Encode one event as a journal line."""
     if ev.op == "P" and ev.bid is not None:
-        return f"P {ev.bucket} {ev.bid.namespace} {ev.bid.key} {ev.length}\n".encode()
+        return f"P {ev.bucket} {ev.bid.namespace} {ev.bid.key} {ev.length} {ev.gen}\n".encode()
+    if ev.op == "T" and ev.bid is not None:
+        return f"T {ev.bid.namespace} {ev.bid.key} {ev.gen}\n".encode()
     if ev.op == "D" and ev.bid is not None:
         return f"D {ev.bid.namespace} {ev.bid.key}\n".encode()
     if ev.op == "X":
@@ -57,8 +66,11 @@ def parse_lines(data: bytes) -> Iterator[Event]:
     for raw in data.split(b"\n"):
         parts = raw.decode("ascii", "replace").split()
         try:
-            if len(parts) == 5 and parts[0] == "P":
-                yield Event("P", BlockId.parse(parts[2], parts[3]), int(parts[1]), int(parts[4]))
+            if len(parts) in (5, 6) and parts[0] == "P":
+                gen = int(parts[5]) if len(parts) == 6 else 0
+                yield Event("P", BlockId.parse(parts[2], parts[3]), int(parts[1]), int(parts[4]), gen)
+            elif len(parts) == 4 and parts[0] == "T":
+                yield Event("T", BlockId.parse(parts[1], parts[2]), gen=int(parts[3]))
             elif len(parts) == 3 and parts[0] == "D":
                 yield Event("D", BlockId.parse(parts[1], parts[2]))
             elif len(parts) == 2 and parts[0] == "X":

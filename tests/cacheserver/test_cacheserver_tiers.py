@@ -82,6 +82,7 @@ def test_an_object_tier_is_one_module_plus_configuration(tmp_path: Path) -> None
         store.close()
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_server_process_runs_a_configured_object_tier(ns: str) -> None:
     extra = [{"kind": OBJECT_TIER, "capacity_bytes": 64 * MiB}]

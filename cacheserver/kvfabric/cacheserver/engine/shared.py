@@ -70,6 +70,7 @@ class SharedTier:
         self.journal: JournalWriter | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._poll_lock = threading.Lock()  # the tailer thread, and anyone calling poll() directly
 
     @property
     def name(self) -> TierName:
@@ -107,14 +108,18 @@ class SharedTier:
 
     def poll(self) -> None:
         """Apply the other servers' new journal records (deletes to every tier of this server)."""
-        events = self._reader.poll()
-        if not events:
-            return
-        self.disk.apply(events)
-        for ev in events:
-            if ev.op == "T" and ev.bid is not None:
-                self.generations.tombstone(ev.bid, ev.gen)
-                self._on_delete(ev.bid, ev.gen)
+        with self._poll_lock:
+            events = self._reader.poll()
+            if not events:
+                return
+            for ev in events:
+                # Tombstones first: a P in the same batch that a T supersedes must not be indexed.
+                if ev.op == "T" and ev.bid is not None:
+                    self.generations.tombstone(ev.bid, ev.gen)
+            self.disk.apply(events)
+            for ev in events:
+                if ev.op == "T" and ev.bid is not None:
+                    self._on_delete(ev.bid, ev.gen)
 
     # --- tombstones ----------------------------------------------------------------------------------
 

@@ -29,7 +29,10 @@ __all__ = [
     "Tier",
     "TierName",
     "TierUsage",
+    "read_miss_counter",
 ]
+
+READ_MISSES = "read_misses"
 
 
 class TierName(enum.StrEnum):
@@ -57,6 +60,11 @@ class MissReason(enum.StrEnum):
     """ESTALE: another server replaced the file under a network filesystem's handle."""
     IO_ERROR = "io-error"
     """Any other I/O failure (EIO, ENOSPC, an index/file length mismatch)."""
+
+
+def read_miss_counter(reason: MissReason) -> str:
+    """Counter name of read misses for ``reason`` (``read_misses.<reason>``, one metric with a label)."""
+    return f"{READ_MISSES}.{reason.value}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from kvfabric.cacheserver.engine.base import MissReason, ReadResult, TierName, TierUsage
+from kvfabric.cacheserver.engine.base import MissReason, ReadResult, TierName, TierUsage, read_miss_counter
 from kvfabric.cacheserver.engine.blockfile import (
     ALIGN,
     HEADER_SIZE,
@@ -333,8 +333,7 @@ class DiskTier:
                 raise ValueError(f"file holds {header.length} bytes, index says {entry.length}")
         except FileNotFoundError:
             # Deleted or expired by another server before its journal entry reached us.
-            self._forget(bid, entry.bucket)
-            return ReadResult.missed(MissReason.ABSENT)
+            return self._miss(bid, entry, MissReason.ABSENT)
         except CorruptBlock as exc:
             log.warning(
                 "corrupt block removed", extra={"tier": self.name, "path": str(path), "reason": str(exc)}
@@ -358,7 +357,7 @@ class DiskTier:
 
     def _miss(self, bid: BlockId, entry: DiskEntry, reason: MissReason) -> ReadResult:
         self._forget(bid, entry.bucket)
-        self.counters.inc(f"read_misses.{reason.value}", self.name)
+        self.counters.inc(read_miss_counter(reason), self.name)
         return ReadResult.missed(reason)
 
     def _forget(self, bid: BlockId, bucket: int) -> None:

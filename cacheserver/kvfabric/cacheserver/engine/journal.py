@@ -16,8 +16,8 @@ Lines are tiny single ``write`` calls on an O_APPEND file that only its owner wr
 sees whole lines or a partial last line (kept until its newline arrives). The journal is a hint, not
 the truth: a stale "present" entry costs one failed open (then a miss and an index fix), a lost one a
 miss — never wrong bytes, because every read verifies the block's checksums. That is what lets the
-journal be truncated when it grows: on start-up and past :data:`MAX_JOURNAL_BYTES`; a tailer that
-sees a file shrink starts it over.
+journal start over when it grows: on start-up and past :data:`MAX_JOURNAL_BYTES` its owner renames a
+new, empty file over it; a tailer that sees a new inode (or a file shrink) starts it over.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from kvfabric.cacheserver.engine.ids import BlockId, InvalidId
 
@@ -88,10 +89,21 @@ class JournalWriter:
         self._lock = threading.Lock()
         # Start empty: every server rebuilds its index from block headers at start-up, so nothing
         # this server wrote before its restart is still needed by anyone.
-        self._fd = os.open(
-            self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o644
-        )
         self._size = 0
+        self._fd = self._fresh_file()
+
+    def _fresh_file(self) -> int:
+        # A new file renamed over the old one, not a truncation: it has a new inode, so a tailer
+        # knows to start it over even when it has already grown past the tailer's old position
+        # (with truncation in place it would skip the new file's first records).
+        tmp = self.path.with_name(f".{self.path.name}.{os.urandom(4).hex()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        # The first line names this file's epoch: inode numbers are reused, epochs are not.
+        head = f"E {os.urandom(8).hex()}\n".encode()
+        os.write(fd, head)
+        os.rename(tmp, self.path)
+        self._size = len(head)
+        return fd
 
     def append(self, events: list[Event]) -> None:
         """Append events in one write (best effort: a failed append costs other servers a miss)."""
@@ -103,8 +115,9 @@ class JournalWriter:
                 return
             try:
                 if self._size + len(data) > MAX_JOURNAL_BYTES:
-                    os.ftruncate(self._fd, 0)
-                    self._size = 0
+                    fd = self._fresh_file()
+                    os.close(self._fd)
+                    self._fd = fd
                 os.write(self._fd, data)
                 self._size += len(data)
             except OSError:
@@ -124,19 +137,20 @@ class JournalReader:
     def __init__(self, journal_dir: Path, server_id: str) -> None:
         self.dir = journal_dir
         self.own = f"{server_id}{SUFFIX}"
-        self._pos: dict[str, int] = {}
+        self._pos: dict[str, tuple[bytes, int]] = {}  # name -> (epoch line, offset)
         self._partial: dict[str, bytes] = {}
 
     def skip_to_end(self) -> None:
         """Start tailing from the current ends (called before the start-up scan, which covers the past)."""
         for name, size in self._files():
-            self._pos[name] = size
+            with contextlib.suppress(OSError), open(self.dir / name, "rb") as f:
+                self._pos[name] = (_epoch(f), size)
 
     def _files(self) -> list[tuple[str, int]]:
         out = []
         with contextlib.suppress(FileNotFoundError):
             for e in os.scandir(self.dir):
-                if e.name.endswith(SUFFIX) and e.name != self.own:
+                if e.name.endswith(SUFFIX) and e.name != self.own and not e.name.startswith("."):
                     with contextlib.suppress(FileNotFoundError):
                         out.append((e.name, e.stat().st_size))
         return out
@@ -145,23 +159,31 @@ class JournalReader:
         """Events appended since the last poll, across all other journals."""
         events: list[Event] = []
         for name, size in self._files():
-            pos = self._pos.get(name, 0)
-            if size < pos:
-                # Truncated (its owner restarted or rotated): start over; events are idempotent.
-                pos = 0
-                self._partial.pop(name, None)
+            seen, pos = self._pos.get(name, (b"", 0))
             if size == pos:
                 continue
             try:
                 with open(self.dir / name, "rb") as f:
+                    epoch = _epoch(f)
+                    if epoch != seen or size < pos:
+                        # A new file (its owner restarted or rotated it): start over. Replaying
+                        # records is harmless: they are idempotent, and generations order them.
+                        pos = 0
+                        self._partial.pop(name, None)
                     f.seek(pos)
-                    data = f.read(size - pos)
+                    data = f.read(max(0, size - pos))
             except FileNotFoundError:
                 continue
-            self._pos[name] = pos + len(data)
+            self._pos[name] = (epoch, pos + len(data))
             data = self._partial.pop(name, b"") + data
             cut = data.rfind(b"\n") + 1
             if cut < len(data):
                 self._partial[name] = data[cut:]
             events.extend(parse_lines(data[:cut]))
         return events
+
+
+def _epoch(f: BinaryIO) -> bytes:
+    """The first line of an open journal (its epoch), or b"" when it has none yet."""
+    line = os.pread(f.fileno(), 64, 0)
+    return line[: line.find(b"\n") + 1] if b"\n" in line else b""

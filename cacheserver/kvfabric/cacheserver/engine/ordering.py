@@ -7,9 +7,10 @@ every generation this server has seen, its own or another server's). A delete re
 generation is not greater. Every copy carries its generation: DRAM in its index, disk tiers in the
 block header and the index, the shared volume's journal in its ``P`` and ``T`` records.
 
-Two operations on different servers whose volume times are closer than the clocks' agreement (a
-janitor interval of monotonic drift, typically well under a millisecond) are concurrent: either order
-may win, and both outcomes are a store that was acknowledged.
+Servers agree on volume time only to within the filesystem's timestamp granularity (a few ms) plus
+monotonic drift between syncs. So that a delete always supersedes every store acknowledged anywhere
+before it, its generation is taken :data:`DELETE_MARGIN_S` ahead of now: a store on another server
+in that second which had not yet learned of the delete is superseded too — a miss, never old bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from collections.abc import Callable
 
 from kvfabric.cacheserver.engine.ids import BlockId
 
-__all__ = ["Generations"]
+__all__ = ["DELETE_MARGIN_S", "Generations"]
+
+DELETE_MARGIN_S = 1.0
 
 
 class Generations:
@@ -34,6 +37,13 @@ class Generations:
     def next(self) -> int:
         """A generation greater than every one issued or observed so far."""
         t = int(self._now() * 1e9)
+        with self._lock:
+            self._last = max(self._last + 1, t)
+            return self._last
+
+    def for_delete(self) -> int:
+        """A delete's generation: ahead of every store acknowledged so far on any server."""
+        t = int((self._now() + DELETE_MARGIN_S) * 1e9)
         with self._lock:
             self._last = max(self._last + 1, t)
             return self._last

@@ -123,7 +123,12 @@ class SharedTier:
 
     # --- tombstones ----------------------------------------------------------------------------------
 
-    def _load_tombstones(self) -> None:
+    def _load_tombstones(self, *, apply: bool = False) -> int:
+        """Learn the tombstones on the volume; with ``apply``, apply new ones to every tier.
+
+        At start-up this runs before any index is rebuilt; the janitor runs it again, so a ``T``
+        record a tailer missed (a journal rotated between two polls) is honoured within a tick.
+        """
         n = 0
         with contextlib.suppress(FileNotFoundError):
             for bdir in os.scandir(self.tomb_dir):
@@ -131,11 +136,13 @@ class SharedTier:
                     for f in os.scandir(bdir.path):
                         stem, _, gen = f.name.rpartition(".")
                         bid = BlockId.from_filename(f"{stem}.blk")
-                        if bid is not None and gen.isdigit():
-                            self.generations.tombstone(bid, int(gen))
+                        if bid is not None and gen.isdigit() and self.generations.tombstone(bid, int(gen)):
                             n += 1
+                            if apply:
+                                self._on_delete(bid, int(gen))
         if n:
             log.info("tombstones loaded", extra={"tier": self.name, "tombstones": n})
+        return n
 
     def _write_tombstone(self, bid: BlockId, gen: int) -> None:
         bucket = self.expiry.current_bucket()
@@ -276,4 +283,5 @@ class SharedTier:
                     extra={"tier": self.name, "bucket": b, "blocks": len(gone), "server_id": self.server_id},
                 )
         self._expire_tombstones()
+        self._load_tombstones(apply=True)
         self.disk.reap_stale_tmp(STALE_TMP_SECONDS)

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -28,7 +29,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.cacheserver.config import ServerConfig
-from kvfabric.cacheserver.engine.base import BackingTier, MissReason, Tier, TierName, TierUsage
+from kvfabric.cacheserver.engine.base import (
+    BackingTier,
+    MissReason,
+    Tier,
+    TierName,
+    TierUsage,
+    read_miss_counter,
+)
 from kvfabric.cacheserver.engine.blockfile import ALIGN, payload_checksum
 from kvfabric.cacheserver.engine.dram import BytesBlock, DramBlock, DramTier, OpenBlock
 from kvfabric.cacheserver.engine.ids import BlockId
@@ -209,6 +217,12 @@ class TieredStore:
             if not self.dram.put_with(bid, length, fill, gen=lambda: got[0]):
                 return None
         except _Miss:
+            return None  # counted by the tier, which dropped the entry
+        except OSError as exc:
+            # The DRAM side failed (tmpfs full: ENOSPC/EFAULT while the read fills its pages): a
+            # miss with a reason, never an error to the client; the disk copy stays.
+            log.warning("promotion failed", extra={"tier": tier.name, "key": bid.key, "reason": str(exc)})
+            self.counters.inc(read_miss_counter(MissReason.IO_ERROR), TierName.DRAM)
             return None
         return self.dram.generation(bid)
 
@@ -272,7 +286,13 @@ class TieredStore:
     def put_with(self, bid: BlockId, length: int, fill: Callable[[int], None]) -> bool:
         """Store a block into DRAM via ``fill(fd)``; write-back is queued. False if dropped."""
         gen = self.generations.next()
-        if not self.dram.put_with(bid, length, fill, gen=gen):
+        try:
+            stored = self.dram.put_with(bid, length, fill, gen=gen)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+                raise
+            stored = False  # the tmpfs is full whatever the budget says: a dropped store
+        if not stored:
             self.counters.inc("dropped_stores", TierName.DRAM)
             return False
         self.counters.inc("stores")
@@ -352,7 +372,7 @@ class TieredStore:
         The tombstone is recorded first, so a write-back or promotion of an older copy still in
         flight cannot land afterwards (each tier re-checks it when it commits).
         """
-        gen = self.generations.next()
+        gen = self.generations.for_delete()
         self.generations.tombstone(bid, gen)
         found = self.dram.delete(bid, gen)
         for tier in self.backing:

@@ -117,6 +117,7 @@ def add_to_server(service: CacheService, server: grpc.aio.Server) -> None:
         ),
         "Delete": grpc.unary_unary_rpc_method_handler(service.Delete, _decoder(pb.DeleteRequest), enc),
         "Stats": grpc.unary_unary_rpc_method_handler(service.Stats, _decoder(pb.StatsRequest), enc),
+        "Flush": grpc.unary_unary_rpc_method_handler(service.Flush, _decoder(pb.FlushRequest), enc),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("kvfabric.rpc.v1.Cache", handlers),)
@@ -446,6 +447,23 @@ class CacheService(pb_grpc.CacheServicer):
         store = self.s.store
         n = await self._in_pool(self.s.store_pool, lambda: sum(store.delete(b) for b in bids))
         return pb.DeleteResponse(deleted=n)
+
+    async def Flush(
+        self, request: pb.FlushRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.FlushResponse:
+        """Wait for the keys' write-backs (until the deadline); say which durable tiers hold each."""
+        await _check(request, context)
+        bids = await self._ids(request.namespace, list(request.keys), context)
+        # A little before the deadline, so the answer still reaches the client.
+        wait = max(0.0, self._deadline(context) * 0.9)
+        store = self.s.store
+        # The default executor: a flush waits, and must not hold a load or store thread meanwhile.
+        tiers, complete = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: store.durable_tiers(bids, wait)
+        )
+        return pb.FlushResponse(
+            keys=[pb.KeyTiers(tiers=[_TIER_ENUM[t] for t in held]) for held in tiers], complete=complete
+        )
 
     async def Stats(
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -137,44 +137,47 @@ class JournalReader:
     def __init__(self, journal_dir: Path, server_id: str) -> None:
         self.dir = journal_dir
         self.own = f"{server_id}{SUFFIX}"
-        self._pos: dict[str, tuple[bytes, int]] = {}  # name -> (epoch line, offset)
+        # name -> (epoch line, offset, stat signature when last read)
+        self._pos: dict[str, tuple[bytes, int, tuple[int, int, int]]] = {}
         self._partial: dict[str, bytes] = {}
 
     def skip_to_end(self) -> None:
         """Start tailing from the current ends (called before the start-up scan, which covers the past)."""
-        for name, size in self._files():
+        for name, size, sig in self._files():
             with contextlib.suppress(OSError), open(self.dir / name, "rb") as f:
-                self._pos[name] = (_epoch(f), size)
+                self._pos[name] = (_epoch(f), size, sig)
 
-    def _files(self) -> list[tuple[str, int]]:
+    def _files(self) -> list[tuple[str, int, tuple[int, int, int]]]:
         out = []
         with contextlib.suppress(FileNotFoundError):
             for e in os.scandir(self.dir):
                 if e.name.endswith(SUFFIX) and e.name != self.own and not e.name.startswith("."):
                     with contextlib.suppress(FileNotFoundError):
-                        out.append((e.name, e.stat().st_size))
+                        st = e.stat()
+                        out.append((e.name, st.st_size, (st.st_ino, st.st_size, st.st_mtime_ns)))
         return out
 
     def poll(self) -> list[Event]:
         """Events appended since the last poll, across all other journals."""
         events: list[Event] = []
-        for name, size in self._files():
-            seen, pos = self._pos.get(name, (b"", 0))
-            if size == pos:
-                continue
+        for name, size, sig in self._files():
+            seen, pos, seen_sig = self._pos.get(name, (b"", 0, (-1, -1, -1)))
+            if sig == seen_sig:
+                continue  # same file, same size, same mtime: nothing new
             try:
                 with open(self.dir / name, "rb") as f:
                     epoch = _epoch(f)
                     if epoch != seen or size < pos:
-                        # A new file (its owner restarted or rotated it): start over. Replaying
-                        # records is harmless: they are idempotent, and generations order them.
+                        # A new file (its owner restarted or rotated it), even one that regrew to our
+                        # old offset: start over. Replaying records is harmless: they are idempotent,
+                        # and generations order them.
                         pos = 0
                         self._partial.pop(name, None)
                     f.seek(pos)
                     data = f.read(max(0, size - pos))
             except FileNotFoundError:
                 continue
-            self._pos[name] = (epoch, pos + len(data))
+            self._pos[name] = (epoch, pos + len(data), sig if len(data) == size - pos else (-1, -1, -1))
             data = self._partial.pop(name, b"") + data
             cut = data.rfind(b"\n") + 1
             if cut < len(data):

@@ -23,6 +23,7 @@ import mmap
 import os
 import threading
 import time
+from collections import Counter as Tally
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -104,7 +105,9 @@ class TieredStore:
         self._has = tuple((tier.name, tier.has) for tier in self.tiers)
         self._wb_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="writeback")
         self._wb_lock = threading.Lock()
+        self._wb_done = threading.Condition(self._wb_lock)
         self._wb_bytes = 0
+        self._wb_keys: Tally[BlockId] = Tally()  # write-back jobs queued or running, per key
         self._refreshing: set[tuple[TierName, BlockId]] = set()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -321,12 +324,20 @@ class TieredStore:
                 self.counters.inc("dropped_writebacks")
                 return
             self._wb_bytes += handle.length
+            self._wb_keys[bid] += 1
         try:
             self._wb_pool.submit(self._writeback, _Pending(bid, handle, targets))
         except RuntimeError:  # shutting down
-            with self._wb_lock:
-                self._wb_bytes -= handle.length
+            self._writeback_done(bid, handle.length)
             handle.close()
+
+    def _writeback_done(self, bid: BlockId, nbytes: int) -> None:
+        with self._wb_lock:
+            self._wb_bytes -= nbytes
+            self._wb_keys[bid] -= 1
+            if self._wb_keys[bid] <= 0:
+                del self._wb_keys[bid]
+            self._wb_done.notify_all()
 
     def _writeback(self, job: _Pending) -> None:
         try:
@@ -351,8 +362,7 @@ class TieredStore:
         except Exception:
             log.exception("write-back failed", extra={"key": job.bid.key})
         finally:
-            with self._wb_lock:
-                self._wb_bytes -= job.handle.length
+            self._writeback_done(job.bid, job.handle.length)
             job.handle.close()
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -365,6 +375,34 @@ class TieredStore:
             if time.monotonic() > end:
                 return False
             time.sleep(0.01)
+
+    def durable_tiers(self, bids: list[BlockId], timeout: float) -> tuple[list[list[TierName]], bool]:
+        """Per key, the durable tiers holding its latest stored generation, after its write-backs.
+
+        Waits up to ``timeout`` for the keys' pending write-backs first. The latest generation is
+        the DRAM copy's, else the newest any tier holds. Returns ``(tiers per key, complete)``;
+        ``complete`` is False if the wait timed out.
+        """
+        end = time.monotonic() + timeout
+        with self._wb_lock:
+            complete = self._wb_done.wait_for(
+                lambda: not any(b in self._wb_keys for b in bids), max(0.0, end - time.monotonic())
+            )
+        out: list[list[TierName]] = []
+        for bid in bids:
+            want = self.dram.generation(bid)
+            if want is None:
+                want = max((g for t in self.backing if (g := t.generation(bid)) is not None), default=None)
+            out.append(
+                []
+                if want is None
+                else [
+                    t.name
+                    for t in self.backing
+                    if t.durable and (g := t.generation(bid)) is not None and g >= want
+                ]
+            )
+        return out, complete
 
     def delete(self, bid: BlockId) -> bool:
         """Delete from every tier (and tell the other servers); True if it was stored anywhere.

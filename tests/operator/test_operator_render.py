@@ -38,6 +38,7 @@ def test_children_and_owner_references() -> None:
         ("DaemonSet", "pool-a-cache"),
         ("Service", "pool-a"),
         ("Service", "pool-a-metrics"),
+        ("NetworkPolicy", "pool-a-cache"),
     }
     for obj in objs.values():
         meta = obj["metadata"]

@@ -159,7 +159,13 @@ def build_cache(settings: ConnectorSettings, counters: Counters | None = None) -
         endpoints.append(
             Endpoint(
                 "remote",
-                transport_factory(settings.remote, token=settings.token, tls_ca=settings.tls_ca),
+                transport_factory(
+                    settings.remote,
+                    token=settings.token,
+                    tls_ca=settings.tls_ca,
+                    tls_cert=settings.tls_cert,
+                    tls_key=settings.tls_key,
+                ),
                 CircuitBreaker(settings.breaker_failures, cooldown),
             )
         )

@@ -84,6 +84,10 @@ class ConnectorSettings(BaseSettings):
     """Bearer token for the TCP listener (the Unix socket needs none)."""
     tls_ca: str | None = None
     """CA bundle (path) to verify the TCP listener's certificate; plaintext when unset."""
+    tls_cert: str | None = None
+    """Client certificate (PEM path) for a TCP listener that requires mutual TLS."""
+    tls_key: str | None = None
+    """Private key (PEM path) of ``tls_cert``."""
     chunk_tokens: int = Field(default=256, gt=0)
     """Tokens per chunk; must be a multiple of the engine's block size."""
     tenant: str = ""

@@ -178,16 +178,27 @@ def inject(
         return _skip(out, SKIP_NO_CONTAINER, "the pod has no containers")
 
     env = conn.env_with_hash
+    # Secrets cannot be referenced across namespaces: only consumers in the pool's own namespace get
+    # the TCP credentials; others use the node's Unix socket alone.
+    same_namespace = pool_ns == pod_ns
+    credentials = conn.credential_env if same_namespace else []
+    if not same_namespace:
+        env = {k: v for k, v in env.items() if k != "KVFABRIC_REMOTE"}
     notes: list[str] = []
     for container in targets:
         existing = container.get("env") or []
         present = {e.get("name") for e in existing}
         # A value the user set wins: it is their explicit override.
         existing += [{"name": k, "value": v} for k, v in env.items() if k not in present]
+        existing += [e for e in credentials if e["name"] not in present]
         container["env"] = existing
         mounts = container.get("volumeMounts") or []
         if not any(m.get("name") == names.RUN_VOLUME for m in mounts):
             mounts.append({"name": names.RUN_VOLUME, "mountPath": conn.host_dir})
+        if credentials and not any(m.get("name") == names.CLIENT_TLS_VOLUME for m in mounts):
+            mounts.append(
+                {"name": names.CLIENT_TLS_VOLUME, "mountPath": names.CLIENT_TLS_MOUNT, "readOnly": True}
+            )
         container["volumeMounts"] = mounts
         if is_vllm(container):
             notes.append(_add_kv_transfer_config(container))
@@ -198,6 +209,13 @@ def inject(
         # the connector then falls back to recompute.
         volumes.append(
             {"name": names.RUN_VOLUME, "hostPath": {"path": conn.host_dir, "type": "DirectoryOrCreate"}}
+        )
+    if credentials and not any(v.get("name") == names.CLIENT_TLS_VOLUME for v in volumes):
+        volumes.append(
+            {
+                "name": names.CLIENT_TLS_VOLUME,
+                "secret": {"secretName": names.client_tls_secret_name(conn.pool)},
+            }
         )
     out["spec"]["volumes"] = volumes
     vllm_targets = [c for c in targets if is_vllm(c)]

@@ -30,6 +30,25 @@ class ConnectionSettings:
     deadlines: dict[str, int] = field(default_factory=dict)
     # Not part of the environment (nor of the hash): the payload image only matters at pod creation.
     connector_image: str = ""
+    tcp: bool = False
+    """Whether the TCP listener is on (then consumers in the pool's namespace get its credentials)."""
+
+    @property
+    def credential_env(self) -> list[dict[str, object]]:
+        """Environment entries wiring the pool's credentials into a consumer in the pool's namespace.
+
+        The token comes from the Secret through ``secretKeyRef``: it never appears in the pod spec.
+        """
+        if not self.tcp:
+            return []
+        tls = names.CLIENT_TLS_MOUNT
+        ref = {"name": names.credentials_secret_name(self.pool), "key": names.TOKEN_KEY}
+        return [
+            {"name": "KVFABRIC_TOKEN", "valueFrom": {"secretKeyRef": ref}},
+            {"name": "KVFABRIC_TLS_CA", "value": f"{tls}/{names.CA_KEY}"},
+            {"name": "KVFABRIC_TLS_CERT", "value": f"{tls}/tls.crt"},
+            {"name": "KVFABRIC_TLS_KEY", "value": f"{tls}/tls.key"},
+        ]
 
     @property
     def env(self) -> dict[str, str]:
@@ -38,9 +57,10 @@ class ConnectionSettings:
             "KVFABRIC_POOL": f"{self.namespace}/{self.pool}",
             "KVFABRIC_SOCKET": self.socket,
             "KVFABRIC_SHM_DIR": self.shm_dir,
-            "KVFABRIC_REMOTE": self.remote,
             "KVFABRIC_CHUNK_TOKENS": str(self.chunk_tokens),
         }
+        if self.remote:
+            env["KVFABRIC_REMOTE"] = self.remote
         if self.tenant:
             env["KVFABRIC_TENANT"] = self.tenant
         for op in ("lookup", "load", "store"):
@@ -75,11 +95,14 @@ def connection_settings(pool: KVCachePool) -> ConnectionSettings:
         host_dir=base,
         socket=f"{base}/{names.SOCKET_NAME}",
         shm_dir=f"{base}/{names.SHM_NAME}",
-        remote=f"{names.service_name(name)}.{namespace}.svc:{pool.spec.server.port}",
+        remote=f"{names.service_name(name)}.{namespace}.svc:{pool.spec.server.port}"
+        if pool.spec.server.tcp.enabled
+        else "",
         chunk_tokens=pool.spec.chunk_tokens,
         tenant=pool.spec.consumers.tenant,
         deadlines=deadlines,
         connector_image=pool.spec.consumers.connector_image or default_connector_image(pool),
+        tcp=pool.spec.server.tcp.enabled,
     )
 
 

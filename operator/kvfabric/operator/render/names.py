@@ -35,6 +35,38 @@ PAYLOAD_MOUNT: Final = "/opt/kvfabric"
 PAYLOAD_PYTHONPATH: Final = f"{PAYLOAD_MOUNT}/site-packages"
 PAYLOAD_ANNOTATION: Final = "kvfabric.io/inject-payload"
 RUN_VOLUME: Final = "kvfabric-run"
+# Per-pool credentials, mounted read-only into the cache servers (and the client side into consumers).
+SERVER_TLS_MOUNT: Final = "/etc/kvfabric/tls"
+CREDENTIALS_MOUNT: Final = "/etc/kvfabric/credentials"
+CLIENT_TLS_VOLUME: Final = "kvfabric-client-tls"
+CLIENT_TLS_MOUNT: Final = "/var/run/secrets/kvfabric.io/tls"
+TOKEN_KEY: Final = "token"  # noqa: S105 - the key name inside the Secret, not a secret
+CA_KEY: Final = "ca.crt"
+
+
+def credentials_secret_name(pool: str) -> str:
+    """Return the Secret holding the pool's bearer token (and payload key)."""
+    return f"{pool}-credentials"
+
+
+def ca_secret_name(pool: str) -> str:
+    """Return the Secret holding the pool's own CA (certificate and key; never mounted anywhere)."""
+    return f"{pool}-ca"
+
+
+def server_tls_secret_name(pool: str) -> str:
+    """Return the Secret with the cache servers' certificate, key and the CA bundle."""
+    return f"{pool}-server-tls"
+
+
+def client_tls_secret_name(pool: str) -> str:
+    """Return the Secret with the consumers' client certificate, key and the CA bundle."""
+    return f"{pool}-client-tls"
+
+
+def network_policy_name(pool: str) -> str:
+    """Return the NetworkPolicy guarding the cache servers' ports."""
+    return f"{pool}-cache"
 
 
 def local_disk_dir(namespace: str, pool: str) -> str:

@@ -22,6 +22,8 @@ from kvfabric.operator.certs import make_ca, make_leaf
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest
 
+pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.testing.levels)
+
 NS = digest("security-ns")
 TOKEN = "pool-token-0123456789abcdef"
 

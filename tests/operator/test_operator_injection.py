@@ -76,12 +76,15 @@ def test_tcp_pool_wires_its_credentials_into_same_namespace_consumers() -> None:
     token = next(e for e in container["env"] if e["name"] == "KVFABRIC_TOKEN")
     assert token == {
         "name": "KVFABRIC_TOKEN",
-        "valueFrom": {"secretKeyRef": {"name": "pool-a-credentials", "key": "token"}},
+        "valueFrom": {"secretKeyRef": {"name": "pool-a-credentials", "key": "token", "optional": True}},
     }
+    mac = next(e for e in container["env"] if e["name"] == "KVFABRIC_PAYLOAD_KEY")
+    assert mac["valueFrom"]["secretKeyRef"]["name"] == "pool-a-credentials"
     assert "pool-a-credentials" not in json.dumps(result.pod["metadata"])
-    assert {"name": names.CLIENT_TLS_VOLUME, "secret": {"secretName": "pool-a-client-tls"}} in result.pod[
-        "spec"
-    ]["volumes"]
+    assert {
+        "name": names.CLIENT_TLS_VOLUME,
+        "secret": {"secretName": "pool-a-client-tls", "optional": True},
+    } in result.pod["spec"]["volumes"]
     assert inject(result.pod, pools(tcp), {}).pod == result.pod  # idempotent
     # A consumer in another namespace cannot reference the Secret: no TCP wiring, the socket only.
     tcp["spec"]["consumers"] = {"namespaceSelector": {"matchLabels": {"team": "a"}}}
@@ -93,6 +96,7 @@ def test_tcp_pool_wires_its_credentials_into_same_namespace_consumers() -> None:
     assert other.injected
     other_env = [e["name"] for e in other.pod["spec"]["containers"][0]["env"]]
     assert "KVFABRIC_TOKEN" not in other_env
+    assert "KVFABRIC_PAYLOAD_KEY" not in other_env
     assert "KVFABRIC_REMOTE" not in other_env
     assert "KVFABRIC_SOCKET" in other_env
 
@@ -110,6 +114,14 @@ def test_vllm_pod_gets_env_volume_args_and_annotations() -> None:
     assert env["KVFABRIC_POOL"] == "llm/pool-a"
     assert env["KVFABRIC_CONFIG_HASH"] == target.config_hash
     assert "KVFABRIC_TENANT" not in env
+    # The payload MAC key is wired from the pool's Secret, even with TCP off.
+    mac = next(e for e in container["env"] if e["name"] == "KVFABRIC_PAYLOAD_KEY")
+    assert mac["valueFrom"]["secretKeyRef"] == {
+        "name": "pool-a-credentials",
+        "key": "payload-key",
+        "optional": True,
+    }
+    assert not any(e["name"] == "KVFABRIC_TOKEN" for e in container["env"])
     args = container["args"]
     assert args[-2] == KV_TRANSFER_FLAG
     assert json.loads(args[-1]) == {

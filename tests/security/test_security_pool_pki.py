@@ -58,9 +58,13 @@ def test_tcp_off_needs_only_the_token_and_keeps_it() -> None:
     _apply(store, plan.writes)
     token = store["p-credentials"]["data"]["token"]
     assert len(base64.b64decode(token)) >= 32
+    mac = store["p-credentials"]["data"]["payload-key"]
+    assert len(base64.b64decode(mac)) >= 32
+    assert mac != token
     # Level-triggered: a second pass writes nothing and never changes the token.
     assert _plan(pool(tcp=False), store, now) == []
     assert store["p-credentials"]["data"]["token"] == token
+    assert store["p-credentials"]["data"]["payload-key"] == mac
 
 
 def test_certificates_chain_to_the_pools_own_ca_and_cover_the_service() -> None:

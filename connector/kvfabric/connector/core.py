@@ -27,6 +27,7 @@ Data flow of one request:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import enum
 import logging
 import threading
@@ -194,6 +195,14 @@ class KVFabricConnectorCore:
             raise ValueError("spec.chunk_tokens must equal settings.chunk_tokens")
         self.role = role
         self.settings = settings
+        # The payload key's fingerprint is part of the namespace (see NamespaceSpec.payload_key_id).
+        self.mac_key = settings.mac_key
+        key_id = layout.key_id(self.mac_key)
+        spec = dataclasses.replace(spec, payload_key_id=key_id)
+        if scheduler_spec is not None:
+            scheduler_spec = dataclasses.replace(scheduler_spec, payload_key_id=key_id)
+        if not key_id and settings.configured:
+            log.warning("no payload key configured (KVFABRIC_PAYLOAD_KEY): chunks are not authenticated")
         self.spec = spec
         self.namespace = (scheduler_spec or spec).digest() if role is Role.SCHEDULER else spec.digest()
         self.chunk_tokens = spec.chunk_tokens
@@ -505,6 +514,7 @@ class KVFabricConnectorCore:
                     key=keys[i],
                     num_tokens=self.chunk_tokens,
                     num_layers=len(geo.layers),
+                    mac_key=self.mac_key,
                 )
             except layout.PayloadError as exc:
                 log.warning("chunk %s: %s", keys[i][:12], exc)
@@ -664,6 +674,7 @@ class KVFabricConnectorCore:
                     key=key,
                     num_tokens=self.chunk_tokens,
                     num_layers=len(geo.layers),
+                    mac_key=self.mac_key,
                 )
             result = cache.store(self.namespace, spec.keys, payloads, self.settings.store_deadline_ms / 1000)
             store_finished = result is not None

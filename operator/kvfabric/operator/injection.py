@@ -179,7 +179,8 @@ def inject(
 
     env = conn.env_with_hash
     # Secrets cannot be referenced across namespaces: only consumers in the pool's own namespace get
-    # the TCP credentials; others use the node's Unix socket alone.
+    # the payload key and the TCP credentials; others use the node's Unix socket alone, with
+    # unauthenticated payloads in a key space of their own (docs/security.md).
     same_namespace = pool_ns == pod_ns
     credentials = conn.credential_env if same_namespace else []
     if not same_namespace:
@@ -195,7 +196,7 @@ def inject(
         mounts = container.get("volumeMounts") or []
         if not any(m.get("name") == names.RUN_VOLUME for m in mounts):
             mounts.append({"name": names.RUN_VOLUME, "mountPath": conn.host_dir})
-        if credentials and not any(m.get("name") == names.CLIENT_TLS_VOLUME for m in mounts):
+        if conn.tcp and credentials and not any(m.get("name") == names.CLIENT_TLS_VOLUME for m in mounts):
             mounts.append(
                 {"name": names.CLIENT_TLS_VOLUME, "mountPath": names.CLIENT_TLS_MOUNT, "readOnly": True}
             )
@@ -210,11 +211,11 @@ def inject(
         volumes.append(
             {"name": names.RUN_VOLUME, "hostPath": {"path": conn.host_dir, "type": "DirectoryOrCreate"}}
         )
-    if credentials and not any(v.get("name") == names.CLIENT_TLS_VOLUME for v in volumes):
+    if conn.tcp and credentials and not any(v.get("name") == names.CLIENT_TLS_VOLUME for v in volumes):
         volumes.append(
             {
                 "name": names.CLIENT_TLS_VOLUME,
-                "secret": {"secretName": names.client_tls_secret_name(conn.pool)},
+                "secret": {"secretName": names.client_tls_secret_name(conn.pool), "optional": True},
             }
         )
     out["spec"]["volumes"] = volumes

@@ -1,4 +1,4 @@
-"""Per-pool credentials: a bearer token and, when TCP is on, a CA with server and client certificates.
+"""Per-pool credentials: a token, the payload MAC secret and, with TCP, a CA and its certificates.
 
 :func:`plan_secrets` is pure: given the pool, the Secrets that exist now and the time, it returns the
 Secrets to write. Existing material is kept as long as it is valid; a certificate with less than a
@@ -117,8 +117,9 @@ def plan_secrets(
     wanted = {cred_name}
     cred = _decode(existing.get(cred_name))
     want_cred = dict(cred)
-    if not want_cred.get(names.TOKEN_KEY):
-        want_cred[names.TOKEN_KEY] = token().encode()
+    for item in (names.TOKEN_KEY, names.PAYLOAD_KEY):
+        if not want_cred.get(item):
+            want_cred[item] = token().encode()
     if want_cred != cred:
         writes.append(_body(pool, cred_name, want_cred, owner))
 

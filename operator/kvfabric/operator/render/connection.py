@@ -37,13 +37,20 @@ class ConnectionSettings:
     def credential_env(self) -> list[dict[str, object]]:
         """Environment entries wiring the pool's credentials into a consumer in the pool's namespace.
 
-        The token comes from the Secret through ``secretKeyRef``: it never appears in the pod spec.
+        Secrets come through ``secretKeyRef``: they never appear in the pod spec. The payload key
+        (the MAC that makes forged chunks fail) always; the TCP token and certificate when TCP is on.
         """
+        secret = names.credentials_secret_name(self.pool)
+        # optional: a pod created before its pool's Secret exists still starts (the cache must never
+        # stop inference); it then runs without the key, in a key space of its own.
+        mac_ref: dict[str, object] = {"name": secret, "key": names.PAYLOAD_KEY, "optional": True}
+        mac: dict[str, object] = {"name": "KVFABRIC_PAYLOAD_KEY", "valueFrom": {"secretKeyRef": mac_ref}}
         if not self.tcp:
-            return []
+            return [mac]
         tls = names.CLIENT_TLS_MOUNT
-        ref = {"name": names.credentials_secret_name(self.pool), "key": names.TOKEN_KEY}
+        ref: dict[str, object] = {"name": secret, "key": names.TOKEN_KEY, "optional": True}
         return [
+            mac,
             {"name": "KVFABRIC_TOKEN", "valueFrom": {"secretKeyRef": ref}},
             {"name": "KVFABRIC_TLS_CA", "value": f"{tls}/{names.CA_KEY}"},
             {"name": "KVFABRIC_TLS_CERT", "value": f"{tls}/tls.crt"},

@@ -40,6 +40,7 @@ SERVER_TLS_MOUNT: Final = "/etc/kvfabric/tls"
 CREDENTIALS_MOUNT: Final = "/etc/kvfabric/credentials"
 CLIENT_TLS_VOLUME: Final = "kvfabric-client-tls"
 CLIENT_TLS_MOUNT: Final = "/var/run/secrets/kvfabric.io/tls"
+PAYLOAD_KEY: Final = "payload-key"
 TOKEN_KEY: Final = "token"  # noqa: S105 - the key name inside the Secret, not a secret
 CA_KEY: Final = "ca.crt"
 

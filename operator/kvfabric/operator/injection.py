@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from kvfabric.contract.consumer_env import ConsumerVar
 from kvfabric.operator.api.v1alpha1 import POOL_LABEL, KVCachePool, LabelSelector
 from kvfabric.operator.render import names
 from kvfabric.operator.render.connection import ConnectionSettings, connection_settings
@@ -184,7 +185,7 @@ def inject(
     same_namespace = pool_ns == pod_ns
     credentials = conn.credential_env if same_namespace else []
     if not same_namespace:
-        env = {k: v for k, v in env.items() if k != "KVFABRIC_REMOTE"}
+        env = {k: v for k, v in env.items() if k != ConsumerVar.REMOTE.value}
     notes: list[str] = []
     for container in targets:
         existing = container.get("env") or []

@@ -107,8 +107,8 @@ def test_vllm_pod_gets_env_volume_args_and_annotations() -> None:
     container = result.pod["spec"]["containers"][0]
     env = env_of(container)
     target = POOLS[("llm", "pool-a")].connection
-    assert env["KVFABRIC_SOCKET"] == "/run/kvfabric/llm-pool-a/cache.sock"
-    assert env["KVFABRIC_SHM_DIR"] == "/run/kvfabric/llm-pool-a/shm"
+    assert env["KVFABRIC_SOCKET"] == "/run/kvfabric/llm.pool-a/cache.sock"
+    assert env["KVFABRIC_SHM_DIR"] == "/run/kvfabric/llm.pool-a/shm"
     assert "KVFABRIC_REMOTE" not in env  # the TCP listener is off by default (see the tcp test below)
     assert env["KVFABRIC_CHUNK_TOKENS"] == "256"
     assert env["KVFABRIC_POOL"] == "llm/pool-a"
@@ -130,11 +130,11 @@ def test_vllm_pod_gets_env_volume_args_and_annotations() -> None:
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
     }
-    assert {"name": "kvfabric-run", "mountPath": "/run/kvfabric/llm-pool-a"} in container["volumeMounts"]
+    assert {"name": "kvfabric-run", "mountPath": "/run/kvfabric/llm.pool-a"} in container["volumeMounts"]
     assert result.pod["spec"]["volumes"] == [
         {
             "name": "kvfabric-run",
-            "hostPath": {"path": "/run/kvfabric/llm-pool-a", "type": "DirectoryOrCreate"},
+            "hostPath": {"path": "/run/kvfabric/llm.pool-a", "type": "DirectoryOrCreate"},
         },
         {"name": names.PAYLOAD_VOLUME, "emptyDir": {}},  # the connector payload, for vLLM containers
     ]

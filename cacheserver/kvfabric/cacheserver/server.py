@@ -12,6 +12,7 @@ import hmac
 import logging
 import os
 import signal
+import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,33 @@ def _server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
     )
 
 
+def check_directories(config: ServerConfig) -> None:
+    """Refuse to start on a directory that is a symbolic link or not a directory at all.
+
+    The block, arena and socket directories are where the server writes; a symlink planted there
+    (by whoever else can write the host path) would redirect those writes anywhere on the node.
+    Missing directories are fine: the server creates them.
+    """
+    paths = [
+        ("shm.dir", config.shm.dir),
+        ("listen.unix_socket's directory", config.listen.unix_socket.parent),
+    ]
+    tiers = config.tiers
+    if tiers.local_disk is not None:
+        paths.append(("tiers.local_disk.path", tiers.local_disk.path))
+    if tiers.shared is not None:
+        paths.append(("tiers.shared.path", tiers.shared.path))
+    for field, path in paths:
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            raise ValueError(f"{field} {path} is a symbolic link; refusing to use it")
+        if not stat.S_ISDIR(st.st_mode):
+            raise ValueError(f"{field} {path} exists and is not a directory; refusing to use it")
+
+
 async def serve(
     config: ServerConfig,
     *,
@@ -182,6 +210,7 @@ async def serve(
     auth = _BearerAuth(config.listen.token_file) if config.listen.token_file else None
     tls = config.listen.tls
     tls_creds = _server_credentials(tls) if tls else None
+    check_directories(config)
 
     store = TieredStore(config)
     await loop.run_in_executor(None, store.start)  # header scan: keep the loop free meanwhile

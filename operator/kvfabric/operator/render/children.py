@@ -212,7 +212,11 @@ def _volumes(pool: KVCachePool) -> tuple[list[dict[str, Any]], list[dict[str, An
         volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": claim}})
         # One sub-directory per pool, so several pools can share one existing claim.
         mounts.append(
-            {"name": "shared", "mountPath": names.SHARED_MOUNT, "subPath": f"{pool.namespace}-{pool.name}"}
+            {
+                "name": "shared",
+                "mountPath": names.SHARED_MOUNT,
+                "subPath": names.pool_dir_name(pool.namespace, pool.name),
+            }
         )
     return volumes, mounts
 
@@ -274,10 +278,13 @@ def _prepare_dirs_container(
 ) -> dict[str, Any]:
     """Return the root init container that hands the hostPath directories to the non-root server.
 
+    It runs the operator's own image (:func:`names.operator_image`), never the pool's: a pool author
+    chooses the cache-server image, and root with that path mounted would be root on the node.
+
     The kubelet creates missing hostPath directories as root (mode 0755), where the non-root cache
-    server could not create its socket or blocks. A short root init container with only CHOWN and
-    FOWNER hands them over; the shared volume is best effort (NFS with root_squash refuses chown,
-    and there the volume's own permissions must already let the server write).
+    server could not create its socket or blocks. A short root init container with nothing but
+    CAP_CHOWN hands them over; the shared volume is best effort (NFS with root_squash refuses
+    chown, and there the volume's own permissions must already let the server write).
     Only directories kvfabric owns are chowned: the run directory and a per-pool directory below
     the user's disk path, never the path itself (it may be shared with other data).
     """
@@ -289,15 +296,15 @@ def _prepare_dirs_container(
         script += f" && (chown {CACHE_UID}:{CACHE_UID} {names.SHARED_MOUNT} || true)"
     return {
         "name": "prepare-dirs",
-        "image": cache["image"],
-        "imagePullPolicy": cache["imagePullPolicy"],
+        "image": names.operator_image(),
+        "imagePullPolicy": "IfNotPresent",
         "command": ["sh", "-c", script],
         "securityContext": {
             "runAsUser": 0,
             "runAsNonRoot": False,
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]},
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
         },
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
         "volumeMounts": [m for m in mounts if m["name"] not in ("config", "server-tls", "credentials")],
@@ -320,6 +327,8 @@ def _pod_spec(pool: KVCachePool) -> dict[str, Any]:
         "volumes": volumes,
         "terminationGracePeriodSeconds": 30,
         "enableServiceLinks": False,
+        # The server never talks to the API server: no token to steal.
+        "automountServiceAccountToken": False,
         # Secret volumes are group-readable by the server's gid only.
         "securityContext": {"fsGroup": CACHE_UID, "seccompProfile": {"type": "RuntimeDefault"}},
     }

@@ -82,7 +82,7 @@ class Expiry:
 
     def expired(self, buckets: list[int]) -> list[int]:
         """Buckets older than the TTL now; none while the clock is unknown (never early)."""
-        now = self.clock.now()
+        now = self.clock.expiry_now()
         if now is None:
             return []
         return expired_buckets(buckets, now, ttl_seconds=self.ttl_seconds, bucket_seconds=self.bucket_seconds)
@@ -217,12 +217,19 @@ class DiskTier:
         )
         return len(found)
 
-    def reap_stale_tmp(self, older_than_s: float) -> int:
-        """Remove other (dead) servers' temp files older than ``older_than_s`` seconds."""
+    def reap_stale_tmp(self, older_than_s: float, clock_of: Callable[[str], float | None]) -> int:
+        """Remove temp files older than ``older_than_s`` seconds (left by servers that died mid-write).
+
+        A file's age is measured on the clock of the server whose directory holds it
+        (``clock_of(server_id)``; None: leave it): on a client-stamped filesystem that server's
+        clock stamped the file, so a server whose own clock is off never reaps a live write.
+        """
         n = 0
-        now = time.time()
         with contextlib.suppress(FileNotFoundError):
             for sdir in os.scandir(self.tmp_dir.parent):
+                now = clock_of(sdir.name)
+                if now is None:
+                    continue
                 with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                     for f in os.scandir(sdir.path):
                         with contextlib.suppress(FileNotFoundError):

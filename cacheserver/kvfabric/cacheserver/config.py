@@ -9,6 +9,7 @@ being ignored.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from pathlib import Path
@@ -41,10 +42,19 @@ class _Model(BaseModel):
 
 
 class TLSConfig(_Model):
-    """TLS material for the TCP listener (PEM files, typically mounted from a Secret)."""
+    """TLS material for the TCP listener (PEM files, typically mounted from a Secret).
+
+    The files are read again whenever they change on disk (checked at every new connection), so a
+    rotated Secret takes effect without a restart and established connections are not cut.
+    """
 
     cert_file: Path = Field(description="PEM certificate chain presented by the TCP listener.")
     key_file: Path = Field(description="PEM private key matching cert_file.")
+    client_ca_file: Path | None = Field(
+        default=None,
+        description="PEM CA bundle that client certificates must chain to; when set the listener "
+        "requires a client certificate (mutual TLS) and refuses a handshake without a valid one.",
+    )
 
 
 class ListenConfig(_Model):
@@ -54,7 +64,12 @@ class ListenConfig(_Model):
         description="Path of the Unix-domain socket that engines on this node connect to "
         "(the client target is 'unix://<this path>'). Same-node bulk bytes go through the shm arena."
     )
-    tcp_host: str = Field(default="0.0.0.0", description="Address the TCP listener binds to.")
+    tcp_host: str = Field(
+        default="127.0.0.1",
+        description="Address the TCP listener binds to. Any address other than loopback requires "
+        "mutual TLS (tls.client_ca_file) and a token_file: nothing listens unauthenticated beyond "
+        "the pod.",
+    )
     tcp_port: int | None = Field(
         default=7070,
         ge=0,
@@ -70,6 +85,17 @@ class ListenConfig(_Model):
         description="File holding a bearer token; when set every TCP call must send "
         "'authorization: Bearer <token>'. The Unix socket is protected by file permissions instead.",
     )
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> Self:
+        if self.tcp_port is None or _is_loopback(self.tcp_host):
+            return self
+        if self.tls is None or self.tls.client_ca_file is None or self.token_file is None:
+            raise ValueError(
+                f"listen.tcp_host {self.tcp_host!r} is reachable from other hosts: it requires "
+                "listen.tls with client_ca_file (mutual TLS) and listen.token_file"
+            )
+        return self
 
 
 class ShmConfig(_Model):
@@ -327,6 +353,15 @@ class ServerConfig(_Model):
     def to_yaml(self) -> str:
         """Render as YAML, exactly as the operator writes it."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_watermark_order(low: float, high: float) -> None:

@@ -57,6 +57,7 @@ class SharedTier:
         # The disk tier is built here so its eviction callback is this tier's journal, from birth.
         self.disk = disk(self._journal_evictions)
         self.root: Path = self.disk.root
+        self.has: Callable[[BlockId], bool] = self.disk.has  # lock-free index check (lookup hot path)
         self.server_id = server_id
         self.expiry = expiry
         self.generations = generations
@@ -169,10 +170,6 @@ class SharedTier:
                 shutil.rmtree(self.tomb_dir / str(b + 1), ignore_errors=True)
 
     # --- the BackingTier interface -------------------------------------------------------------------
-
-    def has(self, bid: BlockId) -> bool:
-        """Lock-free index check."""
-        return self.disk.has(bid)
 
     def contains(self, bid: BlockId) -> bool:
         """Whether the index holds ``bid``."""

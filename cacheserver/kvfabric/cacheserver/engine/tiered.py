@@ -105,6 +105,7 @@ class TieredStore:
         self.backing: tuple[BackingTier, ...] = tuple(backing(ctx))
         self.tiers: tuple[Tier, ...] = (self.dram, *self.backing)
         self._has = tuple((tier.name, tier.has) for tier in self.tiers)
+        self._has_rest = self._has[1:]
         self._wb_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="writeback")
         self._wb_lock = threading.Lock()
         self._wb_done = threading.Condition(self._wb_lock)
@@ -159,11 +160,16 @@ class TieredStore:
     def lookup(self, bids: list[BlockId]) -> list[TierName]:
         """Tier name of each leading present key (index only, no storage access)."""
         out: list[TierName] = []
-        has = self._has
+        append = out.append
+        first_name, first = self._has[0]
+        rest = self._has_rest
         for bid in bids:
-            for name, present in has:
+            if first(bid):  # DRAM: the common case, kept to one C-level call per key
+                append(first_name)
+                continue
+            for name, present in rest:
                 if present(bid):
-                    out.append(name)
+                    append(name)
                     break
             else:
                 break

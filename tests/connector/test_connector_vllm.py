@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -11,6 +12,8 @@ from typing import Any
 import pytest
 
 from kvfabric.connector import vllm as kvvllm
+from kvfabric.connector.resilient import Reason, build_cache
+from kvfabric.connector.settings import ConnectorSettings
 from kvfabric.connector.steps import Role
 
 pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.testing.levels)
@@ -73,6 +76,37 @@ def test_revision_and_dtype_change_namespace() -> None:
     cfg2.model_config.revision = "def456"
     c = kvvllm.namespace_spec_from_vllm(cfg2, s, 0)
     assert len({a.digest(), b.digest(), c.digest()}) == 3
+
+
+def test_halves_in_one_process_share_one_cache_and_breaker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVFABRIC_REMOTE", raising=False)
+    # Nothing listens on this socket: every call is "unavailable" at once.
+    extra = {"socket": str(tmp_path / "none.sock"), "chunk_tokens": 32, "breaker_failures": 1, "retries": 0}
+    sched = kvvllm.KVFabricConnector(fake_vllm_config(**extra), SimpleNamespace(name="SCHEDULER"))
+    worker = kvvllm.KVFabricConnector(fake_vllm_config(**extra), SimpleNamespace(name="WORKER"))
+    cache = sched.scheduler_half.cache
+    assert cache is not None
+    assert worker.worker_half.cache is cache
+    # The scheduler's failed lookup opens the breaker; the worker's next call fails fast on it
+    # instead of discovering the dead server on its own (issue 11: halves that disagree on health).
+    req = SimpleNamespace(request_id="r", prompt_token_ids=list(range(100)), lora_request=None)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert cache.counters.get("miss.unavailable") == 1
+    assert cache.endpoints[0].breaker.state == "open"
+    out = cache.load_into("a" * 64, ["b" * 64], [bytearray(8)], time.monotonic() + 60)
+    assert out.reason is Reason.UNAVAILABLE
+    assert cache.counters.get("breaker_open.local") == 1
+    # Each half closes its use; the cache stays usable until the last one.
+    sched.shutdown()
+    assert build_cache(ConnectorSettings.load(extra)) is cache
+    cache.close()
+    worker.shutdown()
+    fresh = build_cache(ConnectorSettings.load(extra))
+    assert fresh is not None
+    assert fresh is not cache
+    fresh.close()
 
 
 @pytest.mark.skipif(

@@ -192,7 +192,6 @@ class HostStagingPath:
             self.counters.add("loaded_bytes", valid * geo.payload_bytes)
             failed = len(pl.spec.keys) - valid
             results.append(LoadResult(valid, reason if failed else None, time.monotonic() - t0))
-        self._recycle_staging()
         return results
 
     def _scatter(self, pl: _PendingLoad, begin: int, end: int) -> None:

@@ -12,13 +12,21 @@ it. So every call here:
 - goes through a per-endpoint circuit breaker, so a dead server costs a few deadlines and then
   nothing (fail fast) until a probe succeeds;
 - tries the node-local endpoint (Unix socket + shared memory) first and the remote one (TCP) next.
+
+This is the one resilience layer. :class:`ResilientCache` is the core (blocking calls, because vLLM's
+connector hooks are synchronous); :class:`AsyncResilientCache` is a facade that runs the same calls
+off an asyncio loop. :func:`build_cache` hands every half of the connector in one process the same
+:class:`ResilientCache` for the same servers, so the scheduler's lookups and the worker's loads share
+one connection per server and one breaker: both see the server come back at the same moment.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import enum
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -242,6 +250,15 @@ class ResilientCache:
         # Loads and lookups never queue behind stores: separate pools.
         self._io = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-io")
         self._closed = False
+        self._users = 1
+        self._users_lock = threading.Lock()
+        self._on_close: Callable[[], None] | None = None
+
+    def acquire(self) -> ResilientCache:
+        """Add a user: the cache closes when every user has called :meth:`close`."""
+        with self._users_lock:
+            self._users += 1
+        return self
 
     def _call(self, deadline: float, op: Callable[[Transport, float], T]) -> tuple[T | None, Reason | None]:
         """Run ``op`` against the endpoints in order until one answers, within ``deadline``."""
@@ -325,19 +342,43 @@ class ResilientCache:
         return res
 
     def close(self) -> None:
-        """Stop the I/O pool without waiting for abandoned calls, and close the transports."""
-        if self._closed:
-            return
-        self._closed = True
+        """Release one user; the last one stops the I/O pool and closes the transports.
+
+        Abandoned calls are not awaited. Closing more often than acquired is harmless.
+        """
+        with self._users_lock:
+            self._users -= 1
+            if self._closed or self._users > 0:
+                return
+            self._closed = True
+        if self._on_close is not None:
+            self._on_close()
         self._io.shutdown(wait=False, cancel_futures=True)
         for ep in self.endpoints:
             ep.close()
 
 
-def build_cache(settings: ConnectorSettings, counters: Counters | None = None) -> ResilientCache | None:
-    """Build the resilient cache for ``settings`` (``None`` when no server is configured)."""
-    if not settings.configured:
-        return None
+_shared_lock = threading.Lock()
+_shared: dict[tuple[object, ...], ResilientCache] = {}
+
+
+def _endpoint_key(settings: ConnectorSettings) -> tuple[object, ...]:
+    # Everything that decides which servers are reached, how, and how failures are judged. The pid
+    # keeps a forked child (whose gRPC channels are unusable) from inheriting its parent's cache.
+    return (
+        os.getpid(),
+        settings.socket,
+        settings.shm_dir,
+        settings.remote,
+        settings.token,
+        settings.tls_ca,
+        settings.retries,
+        settings.breaker_failures,
+        settings.breaker_cooldown_ms,
+    )
+
+
+def _new_cache(settings: ConnectorSettings, counters: Counters | None) -> ResilientCache:
     endpoints: list[Endpoint] = []
     cooldown = settings.breaker_cooldown_ms / 1000
     if settings.socket:
@@ -359,6 +400,78 @@ def build_cache(settings: ConnectorSettings, counters: Counters | None = None) -
     return ResilientCache(endpoints, retries=settings.retries, counters=counters)
 
 
+def build_cache(
+    settings: ConnectorSettings, counters: Counters | None = None, *, shared: bool = True
+) -> ResilientCache | None:
+    """Return the resilient cache for ``settings`` (``None`` when no server is configured).
+
+    With ``shared`` (and no private ``counters``), every caller in this process that names the same
+    servers gets the same cache (one channel and one breaker per server, one set of counters); each
+    caller must :meth:`~ResilientCache.close` it once.
+    """
+    if not settings.configured:
+        return None
+    if not shared or counters is not None:
+        return _new_cache(settings, counters)
+    key = _endpoint_key(settings)
+    with _shared_lock:
+        cache = _shared.get(key)
+        if cache is not None:
+            return cache.acquire()
+        cache = _new_cache(settings, None)
+        _shared[key] = cache
+
+    def forget() -> None:
+        with _shared_lock:
+            if _shared.get(key) is cache:
+                del _shared[key]
+
+    cache._on_close = forget
+    return cache
+
+
+class AsyncResilientCache:
+    """The resilience layer for asyncio callers: a facade over :class:`ResilientCache`.
+
+    Same contract (deadlines enforced by the caller, bounded retries, one breaker per endpoint,
+    never raises, every miss counted); each call runs the blocking core on a worker thread.
+    """
+
+    def __init__(self, cache: ResilientCache) -> None:
+        """Wrap ``cache`` (closed by :meth:`close`)."""
+        self.cache = cache
+        self.counters = cache.counters
+
+    async def lookup(self, namespace: str, keys: Sequence[str], deadline_s: float) -> LookupOutcome:
+        """See :meth:`ResilientCache.lookup`."""
+        return await asyncio.to_thread(self.cache.lookup, namespace, keys, deadline_s)
+
+    async def load_into(
+        self,
+        namespace: str,
+        keys: Sequence[str],
+        buffers: Sequence[bytearray | memoryview],
+        deadline_s: float,
+    ) -> LoadOutcome:
+        """See :meth:`ResilientCache.load_into` (``deadline_s`` is relative here)."""
+        deadline = time.monotonic() + deadline_s
+        return await asyncio.to_thread(self.cache.load_into, namespace, keys, buffers, deadline)
+
+    async def store(
+        self,
+        namespace: str,
+        keys: Sequence[str],
+        payloads: Sequence[bytes | bytearray | memoryview],
+        deadline_s: float,
+    ) -> StoreResult | None:
+        """See :meth:`ResilientCache.store`."""
+        return await asyncio.to_thread(self.cache.store, namespace, keys, payloads, deadline_s)
+
+    async def close(self) -> None:
+        """Close the wrapped cache."""
+        self.cache.close()
+
+
 def transport_factory(
     target: str, *, shm_dir: str | None = None, token: str | None = None, tls_ca: str | None = None
 ) -> Callable[[], Transport]:
@@ -374,6 +487,7 @@ def transport_factory(
 
 
 __all__ = [
+    "AsyncResilientCache",
     "CacheError",
     "CircuitBreaker",
     "Counters",

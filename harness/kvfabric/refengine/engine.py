@@ -163,10 +163,13 @@ class Engine:
             self.worker_conn = self._worker_api.core
             self._worker_api.register_kv_caches(self.kv_caches)
         elif settings is not None and settings.enabled:
-            cache = cache if cache is not None else build_cache(settings)
+            # One cache for both halves (as build_cache shares it between vLLM's halves in one
+            # process); each half closes it once.
+            sched_cache = cache if cache is not None else build_cache(settings)
+            worker_cache = cache if cache is not None else build_cache(settings)
             spec = self.namespace_spec(config, settings, block_size, kv_dtype)
-            self.scheduler_conn = SchedulerHalf(settings, spec, cache=cache)
-            self.worker_conn = WorkerHalf(settings, spec, cache=cache)
+            self.scheduler_conn = SchedulerHalf(settings, spec, cache=sched_cache)
+            self.worker_conn = WorkerHalf(settings, spec, cache=worker_cache)
             self._sched_api = SchedulerConnector(self.scheduler_conn)
             self._worker_api = WorkerConnector(self.worker_conn)
             self._worker_api.register_kv_caches(self.kv_caches)

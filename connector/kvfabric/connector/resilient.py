@@ -5,8 +5,10 @@ it. So every call here:
 
 - has a deadline that is enforced *by the caller's wait*, not only by the transport: the transport
   call runs on a small thread pool and the caller stops waiting when the deadline passes, even if
-  the server is frozen (SIGSTOP) and the transport misbehaves. Loads write into staging buffers that
-  the caller owns and abandons on timeout, so a late reply can never touch the KV cache;
+  the server is frozen (SIGSTOP) and the transport misbehaves. A call still queued at its deadline
+  is cancelled; one that starts late never reaches the transport. A load reports the calls it
+  abandoned while they were running (:attr:`LoadOutcome.inflight`): until they finish they may
+  still write into its buffers, so the caller must not give those buffers to anyone else;
 - never raises: failures become an outcome with a reason (``not-found``, ``timeout``,
   ``unavailable``, ``corrupt``, ``namespace-mismatch``), counted in :class:`Counters`;
 - goes through a per-endpoint circuit breaker, so a dead server costs a few deadlines and then
@@ -32,7 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kvfabric.client.errors import (
     CacheCorrupt,
@@ -214,6 +216,14 @@ class LoadOutcome:
 
     count: int
     reason: Reason | None = None
+    inflight: tuple[cf.Future[Any], ...] = ()
+    """Transport calls given up at the deadline while they were running: until each is done it may
+    still write into the buffers of this load (a frozen server, a transport ignoring its timeout)."""
+
+    @property
+    def settled(self) -> bool:
+        """True when no transport call can write into this load's buffers any more."""
+        return all(f.done() for f in self.inflight)
 
 
 def classify(exc: BaseException) -> Reason:
@@ -229,7 +239,12 @@ def classify(exc: BaseException) -> Reason:
     return Reason.UNAVAILABLE
 
 
-def _invoke(op: Callable[[Transport, float], T], ep: Endpoint, timeout: float) -> T:
+def _invoke(op: Callable[[Transport, float], T], ep: Endpoint, deadline: float) -> T:
+    # The timeout is computed when the call starts, not when it was queued: a call that waited for
+    # a thread past its deadline never reaches the transport (and never touches its buffers).
+    timeout = deadline - time.monotonic()
+    if timeout <= 0:
+        raise CacheTimeout("the call started after its deadline")
     return op(ep.client(), timeout)
 
 
@@ -260,8 +275,16 @@ class ResilientCache:
             self._users += 1
         return self
 
-    def _call(self, deadline: float, op: Callable[[Transport, float], T]) -> tuple[T | None, Reason | None]:
-        """Run ``op`` against the endpoints in order until one answers, within ``deadline``."""
+    def _call(
+        self,
+        deadline: float,
+        op: Callable[[Transport, float], T],
+        abandoned: list[cf.Future[Any]] | None = None,
+    ) -> tuple[T | None, Reason | None]:
+        """Run ``op`` against the endpoints in order until one answers, within ``deadline``.
+
+        Attempts given up while running are appended to ``abandoned`` (queued ones are cancelled).
+        """
         last: Reason = Reason.UNAVAILABLE
         for ep in self.endpoints:
             attempts = 0
@@ -274,10 +297,13 @@ class ResilientCache:
                     self.counters.add(f"breaker_open.{ep.name}")
                     break
                 attempts += 1
+                fut: cf.Future[T] | None = None
                 try:
-                    fut = self._io.submit(_invoke, op, ep, remaining)
+                    fut = self._io.submit(_invoke, op, ep, deadline)
                     result = fut.result(timeout=remaining)
                 except Exception as exc:  # every failure becomes a reason, never an exception
+                    if fut is not None and not fut.done() and not fut.cancel() and abandoned is not None:
+                        abandoned.append(fut)
                     reason = classify(exc)
                     if reason in (Reason.TIMEOUT, Reason.UNAVAILABLE):
                         ep.breaker.failure()
@@ -313,16 +339,22 @@ class ResilientCache:
         """Fill the leading ``buffers`` with the payloads of ``keys`` before ``deadline`` (monotonic).
 
         The buffers are the caller's staging area. After a timeout they may still be written by
-        an abandoned transport call, so the caller must drop them, never reuse them.
+        the abandoned transport calls listed in :attr:`LoadOutcome.inflight`: until the outcome is
+        :attr:`~LoadOutcome.settled` the caller must not reuse them (nor trust their contents).
         """
         if not keys:
             return LoadOutcome(0)
         views = [memoryview(b) for b in buffers]
-        res, reason = self._call(deadline, lambda c, t: c.load_into(namespace, keys, views, timeout=t))
+        abandoned: list[cf.Future[Any]] = []
+        res, reason = self._call(
+            deadline, lambda c, t: c.load_into(namespace, keys, views, timeout=t), abandoned
+        )
+        if abandoned:
+            self.counters.add("load_calls_abandoned", len(abandoned))
         if res is None:
-            return LoadOutcome(0, reason or Reason.UNAVAILABLE)
+            return LoadOutcome(0, reason or Reason.UNAVAILABLE, tuple(abandoned))
         count = max(0, min(int(res), len(keys)))
-        return LoadOutcome(count, None if count == len(keys) else Reason.NOT_FOUND)
+        return LoadOutcome(count, None if count == len(keys) else Reason.NOT_FOUND, tuple(abandoned))
 
     def store(
         self,

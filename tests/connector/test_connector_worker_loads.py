@@ -15,7 +15,7 @@ from kvfabric.connector.hostpath import HostStagingPath
 from kvfabric.connector.keys import NamespaceSpec
 from kvfabric.connector.resilient import CircuitBreaker, Endpoint, ResilientCache
 from kvfabric.connector.settings import ConnectorSettings
-from kvfabric.connector.steps import LoadSpec, StepPlan
+from kvfabric.connector.steps import LoadSpec, SaveSpec, StepPlan
 from kvfabric.connector.worker import WorkerHalf
 
 BLOCK, CHUNK, LAYERS = 4, 8, 2
@@ -125,3 +125,35 @@ def test_abandoned_load_never_writes_into_the_next_loads_memory(
             "the abandoned load reached the KV cache"
         )
     assert w.counters.get("loaded_chunks") == 1
+
+
+@pytest.mark.parametrize(
+    ("device_type", "block_size"), [("cuda", BLOCK), ("cpu", 2 * BLOCK)], ids=["device", "block-size"]
+)
+def test_a_kv_cache_that_does_not_match_the_namespace_disables_the_worker(
+    device_type: str, block_size: int
+) -> None:
+    """Tensors on another device, or with other blocks, than the namespace says are never loaded
+    into or stored from: their bytes would be filed under the wrong namespace."""
+    import dataclasses
+
+    spec = dataclasses.replace(SPEC, device_type=device_type, block_size=block_size)
+    kv = kv_caches()
+    geo = layout.ChunkGeometry.from_kv_caches(kv, block_size=BLOCK, chunk_tokens=CHUNK)
+    transport = LateWriter({KEY_B: payload(geo, KEY_B, 2.0)})
+    cache = ResilientCache([Endpoint("t", lambda: transport, CircuitBreaker(100, 60.0))], retries=0)
+    w = WorkerHalf(ConnectorSettings(chunk_tokens=CHUNK), spec, cache=cache)
+    w.register_kv_caches(kv)
+    assert w.disabled is not None
+    transport.a_written.set()
+    assert step(w, KEY_B, [4, 5]) == {4, 5}
+    for layer in kv.values():
+        assert torch.equal(layer, torch.zeros_like(layer))
+    w.bind_plan(StepPlan(saves=[SaveSpec("r", [KEY_B], [[4, 5]])]))
+    for name, layer in kv.items():
+        w.save_kv_layer(name, layer)
+    w.wait_for_save()
+    assert w.wait_for_stores(30)
+    assert w.counters.get("store_accepted") + w.counters.get("store_dropped") == 0
+    w.clear_plan()
+    w.shutdown()

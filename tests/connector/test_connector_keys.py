@@ -58,6 +58,7 @@ def test_key_commits_to_whole_prefix() -> None:
         {"lora": "adapter@1"},
         {"tenant": "acme"},
         {"layout": "other"},
+        {"payload_key_id": "0123456789abcdef"},
     ],
 )
 def test_namespace_changes_with_every_field(change: dict[str, object]) -> None:
@@ -118,7 +119,7 @@ def test_keys_identical_across_interpreters_with_different_hash_seeds() -> None:
         {"device_type": "cuda"},
         {"attn_backend": "FLASH_ATTN"},
         {"kv_layout": "LBNHC"},
-        {"payload_format": 2},
+        {"payload_format": 99},
         {"block_size": 8},
     ],
     ids=lambda c: next(iter(c)),

@@ -44,8 +44,19 @@ class AsyncCacheClient:
         shm_dir: str | os.PathLike[str] | None = None,
         token: str | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_server_name: str | None = None,
     ) -> None:
-        self._client = CacheClient(target, shm_dir=shm_dir, token=token, tls_ca=tls_ca)
+        self._client = CacheClient(
+            target,
+            shm_dir=shm_dir,
+            token=token,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_server_name=tls_server_name,
+        )
         self._pool = cf.ThreadPoolExecutor(_THREADS, thread_name_prefix="kvfabric-aio")
 
     @property

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 # safe way to retire chunks written by an incompatible connector.
 KEY_SCHEME_VERSION = 1
 
-PAYLOAD_FORMAT_VERSION = 1
+PAYLOAD_FORMAT_VERSION = 2
 """Version of the chunk payload format (``kvfabric.connector.layout``): header and body layout."""
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -66,7 +66,7 @@ class NamespaceSpec:
     """Tokens per KV-cache block of the engine (a chunk is a whole number of blocks)."""
     chunk_tokens: int
     """Tokens per chunk."""
-    layout: str = "kvfabric.chunk.v1/LBHNC"
+    layout: str = "kvfabric.chunk.v2/LBHNC"
     """Byte layout of the chunk payload (see ``kvfabric.connector.layout``)."""
     tp_size: int = 1
     """Tensor-parallel size; each rank stores its own slice until a rank-independent layout exists."""
@@ -77,6 +77,9 @@ class NamespaceSpec:
     the key chain, see :class:`RequestInputs`, so one engine serves many adapters.)"""
     tenant: str = ""
     """Tenant: chunks of different tenants never mix, even for identical prompts."""
+    payload_key_id: str = ""
+    """Fingerprint of the payload MAC key (``layout.key_id``): chunks sealed under another key,
+    e.g. before a rotation, are never even looked up, so they cannot shadow fresh stores."""
     device_type: str = ""
     """Device type of the KV cache as the engine reports it (vLLM: ``cuda``, ``cpu``, ``xpu``...)."""
     attn_backend: str = ""

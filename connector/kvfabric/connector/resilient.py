@@ -404,6 +404,8 @@ def _endpoint_key(settings: ConnectorSettings) -> tuple[object, ...]:
         settings.remote,
         settings.token,
         settings.tls_ca,
+        settings.tls_cert,
+        settings.tls_key,
         settings.retries,
         settings.breaker_failures,
         settings.breaker_cooldown_ms,
@@ -425,7 +427,13 @@ def _new_cache(settings: ConnectorSettings, counters: Counters | None) -> Resili
         endpoints.append(
             Endpoint(
                 "remote",
-                transport_factory(settings.remote, token=settings.token, tls_ca=settings.tls_ca),
+                transport_factory(
+                    settings.remote,
+                    token=settings.token,
+                    tls_ca=settings.tls_ca,
+                    tls_cert=settings.tls_cert,
+                    tls_key=settings.tls_key,
+                ),
                 CircuitBreaker(settings.breaker_failures, cooldown),
             )
         )
@@ -505,14 +513,22 @@ class AsyncResilientCache:
 
 
 def transport_factory(
-    target: str, *, shm_dir: str | None = None, token: str | None = None, tls_ca: str | None = None
+    target: str,
+    *,
+    shm_dir: str | None = None,
+    token: str | None = None,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> Callable[[], Transport]:
     """Return a factory for the real ``kvfabric.client.CacheClient`` (imported on first use)."""
 
     def make() -> Transport:
         from kvfabric.client import CacheClient  # deferred: grpc starts threads
 
-        client: Transport = CacheClient(target, shm_dir=shm_dir, token=token, tls_ca=tls_ca)
+        client: Transport = CacheClient(
+            target, shm_dir=shm_dir, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
+        )
         return client
 
     return make

@@ -137,6 +137,9 @@ def test_device_backend_layout_and_block_size_change_namespace() -> None:
     group = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=32))])
     digests = [digest(c) for c in (base, cuda, flash, flashinfer, cpu_attn, hnc, nhc)]
     digests.append(digest(base, group))
+    resolved = SimpleNamespace(kv_cache_groups=group.kv_cache_groups, kv_cache_layout="LBNHC")
+    # The layout the engine core resolved (KVCacheConfig) wins over the worker's cache_config.
+    assert digest(hnc, resolved) == digest(nhc, group)
     assert len(set(digests)) == len(digests)
     spec = kvvllm.namespace_spec_from_vllm(flash, s, 0, group)
     assert (spec.device_type, spec.attn_backend, spec.kv_layout, spec.block_size) == (

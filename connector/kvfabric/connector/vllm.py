@@ -247,13 +247,17 @@ def attention_backend_from_vllm(vllm_config: Any) -> str:
     return "auto:" + ":".join(where)
 
 
-def kv_layout_from_vllm(vllm_config: Any) -> str:
+def kv_layout_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> str:
     """The KV-cache layout vLLM resolved.
 
-    0.33: ``cache_config.kv_cache_layout`` (e.g. ``LBHNC``); older releases: ``NHD``/``HND`` from
-    ``get_kv_cache_layout()``.
+    0.33: the engine core resolves it once and hands it to every worker in the ``KVCacheConfig``
+    (``kv_cache_config.kv_cache_layout``, e.g. ``LBHNC``), which both halves receive, so they agree
+    even if a worker process adopts the layout after its connector was built; then
+    ``cache_config.kv_cache_layout``; older releases: ``NHD``/``HND`` from ``get_kv_cache_layout()``.
     """
-    layout = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+        vllm_config.cache_config, "kv_cache_layout", None
+    )
     if layout:
         return _enum_name(layout)
     try:
@@ -321,7 +325,7 @@ def namespace_spec_from_vllm(
         tenant=settings.tenant,
         device_type=device_type_from_vllm(vllm_config),
         attn_backend=attention_backend_from_vllm(vllm_config),
-        kv_layout=kv_layout_from_vllm(vllm_config),
+        kv_layout=kv_layout_from_vllm(vllm_config, kv_cache_config),
     )
 
 

@@ -15,7 +15,7 @@ from kvfabric.connector import vllm as kvvllm
 from kvfabric.connector.keys import MultiModalSpan
 from kvfabric.connector.resilient import Reason, build_cache
 from kvfabric.connector.settings import ConnectorSettings
-from kvfabric.connector.steps import LoadSpec, Role
+from kvfabric.connector.steps import LoadSpec, Role, SaveSpec, ScheduledRequest
 
 pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.testing.levels)
 
@@ -205,6 +205,46 @@ def test_request_inputs_from_vllm_request() -> None:
     assert kvvllm.request_info_from_vllm(old).inputs.mm == (MultiModalSpan("h", 0, 2),)
     plain = SimpleNamespace(request_id="p", prompt_token_ids=[1, 2], lora_request=None)
     assert kvvllm.request_info_from_vllm(plain).inputs.plain
+
+
+def test_scheduler_output_translation_and_version_shim() -> None:
+    """vLLM's SchedulerOutput becomes a StepInput; releases without resumed_req_ids still work."""
+    new = SimpleNamespace(req_id="a", block_ids=([1, 2, 3],), num_computed_tokens=16)
+    cached = SimpleNamespace(
+        req_ids=["b", "c", "d"],
+        resumed_req_ids={"c"},
+        new_block_ids=[([7],), ([8, 9],), None],
+        num_computed_tokens=[32, 0, 48],
+    )
+    so = SimpleNamespace(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={"a": 20, "b": 1, "c": 40},
+        finished_req_ids={"z"},
+    )
+    step = kvvllm.step_input_from_vllm(so)
+    assert step.scheduled == (
+        ScheduledRequest("a", 16, 20, (1, 2, 3), replaces_blocks=True),
+        ScheduledRequest("b", 32, 1, (7,), replaces_blocks=False),
+        ScheduledRequest("c", 0, 40, (8, 9), replaces_blocks=True),
+        ScheduledRequest("d", 48, 0, None, replaces_blocks=False),
+    )
+    assert step.finished_req_ids == frozenset({"z"})
+    del cached.resumed_req_ids  # vLLM < 0.2x
+    assert all(not s.replaces_blocks for s in kvvllm.step_input_from_vllm(so).scheduled[1:])
+
+
+def test_step_plan_travels_to_workers_by_pickle() -> None:
+    """vLLM pickles the connector metadata from the scheduler process to every worker."""
+    import pickle
+
+    plan = kvvllm.KVFabricMetadata(
+        loads=[LoadSpec("r", ["b" * 64], [[1, 2]], 1, ["dram"])],
+        saves=[SaveSpec("r", ["c" * 64], [[3, 4]])],
+    )
+    back = pickle.loads(pickle.dumps(plan))
+    assert isinstance(back, kvvllm.KVFabricMetadata)
+    assert (back.loads, back.saves) == (plan.loads, plan.saves)
 
 
 @pytest.mark.skipif(

@@ -45,6 +45,19 @@ class ApiError(Exception):
         self.body = body
 
     @property
+    def message(self) -> str:
+        """Return the Status object's message (what the API server says is wrong), else the body."""
+        try:
+            return str(json.loads(self.body).get("message") or self.body[:1000])
+        except ValueError:
+            return self.body[:1000]
+
+    @property
+    def rejected(self) -> bool:
+        """Whether the request itself was refused (invalid, forbidden): retrying unchanged cannot help."""
+        return 400 <= self.status < 500 and self.status not in (404, 408, 409, 429)
+
+    @property
     def reason(self) -> str:
         """Return the Status object's reason (e.g. ``Conflict``), if any."""
         try:
@@ -192,11 +205,20 @@ class KubeClient:
             raise
 
     async def list(
-        self, kind: str, namespace: str | None = None, *, label_selector: str | None = None
+        self,
+        kind: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
     ) -> list[dict[str, Any]]:
         """Return the items of a collection (all namespaces when ``namespace`` is None)."""
-        params = {"labelSelector": label_selector} if label_selector else None
-        answer = await self.request("GET", resource_path(kind, namespace), params=params)
+        params = {}
+        if label_selector:
+            params["labelSelector"] = label_selector
+        if field_selector:
+            params["fieldSelector"] = field_selector
+        answer = await self.request("GET", resource_path(kind, namespace), params=params or None)
         return list(answer.get("items") or [])
 
     async def apply(self, obj: dict[str, Any], *, field_manager: str, force: bool = True) -> dict[str, Any]:

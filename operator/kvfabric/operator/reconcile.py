@@ -22,6 +22,7 @@ import pydantic
 from kvfabric.operator.api.v1alpha1 import KIND, POOL_LABEL, KVCachePool
 from kvfabric.operator.kube import ApiError, KubeClient
 from kvfabric.operator.podhealth import diagnose
+from kvfabric.operator.poolpki import plan_secrets
 from kvfabric.operator.render import (
     ConfigError,
     ConnectionSettings,
@@ -29,13 +30,13 @@ from kvfabric.operator.render import (
     names,
     render_children,
 )
-from kvfabric.operator.render.children import RenderedChildren
+from kvfabric.operator.render.children import RenderedChildren, owner_reference
 from kvfabric.operator.status import Event, Observed, compute_status, strip_times
 
 log = logging.getLogger("kvfabric.operator.reconcile")
 
 # Kinds a pool may own and that are pruned when no longer rendered (e.g. metrics disabled).
-_PRUNABLE: Final = ("Service", "PersistentVolumeClaim")
+_PRUNABLE: Final = ("Service", "PersistentVolumeClaim", "Secret")
 PoolKey = tuple[str, str]  # (namespace, name)
 
 
@@ -107,15 +108,11 @@ def plan_pool(raw: dict[str, Any]) -> Plan:
     return plan
 
 
-async def _apply_children(  # noqa: PLR0917 - private, one call site
-    client: KubeClient,
-    reader: Reader,
-    namespace: str,
-    name: str,
-    children: RenderedChildren,
-    result: ReconcileResult,
+async def _apply_children(
+    client: KubeClient, reader: Reader, pool: KVCachePool, children: RenderedChildren, result: ReconcileResult
 ) -> str | None:
     """Apply and prune; return the API server's message if it rejected an object, else None."""
+    namespace, name = pool.namespace, pool.name
     # The ConfigMap first: pods of a new DaemonSet revision must find the new configuration. The
     # rest are independent and go in parallel (latency matters when many pools change at once).
     configmaps = children.by_kind("ConfigMap")
@@ -132,8 +129,11 @@ async def _apply_children(  # noqa: PLR0917 - private, one call site
 
     for obj in configmaps:
         await apply(obj)
+    # Credentials before the DaemonSet too: its pods mount them.
+    secrets = await _ensure_secrets(client, pool)
+    keep = children.objects + [{"kind": "Secret", "metadata": {"name": n}} for n in secrets]
     pruned, *_ = await asyncio.gather(
-        _prune(client, reader, namespace, name, children.objects), *(apply(obj) for obj in others)
+        _prune(client, reader, namespace, name, keep), *(apply(obj) for obj in others)
     )
     result.applied = len(configmaps) + len(others) - len(rejected)
     result.pruned = cast(int, pruned)
@@ -222,8 +222,8 @@ async def reconcile_pool(
     result = ReconcileResult()
     plan = plan_pool(raw)
     apply_error = None
-    if plan.children is not None:
-        apply_error = await _apply_children(client, reader, namespace, name, plan.children, result)
+    if plan.children is not None and plan.pool is not None:
+        apply_error = await _apply_children(client, reader, plan.pool, plan.children, result)
     observed = await _observe(reader, raw, plan, apply_error=apply_error, injection_enabled=injection_enabled)
     status, events = compute_status(observed, utcnow())
     result.ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
@@ -251,6 +251,23 @@ async def _write_status(client: KubeClient, raw: dict[str, Any], status: dict[st
             # The pool changed while we looked: the event that changed it triggers another pass.
             raise RetryNow from exc
         raise
+
+
+async def _ensure_secrets(client: KubeClient, pool: KVCachePool) -> frozenset[str]:
+    """Create, complete or rotate the pool's credentials; return the Secret names it should have."""
+    candidates = [
+        names.credentials_secret_name(pool.name),
+        names.ca_secret_name(pool.name),
+        names.server_tls_secret_name(pool.name),
+        names.client_tls_secret_name(pool.name),
+    ]
+    found = await asyncio.gather(*(client.get("Secret", pool.namespace, n) for n in candidates))
+    plan = plan_secrets(
+        pool, dict(zip(candidates, found, strict=True)), dt.datetime.now(dt.UTC), owner_reference(pool)
+    )
+    for body in plan.writes:
+        await client.apply(body, field_manager=names.FIELD_MANAGER)
+    return plan.wanted
 
 
 async def _none() -> None:

@@ -352,7 +352,13 @@ def build_cache(settings: ConnectorSettings, counters: Counters | None = None) -
         endpoints.append(
             Endpoint(
                 "remote",
-                transport_factory(settings.remote, token=settings.token, tls_ca=settings.tls_ca),
+                transport_factory(
+                    settings.remote,
+                    token=settings.token,
+                    tls_ca=settings.tls_ca,
+                    tls_cert=settings.tls_cert,
+                    tls_key=settings.tls_key,
+                ),
                 CircuitBreaker(settings.breaker_failures, cooldown),
             )
         )
@@ -360,14 +366,22 @@ def build_cache(settings: ConnectorSettings, counters: Counters | None = None) -
 
 
 def transport_factory(
-    target: str, *, shm_dir: str | None = None, token: str | None = None, tls_ca: str | None = None
+    target: str,
+    *,
+    shm_dir: str | None = None,
+    token: str | None = None,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> Callable[[], Transport]:
     """Return a factory for the real ``kvfabric.client.CacheClient`` (imported on first use)."""
 
     def make() -> Transport:
         from kvfabric.client import CacheClient  # deferred: grpc starts threads
 
-        client: Transport = CacheClient(target, shm_dir=shm_dir, token=token, tls_ca=tls_ca)
+        client: Transport = CacheClient(
+            target, shm_dir=shm_dir, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
+        )
         return client
 
     return make

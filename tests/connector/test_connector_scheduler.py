@@ -32,8 +32,8 @@ def test_chunked_prefill_loads_the_hit_and_saves_every_other_whole_chunk_once(
     half = SchedulerHalf(ConnectorSettings(chunk_tokens=CHUNK), SPEC, cache=cache)
     req = RequestInfo("r", tuple(range(100, 100 + n_tokens)))
     keys = half.chunk_keys(req)
-    for k in keys[:stored]:
-        store.blocks[(half.namespace, k)] = b"x"
+    for key in keys[:stored]:
+        store.blocks[(half.namespace, key)] = b"x"
     hit_chunks = min(stored, num_loadable_chunks(n_tokens, CHUNK))
     ext = half.num_new_matched_tokens(req, 0)
     assert ext == hit_chunks * CHUNK

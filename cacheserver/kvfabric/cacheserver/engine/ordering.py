@@ -11,6 +11,8 @@ Servers agree on volume time only to within the filesystem's timestamp granulari
 monotonic drift between syncs. So that a delete always supersedes every store acknowledged anywhere
 before it, its generation is taken :data:`DELETE_MARGIN_S` ahead of now: a store on another server
 in that second which had not yet learned of the delete is superseded too — a miss, never old bytes.
+Where the servers' clocks disagree by more (a client-stamped volume and a server days ahead, see
+ttl.py), the margin grows by the observed spread.
 """
 
 from __future__ import annotations
@@ -41,9 +43,13 @@ class Generations:
             self._last = max(self._last + 1, t)
             return self._last
 
-    def for_delete(self) -> int:
-        """A delete's generation: ahead of every store acknowledged so far on any server."""
-        t = int((self._now() + DELETE_MARGIN_S) * 1e9)
+    def for_delete(self, spread_s: float = 0.0) -> int:
+        """A delete's generation: ahead of every store acknowledged so far on any server.
+
+        ``spread_s`` is how far the live servers' clocks disagree (a client-stamped volume with a
+        server days ahead): the delete must be ahead of that server's generations too.
+        """
+        t = int((self._now() + DELETE_MARGIN_S + max(0.0, spread_s)) * 1e9)
         with self._lock:
             self._last = max(self._last + 1, t)
             return self._last

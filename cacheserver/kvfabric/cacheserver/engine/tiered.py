@@ -418,7 +418,7 @@ class TieredStore:
         The tombstone is recorded first, so a write-back or promotion of an older copy still in
         flight cannot land afterwards (each tier re-checks it when it commits).
         """
-        gen = self.generations.for_delete()
+        gen = self.generations.for_delete(self.clock.spread())
         self.generations.tombstone(bid, gen)
         found = self.dram.delete(bid, gen)
         for tier in self.backing:

@@ -8,11 +8,11 @@ generation is not greater. Every copy carries its generation: DRAM in its index,
 block header and the index, the shared volume's journal in its ``P`` and ``T`` records.
 
 Servers agree on volume time only to within the filesystem's timestamp granularity (a few ms) plus
-monotonic drift between syncs. So that a delete always supersedes every store acknowledged anywhere
-before it, its generation is taken :data:`DELETE_MARGIN_S` ahead of now: a store on another server
-in that second which had not yet learned of the delete is superseded too — a miss, never old bytes.
-Where the servers' clocks disagree by more (a client-stamped volume and a server days ahead, see
-ttl.py), the margin grows by the observed spread.
+monotonic drift between syncs. So that a delete supersedes every store acknowledged anywhere before
+it, its generation is taken a margin ahead of now (:meth:`Generations.for_delete`; the store passes
+one second plus a janitor interval, the same on every server): a store on another server within
+that margin which had not yet learned of the delete is superseded too — a miss, never old bytes.
+The margin must be the same everywhere: deletes whose margins differ could order against each other.
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ class Generations:
             self._last = max(self._last + 1, t)
             return self._last
 
-    def for_delete(self, spread_s: float = 0.0) -> int:
-        """A delete's generation: ahead of every store acknowledged so far on any server.
+    def for_delete(self, margin_s: float = DELETE_MARGIN_S) -> int:
+        """A delete's generation, ``margin_s`` ahead of now.
 
-        ``spread_s`` is how far the live servers' clocks disagree (a client-stamped volume with a
-        server days ahead): the delete must be ahead of that server's generations too.
+        It is ahead of every store acknowledged so far on any server whose generation clock is less
+        than ``margin_s`` ahead of this one's.
         """
-        t = int((self._now() + DELETE_MARGIN_S + max(0.0, spread_s)) * 1e9)
+        t = int((self._now() + margin_s) * 1e9)
         with self._lock:
             self._last = max(self._last + 1, t)
             return self._last

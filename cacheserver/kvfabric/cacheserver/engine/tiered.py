@@ -57,6 +57,7 @@ Both have ``length``, ``gen``, ``view()``, ``read()`` and ``close()``."""
 
 class _Miss(Exception):  # noqa: N818 - control flow inside a fill callback, never escapes
     def __init__(self, reason: MissReason) -> None:
+        super().__init__(reason.value)
         self.reason = reason
 
 

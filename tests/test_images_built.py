@@ -55,6 +55,7 @@ def _fake_runc(tmp_path: Path) -> Path:
     return fake
 
 
+@pytest.mark.process
 def test_runc_wrapper_drops_cap_sys_resource_on_create_and_exec(tmp_path: Path) -> None:
     caps = ["CAP_CHOWN", "CAP_SYS_RESOURCE", "CAP_KILL"]
     bundle = tmp_path / "bundle"

@@ -115,6 +115,10 @@ def run_step(
                 say(line)
         rc = proc.wait()
     finally:
+        proc.stdout.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
         done.set()
         beat.join()
     elapsed = time.monotonic() - start

@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict
 
 import yaml
 
@@ -63,10 +64,10 @@ def _shared_dirs() -> Iterator[tuple[Path, Path]]:
         yield Path(run), Path(shm)
 
 
-def cacheserver_round_trip(eng: DockerEngine, image: Image, timeout: float = 120.0) -> dict[str, object]:
+def cacheserver_round_trip(eng: DockerEngine, image: Image, timeout: float = 120.0) -> ProcessFacts:
     """Start the cache-server image locked down, store and load one chunk from the host.
 
-    Returns ``docker inspect``'s HostConfig/Config facts that the caller may assert on.
+    Returns what the kernel says about the server's process, for the caller to assert on.
     """
     from kvfabric.client.sync import CacheClient
 
@@ -124,7 +125,18 @@ def cacheserver_round_trip(eng: DockerEngine, image: Image, timeout: float = 120
             eng.docker("rm", "-f", name, check=False)
 
 
-def process_facts(pid: int) -> dict[str, object]:
+class ProcessFacts(TypedDict):
+    """What the kernel says about a container's process (see :func:`process_facts`)."""
+
+    uids: list[int]
+    gids: list[int]
+    cap_eff: int
+    cap_bnd: int
+    no_new_privs: bool
+    root_read_only: bool
+
+
+def process_facts(pid: int) -> ProcessFacts:
     """What the kernel says about a running process: its uids, capabilities and root mount.
 
     ``uids`` are (real, effective, saved, filesystem); ``cap_eff``/``cap_bnd`` are bit masks;

@@ -221,8 +221,9 @@ class LocalCluster:
             progress(f"registering {gpu_nodes} GPU and {cpu_nodes} CPU fake nodes")
             docs = [nodes.node_manifest(n, gpus=8) for n in gpu_names]
             docs += [nodes.node_manifest(n, gpus=0) for n in cpu_names]
-            self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
-            self._wait_nodes_ready(state, [*gpu_names, *cpu_names])
+            if docs:
+                self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+                self._wait_nodes_ready(state, [*gpu_names, *cpu_names])
             self._wait_default_service_account(state)
             if kubelets:
                 self._start_real_nodes(state, certs, kubelets, progress)

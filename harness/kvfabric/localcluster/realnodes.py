@@ -7,9 +7,9 @@ its own containerd (Debian's), started next to the kwok nodes:
   with the node's address, a CNI bridge for its pods (Debian's containernetworking-plugins), and a
   relay (:mod:`kvfabric.localcluster.nsrelay`) that makes the host-loopback API server reachable at
   127.0.0.1 inside the namespace;
-- its own **mount namespace**, in which ``/run/kvfabric`` and ``/var/lib/kvfabric`` are bind mounts of
-  per-node directories (``<cluster>/nodes/<name>/host/...``): hostPath volumes stay node-local although
-  every node shares one machine, and a test reads them from the host;
+- its own **mount namespace**, in which ``/run/kvfabric`` and ``/var/lib/kvfabric`` are bind mounts
+  of per-node directories (``/run/kvfabric-<uid>/nodes/<node>/host/...``): hostPath volumes stay
+  node-local although every node shares one machine, and a test reads them from the host;
 - its own **cgroup subtree** (``/kvfabric-nodes/<name>`` in every cgroup v1 hierarchy, the kubelet's
   ``cgroupRoot``); ``down`` kills everything in it, containers and shims included;
 - the node **certificate** ``system:node:<name>`` (Node authorizer, NodeRestriction), and the same
@@ -54,6 +54,9 @@ RUNC_WRAPPER = Path(__file__).resolve().parents[1] / "containers" / "runc-wrappe
 # Host paths the cache DaemonSet uses (names.HOST_RUN_ROOT and the local-disk root): per node.
 NODE_LOCAL_DIRS = ("/run/kvfabric", "/var/lib/kvfabric")
 _READY_TIMEOUT = 180.0
+# Processes this interpreter started, so they are reaped (no zombie, no ResourceWarning) when the
+# same process stops them; `down` from another process works from the persisted pids alone.
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
 class RealNodeError(RuntimeError):
@@ -91,8 +94,12 @@ class RealNode:
         return f"/{CGROUP_PARENT}/{self.name}"
 
     def host_dir(self, node_path: str) -> Path:
-        """Where the node's ``node_path`` (e.g. ``/run/kvfabric``) lives on the host."""
-        return self.dir / "host" / node_path.strip("/").replace("/", "-")
+        """Where the node's ``node_path`` (e.g. ``/run/kvfabric``) lives on the host.
+
+        Under the short run directory: the cache server's socket is in there, and a Unix socket's
+        path must stay under 108 bytes for clients on the host.
+        """
+        return self.run / "host" / node_path.strip("/").replace("/", "-")
 
 
 def plan(cluster_dir: Path, run_root: Path, count: int) -> list[RealNode]:
@@ -342,7 +349,9 @@ def write_node_files(node: RealNode, pki: Pki, api_port: int, images: Sequence[P
     if node.dir.exists():
         subprocess.run(["rm", "-rf", str(node.dir)], check=True)
     node.dir.mkdir(parents=True)
-    node.run.mkdir(parents=True, exist_ok=True)
+    if node.run.exists():
+        subprocess.run(["rm", "-rf", str(node.run)], check=True)
+    node.run.mkdir(parents=True)
     for p in NODE_LOCAL_DIRS:
         node.host_dir(p).mkdir(parents=True, exist_ok=True)
     (node.dir / "cni").mkdir()
@@ -421,6 +430,8 @@ def start_node(node: RealNode, kubelet: Path, api_port: int) -> NodeProcesses:
         start_new_session=True,
     )
     log.close()
+    _CHILDREN[proc.pid] = proc
+    _CHILDREN[relay.pid] = relay
     return NodeProcesses(node.name, node.netns, proc.pid, relay.pid)
 
 
@@ -436,12 +447,18 @@ def stop_node(node: RealNode, procs: NodeProcesses | None) -> None:
         for pid in (procs.node_pid, procs.relay_pid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
+            child = _CHILDREN.pop(pid, None)
+            if child is not None:
+                child.wait()
+            else:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
     # Mounts made inside the node's mount namespace vanish with it; only the network namespace
     # (and the iptables chains the kubelet made in it) has to go explicitly.
     with contextlib.suppress(subprocess.CalledProcessError):
         _run("ip", "netns", "delete", node.netns)
+    # Sockets, containerd's state and the node-local host directories (kept on disk: node.dir).
+    subprocess.run(["rm", "-rf", str(node.run)], check=False)
 
 
 def state_path(cluster_dir: Path) -> Path:
@@ -500,9 +517,8 @@ def wait_ready(
         out = kubectl("get", "node", node.name, "-o", "json", check=False)
         if out.returncode == 0 and node_ready(json.loads(out.stdout)):
             return
-        dead = False
-        with contextlib.suppress(ChildProcessError):
-            dead = os.waitpid(procs.node_pid, os.WNOHANG)[0] == procs.node_pid
+        child = _CHILDREN.get(procs.node_pid)
+        dead = child is not None and child.poll() is not None
         if dead or time.monotonic() > deadline:
             why = "its processes exited" if dead else f"not Ready after {timeout:.0f}s"
             raise RealNodeError(

@@ -155,6 +155,9 @@ class TieredStore:
             drop_lease(self.lease_dir, self.server_id)
         if self.journal is not None:
             self.journal.close()
+        # DRAM never survives its server (the next one discards leftovers): free the node's memory now
+        # rather than at a restart that may never come (a deleted pool).
+        self.dram.discard_all()
 
     # --- reads ---------------------------------------------------------------------------------------
 

@@ -36,5 +36,9 @@ say "building or finding the pinned control-plane and kubelet binaries (in the b
 (set -o pipefail; uv run --frozen kvfabric cluster build --kubelet 2>&1 >/dev/null | { grep --line-buffered -v '^go: downloading' >&2 || true; }) &
 go_pid=$!
 scripts/bootstrap-containers.sh
+
+say "building or finding the pinned vLLM environment (real-vLLM tests; KVFABRIC_SKIP_VLLM=1 skips)"
+scripts/vllm-env.sh >/dev/null
+
 wait "$go_pid"
 say "done"

@@ -79,7 +79,8 @@ def test_load_timeout_abandons_buffers(fake: MemoryTransport) -> None:
     fake.hang.set()
     cache = make(fake)
     buf = bytearray(4)
-    out = cache.load_into(NS, KEYS[:1], [buf], time.monotonic() + 0.05)
+    # Long enough that the call surely reaches the (hung) transport before the deadline.
+    out = cache.load_into(NS, KEYS[:1], [buf], time.monotonic() + 0.5)
     assert (out.count, out.reason) == (0, Reason.TIMEOUT)
     # The call is still running: the outcome says so, so the caller keeps the buffer to itself.
     assert len(out.inflight) == 1

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything kvfabric's demo and tests need on a fresh Debian machine, idempotently:
 # Debian packages (redis-server for the storage benchmark's baseline), uv, the Python environment
-# (.venv, from uv.lock), and the pinned Kubernetes binaries (built from the Go module proxy into
-# ~/.cache/kvfabric, reused when present). A warm machine finishes in seconds.
+# (.venv, from uv.lock), the pinned Kubernetes binaries and the pinned S3 server (SeaweedFS, for the
+# object-store tier's tests), both built from the Go module proxy into ~/.cache/kvfabric and reused
+# when present. A warm machine finishes in seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { printf '[bootstrap] %s\n' "$*" >&2; }
@@ -30,3 +31,6 @@ uv sync --all-extras --frozen --quiet
 
 say "building or finding the pinned control-plane binaries"
 uv run --frozen kvfabric cluster build >/dev/null
+
+say "building or finding the pinned S3 server (SeaweedFS) for the object-store tier"
+uv run --frozen python -m kvfabric.testing.s3server build >/dev/null

@@ -35,7 +35,12 @@ from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 __all__ = ["CacheService", "SharedState", "add_to_server"]
 
 T = TypeVar("T")
-_TIER_ENUM = {"dram": pb.TIER_DRAM, "local_disk": pb.TIER_LOCAL_DISK, "shared": pb.TIER_SHARED}
+_TIER_ENUM = {
+    "dram": pb.TIER_DRAM,
+    "local_disk": pb.TIER_LOCAL_DISK,
+    "shared": pb.TIER_SHARED,
+    "object": pb.TIER_OBJECT,
+}
 # 1-2 MiB messages measured fastest through grpcio (per-message overhead vs. large-buffer copies).
 _DEFAULT_PIECE = 1 << 20
 _MIN_PIECE, _MAX_PIECE = 64 << 10, 64 << 20

@@ -25,7 +25,12 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", -1),
 ]
 STREAM_PIECE_BYTES = 1 << 20  # 1-2 MiB messages measured fastest through grpcio
-TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_LOCAL_DISK: "local_disk", pb.TIER_SHARED: "shared"}
+TIER_NAMES = {
+    pb.TIER_DRAM: "dram",
+    pb.TIER_LOCAL_DISK: "local_disk",
+    pb.TIER_SHARED: "shared",
+    pb.TIER_OBJECT: "object",
+}
 
 
 @dataclass(frozen=True, slots=True)

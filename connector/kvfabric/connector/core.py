@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 _GROUP_CHUNKS = 256
 
 # Order used to name the "source tier" of a hit: the slowest tier involved bounds its speed.
-_TIER_ORDER = {"dram": 0, "local_disk": 1, "shared": 2}
+_TIER_ORDER = {"dram": 0, "local_disk": 1, "shared": 2, "object": 3}
 
 
 class Role(enum.Enum):
@@ -353,7 +353,7 @@ class KVFabricConnectorCore:
         if st is None or not st.hit_tokens:
             return None
         tiers = st.tiers[: st.hit_tokens // self.chunk_tokens]
-        return max(tiers, key=lambda t: _TIER_ORDER.get(t, 3)) if tiers else None
+        return max(tiers, key=lambda t: _TIER_ORDER.get(t, 4)) if tiers else None
 
     def lookup_reason(self, request: _Request) -> Reason | None:
         """Return why the last lookup for ``request`` found nothing (``None`` after a hit)."""
@@ -543,7 +543,7 @@ class KVFabricConnectorCore:
             self.counters.add("loaded_chunks", valid)
             self.counters.add("loaded_bytes", valid * geo.payload_bytes)
             tiers = pl.spec.tiers[:valid]
-            tier = max(tiers, key=lambda t: _TIER_ORDER.get(t, 3)) if tiers else None
+            tier = max(tiers, key=lambda t: _TIER_ORDER.get(t, 4)) if tiers else None
             pl.report = LoadReport(
                 pl.spec.req_id,
                 len(pl.spec.keys),

@@ -28,6 +28,7 @@ from kvfabric.cacheserver.engine.disk import DiskTier
 from kvfabric.cacheserver.engine.dram import DramBlock, DramTier, OpenBlock
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.journal import Event, JournalReader, JournalWriter
+from kvfabric.cacheserver.engine.objectstore import ObjectStoreTier
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.ttl import (
     SharedClock,
@@ -106,6 +107,16 @@ class TieredStore:
             clock_path = root / "clock"
             self._reader = JournalReader(root / "journals", self.server_id)
         self.clock = SharedClock(clock_path)
+        self.object: ObjectStoreTier | None = None
+        if t.object_store is not None:
+            self.object = ObjectStoreTier(
+                t.object_store,
+                server_id=self.server_id,
+                bucket_seconds=config.bucket_seconds,
+                ttl_seconds=config.ttl_seconds,
+                janitor_seconds=config.janitor_interval_seconds,
+                counters=self.counters,
+            )
         self._wb_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="writeback")
         self._wb_lock = threading.Lock()
         self._wb_bytes = 0
@@ -129,6 +140,8 @@ class TieredStore:
             touch_lease(self.lease_dir, self.server_id)
         for tier in self.disk_tiers:
             tier.scan()
+        if self.object is not None:
+            self.object.start()
         if self.shared is not None:
             self._spawn("journal-tail", self._tail_loop, self.config.journal_poll_seconds)
         self._spawn("janitor", self._janitor_loop, self.config.janitor_interval_seconds)
@@ -149,6 +162,8 @@ class TieredStore:
         """Stop background work; pending write-backs finish first."""
         self._stop.set()
         self._wb_pool.shutdown(wait=True)
+        if self.object is not None:
+            self.object.close()
         for th in self._threads:
             th.join(timeout=5)
         if self.shared is not None:
@@ -161,7 +176,7 @@ class TieredStore:
     def lookup(self, bids: list[BlockId]) -> list[str]:
         """Tier name of each leading present key (index only, no storage access)."""
         out: list[str] = []
-        dram, local, shared = self.dram, self.local, self.shared
+        dram, local, shared, obj = self.dram, self.local, self.shared, self.object
         for bid in bids:
             if dram.has(bid):
                 out.append("dram")
@@ -169,6 +184,8 @@ class TieredStore:
                 out.append("local_disk")
             elif shared is not None and shared.has(bid):
                 out.append("shared")
+            elif obj is not None and obj.has(bid):
+                out.append("object")
             else:
                 break
         return out
@@ -190,8 +207,39 @@ class TieredStore:
                 if tier is self.shared and self.local is not None and not self.local.contains(bid):
                     self._enqueue_writeback(bid, (self.local,))
                 return self.dram.slot(bid)
+        if self.object is not None and self._promote_object(bid):
+            self.counters.inc("hits", self.object.name)
+            self.object.touch(bid)
+            if self.local is not None and not self.local.contains(bid):
+                self._enqueue_writeback(bid, (self.local,))
+            return self.dram.slot(bid)
         self.counters.inc("misses")
         return None
+
+    def _promote_object(self, bid: BlockId) -> bool:
+        obj = self.object
+        entry = obj.entry(bid) if obj is not None else None
+        if obj is None or entry is None:
+            return False
+        length = entry.length
+
+        def fill(fd: int) -> None:
+            # Parallel ranged GETs straight into the tmpfs file, verified before it is indexed.
+            os.ftruncate(fd, max(length, 1))
+            with mmap.mmap(fd, max(length, 1)) as m:
+                view = memoryview(m)
+                try:
+                    header = obj.read_into(bid, view)
+                finally:
+                    view.release()
+            if header is None:
+                raise _Miss
+            os.ftruncate(fd, length)
+
+        try:
+            return self.dram.put_with(bid, length, fill)
+        except _Miss:
+            return False
 
     def _promote(self, tier: DiskTier, bid: BlockId, length: int) -> bool:
         padded = max(ALIGN, -(-length // ALIGN) * ALIGN)
@@ -229,6 +277,8 @@ class TieredStore:
     def _refresh_later(self, bid: BlockId) -> None:
         # A block hot in DRAM must not let its disk copies age out: move them into the current
         # bucket too. Only index lookups here; the rename (a round trip on NFS) runs in the background.
+        if self.object is not None:
+            self.object.touch(bid)
         now = self.clock.now()
         if now is None or not self.disk_tiers:
             return
@@ -265,6 +315,8 @@ class TieredStore:
             data = tier.get(bid)
             if data is not None:
                 return data
+        if self.object is not None:
+            return self.object.get(bid)
         return None
 
     # --- writes --------------------------------------------------------------------------------------
@@ -281,6 +333,11 @@ class TieredStore:
         self.counters.inc("stores")
         if self.config.tiers.write_back == "all" and self.disk_tiers:
             self._enqueue_writeback(bid, tuple(self.disk_tiers))
+        if self.config.tiers.write_back == "all" and self.object is not None:
+            # Its own queue and pool: a slow object store never delays the disk write-backs.
+            handle = self.dram.open(bid)
+            if handle is not None:
+                self.object.enqueue(bid, handle)
         return True
 
     def put(self, bid: BlockId, payload: bytes | bytearray | memoryview) -> bool:
@@ -349,7 +406,7 @@ class TieredStore:
         while True:
             with self._wb_lock:
                 if self._wb_bytes == 0:
-                    return True
+                    return self.object is None or self.object.flush(max(0.0, end - time.monotonic()))
             if time.monotonic() > end:
                 return False
             time.sleep(0.01)
@@ -362,6 +419,8 @@ class TieredStore:
                 found = True
                 if tier is self.shared:
                     self._journal_deletes([bid])
+        if self.object is not None and self.object.delete(bid):
+            found = True
         return found
 
     def _journal_deletes(self, bids: list[BlockId]) -> None:
@@ -425,7 +484,8 @@ class TieredStore:
     def stats(self) -> dict[str, Any]:
         """Usage per tier and every counter, JSON-ready."""
         tiers = {}
-        for u in [self.dram.usage(), *(t.usage() for t in self.disk_tiers)]:
+        extra = [self.object.usage()] if self.object is not None else []
+        for u in [self.dram.usage(), *(t.usage() for t in self.disk_tiers), *extra]:
             tiers[u.name] = {
                 "used_bytes": u.used_bytes,
                 "capacity_bytes": u.capacity_bytes,
@@ -446,4 +506,5 @@ class TieredStore:
             "counters": counters,
             "writeback_pending_bytes": pending,
             "clock": self.clock.now(),
+            **({"object_store": self.object.stats()} if self.object is not None else {}),
         }

@@ -13,10 +13,12 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_DRAM: _ClassVar[Tier]
     TIER_LOCAL_DISK: _ClassVar[Tier]
     TIER_SHARED: _ClassVar[Tier]
+    TIER_OBJECT: _ClassVar[Tier]
 TIER_UNSPECIFIED: Tier
 TIER_DRAM: Tier
 TIER_LOCAL_DISK: Tier
 TIER_SHARED: Tier
+TIER_OBJECT: Tier
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "keys")

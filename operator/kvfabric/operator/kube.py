@@ -20,6 +20,7 @@ import aiohttp
 # kind -> (API path prefix, plural) for every kind the operator touches.
 _KINDS: Final[dict[str, tuple[str, str]]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
+    "Secret": ("/api/v1", "secrets"),
     "Service": ("/api/v1", "services"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "Pod": ("/api/v1", "pods"),

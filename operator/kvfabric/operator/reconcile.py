@@ -21,6 +21,7 @@ import pydantic
 
 from kvfabric.operator.api.v1alpha1 import KIND, POOL_LABEL, KVCachePool
 from kvfabric.operator.kube import ApiError, KubeClient
+from kvfabric.operator.objectprobe import probe_object_store
 from kvfabric.operator.render import ConfigError, connection_settings, names, render_children
 from kvfabric.operator.status import Event, Observed, compute_status, strip_times
 
@@ -94,10 +95,11 @@ async def reconcile_pool(
         shared_raw = raw["spec"]["tiers"]["shared"]
         claim_name = shared_raw.get("existingClaim") or names.shared_claim_name(name)
 
-    daemonset, claim, consumers = await asyncio.gather(
+    daemonset, claim, consumers, probe = await asyncio.gather(
         client.get("DaemonSet", namespace, names.daemonset_name(name)),
         client.get("PersistentVolumeClaim", namespace, claim_name) if claim_name else _none(),
         _consumer_pods(client, namespace, name),
+        probe_object_store(client, pool) if pool is not None and pool.spec.tiers.object_store else _none(),
     )
     observed = Observed(
         generation=generation,
@@ -111,6 +113,7 @@ async def reconcile_pool(
         injection_enabled=injection_enabled,
         metrics_service=metrics_service,
         previous_status=previous_status,
+        object_store=None if probe is None else (probe.ok, probe.reason, probe.message),
     )
     status, events = compute_status(observed, utcnow())
     result.ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])

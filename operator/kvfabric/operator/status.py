@@ -31,6 +31,8 @@ class Observed:
     injection_enabled: bool
     metrics_service: str | None
     previous_status: dict[str, Any] = field(default_factory=dict)
+    # The object tier's probe: (reachable and writable, reason, message); None without an object tier.
+    object_store: tuple[bool, str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,15 @@ def compute_status(observed: Observed, now: str) -> tuple[dict[str, Any], list[E
                 "ClaimPending",
                 f"PersistentVolumeClaim {observed.claim_name} is {phase}",
             )
+    if observed.object_store is not None:
+        obj_ok, obj_reason, obj_message = observed.object_store
+        if observed.claim_name is None:
+            storage_ok, reason, message = obj_ok, obj_reason, obj_message
+        else:
+            if storage_ok and not obj_ok:
+                reason = obj_reason
+            storage_ok = bool(storage_ok) and obj_ok
+            message = f"{message}; {obj_message}"
     add("StorageReady", storage_ok, reason, message)
 
     # Progressing

@@ -12,7 +12,13 @@ With 32 MiB chunks (one chunk of Llama-8B KV at 256 tokens), it measures:
   promoted into DRAM and copied into the client's buffers;
 * ``grpc_load_gbps`` — ``load`` over TCP loopback (payloads streamed in gRPC messages);
 * ``redis_get_gbps`` — ``GET`` of the same payloads from a real ``redis-server`` on loopback via redis-py;
-* ``lookup_p99_ms`` — 128-key lookups from 32 concurrent clients (closed loop) over the Unix socket.
+* ``lookup_p99_ms`` — 128-key lookups from 32 concurrent clients (closed loop) over the Unix socket;
+* ``object_tier_load_gbps`` — loads from the object-store tier of a server with DRAM and the object
+  tier only, after a restart (index rebuilt from a listing), from a real S3 server on loopback
+  (SeaweedFS): parallel ranged GETs, verified, promoted into DRAM and copied into the client's
+  buffers; against ``object_raw_get_gbps``, the very same objects fetched with the same ranged GETs
+  and concurrency by a bare obstore client (``object_single_get_gbps``: one plain GET per object, one
+  object at a time). Skipped with ``--no-object-store``.
 
 Throughputs are the median of several rounds, and paired paths (memcpy / shm load, raw read / tier
 load) alternate rounds, so that a burst of load from other processes skews a ratio as little as
@@ -57,6 +63,13 @@ TARGETS = (
     ),
     ("grpc_load_gbps >= 1.0 x redis_get_gbps", "grpc_load_gbps", "redis_get_gbps", ">=", 1.0),
     ("lookup_p99_ms <= 2", "lookup_p99_ms", None, "<=", 2.0),
+    (
+        "object_tier_load_gbps >= 0.9 x object_raw_get_gbps",
+        "object_tier_load_gbps",
+        "object_raw_get_gbps",
+        ">=",
+        0.9,
+    ),
 )
 
 
@@ -83,6 +96,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=20.0,
         help="also measure paced lookups at this rate per client, open loop (0 = skip; default 20/s)",
+    )
+    parser.add_argument(
+        "--no-object-store",
+        action="store_true",
+        help="skip the object-store tier (which starts a SeaweedFS S3 server, built on first use)",
     )
     parser.add_argument(
         "--workdir",
@@ -174,6 +192,107 @@ def _redis(payload_count: int, chunk: int) -> Iterator[Any]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _object_tier(
+    work: Path, *, chunk: int, rounds: int, payloads: list[bytes], ns: str, keys: list[str], say: Any
+) -> dict[str, Any]:
+    """Cold loads from the object tier against raw GETs of the same objects, in alternating rounds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import obstore
+
+    from kvfabric.cacheserver.config import ObjectStoreTierConfig
+    from kvfabric.cacheserver.engine.objectclient import make_store
+    from kvfabric.client import CacheClient
+    from kvfabric.testing.s3server import s3_server
+    from kvfabric.testing.serverproc import cache_server, wait_until
+
+    out: dict[str, Any] = {}
+    n = len(keys)
+    with s3_server() as s3:
+        (work / "ak").write_text(s3.access_key)
+        (work / "sk").write_text(s3.secret_key)
+        tier = {
+            "endpoint": s3.endpoint,
+            "bucket": s3.bucket,
+            "prefix": "bench",
+            "access_key_id_file": str(work / "ak"),
+            "secret_access_key_file": str(work / "sk"),
+            "capacity_bytes": 4 * n * (chunk + 4096),
+            "max_pending_bytes": 2 * n * chunk,
+        }
+        cfg = ObjectStoreTierConfig.model_validate(tier)
+        with cache_server(
+            server_id="bench-object",
+            dram_bytes=(n + 4) * chunk + 256 * MiB,
+            local_disk_bytes=None,
+            metrics=False,
+            overrides={
+                "tiers.object_store": tier,
+                "limits.max_payload_bytes": chunk,
+                "shm.arena_bytes": 2 * chunk * max(2, n // 4),
+                "log_level": "WARNING",
+            },
+        ) as srv:
+            with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+                for k, p in zip(keys, payloads, strict=True):
+                    if c.store(ns, [k], [p], timeout=60).accepted != 1:
+                        raise RuntimeError("store dropped during the benchmark")
+
+                def uploaded() -> bool:
+                    st = c.stats(timeout=10)
+                    return bool(st["object_store"]["writeback_pending_bytes"] == 0)
+
+                wait_until(uploaded, 600, 0.2, "object write-back")
+            store = make_store(cfg)
+            paths = sorted(m["path"] for batch in obstore.list(store, "blocks/") for m in batch)
+            sizes = {m["path"]: m["size"] for batch in obstore.list(store, "blocks/") for m in batch}
+            if len(paths) != n:
+                raise RuntimeError(f"expected {n} objects, found {len(paths)}")
+            part = cfg.part_bytes
+            pool = ThreadPoolExecutor(cfg.max_concurrent_gets)
+
+            def raw_parallel() -> None:
+                jobs = [(p, s, min(s + part, sizes[p])) for p in paths for s in range(0, sizes[p], part)]
+                got = sum(
+                    len(b)
+                    for b in pool.map(lambda j: obstore.get_range(store, j[0], start=j[1], end=j[2]), jobs)
+                )
+                if got != sum(sizes.values()):
+                    raise RuntimeError("raw GET returned short data")
+
+            def raw_single() -> None:
+                for p in paths:
+                    if len(obstore.get(store, p).bytes()) != sizes[p]:
+                        raise RuntimeError("raw GET returned short data")
+
+            bufs = [memoryview(bytearray(chunk)) for _ in keys]
+            raw_t, single_t, tier_t = [], [], []
+            raw_parallel()
+            for _ in range(rounds):
+                srv.restart()  # DRAM empty; the index is rebuilt from a listing of the bucket
+                with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as cold:
+                    tiers = cold.lookup(ns, keys, timeout=10).tiers
+                    if tiers != ["object"] * n:
+                        raise RuntimeError(
+                            f"expected every chunk in the object tier after restart, got {tiers}"
+                        )
+                    t0 = time.perf_counter()
+                    got_n = cold.load_into(ns, keys, bufs, timeout=600)
+                    tier_t.append(time.perf_counter() - t0)
+                    if got_n != n or bytes(bufs[-1]) != payloads[-1]:
+                        raise RuntimeError("object tier load returned wrong data")
+                raw_t.append(_timed(raw_parallel))
+                single_t.append(_timed(raw_single))
+            pool.shutdown()
+    out["object_raw_get_gbps"] = _median_gbps(n * chunk, raw_t)
+    out["object_single_get_gbps"] = _median_gbps(n * chunk, single_t)
+    out["object_tier_load_gbps"] = _median_gbps(n * chunk, tier_t)
+    say(f"object raw GET (ranged, parallel) {out['object_raw_get_gbps']:8.2f} GB/s")
+    say(f"object raw GET (one per object)   {out['object_single_get_gbps']:8.2f} GB/s")
+    say(f"object tier load (cold)           {out['object_tier_load_gbps']:8.2f} GB/s")
+    return out
 
 
 def _lookup_worker(job: tuple[str, str, list[str], int, int, float]) -> list[float]:
@@ -395,6 +514,10 @@ def run(args: argparse.Namespace) -> int:
 
                 res["redis_get_gbps"] = _median_gbps(n * chunk, [_timed(redis_round) for _ in range(rounds)])
                 say(f"redis GET (loopback)  {res['redis_get_gbps']:8.2f} GB/s")
+        if not args.no_object_store:
+            res.update(
+                _object_tier(work, chunk=chunk, rounds=rounds, payloads=payloads, ns=ns, keys=keys, say=say)
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -34,3 +34,5 @@ uv run --frozen kvfabric cluster build >/dev/null
 
 say "building or finding the pinned S3 server (SeaweedFS) for the object-store tier"
 uv run --frozen python -m kvfabric.testing.s3server build >/dev/null
+say "building or finding the pinned vLLM environment (real-vLLM tests; KVFABRIC_SKIP_VLLM=1 skips)"
+scripts/vllm-env.sh >/dev/null

@@ -48,7 +48,14 @@ def test_bad_settings_fail_naming_the_field(change: dict[str, Any], field: str) 
 
 def test_object_names_round_trip_and_reject_foreign_paths() -> None:
     bid = BlockId("a" * 64, "b" * 64)
-    assert parse_object_path(object_path(bid, 42)) == (bid, 42)
-    assert parse_object_path("pool/x/" + object_path(bid, 7)) == (bid, 7)
-    for bad in ["blocks/zz/1/" + "b" * 64, f"blocks/{'a' * 64}/x/{'b' * 64}", "journal/a/b/c", "blocks"]:
+    assert parse_object_path(object_path(bid, 42, 9)) == (bid, 42, 9)
+    assert parse_object_path("pool/x/" + object_path(bid, 7, 1)) == (bid, 7, 1)
+    for bad in [
+        "blocks/zz/1/" + "b" * 64 + ".1",
+        f"blocks/{'a' * 64}/x/{'b' * 64}.1",
+        f"blocks/{'a' * 64}/1/{'b' * 64}",  # no generation
+        f"blocks/{'a' * 64}/1/{'b' * 64}.x",
+        "journal/a/b/c",
+        "blocks",
+    ]:
         assert parse_object_path(bad) is None

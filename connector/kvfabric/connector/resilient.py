@@ -34,6 +34,7 @@ from kvfabric.client.errors import (
     NotFound,
 )
 from kvfabric.client.results import LookupResult, StoreResult
+from kvfabric.connector.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 
@@ -333,15 +334,54 @@ class ResilientCache:
             ep.close()
 
 
+def build_cache(settings: ConnectorSettings, counters: Counters | None = None) -> ResilientCache | None:
+    """Build the resilient cache for ``settings`` (``None`` when no server is configured)."""
+    if not settings.configured:
+        return None
+    endpoints: list[Endpoint] = []
+    cooldown = settings.breaker_cooldown_ms / 1000
+    if settings.socket:
+        endpoints.append(
+            Endpoint(
+                "local",
+                transport_factory(f"unix://{settings.socket}", shm_dir=settings.shm_dir),
+                CircuitBreaker(settings.breaker_failures, cooldown),
+            )
+        )
+    if settings.remote:
+        endpoints.append(
+            Endpoint(
+                "remote",
+                transport_factory(
+                    settings.remote,
+                    token=settings.token,
+                    tls_ca=settings.tls_ca,
+                    tls_cert=settings.tls_cert,
+                    tls_key=settings.tls_key,
+                ),
+                CircuitBreaker(settings.breaker_failures, cooldown),
+            )
+        )
+    return ResilientCache(endpoints, retries=settings.retries, counters=counters)
+
+
 def transport_factory(
-    target: str, *, shm_dir: str | None = None, token: str | None = None, tls_ca: str | None = None
+    target: str,
+    *,
+    shm_dir: str | None = None,
+    token: str | None = None,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> Callable[[], Transport]:
     """Return a factory for the real ``kvfabric.client.CacheClient`` (imported on first use)."""
 
     def make() -> Transport:
         from kvfabric.client import CacheClient  # deferred: grpc starts threads
 
-        client: Transport = CacheClient(target, shm_dir=shm_dir, token=token, tls_ca=tls_ca)
+        client: Transport = CacheClient(
+            target, shm_dir=shm_dir, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
+        )
         return client
 
     return make
@@ -357,5 +397,6 @@ __all__ = [
     "Reason",
     "ResilientCache",
     "Transport",
+    "build_cache",
     "transport_factory",
 ]

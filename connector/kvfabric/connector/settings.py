@@ -10,6 +10,7 @@ Sources, highest priority first:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -24,7 +25,9 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-SETTINGS_FILE_ENV = "KVFABRIC_SETTINGS_FILE"
+from kvfabric.contract.consumer_env import ENV_PREFIX
+
+SETTINGS_FILE_ENV = f"{ENV_PREFIX}SETTINGS_FILE"
 
 
 class _FileSource(PydanticBaseSettingsSource):
@@ -50,8 +53,8 @@ class _FileSource(PydanticBaseSettingsSource):
         out: dict[str, Any] = {}
         for key, value in data.items():
             name = str(key)
-            if name.upper().startswith("KVFABRIC_"):
-                name = name[len("KVFABRIC_") :]
+            if name.upper().startswith(ENV_PREFIX):
+                name = name[len(ENV_PREFIX) :]
             out[name.lower()] = value
         return out
 
@@ -70,7 +73,7 @@ class ConnectorSettings(BaseSettings):
     failed request.
     """
 
-    model_config = SettingsConfigDict(env_prefix="KVFABRIC_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
 
     socket: str | None = None
     """Unix socket of the node-local cache server (``/run/kvfabric/cache.sock`` or ``unix:///...``).
@@ -84,6 +87,14 @@ class ConnectorSettings(BaseSettings):
     """Bearer token for the TCP listener (the Unix socket needs none)."""
     tls_ca: str | None = None
     """CA bundle (path) to verify the TCP listener's certificate; plaintext when unset."""
+    payload_key: str | None = Field(default=None, repr=False)
+    """The pool's payload secret (the operator injects it from the pool's Secret): chunks are sealed
+    and verified with a keyed MAC derived from it. Without it the MAC key is public, which detects
+    corruption but not forgery."""
+    tls_cert: str | None = None
+    """Client certificate (PEM path) for a TCP listener that requires mutual TLS."""
+    tls_key: str | None = None
+    """Private key (PEM path) of ``tls_cert``."""
     chunk_tokens: int = Field(default=256, gt=0)
     """Tokens per chunk; must be a multiple of the engine's block size."""
     tenant: str = ""
@@ -154,10 +165,17 @@ class ConnectorSettings(BaseSettings):
         """
         clean: dict[str, Any] = {}
         for key, value in (overrides or {}).items():
-            name = key[len("KVFABRIC_") :] if key.upper().startswith("KVFABRIC_") else key
+            name = key[len(ENV_PREFIX) :] if key.upper().startswith(ENV_PREFIX) else key
             if name.lower() in cls.model_fields:
                 clean[name.lower()] = value
         return cls(**clean)
+
+    @property
+    def mac_key(self) -> bytes:
+        """The 32-byte payload MAC key derived from :attr:`payload_key` (or the public key)."""
+        if not self.payload_key:
+            return bytes(32)
+        return hashlib.sha256(b"kvfabric payload mac\0" + self.payload_key.encode()).digest()
 
     @property
     def configured(self) -> bool:

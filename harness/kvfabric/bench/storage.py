@@ -241,8 +241,8 @@ def _object_tier(
                         raise RuntimeError("store dropped during the benchmark")
 
                 def uploaded() -> bool:
-                    st = c.stats(timeout=10)
-                    return bool(st["object_store"]["writeback_pending_bytes"] == 0)
+                    up = c.stats(timeout=10)["counters"].get("bytes_uploaded", {}).get("object", 0)
+                    return bool(up >= n * chunk)
 
                 wait_until(uploaded, 600, 0.2, "object write-back")
             store = make_store(cfg)

@@ -22,6 +22,7 @@ _KINDS: Final[dict[str, tuple[str, str]]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
     "Secret": ("/api/v1", "secrets"),
     "Service": ("/api/v1", "services"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "Pod": ("/api/v1", "pods"),
     "Event": ("/api/v1", "events"),

@@ -2,9 +2,13 @@
 
 Layout under the configured prefix::
 
-    blocks/<namespace>/<bucket>/<key>        header (blockfile.py, 4 KiB) + payload: a block file's bytes
+    blocks/<namespace>/<bucket>/<key>.<gen>  header (blockfile.py, 4 KiB) + payload: a block file's bytes
+    tombstones/<namespace>/<key>.<gen>       deletes (empty objects), honoured by servers starting later
     journal/<server>/<incarnation>/<seq>     journal segments (objectjournal.py)
     clock/<server>                           clock objects (objectjournal.py)
+
+It implements :class:`~kvfabric.cacheserver.engine.base.BackingTier`; the generation (ordering
+invariant) is in the object's name, so the start-up listing knows it without reading a header.
 
 * **Index**: rebuilt from one listing of ``blocks/`` at start-up (path = identity and TTL bucket,
   size = length), then kept current from the journal segments of the other servers, and rebuilt
@@ -15,10 +19,11 @@ Layout under the configured prefix::
   in the header, the length and the payload checksum; parts of different versions (e-tags) are a
   miss. A corrupt or truncated object is deleted, counted (``checksum_failures{tier=object}``) and a
   miss. An unreachable store is a miss (``object_errors``), never an error.
-* **Writes** are asynchronous write-back: :meth:`ObjectStoreTier.enqueue` takes an open handle on the
-  block and returns at once; the upload runs on the tier's own pool, bounded by ``max_pending_bytes``
-  and ``max_concurrent_puts`` — beyond either the write-back is dropped and counted. A single PUT per
-  object, so an object is never visible half-written.
+* **Writes** are asynchronous write-back: :meth:`ObjectStoreTier.write` (called by the store's
+  write-back) copies the block into an upload body and returns at once; the upload runs on the tier's
+  own pool, bounded by ``max_pending_bytes`` — beyond it the write-back is dropped and counted. A
+  single PUT per object, so an object is never visible half-written. The copy is indexed (and so
+  reported durable) only once the PUT succeeded.
 * **Capacity**: a byte budget with watermarks; a write that would cross the high watermark first
   evicts the oldest bucket's blocks (LRU within a bucket) down to the low watermark.
 * **TTL**: the same bucket scheme as the shared volume, with the object store's clock; a hit moves
@@ -35,10 +40,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from kvfabric.cacheserver.config import ObjectStoreTierConfig
-from kvfabric.cacheserver.engine.base import TierUsage
+from kvfabric.cacheserver.engine.base import MissReason, ReadResult, TierName, TierUsage, read_miss_counter
 from kvfabric.cacheserver.engine.blockfile import (
     HEADER_SIZE,
     BlockHeader,
@@ -56,28 +61,16 @@ from kvfabric.cacheserver.engine.objectclient import (
     ObjectStoreError,
 )
 from kvfabric.cacheserver.engine.objectjournal import ObjectClock, ObjectJournal
+from kvfabric.cacheserver.engine.ordering import Generations
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.ttl import bucket_of, expired_buckets
 
-__all__ = ["BlockSource", "ObjectEntry", "ObjectStoreTier"]
+__all__ = ["ObjectEntry", "ObjectStoreTier", "object_path", "parse_object_path"]
 
 log = logging.getLogger(__name__)
-NAME = "object"
+NAME = TierName.OBJECT
 BLOCKS = "blocks"
-
-
-class BlockSource(Protocol):
-    """An open, immutable block to upload (the DRAM tier's ``OpenBlock``)."""
-
-    length: int
-
-    def view(self) -> memoryview:
-        """The payload."""
-        ...
-
-    def close(self) -> None:
-        """Release the handle."""
-        ...
+TOMBSTONES = "tombstones"
 
 
 @dataclass(slots=True)
@@ -87,6 +80,7 @@ class ObjectEntry:
     bucket: int
     size: int
     """Whole object size (header + payload)."""
+    gen: int = 0
 
     @property
     def length(self) -> int:
@@ -94,18 +88,36 @@ class ObjectEntry:
         return self.size - HEADER_SIZE
 
 
-def object_path(bid: BlockId, bucket: int) -> str:
-    """The object name of ``bid`` in ``bucket`` (relative to the configured prefix)."""
-    return f"{BLOCKS}/{bid.namespace}/{bucket}/{bid.key}"
+def object_path(bid: BlockId, bucket: int, gen: int = 0) -> str:
+    """The object name of generation ``gen`` of ``bid`` in ``bucket`` (relative to the prefix)."""
+    return f"{BLOCKS}/{bid.namespace}/{bucket}/{bid.key}.{gen}"
 
 
-def parse_object_path(path: str) -> tuple[BlockId, int] | None:
+def parse_object_path(path: str) -> tuple[BlockId, int, int] | None:
     """Inverse of :func:`object_path` for a listed path (which may still carry the prefix)."""
     parts = path.split("/")
     if len(parts) < 4 or parts[-4] != BLOCKS or not parts[-2].isdigit():
         return None
+    key, _, gen = parts[-1].partition(".")
+    if not gen.isdigit():
+        return None
     try:
-        return BlockId.parse(parts[-3], parts[-1]), int(parts[-2])
+        return BlockId.parse(parts[-3], key), int(parts[-2]), int(gen)
+    except InvalidId:
+        return None
+
+
+def _tombstone_path(bid: BlockId, gen: int) -> str:
+    return f"{TOMBSTONES}/{bid.namespace}/{bid.key}.{gen}"
+
+
+def _parse_tombstone(path: str) -> tuple[BlockId, int] | None:
+    parts = path.split("/")
+    if len(parts) < 3 or parts[-3] != TOMBSTONES:
+        return None
+    key, _, gen = parts[-1].partition(".")
+    try:
+        return (BlockId.parse(parts[-2], key), int(gen)) if gen.isdigit() else None
     except InvalidId:
         return None
 
@@ -113,7 +125,7 @@ def parse_object_path(path: str) -> tuple[BlockId, int] | None:
 class ObjectStoreTier:
     """Blocks as S3 objects, with an in-memory index, budget, watermarks, journal and clock."""
 
-    name = NAME
+    durable = True
 
     def __init__(
         self,
@@ -125,6 +137,8 @@ class ObjectStoreTier:
         janitor_seconds: float = 5.0,
         counters: Counters | None = None,
         client: ObjectClient | None = None,
+        generations: Generations | None = None,
+        on_delete: Callable[[BlockId, int], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.server_id = server_id
@@ -137,6 +151,8 @@ class ObjectStoreTier:
         self.counters = counters or Counters()
         self.client = client or ObjectClient(cfg)
         self.clock = ObjectClock(self.client, server_id)
+        self.generations = generations or Generations(lambda: self.clock.now() or time.time())
+        self.on_delete = on_delete
         self.journal = ObjectJournal(
             self.client, server_id, retention_seconds=max(120.0, 60 * cfg.journal_poll_seconds)
         )
@@ -157,6 +173,11 @@ class ObjectStoreTier:
         self._last_scan = 0.0
         self._scan_recent: set[BlockId] | None = None
 
+    @property
+    def name(self) -> TierName:
+        """``object``."""
+        return NAME
+
     # --- lifecycle -----------------------------------------------------------------------------------
 
     def start(self, *, background: bool = True) -> None:
@@ -168,6 +189,7 @@ class ObjectStoreTier:
         try:
             # Tail from the current ends *before* listing, so nothing written meanwhile is missed.
             self.journal.skip_to_end()
+            self._load_tombstones()
             self.scan()
         except ObjectStoreError as exc:
             log.warning("object store unreachable at start-up", extra={"reason": str(exc)})
@@ -201,8 +223,9 @@ class ObjectStoreTier:
 
     def scan(self) -> int:
         """Rebuild the index from one listing of ``blocks/``; returns the number of objects indexed."""
-        found: list[tuple[BlockId, int, int, float]] = []
+        found: list[tuple[BlockId, int, int, int]] = []
         bad: list[str] = []
+        stale: list[str] = []
         with self._lock:
             # Blocks indexed while the listing runs (our writes, journal events) survive the rebuild.
             self._scan_recent = set()
@@ -216,11 +239,16 @@ class ObjectStoreTier:
             parsed = parse_object_path(meta["path"])
             if parsed is None:
                 continue
-            bid, bucket = parsed
+            bid, bucket, gen = parsed
             if meta["size"] < HEADER_SIZE:
-                bad.append(object_path(bid, bucket))
+                bad.append(object_path(bid, bucket, gen))
                 continue
-            found.append((bid, bucket, int(meta["size"]), meta["last_modified"].timestamp()))
+            if not self.generations.admits(bid, gen):
+                stale.append(object_path(bid, bucket, gen))
+                continue
+            self.generations.observe(gen)
+            found.append((bid, bucket, int(meta["size"]), gen))
+        # Oldest bucket first (LRU order approximated by age); per key the newest generation wins.
         found.sort(key=lambda t: (t[1], t[3]))
         dupes: list[str] = []
         with self._lock:
@@ -229,19 +257,38 @@ class ObjectStoreTier:
             self._index.clear()
             self._by_bucket.clear()
             self._used = 0
-            for bid, bucket, size, _ in found:
+            for bid, bucket, size, gen in found:
                 old = self._index.get(bid)
-                if old is not None:  # a refresh raced with us: keep the newer bucket's copy
-                    dupes.append(object_path(bid, old.bucket))
-                self._add_locked(bid, ObjectEntry(bucket, size))
+                if old is not None:
+                    # A refresh raced with us (same generation, two buckets) or an older generation
+                    # was left behind: keep the newest generation, in the newest bucket.
+                    if old.gen > gen:
+                        dupes.append(object_path(bid, bucket, gen))
+                        continue
+                    dupes.append(object_path(bid, old.bucket, old.gen))
+                self._add_locked(bid, ObjectEntry(bucket, size, gen))
             for bid, entry in recent.items():
                 self._add_locked(bid, entry)
             self._last_scan = time.monotonic()
         if bad:
             self.counters.inc("checksum_failures", NAME, len(bad))
-        self._delete_quietly(bad + dupes)
+        self._delete_quietly(bad + dupes + stale)
         log.info("tier index rebuilt", extra={"tier": NAME, "blocks": len(found), "used": self._used})
         return len(found)
+
+    def _load_tombstones(self) -> None:
+        """Honour deletes made while this server was away (tombstone objects, kept for two TTLs)."""
+        now = self.clock.now()
+        old: list[str] = []
+        for meta in self.client.list(f"{TOMBSTONES}/"):
+            parsed = _parse_tombstone(meta["path"])
+            if parsed is None:
+                continue
+            if now is not None and meta["last_modified"].timestamp() < now - 2 * self.ttl_seconds:
+                old.append(meta["path"].split(f"{TOMBSTONES}/", 1)[-1])
+                continue
+            self.generations.tombstone(*parsed)
+        self._delete_quietly([f"{TOMBSTONES}/{p}" for p in old])
 
     def _add_locked(self, bid: BlockId, entry: ObjectEntry) -> None:
         self._drop_locked(bid)
@@ -265,14 +312,29 @@ class ObjectStoreTier:
     def apply(self, events: list[Event]) -> None:
         """Apply other servers' journal events to the index."""
         with self._lock:
+            deletes: list[Event] = []
             for ev in events:
                 if ev.op == "P" and ev.bid is not None:
-                    self._add_locked(ev.bid, ObjectEntry(ev.bucket, HEADER_SIZE + ev.length))
+                    cur = self._index.get(ev.bid)
+                    if (cur is None or cur.gen <= ev.gen) and self.generations.admits(ev.bid, ev.gen):
+                        self.generations.observe(ev.gen)
+                        self._add_locked(ev.bid, ObjectEntry(ev.bucket, HEADER_SIZE + ev.length, ev.gen))
+                elif ev.op == "T" and ev.bid is not None:
+                    deletes.append(ev)
                 elif ev.op == "D" and ev.bid is not None:
                     self._drop_locked(ev.bid)
                 elif ev.op == "X":
                     for bid in list(self._by_bucket.get(ev.bucket, ())):
                         self._drop_locked(bid)
+        # A delete made on another server reaches every tier of this one (DRAM, disks, us) through
+        # the store; outside the lock, since the store calls back into purge().
+        for ev in deletes:
+            assert ev.bid is not None
+            if self.on_delete is not None:
+                self.on_delete(ev.bid, ev.gen)
+            else:
+                self.generations.tombstone(ev.bid, ev.gen)
+                self.purge(ev.bid, ev.gen)
 
     def entry(self, bid: BlockId) -> ObjectEntry | None:
         """The index entry of ``bid`` or None."""
@@ -281,9 +343,17 @@ class ObjectStoreTier:
 
     def has(self, bid: BlockId) -> bool:
         """Index-only presence, False while the breaker skips an unavailable store (lookups miss)."""
-        with self._lock:
-            present = bid in self._index
-        return present and self.client.available()
+        return bid in self._index and self.client.available()  # a dict lookup is atomic: no lock
+
+    def generation(self, bid: BlockId) -> int | None:
+        """Generation of the indexed copy (index only)."""
+        entry = self._index.get(bid)
+        return None if entry is None else entry.gen
+
+    def length(self, bid: BlockId) -> int | None:
+        """Payload length of the indexed copy (index only)."""
+        entry = self._index.get(bid)
+        return None if entry is None else entry.length
 
     def contains(self, bid: BlockId) -> bool:
         """Whether the index holds ``bid`` (never sends a request)."""
@@ -299,17 +369,23 @@ class ObjectStoreTier:
 
     # --- reads ---------------------------------------------------------------------------------------
 
-    def read_into(
-        self, bid: BlockId, dest: memoryview, *, timeout: float | None = None
-    ) -> BlockHeader | None:
-        """Fetch ``bid``'s payload into ``dest`` with parallel ranged GETs and verify it; None on a miss."""
+    def read_into(self, bid: BlockId, dest: memoryview, *, timeout: float | None = None) -> ReadResult:
+        """Fetch ``bid``'s payload into ``dest`` with parallel ranged GETs and verify it.
+
+        A failure is a miss with a reason, never an exception; a corrupt object is deleted.
+        """
         entry = self.entry(bid)
-        if entry is None or not self.client.available():
-            return None
+        if entry is None:
+            return ReadResult.missed(MissReason.ABSENT)
+        if not self.client.available():
+            return self._miss(MissReason.IO_ERROR)
+        if not self.generations.admits(bid, entry.gen):
+            self._forget(bid, entry)
+            return self._miss(MissReason.STALE)
         if len(dest) < entry.length:
             raise ValueError(f"destination holds {len(dest)} bytes, need {entry.length}")
         deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.retry_timeout_seconds)
-        path = object_path(bid, entry.bucket)
+        path = object_path(bid, entry.bucket, entry.gen)
         size, part = entry.size, self.cfg.part_bytes
         ranges = [(s, min(s + part, size)) for s in range(0, size, part)]
         head = bytearray(HEADER_SIZE)
@@ -347,53 +423,53 @@ class ObjectStoreTier:
                 first_exc = first_exc or exc
         if results and results[0][0] != size and not isinstance(first_exc, ObjectMissing):
             # The store says the object has another size than the index: truncated or replaced.
-            self._corrupt(bid, entry, f"object is {results[0][0]} bytes, index says {size}")
-            return None
+            return self._corrupt(bid, entry, f"object is {results[0][0]} bytes, index says {size}")
         if first_exc is not None:
-            self._read_failed(bid, entry, first_exc)
-            return None
+            return self._read_failed(bid, entry, first_exc)
         if len({etag for _, etag in results}) > 1:
-            self.counters.inc("misses_raced", NAME)  # overwritten between our GETs: not corruption
-            return None
+            return self._miss(MissReason.STALE)  # overwritten between our GETs: not corruption
         try:
             header = unpack_header(memoryview(head))
         except CorruptBlock as exc:
-            self._corrupt(bid, entry, str(exc))
-            return None
-        if header.bid != bid or header.length != entry.length:
-            self._corrupt(bid, entry, "header names another block or length")
-            return None
+            return self._corrupt(bid, entry, str(exc))
+        if header.bid != bid or header.length != entry.length or header.gen != entry.gen:
+            return self._corrupt(bid, entry, "header names another block, length or generation")
         if payload_checksum(dest[: header.length]) != header.checksum:
-            self._corrupt(bid, entry, "payload checksum mismatch")
-            return None
+            return self._corrupt(bid, entry, "payload checksum mismatch")
+        if not self.generations.admits(bid, header.gen):
+            self._forget(bid, entry)
+            return self._miss(MissReason.STALE)
         self.counters.inc("bytes_read", NAME, header.length)
-        return header
+        return ReadResult(header.length, header.gen)
 
-    def _read_failed(self, bid: BlockId, entry: ObjectEntry, exc: BaseException) -> None:
+    def _miss(self, reason: MissReason) -> ReadResult:
+        self.counters.inc(read_miss_counter(reason), NAME)
+        return ReadResult.missed(reason)
+
+    def _read_failed(self, bid: BlockId, entry: ObjectEntry, exc: BaseException) -> ReadResult:
         if isinstance(exc, CorruptBlock):
-            self._corrupt(bid, entry, str(exc))
-        elif isinstance(exc, ObjectMissing):
+            return self._corrupt(bid, entry, str(exc))
+        if isinstance(exc, ObjectMissing):
             # Deleted or moved by another server (a stale hint): forget it, a miss.
-            self._forget(bid, entry.bucket)
+            self._forget(bid, entry)
             self.counters.inc("stale_index", NAME)
-        elif isinstance(exc, ObjectStoreError):
-            self.counters.inc("object_errors", "get")
-            log.warning("object read failed", extra={"key": bid.key, "reason": str(exc)})
-        else:
-            self.counters.inc("object_errors", "get")
-            log.warning("object read failed", extra={"key": bid.key, "reason": repr(exc)})
+            return self._miss(MissReason.ABSENT)
+        self.counters.inc("object_errors", "get")
+        log.warning("object read failed", extra={"key": bid.key, "reason": str(exc) or repr(exc)})
+        return self._miss(MissReason.IO_ERROR)
 
-    def _corrupt(self, bid: BlockId, entry: ObjectEntry, reason: str) -> None:
+    def _corrupt(self, bid: BlockId, entry: ObjectEntry, reason: str) -> ReadResult:
         log.warning("removing corrupt object", extra={"tier": NAME, "key": bid.key, "reason": reason})
         self.counters.inc("checksum_failures", NAME)
-        self._forget(bid, entry.bucket)
-        self._delete_quietly([object_path(bid, entry.bucket)])
+        self._forget(bid, entry)
+        self._delete_quietly([object_path(bid, entry.bucket, entry.gen)])
         self.journal.append([Event("D", bid)])
+        return self._miss(MissReason.CORRUPT)
 
-    def _forget(self, bid: BlockId, bucket: int) -> None:
+    def _forget(self, bid: BlockId, entry: ObjectEntry) -> None:
         with self._lock:
             cur = self._index.get(bid)
-            if cur is not None and cur.bucket == bucket:
+            if cur is not None and cur.bucket == entry.bucket and cur.gen == entry.gen:
                 self._drop_locked(bid)
 
     def get(self, bid: BlockId) -> bytes | None:
@@ -401,103 +477,123 @@ class ObjectStoreTier:
         entry = self.entry(bid)
         if entry is None:
             return None
-        buf = bytearray(entry.length)
-        return bytes(buf) if self.read_into(bid, memoryview(buf)) is not None else None
+        buf = bytearray(max(entry.length, 1))
+        return bytes(buf[: entry.length]) if self.read_into(bid, memoryview(buf)).ok else None
 
     # --- writes --------------------------------------------------------------------------------------
-
-    def enqueue(self, bid: BlockId, block: BlockSource) -> bool:
-        """Queue an asynchronous upload of ``block`` (the tier closes the handle); False if dropped."""
-        if self.contains(bid) or self._stop.is_set():
-            block.close()
-            return True
-        with self._lock:
-            if bid in self._pending:
-                block.close()
-                return True
-            if self._pending_bytes + block.length > self.cfg.max_pending_bytes:
-                block.close()
-                self.counters.inc("dropped_writebacks", NAME)
-                return False
-            self._pending_bytes += block.length
-            self._pending.add(bid)
-        try:
-            self._uploads.submit(self._upload, bid, block)
-        except RuntimeError:  # shutting down
-            self._unpend(bid, block)
-            return False
-        return True
-
-    def _unpend(self, bid: BlockId, block: BlockSource) -> None:
-        with self._lock:
-            self._pending_bytes -= block.length
-            self._pending.discard(bid)
-        block.close()
-
-    def _upload(self, bid: BlockId, block: BlockSource) -> None:
-        try:
-            view = block.view()
-            try:
-                # The queue is bounded by max_pending_bytes (that is where slowness drops stores); a
-                # queued upload waits for a PUT slot, which the journal and the clock share.
-                if self.write(bid, view, wait=self.cfg.request_timeout_seconds) is None:
-                    self.counters.inc("dropped_writebacks", NAME)
-            finally:
-                view.release()
-        except Exception:
-            self.counters.inc("dropped_writebacks", NAME)
-            log.exception("object write-back failed", extra={"key": bid.key})
-        finally:
-            self._unpend(bid, block)
-
-    def put(
-        self, bid: BlockId, payload: bytes | bytearray | memoryview, *, bucket: int | None = None
-    ) -> bool:
-        """Synchronous store (tests, tools); False if it was not stored."""
-        return self.write(bid, memoryview(payload).cast("B"), bucket=bucket) is not None
 
     def write(
         self,
         bid: BlockId,
         payload: memoryview,
         *,
-        bucket: int | None = None,
-        checksum: bytes | None = None,
-        wait: float = 0.0,
-    ) -> BlockHeader | None:
-        """Upload one block now (the caller's thread); None if refused (budget, clock, store)."""
+        gen: int,
+        bucket: int,
+        created_at: float,
+        checksum: bytes,
+    ) -> bool:
+        """Queue an asynchronous upload of generation ``gen``; False if refused or dropped.
+
+        ``bucket``/``created_at`` from the store are ignored: the object's TTL bucket follows the
+        object store's clock, so that every server sharing the bucket agrees on it.
+        """
+        del bucket, created_at
+        cur = self.generation(bid)
+        if (cur is not None and cur >= gen) or not self.generations.admits(bid, gen) or self._stop.is_set():
+            return False
+        body = self._body(bid, payload, gen, checksum)
+        if body is None:
+            return False
+        with self._lock:
+            if bid in self._pending:
+                return True  # an upload of this block is already queued
+            if self._pending_bytes + len(body) > self.cfg.max_pending_bytes:
+                self.counters.inc("dropped_writebacks", NAME)
+                return False
+            self._pending_bytes += len(body)
+            self._pending.add(bid)
+        try:
+            self._uploads.submit(self._upload, bid, gen, body)
+        except RuntimeError:  # shutting down
+            self._unpend(bid, len(body))
+            return False
+        return True
+
+    def _body(self, bid: BlockId, payload: memoryview, gen: int, checksum: bytes | None) -> bytearray | None:
         now = self.clock.now()
         if now is None:
             # Without the store's clock a skewed node would stamp the block into a bucket another
             # server expires at once (or keeps too long): skip it instead.
             return None
-        b = bucket if bucket is not None else bucket_of(now, self.bucket_seconds)
-        header = BlockHeader(bid, len(payload), checksum or payload_checksum(payload), now, b)
-        size = header.file_size
-        if not self._reserve(size):
-            return None
+        b = bucket_of(now, self.bucket_seconds)
+        header = BlockHeader(bid, len(payload), checksum or payload_checksum(payload), now, b, gen)
+        body = bytearray(header.file_size)
+        body[:HEADER_SIZE] = pack_header(header)
+        body[HEADER_SIZE:] = payload
+        return body
+
+    def _unpend(self, bid: BlockId, nbytes: int) -> None:
+        with self._lock:
+            self._pending_bytes -= nbytes
+            self._pending.discard(bid)
+
+    def _upload(self, bid: BlockId, gen: int, body: bytearray) -> None:
         try:
-            body = bytearray(size)
-            body[:HEADER_SIZE] = pack_header(header)
-            body[HEADER_SIZE:] = payload
-            self.client.put(object_path(bid, b), memoryview(body), wait=wait)
+            # The queue is bounded by max_pending_bytes (that is where slowness drops stores); a
+            # queued upload waits for a PUT slot, which the journal and the clock share.
+            if not self._commit(bid, gen, body, wait=self.cfg.request_timeout_seconds):
+                self.counters.inc("dropped_writebacks", NAME)
+        except Exception:
+            self.counters.inc("dropped_writebacks", NAME)
+            log.exception("object write-back failed", extra={"key": bid.key})
+        finally:
+            self._unpend(bid, len(body))
+
+    def put(
+        self, bid: BlockId, payload: bytes | bytearray | memoryview, *, bucket: int | None = None
+    ) -> bool:
+        """Synchronous store with a fresh generation (tests, tools); ``bucket`` overrides the TTL bucket."""
+        gen = self.generations.next()
+        body = self._body(bid, memoryview(payload).cast("B"), gen, None)
+        if body is None:
+            return False
+        if bucket is not None:
+            h = unpack_header(memoryview(body)[:HEADER_SIZE])
+            h = BlockHeader(bid, h.length, h.checksum, h.created_at, bucket, gen)
+            body[:HEADER_SIZE] = pack_header(h)
+        return self._commit(bid, gen, body, wait=self.cfg.request_timeout_seconds)
+
+    def _commit(self, bid: BlockId, gen: int, body: bytearray, *, wait: float) -> bool:
+        """PUT one object now and index it; False if refused (budget, a newer copy) or failed."""
+        header = unpack_header(memoryview(body)[:HEADER_SIZE])
+        b, size = header.bucket, len(body)
+        if not self._reserve(size):
+            return False
+        try:
+            self.client.put(object_path(bid, b, gen), memoryview(body), wait=wait)
         except ObjectStoreBusy:
             self._unreserve(size)
-            return None
+            return False
         except ObjectStoreError as exc:
             self._unreserve(size)
             self.counters.inc("object_errors", "put")
             log.warning("object write failed", extra={"key": bid.key, "reason": str(exc)})
-            return None
+            return False
         with self._lock:
             self._reserved -= size
             old = self._index.get(bid)
-            self._add_locked(bid, ObjectEntry(b, size))
-        if old is not None and old.bucket != b:
-            self._delete_quietly([object_path(bid, old.bucket)])
-        self.counters.inc("bytes_written", NAME, header.length)
-        self.journal.append([Event("P", bid, b, header.length)])
-        return header
+            superseded = (old is not None and old.gen > gen) or not self.generations.admits(bid, gen)
+            if not superseded:
+                self._add_locked(bid, ObjectEntry(b, size, gen))
+        if superseded:
+            # A newer copy or a delete landed while we uploaded: ours must never be served.
+            self._delete_quietly([object_path(bid, b, gen)])
+            return False
+        if old is not None and (old.bucket, old.gen) != (b, gen):
+            self._delete_quietly([object_path(bid, old.bucket, old.gen)])
+        self.counters.inc("bytes_uploaded", NAME, header.length)
+        self.journal.append([Event("P", bid, b, header.length, gen)])
+        return True
 
     def _reserve(self, size: int) -> bool:
         with self._lock:
@@ -531,14 +627,38 @@ class ObjectStoreTier:
 
     # --- deletes, eviction, TTL ----------------------------------------------------------------------
 
-    def delete(self, bid: BlockId) -> bool:
-        """Delete ``bid`` (journaled); True if it was indexed."""
+    def delete(self, bid: BlockId, gen: int | None = None) -> bool:
+        """Delete copies older than ``gen`` (all if None), journaled for the other servers.
+
+        With a generation (a client's delete through the store) a tombstone object is left too, so a
+        server that starts later, or an upload still in flight elsewhere, cannot resurrect the copy.
+        """
+        if gen is not None:
+            self.journal.append([Event("T", bid, gen=gen)])
+            try:
+                self.client.put(_tombstone_path(bid, gen), b"", wait=5.0)
+            except ObjectStoreError as exc:
+                log.warning("tombstone not written", extra={"key": bid.key, "reason": str(exc)})
         with self._lock:
-            entry = self._drop_locked(bid)
-        if entry is None:
-            return False
-        self._delete_quietly([object_path(bid, entry.bucket)])
-        self.journal.append([Event("D", bid)])
+            entry = self._index.get(bid)
+            if entry is None or (gen is not None and entry.gen >= gen):
+                return False
+            self._drop_locked(bid)
+        self._delete_quietly([object_path(bid, entry.bucket, entry.gen)])
+        if gen is None:
+            self.journal.append([Event("D", bid)])
+        return True
+
+    def purge(self, bid: BlockId, gen: int) -> bool:
+        """Apply a delete made on another server: drop older copies from the index.
+
+        That server deleted the object, so no request is sent.
+        """
+        with self._lock:
+            entry = self._index.get(bid)
+            if entry is None or entry.gen >= gen:
+                return False
+            self._drop_locked(bid)
         return True
 
     def _delete_quietly(self, paths: list[str]) -> None:
@@ -550,7 +670,7 @@ class ObjectStoreTier:
 
     def evict(self, target_bytes: int) -> list[BlockId]:
         """Delete oldest-bucket-first (LRU within a bucket) until usage is at most ``target_bytes``."""
-        victims: list[tuple[BlockId, int]] = []
+        victims: list[tuple[BlockId, int, int]] = []
         with self._lock:
             for b in sorted(self._by_bucket):
                 if self._used + self._reserved <= target_bytes:
@@ -559,37 +679,58 @@ class ObjectStoreTier:
                 for bid in [k for k in self._index if k in members]:
                     if self._used + self._reserved <= target_bytes:
                         break
-                    self._drop_locked(bid)
-                    victims.append((bid, b))
+                    entry = self._drop_locked(bid)
+                    victims.append((bid, b, entry.gen if entry is not None else 0))
         if victims:
-            self._delete_quietly([object_path(bid, b) for bid, b in victims])
+            self._delete_quietly([object_path(bid, b, g) for bid, b, g in victims])
             self.counters.inc("evictions", NAME, len(victims))
-            self.journal.append([Event("D", bid) for bid, _ in victims])
-        return [bid for bid, _ in victims]
+            self.journal.append([Event("D", bid) for bid, _, _ in victims])
+        return [bid for bid, _, _ in victims]
 
-    def touch(self, bid: BlockId) -> None:
+    def _store_bucket(self) -> int | None:
+        now = self.clock.now()
+        return None if now is None else bucket_of(now, self.bucket_seconds)
+
+    def wants_refresh(self, bid: BlockId, bucket: int) -> bool:
+        """Whether the copy is in an older TTL bucket than the object store's current one (index only).
+
+        ``bucket`` (the store's clock) is ignored: this tier's buckets follow the object store's clock.
+        """
+        del bucket
+        cur = self._store_bucket()
+        entry = self._index.get(bid)
+        return cur is not None and entry is not None and entry.bucket < cur
+
+    def refresh(self, bid: BlockId, bucket: int) -> bool:
+        """Schedule the move into the current bucket (True if scheduled); see :meth:`touch`."""
+        del bucket
+        return self.touch(bid)
+
+    def touch(self, bid: BlockId) -> bool:
         """Mark ``bid`` recently used, and refresh it into the store's current TTL bucket.
 
         The move runs in the background (server-side COPY + DELETE), at most once per bucket.
         """
-        now = self.clock.now()
+        cur = self._store_bucket()
         with self._lock:
             entry = self._index.get(bid)
             if entry is None:
-                return
+                return False
             self._index.move_to_end(bid)
-            if now is None or entry.bucket >= bucket_of(now, self.bucket_seconds) or bid in self._refreshing:
-                return
+            if cur is None or entry.bucket >= cur or bid in self._refreshing:
+                return False
             self._refreshing.add(bid)
         try:
-            self._uploads.submit(self._refresh, bid, entry.bucket, bucket_of(now, self.bucket_seconds))
+            self._uploads.submit(self._refresh, bid, ObjectEntry(entry.bucket, entry.size, entry.gen), cur)
         except RuntimeError:
             with self._lock:
                 self._refreshing.discard(bid)
+            return False
+        return True
 
-    def _refresh(self, bid: BlockId, old: int, new: int) -> None:
+    def _refresh(self, bid: BlockId, old: ObjectEntry, new: int) -> None:
         try:
-            self.client.copy(object_path(bid, old), object_path(bid, new), wait=1.0)
+            self.client.copy(object_path(bid, old.bucket, old.gen), object_path(bid, new, old.gen), wait=1.0)
         except ObjectMissing:
             self._forget(bid, old)
             return
@@ -600,14 +741,12 @@ class ObjectStoreTier:
                 self._refreshing.discard(bid)
         with self._lock:
             cur = self._index.get(bid)
-            if cur is not None and cur.bucket == old:
-                self._add_locked(bid, ObjectEntry(new, cur.size))
-                size = cur.size
-            else:
-                size = 0
-        self._delete_quietly([object_path(bid, old)])
-        if size:
-            self.journal.append([Event("P", bid, new, size - HEADER_SIZE)])
+            moved = cur is not None and (cur.bucket, cur.gen) == (old.bucket, old.gen)
+            if moved:
+                self._add_locked(bid, ObjectEntry(new, old.size, old.gen))
+        self._delete_quietly([object_path(bid, old.bucket, old.gen)])
+        if moved:
+            self.journal.append([Event("P", bid, new, old.length, old.gen)])
 
     def expire(self) -> list[int]:
         """Delete every bucket that ended more than ``ttl_seconds`` ago by the store's clock.
@@ -623,10 +762,10 @@ class ObjectStoreTier:
         gone = expired_buckets(buckets, now, ttl_seconds=self.ttl_seconds, bucket_seconds=self.bucket_seconds)
         for b in gone:
             with self._lock:
-                members = list(self._by_bucket.get(b, ()))
-                for bid in members:
+                members = [(bid, self._index[bid].gen) for bid in self._by_bucket.get(b, ())]
+                for bid, _ in members:
                     self._drop_locked(bid)
-            self._delete_quietly([object_path(bid, b) for bid in members])
+            self._delete_quietly([object_path(bid, b, g) for bid, g in members])
             self.counters.inc("expirations", NAME, len(members))
             self.journal.append([Event("X", bucket=b)])
             log.info("bucket expired", extra={"tier": NAME, "bucket": b, "blocks": len(members)})
@@ -649,6 +788,13 @@ class ObjectStoreTier:
             with contextlib.suppress(ObjectStoreError):
                 self.scan()
 
+    def tick(self) -> None:
+        """Do nothing on the store's janitor thread.
+
+        This tier's janitor (:meth:`janitor_tick`) runs on its own thread, so a hung object store never
+        delays the other tiers' eviction and expiry.
+        """
+
     def janitor_tick(self) -> None:
         """Sync the store's clock, evict above the high watermark, expire old buckets."""
         self.clock.sync()
@@ -657,7 +803,7 @@ class ObjectStoreTier:
             self.evict(int(u.capacity_bytes * u.low_watermark))
         self.expire()
 
-    def stats(self) -> dict[str, Any]:
+    def extra_stats(self) -> dict[str, Any]:
         """Tier-specific numbers for ``stats()``."""
         with self._lock:
             pending = self._pending_bytes

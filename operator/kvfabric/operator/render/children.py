@@ -14,7 +14,7 @@ import pydantic
 import yaml
 
 from kvfabric.cacheserver import config as server_config
-from kvfabric.operator.api.v1alpha1 import KVCachePool
+from kvfabric.operator.api.v1alpha1 import POOL_LABEL, KVCachePool, LabelSelector
 from kvfabric.operator.quantity import QuantityError, format_bytes, to_bytes
 from kvfabric.operator.render import names
 
@@ -91,11 +91,7 @@ def build_server_config(pool: KVCachePool) -> server_config.ServerConfig:
             tiers["object_store"] = object_store_config(pool)
         return server_config.ServerConfig.model_validate(
             {
-                "listen": {
-                    "unix_socket": f"{base}/{names.SOCKET_NAME}",
-                    "tcp_host": "0.0.0.0",
-                    "tcp_port": spec.server.port,
-                },
+                "listen": _listen(pool, f"{base}/{names.SOCKET_NAME}"),
                 # The staging arena is a slice of the DRAM budget, never more than 1 GiB.
                 "shm": {"dir": f"{base}/{names.SHM_NAME}", "arena_bytes": max(1, min(_GiB, dram_bytes // 4))},
                 "metrics": {"host": "0.0.0.0", "port": spec.metrics.port},
@@ -139,6 +135,24 @@ def object_store_config(pool: KVCachePool) -> dict[str, Any]:
     return out
 
 
+def _listen(pool: KVCachePool, socket: str) -> dict[str, Any]:
+    """The listeners: the Unix socket always; TCP only when asked, then mutual TLS plus the token."""
+    if not pool.spec.server.tcp.enabled:
+        return {"unix_socket": socket, "tcp_port": None}
+    tls = names.SERVER_TLS_MOUNT
+    return {
+        "unix_socket": socket,
+        "tcp_host": "0.0.0.0",
+        "tcp_port": pool.spec.server.port,
+        "tls": {
+            "cert_file": f"{tls}/tls.crt",
+            "key_file": f"{tls}/tls.key",
+            "client_ca_file": f"{tls}/{names.CA_KEY}",
+        },
+        "token_file": f"{names.CREDENTIALS_MOUNT}/{names.TOKEN_KEY}",
+    }
+
+
 def config_yaml(config: server_config.ServerConfig) -> str:
     """Return the ConfigMap payload: the model dumped to JSON-compatible data, as YAML."""
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=True)
@@ -177,8 +191,8 @@ def _resources(pool: KVCachePool) -> dict[str, Any]:
     }
 
 
-def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
-    """Return the DaemonSet; ``revision`` (the config hash) in the template rolls it on change."""
+def _volumes(pool: KVCachePool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Return the pod's volumes and the cache server's mounts: config, run dir, disk, shared tier."""
     spec = pool.spec
     base = names.host_dir(pool.namespace, pool.name)
     volumes: list[dict[str, Any]] = [
@@ -189,6 +203,28 @@ def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
         {"name": "config", "mountPath": names.CONFIG_MOUNT_DIR, "readOnly": True},
         {"name": names.RUN_VOLUME, "mountPath": base},
     ]
+    tcp = spec.server.tcp.enabled
+    if tcp:
+        # Secret volumes (not env): the kubelet swaps rotated files in place and the server re-reads
+        # them at the next handshake / call. Mode 0440 with the pod's fsGroup: readable by the server only.
+        volumes += [
+            {
+                "name": "server-tls",
+                "secret": {"secretName": names.server_tls_secret_name(pool.name), "defaultMode": 0o440},
+            },
+            {
+                "name": "credentials",
+                "secret": {
+                    "secretName": names.credentials_secret_name(pool.name),
+                    "items": [{"key": names.TOKEN_KEY, "path": names.TOKEN_KEY}],
+                    "defaultMode": 0o440,
+                },
+            },
+        ]
+        mounts += [
+            {"name": "server-tls", "mountPath": names.SERVER_TLS_MOUNT, "readOnly": True},
+            {"name": "credentials", "mountPath": names.CREDENTIALS_MOUNT, "readOnly": True},
+        ]
     disk = spec.tiers.local_disk
     if disk is not None:
         if disk.host_path is not None:
@@ -207,7 +243,11 @@ def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
         volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": claim}})
         # One sub-directory per pool, so several pools can share one existing claim.
         mounts.append(
-            {"name": "shared", "mountPath": names.SHARED_MOUNT, "subPath": f"{pool.namespace}-{pool.name}"}
+            {
+                "name": "shared",
+                "mountPath": names.SHARED_MOUNT,
+                "subPath": names.pool_dir_name(pool.namespace, pool.name),
+            }
         )
     obj = spec.tiers.object_store
     if obj is not None and obj.credentials is not None:
@@ -245,31 +285,36 @@ def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
             }
         )
         mounts.append({"name": "object-store-ca", "mountPath": names.OBJECT_STORE_CA_MOUNT, "readOnly": True})
-    affinity = {
+    return volumes, mounts
+
+
+def _opt_out_affinity(pool: KVCachePool) -> dict[str, Any]:
+    """Nodes labelled ``<optOutNodeLabel>=false`` never run this pool's cache server."""
+    requirement = {"key": pool.spec.placement.opt_out_node_label, "operator": "NotIn", "values": ["false"]}
+    return {
         "nodeAffinity": {
             "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [
-                    {
-                        "matchExpressions": [
-                            {
-                                "key": spec.placement.opt_out_node_label,
-                                "operator": "NotIn",
-                                "values": ["false"],
-                            }
-                        ]
-                    }
-                ]
+                "nodeSelectorTerms": [{"matchExpressions": [requirement]}]
             }
         }
     }
-    container: dict[str, Any] = {
+
+
+def _cache_container(pool: KVCachePool, mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Return the cache-server container: non-root, read-only root FS, probes on the metrics port."""
+    spec = pool.spec
+    return {
         "name": names.CACHE_CONTAINER,
         "image": f"{spec.image.repository}:{spec.image.tag}",
         "imagePullPolicy": spec.image.pull_policy.value,
         "command": ["kvfabric", "cacheserver", "--config", names.CONFIG_PATH],
         "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
         "ports": [
-            {"name": "cache", "containerPort": spec.server.port, "protocol": "TCP"},
+            *(
+                [{"name": "cache", "containerPort": spec.server.port, "protocol": "TCP"}]
+                if spec.server.tcp.enabled
+                else []
+            ),
             {"name": "metrics", "containerPort": spec.metrics.port, "protocol": "TCP"},
         ],
         "readinessProbe": {
@@ -293,50 +338,81 @@ def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
         },
         "volumeMounts": mounts,
     }
-    # The kubelet creates missing hostPath directories as root (mode 0755), where the non-root cache
-    # server could not create its socket or blocks. A short root init container with only CHOWN and
-    # FOWNER hands them over; the shared volume is best effort (NFS with root_squash refuses chown,
-    # and there the volume's own permissions must already let the server write).
-    # Only directories kvfabric owns are chowned: the run directory and a per-pool directory below
-    # the user's disk path, never the path itself (it may be shared with other data).
-    owned = [base]
-    if disk is not None:
+
+
+def _prepare_dirs_container(
+    pool: KVCachePool, cache: dict[str, Any], mounts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Return the root init container that hands the hostPath directories to the non-root server.
+
+    It runs the operator's own image (:func:`names.operator_image`), never the pool's: a pool author
+    chooses the cache-server image, and root with that path mounted would be root on the node.
+
+    The kubelet creates missing hostPath directories as root (mode 0755), where the non-root cache
+    server could not create its socket or blocks. A short root init container with nothing but
+    CAP_CHOWN hands them over; the shared volume is best effort (NFS with root_squash refuses
+    chown, and there the volume's own permissions must already let the server write).
+    Only directories kvfabric owns are chowned: the run directory and a per-pool directory below
+    the user's disk path, never the path itself (it may be shared with other data).
+    """
+    owned = [names.host_dir(pool.namespace, pool.name)]
+    if pool.spec.tiers.local_disk is not None:
         owned.append(names.local_disk_dir(pool.namespace, pool.name))
     script = f"mkdir -p {' '.join(owned)} && chown {CACHE_UID}:{CACHE_UID} {' '.join(owned)}"
-    if shared is not None:
+    if pool.spec.tiers.shared is not None:
         script += f" && (chown {CACHE_UID}:{CACHE_UID} {names.SHARED_MOUNT} || true)"
-    prepare: dict[str, Any] = {
+    return {
         "name": "prepare-dirs",
-        "image": container["image"],
-        "imagePullPolicy": container["imagePullPolicy"],
+        "image": names.operator_image(),
+        "imagePullPolicy": "IfNotPresent",
         "command": ["sh", "-c", script],
         "securityContext": {
             "runAsUser": 0,
             "runAsNonRoot": False,
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]},
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
         },
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
-        # Only the directories it prepares: never the config or the object store's credentials.
+        # Only the directories it prepares: never the config, the server's TLS, the token or the
+        # object store's credentials.
         "volumeMounts": [
-            m for m in mounts if m["name"] not in ("config", "object-store-credentials", "object-store-ca")
+            m
+            for m in mounts
+            if m["name"]
+            not in ("config", "server-tls", "credentials", "object-store-credentials", "object-store-ca")
         ],
     }
+
+
+def _pod_spec(pool: KVCachePool) -> dict[str, Any]:
+    """Return the cache-server pod spec: placement, the init container, the server, volumes."""
+    placement = pool.spec.placement
+    volumes, mounts = _volumes(pool)
+    cache = _cache_container(pool, mounts)
     pod_spec: dict[str, Any] = {
-        "nodeSelector": dict(spec.placement.node_selector),
+        "nodeSelector": dict(placement.node_selector),
         "tolerations": [
-            t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in spec.placement.tolerations
+            t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in placement.tolerations
         ],
-        "affinity": affinity,
-        "initContainers": [prepare],
-        "containers": [container],
+        "affinity": _opt_out_affinity(pool),
+        "initContainers": [_prepare_dirs_container(pool, cache, mounts)],
+        "containers": [cache],
         "volumes": volumes,
         "terminationGracePeriodSeconds": 30,
         "enableServiceLinks": False,
+        # The server never talks to the API server: no token to steal.
+        "automountServiceAccountToken": False,
+        # Secret volumes are group-readable by the server's gid only.
+        "securityContext": {"fsGroup": CACHE_UID, "seccompProfile": {"type": "RuntimeDefault"}},
     }
-    if spec.placement.priority_class_name:
-        pod_spec["priorityClassName"] = spec.placement.priority_class_name
+    if placement.priority_class_name:
+        pod_spec["priorityClassName"] = placement.priority_class_name
+    return pod_spec
+
+
+def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
+    """Return the DaemonSet; ``revision`` (the config hash) in the template rolls it on change."""
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
@@ -345,14 +421,14 @@ def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
             "selector": {"matchLabels": names.selector_labels(pool.name)},
             "updateStrategy": {
                 "type": "RollingUpdate",
-                "rollingUpdate": {"maxUnavailable": spec.update_strategy.max_unavailable, "maxSurge": 0},
+                "rollingUpdate": {"maxUnavailable": pool.spec.update_strategy.max_unavailable, "maxSurge": 0},
             },
             "template": {
                 "metadata": {
                     "labels": names.child_labels(pool.name, "cache-server"),
                     "annotations": {names.CONFIG_HASH_ANNOTATION: revision},
                 },
-                "spec": pod_spec,
+                "spec": _pod_spec(pool),
             },
         },
     }
@@ -396,6 +472,58 @@ def render_metrics_service(pool: KVCachePool) -> dict[str, Any]:
     }
 
 
+def _selector(selector: LabelSelector, extra: dict[str, str] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"matchLabels": {**selector.match_labels, **(extra or {})}}
+    if selector.match_expressions:
+        out["matchExpressions"] = [
+            {"key": r.key, "operator": r.operator.value, **({"values": list(r.values)} if r.values else {})}
+            for r in selector.match_expressions
+        ]
+    return out
+
+
+def render_network_policy(pool: KVCachePool) -> dict[str, Any]:
+    """Return the NetworkPolicy of the cache servers: consumers to the cache port, scrapers to metrics.
+
+    Everything else is denied, including the cache port when the TCP listener is off. Consumers are
+    the pods carrying the opt-in label (and matching ``consumers.podSelector``) in the pool's
+    namespace or in a namespace ``consumers.namespaceSelector`` selects. Probes from the kubelet come
+    from the node, which NetworkPolicy always admits.
+    """
+    spec = pool.spec
+    ingress: list[dict[str, Any]] = []
+    if spec.server.tcp.enabled:
+        consumers = spec.consumers
+        pods = _selector(consumers.pod_selector or LabelSelector(), {POOL_LABEL: pool.name})
+        peers: list[dict[str, Any]] = [{"podSelector": pods}]
+        if consumers.namespace_selector is not None:
+            peers.append({"namespaceSelector": _selector(consumers.namespace_selector), "podSelector": pods})
+        ingress.append({"from": peers, "ports": [{"protocol": "TCP", "port": spec.server.port}]})
+    if spec.metrics.enabled:
+        scrapers = spec.metrics.scrapers
+        ingress.append(
+            {
+                "from": [
+                    {
+                        "namespaceSelector": _selector(scrapers.namespace_selector),
+                        "podSelector": _selector(scrapers.pod_selector),
+                    }
+                ],
+                "ports": [{"protocol": "TCP", "port": spec.metrics.port}],
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(pool, names.network_policy_name(pool.name), "cache-server"),
+        "spec": {
+            "podSelector": {"matchLabels": names.selector_labels(pool.name)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
 def render_shared_claim(pool: KVCachePool) -> dict[str, Any] | None:
     """Return the PVC the pool owns, or None when the shared tier is absent or uses an existing claim."""
     shared = pool.spec.tiers.shared
@@ -420,7 +548,12 @@ def render_children(pool: KVCachePool) -> RenderedChildren:
     """Return every child ``pool`` should have; raise :class:`ConfigError` for an unusable spec."""
     text = config_yaml(build_server_config(pool))
     revision = config_hash(text)
-    objects = [render_configmap(pool, text), render_daemonset(pool, revision), render_service(pool)]
+    objects = [
+        render_configmap(pool, text),
+        render_daemonset(pool, revision),
+        render_service(pool),
+        render_network_policy(pool),
+    ]
     if pool.spec.metrics.enabled:
         objects.append(render_metrics_service(pool))
     claim = render_shared_claim(pool)

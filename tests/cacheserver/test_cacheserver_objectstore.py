@@ -23,7 +23,7 @@ from kvfabric.cacheserver.engine.ttl import bucket_of
 from kvfabric.testing.s3server import FaultProxy, S3Server, s3_server
 from kvfabric.testing.serverproc import MiB, digest, payload_for, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.process]  # a real S3 server process
 
 
 def tier_config(
@@ -394,3 +394,33 @@ def test_a_hung_or_dead_store_is_a_miss_within_the_retry_budget(prefix: str, tmp
             own.kill()
             assert read(a, k) is None
             assert a.counters.get("object_errors", "get") >= 2
+
+
+# --- ordering: deletes ---------------------------------------------------------------------------------
+
+
+def test_a_delete_is_never_undone_by_an_older_copy_even_for_a_server_starting_later(
+    s3: S3Server, prefix: str, tmp_path: Any
+) -> None:
+    cfg = tier_config(s3, prefix, tmp_path)
+    k = bid("deleted")
+    with tier(cfg, "a") as a:
+        assert a.put(k, b"v1" * 1000)
+        old_gen = a.generation(k)
+        assert old_gen is not None
+        old_body = bytes(obstore.get(make_store(cfg), path_of(a, k)).bytes())
+        old_path = path_of(a, k)
+        delete_gen = a.generations.for_delete()
+        a.generations.tombstone(k, delete_gen)
+        assert a.delete(k, delete_gen)
+        assert not a.contains(k)
+        # A server that had not heard of the delete finishes uploading its (older) copy afterwards.
+        obstore.put(make_store(cfg), old_path, old_body)
+        a.journal_tick()
+    # A server starting now honours the tombstone object: the older copy is neither indexed nor kept.
+    with tier(cfg, "c") as c:
+        assert not c.contains(k)
+        assert c.get(k) is None
+        assert old_path not in listing(cfg)
+        # ... and refuses a write-back of a generation the delete superseded.
+        assert not c.write(k, memoryview(b"v1" * 1000), gen=old_gen, bucket=0, created_at=0.0, checksum=b"")

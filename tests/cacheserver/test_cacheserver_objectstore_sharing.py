@@ -17,7 +17,7 @@ from kvfabric.connector.resilient import CircuitBreaker, Endpoint, ResilientCach
 from kvfabric.testing.s3server import S3Server, s3_server
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.process]  # a real S3 server process
 
 
 def object_tier(s3: S3Server, prefix: str, secrets_dir: Path, **kw: Any) -> dict[str, Any]:

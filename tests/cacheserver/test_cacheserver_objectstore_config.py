@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -9,7 +10,7 @@ from pydantic import ValidationError
 
 from kvfabric.cacheserver.config import ObjectStoreTierConfig
 from kvfabric.cacheserver.engine.ids import BlockId
-from kvfabric.cacheserver.engine.objectstore import object_path, parse_object_path
+from kvfabric.cacheserver.engine.objectstore import object_path, parse_object_path, part_ranges
 
 BASE: dict[str, Any] = {"endpoint": "http://127.0.0.1:8333", "bucket": "kv-cache", "capacity_bytes": 1 << 30}
 
@@ -59,3 +60,17 @@ def test_object_names_round_trip_and_reject_foreign_paths() -> None:
         "blocks",
     ]:
         assert parse_object_path(bad) is None
+
+
+def test_part_ranges_cover_the_object_exactly_in_equal_parts() -> None:
+    mib = 1 << 20
+    assert part_ranges(32 * mib + 4096, 8 * mib)[-1][1] == 32 * mib + 4096
+    assert len(part_ranges(32 * mib + 4096, 8 * mib)) == 5
+    assert len(part_ranges(32 * mib, 8 * mib)) == 4
+    for size in [1, 4096, 8 * mib - 1, 8 * mib, 8 * mib + 1, 100 * mib + 3]:
+        r = part_ranges(size, 8 * mib)
+        assert r[0][0] == 0
+        assert r[-1][1] == size
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(r))
+        assert max(e - s for s, e in r) - min(e - s for s, e in r) <= len(r)
+        assert max(e - s for s, e in r) <= 8 * mib

@@ -18,7 +18,11 @@ With 32 MiB chunks (one chunk of Llama-8B KV at 256 tokens), it measures:
   (SeaweedFS): parallel ranged GETs, verified, promoted into DRAM and copied into the client's
   buffers; against ``object_raw_get_gbps``, the very same objects fetched with the same ranged GETs
   and concurrency by a bare obstore client (``object_single_get_gbps``: one plain GET per object, one
-  object at a time). Skipped with ``--no-object-store``.
+  object at a time). Skipped with ``--no-object-store``;
+* ``object_ttft_16k_s`` / ``recompute_ttft_16k_s`` — the torch reference engine (preset ``bench``) with
+  the kvfabric connector: time to first token of a 16k-token prompt whose prefix is a hit from the
+  object tier (a restarted server: DRAM empty), against recomputing it (connector off), in the same
+  run (``object_ttft_speedup``). Skipped without the ``engine`` extra (torch).
 
 Throughputs are the median of several rounds, and paired paths (memcpy / shm load, raw read / tier
 load) alternate rounds, so that a burst of load from other processes skews a ratio as little as
@@ -204,6 +208,7 @@ def _object_tier(
 
     from kvfabric.cacheserver.config import ObjectStoreTierConfig
     from kvfabric.cacheserver.engine.objectclient import make_store
+    from kvfabric.cacheserver.engine.objectstore import part_ranges
     from kvfabric.client import CacheClient
     from kvfabric.testing.s3server import s3_server
     from kvfabric.testing.serverproc import cache_server, wait_until
@@ -254,7 +259,7 @@ def _object_tier(
             pool = ThreadPoolExecutor(cfg.max_concurrent_gets)
 
             def raw_parallel() -> None:
-                jobs = [(p, s, min(s + part, sizes[p])) for p in paths for s in range(0, sizes[p], part)]
+                jobs = [(p, s, e) for p in paths for s, e in part_ranges(sizes[p], part)]
                 got = sum(
                     len(b)
                     for b in pool.map(lambda j: obstore.get_range(store, j[0], start=j[1], end=j[2]), jobs)
@@ -286,6 +291,7 @@ def _object_tier(
                 raw_t.append(_timed(raw_parallel))
                 single_t.append(_timed(raw_single))
             pool.shutdown()
+            out.update(_object_ttft(srv, say))
     out["object_raw_get_gbps"] = _median_gbps(n * chunk, raw_t)
     out["object_single_get_gbps"] = _median_gbps(n * chunk, single_t)
     out["object_tier_load_gbps"] = _median_gbps(n * chunk, tier_t)
@@ -293,6 +299,79 @@ def _object_tier(
     say(f"object raw GET (one per object)   {out['object_single_get_gbps']:8.2f} GB/s")
     say(f"object tier load (cold)           {out['object_tier_load_gbps']:8.2f} GB/s")
     return out
+
+
+def _object_ttft(srv: Any, say: Any, tokens_n: int = 16384) -> dict[str, Any]:
+    """TTFT of a ``tokens_n``-token prompt: a hit from the object tier against recompute."""
+    try:
+        from kvfabric.connector.settings import ConnectorSettings
+        from kvfabric.refengine.engine import Engine
+        from kvfabric.refengine.model import RefModel
+        from kvfabric.refengine.presets import preset
+        from kvfabric.refengine.testing import prompt
+    except ImportError:
+        say("torch not installed (the engine extra): object_ttft_16k_s is null")
+        return {"object_ttft_16k_s": None, "recompute_ttft_16k_s": None}
+    from kvfabric.client import CacheClient
+    from kvfabric.testing.serverproc import wait_until
+
+    cfg = preset("bench")
+    model = RefModel(cfg)
+    suffix = 32
+    tokens = prompt(tokens_n + suffix, tokens_n, cfg.vocab_size)
+    blocks = (tokens_n + suffix) // 16 + 4
+    settings = ConnectorSettings(
+        socket=str(srv.config.listen.unix_socket), shm_dir=str(srv.shm_dir), chunk_tokens=256,
+        lookup_deadline_ms=1000, load_deadline_ms=60000, store_deadline_ms=60000,
+    )  # fmt: skip
+    off = Engine(cfg, num_blocks=blocks, model=model)
+    off.generate(prompt(256, 0, cfg.vocab_size), 1)  # warm up torch's kernels
+    cold = min(off.generate(tokens, 1).ttft_s for _ in range(2))
+    off.close()
+    with CacheClient(srv.unix_target) as c:
+        before = c.stats(timeout=10)["counters"].get("bytes_uploaded", {}).get("object", 0)
+    on = Engine(cfg, num_blocks=blocks, settings=settings, model=model)
+    on.generate(tokens, 1)  # stores every whole chunk
+    assert on.worker_conn is not None
+    on.worker_conn.wait_for_stores(300)
+    on.close()
+
+    def uploaded() -> bool:
+        with CacheClient(srv.unix_target) as c:
+            up = c.stats(timeout=10)["counters"].get("bytes_uploaded", {}).get("object", 0)
+        return bool(up > before)
+
+    wait_until(uploaded, 600, 0.2, "object write-back of the prompt")
+    runs = []
+    for _ in range(2):
+        srv.restart()  # DRAM empty: the prefix comes from the object tier
+        wait_until(lambda: _object_blocks(srv) > 0, 120, 0.2, "the restarted server to index the objects")
+        warm = Engine(cfg, num_blocks=blocks, settings=settings, model=model)
+        r = warm.generate(tokens, 1)
+        warm.close()
+        if r.tier != "object":
+            raise RuntimeError(f"expected a hit from the object tier, got {r.tier} ({r.fallback_reason})")
+        runs.append(r)
+    best = min(runs, key=lambda r: r.ttft_s)
+    out = {
+        "recompute_ttft_16k_s": round(cold, 4),
+        "object_ttft_16k_s": round(best.ttft_s, 4),
+        "object_ttft_hit_tokens": best.hit_tokens,
+        "object_ttft_speedup": round(cold / best.ttft_s, 2),
+    }
+    say(
+        f"TTFT {tokens_n} tokens: recompute {cold * 1000:.0f} ms, "
+        f"object-tier hit {best.ttft_s * 1000:.0f} ms "
+        f"({best.hit_tokens} tokens restored, {out['object_ttft_speedup']}x)"
+    )
+    return out
+
+
+def _object_blocks(srv: Any) -> int:
+    from kvfabric.client import CacheClient
+
+    with CacheClient(srv.unix_target) as c:
+        return int(c.stats(timeout=10)["tiers"].get("object", {}).get("blocks", 0))
 
 
 def _lookup_worker(job: tuple[str, str, list[str], int, int, float]) -> list[float]:

@@ -223,9 +223,11 @@ class ObjectStoreTier:
         self._threads.append(th)
 
     def close(self) -> None:
-        """Finish queued uploads, publish the last journal segment, stop the loops."""
+        """Finish the running uploads (queued ones are dropped), publish the last journal segment, stop."""
         self._stop.set()
-        self._uploads.shutdown(wait=True)
+        # Uploads not started yet are dropped (a dropped write-back costs a recompute); the running ones
+        # finish within their request timeout, so a hung store cannot hold a shutdown for long.
+        self._uploads.shutdown(wait=True, cancel_futures=True)
         self._parts.shutdown(wait=True)
         for th in self._threads:
             th.join(timeout=10)

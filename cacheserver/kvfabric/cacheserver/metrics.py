@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -56,27 +56,16 @@ class Metrics:
     def __init__(self, store: TieredStore) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._reader = PrometheusMetricReader(registry=self.registry)
-        views = [
-            View(
-                instrument_name="kvfabric.*.duration",
-                aggregation=ExplicitBucketHistogramAggregation(_LATENCY_BUCKETS),
-            )
-        ]
-        self.provider = MeterProvider(metric_readers=[self._reader], views=views)
+        self.provider = MeterProvider(metric_readers=[self._reader], views=_views())
         meter = self.provider.get_meter("kvfabric.cacheserver")
         self._store = store
-        counters: Counters = store.counters
-        for key, (name, desc, unit) in _ENGINE_COUNTERS.items():
-            meter.create_observable_counter(
-                name, callbacks=[_counter_cb(counters, key)], unit=unit, description=desc
-            )
-        meter.create_observable_counter(
-            "kvfabric.cache.read_misses",
-            callbacks=[_read_misses_cb(counters)],
-            unit="1",
-            description="Reads an index promised that missed, per tier and reason "
-            "(absent, corrupt, stale, stale-handle, io-error); the entry is dropped",
-        )
+        _observe_engine_counters(meter, store.counters)
+        self._observe_tiers(meter)
+        self._observe_volume_clock(meter)
+        self._create_request_instruments(meter)
+
+    def _observe_tiers(self, meter: Meter) -> None:
+        """Per-tier usage gauges, read from the store at scrape time."""
         meter.create_observable_gauge(
             "kvfabric.tier.used",
             callbacks=[self._usage_cb("used")],
@@ -95,6 +84,9 @@ class Metrics:
             unit="1",
             description="Blocks per tier",
         )
+
+    def _observe_volume_clock(self, meter: Meter) -> None:
+        """Gauges of the shared volume's clock, read from the store at scrape time."""
         meter.create_observable_gauge(
             "kvfabric.volume.stamps_local_clock",
             callbacks=[self._clock_cb("stamps_local")],
@@ -108,6 +100,9 @@ class Metrics:
             unit="s",
             description="Latest minus earliest clock among the live servers sharing the volume",
         )
+
+    def _create_request_instruments(self, meter: Meter) -> None:
+        """The counters and latency histograms the service records per request."""
         self.lookups = meter.create_counter("kvfabric.cache.lookups", unit="1", description="Lookup requests")
         self.lookup_keys = meter.create_counter(
             "kvfabric.cache.lookup_keys",
@@ -155,6 +150,31 @@ class Metrics:
     def shutdown(self) -> None:
         """Stop the meter provider."""
         self.provider.shutdown()
+
+
+def _views() -> list[View]:
+    """Every ``*.duration`` histogram uses :data:`_LATENCY_BUCKETS`."""
+    return [
+        View(
+            instrument_name="kvfabric.*.duration",
+            aggregation=ExplicitBucketHistogramAggregation(_LATENCY_BUCKETS),
+        )
+    ]
+
+
+def _observe_engine_counters(meter: Meter, counters: Counters) -> None:
+    """One observable counter per engine event (:data:`_ENGINE_COUNTERS`), plus read misses by reason."""
+    for key, (name, desc, unit) in _ENGINE_COUNTERS.items():
+        meter.create_observable_counter(
+            name, callbacks=[_counter_cb(counters, key)], unit=unit, description=desc
+        )
+    meter.create_observable_counter(
+        "kvfabric.cache.read_misses",
+        callbacks=[_read_misses_cb(counters)],
+        unit="1",
+        description="Reads an index promised that missed, per tier and reason "
+        "(absent, corrupt, stale, stale-handle, io-error); the entry is dropped",
+    )
 
 
 def _counter_cb(counters: Counters, key: str) -> Callable[[CallbackOptions], Iterable[Observation]]:

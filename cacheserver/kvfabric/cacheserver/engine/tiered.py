@@ -170,6 +170,9 @@ class TieredStore:
             th.join(timeout=5)
         for tier in self.backing:
             tier.close()
+        # DRAM never survives its server (the next one discards leftovers): free the node's memory now
+        # rather than at a restart that may never come (a deleted pool).
+        self.dram.discard_all()
 
     # --- reads ---------------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from kvfabric.client import errors
-from kvfabric.client.results import LookupResult
+from kvfabric.client.results import FlushResult, LookupResult
 from kvfabric.rpc.v1 import cache_pb2 as pb
 
 Payload: TypeAlias = bytes | bytearray | memoryview
@@ -144,6 +144,12 @@ def map_rpc_error(exc: grpc.RpcError) -> errors.CacheError:
 def lookup_result(resp: pb.LookupResponse) -> LookupResult:
     """Convert a LookupResponse."""
     return LookupResult(matched=resp.matched, tiers=[TIER_NAMES.get(t, "unknown") for t in resp.tiers])
+
+
+def flush_result(resp: pb.FlushResponse) -> FlushResult:
+    """Convert a FlushResponse."""
+    tiers = [[TIER_NAMES.get(t, "unknown") for t in held.tiers] for held in resp.keys]
+    return FlushResult(tiers=tiers, complete=resp.complete)
 
 
 def check_timeout(timeout: float) -> None:

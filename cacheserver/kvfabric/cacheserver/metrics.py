@@ -18,7 +18,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from kvfabric.cacheserver.engine.base import READ_MISSES
+from kvfabric.cacheserver.engine.base import READ_MISSES, TierUsage
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.tiered import TieredStore
 
@@ -50,6 +50,14 @@ _ENGINE_COUNTERS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# Per-tier usage gauges: (exported name, description, unit, what of a TierUsage it reads).
+_TIER_GAUGES: list[tuple[str, str, str, Callable[[TierUsage], int]]] = [
+    ("kvfabric.tier.used", "Bytes used per tier", "By", lambda u: u.used_bytes),
+    ("kvfabric.tier.capacity", "Tier budgets", "By", lambda u: u.capacity_bytes),
+    ("kvfabric.tier.blocks", "Blocks per tier", "1", lambda u: u.blocks),
+]
+
+
 class Metrics:
     """The server's instruments, on a private Prometheus registry."""
 
@@ -65,25 +73,9 @@ class Metrics:
         self._create_request_instruments(meter)
 
     def _observe_tiers(self, meter: Meter) -> None:
-        """Per-tier usage gauges, read from the store at scrape time."""
-        meter.create_observable_gauge(
-            "kvfabric.tier.used",
-            callbacks=[self._usage_cb("used")],
-            unit="By",
-            description="Bytes used per tier",
-        )
-        meter.create_observable_gauge(
-            "kvfabric.tier.capacity",
-            callbacks=[self._usage_cb("capacity")],
-            unit="By",
-            description="Tier budgets",
-        )
-        meter.create_observable_gauge(
-            "kvfabric.tier.blocks",
-            callbacks=[self._usage_cb("blocks")],
-            unit="1",
-            description="Blocks per tier",
-        )
+        """Per-tier usage gauges (:data:`_TIER_GAUGES`), read from the store at scrape time."""
+        for name, desc, unit, read in _TIER_GAUGES:
+            meter.create_observable_gauge(name, callbacks=[self._usage_cb(read)], unit=unit, description=desc)
 
     def _observe_volume_clock(self, meter: Meter) -> None:
         """Gauges of the shared volume's clock, read from the store at scrape time."""
@@ -125,11 +117,12 @@ class Metrics:
             "kvfabric.lookup.duration", unit="s", description="Lookup latency (server side)"
         )
 
-    def _usage_cb(self, what: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def _usage_cb(
+        self, read: Callable[[TierUsage], int]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def cb(_: CallbackOptions) -> Iterable[Observation]:
             for u in self._store.usage():
-                value = {"used": u.used_bytes, "capacity": u.capacity_bytes, "blocks": u.blocks}[what]
-                yield Observation(value, {"tier": u.name})
+                yield Observation(read(u), {"tier": u.name})
 
         return cb
 

@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 __all__ = [
     "DiskTierConfig",
     "DramTierConfig",
+    "ExtraTierConfig",
+    "IoFaultsConfig",
     "LimitsConfig",
     "ListenConfig",
     "MetricsConfig",
@@ -147,6 +149,17 @@ class DramTierConfig(_Model):
         return self
 
 
+class IoFaultsConfig(_Model):
+    """Injected I/O faults, for tests only (a slow disk, a network filesystem answering ESTALE)."""
+
+    write_delay_seconds: float = Field(
+        default=0.0, ge=0, le=60, description="Sleep before each block write commits (its rename)."
+    )
+    read_error: Literal["ESTALE", "EIO", "ENOSPC"] | None = Field(
+        default=None, description="Errno every block read of the tier raises."
+    )
+
+
 class DiskTierConfig(_Model):
     """A directory tier of block files (local NVMe, or a shared volume several servers mount)."""
 
@@ -165,6 +178,32 @@ class DiskTierConfig(_Model):
         description="Never write when the filesystem itself has less than this fraction free, whatever "
         "the budget says (another tenant may share the disk).",
     )
+    faults: IoFaultsConfig | None = Field(
+        default=None, description="Test hook: injected I/O faults. Never set in production."
+    )
+
+    @model_validator(mode="after")
+    def _check_watermarks(self) -> Self:
+        _check_watermark_order(self.low_watermark, self.high_watermark)
+        return self
+
+
+class ExtraTierConfig(_Model):
+    """A further tier below the built-in ones, built by a factory named in configuration.
+
+    ``kind`` is ``package.module:callable``; the callable takes ``(TierContext, ExtraTierConfig)`` and
+    returns a :class:`~kvfabric.cacheserver.engine.base.BackingTier` (see docs/cacheserver.md,
+    "How to add a tier").
+    """
+
+    kind: str = Field(
+        pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
+        description="Factory of the tier, as 'package.module:callable'.",
+    )
+    capacity_bytes: int = Field(gt=0, description="Byte budget of the tier.")
+    high_watermark: float = Field(default=0.9, gt=0, le=1, description="Fraction at which eviction starts.")
+    low_watermark: float = Field(default=0.75, gt=0, lt=1, description="Fraction eviction brings usage to.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Passed to the factory as is.")
 
     @model_validator(mode="after")
     def _check_watermarks(self) -> Self:
@@ -188,6 +227,10 @@ class TiersConfig(_Model):
         default="all",
         description="'all': every put is written back asynchronously to every lower tier; "
         "'none': keep puts in DRAM only.",
+    )
+    extra: list[ExtraTierConfig] = Field(
+        default_factory=list,
+        description="Further tiers below the shared volume, slowest last (e.g. an object store).",
     )
 
     @model_validator(mode="after")

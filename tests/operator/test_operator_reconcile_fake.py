@@ -33,7 +33,12 @@ class FakeKube:
         return copy.deepcopy(obj) if obj is not None else None
 
     async def list(
-        self, kind: str, namespace: str | None = None, *, label_selector: str | None = None
+        self,
+        kind: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
     ) -> list[dict[str, Any]]:
         wanted = dict(part.split("=", 1) for part in (label_selector or "").split(",") if "=" in part)
         out = []

@@ -194,10 +194,17 @@ class KubeClient:
             raise
 
     async def list(
-        self, kind: str, namespace: str | None = None, *, label_selector: str | None = None
+        self,
+        kind: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
     ) -> list[dict[str, Any]]:
         """Return the items of a collection (all namespaces when ``namespace`` is None)."""
-        params = {"labelSelector": label_selector} if label_selector else None
+        params = {"labelSelector": label_selector} if label_selector else {}
+        if field_selector:
+            params["fieldSelector"] = field_selector
         answer = await self.request("GET", resource_path(kind, namespace), params=params)
         return list(answer.get("items") or [])
 

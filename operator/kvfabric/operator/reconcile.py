@@ -99,10 +99,11 @@ async def reconcile_pool(
         shared_raw = raw["spec"]["tiers"]["shared"]
         claim_name = shared_raw.get("existingClaim") or names.shared_claim_name(name)
 
-    daemonset, claim, consumers = await asyncio.gather(
+    daemonset, claim, consumers, failure = await asyncio.gather(
         client.get("DaemonSet", namespace, names.daemonset_name(name)),
         client.get("PersistentVolumeClaim", namespace, claim_name) if claim_name else _none(),
         _consumer_pods(client, namespace, name),
+        _pod_create_failure(client, namespace, names.daemonset_name(name)),
     )
     observed = Observed(
         generation=generation,
@@ -116,6 +117,7 @@ async def reconcile_pool(
         injection_enabled=injection_enabled,
         metrics_service=metrics_service,
         previous_status=previous_status,
+        pod_create_failure=failure,
     )
     status, events = compute_status(observed, utcnow())
     result.ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
@@ -151,6 +153,21 @@ async def _ensure_secrets(client: KubeClient, pool: KVCachePool) -> frozenset[st
     for body in plan.writes:
         await client.apply(body, field_manager=names.FIELD_MANAGER)
     return plan.wanted
+
+
+async def _pod_create_failure(client: KubeClient, namespace: str, daemonset: str) -> str | None:
+    """The latest FailedCreate event of the DaemonSet (Pod Security rejecting its pods, quota...)."""
+    selector = f"involvedObject.kind=DaemonSet,involvedObject.name={daemonset},reason=FailedCreate"
+    try:
+        events = await client.list("Event", namespace, field_selector=selector)
+    except ApiError as exc:
+        if exc.status == 403:  # an install without events access: report nothing rather than fail
+            return None
+        raise
+    if not events:
+        return None
+    latest = max(events, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
+    return str(latest.get("message") or "FailedCreate")
 
 
 async def _none() -> None:

@@ -43,6 +43,8 @@ class Observed:
     injection_enabled: bool
     metrics_service: str | None
     previous_status: dict[str, Any] = field(default_factory=dict)
+    pod_create_failure: str | None = None
+    """Message of the DaemonSet controller's latest FailedCreate event (e.g. Pod Security)."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,17 @@ def degraded_verdict(observed: Observed, rollout: Rollout, storage: Verdict) -> 
         return Verdict(True, "InvalidServerConfig", "the pool's spec yields an invalid server config")
     if storage.reason in ("ClaimNotFound", "ClaimLost"):
         return storage._replace(ok=True)
+    missing = _int((observed.daemonset or {}).get("status"), "desiredNumberScheduled") - _int(
+        (observed.daemonset or {}).get("status"), "currentNumberScheduled"
+    )
+    if observed.pod_create_failure and missing > 0:
+        # The controller cannot even create the pods (waiting will not help): say why.
+        reason = (
+            "PodSecurityRejected"
+            if "violates PodSecurity" in observed.pod_create_failure
+            else "PodCreateFailed"
+        )
+        return Verdict(True, reason, observed.pod_create_failure[:1024])
     if rollout.done and n.ready < n.desired:
         return Verdict(True, "NodesNotReady", f"{n.desired - n.ready}/{n.desired} cache servers not ready")
     return Verdict(False, "AsExpected", "no fault detected")

@@ -25,6 +25,7 @@ from kvfabric.operator.injection import PoolTarget, inject, pool_target
 from kvfabric.operator.kube import SA_TOKEN, ApiError, KubeClient, bearer_token, load_configuration
 from kvfabric.operator.reconcile import PoolKey
 from kvfabric.operator.render import names
+from kvfabric.operator.servingcert import ServingCertificate
 
 log = logging.getLogger("kvfabric.operator")
 
@@ -84,6 +85,9 @@ class OperatorApp:
     controller: Controller = field(init=False)
     pools: dict[PoolKey, PoolTarget] = field(default_factory=dict)
     namespace_labels: dict[str, dict[str, str]] = field(default_factory=dict)
+    serving: ServingCertificate | None = None
+    """The webhook's serving certificate, refreshed in place on kopf's loop."""
+    _serving_task: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         self.controller = Controller(
@@ -151,6 +155,8 @@ def build_registry(
                     if attempt == 59 or exc.status not in (404, 429, 500, 503):
                         raise
                     await asyncio.sleep(0.5)
+        if app.serving is not None:
+            app._serving_task = asyncio.get_running_loop().create_task(app.serving.run())
         app.controller.start()
 
     @kopf.on.login(registry=registry)
@@ -173,6 +179,8 @@ def build_registry(
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
+        if app._serving_task is not None:
+            app._serving_task.cancel()
         # Joined off the loop: the controller releases its Lease, so a standby takes over at once.
         await asyncio.to_thread(app.controller.stop)
         await app.client.close()

@@ -21,7 +21,7 @@ import kopf
 
 from kvfabric.operator.api.v1alpha1 import GROUP, PLURAL, POOL_LABEL, VERSION
 from kvfabric.operator.controller import Controller, Election
-from kvfabric.operator.injection import PoolTarget, inject, pool_target
+from kvfabric.operator.injection import PoolTarget, inject, pool_key_of, pool_target
 from kvfabric.operator.kube import SA_TOKEN, ApiError, KubeClient, bearer_token, load_configuration
 from kvfabric.operator.reconcile import PoolKey
 from kvfabric.operator.render import names
@@ -88,6 +88,28 @@ class OperatorApp:
     serving: ServingCertificate | None = None
     """The webhook's serving certificate, refreshed in place on kopf's loop."""
     _serving_task: asyncio.Task[None] | None = None
+
+    async def pools_for(self, pod: Mapping[str, Any], namespace: str | None) -> Mapping[PoolKey, PoolTarget]:
+        """The known pools, plus the pod's own pool read from the API server when it is not known yet.
+
+        Right after start-up (before kopf has delivered every pool) or right after a pool was
+        created, the pod's pool may be missing from :attr:`pools`: answering "pool-not-found" then
+        would silently skip a ``Fail`` pool's pod. One bounded GET settles it.
+        """
+        key = pool_key_of(pod, namespace)
+        if key is None or key in self.pools:
+            return self.pools
+        try:
+            async with asyncio.timeout(2.0):
+                raw = await self.client.get("KVCachePool", key[0], key[1])
+        except (ApiError, OSError, TimeoutError) as exc:
+            log.warning("could not read KVCachePool %s/%s for injection: %s", *key, exc)
+            return self.pools
+        target = pool_target(raw) if raw is not None else None
+        if target is None:
+            return self.pools
+        self.pools[key] = target
+        return self.pools
 
     def __post_init__(self) -> None:
         self.controller = Controller(
@@ -237,7 +259,8 @@ def build_registry(
         @kopf.on.mutate("", "v1", "pods", id=WEBHOOK_ID, operations=["CREATE"], registry=registry)
         async def mutate_pod(*, body: kopf.Body, patch: kopf.Patch, namespace: str | None, **_: Any) -> None:
             try:
-                result = inject(body, app.pools, app.namespace_labels, request_namespace=namespace)
+                pools = await app.pools_for(body, namespace)
+                result = inject(body, pools, app.namespace_labels, request_namespace=namespace)
             except Exception:
                 # Fail open: a bug here must never block an inference pod.
                 log.exception("injection failed; admitting the pod unchanged")

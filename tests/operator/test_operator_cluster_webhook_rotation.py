@@ -29,6 +29,11 @@ def _served_serial(port: int) -> int:
     return int(x509.load_pem_x509_certificate(pem.encode()).serial_number)
 
 
+def _served_not_after(port: int) -> str:
+    pem = ssl.get_server_certificate(("127.0.0.1", port), timeout=5)
+    return x509.load_pem_x509_certificate(pem.encode()).not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _pod(name: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
@@ -87,6 +92,16 @@ def test_webhook_certificate_rotates_with_no_rejected_admission(
             serials.add(_served_serial(op.port))
         assert rejected == [], rejected[:3]
         assert len(serials) >= 4, f"only {len(serials)} certificates served over {created} pods"
+        # The pool's InjectionReady names the expiry of a certificate the webhook actually served.
+        served = {_served_not_after(op.port)}
+
+        def reflects() -> bool:
+            pool = cluster.get_json("kvcachepool", "rot", "-n", namespace)
+            cond = next(c for c in pool["status"]["conditions"] if c["type"] == "InjectionReady")
+            served.add(_served_not_after(op.port))
+            return cond["status"] == "True" and any(stamp in cond["message"] for stamp in served)
+
+        wait_for(reflects, timeout=60, message="InjectionReady naming the served certificate's expiry")
     finally:
         op.stop()
         cluster.kubectl(

@@ -59,3 +59,28 @@ async def test_a_pod_of_a_pool_not_yet_delivered_is_injected() -> None:
     # A pool that really does not exist is still "pool-not-found".
     other = {**POD, "metadata": {**POD["metadata"], "labels": {"kvfabric.io/pool": "nope"}}}
     assert inject(other, await app.pools_for(other, "llm"), {}).skip_reason == SKIP_POOL_NOT_FOUND
+
+
+def test_injection_ready_reflects_the_served_certificate_and_its_expiry() -> None:
+    import datetime as dt
+
+    from kvfabric.operator.status import Observed, injection_verdict
+
+    now = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
+    base: dict[str, Any] = {
+        "generation": 1,
+        "revision": "r",
+        "config_error": None,
+        "daemonset": None,
+        "claim_name": None,
+        "claim": None,
+        "consumer_pods": [],
+        "connection": None,
+        "injection_enabled": True,
+        "metrics_service": None,
+    }
+    valid = injection_verdict(Observed(**base, webhook_not_after=now + dt.timedelta(days=20)), now)
+    assert valid.ok is True
+    assert "2026-12-21T12:00:00Z" in valid.message
+    expired = injection_verdict(Observed(**base, webhook_not_after=now - dt.timedelta(seconds=1)), now)
+    assert (expired.ok, expired.reason) == (False, "CertificateExpired")

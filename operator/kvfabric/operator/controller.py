@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 import threading
 from collections.abc import Callable
@@ -62,9 +63,12 @@ class Controller:
         namespaces: list[str] | None = None,
         resync_seconds: float = 30.0,
         election: Election | None = None,
+        webhook_not_after: Callable[[], dt.datetime | None] | None = None,
     ) -> None:
         self._make_client = make_client
         self.injection_enabled = injection_enabled
+        # Expiry of the certificate the webhook serves now (read across threads: one attribute).
+        self.webhook_not_after = webhook_not_after or (lambda: None)
         self.namespaces = namespaces
         self.resync_seconds = resync_seconds
         self.election = election
@@ -200,7 +204,12 @@ class Controller:
         async def work(key: PoolKey) -> None:
             self.reconciles += 1
             await reconcile_pool(
-                client, key[0], key[1], injection_enabled=self.injection_enabled, reader=reader
+                client,
+                key[0],
+                key[1],
+                injection_enabled=self.injection_enabled,
+                reader=reader,
+                webhook_not_after=self.webhook_not_after(),
             )
 
         tasks = [asyncio.ensure_future(i.run()) for i in informers]

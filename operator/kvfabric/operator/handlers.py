@@ -118,6 +118,7 @@ class OperatorApp:
             namespaces=self.namespaces,
             resync_seconds=self.resync_seconds,
             election=self.election,
+            webhook_not_after=lambda: self.serving.not_after if self.serving is not None else None,
         )
 
     @property

@@ -171,6 +171,7 @@ async def _observe(
     *,
     apply_error: str | None,
     injection_enabled: bool,
+    webhook_not_after: dt.datetime | None = None,
 ) -> Observed:
     namespace, name = raw["metadata"]["namespace"], raw["metadata"]["name"]
     selector = ",".join(f"{k}={v}" for k, v in names.selector_labels(name).items())
@@ -191,6 +192,7 @@ async def _observe(
         consumer_pods=consumers,
         connection=plan.connection,
         injection_enabled=injection_enabled,
+        webhook_not_after=webhook_not_after,
         metrics_service=plan.metrics_service,
         previous_status=dict(raw.get("status") or {}),
         apply_error=apply_error,
@@ -210,6 +212,7 @@ async def reconcile_pool(
     *,
     injection_enabled: bool,
     reader: Reader | None = None,
+    webhook_not_after: dt.datetime | None = None,
 ) -> ReconcileResult | None:
     """Bring one pool's children to the rendered state and write its status; None if the pool is gone.
 
@@ -224,7 +227,14 @@ async def reconcile_pool(
     apply_error = None
     if plan.children is not None and plan.pool is not None:
         apply_error = await _apply_children(client, reader, plan.pool, plan.children, result)
-    observed = await _observe(reader, raw, plan, apply_error=apply_error, injection_enabled=injection_enabled)
+    observed = await _observe(
+        reader,
+        raw,
+        plan,
+        apply_error=apply_error,
+        injection_enabled=injection_enabled,
+        webhook_not_after=webhook_not_after,
+    )
     status, events = compute_status(observed, utcnow())
     result.ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
     if strip_times(status) != strip_times(observed.previous_status):

@@ -20,6 +20,7 @@ from typing import Any, Final, Protocol, cast
 import pydantic
 
 from kvfabric.operator.api.v1alpha1 import KIND, POOL_LABEL, KVCachePool
+from kvfabric.operator.cacheinsight import Scraper, scrape_targets
 from kvfabric.operator.kube import ApiError, KubeClient
 from kvfabric.operator.podhealth import diagnose
 from kvfabric.operator.poolpki import plan_secrets
@@ -172,6 +173,7 @@ async def _observe(
     apply_error: str | None,
     injection_enabled: bool,
     webhook_not_after: dt.datetime | None = None,
+    scraper: Scraper | None = None,
 ) -> Observed:
     namespace, name = raw["metadata"]["namespace"], raw["metadata"]["name"]
     selector = ",".join(f"{k}={v}" for k, v in names.selector_labels(name).items())
@@ -182,6 +184,10 @@ async def _observe(
         reader.list("Pod", namespace, label_selector=selector),
     )
     failed_create, missing = await _failed_create(reader, namespace, daemonset)
+    cache = None
+    if scraper is not None and plan.pool is not None and plan.pool.spec.metrics.enabled:
+        scraper.schedule((namespace, name), scrape_targets(servers, plan.pool.spec.metrics.port), utcnow())
+        cache = scraper.insights.get((namespace, name))
     return Observed(
         generation=int(raw["metadata"].get("generation") or 0),
         revision=plan.children.config_hash if plan.children is not None else None,
@@ -198,6 +204,7 @@ async def _observe(
         apply_error=apply_error,
         pod_problems=diagnose(servers, failed_create, missing),
         progress_deadline_seconds=plan.progress_deadline_seconds,
+        cache=cache,
     )
 
 
@@ -213,10 +220,12 @@ async def reconcile_pool(
     injection_enabled: bool,
     reader: Reader | None = None,
     webhook_not_after: dt.datetime | None = None,
+    scraper: Scraper | None = None,
 ) -> ReconcileResult | None:
     """Bring one pool's children to the rendered state and write its status; None if the pool is gone.
 
     ``reader`` serves the reads (default: ``client``, i.e. the API server); writes always go to ``client``.
+    ``scraper`` (optional) keeps ``status.cache`` current from the cache servers' metrics.
     """
     reader = reader or client
     raw = await client.get(KIND, namespace, name)
@@ -234,6 +243,7 @@ async def reconcile_pool(
         apply_error=apply_error,
         injection_enabled=injection_enabled,
         webhook_not_after=webhook_not_after,
+        scraper=scraper,
     )
     status, events = compute_status(observed, utcnow())
     result.ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])

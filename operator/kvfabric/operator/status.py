@@ -15,6 +15,7 @@ import pydantic
 from pydantic import BaseModel
 
 from kvfabric.operator.api.v1alpha1 import (
+    CacheInsight,
     Condition,
     ConditionStatus,
     Connection,
@@ -57,6 +58,8 @@ class Observed:
     progress_deadline_seconds: int = 300
     # Expiry of the certificate the webhook serves now (None: not known, e.g. no webhook).
     webhook_not_after: dt.datetime | None = None
+    # The latest scrape of the cache servers' metrics (None: keep what the status says).
+    cache: CacheInsight | None = None
 
 
 @dataclass(frozen=True)
@@ -355,6 +358,11 @@ def conditions(observed: Observed, rollout: Rollout, now: str, progress_since: s
     return [_condition(t, v, observed.generation, previous, now) for t, v in verdicts.items()]
 
 
+def _previous_cache(observed: Observed) -> CacheInsight | None:
+    before = observed.previous_status.get("cache")
+    return _lenient(CacheInsight, before) if before else None
+
+
 def compute_pool_status(observed: Observed, now: str) -> KVCachePoolStatus:
     """Return the new status as the typed model."""
     rollout = observe_rollout(observed.daemonset, observed.revision)
@@ -371,6 +379,7 @@ def compute_pool_status(observed: Observed, now: str) -> KVCachePoolStatus:
         connection=_connection(observed),
         consumers=ConsumerCounts(**counts),
         conditions=conditions(observed, rollout, now, progress_since),
+        cache=observed.cache or _previous_cache(observed),
         last_progress_time=progress_since,
     )
 

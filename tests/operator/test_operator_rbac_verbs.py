@@ -29,6 +29,7 @@ USES: dict[tuple[str, str, str], list[tuple[str, str]]] = {
         ("kube.py", r'"/status"'),
         ("reconcile.py", r"patch_status\("),
     ],
+    ("", "configmaps", "get"): [("objectprobe.py", r'get\("ConfigMap"')],
     ("", "configmaps", "list"): [("controller.py", r'OWNED_KINDS = \(.*"ConfigMap"')],
     ("", "configmaps", "watch"): [("controller.py", r'OWNED_KINDS = \(.*"ConfigMap"'), _INFORMER],
     ("", "configmaps", "create"): [("render/children.py", r'"kind": "ConfigMap"'), _APPLY],

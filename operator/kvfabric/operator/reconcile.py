@@ -430,7 +430,9 @@ class ReconcileQueue:
                 except Exception as exc:
                     state.failures += 1
                     delay = min(self._max_backoff, 0.5 * 2 ** min(state.failures, 8))
-                    log.warning("reconcile %s/%s failed (%s); retrying in %.1fs", *key, exc, delay)
+                    log.warning(
+                        "reconcile %s/%s failed (%s); retrying in %.1fs", *key, str(exc) or repr(exc), delay
+                    )
                     await asyncio.sleep(delay)
                     state.dirty = True
         finally:

@@ -44,9 +44,9 @@ PREEMPT = {f"preempt-{i}": tokens(80 + i, 1000) for i in range(4)}
 PREEMPT_TOKENS = 400
 # Stored by the offline run too, first asked for one by one after a cache-server restart: the
 # first one the server serves tells how long hits took to come back.
-RECOVERY = {f"recovery-{i}": tokens(500 + i, 600) for i in range(24)}
+RECOVERY = {f"recovery-{i}": tokens(500 + i, 600) for i in range(48)}
 # Sent while the cache server is down (new prompts, so every one looks up and fails).
-OUTAGE = {f"outage-{i}": tokens(600 + i, 600) for i in range(3)}
+OUTAGE = {f"outage-{i}": tokens(700 + i, 600) for i in range(3)}
 MAX_TOKENS = 12
 
 

@@ -10,10 +10,21 @@ demo: bootstrap ## Run the whole fabric on the local cluster with its defaults
 	$(UV) kvfabric demo
 
 .PHONY: test
-test: bootstrap lint ## Install what is needed, lint, and run every test (unit, process, cluster, e2e)
+test: bootstrap lint ## Install what is needed, lint, and run every test (every level of the ladder)
 	$(UV) pytest tests e2e $(PYTEST_ARGS)
 
 ##@ Pieces
+
+# One target per level of the test ladder (markers assigned by kvfabric.testing.levels).
+.PHONY: test-unit test-process test-cluster test-fabric
+test-unit: ## Only the unit tests (pure functions, in-process objects): well under a minute
+	$(UV) pytest tests -m unit -q $(PYTEST_ARGS)
+test-process: ## Only the tests that run real cache-server and engine processes
+	$(UV) pytest tests -m process $(PYTEST_ARGS)
+test-cluster: bootstrap ## Only the tests against the real local control plane
+	$(UV) pytest tests -m cluster $(PYTEST_ARGS)
+test-fabric: bootstrap ## Only the whole-fabric end-to-end tests
+	$(UV) pytest e2e -m fabric $(PYTEST_ARGS)
 
 .PHONY: bootstrap
 bootstrap: ## Install Debian packages, uv, .venv and the pinned Kubernetes binaries (idempotent)

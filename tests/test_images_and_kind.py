@@ -34,6 +34,8 @@ from kvfabric.operator.api.v1alpha1 import ImageSpec, KVCachePool
 from kvfabric.operator.render import names
 from kvfabric.operator.render.children import render_daemonset
 
+pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.testing.levels)
+
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "images"
 KIND = ROOT / "e2e" / "kind"

@@ -16,7 +16,7 @@ from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 METHODS = ("Lookup", "Load", "Store", "ShmLoad", "ShmStoreBegin", "ShmStoreCommit", "Delete", "Stats")
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 KEYS = (
     "memcpy_gbps",

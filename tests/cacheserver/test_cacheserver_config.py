@@ -11,6 +11,8 @@ from pydantic import ValidationError
 
 from kvfabric.cacheserver.config import ServerConfig, apply_overrides
 
+pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.testing.levels)
+
 BASE: dict[str, Any] = {
     "listen": {"unix_socket": "/run/kvfabric/cache.sock"},
     "shm": {"dir": "/dev/shm/kvfabric"},

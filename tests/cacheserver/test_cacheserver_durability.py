@@ -13,7 +13,7 @@ from kvfabric.client import CacheClient
 from kvfabric.client.errors import CacheError
 from kvfabric.testing.serverproc import MiB, cache_server, digest, payload_for, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 def _tmp_files(root: Path) -> list[Path]:

@@ -15,7 +15,7 @@ from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 from kvfabric.testing.serverproc import MiB, cache_server, digest, payload_for, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 def _get(url: str) -> tuple[int, str]:

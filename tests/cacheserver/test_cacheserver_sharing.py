@@ -17,7 +17,7 @@ from kvfabric.cacheserver.engine.journal import parse_lines
 from kvfabric.client import CacheClient
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 @contextlib.contextmanager

@@ -19,6 +19,8 @@ from kvfabric.client.errors import (
 )
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for
 
+pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.testing.levels)
+
 NS = digest("client-ns")
 
 

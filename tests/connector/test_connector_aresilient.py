@@ -10,6 +10,8 @@ from kvfabric.connector.aresilient import AsyncEndpoint, AsyncResilientCache, as
 from kvfabric.connector.resilient import CircuitBreaker, Reason
 from kvfabric.testing.memtransport import CacheServerProcess
 
+pytestmark = pytest.mark.process  # real cache-server processes (test level, see kvfabric.testing.levels)
+
 NS = "a" * 64
 KEYS = ["b" * 64, "c" * 64, "d" * 64]
 

@@ -13,6 +13,8 @@ import pytest
 from kvfabric.connector import vllm as kvvllm
 from kvfabric.connector.core import Role
 
+pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.testing.levels)
+
 
 class _Model:
     model = "org/tiny"

@@ -15,6 +15,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from kvfabric.localcluster import cluster as cluster_mod
 from kvfabric.localcluster import components, kubeconfig, nodes, pki, versions
 
+pytestmark = pytest.mark.process  # starts control-plane binaries (test level, see kvfabric.testing.levels)
+
 
 def test_leaf_certificates_chain_to_the_ca(tmp_path: Path) -> None:
     p = pki.write_pki(tmp_path / "pki", service_ip="10.96.0.1")

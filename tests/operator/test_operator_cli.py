@@ -6,7 +6,11 @@ import argparse
 import subprocess
 import sys
 
+import pytest
+
 from kvfabric.operator import cli
+
+pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.testing.levels)
 
 
 def test_options_parse() -> None:

@@ -7,12 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 _CHECK = """
 import sys
 import kvfabric.refengine.cli, kvfabric.bench.ttft
 heavy = sorted(m for m in ("torch", "grpc", "pydantic", "numpy") if m in sys.modules)
 print(",".join(heavy))
 """
+
+pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.testing.levels)
 
 
 def test_cli_modules_import_only_the_standard_library() -> None:

@@ -17,6 +17,8 @@ import pytest
 from kvfabric.refengine.testing import prompt
 from kvfabric.testing.memtransport import CacheServerProcess
 
+pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.testing.levels)
+
 
 def post(url: str, doc: Any) -> tuple[int, dict[str, Any]]:
     req = urllib.request.Request(

@@ -22,6 +22,8 @@ from kvfabric.refengine.model import RefModel
 from kvfabric.refengine.testing import TINY, prompt
 from kvfabric.testing.memtransport import CacheServerProcess, block_files
 
+pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.testing.levels)
+
 CHUNK = 32
 LOOKUP_MS, LOAD_MS = 300, 1000
 TOL = 1e-5

@@ -20,11 +20,11 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from kvfabric.cacheserver.arena import StagingArena
 from kvfabric.cacheserver.config import ServerConfig
 from kvfabric.cacheserver.engine.tiered import TieredStore
 from kvfabric.cacheserver.metrics import Metrics, ProbeServer
 from kvfabric.cacheserver.service import CacheService, SharedState, add_to_server
+from kvfabric.cacheserver.transport.arena import StagingArena
 
 __all__ = ["serve"]
 

@@ -23,12 +23,12 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError, Message
 
-from kvfabric.cacheserver.arena import StagingArena, UnknownLease
 from kvfabric.cacheserver.config import LimitsConfig
 from kvfabric.cacheserver.engine.dram import DramBlock, OpenBlock
 from kvfabric.cacheserver.engine.ids import BlockId, InvalidId, parse_ids
 from kvfabric.cacheserver.engine.tiered import TieredStore
 from kvfabric.cacheserver.metrics import Metrics
+from kvfabric.cacheserver.transport.arena import StagingArena, UnknownLease
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 

@@ -31,7 +31,8 @@ def test_bench_storage_reports_every_measurement() -> None:
     out = subprocess.run(
         [
             sys.executable, "-m", "kvfabric.cli.main", "bench", "storage", "--quick", "--json",
-            "--chunk-mib", "1", "--chunks", "2", "--rounds", "1", "--lookups", "20", "--lookup-clients", "1,2",
+            "--chunk-mib", "1", "--chunks", "2", "--rounds", "1", "--lookups", "20",
+            "--lookup-clients", "1,2",
         ],
         capture_output=True, text=True, check=True, timeout=170,
     ).stdout  # fmt: skip

@@ -19,6 +19,7 @@ PRODUCT = {
     "kvfabric.rpc",
     "kvfabric.client",
     "kvfabric.connector",
+    "kvfabric.contract",
 }
 HARNESS = {
     "kvfabric.localcluster",

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvfabric.connector import vllm as kvvllm
-from kvfabric.connector.core import Role
+from kvfabric.connector.steps import Role
 
 pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.testing.levels)
 
@@ -161,7 +161,7 @@ def test_adapter_drives_a_real_server_through_the_reference_engine(tmp_path: Pat
             )
             eng = Engine(TINY, num_blocks=64, model=model, connectors=halves)
             results.append(eng.generate(tokens, 3))
-            assert halves[1].core.wait_for_stores(60)
+            assert halves[1].worker_half.wait_for_stores(60)
             eng.close()
     cold, warm = results
     assert (cold.hit_tokens, warm.hit_tokens, warm.tier) == (0, 192, "dram")

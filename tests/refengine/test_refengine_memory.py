@@ -14,6 +14,7 @@ import torch
 from kvfabric.connector import layout
 from kvfabric.connector.resilient import CircuitBreaker, Endpoint, ResilientCache
 from kvfabric.connector.settings import ConnectorSettings
+from kvfabric.connector.steps import RequestInfo
 from kvfabric.refengine.engine import Engine
 from kvfabric.refengine.model import RefModel
 from kvfabric.refengine.testing import TINY, prompt
@@ -80,7 +81,7 @@ def test_corrupt_chunk_is_recomputed_from_there(tiny_model: RefModel, store: Mem
     warm(tiny_model, store, tokens)
     e = engine(tiny_model, store)
     assert e.scheduler_conn is not None
-    bad = e.scheduler_conn._state(type("R", (), {"request_id": "x", "prompt_token_ids": tokens})()).keys[3]
+    bad = e.scheduler_conn.chunk_keys(RequestInfo("x", tuple(tokens)))[3]
     store.corrupt_keys.add(bad)
     r = e.generate(tokens, 2)
     assert r.recomputed_after_load_error
@@ -218,7 +219,7 @@ def test_chunked_prefill_saves_every_chunk_and_loads_them(
         TINY, num_blocks=64, settings=SETTINGS, cache=cache, model=tiny_model, max_prefill_tokens=16
     )
     assert reader.scheduler_conn is not None
-    keys = reader.scheduler_conn._state(type("R", (), {"request_id": "x", "prompt_token_ids": tokens})()).keys
+    keys = reader.scheduler_conn.chunk_keys(RequestInfo("x", tuple(tokens)))
     store.corrupt_keys.add(keys[5])  # the load breaks at chunk 5: chunks 0-4 are used
     warm = reader.generate(tokens, 3)
     assert (warm.hit_tokens, warm.fallback_reason, warm.recomputed_after_load_error) == (160, "corrupt", True)

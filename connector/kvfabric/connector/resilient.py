@@ -34,6 +34,7 @@ from kvfabric.client.errors import (
     NotFound,
 )
 from kvfabric.client.results import LookupResult, StoreResult
+from kvfabric.connector.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 
@@ -333,6 +334,31 @@ class ResilientCache:
             ep.close()
 
 
+def build_cache(settings: ConnectorSettings, counters: Counters | None = None) -> ResilientCache | None:
+    """Build the resilient cache for ``settings`` (``None`` when no server is configured)."""
+    if not settings.configured:
+        return None
+    endpoints: list[Endpoint] = []
+    cooldown = settings.breaker_cooldown_ms / 1000
+    if settings.socket:
+        endpoints.append(
+            Endpoint(
+                "local",
+                transport_factory(f"unix://{settings.socket}", shm_dir=settings.shm_dir),
+                CircuitBreaker(settings.breaker_failures, cooldown),
+            )
+        )
+    if settings.remote:
+        endpoints.append(
+            Endpoint(
+                "remote",
+                transport_factory(settings.remote, token=settings.token, tls_ca=settings.tls_ca),
+                CircuitBreaker(settings.breaker_failures, cooldown),
+            )
+        )
+    return ResilientCache(endpoints, retries=settings.retries, counters=counters)
+
+
 def transport_factory(
     target: str, *, shm_dir: str | None = None, token: str | None = None, tls_ca: str | None = None
 ) -> Callable[[], Transport]:
@@ -357,5 +383,6 @@ __all__ = [
     "Reason",
     "ResilientCache",
     "Transport",
+    "build_cache",
     "transport_factory",
 ]

@@ -24,7 +24,9 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-SETTINGS_FILE_ENV = "KVFABRIC_SETTINGS_FILE"
+from kvfabric.contract.consumer_env import ENV_PREFIX
+
+SETTINGS_FILE_ENV = f"{ENV_PREFIX}SETTINGS_FILE"
 
 
 class _FileSource(PydanticBaseSettingsSource):
@@ -50,8 +52,8 @@ class _FileSource(PydanticBaseSettingsSource):
         out: dict[str, Any] = {}
         for key, value in data.items():
             name = str(key)
-            if name.upper().startswith("KVFABRIC_"):
-                name = name[len("KVFABRIC_") :]
+            if name.upper().startswith(ENV_PREFIX):
+                name = name[len(ENV_PREFIX) :]
             out[name.lower()] = value
         return out
 
@@ -70,7 +72,7 @@ class ConnectorSettings(BaseSettings):
     failed request.
     """
 
-    model_config = SettingsConfigDict(env_prefix="KVFABRIC_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
 
     socket: str | None = None
     """Unix socket of the node-local cache server (``/run/kvfabric/cache.sock`` or ``unix:///...``).
@@ -154,7 +156,7 @@ class ConnectorSettings(BaseSettings):
         """
         clean: dict[str, Any] = {}
         for key, value in (overrides or {}).items():
-            name = key[len("KVFABRIC_") :] if key.upper().startswith("KVFABRIC_") else key
+            name = key[len(ENV_PREFIX) :] if key.upper().startswith(ENV_PREFIX) else key
             if name.lower() in cls.model_fields:
                 clean[name.lower()] = value
         return cls(**clean)

@@ -12,9 +12,15 @@ operator injects.
 
 vLLM is imported conditionally: without it this module still imports and :class:`KVFabricConnector`
 still works on duck-typed arguments (its base is then a small stand-in), which is how the tests on
-machines without a GPU exercise it. All logic lives in
-:class:`~kvfabric.connector.core.KVFabricConnectorCore`; this class only maps vLLM's configuration and roles
-onto it.
+machines without a GPU exercise it.
+
+This is the only module that reads vLLM's objects. It translates them into kvfabric's own step
+types (:mod:`kvfabric.connector.steps`) and drives the engine-agnostic halves,
+:class:`~kvfabric.connector.scheduler.SchedulerHalf` and :class:`~kvfabric.connector.worker.WorkerHalf`:
+vLLM's ``Request`` becomes a :class:`~kvfabric.connector.steps.RequestInfo`, its ``SchedulerOutput`` a
+:class:`~kvfabric.connector.steps.StepInput`, and the :class:`~kvfabric.connector.steps.StepPlan` the
+scheduler half builds travels to the workers as :class:`KVFabricMetadata`. Differences between vLLM
+releases are absorbed here (see :func:`step_input_from_vllm`).
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ from typing import Any
 
 import torch
 
-from kvfabric.connector.core import ConnectorMetadata, KVFabricConnectorCore, Role, build_cache
 from kvfabric.connector.keys import NamespaceSpec
+from kvfabric.connector.resilient import build_cache
+from kvfabric.connector.scheduler import SchedulerHalf
 from kvfabric.connector.settings import ConnectorSettings
+from kvfabric.connector.steps import RequestInfo, Role, ScheduledRequest, StepInput, StepPlan
+from kvfabric.connector.worker import WorkerHalf
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +82,50 @@ except ImportError:  # vLLM is not installed (no GPU here): use the stand-ins be
 
 
 @dataclass
-class KVFabricMetadata(ConnectorMetadata, _VllmMetadata):  # type: ignore[misc]
-    """The connector's per-step metadata, typed as vLLM's ``KVConnectorMetadata``."""
+class KVFabricMetadata(StepPlan, _VllmMetadata):  # type: ignore[misc]
+    """The connector's per-step plan, typed as vLLM's ``KVConnectorMetadata``."""
+
+
+def request_info_from_vllm(request: Any) -> RequestInfo:
+    """Translate vLLM's ``Request`` into what the scheduler half needs."""
+    return RequestInfo(str(request.request_id), tuple(request.prompt_token_ids or ()))
+
+
+def _first_group(block_ids: Any) -> tuple[int, ...] | None:
+    # vLLM gives block ids per KV-cache group; the connector uses one group (no hybrid allocator).
+    return tuple(block_ids[0]) if block_ids else None
+
+
+def step_input_from_vllm(scheduler_output: Any) -> StepInput:
+    """Translate vLLM's ``SchedulerOutput`` into a :class:`~kvfabric.connector.steps.StepInput`."""
+    num_scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    scheduled: list[ScheduledRequest] = []
+    for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        scheduled.append(
+            ScheduledRequest(
+                new.req_id,
+                int(new.num_computed_tokens),
+                int(num_scheduled.get(new.req_id, 0)),
+                _first_group(new.block_ids),
+                replaces_blocks=True,
+            )
+        )
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if cached is not None:
+        # vLLM < 0.2x had no resumed_req_ids (it sent whole block lists for resumed requests).
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            scheduled.append(
+                ScheduledRequest(
+                    req_id,
+                    int(cached.num_computed_tokens[i]),
+                    int(num_scheduled.get(req_id, 0)),
+                    _first_group(cached.new_block_ids[i]),
+                    replaces_blocks=req_id in resumed,
+                )
+            )
+    finished = getattr(scheduler_output, "finished_req_ids", None) or ()
+    return StepInput(tuple(scheduled), frozenset(finished))
 
 
 def _role_of(role: Any) -> Role:
@@ -139,22 +190,41 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
             settings = settings.model_copy(update={"chunk_tokens": spec.chunk_tokens})
         rank0 = namespace_spec_from_vllm(vllm_config, settings, 0)
         self.settings = settings
-        self._core = KVFabricConnectorCore(
-            our_role, settings, spec, cache=build_cache(settings), scheduler_spec=rank0
-        )
+        cache = build_cache(settings)
+        self._scheduler: SchedulerHalf | None = None
+        self._worker: WorkerHalf | None = None
+        self._half: SchedulerHalf | WorkerHalf
+        if our_role is Role.SCHEDULER:
+            self._half = self._scheduler = SchedulerHalf(settings, rank0, cache=cache)
+        else:
+            self._half = self._worker = WorkerHalf(settings, spec, cache=cache)
         log.info(
             "kvfabric connector (%s) namespace=%s pool=%s socket=%s remote=%s",
             our_role.name.lower(),
-            self._core.namespace[:16],
+            self._half.namespace[:16],
             settings.pool or "-",
             settings.socket,
             settings.remote,
         )
 
     @property
-    def core(self) -> KVFabricConnectorCore:
-        """The vLLM-agnostic implementation."""
-        return self._core
+    def core(self) -> SchedulerHalf | WorkerHalf:
+        """The vLLM-agnostic half this instance drives."""
+        return self._half
+
+    @property
+    def scheduler_half(self) -> SchedulerHalf:
+        """The scheduler half (only on the scheduler role)."""
+        if self._scheduler is None:
+            raise RuntimeError("not the scheduler-side connector")
+        return self._scheduler
+
+    @property
+    def worker_half(self) -> WorkerHalf:
+        """The worker half (only on the worker role)."""
+        if self._worker is None:
+            raise RuntimeError("not the worker-side connector")
+        return self._worker
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -177,66 +247,74 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         """Return external prefix tokens available beyond ``num_computed_tokens`` (synchronous load)."""
         if getattr(request, "lora_request", None) is not None:
             return 0, False  # LoRA adapters are not part of the namespace yet: never share their KV
-        return self._core.get_num_new_matched_tokens(request, num_computed_tokens)
+        info = request_info_from_vllm(request)
+        return self.scheduler_half.num_new_matched_tokens(info, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Remember the blocks the hit must fill."""
-        self._core.update_state_after_alloc(request, blocks, num_external_tokens)
+        ids = _first_group(blocks.get_block_ids()) if blocks is not None else None
+        self.scheduler_half.update_state_after_alloc(
+            request_info_from_vllm(request), ids, num_external_tokens
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVFabricMetadata:
         """Build this step's load/save specs."""
-        meta = self._core.build_connector_meta(scheduler_output)
-        return KVFabricMetadata(loads=meta.loads, saves=meta.saves)
+        half = self.scheduler_half
+        if half.cache is None:
+            return KVFabricMetadata()
+        plan = half.build_plan(step_input_from_vllm(scheduler_output))
+        return KVFabricMetadata(loads=plan.loads, saves=plan.saves)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Free blocks at once: saves copied them out during the step."""
-        return self._core.request_finished(request, block_ids)
+        self.scheduler_half.request_finished(str(request.request_id))
+        return False, None
 
     # ---------------- worker side ----------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Remember the per-layer KV tensors."""
-        self._core.register_kv_caches(kv_caches)
+        self.worker_half.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
-        """Bind this step's metadata (base bookkeeping + core)."""
+        """Bind this step's metadata (base bookkeeping + the worker half's plan)."""
         super().bind_connector_metadata(connector_metadata)
-        self._core.bind_connector_metadata(connector_metadata)
+        self.worker_half.bind_plan(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
         """Clear this step's metadata."""
         super().clear_connector_metadata()
-        self._core.clear_connector_metadata()
+        self.worker_half.clear_plan()
 
     def handle_preemptions(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to do: no save ever references engine blocks after its step (both signatures)."""
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Start this step's loads."""
-        self._core.start_load_kv(forward_context, **kwargs)
+        self.worker_half.start_load()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Wait (bounded) for the loads, then scatter this layer."""
-        self._core.wait_for_layer_load(layer_name)
+        self.worker_half.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
         """Copy this layer's finished chunks out."""
-        self._core.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        self.worker_half.save_kv_layer(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
         """Submit this step's stores to the background storer."""
-        self._core.wait_for_save()
+        self.worker_half.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Report nothing pending (loads are synchronous, saves hold no blocks)."""
-        return self._core.get_finished(finished_req_ids)
+        return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks vLLM must recompute (``kv_load_failure_policy="recompute"``)."""
-        return self._core.get_block_ids_with_load_errors()
+        return self.worker_half.take_load_errors()
 
     def shutdown(self) -> None:
         """Stop background threads and close the transports."""
-        self._core.shutdown()
+        self._half.shutdown()

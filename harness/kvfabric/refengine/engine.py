@@ -22,10 +22,13 @@ from typing import Any
 
 import torch
 
-from kvfabric.connector.core import ConnectorMetadata, KVFabricConnectorCore, Role, build_cache
 from kvfabric.connector.keys import NamespaceSpec
-from kvfabric.connector.resilient import ResilientCache
+from kvfabric.connector.resilient import ResilientCache, build_cache
+from kvfabric.connector.scheduler import SchedulerHalf
 from kvfabric.connector.settings import ConnectorSettings
+from kvfabric.connector.steps import StepPlan
+from kvfabric.connector.worker import WorkerHalf
+from kvfabric.refengine.adapter import SchedulerConnector, WorkerConnector
 from kvfabric.refengine.model import ModelConfig, RefModel
 
 
@@ -76,7 +79,7 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
-    kv_connector_metadata: ConnectorMetadata | None = None
+    kv_connector_metadata: StepPlan | None = None
 
 
 @dataclass
@@ -148,23 +151,25 @@ class Engine:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._connector_s = 0.0
-        self.scheduler_conn: KVFabricConnectorCore | None = None
-        self.worker_conn: KVFabricConnectorCore | None = None
-        # What the vLLM call sequence is made on; the cores (above) answer the engine's extras.
+        self.scheduler_conn: SchedulerHalf | None = None
+        self.worker_conn: WorkerHalf | None = None
+        # What the vLLM call sequence is made on (an adapter: the engine's own, or vLLM's); the
+        # halves (above) answer the engine's extras (reports, counters, restore time).
         self._sched_api: Any = None
         self._worker_api: Any = None
         if connectors is not None:
             self._sched_api, self._worker_api = connectors
-            self.scheduler_conn = getattr(self._sched_api, "core", self._sched_api)
-            self.worker_conn = getattr(self._worker_api, "core", self._worker_api)
+            self.scheduler_conn = self._sched_api.core
+            self.worker_conn = self._worker_api.core
             self._worker_api.register_kv_caches(self.kv_caches)
         elif settings is not None and settings.enabled:
             cache = cache if cache is not None else build_cache(settings)
             spec = self.namespace_spec(config, settings, block_size, kv_dtype)
-            self.scheduler_conn = KVFabricConnectorCore(Role.SCHEDULER, settings, spec, cache=cache)
-            self.worker_conn = KVFabricConnectorCore(Role.WORKER, settings, spec, cache=cache)
-            self.worker_conn.register_kv_caches(self.kv_caches)
-            self._sched_api, self._worker_api = self.scheduler_conn, self.worker_conn
+            self.scheduler_conn = SchedulerHalf(settings, spec, cache=cache)
+            self.worker_conn = WorkerHalf(settings, spec, cache=cache)
+            self._sched_api = SchedulerConnector(self.scheduler_conn)
+            self._worker_api = WorkerConnector(self.worker_conn)
+            self._worker_api.register_kv_caches(self.kv_caches)
 
     @staticmethod
     def namespace_spec(
@@ -277,7 +282,7 @@ class Engine:
             tier = next((r.tier for r in reports if r.tier), None) if hit else None
             reason = next((r.reason.value for r in reports if r.reason), None)
             if reason is None and sched is not None and ext == 0:
-                lr = sched.lookup_reason(req)
+                lr = sched.lookup_reason(req.request_id)
                 reason = lr.value if lr else None
             for i in range(max_tokens - 1):
                 pos = n + i

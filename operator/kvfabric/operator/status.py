@@ -8,12 +8,24 @@ available, and the template still carries the configuration hash this reconcile 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple, TypeVar
 
+import pydantic
+from pydantic import BaseModel
+
+from kvfabric.operator.api.v1alpha1 import (
+    Condition,
+    ConditionStatus,
+    Connection,
+    ConsumerCounts,
+    KVCachePoolStatus,
+    NodeCounts,
+)
 from kvfabric.operator.render import names
 from kvfabric.operator.render.connection import ConnectionSettings
 
 CONDITION_TYPES: Final = ("Ready", "Progressing", "Degraded", "ConfigValid", "StorageReady", "InjectionReady")
+_MAX_MESSAGE: Final = 4096  # Condition.message maxLength
 
 
 @dataclass(frozen=True)
@@ -42,27 +54,33 @@ class Event:
     message: str
 
 
-def _condition(  # noqa: PLR0917 - private helper with one positional call site
-    ctype: str,
-    ok: bool | None,
-    reason: str,
-    message: str,
-    generation: int,
-    previous: dict[str, dict[str, Any]],
-    now: str,
-) -> dict[str, Any]:
-    status = "Unknown" if ok is None else ("True" if ok else "False")
+class Verdict(NamedTuple):
+    """One condition's outcome: status (None = Unknown), CamelCase reason, message."""
+
+    ok: bool | None
+    reason: str
+    message: str
+
+
+def _condition(
+    ctype: str, verdict: Verdict, generation: int, previous: dict[str, dict[str, Any]], now: str
+) -> Condition:
+    status = (
+        ConditionStatus.UNKNOWN
+        if verdict.ok is None
+        else (ConditionStatus.TRUE if verdict.ok else ConditionStatus.FALSE)
+    )
     before = previous.get(ctype)
     # lastTransitionTime moves only when the status flips, as metav1.Condition requires.
     transition = before.get("lastTransitionTime") if before and before.get("status") == status else None
-    return {
-        "type": ctype,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "observedGeneration": generation,
-        "lastTransitionTime": transition or now,
-    }
+    return Condition(
+        type=ctype,
+        status=status,
+        reason=verdict.reason,
+        message=verdict.message[:_MAX_MESSAGE],
+        observed_generation=generation,
+        last_transition_time=transition or now,
+    )
 
 
 def _int(obj: dict[str, Any] | None, key: str) -> int:
@@ -92,215 +110,226 @@ def consumer_counts(pods: list[dict[str, Any]], current_hash: str | None) -> dic
     return {"matched": matched, "injected": injected, "stale": stale, "skipped": skipped}
 
 
-def compute_status(observed: Observed, now: str) -> tuple[dict[str, Any], list[Event]]:
-    """Return the new ``status`` and the events its transitions deserve."""
-    gen = observed.generation
-    previous_conditions = {c.get("type", ""): c for c in observed.previous_status.get("conditions") or []}
-    ds = observed.daemonset
-    ds_status = (ds or {}).get("status") or {}
-    desired = _int(ds_status, "desiredNumberScheduled")
-    ready = _int(ds_status, "numberReady")
-    updated = _int(ds_status, "updatedNumberScheduled")
-    available = _int(ds_status, "numberAvailable")
-    unavailable = _int(ds_status, "numberUnavailable")
-    ds_generation_seen = ds is not None and _int(ds_status, "observedGeneration") >= _int(
-        ds.get("metadata"), "generation"
+@dataclass(frozen=True)
+class Rollout:
+    """The DaemonSet's state as far as Ready and Progressing are concerned."""
+
+    exists: bool
+    nodes: NodeCounts
+    unavailable: int
+    generation_seen: bool  # the DaemonSet controller has observed the latest template
+    revision_current: bool  # the template carries the revision this reconcile rendered
+
+    @property
+    def done(self) -> bool:
+        """Every scheduled pod runs the current revision and is available."""
+        n = self.nodes
+        return (
+            self.exists
+            and self.generation_seen
+            and self.revision_current
+            and n.updated == n.desired
+            and n.available == n.desired
+        )
+
+    @property
+    def all_ready(self) -> bool:
+        """The rollout is done and every pod is ready."""
+        return self.done and self.nodes.ready == self.nodes.desired and self.unavailable == 0
+
+
+def observe_rollout(daemonset: dict[str, Any] | None, revision: str | None) -> Rollout:
+    """Read the DaemonSet's status and template into a :class:`Rollout`."""
+    ds = daemonset or {}
+    ds_status = ds.get("status") or {}
+    template_hash = (ds.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations") or {}).get(
+        names.CONFIG_HASH_ANNOTATION
     )
-    template_hash = (
-        (ds or {}).get("spec", {}).get("template", {}).get("metadata", {}).get("annotations") or {}
-    ).get(names.CONFIG_HASH_ANNOTATION)
-    revision_current = observed.revision is not None and template_hash == observed.revision
-    rollout_done = (
-        ds is not None
-        and ds_generation_seen
-        and revision_current
-        and updated == desired
-        and available == desired
+    return Rollout(
+        exists=daemonset is not None,
+        nodes=NodeCounts(
+            desired=_int(ds_status, "desiredNumberScheduled"),
+            ready=_int(ds_status, "numberReady"),
+            updated=_int(ds_status, "updatedNumberScheduled"),
+            available=_int(ds_status, "numberAvailable"),
+        ),
+        unavailable=_int(ds_status, "numberUnavailable"),
+        generation_seen=daemonset is not None
+        and _int(ds_status, "observedGeneration") >= _int(ds.get("metadata"), "generation"),
+        revision_current=revision is not None and template_hash == revision,
     )
-    all_ready = rollout_done and ready == desired and unavailable == 0
 
-    conds: list[dict[str, Any]] = []
 
-    def add(ctype: str, ok: bool | None, reason: str, message: str) -> None:
-        conds.append(_condition(ctype, ok, reason, message, gen, previous_conditions, now))
-
-    # ConfigValid
+def config_verdict(observed: Observed) -> Verdict:
+    """ConfigValid: the spec yields a valid server configuration."""
     if observed.config_error is not None:
-        add("ConfigValid", False, "InvalidServerConfig", observed.config_error[:1000])
-    else:
-        add("ConfigValid", True, "Valid", "the server configuration renders and validates")
+        return Verdict(False, "InvalidServerConfig", observed.config_error[:1000])
+    return Verdict(True, "Valid", "the server configuration renders and validates")
 
-    # StorageReady
-    storage_ok: bool | None
-    if observed.claim_name is None:
-        storage_ok, reason, message = True, "NoSharedTier", "no shared tier configured"
-    elif observed.claim is None:
-        storage_ok, reason, message = (
-            False,
-            "ClaimNotFound",
-            f"PersistentVolumeClaim {observed.claim_name} not found",
-        )
-    else:
-        phase = observed.claim.get("status", {}).get("phase", "Pending")
-        if phase == "Bound":
-            storage_ok, reason, message = (
-                True,
-                "ClaimBound",
-                f"PersistentVolumeClaim {observed.claim_name} is Bound",
-            )
-        elif phase == "Lost":
-            storage_ok, reason, message = (
-                False,
-                "ClaimLost",
-                f"PersistentVolumeClaim {observed.claim_name} is Lost",
-            )
-        else:
-            storage_ok, reason, message = (
-                False,
-                "ClaimPending",
-                f"PersistentVolumeClaim {observed.claim_name} is {phase}",
-            )
-    add("StorageReady", storage_ok, reason, message)
 
-    # Progressing
-    if ds is None:
-        progressing, p_reason, p_message = True, "Creating", "waiting for the DaemonSet to be created"
-    elif not ds_generation_seen:
-        progressing, p_reason, p_message = (
-            True,
-            "RolloutPending",
-            "the DaemonSet controller has not observed the change",
-        )
-    elif not revision_current:
-        progressing, p_reason, p_message = (
-            True,
-            "RolloutPending",
-            "the DaemonSet does not carry the current revision",
-        )
-    elif updated < desired or available < desired:
-        progressing, p_reason, p_message = (
-            True,
-            "RollingOut",
-            f"{updated}/{desired} nodes updated, {available}/{desired} available",
-        )
-    else:
-        progressing, p_reason, p_message = (
-            False,
-            "RolloutComplete",
-            f"revision {observed.revision} on {desired} nodes",
-        )
-    add("Progressing", progressing, p_reason, p_message)
+def storage_verdict(observed: Observed) -> Verdict:
+    """StorageReady: the shared tier's claim exists and is Bound (True without a shared tier)."""
+    claim_name = observed.claim_name
+    if claim_name is None:
+        return Verdict(True, "NoSharedTier", "no shared tier configured")
+    if observed.claim is None:
+        return Verdict(False, "ClaimNotFound", f"PersistentVolumeClaim {claim_name} not found")
+    phase = observed.claim.get("status", {}).get("phase", "Pending")
+    if phase == "Bound":
+        return Verdict(True, "ClaimBound", f"PersistentVolumeClaim {claim_name} is Bound")
+    if phase == "Lost":
+        return Verdict(False, "ClaimLost", f"PersistentVolumeClaim {claim_name} is Lost")
+    return Verdict(False, "ClaimPending", f"PersistentVolumeClaim {claim_name} is {phase}")
 
-    # Degraded: something is wrong that waiting for the rollout will not fix.
+
+def progressing_verdict(observed: Observed, rollout: Rollout) -> Verdict:
+    """Progressing: a rollout of the current revision is under way."""
+    n = rollout.nodes
+    if not rollout.exists:
+        return Verdict(True, "Creating", "waiting for the DaemonSet to be created")
+    if not rollout.generation_seen:
+        return Verdict(True, "RolloutPending", "the DaemonSet controller has not observed the change")
+    if not rollout.revision_current:
+        return Verdict(True, "RolloutPending", "the DaemonSet does not carry the current revision")
+    if n.updated < n.desired or n.available < n.desired:
+        return Verdict(
+            True, "RollingOut", f"{n.updated}/{n.desired} nodes updated, {n.available}/{n.desired} available"
+        )
+    return Verdict(False, "RolloutComplete", f"revision {observed.revision} on {n.desired} nodes")
+
+
+def degraded_verdict(observed: Observed, rollout: Rollout, storage: Verdict) -> Verdict:
+    """Degraded: something is wrong that waiting for the rollout will not fix."""
+    n = rollout.nodes
     if observed.config_error is not None:
-        degraded, d_reason, d_message = (
-            True,
-            "InvalidServerConfig",
-            "the pool's spec yields an invalid server config",
-        )
-    elif storage_ok is False and observed.claim is None:
-        degraded, d_reason, d_message = True, "ClaimNotFound", message
-    elif storage_ok is False and reason == "ClaimLost":
-        degraded, d_reason, d_message = True, "ClaimLost", message
-    elif rollout_done and ready < desired:
-        degraded, d_reason, d_message = (
-            True,
-            "NodesNotReady",
-            f"{desired - ready}/{desired} cache servers not ready",
-        )
-    else:
-        degraded, d_reason, d_message = False, "AsExpected", "no fault detected"
-    add("Degraded", degraded, d_reason, d_message)
+        return Verdict(True, "InvalidServerConfig", "the pool's spec yields an invalid server config")
+    if storage.reason in ("ClaimNotFound", "ClaimLost"):
+        return storage._replace(ok=True)
+    if rollout.done and n.ready < n.desired:
+        return Verdict(True, "NodesNotReady", f"{n.desired - n.ready}/{n.desired} cache servers not ready")
+    return Verdict(False, "AsExpected", "no fault detected")
 
-    # InjectionReady
+
+def injection_verdict(observed: Observed) -> Verdict:
+    """InjectionReady: this operator serves the injection webhook."""
     if observed.injection_enabled:
-        add("InjectionReady", True, "WebhookServing", "the injection webhook is served by the operator")
-    else:
-        add("InjectionReady", False, "WebhookDisabled", "the operator runs without its injection webhook")
+        return Verdict(True, "WebhookServing", "the injection webhook is served by the operator")
+    return Verdict(False, "WebhookDisabled", "the operator runs without its injection webhook")
 
-    # Ready
+
+def ready_verdict(observed: Observed, rollout: Rollout, storage: Verdict) -> Verdict:
+    """Ready: the current revision is ready on every selected node and storage is ready."""
+    n = rollout.nodes
     if observed.config_error is not None:
-        r_ok, r_reason, r_message = False, "InvalidServerConfig", "the server configuration is invalid"
-    elif ds is None:
-        r_ok, r_reason, r_message = False, "Creating", "the DaemonSet does not exist yet"
-    elif ds_generation_seen and desired == 0:
-        r_ok, r_reason, r_message = False, "NoNodesSelected", "no node matches spec.placement"
-    elif storage_ok is False:
-        r_ok, r_reason, r_message = False, "StorageNotReady", message
-    elif all_ready:
-        r_ok, r_reason, r_message = (
-            True,
-            "AllNodesReady",
-            f"revision {observed.revision} ready on {desired}/{desired} nodes",
+        return Verdict(False, "InvalidServerConfig", "the server configuration is invalid")
+    if not rollout.exists:
+        return Verdict(False, "Creating", "the DaemonSet does not exist yet")
+    if rollout.generation_seen and n.desired == 0:
+        return Verdict(False, "NoNodesSelected", "no node matches spec.placement")
+    if storage.ok is False:
+        return Verdict(False, "StorageNotReady", storage.message)
+    if rollout.all_ready:
+        return Verdict(
+            True, "AllNodesReady", f"revision {observed.revision} ready on {n.desired}/{n.desired} nodes"
         )
-    else:
-        r_ok, r_reason, r_message = (
-            False,
-            "NodesNotReady",
-            f"{ready}/{desired} ready, {updated}/{desired} updated",
-        )
-    add("Ready", r_ok, r_reason, r_message)
+    return Verdict(False, "NodesNotReady", f"{n.ready}/{n.desired} ready, {n.updated}/{n.desired} updated")
 
+
+def _connection(observed: Observed) -> Connection:
+    conn = observed.connection
+    if conn is None:
+        # An invalid spec renders nothing: keep what consumers were last told.
+        return _lenient(Connection, observed.previous_status.get("connection"))
+    return Connection(
+        socket=conn.socket,
+        shm_dir=conn.shm_dir,
+        host_dir=conn.host_dir,
+        remote=conn.remote,
+        service=names.service_name(conn.pool),
+        metrics_service=observed.metrics_service or "",
+        config_map=names.configmap_name(conn.pool),
+        config_hash=conn.config_hash,
+        chunk_tokens=conn.chunk_tokens,
+    )
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _lenient(model: type[_M], data: Any) -> _M:
+    """Parse ``data`` (written by any operator version) into ``model``, or its defaults if it does not fit."""
+    try:
+        return model.model_validate(data or {})
+    except pydantic.ValidationError:
+        return model()
+
+
+def conditions(observed: Observed, rollout: Rollout, now: str) -> list[Condition]:
+    """Return the pool's conditions, in a fixed order."""
+    previous = {c.get("type", ""): c for c in observed.previous_status.get("conditions") or []}
+    storage = storage_verdict(observed)
+    verdicts = {
+        "ConfigValid": config_verdict(observed),
+        "StorageReady": storage,
+        "Progressing": progressing_verdict(observed, rollout),
+        "Degraded": degraded_verdict(observed, rollout, storage),
+        "InjectionReady": injection_verdict(observed),
+        "Ready": ready_verdict(observed, rollout, storage),
+    }
+    return [_condition(t, v, observed.generation, previous, now) for t, v in verdicts.items()]
+
+
+def compute_pool_status(observed: Observed, now: str) -> KVCachePoolStatus:
+    """Return the new status as the typed model."""
+    rollout = observe_rollout(observed.daemonset, observed.revision)
     counts = consumer_counts(
         observed.consumer_pods, observed.connection.config_hash if observed.connection else None
     )
-    conn = observed.connection
-    connection: dict[str, Any] = {}
-    if conn is not None:
-        connection = {
-            "socket": conn.socket,
-            "shmDir": conn.shm_dir,
-            "hostDir": conn.host_dir,
-            "remote": conn.remote,
-            "service": names.service_name(conn.pool),
-            "metricsService": observed.metrics_service or "",
-            "configMap": names.configmap_name(conn.pool),
-            "configHash": conn.config_hash,
-            "chunkTokens": conn.chunk_tokens,
-        }
-    status: dict[str, Any] = {
-        "observedGeneration": gen,
-        "revision": observed.revision or observed.previous_status.get("revision", ""),
-        "nodeSummary": f"{ready}/{desired}",
-        "nodes": {"desired": desired, "ready": ready, "updated": updated, "available": available},
-        "connection": connection or observed.previous_status.get("connection") or {},
-        "consumers": counts,
-        "conditions": conds,
-    }
-    return status, _events(previous_conditions, conds, observed, counts)
+    n = rollout.nodes
+    return KVCachePoolStatus(
+        observed_generation=observed.generation,
+        revision=observed.revision or observed.previous_status.get("revision", ""),
+        node_summary=f"{n.ready}/{n.desired}",
+        nodes=n,
+        connection=_connection(observed),
+        consumers=ConsumerCounts(**counts),
+        conditions=conditions(observed, rollout, now),
+    )
 
 
-def _events(
-    previous: dict[str, dict[str, Any]],
-    conds: list[dict[str, Any]],
-    observed: Observed,
-    counts: dict[str, int],
-) -> list[Event]:
+def compute_status(observed: Observed, now: str) -> tuple[dict[str, Any], list[Event]]:
+    """Return the new ``status`` (as written to the API) and the events its transitions deserve."""
+    status = compute_pool_status(observed, now)
+    return status.model_dump(mode="json", by_alias=True, exclude_none=True), _events(observed, status)
+
+
+def _events(observed: Observed, status: KVCachePoolStatus) -> list[Event]:
+    previous = {c.get("type", ""): c for c in observed.previous_status.get("conditions") or []}
+    by_type = {c.type: c for c in status.conditions}
     events: list[Event] = []
-    by_type = {c["type"]: c for c in conds}
 
     def flipped(ctype: str) -> bool:
-        return bool(previous.get(ctype, {}).get("status") != by_type[ctype]["status"])
+        return bool(previous.get(ctype, {}).get("status") != by_type[ctype].status.value)
+
+    def became(ctype: str, value: ConditionStatus) -> bool:
+        return flipped(ctype) and by_type[ctype].status == value
 
     ready = by_type["Ready"]
-    if flipped("Ready") and ready["status"] == "True":
-        events.append(Event("Normal", "PoolReady", ready["message"]))
+    if became("Ready", ConditionStatus.TRUE):
+        events.append(Event("Normal", "PoolReady", ready.message))
     elif flipped("Ready") and previous.get("Ready", {}).get("status") == "True":
-        events.append(Event("Warning", "PoolNotReady", ready["message"]))
-    if flipped("ConfigValid") and by_type["ConfigValid"]["status"] == "False":
-        events.append(Event("Warning", "InvalidServerConfig", by_type["ConfigValid"]["message"]))
-    if flipped("StorageReady") and by_type["StorageReady"]["status"] == "False":
-        events.append(Event("Warning", by_type["StorageReady"]["reason"], by_type["StorageReady"]["message"]))
+        events.append(Event("Warning", "PoolNotReady", ready.message))
+    if became("ConfigValid", ConditionStatus.FALSE):
+        events.append(Event("Warning", "InvalidServerConfig", by_type["ConfigValid"].message))
+    if became("StorageReady", ConditionStatus.FALSE):
+        events.append(Event("Warning", by_type["StorageReady"].reason, by_type["StorageReady"].message))
     prev_revision = observed.previous_status.get("revision")
     if observed.revision and prev_revision and prev_revision != observed.revision:
         events.append(Event("Normal", "RolloutStarted", f"revision {prev_revision} -> {observed.revision}"))
-    if counts["stale"] and not observed.previous_status.get("consumers", {}).get("stale"):
+    stale = status.consumers.stale
+    if stale and not observed.previous_status.get("consumers", {}).get("stale"):
         events.append(
-            Event(
-                "Warning",
-                "StaleConsumers",
-                f"{counts['stale']} consumer pods carry an older connection config",
-            )
+            Event("Warning", "StaleConsumers", f"{stale} consumer pods carry an older connection config")
         )
     return events
 

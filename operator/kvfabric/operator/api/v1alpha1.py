@@ -15,8 +15,11 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Final
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+
+from kvfabric.operator.api import grammar
+from kvfabric.operator.quantity import parse_quantity
 
 GROUP: Final = "kvfabric.io"
 VERSION: Final = "v1alpha1"
@@ -31,7 +34,7 @@ POOL_LABEL: Final = "kvfabric.io/pool"
 
 # A Kubernetes resource quantity ("64Gi", "500M", "1.5Ti"). Validated by pattern; parsed to bytes by
 # kvfabric.operator.quantity. Kept a string (not int-or-string) so CEL's quantity() can compare them.
-QUANTITY_PATTERN: Final = r"^([+]?[0-9.]+)([eE][-+]?[0-9]+|[numkMGTPE]i?|Ki)?$"
+QUANTITY_PATTERN: Final = r"^([+]?[0-9.]+)([eE][-+]?[0-9]{1,2}|[numkMGTPE]i?|Ki)?$"
 
 
 def _cel(
@@ -53,6 +56,24 @@ def _validations(*rules: dict[str, str]) -> dict[str, Any]:
 _OBJECT_DEFAULT: Final[dict[str, Any]] = {"default": {}}
 
 Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=32)]
+# Whole-byte sizes; each field adds grammar.byte_rules(<its path>, <its bounds>) as CEL.
+MemorySize = Annotated[
+    str,
+    Field(pattern=grammar.BYTES_PATTERN, max_length=32),
+    AfterValidator(grammar.whole_bytes(grammar.MEMORY_BOUNDS)),
+]
+DiskSize = Annotated[
+    str,
+    Field(pattern=grammar.BYTES_PATTERN, max_length=32),
+    AfterValidator(grammar.whole_bytes(grammar.DISK_BOUNDS)),
+]
+LabelValue = Annotated[str, Field(max_length=63, pattern=grammar.LABEL_VALUE_PATTERN)]
+LabelKey = Annotated[
+    str,
+    Field(min_length=1, max_length=grammar.LABEL_KEY_MAX, pattern=grammar.LABEL_KEY_PATTERN),
+    AfterValidator(grammar.check_label_key),
+]
+DnsSubdomain = Annotated[str, Field(min_length=1, max_length=253, pattern=grammar.DNS_SUBDOMAIN_PATTERN)]
 
 
 class _Model(BaseModel):
@@ -76,12 +97,14 @@ class ImageSpec(_Model):
         default="ghcr.io/kvfabric/kvfabric",
         min_length=1,
         max_length=255,
-        description="Image repository, without tag or digest.",
+        pattern=grammar.IMAGE_REPOSITORY_PATTERN,
+        description="Image repository, without tag or digest: lower-case [registry[:port]/]path "
+        "(the distribution reference grammar).",
     )
     tag: str = Field(
         min_length=1,
         max_length=128,
-        pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(@sha256:[a-f0-9]{64})?$",
+        pattern=rf"^{grammar.IMAGE_TAG}({grammar.IMAGE_DIGEST})?$",
         description="Pinned image tag (optionally followed by @sha256:digest). 'latest' is rejected: a "
         "floating tag makes rollouts unreproducible and hides which cache server runs where.",
         json_schema_extra=_validations(
@@ -112,9 +135,9 @@ class TaintEffect(StrEnum):
 class Toleration(_Model):
     """A toleration, as in a pod spec (without tolerationSeconds)."""
 
-    key: str | None = Field(default=None, max_length=253, description="Taint key; empty matches all keys.")
+    key: LabelKey | None = Field(default=None, description="Taint key; empty matches all keys.")
     operator: TolerationOperator = Field(default=TolerationOperator.EQUAL, description="Exists or Equal.")
-    value: str | None = Field(default=None, max_length=63, description="Taint value for operator Equal.")
+    value: LabelValue | None = Field(default=None, description="Taint value for operator Equal.")
     effect: TaintEffect | None = Field(default=None, description="Taint effect; empty matches all effects.")
 
     model_config = ConfigDict(
@@ -140,11 +163,15 @@ def _default_node_selector() -> dict[str, Any]:
 class Placement(_Model):
     """Which nodes run a cache server."""
 
-    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+    node_selector: Annotated[dict[str, LabelValue], AfterValidator(grammar.check_label_keys)] = Field(
         default_factory=_default_node_selector,
         max_length=16,
         description="Node labels a node must carry to run a cache server (default: GPU nodes).",
-        json_schema_extra={"maxProperties": 16, "default": dict(_default_node_selector())},
+        json_schema_extra={
+            "maxProperties": 16,
+            "default": dict(_default_node_selector()),
+            **_validations(*grammar.label_key_rules("spec.placement.nodeSelector")),
+        },
     )
     tolerations: list[Toleration] = Field(
         default_factory=_default_tolerations,
@@ -163,21 +190,23 @@ class Placement(_Model):
         pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
         description="Nodes labelled '<this key>=false' never run a cache server of this pool.",
     )
-    priority_class_name: str | None = Field(
-        default=None, max_length=253, description="Priority class of the cache-server pods."
+    priority_class_name: DnsSubdomain | None = Field(
+        default=None, description="Priority class of the cache-server pods."
     )
 
 
 class MemoryTier(_Model):
     """The DRAM tier (and the shared-memory arena consumers map)."""
 
-    size: Quantity = Field(
-        description="DRAM capacity of each node's cache server, e.g. 64Gi.",
+    size: MemorySize = Field(
+        description=f"DRAM capacity of each node's cache server, e.g. 64Gi (whole bytes, "
+        f"{grammar.MEMORY_BOUNDS[0]} to {grammar.MEMORY_BOUNDS[1]}).",
         json_schema_extra=_validations(
             _cel(
                 "isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))",
                 "spec.tiers.memory.size must be a positive quantity such as 64Gi",
-            )
+            ),
+            *grammar.byte_rules("spec.tiers.memory.size", grammar.MEMORY_BOUNDS),
         ),
     )
 
@@ -211,6 +240,9 @@ _FORBIDDEN_HOST_PATHS: Final = (
     "/var/lib/kubelet",
     "/var/lib/containerd",
     "/var/lib/docker",
+    "/var/lib/etcd",
+    "/var/lib/cni",
+    "/var/log",
     "/var/run",
     "/run",
 )
@@ -223,6 +255,7 @@ class HostPathSource(_Model):
     path: str = Field(
         min_length=1,
         max_length=1024,
+        pattern=grammar.HOST_PATH_PATTERN,
         description="Absolute directory on the node. '/' and system or kubelet directories are rejected. "
         "Immutable: moving it would orphan the cached blocks.",
         json_schema_extra=_validations(
@@ -244,15 +277,44 @@ class HostPathSource(_Model):
                 "spec.tiers.localDisk.hostPath.path must not be a system or kubelet directory or one of "
                 f"their parents ({', '.join(_FORBIDDEN_HOST_PATHS)})",
             ),
+            _cel(
+                "!self.endsWith('/') && !self.contains(' /') && !self.endsWith(' ')",
+                "spec.tiers.localDisk.hostPath.path must be normalised: no trailing '/' or spaces",
+            ),
             _cel("self == oldSelf", "spec.tiers.localDisk.hostPath.path is immutable"),
         ),
     )
+
+    @field_validator("path")
+    @classmethod
+    def _safe_path(cls, path: str) -> str:
+        # The CEL rules above, for pools parsed by the reconciler and the webhook.
+        segments = path.split("/")[1:]
+        if (
+            path == "/"
+            or path.endswith(("/", " "))
+            or "" in segments
+            or any(s in (".", "..") for s in segments)
+        ):
+            raise ValueError(f"spec.tiers.localDisk.hostPath.path {path!r} is not a normalised absolute path")
+        for system in _FORBIDDEN_HOST_PATHS:
+            if path == system or path.startswith(system + "/") or system.startswith(path + "/"):
+                raise ValueError(
+                    f"spec.tiers.localDisk.hostPath.path must not be {system} or below or above it"
+                )
+        return path
 
 
 class EmptyDirSource(_Model):
     """A pod-lifetime scratch volume (data is lost when the cache-server pod is replaced)."""
 
-    size_limit: Quantity | None = Field(default=None, description="emptyDir sizeLimit.")
+    size_limit: DiskSize | None = Field(
+        default=None,
+        description="emptyDir sizeLimit.",
+        json_schema_extra=_validations(
+            *grammar.byte_rules("spec.tiers.localDisk.emptyDir.sizeLimit", grammar.DISK_BOUNDS)
+        ),
+    )
 
 
 class LocalDiskTier(_Model):
@@ -260,7 +322,12 @@ class LocalDiskTier(_Model):
 
     host_path: HostPathSource | None = Field(default=None, description="Use a directory on the node.")
     empty_dir: EmptyDirSource | None = Field(default=None, description="Use an emptyDir volume.")
-    capacity: Quantity = Field(description="Bytes the cache server may use on this disk, e.g. 1400Gi.")
+    capacity: DiskSize = Field(
+        description="Bytes the cache server may use on this disk, e.g. 1400Gi.",
+        json_schema_extra=_validations(
+            *grammar.byte_rules("spec.tiers.localDisk.capacity", grammar.DISK_BOUNDS)
+        ),
+    )
     watermarks: Watermarks = Field(
         default_factory=Watermarks,
         # A full default: the CEL rule on Watermarks is checked against the default itself.
@@ -300,15 +367,19 @@ class AccessMode(StrEnum):
 class ClaimTemplate(_Model):
     """A PersistentVolumeClaim the pool creates and owns (deleted with the pool)."""
 
-    storage_class_name: str | None = Field(
+    storage_class_name: DnsSubdomain | None = Field(
         default=None,
-        max_length=253,
         description="Storage class (default: the cluster default). Immutable.",
         json_schema_extra=_validations(
             _cel("self == oldSelf", "spec.tiers.shared.claimTemplate.storageClassName is immutable")
         ),
     )
-    size: Quantity = Field(description="Requested size of the claim.")
+    size: DiskSize = Field(
+        description="Requested size of the claim.",
+        json_schema_extra=_validations(
+            *grammar.byte_rules("spec.tiers.shared.claimTemplate.size", grammar.DISK_BOUNDS)
+        ),
+    )
     access_modes: list[AccessMode] = Field(
         default_factory=lambda: [AccessMode.READ_WRITE_MANY],
         json_schema_extra={"default": [AccessMode.READ_WRITE_MANY.value]},
@@ -321,17 +392,20 @@ class ClaimTemplate(_Model):
 class SharedTier(_Model):
     """A volume every node mounts, so a chunk stored on one node is a hit on another."""
 
-    existing_claim: str | None = Field(
+    existing_claim: DnsSubdomain | None = Field(
         default=None,
-        min_length=1,
-        max_length=253,
         description="Name of an existing PVC in the pool's namespace. Immutable.",
         json_schema_extra=_validations(
             _cel("self == oldSelf", "spec.tiers.shared.existingClaim is immutable")
         ),
     )
     claim_template: ClaimTemplate | None = Field(default=None, description="A PVC the pool creates and owns.")
-    capacity: Quantity = Field(description="Bytes the pool may use on the shared volume.")
+    capacity: DiskSize = Field(
+        description="Bytes the pool may use on the shared volume.",
+        json_schema_extra=_validations(
+            *grammar.byte_rules("spec.tiers.shared.capacity", grammar.DISK_BOUNDS)
+        ),
+    )
     watermarks: Watermarks = Field(
         default_factory=Watermarks,
         # A full default: the CEL rule on Watermarks is checked against the default itself.
@@ -379,11 +453,9 @@ class SelectorOperator(StrEnum):
 class SelectorRequirement(_Model):
     """One label-selector requirement."""
 
-    key: str = Field(min_length=1, max_length=317, description="Label key.")
+    key: LabelKey = Field(description="Label key.")
     operator: SelectorOperator = Field(description="In, NotIn, Exists or DoesNotExist.")
-    values: list[Annotated[str, Field(max_length=63)]] = Field(
-        default_factory=list, max_length=64, description="Values for In/NotIn."
-    )
+    values: list[LabelValue] = Field(default_factory=list, max_length=64, description="Values for In/NotIn.")
 
     model_config = ConfigDict(
         json_schema_extra=_validations(
@@ -398,10 +470,13 @@ class SelectorRequirement(_Model):
 class LabelSelector(_Model):
     """A Kubernetes label selector."""
 
-    match_labels: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+    match_labels: Annotated[dict[str, LabelValue], AfterValidator(grammar.check_label_keys)] = Field(
         default_factory=dict,
         description="Labels that must match exactly.",
-        json_schema_extra={"maxProperties": 32},
+        json_schema_extra={
+            "maxProperties": 32,
+            **_validations(*grammar.label_key_rules("selector matchLabels")),
+        },
     )
     match_expressions: list[SelectorRequirement] = Field(
         default_factory=list, max_length=16, description="Set-based requirements."
@@ -418,9 +493,14 @@ class FailurePolicy(StrEnum):
 class Deadlines(_Model):
     """Per-operation deadlines the connector enforces before falling back to recompute."""
 
-    lookup_ms: int | None = Field(default=None, ge=1, le=60000, description="Lookup deadline (ms).")
-    load_ms: int | None = Field(default=None, ge=1, le=600000, description="Load deadline (ms).")
-    store_ms: int | None = Field(default=None, ge=1, le=600000, description="Store deadline (ms).")
+    # Bounds: the scheduler blocks for at most the lookup deadline on every request, a load holds a
+    # request's prefill, a store only a background slot. Production values are ~10-100 ms for lookups;
+    # 2 s is the generous end (the demo's setting on a loaded 2-core CI machine).
+    lookup_ms: int | None = Field(
+        default=None, ge=1, le=2000, description="Lookup deadline (ms, 1 to 2000; blocks the scheduler)."
+    )
+    load_ms: int | None = Field(default=None, ge=1, le=30000, description="Load deadline (ms, 1 to 30000).")
+    store_ms: int | None = Field(default=None, ge=1, le=60000, description="Store deadline (ms, 1 to 60000).")
 
 
 class Consumers(_Model):
@@ -453,6 +533,7 @@ class Consumers(_Model):
         default=None,
         min_length=3,
         max_length=512,
+        pattern=grammar.IMAGE_REFERENCE_PATTERN,
         description="Image of the connector payload that an init container copies into vLLM pods "
         "(default: the cache server's repository with the name 'connector' and the same tag). Pods whose "
         'image already contains kvfabric opt out with the annotation kvfabric.io/inject-payload: "false".',
@@ -488,17 +569,56 @@ class UpdateStrategy(_Model):
     max_unavailable: IntOrPercent = Field(
         default=1, description="Cache servers that may be down at once during a rollout (int or 'N%')."
     )
+    progress_deadline_seconds: int = Field(
+        default=300,
+        ge=30,
+        le=86400,
+        description="A rollout that makes no progress for this long is reported as "
+        "Progressing=False (ProgressDeadlineExceeded) and Degraded=True.",
+    )
 
 
 class Resources(_Model):
     """Container resources; by default derived from the memory tier (requests = size + 1Gi)."""
 
-    requests: dict[str, Quantity] = Field(
-        default_factory=dict, description="Resource requests.", json_schema_extra={"maxProperties": 16}
+    requests: Annotated[dict[str, Quantity], AfterValidator(grammar.check_resources)] = Field(
+        default_factory=dict,
+        description="Resource requests.",
+        json_schema_extra={
+            "maxProperties": 16,
+            **_validations(*grammar.resource_rules("spec.resources.requests")),
+        },
     )
-    limits: dict[str, Quantity] = Field(
-        default_factory=dict, description="Resource limits.", json_schema_extra={"maxProperties": 16}
+    limits: Annotated[dict[str, Quantity], AfterValidator(grammar.check_resources)] = Field(
+        default_factory=dict,
+        description="Resource limits.",
+        json_schema_extra={
+            "maxProperties": 16,
+            **_validations(*grammar.resource_rules("spec.resources.limits")),
+        },
     )
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            _cel(
+                "!has(self.requests) || !has(self.limits) || self.requests.all(k, !(k in self.limits) "
+                "|| !isQuantity(self.requests[k]) || !isQuantity(self.limits[k]) "
+                "|| quantity(self.requests[k]).compareTo(quantity(self.limits[k])) <= 0)",
+                "spec.resources.requests must not exceed spec.resources.limits",
+                field_path=".requests",
+            )
+        )
+    )
+
+    @model_validator(mode="after")
+    def _requests_within_limits(self) -> Resources:
+        for name, request in self.requests.items():
+            limit = self.limits.get(name)
+            if limit is not None and parse_quantity(request) > parse_quantity(limit):
+                raise ValueError(
+                    f"spec.resources.requests.{name} must not exceed spec.resources.limits.{name}"
+                )
+        return self
 
 
 class Metrics(_Model):
@@ -570,8 +690,21 @@ class KVCachePoolSpec(_Model):
                 "spec.resources.limits.memory must be at least spec.tiers.memory.size",
                 field_path=".resources.limits",
             ),
+            _cel(
+                "self.server.port != self.metrics.port",
+                "spec.metrics.port must differ from spec.server.port (both listen in the same pod)",
+                field_path=".metrics.port",
+            ),
         )
     )
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> KVCachePoolSpec:
+        if self.server.port == self.metrics.port:
+            raise ValueError(
+                "spec.metrics.port must differ from spec.server.port (both listen in the same pod)"
+            )
+        return self
 
 
 class ConditionStatus(StrEnum):

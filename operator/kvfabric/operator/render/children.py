@@ -146,8 +146,8 @@ def _resources(pool: KVCachePool) -> dict[str, Any]:
     }
 
 
-def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
-    """Return the DaemonSet; ``revision`` (the config hash) in the template rolls it on change."""
+def _volumes(pool: KVCachePool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Return the pod's volumes and the cache server's mounts: config, run dir, disk, shared tier."""
     spec = pool.spec
     base = names.host_dir(pool.namespace, pool.name)
     volumes: list[dict[str, Any]] = [
@@ -178,24 +178,25 @@ def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
         mounts.append(
             {"name": "shared", "mountPath": names.SHARED_MOUNT, "subPath": f"{pool.namespace}-{pool.name}"}
         )
-    affinity = {
+    return volumes, mounts
+
+
+def _opt_out_affinity(pool: KVCachePool) -> dict[str, Any]:
+    """Nodes labelled ``<optOutNodeLabel>=false`` never run this pool's cache server."""
+    requirement = {"key": pool.spec.placement.opt_out_node_label, "operator": "NotIn", "values": ["false"]}
+    return {
         "nodeAffinity": {
             "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [
-                    {
-                        "matchExpressions": [
-                            {
-                                "key": spec.placement.opt_out_node_label,
-                                "operator": "NotIn",
-                                "values": ["false"],
-                            }
-                        ]
-                    }
-                ]
+                "nodeSelectorTerms": [{"matchExpressions": [requirement]}]
             }
         }
     }
-    container: dict[str, Any] = {
+
+
+def _cache_container(pool: KVCachePool, mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Return the cache-server container: non-root, read-only root FS, probes on the metrics port."""
+    spec = pool.spec
+    return {
         "name": names.CACHE_CONTAINER,
         "image": f"{spec.image.repository}:{spec.image.tag}",
         "imagePullPolicy": spec.image.pull_policy.value,
@@ -226,22 +227,30 @@ def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
         },
         "volumeMounts": mounts,
     }
-    # The kubelet creates missing hostPath directories as root (mode 0755), where the non-root cache
-    # server could not create its socket or blocks. A short root init container with only CHOWN and
-    # FOWNER hands them over; the shared volume is best effort (NFS with root_squash refuses chown,
-    # and there the volume's own permissions must already let the server write).
-    # Only directories kvfabric owns are chowned: the run directory and a per-pool directory below
-    # the user's disk path, never the path itself (it may be shared with other data).
-    owned = [base]
-    if disk is not None:
+
+
+def _prepare_dirs_container(
+    pool: KVCachePool, cache: dict[str, Any], mounts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Return the root init container that hands the hostPath directories to the non-root server.
+
+    The kubelet creates missing hostPath directories as root (mode 0755), where the non-root cache
+    server could not create its socket or blocks. A short root init container with only CHOWN and
+    FOWNER hands them over; the shared volume is best effort (NFS with root_squash refuses chown,
+    and there the volume's own permissions must already let the server write).
+    Only directories kvfabric owns are chowned: the run directory and a per-pool directory below
+    the user's disk path, never the path itself (it may be shared with other data).
+    """
+    owned = [names.host_dir(pool.namespace, pool.name)]
+    if pool.spec.tiers.local_disk is not None:
         owned.append(names.local_disk_dir(pool.namespace, pool.name))
     script = f"mkdir -p {' '.join(owned)} && chown {CACHE_UID}:{CACHE_UID} {' '.join(owned)}"
-    if shared is not None:
+    if pool.spec.tiers.shared is not None:
         script += f" && (chown {CACHE_UID}:{CACHE_UID} {names.SHARED_MOUNT} || true)"
-    prepare: dict[str, Any] = {
+    return {
         "name": "prepare-dirs",
-        "image": container["image"],
-        "imagePullPolicy": container["imagePullPolicy"],
+        "image": cache["image"],
+        "imagePullPolicy": cache["imagePullPolicy"],
         "command": ["sh", "-c", script],
         "securityContext": {
             "runAsUser": 0,
@@ -253,20 +262,32 @@ def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
         "volumeMounts": [m for m in mounts if m["name"] != "config"],
     }
+
+
+def _pod_spec(pool: KVCachePool) -> dict[str, Any]:
+    """Return the cache-server pod spec: placement, the init container, the server, volumes."""
+    placement = pool.spec.placement
+    volumes, mounts = _volumes(pool)
+    cache = _cache_container(pool, mounts)
     pod_spec: dict[str, Any] = {
-        "nodeSelector": dict(spec.placement.node_selector),
+        "nodeSelector": dict(placement.node_selector),
         "tolerations": [
-            t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in spec.placement.tolerations
+            t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in placement.tolerations
         ],
-        "affinity": affinity,
-        "initContainers": [prepare],
-        "containers": [container],
+        "affinity": _opt_out_affinity(pool),
+        "initContainers": [_prepare_dirs_container(pool, cache, mounts)],
+        "containers": [cache],
         "volumes": volumes,
         "terminationGracePeriodSeconds": 30,
         "enableServiceLinks": False,
     }
-    if spec.placement.priority_class_name:
-        pod_spec["priorityClassName"] = spec.placement.priority_class_name
+    if placement.priority_class_name:
+        pod_spec["priorityClassName"] = placement.priority_class_name
+    return pod_spec
+
+
+def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
+    """Return the DaemonSet; ``revision`` (the config hash) in the template rolls it on change."""
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
@@ -275,14 +296,14 @@ def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
             "selector": {"matchLabels": names.selector_labels(pool.name)},
             "updateStrategy": {
                 "type": "RollingUpdate",
-                "rollingUpdate": {"maxUnavailable": spec.update_strategy.max_unavailable, "maxSurge": 0},
+                "rollingUpdate": {"maxUnavailable": pool.spec.update_strategy.max_unavailable, "maxSurge": 0},
             },
             "template": {
                 "metadata": {
                     "labels": names.child_labels(pool.name, "cache-server"),
                     "annotations": {names.CONFIG_HASH_ANNOTATION: revision},
                 },
-                "spec": pod_spec,
+                "spec": _pod_spec(pool),
             },
         },
     }

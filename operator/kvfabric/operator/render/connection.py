@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
 
+from kvfabric.contract.consumer_env import ConsumerEnvironment
 from kvfabric.operator.api.v1alpha1 import KVCachePool
 from kvfabric.operator.render import names
 
@@ -32,31 +31,34 @@ class ConnectionSettings:
     connector_image: str = ""
 
     @property
+    def environment(self) -> ConsumerEnvironment:
+        """The typed consumer environment (the contract ``ConnectorSettings`` reads)."""
+        return ConsumerEnvironment(
+            pool=f"{self.namespace}/{self.pool}",
+            socket=self.socket,
+            shm_dir=self.shm_dir,
+            remote=self.remote,
+            chunk_tokens=self.chunk_tokens,
+            tenant=self.tenant,
+            lookup_deadline_ms=self.deadlines.get("lookup"),
+            load_deadline_ms=self.deadlines.get("load"),
+            store_deadline_ms=self.deadlines.get("store"),
+        )
+
+    @property
     def env(self) -> dict[str, str]:
         """Return the environment variables, without the hash (ordered, deterministic)."""
-        env = {
-            "KVFABRIC_POOL": f"{self.namespace}/{self.pool}",
-            "KVFABRIC_SOCKET": self.socket,
-            "KVFABRIC_SHM_DIR": self.shm_dir,
-            "KVFABRIC_REMOTE": self.remote,
-            "KVFABRIC_CHUNK_TOKENS": str(self.chunk_tokens),
-        }
-        if self.tenant:
-            env["KVFABRIC_TENANT"] = self.tenant
-        for op in ("lookup", "load", "store"):
-            if op in self.deadlines:
-                env[f"KVFABRIC_{op.upper()}_DEADLINE_MS"] = str(self.deadlines[op])
-        return env
+        return self.environment.to_env()
 
     @property
     def config_hash(self) -> str:
         """Return a short stable digest of :attr:`env`."""
-        return hashlib.sha256(json.dumps(self.env, sort_keys=True).encode()).hexdigest()[:16]
+        return self.environment.config_hash
 
     @property
     def env_with_hash(self) -> dict[str, str]:
         """Return :attr:`env` plus ``KVFABRIC_CONFIG_HASH``."""
-        return {**self.env, "KVFABRIC_CONFIG_HASH": self.config_hash}
+        return self.environment.to_env_with_hash()
 
 
 def connection_settings(pool: KVCachePool) -> ConnectionSettings:

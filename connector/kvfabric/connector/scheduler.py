@@ -1,0 +1,220 @@
+"""The scheduler half of the connector: which prefix chunks to load, which finished chunks to save.
+
+Engine-agnostic: it reads only :mod:`kvfabric.connector.steps` types. Per request:
+
+1. :meth:`SchedulerHalf.num_new_matched_tokens` hashes the prompt's whole chunks and asks the cache
+   for the longest stored prefix (deadline ``lookup_deadline_ms``); it reports whole chunks only,
+   never the whole prompt, and nothing below ``min_hit_tokens``.
+2. :meth:`SchedulerHalf.update_state_after_alloc` remembers which blocks the hit must fill.
+3. :meth:`SchedulerHalf.build_plan` turns that into load specs, and every chunk the step completes
+   and the cache lacks into save specs (a :class:`~kvfabric.connector.steps.StepPlan`).
+
+The only I/O is the lookup, through the resilient cache (never raises, bounded by its deadline).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvfabric.connector import keys as keyslib
+from kvfabric.connector.resilient import Counters, Reason, ResilientCache
+from kvfabric.connector.settings import ConnectorSettings
+from kvfabric.connector.steps import LoadSpec, RequestInfo, Role, SaveSpec, StepInput, StepPlan
+
+log = logging.getLogger(__name__)
+
+# Order used to name the "source tier" of a hit: the slowest tier involved bounds its speed.
+TIER_ORDER = {"dram": 0, "local_disk": 1, "shared": 2}
+
+
+def slowest_tier(tiers: Sequence[str]) -> str | None:
+    """Return the slowest of ``tiers`` (``None`` for none)."""
+    return max(tiers, key=lambda t: TIER_ORDER.get(t, 3)) if tiers else None
+
+
+@dataclass
+class _ReqState:
+    token_ids: list[int]
+    keys: list[str]
+    hit_tokens: int = 0
+    matched_chunks: int = 0
+    tiers: list[str] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    saved_chunks: int = 0
+    pending_load: tuple[int, int] | None = None  # token range [start, end) to load
+    progress: int = 0  # tokens computed as of the last step
+    last_reason: Reason | None = None
+
+
+class SchedulerHalf:
+    """Plans each step's loads and saves from lookups in the cache (one instance per scheduler)."""
+
+    role = Role.SCHEDULER
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        spec: keyslib.NamespaceSpec,
+        *,
+        cache: ResilientCache | None = None,
+    ) -> None:
+        """Create the half for the namespace ``spec`` (the namespace of TP rank 0).
+
+        A worker rank that lacks a chunk found here reports a load error for it and the engine
+        recomputes.
+        """
+        if spec.chunk_tokens != settings.chunk_tokens:
+            raise ValueError("spec.chunk_tokens must equal settings.chunk_tokens")
+        self.settings = settings
+        self.spec = spec
+        self.namespace = spec.digest()
+        self.chunk_tokens = spec.chunk_tokens
+        self.block_size = spec.block_size
+        self.cache = cache
+        self.counters = cache.counters if cache is not None else Counters()
+        self._reqs: dict[str, _ReqState] = {}
+
+    def chunk_keys(self, request: RequestInfo) -> list[str]:
+        """Return the chained keys of ``request``'s whole chunks under this namespace."""
+        return keyslib.chunk_keys(self.namespace, request.token_ids, self.chunk_tokens)
+
+    def _state(self, request: RequestInfo) -> _ReqState:
+        st = self._reqs.get(request.req_id)
+        if st is None:
+            st = _ReqState(list(request.token_ids), self.chunk_keys(request))
+            self._reqs[request.req_id] = st
+        return st
+
+    def num_new_matched_tokens(self, request: RequestInfo, num_computed_tokens: int) -> int:
+        """Return the tokens the cache can add beyond ``num_computed_tokens`` (whole chunks).
+
+        Never raises: any failure is "no hit" (the engine recomputes).
+        """
+        try:
+            return self._num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:
+            log.exception("lookup for request %s failed", request.req_id)
+            self.counters.add("internal_error.lookup")
+            st = self._reqs.get(request.req_id)
+            if st is not None:
+                st.hit_tokens, st.matched_chunks, st.pending_load = 0, 0, None
+            return 0
+
+    def _num_new_matched_tokens(self, request: RequestInfo, num_computed_tokens: int) -> int:
+        if self.cache is None:
+            return 0
+        st = self._state(request)
+        loadable = keyslib.num_loadable_chunks(len(st.token_ids), self.chunk_tokens)
+        if loadable == 0 or loadable * self.chunk_tokens <= num_computed_tokens:
+            st.hit_tokens, st.matched_chunks = 0, 0
+            return 0
+        outcome = self.cache.lookup(
+            self.namespace, st.keys[:loadable], self.settings.lookup_deadline_ms / 1000
+        )
+        st.matched_chunks, st.tiers, st.last_reason = outcome.matched, outcome.tiers, outcome.reason
+        hit = outcome.matched * self.chunk_tokens
+        if outcome.reason is not None:
+            self.counters.miss(outcome.reason, loadable)
+        elif hit < self.settings.min_hit_tokens:
+            self.counters.add("miss.below_min_hit_tokens")
+            hit = 0
+        st.hit_tokens = hit
+        self.counters.add("lookups")
+        if hit <= num_computed_tokens:
+            return 0
+        self.counters.add("hit_tokens", hit - num_computed_tokens)
+        return hit - num_computed_tokens
+
+    def update_state_after_alloc(
+        self, request: RequestInfo, block_ids: Sequence[int] | None, num_external_tokens: int
+    ) -> None:
+        """Remember the request's blocks and, if ``num_external_tokens`` > 0, the range to load."""
+        st = self._state(request)
+        if block_ids is not None:
+            st.block_ids = list(block_ids)
+        if num_external_tokens > 0 and st.hit_tokens > 0:
+            st.pending_load = (st.hit_tokens - num_external_tokens, st.hit_tokens)
+
+    def _chunk_blocks(self, st: _ReqState, chunk: int) -> list[int]:
+        bpc = self.chunk_tokens // self.block_size
+        return st.block_ids[chunk * bpc : (chunk + 1) * bpc]
+
+    def build_plan(self, step: StepInput) -> StepPlan:
+        """Turn this step's allocations into load and save specs; resets per-step state.
+
+        May raise: once the engine was told that tokens will be loaded, silently loading nothing
+        would be wrong.
+        """
+        plan = StepPlan()
+        if self.cache is None:
+            return plan
+        progress: dict[str, int] = {}
+        scheduled: dict[str, int] = {}
+        for s in step.scheduled:
+            st = self._reqs.get(s.req_id)
+            if st is None:
+                continue
+            if s.block_ids is not None:
+                if s.replaces_blocks:
+                    st.block_ids = list(s.block_ids)
+                else:
+                    st.block_ids.extend(s.block_ids)
+            progress[s.req_id] = s.num_computed_tokens
+            scheduled[s.req_id] = s.num_scheduled_tokens
+        for req_id, computed in progress.items():
+            self._plan_request(plan, req_id, self._reqs[req_id], computed, scheduled[req_id])
+        for req_id in step.finished_req_ids:
+            self._reqs.pop(req_id, None)
+        return plan
+
+    def _plan_request(
+        self, plan: StepPlan, req_id: str, st: _ReqState, computed: int, scheduled: int
+    ) -> None:
+        bpc = self.chunk_tokens // self.block_size
+        if computed < st.progress:
+            # The engine rolled the request back (a failed load, preemption): chunks past the
+            # new position were never stored intact, so they must be saved again.
+            st.saved_chunks = min(st.saved_chunks, computed // self.chunk_tokens)
+            st.matched_chunks = min(st.matched_chunks, computed // self.chunk_tokens)
+        if st.pending_load is not None:
+            start, end = st.pending_load
+            st.pending_load = None
+            first, last = start // self.chunk_tokens, end // self.chunk_tokens
+            skip = (start - first * self.chunk_tokens) // self.block_size
+            chunks = [self._chunk_blocks(st, c) for c in range(first, last)]
+            if chunks:
+                chunks[0] = chunks[0][skip:]
+            plan.loads.append(LoadSpec(req_id, st.keys[first:last], chunks, skip, st.tiers[first:last]))
+        done = min(computed + scheduled, len(st.token_ids))
+        complete = keyslib.num_whole_chunks(done, self.chunk_tokens)
+        begin = max(st.saved_chunks, st.matched_chunks)
+        todo = [c for c in range(begin, complete) if len(self._chunk_blocks(st, c)) == bpc]
+        if todo:
+            plan.saves.append(
+                SaveSpec(req_id, [st.keys[c] for c in todo], [self._chunk_blocks(st, c) for c in todo])
+            )
+        st.saved_chunks = max(st.saved_chunks, complete)
+        st.progress = done
+
+    def request_finished(self, req_id: str) -> None:
+        """Forget the request. Saves copy blocks out during the step, so blocks can be freed now."""
+        self._reqs.pop(req_id, None)
+
+    def hit_tier(self, req_id: str) -> str | None:
+        """Return the slowest tier among the request's hit chunks (``None`` without a hit)."""
+        st = self._reqs.get(req_id)
+        if st is None or not st.hit_tokens:
+            return None
+        return slowest_tier(st.tiers[: st.hit_tokens // self.chunk_tokens])
+
+    def lookup_reason(self, req_id: str) -> Reason | None:
+        """Return why the last lookup for the request found nothing (``None`` after a hit)."""
+        st = self._reqs.get(req_id)
+        return st.last_reason if st is not None else None
+
+    def shutdown(self) -> None:
+        """Close the cache (the worker half closes its own)."""
+        if self.cache is not None:
+            self.cache.close()

@@ -1,0 +1,89 @@
+"""kvfabric's own step types: what an engine adapter hands the halves, and what the halves exchange.
+
+The two halves of the connector (:mod:`kvfabric.connector.scheduler` and
+:mod:`kvfabric.connector.worker`) speak only these plain dataclasses. An engine adapter translates
+its own objects into them: :mod:`kvfabric.connector.vllm` for vLLM (the only module that reads
+vLLM's field names) and ``kvfabric.refengine.adapter`` for the reference engine. A new vLLM release
+or a new engine therefore changes one adapter, never the halves.
+
+Per step the scheduler half turns a :class:`StepInput` into a :class:`StepPlan` (picklable: vLLM
+sends it from the scheduler process to every worker), and the worker half executes the plan.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Role(enum.Enum):
+    """Which half of the connector an instance is (mirrors vLLM's ``KVConnectorRole``)."""
+
+    SCHEDULER = 0
+    WORKER = 1
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What the scheduler half needs to know about a request when it first sees it."""
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    """The prompt's token ids."""
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request scheduled in a step."""
+
+    req_id: str
+    num_computed_tokens: int
+    """Tokens whose KV is in the engine's cache before this step (computed, hit or loaded)."""
+    num_scheduled_tokens: int
+    """Tokens the engine computes in this step."""
+    block_ids: tuple[int, ...] | None = None
+    """Blocks the engine gave the request in this step (``None``: none)."""
+    replaces_blocks: bool = False
+    """True when ``block_ids`` is the request's whole block table (a new or a resumed request);
+    False when the blocks are appended to the table it already has."""
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """What the engine scheduled in one step."""
+
+    scheduled: tuple[ScheduledRequest, ...] = ()
+    finished_req_ids: frozenset[str] = frozenset()
+    """Requests that finished since the previous step."""
+
+
+@dataclass
+class LoadSpec:
+    """Load the chunks ``keys`` into the blocks ``block_ids[i]`` (skipping ``skip_blocks`` of chunk 0)."""
+
+    req_id: str
+    keys: list[str]
+    block_ids: list[list[int]]
+    skip_blocks: int = 0
+    tiers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SaveSpec:
+    """Save the chunks ``keys``, held in the blocks ``block_ids[i]``."""
+
+    req_id: str
+    keys: list[str]
+    block_ids: list[list[int]]
+
+
+@dataclass
+class StepPlan:
+    """Scheduler -> worker message of one step (picklable)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+ConnectorMetadata = StepPlan
+"""The name vLLM's API gives the per-step message (kept for readers coming from vLLM)."""

@@ -1,0 +1,245 @@
+"""The worker half of the connector: executes each step's plan against the engine's KV cache.
+
+Engine-agnostic: it receives a :class:`~kvfabric.connector.steps.StepPlan` and per-layer tensors,
+and moves bytes only through a :class:`~kvfabric.connector.datapath.DataPath`. What it decides:
+
+1. :meth:`WorkerHalf.start_load` starts the step's loads (no waiting); the first
+   :meth:`WorkerHalf.wait_for_layer_load` waits (bounded by ``load_deadline_ms``) for the data path
+   to place every verified chunk. Chunks that did not arrive intact become load errors
+   (:meth:`WorkerHalf.take_load_errors`) so the engine recomputes them; the leading chunks that did
+   arrive are still used.
+2. :meth:`WorkerHalf.save_kv_layer` has the data path copy each layer's finished chunks out (so the
+   engine may reuse its blocks at once), except for requests whose load failed this step;
+   :meth:`WorkerHalf.wait_for_save` submits them only if every layer was copied.
+
+The hooks never raise into the forward pass: a failure turns the step's loads into load errors
+(recomputed) and drops its saves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvfabric.connector import keys as keyslib
+from kvfabric.connector.datapath import DataPath
+from kvfabric.connector.hostpath import HostStagingPath
+from kvfabric.connector.resilient import Counters, Reason, ResilientCache
+from kvfabric.connector.scheduler import slowest_tier
+from kvfabric.connector.settings import ConnectorSettings
+from kvfabric.connector.steps import Role, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadReport:
+    """What happened to one request's load: for logs, metrics and the reference engine's output."""
+
+    req_id: str
+    requested_chunks: int
+    loaded_chunks: int
+    tier: str | None
+    reason: Reason | None
+    wait_s: float
+
+
+class WorkerHalf:
+    """Loads and saves the chunks a :class:`StepPlan` names (one instance per worker / TP rank)."""
+
+    role = Role.WORKER
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        spec: keyslib.NamespaceSpec,
+        *,
+        cache: ResilientCache | None = None,
+        datapath: DataPath | None = None,
+    ) -> None:
+        """Create the half for this rank's namespace ``spec``; ``datapath`` defaults to host staging."""
+        if spec.chunk_tokens != settings.chunk_tokens:
+            raise ValueError("spec.chunk_tokens must equal settings.chunk_tokens")
+        self.settings = settings
+        self.spec = spec
+        self.namespace = spec.digest()
+        self.chunk_tokens = spec.chunk_tokens
+        self.block_size = spec.block_size
+        self.cache = cache
+        self.counters = cache.counters if cache is not None else Counters()
+        self.datapath: DataPath = datapath or HostStagingPath(
+            cache,
+            namespace=self.namespace,
+            chunk_tokens=self.chunk_tokens,
+            block_size=self.block_size,
+            store_deadline_s=settings.store_deadline_ms / 1000,
+            store_queue_bytes=settings.store_queue_bytes,
+            counters=self.counters,
+        )
+        self._plan: StepPlan | None = None
+        self._layer_index: dict[str, int] = {}
+        self._loads_pending = False
+        self._failed_reqs: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._reports: list[LoadReport] = []
+        self._saved_layers: set[int] = set()
+        self.restore_s = 0.0
+        """Seconds the last step spent blocked restoring KV (waiting, verifying, scattering)."""
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Remember the per-layer KV tensors (forward order)."""
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self.datapath.register_kv_caches(kv_caches)
+
+    def bind_plan(self, plan: StepPlan) -> None:
+        """Receive this step's plan."""
+        self._plan = plan
+
+    def clear_plan(self) -> None:
+        """Drop this step's plan (and any load state left behind)."""
+        self._plan = None
+        self.datapath.abandon_loads()
+        self._loads_pending = False
+        self._failed_reqs = set()
+
+    def _fail_step(self, what: str) -> None:
+        log.exception("kvfabric %s failed; the engine recomputes", what)
+        self.counters.add(f"internal_error.{what}")
+        plan = self._plan
+        if plan is not None:
+            for spec in plan.loads:
+                self._failed_reqs.add(spec.req_id)
+                for blocks in spec.block_ids:
+                    self._load_errors.update(blocks)
+        self.datapath.abandon_loads()
+        self.datapath.abandon_saves()
+        self._loads_pending = False
+
+    # ------------------------------------------------------------------ loads
+
+    def start_load(self) -> None:
+        """Start every load of this step; returns without waiting."""
+        try:
+            self._start_load()
+        except Exception:
+            self._fail_step("start_load_kv")
+
+    def _start_load(self) -> None:
+        t0 = time.perf_counter()
+        self.datapath.abandon_loads()
+        self._loads_pending, self._failed_reqs = False, set()
+        self.restore_s = 0.0
+        plan = self._plan
+        if plan is None or not plan.loads or not self.datapath.num_layers:
+            return
+        deadline = time.monotonic() + self.settings.load_deadline_ms / 1000
+        self.datapath.start_loads(plan.loads, deadline)
+        self._loads_pending = True
+        self.restore_s += time.perf_counter() - t0
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until the step's KV is in place or known missing (the first call does the work)."""
+        try:
+            self._wait_for_layer_load(layer_name)
+        except Exception:
+            self._fail_step("wait_for_layer_load")
+
+    def _wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._loads_pending:
+            return
+        t0 = time.perf_counter()
+        self._finish_loads()
+        self.restore_s += time.perf_counter() - t0
+
+    def _finish_loads(self) -> None:
+        plan = self._plan
+        assert plan is not None
+        results = self.datapath.finish_loads()
+        self._loads_pending = False
+        for spec, res in zip(plan.loads, results, strict=True):
+            failed = len(spec.keys) - res.loaded
+            if failed:
+                self._failed_reqs.add(spec.req_id)
+                self.counters.fallback(res.reason or Reason.NOT_FOUND, failed)
+                for blocks in spec.block_ids[res.loaded :]:
+                    self._load_errors.update(blocks)
+            self.counters.add("loaded_chunks", res.loaded)
+            self._reports.append(
+                LoadReport(
+                    spec.req_id,
+                    len(spec.keys),
+                    res.loaded,
+                    slowest_tier(spec.tiers[: res.loaded]),
+                    res.reason if failed else None,
+                    res.wait_s,
+                )
+            )
+
+    # ------------------------------------------------------------------ saves
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        """Copy this layer's part of every chunk to save out of the KV cache."""
+        try:
+            self._save_kv_layer(layer_name, kv_layer)
+        except Exception:
+            log.exception("kvfabric save_kv_layer failed; this step stores nothing")
+            self.counters.add("internal_error.save_kv_layer")
+            self.datapath.abandon_saves()
+            self._saved_layers = set()
+
+    def _save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        plan = self._plan
+        if plan is None or not plan.saves or not self.datapath.num_layers or self.cache is None:
+            return
+        idx = self._layer_index.get(layer_name)
+        if idx is None:
+            return
+        self._saved_layers.add(idx)
+        if idx == 0:
+            self._saved_layers = {0}
+            # A request whose load failed computed this step on missing KV: saving it would poison
+            # the cache. The engine recomputes it in a later step, which saves it then.
+            self.datapath.begin_saves([s for s in plan.saves if s.req_id not in self._failed_reqs])
+        self.datapath.save_layer(idx, kv_layer)
+
+    def wait_for_save(self) -> None:
+        """Hand this step's complete payloads to the background storer (never blocks)."""
+        try:
+            layers, self._saved_layers = self._saved_layers, set()
+            if len(layers) != self.datapath.num_layers:
+                # Some layer's hook did not run (e.g. a full CUDA-graph replay): the payloads are
+                # incomplete and must never be stored.
+                dropped = self.datapath.abandon_saves()
+                if dropped:
+                    self.counters.add("store_skipped_incomplete", dropped)
+                return
+            self.datapath.submit_saves()
+        except Exception:
+            log.exception("kvfabric wait_for_save failed; this step stores nothing")
+            self.counters.add("internal_error.wait_for_save")
+            self.datapath.abandon_saves()
+
+    def wait_for_stores(self, timeout: float) -> bool:
+        """Wait until background stores are done (tests, shutdown); return whether they all finished."""
+        return self.datapath.wait_for_stores(timeout)
+
+    # ------------------------------------------------------------------ results
+
+    def take_load_errors(self) -> set[int]:
+        """Return (and forget) the blocks whose load failed since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_load_reports(self) -> list[LoadReport]:
+        """Return (and forget) the load reports since the last call."""
+        reports, self._reports = self._reports, []
+        return reports
+
+    def shutdown(self) -> None:
+        """Stop background threads (pending stores finish first, bounded by their deadline)."""
+        self.datapath.close()
+        if self.cache is not None:
+            self.cache.close()

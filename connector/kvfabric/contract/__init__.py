@@ -1,0 +1,1 @@
+"""Contracts between kvfabric's components that neither side may own alone (no dependencies)."""

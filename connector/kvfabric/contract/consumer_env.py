@@ -1,0 +1,80 @@
+"""The consumer-environment contract: the ``KVFABRIC_*`` variables the operator injects into a pod.
+
+Defined once, here, in a package with no dependencies, so that the operator (which writes them) and the
+connector's ``ConnectorSettings`` (which reads them) cannot drift apart: the operator builds the
+environment with :meth:`ConsumerEnvironment.to_env`; ``ConnectorSettings`` reads variables named
+``ENV_PREFIX + <field name upper-cased>``; ``tests/operator/test_operator_consumer_env.py`` renders a
+pool, injects a pod and parses the pod's environment with ``ConnectorSettings`` again.
+
+Import-linter keeps this module free of every other kvfabric module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+ENV_PREFIX: Final = "KVFABRIC_"
+
+
+class ConsumerVar(StrEnum):
+    """Every variable the operator may inject; each names a ``ConnectorSettings`` field."""
+
+    POOL = "KVFABRIC_POOL"
+    SOCKET = "KVFABRIC_SOCKET"
+    SHM_DIR = "KVFABRIC_SHM_DIR"
+    REMOTE = "KVFABRIC_REMOTE"
+    CHUNK_TOKENS = "KVFABRIC_CHUNK_TOKENS"
+    TENANT = "KVFABRIC_TENANT"
+    LOOKUP_DEADLINE_MS = "KVFABRIC_LOOKUP_DEADLINE_MS"
+    LOAD_DEADLINE_MS = "KVFABRIC_LOAD_DEADLINE_MS"
+    STORE_DEADLINE_MS = "KVFABRIC_STORE_DEADLINE_MS"
+    CONFIG_HASH = "KVFABRIC_CONFIG_HASH"
+
+    @property
+    def field(self) -> str:
+        """The settings field this variable sets (``KVFABRIC_SHM_DIR`` -> ``shm_dir``)."""
+        return self.value[len(ENV_PREFIX) :].lower()
+
+
+@dataclass(frozen=True)
+class ConsumerEnvironment:
+    """The values injected into a consumer; ``None`` means "not injected" (the connector's default)."""
+
+    pool: str
+    socket: str
+    shm_dir: str
+    remote: str
+    chunk_tokens: int
+    tenant: str | None = None
+    lookup_deadline_ms: int | None = None
+    load_deadline_ms: int | None = None
+    store_deadline_ms: int | None = None
+
+    def to_env(self) -> dict[str, str]:
+        """Return the variables without the hash, in a fixed order (the hash is over this mapping)."""
+        values: list[tuple[ConsumerVar, str | int | None]] = [
+            (ConsumerVar.POOL, self.pool),
+            (ConsumerVar.SOCKET, self.socket),
+            (ConsumerVar.SHM_DIR, self.shm_dir),
+            (ConsumerVar.REMOTE, self.remote),
+            (ConsumerVar.CHUNK_TOKENS, self.chunk_tokens),
+            # An empty tenant is the default tenant: not injected, so it does not change the hash.
+            (ConsumerVar.TENANT, self.tenant or None),
+            (ConsumerVar.LOOKUP_DEADLINE_MS, self.lookup_deadline_ms),
+            (ConsumerVar.LOAD_DEADLINE_MS, self.load_deadline_ms),
+            (ConsumerVar.STORE_DEADLINE_MS, self.store_deadline_ms),
+        ]
+        return {var.value: str(value) for var, value in values if value is not None}
+
+    @property
+    def config_hash(self) -> str:
+        """A short stable digest of :meth:`to_env`: a consumer with another hash is stale."""
+        return hashlib.sha256(json.dumps(self.to_env(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_env_with_hash(self) -> dict[str, str]:
+        """Return :meth:`to_env` plus ``KVFABRIC_CONFIG_HASH``."""
+        return {**self.to_env(), ConsumerVar.CONFIG_HASH.value: self.config_hash}

@@ -1,0 +1,124 @@
+"""The consumer-environment contract round-trips: pool -> injected pod env -> ConnectorSettings.
+
+The operator writes the ``KVFABRIC_*`` variables and the connector reads them; both use
+``kvfabric.contract.consumer_env``. This test renders pools, injects a pod with the real webhook
+function and parses the container's environment with the real ``ConnectorSettings``: a variable
+renamed on one side only, or a value the connector would parse differently, fails here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfabric.connector.settings import ConnectorSettings
+from kvfabric.contract.consumer_env import ENV_PREFIX, ConsumerEnvironment, ConsumerVar
+from kvfabric.operator.injection import inject, pool_target
+
+
+def _pool(consumers: dict[str, Any], chunk_tokens: int = 256, port: int = 7070) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvfabric.io/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": "pool-a", "namespace": "llm"},
+        "spec": {
+            "image": {"tag": "v1"},
+            "tiers": {"memory": {"size": "1Gi"}},
+            "chunkTokens": chunk_tokens,
+            "server": {"port": port},
+            "consumers": consumers,
+        },
+    }
+
+
+def _pod() -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "p", "namespace": "llm", "labels": {"kvfabric.io/pool": "pool-a"}},
+        "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]},
+    }
+
+
+def _injected_env(body: dict[str, Any]) -> dict[str, str]:
+    target = pool_target(body)
+    assert target is not None
+    result = inject(_pod(), {(target.namespace, target.name): target}, {})
+    assert result.injected
+    env = result.pod["spec"]["containers"][0]["env"]
+    return {e["name"]: e["value"] for e in env if e["name"].startswith(ENV_PREFIX)}
+
+
+def _settings_from(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> ConnectorSettings:
+    for name in list(os.environ):
+        if name.startswith(ENV_PREFIX):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return ConnectorSettings()
+
+
+def test_every_contract_variable_is_a_connector_setting() -> None:
+    fields = set(ConnectorSettings.model_fields)
+    for var in ConsumerVar:
+        assert var.value == ENV_PREFIX + var.field.upper()
+        assert var.field in fields, f"{var.value} is injected but ConnectorSettings has no {var.field!r}"
+
+
+def test_injected_variables_are_exactly_the_contract() -> None:
+    env = _injected_env(_pool({"tenant": "t1", "deadlines": {"lookupMs": 50, "loadMs": 900, "storeMs": 7}}))
+    assert set(env) == {var.value for var in ConsumerVar}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tenant=st.none() | st.from_regex(r"[A-Za-z0-9._-]{1,20}", fullmatch=True),
+    lookup=st.none() | st.integers(1, 1000),
+    load=st.none() | st.integers(1, 30000),
+    store=st.none() | st.integers(1, 60000),
+    chunk=st.integers(1, 512).map(lambda n: n * 16),
+    port=st.integers(1024, 65535),
+)
+def test_round_trip_render_inject_parse(
+    tenant: str | None,
+    lookup: int | None,
+    load: int | None,
+    store: int | None,
+    chunk: int,
+    port: int,
+) -> None:
+    deadlines = {k: v for k, v in (("lookupMs", lookup), ("loadMs", load), ("storeMs", store)) if v}
+    consumers: dict[str, Any] = {"deadlines": deadlines}
+    if tenant is not None:
+        consumers["tenant"] = tenant
+    body = _pool(consumers, chunk, port)
+    env = _injected_env(body)
+    target = pool_target(body)
+    assert target is not None
+    conn = target.connection
+    with pytest.MonkeyPatch.context() as mp:
+        parsed = _settings_from(env, mp)
+    defaults = ConnectorSettings.model_fields
+    assert parsed.pool == "llm/pool-a"
+    assert parsed.socket == conn.socket
+    assert parsed.shm_dir == conn.shm_dir
+    assert parsed.remote == conn.remote == f"pool-a.llm.svc:{port}"
+    assert parsed.chunk_tokens == chunk
+    assert parsed.tenant == (tenant or "")
+    assert parsed.lookup_deadline_ms == (lookup or defaults["lookup_deadline_ms"].default)
+    assert parsed.load_deadline_ms == (load or defaults["load_deadline_ms"].default)
+    assert parsed.store_deadline_ms == (store or defaults["store_deadline_ms"].default)
+    assert parsed.config_hash == conn.config_hash
+    assert parsed.configured
+
+
+def test_hash_is_over_the_environment_only() -> None:
+    a = ConsumerEnvironment(pool="n/p", socket="/s", shm_dir="/m", remote="h:1", chunk_tokens=256)
+    b = ConsumerEnvironment(pool="n/p", socket="/s", shm_dir="/m", remote="h:1", chunk_tokens=256, tenant="")
+    assert a.config_hash == b.config_hash  # an empty tenant is not injected
+    assert a.to_env_with_hash()[ConsumerVar.CONFIG_HASH] == a.config_hash
+    assert ConsumerEnvironment(**{**a.__dict__, "tenant": "x"}).config_hash != a.config_hash

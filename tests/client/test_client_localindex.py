@@ -147,6 +147,7 @@ def test_a_table_without_heartbeat_is_unavailable_at_once(tmp_path: Path) -> Non
         got = reader.lookup(NS, _raw([digest("k", 1)]))
         assert got is not None
         assert got.matched == 1
+        reader.close()
     finally:
         f.close()
 
@@ -159,6 +160,7 @@ def test_a_closed_server_or_a_refused_namespace_means_ask_over_rpc(fabric: Fabri
     assert reader.lookup(NS, _raw([digest("k", 1)])) is not None
     fabric.close()  # retires every table; the socket is gone
     assert reader.lookup(NS, _raw([digest("k", 1)])) is None
+    reader.close()
 
 
 def test_bad_requests_get_an_error_byte(fabric: Fabric) -> None:

@@ -4,9 +4,10 @@ The server hands each namespace's table to a client as a read-only memfd over it
 (:mod:`kvfabric.cacheserver.transport.indexpub`, layout :mod:`kvfabric.rpc.indextable`); the client maps it
 read-only and answers ``lookup`` in microseconds. :meth:`LocalIndex.lookup` returns None whenever it
 cannot answer (no table yet, the table was replaced and cannot be fetched again now, the writer kept
-changing it): the caller then asks over gRPC, as remote clients always do. A table whose server's
-heartbeat stopped (a hung or dead server) raises :class:`CacheUnavailable` at once, so a hung server
-costs a lookup microseconds, not its deadline. A false positive (a fingerprint collision, or a block
+changing it): the caller then asks over gRPC, as remote clients always do. A table whose server
+hung up its index socket (the process died) or whose heartbeat stopped (a hung server) raises
+:class:`CacheUnavailable` at once, so a dead or hung server costs a lookup microseconds, not its
+deadline. A false positive (a fingerprint collision, or a block
 evicted after the answer) is a load miss, which the connector already handles.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import select
 import socket
 import threading
 import time
@@ -35,6 +37,19 @@ class _Mapped:
     map: mmap.mmap
     words: memoryview
     epoch: int
+    conn: socket.socket
+    """The connection the table came over: the server keeps it open while it lives."""
+    poll: select.poll
+
+    def server_gone(self) -> bool:
+        """Whether the server hung up (its process exited): one non-blocking poll."""
+        return bool(self.poll.poll(0))
+
+    def close(self) -> None:
+        self.words.release()
+        with contextlib.suppress(BufferError):
+            self.map.close()
+        self.conn.close()
 
 
 class LocalIndex:
@@ -84,6 +99,9 @@ class LocalIndex:
                 codes = it.lookup_prefix(words, fps)
             except it.Inconsistent:
                 continue
+            if m.server_gone():
+                self._drop(namespace, m)
+                raise CacheUnavailable("the cache server closed its index socket (it exited)")
             age = time.monotonic_ns() - words[it.W_HEARTBEAT]
             if age > self.stale_ns:
                 self._refetch_later(namespace)
@@ -117,7 +135,17 @@ class LocalIndex:
             if self._maps.get(namespace) is old:
                 del self._maps[namespace]
                 self._next_fetch.pop(namespace, None)
+        # The mapping is left to the garbage collector: another thread may still be reading it.
+        old.conn.close()
         return self._fetch_now(namespace)
+
+    def _drop(self, namespace: str, old: _Mapped) -> None:
+        # The server is gone: forget its table; fetch again (a successor) at most once per interval.
+        with self._lock:
+            if self._maps.get(namespace) is old:
+                del self._maps[namespace]
+            self._next_fetch[namespace] = time.monotonic() + self.refetch_interval
+        old.conn.close()
 
     def _refetch_later(self, namespace: str) -> None:
         # A stale table: perhaps a new server process answers the socket now. Try in the background
@@ -138,6 +166,10 @@ class LocalIndex:
                         old = self._maps.get(namespace)
                         if old is None or old.epoch != m.epoch or old.words[it.W_STATE] != it.LIVE:
                             self._maps[namespace] = m
+                            if old is not None:
+                                old.conn.close()
+                        else:
+                            m.conn.close()
             finally:
                 with self._lock:
                     self._fetching.discard(namespace)
@@ -146,14 +178,21 @@ class LocalIndex:
 
     def _fetch(self, namespace: str) -> _Mapped | None:
         """Ask the index socket for ``namespace``'s table and map it read-only; None on any failure."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
-                s.settimeout(self.fetch_timeout)
-                s.connect(str(self.path))
-                s.sendall(it.REQUEST_PREFIX + namespace.encode("ascii") + b"\n")
-                msg, fds, _flags, _addr = socket.recv_fds(s, 128, 1)
+            s.settimeout(self.fetch_timeout)
+            s.connect(str(self.path))
+            s.sendall(it.REQUEST_PREFIX + namespace.encode("ascii") + b"\n")
+            msg, fds, _flags, _addr = socket.recv_fds(s, 128, 1)
         except OSError:
+            s.close()
             return None
+        mapped = self._map(msg, fds, s)
+        if mapped is None:
+            s.close()
+        return mapped
+
+    def _map(self, msg: bytes, fds: list[int], conn: socket.socket) -> _Mapped | None:
         if not fds:
             return None
         fd = fds[0]
@@ -175,7 +214,9 @@ class LocalIndex:
             words.release()
             mp.close()
             return None
-        return _Mapped(mp, words, hdr["epoch"])
+        poll = select.poll()
+        poll.register(conn, select.POLLIN | select.POLLHUP | select.POLLERR)
+        return _Mapped(mp, words, hdr["epoch"], conn, poll)
 
     def close(self) -> None:
         """Unmap every table."""
@@ -183,6 +224,4 @@ class LocalIndex:
             maps = list(self._maps.values())
             self._maps.clear()
         for m in maps:
-            m.words.release()
-            with contextlib.suppress(BufferError):
-                m.map.close()
+            m.close()

@@ -49,6 +49,8 @@ class Reason(enum.StrEnum):
     UNAVAILABLE = "unavailable"
     CORRUPT = "corrupt"
     NAMESPACE_MISMATCH = "namespace-mismatch"
+    RECOMPUTE_FASTER = "recompute-faster"
+    """Skipped: the cost model expects recomputing the chunks to beat restoring them."""
 
 
 class Transport(Protocol):
@@ -344,7 +346,9 @@ def build_cache(settings: ConnectorSettings, counters: Counters | None = None) -
         endpoints.append(
             Endpoint(
                 "local",
-                transport_factory(f"unix://{settings.socket}", shm_dir=settings.shm_dir),
+                transport_factory(
+                    f"unix://{settings.socket}", shm_dir=settings.shm_dir, local_index=settings.local_index
+                ),
                 CircuitBreaker(settings.breaker_failures, cooldown),
             )
         )
@@ -360,14 +364,24 @@ def build_cache(settings: ConnectorSettings, counters: Counters | None = None) -
 
 
 def transport_factory(
-    target: str, *, shm_dir: str | None = None, token: str | None = None, tls_ca: str | None = None
+    target: str,
+    *,
+    shm_dir: str | None = None,
+    token: str | None = None,
+    tls_ca: str | None = None,
+    local_index: bool = False,
 ) -> Callable[[], Transport]:
-    """Return a factory for the real ``kvfabric.client.CacheClient`` (imported on first use)."""
+    """Return a factory for the real ``kvfabric.client.CacheClient`` (imported on first use).
+
+    ``local_index``: a Unix target answers lookups from the index its server publishes.
+    """
 
     def make() -> Transport:
         from kvfabric.client import CacheClient  # deferred: grpc starts threads
 
-        client: Transport = CacheClient(target, shm_dir=shm_dir, token=token, tls_ca=tls_ca)
+        client: Transport = CacheClient(
+            target, shm_dir=shm_dir, token=token, tls_ca=tls_ca, local_index=local_index
+        )
         return client
 
     return make

@@ -23,6 +23,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -92,6 +93,8 @@ class DiskTier:
         self.tmp_dir = root / "tmp" / server_id
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockId, DiskEntry] = OrderedDict()
+        self.on_change: Callable[[list[BlockId]], None] | None = None
+        """Called with a block whenever the index gains or loses it (the published index listens)."""
         self._by_bucket: dict[int, set[BlockId]] = {}
         self._used = 0
         self._reserved = 0
@@ -179,6 +182,8 @@ class DiskTier:
         self._index[bid] = entry
         self._used += entry.size
         self._by_bucket.setdefault(entry.bucket, set()).add(bid)
+        if self.on_change is not None:
+            self.on_change([bid])
 
     def _drop_locked(self, bid: BlockId) -> DiskEntry | None:
         entry = self._index.pop(bid, None)
@@ -189,6 +194,8 @@ class DiskTier:
                 members.discard(bid)
                 if not members:
                     del self._by_bucket[entry.bucket]
+            if self.on_change is not None:
+                self.on_change([bid])
         return entry
 
     def entry(self, bid: BlockId) -> DiskEntry | None:

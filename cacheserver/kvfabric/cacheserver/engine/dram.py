@@ -103,6 +103,8 @@ class DramTier:
         self.counters = counters or Counters()
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockId, DramBlock] = OrderedDict()
+        self.on_change: Callable[[list[BlockId]], None] | None = None
+        """Called with blocks whenever the index gains or loses them (the published index listens)."""
         self._used = 0
         # Bytes promised to puts in flight; counted so concurrent puts cannot overshoot the budget.
         self._reserved = 0
@@ -165,6 +167,8 @@ class DramTier:
                 return False
             self._used -= blk.size
         self._unlink(blk.name)
+        if self.on_change is not None:
+            self.on_change([bid])
         return True
 
     def usage(self) -> TierUsage:
@@ -184,6 +188,8 @@ class DramTier:
             self._unlink(blk.name)
         if gone:
             self.counters.inc("evictions", self.name, len(gone))
+            if self.on_change is not None:
+                self.on_change([bid for bid, _ in gone])
         return [bid for bid, _ in gone]
 
     # --- DRAM-specific -------------------------------------------------------------------------------
@@ -242,6 +248,8 @@ class DramTier:
             self._used += size
         if old is not None:
             self._unlink(old.name)
+        if self.on_change is not None:
+            self.on_change([bid])
         return True
 
     def _reserve(self, size: int) -> bool:

@@ -118,6 +118,21 @@ class TieredStore:
         """The configured disk tiers, fastest first."""
         return [x for x in (self.local, self.shared) if x is not None]
 
+    def set_listener(self, on_change: Callable[[list[BlockId]], None] | None) -> None:
+        """Call ``on_change(blocks)`` after any tier's index gains or loses blocks (before start()).
+
+        Called from whichever thread changed the index, possibly under that tier's lock: it must not
+        call back into a tier except through the lock-free :meth:`lookup`.
+        """
+        self.dram.on_change = on_change
+        for tier in self.disk_tiers:
+            tier.on_change = on_change
+
+    def tier_of(self, bid: BlockId) -> str | None:
+        """The fastest tier indexing ``bid`` now (index only), or None."""
+        tiers = self.lookup([bid])
+        return tiers[0] if tiers else None
+
     # --- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> None:

@@ -11,7 +11,9 @@ The table layout is :mod:`kvfabric.rpc.indextable`. This module owns the tables 
   A heartbeat thread stamps every table, so a reader can tell a hung or dead server from a live one.
 * :class:`IndexSocket` serves the tables over a Unix socket next to the gRPC socket
   (:func:`kvfabric.rpc.indextable.index_socket_for`): a client sends ``KVIX1 <namespace>`` and a newline and
-  receives a read-only descriptor of that namespace's table (``SCM_RIGHTS``). The memfd is sealed
+  receives a read-only descriptor of that namespace's table (``SCM_RIGHTS``); the connection then
+  stays open, so a client sees this process die at once (a hang up) rather than after a heartbeat
+  timeout. The memfd is sealed
   against growing, shrinking and any *new* writable mapping (``F_SEAL_FUTURE_WRITE``), and the
   descriptor sent is a read-only reopening of it, so no client can write the table others read.
   ``authorize(namespace, peer)`` (the peer's ``SO_PEERCRED``) decides which namespaces a peer may
@@ -26,6 +28,7 @@ import logging
 import mmap
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -43,6 +46,7 @@ log = logging.getLogger(__name__)
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
 HEARTBEAT_SECONDS = 0.05
+MAX_CONNECTIONS = 4096  # engine processes x namespaces on one node: far fewer
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +228,7 @@ class IndexSocket:
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._conns: list[socket.socket] = []
 
     def start(self) -> None:
         """Bind (replacing a stale socket file) and serve in a daemon thread."""
@@ -235,7 +240,7 @@ class IndexSocket:
         # Engine pods may run as another user; the directory's permissions guard the socket.
         os.chmod(self.path, 0o666)  # noqa: S103
         sock.listen(64)
-        sock.settimeout(0.2)
+        sock.setblocking(False)
         self._sock = sock
         self._thread = threading.Thread(target=self._serve, name="index-socket", daemon=True)
         self._thread.start()
@@ -244,45 +249,69 @@ class IndexSocket:
         assert self._sock is not None
         while not self._stop.is_set():
             try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
+                ready, _, _ = select.select([self._sock, *self._conns], [], [], 0.2)
+            except (OSError, ValueError):
                 if self._stop.is_set():
                     return
-                log.exception("index socket accept failed")
-                time.sleep(0.1)
+                self._conns = [c for c in self._conns if c.fileno() >= 0]
                 continue
-            with conn:
-                try:
-                    self._answer(conn)
-                except OSError as exc:
-                    log.info("index socket exchange failed", extra={"error": str(exc)})
+            for r in ready:
+                if r is self._sock:
+                    self._accept()
+                else:
+                    # A client hung up (or sent more than one request): forget the connection.
+                    self._conns.remove(r)
+                    r.close()
 
-    def _answer(self, conn: socket.socket) -> None:
+    def _accept(self) -> None:
+        assert self._sock is not None
+        try:
+            conn, _ = self._sock.accept()
+        except (TimeoutError, BlockingIOError):
+            return
+        except OSError:
+            if not self._stop.is_set():
+                log.exception("index socket accept failed")
+            return
+        try:
+            if self._answer(conn):
+                # Kept open: when this process dies the kernel closes it, and the client knows at
+                # once (its next lookup polls it) instead of after a heartbeat timeout.
+                self._conns.append(conn)
+                return
+        except OSError as exc:
+            log.info("index socket exchange failed", extra={"error": str(exc)})
+        conn.close()
+
+    def _answer(self, conn: socket.socket) -> bool:
+        """One request; True if a table was sent (the connection is then kept open)."""
         conn.settimeout(1.0)  # a client that sends nothing cannot hold the thread
         data = b""
         while not data.endswith(b"\n") and len(data) < 128:
             part = conn.recv(128 - len(data))
             if not part:
-                return
+                return False
             data += part
         namespace = _parse_request(data)
         if namespace is None:
             conn.sendall(b"\x01bad request\n")
-            return
+            return False
         pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         if not self.authorize(namespace, Peer(pid, uid, gid)):
             conn.sendall(b"\x02permission denied\n")
-            return
+            return False
+        if len(self._conns) >= MAX_CONNECTIONS:
+            conn.sendall(b"\x03too many clients\n")
+            return False
         fd = self.publisher.table_fd(namespace)
         if fd is None:
             conn.sendall(b"\x03too many namespaces\n")
-            return
+            return False
         try:
             socket.send_fds(conn, [b"\x00"], [fd])
         finally:
             os.close(fd)
+        return True
 
     def close(self) -> None:
         """Stop serving and remove the socket file."""
@@ -291,6 +320,9 @@ class IndexSocket:
             self._sock.close()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._conns = []
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 

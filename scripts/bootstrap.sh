@@ -30,3 +30,6 @@ uv sync --all-extras --frozen --quiet
 
 say "building or finding the pinned control-plane binaries"
 uv run --frozen kvfabric cluster build >/dev/null
+
+say "building or finding the pinned vLLM environment (real-vLLM tests; KVFABRIC_SKIP_VLLM=1 skips)"
+scripts/vllm-env.sh >/dev/null

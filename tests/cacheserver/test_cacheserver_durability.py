@@ -6,12 +6,15 @@ import os
 import threading
 from pathlib import Path
 
+import grpc
 import pytest
 
 from kvfabric.cacheserver.engine.blockfile import HEADER_SIZE
 from kvfabric.client import CacheClient
 from kvfabric.client.errors import CacheError
-from kvfabric.testing.serverproc import MiB, cache_server, digest, payload_for, wait_until
+from kvfabric.rpc.v1 import cache_pb2 as pb
+from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
+from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -22,6 +25,44 @@ def _tmp_files(root: Path) -> list[Path]:
 
 def _block_files(root: Path) -> list[Path]:
     return [p for p in (root / "buckets").rglob("*.blk")]
+
+
+def _flush(srv: ServerProcess, ns: str, keys: list[str], timeout: float) -> tuple[list[list[str]], bool]:
+    """The Flush RPC: durable tiers per key (by proto name, TIER_ stripped, lower case)."""
+    with grpc.insecure_channel(srv.unix_target) as ch:
+        stub = pb_grpc.CacheStub(ch)  # type: ignore[no-untyped-call]
+        resp = stub.Flush(pb.FlushRequest(namespace=ns, keys=keys), timeout=timeout)
+    names = [[pb.Tier.Name(t).removeprefix("TIER_").lower() for t in k.tiers] for k in resp.keys]
+    return names, resp.complete
+
+
+def test_flush_says_which_tiers_hold_a_store_durably(ns: str, tmp_path: Path) -> None:
+    keys = [digest("flush", i) for i in range(3)]
+    payloads = [payload_for(k, 64 * 1024) for k in keys]
+    with (
+        cache_server(shared_dir=tmp_path / "shared", dram_bytes=16 * MiB) as srv,
+        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c,
+    ):
+        assert c.store(ns, keys, payloads, timeout=10).accepted == 3
+        tiers, complete = _flush(srv, ns, [*keys, digest("never stored")], timeout=30)
+        assert complete
+        assert tiers == [["local_disk", "shared"]] * 3 + [[]]
+    # DRAM only: acknowledged, not durable — and Flush says so.
+    with (
+        cache_server(dram_bytes=16 * MiB, overrides={"tiers.write_back": "none"}) as srv,
+        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c,
+    ):
+        assert c.store(ns, keys, payloads, timeout=10).accepted == 3
+        assert _flush(srv, ns, keys, timeout=10) == ([[]] * 3, True)
+    # A write-back still running at the deadline: not durable yet, and the answer says incomplete.
+    slow = {"tiers.local_disk.faults": {"write_delay_seconds": 5.0}}
+    with (
+        cache_server(dram_bytes=16 * MiB, overrides=slow) as srv,
+        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c,
+    ):
+        assert c.store(ns, keys[:1], payloads[:1], timeout=10).accepted == 1
+        assert _flush(srv, ns, keys[:1], timeout=1) == ([[]], False)
+        assert _flush(srv, ns, keys[:1], timeout=30) == ([["local_disk"]], True)
 
 
 def test_kill_9_during_store_storm_then_restart(ns: str, tmp_path: Path) -> None:
@@ -45,7 +86,23 @@ def test_kill_9_during_store_storm_then_restart(ns: str, tmp_path: Path) -> None
                 if res.accepted:
                     stored.extend(keys)
 
+        durable: set[str] = set()
+
+        def flusher() -> None:
+            # Ask, again and again, which stored keys are durable yet; keep those the server says are.
+            while not stop.is_set():
+                todo = [k for k in list(stored) if k not in durable][:64]
+                if not todo:
+                    stop.wait(0.05)
+                    continue
+                try:
+                    tiers, _ = _flush(srv, ns, todo, timeout=2)
+                except grpc.RpcError:
+                    return  # the server died under us
+                durable.update(k for k, held in zip(todo, tiers, strict=True) if held)
+
         workers = [threading.Thread(target=storm, args=(c, t)) for c, t in ((client, "shm"), (remote, "tcp"))]
+        workers.append(threading.Thread(target=flusher))
         for w in workers:
             w.start()
         local_root = srv.config.tiers.local_disk.path  # type: ignore[union-attr]
@@ -64,7 +121,9 @@ def test_kill_9_during_store_storm_then_restart(ns: str, tmp_path: Path) -> None
         # The index is rebuilt from headers: blocks on disk are found without any load.
         on_disk = {p.name for p in _block_files(local_root)} | {p.name for p in _block_files(shared)}
         assert on_disk
+        assert durable, "precondition: some stores were acknowledged durable before the kill"
         found = 0
+        lost: list[str] = []
         for key in stored:
             res = client.lookup(ns, [key], timeout=5)
             loaded = client.load(ns, [key], timeout=30)
@@ -73,7 +132,12 @@ def test_kill_9_during_store_storm_then_restart(ns: str, tmp_path: Path) -> None
             if loaded:
                 assert loaded[0] == payload_for(key, size), "a block that loads must be byte-identical"
                 found += 1
-        assert found > 0
+            else:
+                lost.append(key)
+        # Every store acknowledged durable survived kill -9; every other one loads or is lost.
+        assert not set(lost) & durable, "a store acknowledged durable was lost"
+        assert found + len(lost) == len(stored)
+        print(f"kill -9: {len(stored)} stored, {len(durable)} durable, {found} loaded, {len(lost)} lost")
         # Every block file that survived is whole: the right size and a valid checksum (loaded above).
         for p in _block_files(local_root) + _block_files(shared):
             assert p.stat().st_size == HEADER_SIZE + size

@@ -250,10 +250,10 @@ def test_tiered_store_writes_back_promotes_and_expires_local_buckets(tmp_path: P
         assert store.put(b, data)
         assert store.flush()
         assert store.lookup([b]) == ["dram"]
-        assert store.local is not None
-        assert store.local.contains(b)
+        local = store.tier("local_disk")
+        assert local.contains(b)
         # Out of DRAM: the next load promotes from local disk, verified.
-        assert store.dram.delete(b)
+        assert store.tier("dram").delete(b)
         assert store.lookup([b]) == ["local_disk"]
         handle = store.open_block(b)
         assert handle is not None
@@ -263,10 +263,10 @@ def test_tiered_store_writes_back_promotes_and_expires_local_buckets(tmp_path: P
         assert store.lookup([b]) == ["dram"]
         # Once its bucket is more than a TTL old, the janitor deletes it from disk (DRAM keeps its copy).
         deadline = time.monotonic() + 30
-        while store.local.contains(b) and time.monotonic() < deadline:
+        while local.contains(b) and time.monotonic() < deadline:
             time.sleep(0.2)
             store.janitor_tick()
-        assert not store.local.contains(b)
+        assert not local.contains(b)
         assert store.counters.get("expirations", "local_disk") == 1
         assert store.lookup([b]) == ["dram"]
     finally:

@@ -58,6 +58,7 @@ def test_key_commits_to_whole_prefix() -> None:
         {"lora": "adapter@1"},
         {"tenant": "acme"},
         {"layout": "other"},
+        {"payload_key_id": "0123456789abcdef"},
     ],
 )
 def test_namespace_changes_with_every_field(change: dict[str, object]) -> None:

@@ -87,7 +87,7 @@ def test_sample_pool_creates_children_and_becomes_ready(
     pool = get_pool(cluster, namespace, "pool-a")
     n = len(cluster.gpu_nodes)
     assert pool["status"]["nodes"] == {"desired": n, "ready": n, "updated": n, "available": n}
-    assert pool["status"]["connection"]["socket"] == f"/run/kvfabric/{namespace}-pool-a/cache.sock"
+    assert pool["status"]["connection"]["socket"] == f"/run/kvfabric/{namespace}.pool-a/cache.sock"
     for ctype in ("Ready", "Progressing", "Degraded", "ConfigValid", "StorageReady", "InjectionReady"):
         cond = condition(pool, ctype)
         assert cond["reason"]

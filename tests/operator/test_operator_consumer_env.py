@@ -29,7 +29,8 @@ def _pool(consumers: dict[str, Any], chunk_tokens: int = 256, port: int = 7070) 
             "image": {"tag": "v1"},
             "tiers": {"memory": {"size": "1Gi"}},
             "chunkTokens": chunk_tokens,
-            "server": {"port": port},
+            # TCP on, so that every variable of the contract is injected.
+            "server": {"port": port, "tcp": {"enabled": True}},
             "consumers": consumers,
         },
     }
@@ -50,7 +51,15 @@ def _injected_env(body: dict[str, Any]) -> dict[str, str]:
     result = inject(_pod(), {(target.namespace, target.name): target}, {})
     assert result.injected
     env = result.pod["spec"]["containers"][0]["env"]
-    return {e["name"]: e["value"] for e in env if e["name"].startswith(ENV_PREFIX)}
+    return {e["name"]: _value(e) for e in env if e["name"].startswith(ENV_PREFIX)}
+
+
+def _value(entry: dict[str, Any]) -> str:
+    """The value the kubelet would resolve (a secretKeyRef stands for the Secret's content)."""
+    if "value" in entry:
+        return str(entry["value"])
+    ref = entry["valueFrom"]["secretKeyRef"]
+    return f"secret:{ref['name']}/{ref['key']}"
 
 
 def _settings_from(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> ConnectorSettings:
@@ -114,6 +123,11 @@ def test_round_trip_render_inject_parse(
     assert parsed.store_deadline_ms == (store or defaults["store_deadline_ms"].default)
     assert parsed.config_hash == conn.config_hash
     assert parsed.configured
+    assert parsed.token == "secret:pool-a-credentials/token"
+    assert parsed.payload_key == "secret:pool-a-credentials/payload-key"
+    assert parsed.tls_ca is not None
+    assert parsed.tls_cert is not None
+    assert parsed.tls_key is not None
 
 
 def test_hash_is_over_the_environment_only() -> None:

@@ -59,7 +59,46 @@ POOLS = pools(pool_body())
 
 
 def env_of(container: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", [])}
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def test_tcp_pool_wires_its_credentials_into_same_namespace_consumers() -> None:
+    tcp = pool_body()
+    tcp["spec"]["server"] = {"tcp": {"enabled": True}}
+    result = inject(pod(), pools(tcp), {})
+    container = result.pod["spec"]["containers"][0]
+    env = env_of(container)
+    assert env["KVFABRIC_REMOTE"] == "pool-a.llm.svc:7070"
+    assert env["KVFABRIC_TLS_CA"] == "/var/run/secrets/kvfabric.io/tls/ca.crt"
+    assert env["KVFABRIC_TLS_CERT"] == "/var/run/secrets/kvfabric.io/tls/tls.crt"
+    assert env["KVFABRIC_TLS_KEY"] == "/var/run/secrets/kvfabric.io/tls/tls.key"
+    # The token is a reference to the pool's Secret, never a value in the pod spec.
+    token = next(e for e in container["env"] if e["name"] == "KVFABRIC_TOKEN")
+    assert token == {
+        "name": "KVFABRIC_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "pool-a-credentials", "key": "token", "optional": True}},
+    }
+    mac = next(e for e in container["env"] if e["name"] == "KVFABRIC_PAYLOAD_KEY")
+    assert mac["valueFrom"]["secretKeyRef"]["name"] == "pool-a-credentials"
+    assert "pool-a-credentials" not in json.dumps(result.pod["metadata"])
+    assert {
+        "name": names.CLIENT_TLS_VOLUME,
+        "secret": {"secretName": "pool-a-client-tls", "optional": True},
+    } in result.pod["spec"]["volumes"]
+    assert inject(result.pod, pools(tcp), {}).pod == result.pod  # idempotent
+    # A consumer in another namespace cannot reference the Secret: no TCP wiring, the socket only.
+    tcp["spec"]["consumers"] = {"namespaceSelector": {"matchLabels": {"team": "a"}}}
+    other = inject(
+        pod(namespace="apps", annotations={names.POOL_NAMESPACE_ANNOTATION: "llm"}),
+        pools(tcp),
+        {"apps": {"team": "a"}},
+    )
+    assert other.injected
+    other_env = [e["name"] for e in other.pod["spec"]["containers"][0]["env"]]
+    assert "KVFABRIC_TOKEN" not in other_env
+    assert "KVFABRIC_PAYLOAD_KEY" not in other_env
+    assert "KVFABRIC_REMOTE" not in other_env
+    assert "KVFABRIC_SOCKET" in other_env
 
 
 def test_vllm_pod_gets_env_volume_args_and_annotations() -> None:
@@ -68,13 +107,21 @@ def test_vllm_pod_gets_env_volume_args_and_annotations() -> None:
     container = result.pod["spec"]["containers"][0]
     env = env_of(container)
     target = POOLS[("llm", "pool-a")].connection
-    assert env["KVFABRIC_SOCKET"] == "/run/kvfabric/llm-pool-a/cache.sock"
-    assert env["KVFABRIC_SHM_DIR"] == "/run/kvfabric/llm-pool-a/shm"
-    assert env["KVFABRIC_REMOTE"] == "pool-a.llm.svc:7070"
+    assert env["KVFABRIC_SOCKET"] == "/run/kvfabric/llm.pool-a/cache.sock"
+    assert env["KVFABRIC_SHM_DIR"] == "/run/kvfabric/llm.pool-a/shm"
+    assert "KVFABRIC_REMOTE" not in env  # the TCP listener is off by default (see the tcp test below)
     assert env["KVFABRIC_CHUNK_TOKENS"] == "256"
     assert env["KVFABRIC_POOL"] == "llm/pool-a"
     assert env["KVFABRIC_CONFIG_HASH"] == target.config_hash
     assert "KVFABRIC_TENANT" not in env
+    # The payload MAC key is wired from the pool's Secret, even with TCP off.
+    mac = next(e for e in container["env"] if e["name"] == "KVFABRIC_PAYLOAD_KEY")
+    assert mac["valueFrom"]["secretKeyRef"] == {
+        "name": "pool-a-credentials",
+        "key": "payload-key",
+        "optional": True,
+    }
+    assert not any(e["name"] == "KVFABRIC_TOKEN" for e in container["env"])
     args = container["args"]
     assert args[-2] == KV_TRANSFER_FLAG
     assert json.loads(args[-1]) == {
@@ -83,11 +130,11 @@ def test_vllm_pod_gets_env_volume_args_and_annotations() -> None:
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
     }
-    assert {"name": "kvfabric-run", "mountPath": "/run/kvfabric/llm-pool-a"} in container["volumeMounts"]
+    assert {"name": "kvfabric-run", "mountPath": "/run/kvfabric/llm.pool-a"} in container["volumeMounts"]
     assert result.pod["spec"]["volumes"] == [
         {
             "name": "kvfabric-run",
-            "hostPath": {"path": "/run/kvfabric/llm-pool-a", "type": "DirectoryOrCreate"},
+            "hostPath": {"path": "/run/kvfabric/llm.pool-a", "type": "DirectoryOrCreate"},
         },
         {"name": names.PAYLOAD_VOLUME, "emptyDir": {}},  # the connector payload, for vLLM containers
     ]

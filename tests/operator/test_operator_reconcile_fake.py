@@ -106,7 +106,7 @@ async def test_first_pass_applies_children_and_writes_status() -> None:
     add_pool(kube)
     result = await run(kube)
     assert result is not None
-    assert result.applied == 4
+    assert result.applied == 5  # ConfigMap, DaemonSet, two Services, NetworkPolicy
     assert kube.applied[0] == ("ConfigMap", "p-config")  # before the DaemonSet that mounts it
     status = kube.objects[("KVCachePool", "ns", "p")]["status"]
     assert status["observedGeneration"] == 1

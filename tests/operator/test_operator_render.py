@@ -38,6 +38,7 @@ def test_children_and_owner_references() -> None:
         ("DaemonSet", "pool-a-cache"),
         ("Service", "pool-a"),
         ("Service", "pool-a-metrics"),
+        ("NetworkPolicy", "pool-a-cache"),
     }
     for obj in objs.values():
         meta = obj["metadata"]
@@ -66,8 +67,8 @@ def test_configmap_is_the_cache_servers_own_model(tmp_path: Path) -> None:
     assert config.tiers.local_disk is not None
     assert config.tiers.local_disk.capacity_bytes == 100 * 2**30
     assert str(config.tiers.local_disk.path).startswith(names.LOCAL_DISK_MOUNT + "/")
-    assert str(config.listen.unix_socket) == "/run/kvfabric/llm-pool-a/cache.sock"
-    assert str(config.shm.dir) == "/run/kvfabric/llm-pool-a/shm"
+    assert str(config.listen.unix_socket) == "/run/kvfabric/llm.pool-a/cache.sock"
+    assert str(config.shm.dir) == "/run/kvfabric/llm.pool-a/shm"
     assert config.server_id is None  # the server uses $NODE_NAME
     assert config.metrics.port == 9090
 
@@ -91,7 +92,7 @@ def test_daemonset_fields() -> None:
         {"key": "kvfabric.io/deploy", "operator": "NotIn", "values": ["false"]}
     ]
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["kvfabric-run"]["hostPath"]["path"] == "/run/kvfabric/llm-pool-a"
+    assert volumes["kvfabric-run"]["hostPath"]["path"] == "/run/kvfabric/llm.pool-a"
     assert volumes["local-disk"]["hostPath"]["path"] == "/mnt/nvme/kv"
     assert volumes["config"]["configMap"]["name"] == "pool-a-config"
     assert (

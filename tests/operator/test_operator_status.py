@@ -72,7 +72,7 @@ def test_all_ready() -> None:
     assert status["observedGeneration"] == 4
     assert status["nodes"] == {"desired": 3, "ready": 3, "updated": 3, "available": 3}
     assert status["nodeSummary"] == "3/3"
-    assert status["connection"]["socket"] == "/run/kvfabric/ns-p/cache.sock"
+    assert status["connection"]["socket"] == "/run/kvfabric/ns.p/cache.sock"
     assert {c["type"] for c in status["conditions"]} == {
         "Ready",
         "Progressing",

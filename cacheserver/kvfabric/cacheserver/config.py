@@ -9,6 +9,7 @@ being ignored.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from pathlib import Path
@@ -20,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 __all__ = [
     "DiskTierConfig",
     "DramTierConfig",
+    "ExtraTierConfig",
+    "IoFaultsConfig",
     "LimitsConfig",
     "ListenConfig",
     "MetricsConfig",
@@ -39,10 +42,19 @@ class _Model(BaseModel):
 
 
 class TLSConfig(_Model):
-    """TLS material for the TCP listener (PEM files, typically mounted from a Secret)."""
+    """TLS material for the TCP listener (PEM files, typically mounted from a Secret).
+
+    The files are read again whenever they change on disk (checked at every new connection), so a
+    rotated Secret takes effect without a restart and established connections are not cut.
+    """
 
     cert_file: Path = Field(description="PEM certificate chain presented by the TCP listener.")
     key_file: Path = Field(description="PEM private key matching cert_file.")
+    client_ca_file: Path | None = Field(
+        default=None,
+        description="PEM CA bundle that client certificates must chain to; when set the listener "
+        "requires a client certificate (mutual TLS) and refuses a handshake without a valid one.",
+    )
 
 
 class ListenConfig(_Model):
@@ -52,7 +64,12 @@ class ListenConfig(_Model):
         description="Path of the Unix-domain socket that engines on this node connect to "
         "(the client target is 'unix://<this path>'). Same-node bulk bytes go through the shm arena."
     )
-    tcp_host: str = Field(default="0.0.0.0", description="Address the TCP listener binds to.")
+    tcp_host: str = Field(
+        default="127.0.0.1",
+        description="Address the TCP listener binds to. Any address other than loopback requires "
+        "mutual TLS (tls.client_ca_file) and a token_file: nothing listens unauthenticated beyond "
+        "the pod.",
+    )
     tcp_port: int | None = Field(
         default=7070,
         ge=0,
@@ -68,6 +85,17 @@ class ListenConfig(_Model):
         description="File holding a bearer token; when set every TCP call must send "
         "'authorization: Bearer <token>'. The Unix socket is protected by file permissions instead.",
     )
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> Self:
+        if self.tcp_port is None or _is_loopback(self.tcp_host):
+            return self
+        if self.tls is None or self.tls.client_ca_file is None or self.token_file is None:
+            raise ValueError(
+                f"listen.tcp_host {self.tcp_host!r} is reachable from other hosts: it requires "
+                "listen.tls with client_ca_file (mutual TLS) and listen.token_file"
+            )
+        return self
 
 
 class ShmConfig(_Model):
@@ -121,6 +149,17 @@ class DramTierConfig(_Model):
         return self
 
 
+class IoFaultsConfig(_Model):
+    """Injected I/O faults, for tests only (a slow disk, a network filesystem answering ESTALE)."""
+
+    write_delay_seconds: float = Field(
+        default=0.0, ge=0, le=60, description="Sleep before each block write commits (its rename)."
+    )
+    read_error: Literal["ESTALE", "EIO", "ENOSPC"] | None = Field(
+        default=None, description="Errno every block read of the tier raises."
+    )
+
+
 class DiskTierConfig(_Model):
     """A directory tier of block files (local NVMe, or a shared volume several servers mount)."""
 
@@ -139,6 +178,32 @@ class DiskTierConfig(_Model):
         description="Never write when the filesystem itself has less than this fraction free, whatever "
         "the budget says (another tenant may share the disk).",
     )
+    faults: IoFaultsConfig | None = Field(
+        default=None, description="Test hook: injected I/O faults. Never set in production."
+    )
+
+    @model_validator(mode="after")
+    def _check_watermarks(self) -> Self:
+        _check_watermark_order(self.low_watermark, self.high_watermark)
+        return self
+
+
+class ExtraTierConfig(_Model):
+    """A further tier below the built-in ones, built by a factory named in configuration.
+
+    ``kind`` is ``package.module:callable``; the callable takes ``(TierContext, ExtraTierConfig)`` and
+    returns a :class:`~kvfabric.cacheserver.engine.base.BackingTier` (see docs/cacheserver.md,
+    "How to add a tier").
+    """
+
+    kind: str = Field(
+        pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
+        description="Factory of the tier, as 'package.module:callable'.",
+    )
+    capacity_bytes: int = Field(gt=0, description="Byte budget of the tier.")
+    high_watermark: float = Field(default=0.9, gt=0, le=1, description="Fraction at which eviction starts.")
+    low_watermark: float = Field(default=0.75, gt=0, lt=1, description="Fraction eviction brings usage to.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Passed to the factory as is.")
 
     @model_validator(mode="after")
     def _check_watermarks(self) -> Self:
@@ -162,6 +227,10 @@ class TiersConfig(_Model):
         default="all",
         description="'all': every put is written back asynchronously to every lower tier; "
         "'none': keep puts in DRAM only.",
+    )
+    extra: list[ExtraTierConfig] = Field(
+        default_factory=list,
+        description="Further tiers below the shared volume, slowest last (e.g. an object store).",
     )
 
     @model_validator(mode="after")
@@ -277,6 +346,15 @@ class ServerConfig(_Model):
     def to_yaml(self) -> str:
         """Render as YAML, exactly as the operator writes it."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_watermark_order(low: float, high: float) -> None:

@@ -18,6 +18,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvfabric.cacheserver.engine.base import READ_MISSES
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.tiered import TieredStore
 
@@ -64,6 +65,13 @@ class Metrics:
             meter.create_observable_counter(
                 name, callbacks=[_counter_cb(counters, key)], unit=unit, description=desc
             )
+        meter.create_observable_counter(
+            "kvfabric.cache.read_misses",
+            callbacks=[_read_misses_cb(counters)],
+            unit="1",
+            description="Reads an index promised that missed, per tier and reason "
+            "(absent, corrupt, stale, stale-handle, io-error); the entry is dropped",
+        )
         meter.create_observable_gauge(
             "kvfabric.tier.used",
             callbacks=[self._usage_cb("used")],
@@ -106,7 +114,7 @@ class Metrics:
 
     def _usage_cb(self, what: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def cb(_: CallbackOptions) -> Iterable[Observation]:
-            for u in [self._store.dram.usage(), *(t.usage() for t in self._store.disk_tiers)]:
+            for u in self._store.usage():
                 value = {"used": u.used_bytes, "capacity": u.capacity_bytes, "blocks": u.blocks}[what]
                 yield Observation(value, {"tier": u.name})
 
@@ -126,6 +134,17 @@ def _counter_cb(counters: Counters, key: str) -> Callable[[CallbackOptions], Ite
         for (name, tier), value in counters.snapshot().items():
             if name == key:
                 yield Observation(value, {"tier": tier} if tier else {})
+
+    return cb
+
+
+def _read_misses_cb(counters: Counters) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    prefix = f"{READ_MISSES}."
+
+    def cb(_: CallbackOptions) -> Iterable[Observation]:
+        for (name, tier), value in counters.snapshot().items():
+            if name.startswith(prefix):
+                yield Observation(value, {"tier": tier, "reason": name.removeprefix(prefix)})
 
     return cb
 

@@ -12,7 +12,9 @@ import hmac
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable
+import stat
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -20,7 +22,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from kvfabric.cacheserver.config import ServerConfig
+from kvfabric.cacheserver.config import ServerConfig, TLSConfig
 from kvfabric.cacheserver.engine.tiered import TieredStore
 from kvfabric.cacheserver.metrics import Metrics, ProbeServer
 from kvfabric.cacheserver.service import CacheService, SharedState, add_to_server
@@ -40,28 +42,156 @@ _SERVER_OPTIONS = [
 SERVICE_NAME = "kvfabric.rpc.v1.Cache"
 
 
-class _BearerAuth(grpc.aio.ServerInterceptor):
-    """Rejects TCP calls without ``authorization: Bearer <token>`` (constant-time compare)."""
+class _WatchedFile:
+    """The bytes of a small file, read again when the file changes (a rotated Secret volume).
 
-    def __init__(self, token: str) -> None:
-        self._want = f"Bearer {token}".encode()
+    Kubernetes updates a Secret volume by swapping a symlink, so (inode, size, mtime) of the resolved
+    path changes with every update.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp: tuple[int, int, int] | None = None
+        self.data = b""
+        self.changed()
+
+    def changed(self) -> bool:
+        """Re-read the file if it changed since the last call; True when it did."""
+        try:
+            st = self.path.stat()
+        except OSError:
+            return False  # mid-swap or removed: keep serving the last good copy
+        stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if stamp == self._stamp:
+            return False
+        try:
+            data = self.path.read_bytes()
+        except OSError:
+            return False
+        self._stamp, self.data = stamp, data
+        return True
+
+
+class _BearerAuth(grpc.aio.ServerInterceptor):
+    """Rejects every TCP call without ``authorization: Bearer <token>`` (constant-time compare).
+
+    Applies to every service on the listener, health included; the token file is re-read when it
+    changes, so a rotated token takes effect without a restart.
+    """
+
+    def __init__(self, token_file: Path) -> None:
+        self._file = _WatchedFile(token_file)
+        self._want = self._expected()
 
         async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
-        self._deny: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(deny)
+        async def deny_stream(request_iterator: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            await deny(None, context)
+
+        # The denial has the same shape as the method it replaces, so a streaming client reads a
+        # status instead of a protocol error.
+        self._deny: dict[tuple[bool, bool], grpc.RpcMethodHandler[Any, Any]] = {
+            (False, False): grpc.unary_unary_rpc_method_handler(deny),
+            (False, True): grpc.unary_stream_rpc_method_handler(_deny_unary_stream),
+            (True, False): grpc.stream_unary_rpc_method_handler(deny_stream),
+            (True, True): grpc.stream_stream_rpc_method_handler(_deny_stream_stream),
+        }
+
+    def _expected(self) -> bytes:
+        token = self._file.data.decode(errors="replace").strip()
+        if not token:
+            raise ValueError(f"listen.token_file {self._file.path} is empty")
+        return f"Bearer {token}".encode()
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        if self._file.changed():
+            with contextlib.suppress(ValueError):  # an emptied file keeps the previous token
+                self._want = self._expected()
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
                 got = value.encode() if isinstance(value, str) else value
                 if hmac.compare_digest(got, self._want):
                     return await continuation(details)
-        return self._deny
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        return self._deny[handler.request_streaming, handler.response_streaming]
+
+
+def _refuse(context: grpc.aio.ServicerContext[Any, Any]) -> list[Any]:
+    """Set the refusal status; the (empty) stream then ends with it."""
+    context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+    context.set_details("missing or invalid bearer token")
+    return []
+
+
+async def _deny_unary_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+    for never in _refuse(context):
+        yield never
+
+
+async def _deny_stream_stream(
+    request_iterator: Any, context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[Any]:
+    for never in _refuse(context):
+        yield never
+
+
+def _server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
+    """TLS credentials that pick up rotated certificate files at the next handshake."""
+    files = [_WatchedFile(tls.key_file), _WatchedFile(tls.cert_file)]
+    if tls.client_ca_file is not None:
+        files.append(_WatchedFile(tls.client_ca_file))
+
+    def current() -> grpc.ServerCertificateConfiguration:
+        key, cert = files[0].data, files[1].data
+        ca = files[2].data if len(files) > 2 else None
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        # Called by grpc before every handshake. A half-written rotation (key and certificate from
+        # different generations) would fail every handshake, so Secret volumes (atomic swap) are
+        # the supported way to rotate.
+        changed = [f.changed() for f in files]
+        return current() if any(changed) else None
+
+    # The stub omits the documented None ("no change") from the fetcher's return type.
+    fetcher: Any = fetch
+    return grpc.dynamic_ssl_server_credentials(
+        current(), fetcher, require_client_authentication=tls.client_ca_file is not None
+    )
+
+
+def check_directories(config: ServerConfig) -> None:
+    """Refuse to start on a directory that is a symbolic link or not a directory at all.
+
+    The block, arena and socket directories are where the server writes; a symlink planted there
+    (by whoever else can write the host path) would redirect those writes anywhere on the node.
+    Missing directories are fine: the server creates them.
+    """
+    paths = [
+        ("shm.dir", config.shm.dir),
+        ("listen.unix_socket's directory", config.listen.unix_socket.parent),
+    ]
+    tiers = config.tiers
+    if tiers.local_disk is not None:
+        paths.append(("tiers.local_disk.path", tiers.local_disk.path))
+    if tiers.shared is not None:
+        paths.append(("tiers.shared.path", tiers.shared.path))
+    for field, path in paths:
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            raise ValueError(f"{field} {path} is a symbolic link; refusing to use it")
+        if not stat.S_ISDIR(st.st_mode):
+            raise ValueError(f"{field} {path} exists and is not a directory; refusing to use it")
 
 
 async def serve(
@@ -77,20 +207,23 @@ async def serve(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
 
-    # Secrets and certificates are small files; read them before the loop serves anything.
-    token = config.listen.token_file.read_text().strip() if config.listen.token_file else None
+    # Secrets and certificates are small files; read them before the loop serves anything (a missing
+    # or empty one fails the start, not the first call).
+    auth = _BearerAuth(config.listen.token_file) if config.listen.token_file else None
     tls = config.listen.tls
-    tls_pair = (tls.key_file.read_bytes(), tls.cert_file.read_bytes()) if tls else None
-    if config.listen.token_file is not None and not token:
-        raise ValueError(f"listen.token_file {config.listen.token_file} is empty")
+    tls_creds = _server_credentials(tls) if tls else None
+    check_directories(config)
 
     store = TieredStore(config)
     # Same-node engines look up in this published copy of the index, without a call; it follows
     # every index change (the start-up scan included), so it is complete before anything is served.
-    publisher = IndexPublisher(store.tier_of)
-    store.set_listener(publisher.changed)
+    publisher: IndexPublisher | None = IndexPublisher(store.tier_of)
+    if not store.set_listener(publisher.changed if publisher else None):
+        log.warning("a tier cannot report index changes: same-node lookups go over RPC")
+        publisher = None
     await loop.run_in_executor(None, store.start)  # header scan: keep the loop free meanwhile
-    publisher.start()
+    if publisher is not None:
+        publisher.start()
     arena = StagingArena(
         config.shm.dir, config.shm.arena_bytes, config.shm.slot_lease_seconds, store.counters
     )
@@ -116,23 +249,22 @@ async def serve(
 
     tcp_port: int | None = None
     if config.listen.tcp_port is not None:
-        interceptors = []
-        if token:
-            interceptors.append(_BearerAuth(token))
-        tcp = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
+        tcp = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=[auth] if auth else [])
         add_to_server(CacheService(state, allow_shm=False), tcp)
         health_pb2_grpc.add_HealthServicer_to_server(health, tcp)
         addr = f"{config.listen.tcp_host}:{config.listen.tcp_port}"
-        if tls_pair is not None:
-            tcp_port = tcp.add_secure_port(addr, grpc.ssl_server_credentials([tls_pair]))
+        if tls_creds is not None:
+            tcp_port = tcp.add_secure_port(addr, tls_creds)
         else:
             tcp_port = tcp.add_insecure_port(addr)
         servers.append(tcp)
 
     for s in servers:
         await s.start()
-    index_socket = IndexSocket(index_socket_for(sock.absolute()), publisher)
-    index_socket.start()
+    index_socket = None
+    if publisher is not None:
+        index_socket = IndexSocket(index_socket_for(sock.absolute()), publisher)
+        index_socket.start()
     # Engine pods may run as another user: the socket is guarded by its directory's permissions.
     os.chmod(sock, 0o666)  # noqa: S103
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -165,8 +297,10 @@ async def serve(
             probes.ready = False
         await health.enter_graceful_shutdown()
         # Retire the published tables first: engines stop answering from them and ask over RPC.
-        index_socket.close()
-        publisher.close()
+        if index_socket is not None:
+            index_socket.close()
+        if publisher is not None:
+            publisher.close()
         reaper.cancel()
         await asyncio.gather(*(s.stop(grace=5) for s in servers))
         state.close()

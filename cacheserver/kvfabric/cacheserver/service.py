@@ -17,16 +17,17 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError, Message
 
 from kvfabric.cacheserver.config import LimitsConfig
-from kvfabric.cacheserver.engine.dram import DramBlock, OpenBlock
+from kvfabric.cacheserver.engine.base import TierName
+from kvfabric.cacheserver.engine.dram import DramBlock
 from kvfabric.cacheserver.engine.ids import BlockId, InvalidId, parse_ids
-from kvfabric.cacheserver.engine.tiered import TieredStore
+from kvfabric.cacheserver.engine.tiered import Payload, TieredStore
 from kvfabric.cacheserver.metrics import Metrics
 from kvfabric.cacheserver.transport.arena import StagingArena, UnknownLease
 from kvfabric.rpc.v1 import cache_pb2 as pb
@@ -35,7 +36,10 @@ from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 __all__ = ["CacheService", "SharedState", "add_to_server"]
 
 T = TypeVar("T")
-_TIER_ENUM = {"dram": pb.TIER_DRAM, "local_disk": pb.TIER_LOCAL_DISK, "shared": pb.TIER_SHARED}
+# TierName.X is proto TIER_X: one list of names (a missing proto value fails here, at import).
+_TIER_ENUM: dict[TierName, pb.Tier] = {
+    name: cast("pb.Tier", pb.Tier.Value(f"TIER_{name.name}")) for name in TierName
+}
 # 1-2 MiB messages measured fastest through grpcio (per-message overhead vs. large-buffer copies).
 _DEFAULT_PIECE = 1 << 20
 _MIN_PIECE, _MAX_PIECE = 64 << 10, 64 << 20
@@ -113,6 +117,7 @@ def add_to_server(service: CacheService, server: grpc.aio.Server) -> None:
         ),
         "Delete": grpc.unary_unary_rpc_method_handler(service.Delete, _decoder(pb.DeleteRequest), enc),
         "Stats": grpc.unary_unary_rpc_method_handler(service.Stats, _decoder(pb.StatsRequest), enc),
+        "Flush": grpc.unary_unary_rpc_method_handler(service.Flush, _decoder(pb.FlushRequest), enc),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("kvfabric.rpc.v1.Cache", handlers),)
@@ -204,7 +209,7 @@ class CacheService(pb_grpc.CacheServicer):
         store = self.s.store
         nbytes = 0
         async with self._load_slot(context):
-            if all(store.dram.contains(b) for b in bids):
+            if store.resident(bids):
                 # DRAM only: index work, no I/O, answered inline.
                 for bid in bids:
                     blk = store.ensure_dram(bid)
@@ -252,23 +257,26 @@ class CacheService(pb_grpc.CacheServicer):
         piece = min(max(piece, _MIN_PIECE), _MAX_PIECE)
         nbytes = 0
         async with self._load_slot(context):
+            store = self.s.store
             for i, bid in enumerate(bids):
-                item = await self._in_pool(self.s.load_pool, lambda b=bid: self.s.store.open_block(b))  # type: ignore[misc]
-                if item is None:
+
+                def open_one(b: BlockId = bid) -> Payload | None:
+                    return store.open_block(b)
+
+                block = await self._in_pool(self.s.load_pool, open_one)
+                if block is None:
                     break
-                handle = item if isinstance(item, OpenBlock) else None
-                view = handle.view() if handle is not None else memoryview(item)  # type: ignore[arg-type]
-                try:
-                    n = len(view)
-                    for off in range(0, max(n, 1), piece):
-                        yield pb.LoadChunk(
-                            index=i, total_length=n, offset=off, data=bytes(view[off : off + piece])
-                        )
-                    nbytes += n
-                finally:
-                    view.release()
-                    if handle is not None:
-                        handle.close()
+                with block:
+                    view = block.view()
+                    try:
+                        n = len(view)
+                        for off in range(0, max(n, 1), piece):
+                            yield pb.LoadChunk(
+                                index=i, total_length=n, offset=off, data=bytes(view[off : off + piece])
+                            )
+                        nbytes += n
+                    finally:
+                        view.release()
         self.s.metrics.bytes_out.add(nbytes, {"transport": "grpc"})
         self.s.metrics.load_duration.record(time.perf_counter() - t0, {"transport": "grpc"})
 
@@ -439,6 +447,23 @@ class CacheService(pb_grpc.CacheServicer):
         store = self.s.store
         n = await self._in_pool(self.s.store_pool, lambda: sum(store.delete(b) for b in bids))
         return pb.DeleteResponse(deleted=n)
+
+    async def Flush(
+        self, request: pb.FlushRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.FlushResponse:
+        """Wait for the keys' write-backs (until the deadline); say which durable tiers hold each."""
+        await _check(request, context)
+        bids = await self._ids(request.namespace, list(request.keys), context)
+        # A little before the deadline, so the answer still reaches the client.
+        wait = max(0.0, self._deadline(context) * 0.9)
+        store = self.s.store
+        # The default executor: a flush waits, and must not hold a load or store thread meanwhile.
+        tiers, complete = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: store.durable_tiers(bids, wait)
+        )
+        return pb.FlushResponse(
+            keys=[pb.KeyTiers(tiers=[_TIER_ENUM[t] for t in held]) for held in tiers], complete=complete
+        )
 
     async def Stats(
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext[Any, Any]

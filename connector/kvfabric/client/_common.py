@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -22,7 +22,7 @@ Payload: TypeAlias = bytes | bytearray | memoryview
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 # Larger than any payload we accept; the server enforces its own limit.
-CHANNEL_OPTIONS: list[tuple[str, int]] = [
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
 ]
@@ -88,11 +88,32 @@ def metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
-def credentials(tls_ca: str | os.PathLike[str] | None) -> grpc.ChannelCredentials | None:
-    """TLS channel credentials trusting ``tls_ca`` (a PEM file), or None for plaintext."""
+def credentials(
+    tls_ca: str | os.PathLike[str] | None,
+    tls_cert: str | os.PathLike[str] | None = None,
+    tls_key: str | os.PathLike[str] | None = None,
+) -> grpc.ChannelCredentials | None:
+    """TLS channel credentials trusting ``tls_ca`` (a PEM file), or None for plaintext.
+
+    ``tls_cert`` and ``tls_key`` (PEM files, both or neither) are the client certificate presented
+    to a listener that requires mutual TLS.
+    """
+    if (tls_cert is None) != (tls_key is None):
+        raise errors.InvalidRequest("tls_cert and tls_key must be given together")
     if tls_ca is None:
+        if tls_cert is not None:
+            raise errors.InvalidRequest("a client certificate needs tls_ca (the server's CA)")
         return None
-    return grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(tls_ca).read_bytes(),
+        private_key=Path(tls_key).read_bytes() if tls_key is not None else None,
+        certificate_chain=Path(tls_cert).read_bytes() if tls_cert is not None else None,
+    )
+
+
+def server_name_option(name: str | None) -> list[tuple[str, Any]]:
+    """Channel option checking the server certificate against ``name`` rather than the target host."""
+    return [("grpc.ssl_target_name_override", name)] if name else []
 
 
 def map_rpc_error(exc: grpc.RpcError) -> errors.CacheError:

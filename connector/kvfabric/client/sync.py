@@ -30,7 +30,10 @@ class CacheClient:
     ``target`` is ``unix:///abs/path.sock`` (same node) or ``host:port`` (remote). With a Unix target and
     ``shm_dir`` (the server's arena directory as mounted in this process), payloads move through shared
     memory; otherwise they are streamed in gRPC messages. ``token`` is sent as a bearer token, ``tls_ca``
-    (a PEM file) turns on TLS for TCP targets. Thread-safe; reuse one client per process.
+    (a PEM file) turns on TLS for TCP targets; ``tls_cert``/``tls_key`` add a client certificate
+    (mutual TLS); ``tls_server_name`` verifies the server's certificate against that name instead of
+    the target's host (e.g. the pool's Service name through a port-forward). Thread-safe; reuse one
+    client per process.
     """
 
     def __init__(
@@ -40,6 +43,9 @@ class CacheClient:
         shm_dir: str | os.PathLike[str] | None = None,
         token: str | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_server_name: str | None = None,
         local_index: bool = False,
     ) -> None:
         self._target = c.parse_target(target)
@@ -47,9 +53,10 @@ class CacheClient:
         self._index = c.local_index_for(self._target) if local_index else None
         self._shm_dir = Path(shm_dir) if shm_dir is not None and self._target.is_unix else None
         self._md = c.metadata(token)
-        creds = c.credentials(tls_ca)
+        creds = c.credentials(tls_ca, tls_cert, tls_key)
         if creds is not None and not self._target.is_unix:
-            self._channel = grpc.secure_channel(self._target.address, creds, options=c.CHANNEL_OPTIONS)
+            options = c.CHANNEL_OPTIONS + c.server_name_option(tls_server_name)
+            self._channel = grpc.secure_channel(self._target.address, creds, options=options)
         else:
             self._channel = grpc.insecure_channel(self._target.address, options=c.CHANNEL_OPTIONS)
         # The generated stub is untyped; the request/response messages are typed by cache_pb2.pyi.

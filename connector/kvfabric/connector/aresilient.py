@@ -189,14 +189,22 @@ class AsyncResilientCache:
 
 
 def async_transport_factory(
-    target: str, *, shm_dir: str | None = None, token: str | None = None, tls_ca: str | None = None
+    target: str,
+    *,
+    shm_dir: str | None = None,
+    token: str | None = None,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> Callable[[], AsyncTransport]:
     """Return a factory for the real ``kvfabric.client.AsyncCacheClient`` (imported on first use)."""
 
     def make() -> AsyncTransport:
         from kvfabric.client import AsyncCacheClient
 
-        client: AsyncTransport = AsyncCacheClient(target, shm_dir=shm_dir, token=token, tls_ca=tls_ca)
+        client: AsyncTransport = AsyncCacheClient(
+            target, shm_dir=shm_dir, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
+        )
         return client
 
     return make

@@ -55,9 +55,14 @@ class HostStagingPath:
         store_deadline_s: float,
         store_queue_bytes: int,
         counters: Counters,
+        mac_key: bytes = layout.PUBLIC_KEY,
     ) -> None:
-        """Move the chunks of ``namespace`` through ``cache`` (``None``: nothing ever moves)."""
+        """Move the chunks of ``namespace`` through ``cache`` (``None``: nothing ever moves).
+
+        Chunks are sealed and verified with ``mac_key`` (the pool's payload key).
+        """
         self.cache = cache
+        self.mac_key = mac_key
         self.namespace = namespace
         self.chunk_tokens = chunk_tokens
         self.block_size = block_size
@@ -155,6 +160,7 @@ class HostStagingPath:
                     key=keys[i],
                     num_tokens=self.chunk_tokens,
                     num_layers=len(geo.layers),
+                    mac_key=self.mac_key,
                 )
             except layout.PayloadError as exc:
                 log.warning("chunk %s: %s", keys[i][:12], exc)
@@ -285,6 +291,7 @@ class HostStagingPath:
                     key=key,
                     num_tokens=self.chunk_tokens,
                     num_layers=len(geo.layers),
+                    mac_key=self.mac_key,
                 )
             result = cache.store(self.namespace, spec.keys, payloads, self.store_deadline_s)
             store_finished = result is not None

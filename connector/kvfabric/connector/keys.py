@@ -59,7 +59,7 @@ class NamespaceSpec:
     """Tokens per KV-cache block of the engine (a chunk is a whole number of blocks)."""
     chunk_tokens: int
     """Tokens per chunk."""
-    layout: str = "kvfabric.chunk.v1/LBHNC"
+    layout: str = "kvfabric.chunk.v2/LBHNC"
     """Byte layout of the chunk payload (see ``kvfabric.connector.layout``)."""
     tp_size: int = 1
     """Tensor-parallel size; each rank stores its own slice until a rank-independent layout exists."""
@@ -69,6 +69,9 @@ class NamespaceSpec:
     """LoRA adapter name and revision, empty for none."""
     tenant: str = ""
     """Tenant: chunks of different tenants never mix, even for identical prompts."""
+    payload_key_id: str = ""
+    """Fingerprint of the payload MAC key (``layout.key_id``): chunks sealed under another key,
+    e.g. before a rotation, are never even looked up, so they cannot shadow fresh stores."""
 
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0 or self.block_size <= 0 or self.chunk_tokens % self.block_size:

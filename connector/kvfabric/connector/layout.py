@@ -5,8 +5,10 @@ registration order, the chunk's blocks of that layer's KV tensor exactly as the 
 (vLLM 0.33 logical layout ``[blocks, kv_heads, block_size, head_k + head_v]``), i.e. a contiguous
 ``[layers, blocks, kv_heads, block_size, head_k + head_v]`` array. The cache server treats it as
 opaque bytes; the header exists so that the connector can check, end to end, that a payload is the
-chunk it asked for (namespace and key), of the expected shape, and intact (xxh3-64 of the body)
-before a single byte of it reaches the KV cache.
+chunk it asked for (namespace and key), of the expected shape, and authentic before a single byte
+of it reaches the KV cache: the header ends with a keyed BLAKE3 MAC (the pool's secret key) over
+the header fields and the body, so whoever can reach the cache server but lacks the key cannot
+forge a payload that verifies, nor move a genuine one to another key or namespace.
 
 The gather/scatter helpers index the block dimension of each layer tensor, so they work for any
 stride permutation of that logical view (vLLM's LBHNC, LBNHC, ... physical orders) and for the
@@ -15,18 +17,26 @@ legacy FlashAttention shape ``[2, blocks, block_size, kv_heads, head]`` (block d
 
 from __future__ import annotations
 
+import hmac
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import blake3
 import torch
-import xxhash
 
 MAGIC = b"KVFC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_SIZE = 128
-# magic, version, flags, namespace, key, num_tokens, num_layers, body_len, xxh3-64(body)
-_HEADER = struct.Struct("<4sHH32s32sIIQQ")
+# magic, version, flags, namespace, key, num_tokens, num_layers, body_len; then the 32-byte MAC.
+_FIELDS = struct.Struct("<4sHH32s32sIIQ")
+_MAC_SIZE = 32
+MAC_KEY_SIZE = 32
+# The key of payloads sealed without a configured pool key (tests, tools, a connector outside a
+# pool): the MAC then detects corruption but not forgery. The operator injects a per-pool key.
+PUBLIC_KEY = bytes(MAC_KEY_SIZE)
+# Bodies at least this large are hashed by several threads (BLAKE3's tree mode; same digest).
+_PARALLEL_BYTES = 4 << 20
 
 
 class PayloadError(ValueError):
@@ -245,12 +255,27 @@ def scatter_chunks(
     kv_layer.index_put_((index,), src.to(kv_layer.device, non_blocking=True))
 
 
+def _mac(fields: bytes, body: memoryview, mac_key: bytes) -> bytes:
+    if len(mac_key) != MAC_KEY_SIZE:
+        raise ValueError(f"the payload MAC key must be {MAC_KEY_SIZE} bytes")
+    threads = blake3.blake3.AUTO if len(body) >= _PARALLEL_BYTES else 1
+    h = blake3.blake3(fields, key=mac_key, max_threads=threads)
+    h.update(body)
+    return h.digest()
+
+
 def seal(
-    payload: bytearray | memoryview, *, namespace: str, key: str, num_tokens: int, num_layers: int
+    payload: bytearray | memoryview,
+    *,
+    namespace: str,
+    key: str,
+    num_tokens: int,
+    num_layers: int,
+    mac_key: bytes = PUBLIC_KEY,
 ) -> None:
-    """Write the header of ``payload`` (whose body is already filled)."""
+    """Write the header of ``payload`` (whose body is already filled), MAC'd with ``mac_key``."""
     body = memoryview(payload)[HEADER_SIZE:]
-    header = _HEADER.pack(
+    fields = _FIELDS.pack(
         MAGIC,
         FORMAT_VERSION,
         0,
@@ -259,20 +284,27 @@ def seal(
         num_tokens,
         num_layers,
         len(body),
-        xxhash.xxh3_64_intdigest(body),
     )
+    header = fields + _mac(fields, body, mac_key)
     payload[: len(header)] = header
     payload[len(header) : HEADER_SIZE] = bytes(HEADER_SIZE - len(header))
 
 
 def verify(
-    payload: bytearray | memoryview, *, namespace: str, key: str, num_tokens: int, num_layers: int
+    payload: bytearray | memoryview,
+    *,
+    namespace: str,
+    key: str,
+    num_tokens: int,
+    num_layers: int,
+    mac_key: bytes = PUBLIC_KEY,
 ) -> None:
-    """Raise :class:`PayloadError` unless ``payload`` is the intact chunk ``key`` of ``namespace``."""
+    """Raise :class:`PayloadError` unless ``payload`` is the authentic chunk ``key`` of ``namespace``."""
     view = memoryview(payload)
     if len(view) < HEADER_SIZE:
         raise PayloadError("corrupt", "payload shorter than its header")
-    magic, version, _flags, ns, k, tokens, layers, body_len, checksum = _HEADER.unpack_from(view)
+    fields = bytes(view[: _FIELDS.size])
+    magic, version, _flags, ns, k, tokens, layers, body_len = _FIELDS.unpack(fields)
     if magic != MAGIC or version != FORMAT_VERSION:
         raise PayloadError("corrupt", "bad magic or format version")
     if ns != bytes.fromhex(namespace):
@@ -281,5 +313,17 @@ def verify(
         raise PayloadError("corrupt", "payload belongs to another key")
     if tokens != num_tokens or layers != num_layers or body_len != len(view) - HEADER_SIZE:
         raise PayloadError("corrupt", "payload shape does not match this engine")
-    if xxhash.xxh3_64_intdigest(view[HEADER_SIZE:]) != checksum:
-        raise PayloadError("corrupt", "payload checksum mismatch")
+    want = view[_FIELDS.size : _FIELDS.size + _MAC_SIZE]
+    if any(view[_FIELDS.size + _MAC_SIZE : HEADER_SIZE]):
+        raise PayloadError("corrupt", "non-zero header padding")
+    if not hmac.compare_digest(_mac(fields, view[HEADER_SIZE:], mac_key), want):
+        raise PayloadError(
+            "corrupt", "payload checksum (keyed MAC) mismatch: corrupt, or not sealed with this pool's key"
+        )
+
+
+def key_id(mac_key: bytes) -> str:
+    """A public fingerprint of ``mac_key`` (part of the namespace, so a new key starts a fresh key space)."""
+    if mac_key == PUBLIC_KEY:
+        return ""
+    return blake3.blake3(b"kvfabric payload key id", key=mac_key).hexdigest()[:16]

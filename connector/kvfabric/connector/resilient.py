@@ -356,7 +356,13 @@ def build_cache(settings: ConnectorSettings, counters: Counters | None = None) -
         endpoints.append(
             Endpoint(
                 "remote",
-                transport_factory(settings.remote, token=settings.token, tls_ca=settings.tls_ca),
+                transport_factory(
+                    settings.remote,
+                    token=settings.token,
+                    tls_ca=settings.tls_ca,
+                    tls_cert=settings.tls_cert,
+                    tls_key=settings.tls_key,
+                ),
                 CircuitBreaker(settings.breaker_failures, cooldown),
             )
         )
@@ -369,6 +375,8 @@ def transport_factory(
     shm_dir: str | None = None,
     token: str | None = None,
     tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
     local_index: bool = False,
 ) -> Callable[[], Transport]:
     """Return a factory for the real ``kvfabric.client.CacheClient`` (imported on first use).
@@ -380,7 +388,13 @@ def transport_factory(
         from kvfabric.client import CacheClient  # deferred: grpc starts threads
 
         client: Transport = CacheClient(
-            target, shm_dir=shm_dir, token=token, tls_ca=tls_ca, local_index=local_index
+            target,
+            shm_dir=shm_dir,
+            token=token,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            local_index=local_index,
         )
         return client
 

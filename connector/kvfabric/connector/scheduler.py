@@ -18,11 +18,13 @@ The only I/O is the lookup, through the resilient cache (never raises, bounded b
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvfabric.connector import keys as keyslib
+from kvfabric.connector import layout
 from kvfabric.connector.costmodel import CostModel, PrefillSample, RestoreSample
 from kvfabric.connector.resilient import Counters, Reason, ResilientCache
 from kvfabric.connector.settings import ConnectorSettings
@@ -81,6 +83,8 @@ class SchedulerHalf:
         if spec.chunk_tokens != settings.chunk_tokens:
             raise ValueError("spec.chunk_tokens must equal settings.chunk_tokens")
         self.settings = settings
+        # The payload key's fingerprint is part of the namespace (NamespaceSpec.payload_key_id).
+        spec = dataclasses.replace(spec, payload_key_id=layout.key_id(settings.mac_key))
         self.spec = spec
         self.namespace = spec.digest()
         self.chunk_tokens = spec.chunk_tokens

@@ -10,6 +10,7 @@ Sources, highest priority first:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -86,6 +87,14 @@ class ConnectorSettings(BaseSettings):
     """Bearer token for the TCP listener (the Unix socket needs none)."""
     tls_ca: str | None = None
     """CA bundle (path) to verify the TCP listener's certificate; plaintext when unset."""
+    payload_key: str | None = Field(default=None, repr=False)
+    """The pool's payload secret (the operator injects it from the pool's Secret): chunks are sealed
+    and verified with a keyed MAC derived from it. Without it the MAC key is public, which detects
+    corruption but not forgery."""
+    tls_cert: str | None = None
+    """Client certificate (PEM path) for a TCP listener that requires mutual TLS."""
+    tls_key: str | None = None
+    """Private key (PEM path) of ``tls_cert``."""
     chunk_tokens: int = Field(default=256, gt=0)
     """Tokens per chunk; must be a multiple of the engine's block size."""
     tenant: str = ""
@@ -168,6 +177,13 @@ class ConnectorSettings(BaseSettings):
             if name.lower() in cls.model_fields:
                 clean[name.lower()] = value
         return cls(**clean)
+
+    @property
+    def mac_key(self) -> bytes:
+        """The 32-byte payload MAC key derived from :attr:`payload_key` (or the public key)."""
+        if not self.payload_key:
+            return bytes(32)
+        return hashlib.sha256(b"kvfabric payload mac\0" + self.payload_key.encode()).digest()
 
     @property
     def configured(self) -> bool:

@@ -18,6 +18,7 @@ The hooks never raise into the forward pass: a failure turns the step's loads in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfabric.connector import keys as keyslib
+from kvfabric.connector import layout
 from kvfabric.connector.datapath import DataPath
 from kvfabric.connector.hostpath import HostStagingPath
 from kvfabric.connector.resilient import Counters, Reason, ResilientCache
@@ -64,6 +66,10 @@ class WorkerHalf:
         if spec.chunk_tokens != settings.chunk_tokens:
             raise ValueError("spec.chunk_tokens must equal settings.chunk_tokens")
         self.settings = settings
+        # The payload key's fingerprint is part of the namespace (NamespaceSpec.payload_key_id).
+        spec = dataclasses.replace(spec, payload_key_id=layout.key_id(settings.mac_key))
+        if not spec.payload_key_id and settings.configured:
+            log.warning("no payload key (KVFABRIC_PAYLOAD_KEY): chunks are checked for damage, not forgery")
         self.spec = spec
         self.namespace = spec.digest()
         self.chunk_tokens = spec.chunk_tokens
@@ -78,6 +84,7 @@ class WorkerHalf:
             store_deadline_s=settings.store_deadline_ms / 1000,
             store_queue_bytes=settings.store_queue_bytes,
             counters=self.counters,
+            mac_key=settings.mac_key,
         )
         self._plan: StepPlan | None = None
         self._layer_index: dict[str, int] = {}

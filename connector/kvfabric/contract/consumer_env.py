@@ -33,6 +33,13 @@ class ConsumerVar(StrEnum):
     LOAD_DEADLINE_MS = "KVFABRIC_LOAD_DEADLINE_MS"
     STORE_DEADLINE_MS = "KVFABRIC_STORE_DEADLINE_MS"
     CONFIG_HASH = "KVFABRIC_CONFIG_HASH"
+    # Credentials: from the pool's Secret (secretKeyRef) or its Secret volume, never values in the
+    # pod spec, and outside the hash (docs/security.md).
+    PAYLOAD_KEY = "KVFABRIC_PAYLOAD_KEY"
+    TOKEN = "KVFABRIC_TOKEN"  # noqa: S105 - a variable name, not a secret
+    TLS_CA = "KVFABRIC_TLS_CA"
+    TLS_CERT = "KVFABRIC_TLS_CERT"
+    TLS_KEY = "KVFABRIC_TLS_KEY"
 
     @property
     def field(self) -> str:
@@ -47,7 +54,7 @@ class ConsumerEnvironment:
     pool: str
     socket: str
     shm_dir: str
-    remote: str
+    remote: str | None
     chunk_tokens: int
     tenant: str | None = None
     lookup_deadline_ms: int | None = None

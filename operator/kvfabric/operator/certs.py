@@ -44,7 +44,7 @@ def _name(common_name: str, organization: str | None = None) -> x509.Name:
     return x509.Name(attrs)
 
 
-def make_ca(common_name: str, *, days: int) -> tuple[bytes, bytes]:
+def make_ca(common_name: str, *, days: float) -> tuple[bytes, bytes]:
     """Return ``(cert_pem, key_pem)`` of a new self-signed CA (P-256: generated in microseconds)."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.UTC)
@@ -81,7 +81,7 @@ def make_leaf(
     ca_key_pem: bytes,
     *,
     common_name: str,
-    days: int,
+    days: float,
     organization: str | None = None,
     dns_names: tuple[str, ...] = (),
     ip_addresses: tuple[str, ...] = (),

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from kvfabric.contract.consumer_env import ConsumerVar
 from kvfabric.operator.api.v1alpha1 import POOL_LABEL, KVCachePool, LabelSelector
 from kvfabric.operator.render import names
 from kvfabric.operator.render.connection import ConnectionSettings, connection_settings
@@ -178,16 +179,28 @@ def inject(
         return _skip(out, SKIP_NO_CONTAINER, "the pod has no containers")
 
     env = conn.env_with_hash
+    # Secrets cannot be referenced across namespaces: only consumers in the pool's own namespace get
+    # the payload key and the TCP credentials; others use the node's Unix socket alone, with
+    # unauthenticated payloads in a key space of their own (docs/security.md).
+    same_namespace = pool_ns == pod_ns
+    credentials = conn.credential_env if same_namespace else []
+    if not same_namespace:
+        env = {k: v for k, v in env.items() if k != ConsumerVar.REMOTE.value}
     notes: list[str] = []
     for container in targets:
         existing = container.get("env") or []
         present = {e.get("name") for e in existing}
         # A value the user set wins: it is their explicit override.
         existing += [{"name": k, "value": v} for k, v in env.items() if k not in present]
+        existing += [e for e in credentials if e["name"] not in present]
         container["env"] = existing
         mounts = container.get("volumeMounts") or []
         if not any(m.get("name") == names.RUN_VOLUME for m in mounts):
             mounts.append({"name": names.RUN_VOLUME, "mountPath": conn.host_dir})
+        if conn.tcp and credentials and not any(m.get("name") == names.CLIENT_TLS_VOLUME for m in mounts):
+            mounts.append(
+                {"name": names.CLIENT_TLS_VOLUME, "mountPath": names.CLIENT_TLS_MOUNT, "readOnly": True}
+            )
         container["volumeMounts"] = mounts
         if is_vllm(container):
             notes.append(_add_kv_transfer_config(container))
@@ -198,6 +211,13 @@ def inject(
         # the connector then falls back to recompute.
         volumes.append(
             {"name": names.RUN_VOLUME, "hostPath": {"path": conn.host_dir, "type": "DirectoryOrCreate"}}
+        )
+    if conn.tcp and credentials and not any(v.get("name") == names.CLIENT_TLS_VOLUME for v in volumes):
+        volumes.append(
+            {
+                "name": names.CLIENT_TLS_VOLUME,
+                "secret": {"secretName": names.client_tls_secret_name(conn.pool), "optional": True},
+            }
         )
     out["spec"]["volumes"] = volumes
     vllm_targets = [c for c in targets if is_vllm(c)]

@@ -21,6 +21,8 @@ import aiohttp
 _KINDS: Final[dict[str, tuple[str, str]]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
     "Service": ("/api/v1", "services"),
+    "Secret": ("/api/v1", "secrets"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "Pod": ("/api/v1", "pods"),
     "Event": ("/api/v1", "events"),

@@ -21,13 +21,15 @@ import pydantic
 
 from kvfabric.operator.api.v1alpha1 import KIND, POOL_LABEL, KVCachePool
 from kvfabric.operator.kube import ApiError, KubeClient
+from kvfabric.operator.poolpki import plan_secrets
 from kvfabric.operator.render import ConfigError, connection_settings, names, render_children
+from kvfabric.operator.render.children import owner_reference
 from kvfabric.operator.status import Event, Observed, compute_status, strip_times
 
 log = logging.getLogger("kvfabric.operator.reconcile")
 
 # Kinds a pool may own and that are pruned when no longer rendered (e.g. metrics disabled).
-_PRUNABLE: Final = ("Service", "PersistentVolumeClaim")
+_PRUNABLE: Final = ("Service", "PersistentVolumeClaim", "Secret")
 PoolKey = tuple[str, str]  # (namespace, name)
 
 
@@ -78,9 +80,12 @@ async def reconcile_pool(
         configmaps = children.by_kind("ConfigMap")
         for obj in configmaps:
             await client.apply(obj, field_manager=names.FIELD_MANAGER)
+        # Credentials before the DaemonSet too: its pods mount them.
+        secrets = await _ensure_secrets(client, pool)
         others = [obj for obj in children.objects if obj["kind"] != "ConfigMap"]
+        keep = children.objects + [{"kind": "Secret", "metadata": {"name": n}} for n in secrets]
         pruned, *_ = await asyncio.gather(
-            _prune(client, namespace, name, children.objects),
+            _prune(client, namespace, name, keep),
             *(client.apply(obj, field_manager=names.FIELD_MANAGER) for obj in others),
         )
         result.applied = len(configmaps) + len(others)
@@ -129,6 +134,23 @@ async def reconcile_pool(
         for event in events:
             await post_event(client, raw, event)
     return result
+
+
+async def _ensure_secrets(client: KubeClient, pool: KVCachePool) -> frozenset[str]:
+    """Create, complete or rotate the pool's credentials; return the Secret names it should have."""
+    candidates = [
+        names.credentials_secret_name(pool.name),
+        names.ca_secret_name(pool.name),
+        names.server_tls_secret_name(pool.name),
+        names.client_tls_secret_name(pool.name),
+    ]
+    found = await asyncio.gather(*(client.get("Secret", pool.namespace, n) for n in candidates))
+    plan = plan_secrets(
+        pool, dict(zip(candidates, found, strict=True)), dt.datetime.now(dt.UTC), owner_reference(pool)
+    )
+    for body in plan.writes:
+        await client.apply(body, field_manager=names.FIELD_MANAGER)
+    return plan.wanted
 
 
 async def _none() -> None:

@@ -12,6 +12,7 @@ O_DIRECT-aligned offset::
     checksum   16s  xxh3-128 of the payload
     created_at d    shared-volume time (seconds) when the block was written
     bucket     q    TTL bucket at write time (the directory is authoritative after a refresh)
+    generation Q    the copy's generation (version 2; see ordering.py) — version 1 headers read as 0
     header_sum Q    xxh3-64 of every header byte before this field
 
 Blocks are written to a temporary name, fsynced and renamed into place, so a reader never sees half a
@@ -25,6 +26,7 @@ import contextlib
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,10 +48,12 @@ __all__ = [
 ]
 
 MAGIC = b"KVFBLK\x00\x01"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_SIZE = 4096
 ALIGN = 4096
-_FMT = struct.Struct("<8sHH32s32sQ16sdq")
+_FMT_V1 = struct.Struct("<8sHH32s32sQ16sdq")
+_FMT = struct.Struct("<8sHH32s32sQ16sdqQ")
+_VERSION = struct.Struct("<8sH")
 _SUM = struct.Struct("<Q")
 # Largest single read/write request. A 32 MiB chunk is read in one O_DIRECT request, which the kernel
 # splits into many queued bios (8 MiB pieces measured slower: a shallower device queue).
@@ -69,6 +73,7 @@ class BlockHeader:
     checksum: bytes
     created_at: float
     bucket: int
+    gen: int = 0
 
     @property
     def file_size(self) -> int:
@@ -88,6 +93,7 @@ def pack_header(h: BlockHeader) -> bytes:
         h.checksum,
         h.created_at,
         h.bucket,
+        h.gen,
     )
     body += _SUM.pack(xxhash.xxh3_64_intdigest(body))
     return body.ljust(HEADER_SIZE, b"\0")
@@ -97,14 +103,20 @@ def unpack_header(data: bytes | memoryview) -> BlockHeader:
     """Decode and verify a header; raises :class:`CorruptBlock` on any mismatch."""
     if len(data) < _FMT.size + _SUM.size:
         raise CorruptBlock("short header")
-    body = bytes(data[: _FMT.size])
-    (want,) = _SUM.unpack_from(data, _FMT.size)
+    magic, version = _VERSION.unpack_from(data)
+    fmt = _FMT_V1 if version == 1 else _FMT
+    body = bytes(data[: fmt.size])
+    (want,) = _SUM.unpack_from(data, fmt.size)
     if xxhash.xxh3_64_intdigest(body) != want:
         raise CorruptBlock("header checksum mismatch")
-    magic, version, _flags, ns, key, length, checksum, created_at, bucket = _FMT.unpack(body)
-    if magic != MAGIC or version != FORMAT_VERSION:
+    if magic != MAGIC or version not in (1, FORMAT_VERSION):
         raise CorruptBlock(f"bad magic/version {magic!r}/{version}")
-    return BlockHeader(BlockId(ns.hex(), key.hex()), length, checksum, created_at, bucket)
+    gen = 0
+    if version == 1:  # written before generations: older than any copy stored since
+        _m, _v, _flags, ns, key, length, checksum, created_at, bucket = fmt.unpack(body)
+    else:
+        _m, _v, _flags, ns, key, length, checksum, created_at, bucket, gen = fmt.unpack(body)
+    return BlockHeader(BlockId(ns.hex(), key.hex()), length, checksum, created_at, bucket, gen)
 
 
 def payload_checksum(data: bytes | bytearray | memoryview | mmap.mmap) -> bytes:
@@ -121,10 +133,15 @@ def write_block(
     created_at: float,
     bucket: int,
     checksum: bytes | None = None,
-) -> BlockHeader:
+    gen: int = 0,
+    commit: Callable[[Path, Path], bool] | None = None,
+) -> BlockHeader | None:
     """Write a block atomically and durably.
 
-    Temp file in ``tmp_dir`` (same filesystem), fsync, rename, fsync of the directory.
+    Temp file in ``tmp_dir`` (same filesystem), fsync, rename, fsync of the directory. ``commit``
+    replaces the plain rename: it renames ``tmp`` to ``final`` itself, or returns False to abandon the
+    write (a tier re-checking the generation under its lock); the temp file is then removed and None
+    returned.
 
     Returns the header written. On any error the temporary file is removed and the error re-raised.
     """
@@ -135,6 +152,7 @@ def write_block(
         checksum=checksum if checksum is not None else payload_checksum(view),
         created_at=created_at,
         bucket=bucket,
+        gen=gen,
     )
     tmp = tmp_dir / f"{os.urandom(8).hex()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -145,7 +163,12 @@ def write_block(
         os.close(fd)
         fd = -1
         final_path.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(tmp, final_path)
+        if commit is None:
+            os.rename(tmp, final_path)
+        elif not commit(tmp, final_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            return None
         # The rename is durable only once the directory entry is: without this a power loss could
         # lose a block the index (and other servers' journals) already list.
         _fsync_dir(final_path.parent)

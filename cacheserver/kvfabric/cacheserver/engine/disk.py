@@ -6,7 +6,10 @@ Layout under the tier's root::
     tmp/<server_id>/<random>.tmp             blocks being written (renamed into a bucket when complete)
 
 The index lives in memory and is rebuilt at start-up from block headers only. Reads verify both
-checksums; a block that fails is deleted, counted and reported as a miss. Capacity: a put that would
+checksums; a block that fails is deleted, counted and reported as a miss (with a reason: corrupt,
+stale, stale-handle, io-error). Ordering: every entry carries its copy's generation; a write commits
+(renames into place) only if no newer copy is indexed and no newer delete is known, checked under the
+tier's commit lock, which deletes also take. Capacity: a put that would
 take usage above the high watermark first evicts down to the low watermark; a put is also refused
 when the filesystem itself is nearly full (``min_free_fraction``) or reports ENOSPC — a refused
 write-back is a dropped copy, never an error.
@@ -28,22 +31,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from kvfabric.cacheserver.engine.base import TierUsage
+from kvfabric.cacheserver.engine.base import MissReason, ReadResult, TierName, TierUsage, read_miss_counter
 from kvfabric.cacheserver.engine.blockfile import (
     ALIGN,
     HEADER_SIZE,
     BlockHeader,
     CorruptBlock,
     aligned_buffer,
+    payload_checksum,
     read_block_into,
     read_header,
     write_block,
 )
+from kvfabric.cacheserver.engine.faults import IoFaults
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.journal import Event
+from kvfabric.cacheserver.engine.ordering import Generations
 from kvfabric.cacheserver.engine.stats import Counters
+from kvfabric.cacheserver.engine.ttl import SharedClock, bucket_of, expired_buckets
 
-__all__ = ["DiskEntry", "DiskTier"]
+__all__ = ["DiskEntry", "DiskTier", "Expiry"]
 
 log = logging.getLogger(__name__)
 EXPIRED_PREFIX = ".expired-"
@@ -56,6 +63,8 @@ class DiskEntry:
     bucket: int
     size: int
     """Whole file size (header + payload)."""
+    gen: int = 0
+    """Generation of the copy (block header)."""
 
     @property
     def length(self) -> int:
@@ -63,8 +72,36 @@ class DiskEntry:
         return self.size - HEADER_SIZE
 
 
+@dataclass(frozen=True, slots=True)
+class Expiry:
+    """When a tier's buckets expire: the clock and the TTL arithmetic (see ttl.py)."""
+
+    clock: SharedClock
+    ttl_seconds: int
+    bucket_seconds: int
+
+    def expired(self, buckets: list[int]) -> list[int]:
+        """Buckets older than the TTL now; none while the clock is unknown (never early)."""
+        now = self.clock.now()
+        if now is None:
+            return []
+        return expired_buckets(buckets, now, ttl_seconds=self.ttl_seconds, bucket_seconds=self.bucket_seconds)
+
+    def current_bucket(self) -> int | None:
+        """The bucket of now, or None while the clock is unknown."""
+        now = self.clock.now()
+        return None if now is None else bucket_of(now, self.bucket_seconds)
+
+
 class DiskTier:
-    """Block files in bucket directories, with an in-memory index, budget and watermarks."""
+    """Block files in bucket directories, with an in-memory index, budget and watermarks.
+
+    A :class:`~kvfabric.cacheserver.engine.base.BackingTier` on its own (the local disk); the
+    shared tier wraps one (:class:`~kvfabric.cacheserver.engine.shared.SharedTier`). ``on_evicted``
+    is told what capacity eviction removed; ``expiry`` makes :meth:`tick` expire old buckets.
+    """
+
+    durable = True
 
     def __init__(
         self,
@@ -79,8 +116,19 @@ class DiskTier:
         min_free_fraction: float = 0.05,
         direct_io: bool = True,
         counters: Counters | None = None,
+        generations: Generations | None = None,
+        expiry: Expiry | None = None,
+        on_evicted: Callable[[list[BlockId]], None] | None = None,
+        faults: IoFaults | None = None,
     ) -> None:
-        self.name = name
+        self.name = TierName(name)
+        self.generations = generations or Generations(time.time)
+        self.expiry = expiry
+        self._on_evicted = on_evicted
+        self.faults = faults or IoFaults()
+        # Held across a block's final rename and by deletes: "no newer copy, no newer delete" is
+        # checked and made true in one step. Separate from the index lock so lookups never wait on I/O.
+        self._commit_lock = threading.Lock()
         self.root = root
         self.capacity = capacity_bytes
         self.high = high_watermark
@@ -103,17 +151,25 @@ class DiskTier:
 
     # --- start-up ------------------------------------------------------------------------------------
 
+    def start(self) -> None:
+        """Rebuild the index from block headers (the BackingTier interface)."""
+        self.scan()
+
+    def close(self) -> None:
+        """Nothing to release: every write is complete when it returns."""
+
     def scan(self) -> int:
         """Rebuild the index from block headers and remove this server's leftover temp files.
 
-        Returns the number of blocks indexed. Corrupt headers and misplaced files are deleted.
+        Returns the number of blocks indexed. Corrupt headers, misplaced files and copies that a
+        known delete superseded are deleted; of two copies of one key the newer generation stays.
         """
         removed_tmp = 0
         for e in os.scandir(self.tmp_dir):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(e.path)
                 removed_tmp += 1
-        found: list[tuple[BlockId, int, int, float]] = []
+        found: list[tuple[BlockId, int, int, float, int]] = []
         for bdir in os.scandir(self.buckets_dir):
             if bdir.name.startswith(EXPIRED_PREFIX):
                 # A bucket claimed for expiry by a server that died mid-delete: finish the job.
@@ -138,17 +194,25 @@ class DiskTier:
                     continue
                 except FileNotFoundError:
                     continue
-                found.append((bid, bucket, header.file_size, header.created_at))
+                if not self.generations.admits(bid, header.gen):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(f.path)
+                    continue
+                self.generations.observe(header.gen)
+                found.append((bid, bucket, header.file_size, header.created_at, header.gen))
         found.sort(key=lambda t: (t[1], t[3]))  # oldest first: LRU order approximated by age
         with self._lock:
-            for bid, bucket, size, _ in found:
+            for bid, bucket, size, _, gen in found:
                 old = self._index.get(bid)
                 if old is not None:
-                    # Two copies (a concurrent write into another bucket): keep the newer bucket's.
-                    self._drop_locked(bid)
+                    # Two copies (a concurrent write into another bucket): keep the newer one.
+                    loser = bucket if old.gen > gen else old.bucket
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self._path(bid, old.bucket))
-                self._add_locked(bid, DiskEntry(bucket, size))
+                        os.unlink(self._path(bid, loser))
+                    if old.gen > gen:
+                        continue
+                    self._drop_locked(bid)
+                self._add_locked(bid, DiskEntry(bucket, size, gen))
         log.info(
             "tier index rebuilt",
             extra={"tier": self.name, "blocks": len(found), "removed_tmp": removed_tmp, "used": self._used},
@@ -203,6 +267,16 @@ class DiskTier:
         with self._lock:
             return self._index.get(bid)
 
+    def generation(self, bid: BlockId) -> int | None:
+        """Generation of the indexed copy, or None."""
+        entry = self._index.get(bid)
+        return None if entry is None else entry.gen
+
+    def length(self, bid: BlockId) -> int | None:
+        """Payload length of the indexed copy, or None."""
+        entry = self._index.get(bid)
+        return None if entry is None else entry.length
+
     def buckets(self) -> list[int]:
         """Buckets holding at least one indexed block, oldest first."""
         with self._lock:
@@ -239,26 +313,33 @@ class DiskTier:
             return None
         buf = aligned_buffer(entry.length)
         try:
-            header = self.read_into(bid, memoryview(buf))
-            return None if header is None else buf[: header.length]
+            res = self.read_into(bid, memoryview(buf))
+            return buf[: res.length] if res.ok else None
         finally:
             buf.close()
 
-    def read_into(self, bid: BlockId, dest: memoryview) -> BlockHeader | None:
+    def read_into(self, bid: BlockId, dest: memoryview) -> ReadResult:
         """Read and verify a block into ``dest`` (page-aligned, room for the payload rounded up to 4 KiB).
 
-        A missing file or a checksum failure is a miss; a corrupt file is deleted and counted.
+        Every failure is a miss with a reason, and the entry is dropped (and counted per reason):
+        a vanished file (deleted or expired elsewhere), a corrupt one (deleted), a copy older than the
+        index or a tombstone allows, ESTALE, or any other I/O error — including a file whose length
+        is not the one the index promised.
         """
         entry = self.entry(bid)
         if entry is None:
-            return None
+            return ReadResult.missed(MissReason.ABSENT)
         path = self._path(bid, entry.bucket)
         try:
+            self.faults.before_read()
+            if len(dest) < -(-entry.length // ALIGN) * ALIGN:
+                raise ValueError(f"destination holds {len(dest)} bytes, index says {entry.length}")
             header = read_block_into(path, bid, dest, direct=self.direct_io)
+            if header.length != entry.length:
+                raise ValueError(f"file holds {header.length} bytes, index says {entry.length}")
         except FileNotFoundError:
             # Deleted or expired by another server before its journal entry reached us.
-            self._forget(bid, entry.bucket)
-            return None
+            return self._miss(bid, entry, MissReason.ABSENT)
         except CorruptBlock as exc:
             log.warning(
                 "corrupt block removed", extra={"tier": self.name, "path": str(path), "reason": str(exc)}
@@ -267,11 +348,23 @@ class DiskTier:
             self._forget(bid, entry.bucket)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            return None
+            return self._miss(bid, entry, MissReason.CORRUPT)
+        except (OSError, ValueError) as exc:
+            stale = isinstance(exc, OSError) and exc.errno == errno.ESTALE
+            log.warning("block read failed", extra={"tier": self.name, "path": str(path), "reason": str(exc)})
+            return self._miss(bid, entry, MissReason.STALE_HANDLE if stale else MissReason.IO_ERROR)
+        if header.gen < entry.gen or not self.generations.admits(bid, header.gen):
+            # Another server's older write-back renamed over a newer copy, or a delete superseded it.
+            return self._miss(bid, entry, MissReason.STALE)
         with self._lock:
             if bid in self._index:
                 self._index.move_to_end(bid)
-        return header
+        return ReadResult(header.length, header.gen)
+
+    def _miss(self, bid: BlockId, entry: DiskEntry, reason: MissReason) -> ReadResult:
+        self._forget(bid, entry.bucket)
+        self.counters.inc(read_miss_counter(reason), self.name)
+        return ReadResult.missed(reason)
 
     def _forget(self, bid: BlockId, bucket: int) -> None:
         with self._lock:
@@ -281,26 +374,73 @@ class DiskTier:
 
     def put(self, bid: BlockId, payload: bytes | bytearray | memoryview, *, bucket: int) -> bool:
         """Write a block atomically into ``bucket``; False if it does not fit (the Tier interface)."""
-        return self.write(bid, payload, bucket=bucket) is not None
+        view = memoryview(payload).cast("B")
+        return self.write(
+            bid,
+            view,
+            gen=self.generations.next(),
+            bucket=bucket,
+            created_at=time.time(),
+            checksum=payload_checksum(view),
+        )
 
     def write(
         self,
         bid: BlockId,
+        payload: memoryview,
+        *,
+        gen: int,
+        bucket: int,
+        created_at: float,
+        checksum: bytes,
+    ) -> bool:
+        """Write a copy of generation ``gen`` atomically into ``bucket``.
+
+        False if it does not fit (budget or disk full), or if a newer copy or delete of the key is
+        known when it would commit: the final rename happens under the commit lock after re-checking
+        both, and a copy left in another bucket is removed with it.
+        """
+        return (
+            self.write_header(bid, payload, gen=gen, bucket=bucket, created_at=created_at, checksum=checksum)
+            is not None
+        )
+
+    def write_header(
+        self,
+        bid: BlockId,
         payload: bytes | bytearray | memoryview | mmap.mmap,
         *,
+        gen: int,
         bucket: int,
-        created_at: float | None = None,
+        created_at: float,
         checksum: bytes | None = None,
     ) -> BlockHeader | None:
-        """Write a block atomically into ``bucket``; None if it does not fit (budget or disk full).
-
-        ``checksum`` lets a caller writing one payload to several tiers hash it once.
-        """
+        """:meth:`write`, returning the header written (None when refused)."""
         length = memoryview(payload).nbytes
         size = HEADER_SIZE + length
+        if not self._fresh(bid, gen):
+            return None
         if not self._reserve(size):
             self.counters.inc("writes_refused", self.name)
             return None
+        stale_copy: list[Path] = []
+
+        def commit(tmp: Path, final: Path) -> bool:
+            self.faults.before_commit()
+            with self._commit_lock:
+                if not self._fresh(bid, gen):
+                    return False
+                os.rename(tmp, final)
+                with self._lock:
+                    old = self._index.get(bid)
+                    if old is not None and old.bucket != bucket:
+                        stale_copy.append(self._path(bid, old.bucket))
+                    self._add_locked(bid, DiskEntry(bucket, size, gen))
+                for p in stale_copy:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(p)
+            return True
+
         try:
             if not self._disk_has_room(size):
                 self.counters.inc("writes_refused", self.name)
@@ -311,21 +451,28 @@ class DiskTier:
                     self._path(bid, bucket),
                     bid,
                     payload,
-                    created_at=time.time() if created_at is None else created_at,
+                    created_at=created_at,
                     bucket=bucket,
                     checksum=checksum,
+                    gen=gen,
+                    commit=commit,
                 )
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     self.counters.inc("writes_refused", self.name)
                     return None
                 raise
-            with self._lock:
-                self._add_locked(bid, DiskEntry(bucket, header.file_size))
+            if header is None:
+                self.counters.inc("writes_superseded", self.name)
             return header
         finally:
             with self._lock:
                 self._reserved -= size
+
+    def _fresh(self, bid: BlockId, gen: int) -> bool:
+        """Whether a copy of ``gen`` is newer than the indexed one and every known delete."""
+        cur = self._index.get(bid)
+        return (cur is None or cur.gen < gen) and self.generations.admits(bid, gen)
 
     def _disk_has_room(self, size: int) -> bool:
         try:
@@ -351,15 +498,43 @@ class DiskTier:
                 return True
         return False
 
-    def delete(self, bid: BlockId) -> bool:
-        """Delete a block's file and index entry."""
-        with self._lock:
-            entry = self._drop_locked(bid)
-        if entry is None:
-            return False
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path(bid, entry.bucket))
-        return True
+    def delete(self, bid: BlockId, gen: int | None = None) -> bool:
+        """Delete a block's copies older than ``gen`` (all if None): index entry and file.
+
+        With a generation (a delete request) every bucket directory is swept for a copy the index
+        does not know (one another server wrote), so no stale copy comes back at the next scan.
+        """
+        with self._commit_lock:
+            with self._lock:
+                cur = self._index.get(bid)
+                entry = self._drop_locked(bid) if cur is not None and (gen is None or cur.gen < gen) else None
+            if entry is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._path(bid, entry.bucket))
+            if gen is not None:
+                for b in self.bucket_dirs():
+                    if entry is not None and b == entry.bucket:
+                        continue
+                    path = self._path(bid, b)
+                    try:
+                        if read_header(path).gen < gen:
+                            os.unlink(path)
+                    except (FileNotFoundError, CorruptBlock):
+                        continue
+        return entry is not None
+
+    def purge(self, bid: BlockId, gen: int) -> bool:
+        """Apply a delete learned from another server: the same as :meth:`delete` here."""
+        return self.delete(bid, gen)
+
+    def forget(self, bid: BlockId, gen: int) -> bool:
+        """Drop the index entry if its copy is older than ``gen`` (no filesystem access)."""
+        with self._commit_lock, self._lock:
+            cur = self._index.get(bid)
+            if cur is None or cur.gen >= gen:
+                return False
+            self._drop_locked(bid)
+            return True
 
     def usage(self) -> TierUsage:
         """Return the current occupancy (as far as the index knows)."""
@@ -394,13 +569,32 @@ class DiskTier:
                 os.unlink(self._path(bid, entry.bucket))
         if victims:
             self.counters.inc("evictions", self.name, len(victims))
-            self.on_evicted([bid for bid, _ in victims])
+            if self._on_evicted is not None:
+                self._on_evicted([bid for bid, _ in victims])
         return [bid for bid, _ in victims]
 
-    def on_evicted(self, bids: list[BlockId]) -> None:
-        """Run after evictions (the tiered store hooks this to journal shared-tier deletes)."""
+    def evict_above_high(self) -> None:
+        """Evict down to the low watermark if usage is above the high one."""
+        u = self.usage()
+        if u.used_bytes > u.high_bytes:
+            self.evict(int(u.capacity_bytes * u.low_watermark))
+
+    def tick(self) -> None:
+        """Janitor work: evict above the high watermark; expire buckets older than the TTL."""
+        self.evict_above_high()
+        if self.expiry is None:
+            return
+        for b in self.expiry.expired(self.bucket_dirs()):
+            gone = self.expire_bucket(b)
+            if gone is not None:
+                log.info("bucket expired", extra={"tier": self.name, "bucket": b, "blocks": len(gone)})
 
     # --- TTL -----------------------------------------------------------------------------------------
+
+    def wants_refresh(self, bid: BlockId, bucket: int) -> bool:
+        """Whether the indexed copy sits in an older bucket than ``bucket``."""
+        entry = self._index.get(bid)
+        return entry is not None and entry.bucket < bucket
 
     def refresh(self, bid: BlockId, bucket: int) -> bool:
         """Move a block into ``bucket`` (a hit keeps it alive); True if it moved."""
@@ -412,14 +606,15 @@ class DiskTier:
         src, dst = self._path(bid, old_bucket), self._path(bid, bucket)
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(src, dst)
+            with self._commit_lock:
+                os.rename(src, dst)
         except FileNotFoundError:
             self._forget(bid, old_bucket)
             return False
         with self._lock:
             cur = self._index.get(bid)
             if cur is not None and cur.bucket == old_bucket:
-                self._add_locked(bid, DiskEntry(bucket, cur.size))
+                self._add_locked(bid, DiskEntry(bucket, cur.size, cur.gen))
         return True
 
     def expire_bucket(self, bucket: int) -> list[BlockId] | None:
@@ -451,12 +646,19 @@ class DiskTier:
     # --- journal events from other servers -----------------------------------------------------------
 
     def apply(self, events: list[Event]) -> None:
-        """Update the index from other servers' journal events (no filesystem access)."""
+        """Update the index from other servers' journal events (no filesystem access).
+
+        A ``P`` of an older generation than the indexed copy, or one a known delete superseded, is
+        ignored; ``T`` (deletes) is applied by the shared tier, which owns the journal.
+        """
         forget: list[int] = []
         with self._lock:
             for ev in events:
                 if ev.op == "P" and ev.bid is not None:
-                    self._add_locked(ev.bid, DiskEntry(ev.bucket, HEADER_SIZE + ev.length))
+                    self.generations.observe(ev.gen)
+                    cur = self._index.get(ev.bid)
+                    if (cur is None or cur.gen <= ev.gen) and self.generations.admits(ev.bid, ev.gen):
+                        self._add_locked(ev.bid, DiskEntry(ev.bucket, HEADER_SIZE + ev.length, ev.gen))
                 elif ev.op == "D" and ev.bid is not None:
                     self._drop_locked(ev.bid)
                 elif ev.op == "X":

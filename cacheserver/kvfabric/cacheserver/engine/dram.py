@@ -21,12 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfabric.cacheserver.engine.base import TierUsage
+from kvfabric.cacheserver.engine.base import TierName, TierUsage
 from kvfabric.cacheserver.engine.blockfile import ALIGN
 from kvfabric.cacheserver.engine.ids import BlockId
+from kvfabric.cacheserver.engine.ordering import Generations
 from kvfabric.cacheserver.engine.stats import Counters
 
-__all__ = ["DramBlock", "DramTier", "OpenBlock"]
+__all__ = ["BytesBlock", "DramBlock", "DramTier", "OpenBlock"]
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +44,17 @@ class DramBlock:
     """Payload bytes."""
     size: int
     """Bytes charged to the budget (the file, rounded up to a page)."""
+    gen: int = 0
+    """Generation of the stored copy (see ordering.py)."""
 
 
 class OpenBlock:
     """An open, read-only handle on a DRAM block; stays valid after eviction. Close it."""
 
-    def __init__(self, fd: int, length: int) -> None:
+    def __init__(self, fd: int, length: int, gen: int = 0) -> None:
         self.fd = fd
         self.length = length
+        self.gen = gen
         self._map: mmap.mmap | None = None
 
     def view(self) -> memoryview:
@@ -82,10 +86,44 @@ class OpenBlock:
         self.close()
 
 
-class DramTier:
-    """LRU tier of tmpfs files with a byte budget and high/low watermarks."""
+class BytesBlock:
+    """Verified payload bytes served from a lower tier when DRAM could not take the block.
 
-    name = "dram"
+    The same surface as :class:`OpenBlock` (``length``, ``gen``, ``view``, ``read``, ``close``), so a
+    load's result is one type to the service whichever tier answered.
+    """
+
+    def __init__(self, data: bytes, gen: int = 0) -> None:
+        self.data = data
+        self.length = len(data)
+        self.gen = gen
+
+    def view(self) -> memoryview:
+        """Return the payload as a read-only memoryview."""
+        return memoryview(self.data)
+
+    def read(self) -> bytes:
+        """Return the payload."""
+        return self.data
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def __enter__(self) -> BytesBlock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DramTier:
+    """LRU tier of tmpfs files with a byte budget and high/low watermarks.
+
+    With ``generations`` (the tiered store passes its own) a block older than its key's latest
+    delete is never admitted, and a newer resident copy is never replaced by an older one.
+    """
+
+    name = TierName.DRAM
 
     def __init__(
         self,
@@ -95,7 +133,9 @@ class DramTier:
         high_watermark: float = 1.0,
         low_watermark: float = 0.9,
         counters: Counters | None = None,
+        generations: Generations | None = None,
     ) -> None:
+        self.generations = generations
         self.dir = directory
         self.capacity = capacity_bytes
         self.high = high_watermark
@@ -159,12 +199,13 @@ class DramTier:
 
         return self.put_with(bid, len(view), fill)
 
-    def delete(self, bid: BlockId) -> bool:
-        """Drop a block (clients that opened it keep their bytes)."""
+    def delete(self, bid: BlockId, gen: int | None = None) -> bool:
+        """Drop a block older than ``gen`` (any if None); clients that opened it keep their bytes."""
         with self._lock:
-            blk = self._index.pop(bid, None)
-            if blk is None:
+            blk = self._index.get(bid)
+            if blk is None or (gen is not None and blk.gen >= gen):
                 return False
+            del self._index[bid]
             self._used -= blk.size
         self._unlink(blk.name)
         if self.on_change is not None:
@@ -211,14 +252,29 @@ class DramTier:
             fd = os.open(self.dir / blk.name, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
-        return OpenBlock(fd, blk.length)
+        return OpenBlock(fd, blk.length, blk.gen)
 
-    def put_with(self, bid: BlockId, length: int, fill: Callable[[int], None]) -> bool:
+    def generation(self, bid: BlockId) -> int | None:
+        """Generation of the resident copy, or None."""
+        blk = self._index.get(bid)
+        return None if blk is None else blk.gen
+
+    def put_with(
+        self,
+        bid: BlockId,
+        length: int,
+        fill: Callable[[int], None],
+        *,
+        gen: int | Callable[[], int] = 0,
+    ) -> bool:
         """Create a block of ``length`` bytes and let ``fill(fd)`` write its payload.
 
         Room is reserved first (evicting LRU blocks down to the low watermark when needed), so the
         tier never exceeds its high watermark even with puts in flight. ``fill`` may raise; the
-        block is then discarded and the error propagates.
+        block is then discarded and the error propagates. ``gen`` is the copy's generation, or a
+        function returning it after ``fill`` (a promotion learns it from the block header). The
+        block is admitted only if no delete of its key is newer and no newer copy is resident;
+        returns False when refused (no room, or superseded).
         """
         size = max(ALIGN, -(-length // ALIGN) * ALIGN)
         if not self._reserve(size):
@@ -238,14 +294,26 @@ class DramTier:
             with self._lock:
                 self._reserved -= size
             raise
+        g = gen() if callable(gen) else gen
         old: DramBlock | None
         with self._lock:
+            # Checked and committed under one lock hold: a delete records its tombstone before it
+            # takes this lock to drop the resident copy, so a copy it superseded never lands after it.
             self._reserved -= size
-            old = self._index.pop(bid, None)
-            if old is not None:
-                self._used -= old.size
-            self._index[bid] = DramBlock(name, length, size)
-            self._used += size
+            cur = self._index.get(bid)
+            admitted = (self.generations is None or self.generations.admits(bid, g)) and (
+                cur is None or cur.gen <= g
+            )
+            old = None
+            if admitted:
+                old = self._index.pop(bid, None)
+                if old is not None:
+                    self._used -= old.size
+                self._index[bid] = DramBlock(name, length, size, g)
+                self._used += size
+        if not admitted:
+            self._unlink(name)
+            return cur is not None and cur.gen > g  # a newer copy is resident: the key is stored
         if old is not None:
             self._unlink(old.name)
         if self.on_change is not None:

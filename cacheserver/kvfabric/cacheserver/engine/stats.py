@@ -21,13 +21,14 @@ class Counters:
 
     def inc(self, name: str, tier: str = "", n: int = 1) -> None:
         """Add ``n`` to counter ``name`` for ``tier``."""
+        key = (name, str(tier))  # a TierName counts under its plain string value
         with self._lock:
-            self._c[(name, tier)] += n
+            self._c[key] += n
 
     def get(self, name: str, tier: str = "") -> int:
         """Return the current value of one counter."""
         with self._lock:
-            return self._c[(name, tier)]
+            return self._c[(name, str(tier))]
 
     def snapshot(self) -> dict[tuple[str, str], int]:
         """Return a copy of every counter."""

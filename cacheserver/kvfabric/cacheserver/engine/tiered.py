@@ -1,132 +1,141 @@
-"""TieredStore: DRAM over local disk over the shared volume, composed from independent tiers.
+"""TieredStore: DRAM over an ordered list of backing tiers, composed through their protocol alone.
 
+* The tiers are ``[dram, *backing]``, fastest first: local disk, the shared volume, then any
+  ``tiers.extra`` (engine/tiers.py builds them). The store knows no tier by name; every call goes
+  through :class:`~kvfabric.cacheserver.engine.base.Tier` / ``BackingTier``.
 * Lookups answer from the in-memory indexes only.
-* A put lands in DRAM at once; write-back to the disk tiers happens on a separate thread pool, bounded
-  by ``store_queue_bytes`` (beyond it the copy is dropped and counted — the block stays in DRAM).
-* A hit in a lower tier is promoted into DRAM (one verified read straight into the tmpfs file) and
-  refreshed into the current TTL bucket; a shared-tier hit is also copied to local disk.
-* Background threads tail the other servers' journals and run the janitor (clock, lease, eviction,
-  bucket expiry).
+* A put lands in DRAM at once with a fresh generation; write-back to every backing tier happens on a
+  separate thread pool, bounded by ``store_queue_bytes`` (beyond it the copy is dropped and counted —
+  the block stays in DRAM).
+* A hit in a backing tier is promoted into DRAM (one verified read straight into the tmpfs file),
+  refreshed into the current TTL bucket, and copied into the faster backing tiers that lack it.
+* A delete records a tombstone first, then removes older copies from every tier; a tier that learns
+  of a delete made on another server reports it (``on_delete``) and the store applies it everywhere.
+  No tier admits a copy a tombstone superseded, so nothing in flight resurrects a deleted key.
+* The janitor syncs the clock and ticks each backing tier (eviction, expiry, leases).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter as Tally
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kvfabric.cacheserver.config import ServerConfig
-from kvfabric.cacheserver.engine.blockfile import ALIGN, payload_checksum
-from kvfabric.cacheserver.engine.disk import DiskTier
-from kvfabric.cacheserver.engine.dram import DramBlock, DramTier, OpenBlock
-from kvfabric.cacheserver.engine.ids import BlockId
-from kvfabric.cacheserver.engine.journal import Event, JournalReader, JournalWriter
-from kvfabric.cacheserver.engine.stats import Counters
-from kvfabric.cacheserver.engine.ttl import (
-    SharedClock,
-    bucket_of,
-    drop_lease,
-    expired_buckets,
-    live_servers,
-    owner_of,
-    touch_lease,
+from kvfabric.cacheserver.engine.base import (
+    BackingTier,
+    MissReason,
+    Tier,
+    TierName,
+    TierUsage,
+    read_miss_counter,
 )
+from kvfabric.cacheserver.engine.blockfile import ALIGN, payload_checksum
+from kvfabric.cacheserver.engine.dram import BytesBlock, DramBlock, DramTier, OpenBlock
+from kvfabric.cacheserver.engine.ids import BlockId
+from kvfabric.cacheserver.engine.ordering import Generations
+from kvfabric.cacheserver.engine.stats import Counters
+from kvfabric.cacheserver.engine.tiers import TierContext, build_backing_tiers
+from kvfabric.cacheserver.engine.ttl import SharedClock, bucket_of
 
-__all__ = ["TieredStore"]
+__all__ = ["Payload", "TieredStore"]
 
 log = logging.getLogger(__name__)
-STALE_TMP_SECONDS = 3600.0
+
+Payload = OpenBlock | BytesBlock
+"""A load's result: an open DRAM block, or verified bytes when DRAM could not take the block.
+Both have ``length``, ``gen``, ``view()``, ``read()`` and ``close()``."""
 
 
 class _Miss(Exception):  # noqa: N818 - control flow inside a fill callback, never escapes
-    pass
+    def __init__(self, reason: MissReason) -> None:
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
 class _Pending:
     bid: BlockId
     handle: OpenBlock
-    targets: tuple[DiskTier, ...]
+    targets: tuple[BackingTier, ...]
 
 
 class TieredStore:
-    """The cache's storage: tiers, write-back, promotion, journals and the janitor."""
+    """The cache's storage: tiers, write-back, promotion, deletes and the janitor."""
 
-    def __init__(self, config: ServerConfig, *, counters: Counters | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        counters: Counters | None = None,
+        backing: Callable[[TierContext], Sequence[BackingTier]] = build_backing_tiers,
+    ) -> None:
         self.config = config
         self.server_id = config.resolved_server_id()
         self.counters = counters or Counters()
         t = config.tiers
+        # One clock for every expiry decision: the shared volume's when there is one.
+        self.clock = SharedClock(None if t.shared is None else t.shared.path / "clock")
+        self.generations = Generations(self.clock.now_or_local)
         self.dram = DramTier(
             config.shm.dir,
             t.dram.capacity_bytes,
             high_watermark=t.dram.high_watermark,
             low_watermark=t.dram.low_watermark,
             counters=self.counters,
+            generations=self.generations,
         )
-        self.local: DiskTier | None = None
-        if t.local_disk is not None:
-            self.local = DiskTier(
-                "local_disk",
-                t.local_disk.path,
-                t.local_disk.capacity_bytes,
-                server_id=self.server_id,
-                high_watermark=t.local_disk.high_watermark,
-                low_watermark=t.local_disk.low_watermark,
-                min_free_fraction=t.local_disk.min_free_fraction,
-                policy="lru",
-                counters=self.counters,
-            )
-        self.shared: DiskTier | None = None
-        self.journal: JournalWriter | None = None
-        self._reader: JournalReader | None = None
-        clock_path: Path | None = None
-        if t.shared is not None:
-            root = t.shared.path
-            self.shared = DiskTier(
-                "shared",
-                root,
-                t.shared.capacity_bytes,
-                server_id=self.server_id,
-                high_watermark=t.shared.high_watermark,
-                low_watermark=t.shared.low_watermark,
-                min_free_fraction=t.shared.min_free_fraction,
-                policy="oldest_bucket",
-                counters=self.counters,
-            )
-            self.shared.on_evicted = self._journal_deletes  # type: ignore[method-assign]
-            self.lease_dir = root / "leases"
-            clock_path = root / "clock"
-            self._reader = JournalReader(root / "journals", self.server_id)
-        self.clock = SharedClock(clock_path)
+        ctx = TierContext(
+            config=config,
+            server_id=self.server_id,
+            counters=self.counters,
+            generations=self.generations,
+            clock=self.clock,
+            on_delete=self._deleted_elsewhere,
+        )
+        self.backing: tuple[BackingTier, ...] = tuple(backing(ctx))
+        self.tiers: tuple[Tier, ...] = (self.dram, *self.backing)
+        self._has = tuple((tier.name, tier.has) for tier in self.tiers)
         self._wb_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="writeback")
         self._wb_lock = threading.Lock()
+        self._wb_done = threading.Condition(self._wb_lock)
         self._wb_bytes = 0
-        self._refreshing: set[tuple[str, BlockId]] = set()
+        self._wb_keys: Tally[BlockId] = Tally()  # write-back jobs queued or running, per key
+        self._refreshing: set[tuple[TierName, BlockId]] = set()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
-    @property
-    def disk_tiers(self) -> list[DiskTier]:
-        """The configured disk tiers, fastest first."""
-        return [x for x in (self.local, self.shared) if x is not None]
+    def tier(self, name: TierName | str) -> Tier:
+        """The configured tier called ``name`` (KeyError if none is)."""
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(name)
 
-    def set_listener(self, on_change: Callable[[list[BlockId]], None] | None) -> None:
+    def set_listener(self, on_change: Callable[[list[BlockId]], None] | None) -> bool:
         """Call ``on_change(blocks)`` after any tier's index gains or loses blocks (before start()).
 
         Called from whichever thread changed the index, possibly under that tier's lock: it must not
-        call back into a tier except through the lock-free :meth:`lookup`.
+        call back into a tier except through the lock-free :meth:`lookup`. Returns False (and
+        installs nothing) when some tier cannot report its changes (an extra tier without an
+        ``on_change`` hook): a published index would then miss that tier's blocks.
         """
-        self.dram.on_change = on_change
-        for tier in self.disk_tiers:
-            tier.on_change = on_change
+        targets: list[Any] = [self.dram]
+        for tier in self.backing:
+            target = getattr(tier, "disk", tier)  # the shared tier keeps its index in a DiskTier
+            if not hasattr(target, "on_change"):
+                return False
+            targets.append(target)
+        for target in targets:
+            target.on_change = on_change
+        return True
 
     def tier_of(self, bid: BlockId) -> str | None:
         """The fastest tier indexing ``bid`` now (index only), or None."""
@@ -136,17 +145,14 @@ class TieredStore:
     # --- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Rebuild indexes from block headers, open the journal, start background threads."""
-        if self.shared is not None and self._reader is not None:
-            # Tail from the current ends *before* scanning, so nothing written meanwhile is missed.
-            self._reader.skip_to_end()
-            self.journal = JournalWriter(self.shared.root / "journals", self.server_id)
-            touch_lease(self.lease_dir, self.server_id)
-        for tier in self.disk_tiers:
-            tier.scan()
-        if self.shared is not None:
-            self._spawn("journal-tail", self._tail_loop, self.config.journal_poll_seconds)
-        self._spawn("janitor", self._janitor_loop, self.config.janitor_interval_seconds)
+        """Start the backing tiers (rebuilding their indexes) and the janitor.
+
+        Slowest first: a lower tier may hold tombstones (the shared volume does) that a faster one
+        must honour while it rebuilds its index.
+        """
+        for tier in reversed(self.backing):
+            tier.start()
+        self._spawn("janitor", self.janitor_tick, self.config.janitor_interval_seconds)
 
     def _spawn(self, name: str, fn: Callable[[], None], every: float) -> None:
         def loop() -> None:
@@ -166,50 +172,54 @@ class TieredStore:
         self._wb_pool.shutdown(wait=True)
         for th in self._threads:
             th.join(timeout=5)
-        if self.shared is not None:
-            drop_lease(self.lease_dir, self.server_id)
-        if self.journal is not None:
-            self.journal.close()
+        for tier in self.backing:
+            tier.close()
 
     # --- reads ---------------------------------------------------------------------------------------
 
-    def lookup(self, bids: list[BlockId]) -> list[str]:
+    def lookup(self, bids: list[BlockId]) -> list[TierName]:
         """Tier name of each leading present key (index only, no storage access)."""
-        out: list[str] = []
-        dram, local, shared = self.dram, self.local, self.shared
+        out: list[TierName] = []
+        has = self._has
         for bid in bids:
-            if dram.has(bid):
-                out.append("dram")
-            elif local is not None and local.has(bid):
-                out.append("local_disk")
-            elif shared is not None and shared.has(bid):
-                out.append("shared")
+            for name, present in has:
+                if present(bid):
+                    out.append(name)
+                    break
             else:
                 break
         return out
 
+    def resident(self, bids: list[BlockId]) -> bool:
+        """Whether every block is in DRAM now (a load of them needs no I/O)."""
+        return all(self.dram.contains(b) for b in bids)
+
     def ensure_dram(self, bid: BlockId) -> DramBlock | None:
-        """Return the DRAM block for ``bid``, promoting it from a disk tier if needed; None on a miss."""
+        """Return the DRAM block for ``bid``, promoting it from a backing tier if needed; None on a miss."""
         blk = self.dram.slot(bid)
         if blk is not None:
-            self.counters.inc("hits", "dram")
+            self.counters.inc("hits", TierName.DRAM)
             self._refresh_later(bid)
             return blk
-        for tier in self.disk_tiers:
-            entry = tier.entry(bid)
-            if entry is None:
+        for i, tier in enumerate(self.backing):
+            length = tier.length(bid)
+            if length is None:
                 continue
-            if self._promote(tier, bid, entry.length):
+            gen = self._promote(tier, bid, length)
+            if gen is not None:
                 self.counters.inc("hits", tier.name)
                 self._refresh(tier, bid)
-                if tier is self.shared and self.local is not None and not self.local.contains(bid):
-                    self._enqueue_writeback(bid, (self.local,))
+                faster = tuple(t for t in self.backing[:i] if (t.generation(bid) or 0) < gen)
+                if faster:
+                    self._enqueue_writeback(bid, faster)
                 return self.dram.slot(bid)
         self.counters.inc("misses")
         return None
 
-    def _promote(self, tier: DiskTier, bid: BlockId, length: int) -> bool:
+    def _promote(self, tier: BackingTier, bid: BlockId, length: int) -> int | None:
+        """Read a block from ``tier`` into a new DRAM block; its generation, or None on a miss."""
         padded = max(ALIGN, -(-length // ALIGN) * ALIGN)
+        got: list[int] = []
 
         def fill(fd: int) -> None:
             # Read straight into the tmpfs file (page-aligned mapping: O_DIRECT-friendly), verified.
@@ -219,38 +229,48 @@ class TieredStore:
             with mmap.mmap(fd, padded) as m:
                 view = memoryview(m)
                 try:
-                    header = tier.read_into(bid, view)
+                    res = tier.read_into(bid, view)
                 finally:
                     view.release()
-            if header is None or header.length != length:
-                raise _Miss
+            if res.miss is not None:
+                raise _Miss(res.miss)
+            if res.length != length:
+                raise _Miss(MissReason.IO_ERROR)
             os.ftruncate(fd, length)
+            got.append(res.gen)
 
         try:
-            return self.dram.put_with(bid, length, fill)
+            if not self.dram.put_with(bid, length, fill, gen=lambda: got[0]):
+                return None
         except _Miss:
-            return False
+            return None  # counted by the tier, which dropped the entry
+        except OSError as exc:
+            # The DRAM side failed (tmpfs full: ENOSPC/EFAULT while the read fills its pages): a
+            # miss with a reason, never an error to the client; the disk copy stays.
+            log.warning("promotion failed", extra={"tier": tier.name, "key": bid.key, "reason": str(exc)})
+            self.counters.inc(read_miss_counter(MissReason.IO_ERROR), TierName.DRAM)
+            return None
+        return self.dram.generation(bid)
 
-    def _refresh(self, tier: DiskTier, bid: BlockId) -> None:
+    def _current_bucket(self) -> int | None:
         now = self.clock.now()
-        if now is None:
-            return
-        bucket = bucket_of(now, self.config.bucket_seconds)
-        entry = tier.entry(bid)
-        moved = entry is not None and entry.bucket < bucket and tier.refresh(bid, bucket)
-        if moved and entry is not None and tier is self.shared and self.journal is not None:
-            self.journal.append([Event("P", bid, bucket, entry.length)])
+        return None if now is None else bucket_of(now, self.config.bucket_seconds)
+
+    def _refresh(self, tier: BackingTier, bid: BlockId) -> None:
+        bucket = self._current_bucket()
+        if bucket is not None and tier.wants_refresh(bid, bucket):
+            tier.refresh(bid, bucket)
 
     def _refresh_later(self, bid: BlockId) -> None:
         # A block hot in DRAM must not let its disk copies age out: move them into the current
         # bucket too. Only index lookups here; the rename (a round trip on NFS) runs in the background.
-        now = self.clock.now()
-        if now is None or not self.disk_tiers:
+        if not self.backing:
             return
-        bucket = bucket_of(now, self.config.bucket_seconds)
-        for tier in self.disk_tiers:
-            entry = tier.entry(bid)
-            if entry is None or entry.bucket >= bucket:
+        bucket = self._current_bucket()
+        if bucket is None:
+            return
+        for tier in self.backing:
+            if not tier.wants_refresh(bid, bucket):
                 continue
             with self._wb_lock:
                 # Hot blocks are hit many times before the rename lands: queue each refresh once.
@@ -263,39 +283,47 @@ class TieredStore:
                 with self._wb_lock:
                     self._refreshing.discard((tier.name, bid))
 
-    def _refresh_once(self, tier: DiskTier, bid: BlockId) -> None:
+    def _refresh_once(self, tier: BackingTier, bid: BlockId) -> None:
         try:
             self._refresh(tier, bid)
         finally:
             with self._wb_lock:
                 self._refreshing.discard((tier.name, bid))
 
-    def open_block(self, bid: BlockId) -> OpenBlock | bytes | None:
+    def open_block(self, bid: BlockId) -> Payload | None:
         """Return an open DRAM block (promoted if needed) or, if DRAM cannot take it, verified bytes."""
         if self.ensure_dram(bid) is not None:
             handle = self.dram.open(bid)
             if handle is not None:
                 return handle
-        for tier in self.disk_tiers:
+        for tier in self.backing:
+            gen = tier.generation(bid)
             data = tier.get(bid)
-            if data is not None:
-                return data
+            if data is not None and gen is not None:
+                return BytesBlock(data, gen)
         return None
 
     # --- writes --------------------------------------------------------------------------------------
 
     def contains(self, bid: BlockId) -> bool:
         """Whether any tier indexes ``bid``."""
-        return bool(self.lookup([bid]))
+        return any(present(bid) for _, present in self._has)
 
     def put_with(self, bid: BlockId, length: int, fill: Callable[[int], None]) -> bool:
         """Store a block into DRAM via ``fill(fd)``; write-back is queued. False if dropped."""
-        if not self.dram.put_with(bid, length, fill):
-            self.counters.inc("dropped_stores", "dram")
+        gen = self.generations.next()
+        try:
+            stored = self.dram.put_with(bid, length, fill, gen=gen)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+                raise
+            stored = False  # the tmpfs is full whatever the budget says: a dropped store
+        if not stored:
+            self.counters.inc("dropped_stores", TierName.DRAM)
             return False
         self.counters.inc("stores")
-        if self.config.tiers.write_back == "all" and self.disk_tiers:
-            self._enqueue_writeback(bid, tuple(self.disk_tiers))
+        if self.config.tiers.write_back == "all" and self.backing:
+            self._enqueue_writeback(bid, self.backing)
         return True
 
     def put(self, bid: BlockId, payload: bytes | bytearray | memoryview) -> bool:
@@ -309,7 +337,7 @@ class TieredStore:
 
         return self.put_with(bid, len(view), fill)
 
-    def _enqueue_writeback(self, bid: BlockId, targets: tuple[DiskTier, ...]) -> None:
+    def _enqueue_writeback(self, bid: BlockId, targets: tuple[BackingTier, ...]) -> None:
         handle = self.dram.open(bid)
         if handle is None:
             return
@@ -319,43 +347,45 @@ class TieredStore:
                 self.counters.inc("dropped_writebacks")
                 return
             self._wb_bytes += handle.length
+            self._wb_keys[bid] += 1
         try:
             self._wb_pool.submit(self._writeback, _Pending(bid, handle, targets))
         except RuntimeError:  # shutting down
-            with self._wb_lock:
-                self._wb_bytes -= handle.length
+            self._writeback_done(bid, handle.length)
             handle.close()
+
+    def _writeback_done(self, bid: BlockId, nbytes: int) -> None:
+        with self._wb_lock:
+            self._wb_bytes -= nbytes
+            self._wb_keys[bid] -= 1
+            if self._wb_keys[bid] <= 0:
+                del self._wb_keys[bid]
+            self._wb_done.notify_all()
 
     def _writeback(self, job: _Pending) -> None:
         try:
-            volume_now = self.clock.now()
             now = self.clock.now_or_local()
             bucket = bucket_of(now, self.config.bucket_seconds)
+            gen = job.handle.gen
             view = job.handle.view()
             try:
                 checksum = payload_checksum(view)
                 for tier in job.targets:
-                    if tier.contains(job.bid):
-                        continue
-                    if tier is self.shared and volume_now is None:
-                        # Without the volume's clock a skewed local clock would stamp the block into a
-                        # bucket another server expires at once (or keeps too long): skip it instead.
+                    held = tier.generation(job.bid)
+                    if held is not None and held >= gen:
+                        continue  # this copy, or a newer one, is there already
+                    if not tier.write(
+                        job.bid, view, gen=gen, bucket=bucket, created_at=now, checksum=checksum
+                    ):
                         self.counters.inc("dropped_writebacks", tier.name)
                         continue
-                    header = tier.write(job.bid, view, bucket=bucket, created_at=now, checksum=checksum)
-                    if header is None:
-                        self.counters.inc("dropped_writebacks", tier.name)
-                        continue
-                    self.counters.inc("bytes_written", tier.name, header.length)
-                    if tier is self.shared and self.journal is not None:
-                        self.journal.append([Event("P", job.bid, bucket, header.length)])
+                    self.counters.inc("bytes_written", tier.name, job.handle.length)
             finally:
                 view.release()
         except Exception:
             log.exception("write-back failed", extra={"key": job.bid.key})
         finally:
-            with self._wb_lock:
-                self._wb_bytes -= job.handle.length
+            self._writeback_done(job.bid, job.handle.length)
             job.handle.close()
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -369,79 +399,76 @@ class TieredStore:
                 return False
             time.sleep(0.01)
 
+    def durable_tiers(self, bids: list[BlockId], timeout: float) -> tuple[list[list[TierName]], bool]:
+        """Per key, the durable tiers holding its latest stored generation, after its write-backs.
+
+        Waits up to ``timeout`` for the keys' pending write-backs first. The latest generation is
+        the DRAM copy's, else the newest any tier holds. Returns ``(tiers per key, complete)``;
+        ``complete`` is False if the wait timed out.
+        """
+        end = time.monotonic() + timeout
+        with self._wb_lock:
+            complete = self._wb_done.wait_for(
+                lambda: not any(b in self._wb_keys for b in bids), max(0.0, end - time.monotonic())
+            )
+        out: list[list[TierName]] = []
+        for bid in bids:
+            want = self.dram.generation(bid)
+            if want is None:
+                want = max((g for t in self.backing if (g := t.generation(bid)) is not None), default=None)
+            out.append(
+                []
+                if want is None
+                else [
+                    t.name
+                    for t in self.backing
+                    if t.durable and (g := t.generation(bid)) is not None and g >= want
+                ]
+            )
+        return out, complete
+
     def delete(self, bid: BlockId) -> bool:
-        """Delete from every tier (and tell the other servers); True if it was stored anywhere."""
-        found = self.dram.delete(bid)
-        for tier in self.disk_tiers:
-            if tier.delete(bid):
-                found = True
-                if tier is self.shared:
-                    self._journal_deletes([bid])
+        """Delete from every tier (and tell the other servers); True if it was stored anywhere.
+
+        The tombstone is recorded first, so a write-back or promotion of an older copy still in
+        flight cannot land afterwards (each tier re-checks it when it commits).
+        """
+        gen = self.generations.for_delete()
+        self.generations.tombstone(bid, gen)
+        found = self.dram.delete(bid, gen)
+        for tier in self.backing:
+            found = tier.delete(bid, gen) or found
         return found
 
-    def _journal_deletes(self, bids: list[BlockId]) -> None:
-        if self.journal is not None:
-            self.journal.append([Event("D", b) for b in bids])
+    def _deleted_elsewhere(self, bid: BlockId, gen: int) -> None:
+        self.generations.tombstone(bid, gen)
+        self.dram.delete(bid, gen)
+        for tier in self.backing:
+            tier.purge(bid, gen)
 
     # --- background ----------------------------------------------------------------------------------
 
-    def _tail_loop(self) -> None:
-        if self._reader is None or self.shared is None:
-            return
-        events = self._reader.poll()
-        if events:
-            self.shared.apply(events)
-
-    def _janitor_loop(self) -> None:
-        self.janitor_tick()
-
     def janitor_tick(self) -> None:
-        """Sync the volume clock, renew the lease, evict above watermarks, expire old buckets."""
+        """Sync the clock, then each backing tier's janitor work (eviction, expiry, leases)."""
         self.clock.sync()
-        if self.shared is not None:
-            touch_lease(self.lease_dir, self.server_id)
-        for tier in self.disk_tiers:
-            u = tier.usage()
-            if u.used_bytes > u.high_bytes:
-                tier.evict(int(u.capacity_bytes * u.low_watermark))
+        for tier in self.backing:
+            tier.tick()
         now = self.clock.now()
-        if now is None:
-            return  # clock unknown: never expire (never early)
-        ttl, width = self.config.ttl_seconds, self.config.bucket_seconds
-        if self.local is not None:
-            for b in expired_buckets(self.local.bucket_dirs(), now, ttl_seconds=ttl, bucket_seconds=width):
-                gone = self.local.expire_bucket(b)
-                if gone is not None:
-                    log.info("bucket expired", extra={"tier": "local_disk", "bucket": b, "blocks": len(gone)})
-        if self.shared is not None:
-            live = live_servers(self.lease_dir, now, self.config.lease_seconds)
-            if self.server_id not in live:
-                live.append(self.server_id)
-            for b in expired_buckets(self.shared.bucket_dirs(), now, ttl_seconds=ttl, bucket_seconds=width):
-                if owner_of(b, live) != self.server_id:
-                    continue
-                gone = self.shared.expire_bucket(b)
-                if gone is not None:
-                    if self.journal is not None:
-                        self.journal.append([Event("X", bucket=b)])
-                    log.info(
-                        "bucket expired",
-                        extra={
-                            "tier": "shared",
-                            "bucket": b,
-                            "blocks": len(gone),
-                            "server_id": self.server_id,
-                        },
-                    )
-            self.shared.reap_stale_tmp(STALE_TMP_SECONDS)
+        if now is not None:
+            # No copy older than two TTLs survives expiry, so neither need its tombstone here.
+            self.generations.prune(int((now - 2 * self.config.ttl_seconds) * 1e9))
 
     # --- stats ---------------------------------------------------------------------------------------
+
+    def usage(self) -> list[TierUsage]:
+        """Occupancy of every tier, fastest first."""
+        return [t.usage() for t in self.tiers]
 
     def stats(self) -> dict[str, Any]:
         """Usage per tier and every counter, JSON-ready."""
         tiers = {}
-        for u in [self.dram.usage(), *(t.usage() for t in self.disk_tiers)]:
-            tiers[u.name] = {
+        for u in self.usage():
+            tiers[str(u.name)] = {
                 "used_bytes": u.used_bytes,
                 "capacity_bytes": u.capacity_bytes,
                 "high_bytes": u.high_bytes,
@@ -450,7 +477,7 @@ class TieredStore:
         counters: dict[str, Any] = {}
         for (name, tier), value in sorted(self.counters.snapshot().items()):
             if tier:
-                counters.setdefault(name, {})[tier] = value
+                counters.setdefault(name, {})[str(tier)] = value
             else:
                 counters[name] = value
         with self._wb_lock:

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvfabric/rpc/v1/cache.proto\x12\x0fkvfabric.rpc.v1\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\"G\n\x0eLookupResponse\x12\x0f\n\x07matched\x18\x01 \x01(\r\x12$\n\x05tiers\x18\x02 \x03(\x0e\x32\x15.kvfabric.rpc.v1.Tier\"I\n\x0bLoadRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\r\"N\n\tLoadChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x14\n\x0ctotal_length\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"P\n\nStoreChunk\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x14\n\x0ctotal_length\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"2\n\rStoreResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\r\"\'\n\x07ShmSlot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\"H\n\x14ShmStoreBeginRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x0f\n\x07lengths\x18\x03 \x03(\x04\"t\n\x15ShmStoreBeginResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\'\n\x05slots\x18\x02 \x03(\x0b\x32\x18.kvfabric.rpc.v1.ShmSlot\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\r\x12\x0f\n\x07present\x18\x04 \x01(\r\"8\n\x15ShmStoreCommitRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x61\x62ort\x18\x02 \x01(\x08\"0\n\rDeleteRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\x1d\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t*Q\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_DRAM\x10\x01\x12\x13\n\x0fTIER_LOCAL_DISK\x10\x02\x12\x0f\n\x0bTIER_SHARED\x10\x03\x32\xf0\x04\n\x05\x43\x61\x63he\x12I\n\x06Lookup\x12\x1e.kvfabric.rpc.v1.LookupRequest\x1a\x1f.kvfabric.rpc.v1.LookupResponse\x12\x42\n\x04Load\x12\x1c.kvfabric.rpc.v1.LoadRequest\x1a\x1a.kvfabric.rpc.v1.LoadChunk0\x01\x12\x46\n\x05Store\x12\x1b.kvfabric.rpc.v1.StoreChunk\x1a\x1e.kvfabric.rpc.v1.StoreResponse(\x01\x12\x43\n\x07ShmLoad\x12\x1c.kvfabric.rpc.v1.LoadRequest\x1a\x18.kvfabric.rpc.v1.ShmSlot0\x01\x12^\n\rShmStoreBegin\x12%.kvfabric.rpc.v1.ShmStoreBeginRequest\x1a&.kvfabric.rpc.v1.ShmStoreBeginResponse\x12X\n\x0eShmStoreCommit\x12&.kvfabric.rpc.v1.ShmStoreCommitRequest\x1a\x1e.kvfabric.rpc.v1.StoreResponse\x12I\n\x06\x44\x65lete\x12\x1e.kvfabric.rpc.v1.DeleteRequest\x1a\x1f.kvfabric.rpc.v1.DeleteResponse\x12\x46\n\x05Stats\x12\x1d.kvfabric.rpc.v1.StatsRequest\x1a\x1e.kvfabric.rpc.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvfabric/rpc/v1/cache.proto\x12\x0fkvfabric.rpc.v1\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\"G\n\x0eLookupResponse\x12\x0f\n\x07matched\x18\x01 \x01(\r\x12$\n\x05tiers\x18\x02 \x03(\x0e\x32\x15.kvfabric.rpc.v1.Tier\"I\n\x0bLoadRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\r\"N\n\tLoadChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x14\n\x0ctotal_length\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"P\n\nStoreChunk\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x14\n\x0ctotal_length\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"2\n\rStoreResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\r\"\'\n\x07ShmSlot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\"H\n\x14ShmStoreBeginRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x0f\n\x07lengths\x18\x03 \x03(\x04\"t\n\x15ShmStoreBeginResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\'\n\x05slots\x18\x02 \x03(\x0b\x32\x18.kvfabric.rpc.v1.ShmSlot\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\r\x12\x0f\n\x07present\x18\x04 \x01(\r\"8\n\x15ShmStoreCommitRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x61\x62ort\x18\x02 \x01(\x08\"0\n\rDeleteRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"/\n\x0c\x46lushRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\"0\n\x08KeyTiers\x12$\n\x05tiers\x18\x01 \x03(\x0e\x32\x15.kvfabric.rpc.v1.Tier\"J\n\rFlushResponse\x12\'\n\x04keys\x18\x01 \x03(\x0b\x32\x19.kvfabric.rpc.v1.KeyTiers\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x1d\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t*b\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_DRAM\x10\x01\x12\x13\n\x0fTIER_LOCAL_DISK\x10\x02\x12\x0f\n\x0bTIER_SHARED\x10\x03\x12\x0f\n\x0bTIER_OBJECT\x10\x04\x32\xb8\x05\n\x05\x43\x61\x63he\x12I\n\x06Lookup\x12\x1e.kvfabric.rpc.v1.LookupRequest\x1a\x1f.kvfabric.rpc.v1.LookupResponse\x12\x42\n\x04Load\x12\x1c.kvfabric.rpc.v1.LoadRequest\x1a\x1a.kvfabric.rpc.v1.LoadChunk0\x01\x12\x46\n\x05Store\x12\x1b.kvfabric.rpc.v1.StoreChunk\x1a\x1e.kvfabric.rpc.v1.StoreResponse(\x01\x12\x43\n\x07ShmLoad\x12\x1c.kvfabric.rpc.v1.LoadRequest\x1a\x18.kvfabric.rpc.v1.ShmSlot0\x01\x12^\n\rShmStoreBegin\x12%.kvfabric.rpc.v1.ShmStoreBeginRequest\x1a&.kvfabric.rpc.v1.ShmStoreBeginResponse\x12X\n\x0eShmStoreCommit\x12&.kvfabric.rpc.v1.ShmStoreCommitRequest\x1a\x1e.kvfabric.rpc.v1.StoreResponse\x12I\n\x06\x44\x65lete\x12\x1e.kvfabric.rpc.v1.DeleteRequest\x1a\x1f.kvfabric.rpc.v1.DeleteResponse\x12\x46\n\x05Stats\x12\x1d.kvfabric.rpc.v1.StatsRequest\x1a\x1e.kvfabric.rpc.v1.StatsResponse\x12\x46\n\x05\x46lush\x12\x1d.kvfabric.rpc.v1.FlushRequest\x1a\x1e.kvfabric.rpc.v1.FlushResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvfabric.rpc.v1.cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=883
-  _globals['_TIER']._serialized_end=964
+  _globals['_TIER']._serialized_start=1058
+  _globals['_TIER']._serialized_end=1156
   _globals['_LOOKUPREQUEST']._serialized_start=48
   _globals['_LOOKUPREQUEST']._serialized_end=96
   _globals['_LOOKUPRESPONSE']._serialized_start=98
@@ -57,10 +57,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELETEREQUEST']._serialized_end=799
   _globals['_DELETERESPONSE']._serialized_start=801
   _globals['_DELETERESPONSE']._serialized_end=834
-  _globals['_STATSREQUEST']._serialized_start=836
-  _globals['_STATSREQUEST']._serialized_end=850
-  _globals['_STATSRESPONSE']._serialized_start=852
-  _globals['_STATSRESPONSE']._serialized_end=881
-  _globals['_CACHE']._serialized_start=967
-  _globals['_CACHE']._serialized_end=1591
+  _globals['_FLUSHREQUEST']._serialized_start=836
+  _globals['_FLUSHREQUEST']._serialized_end=883
+  _globals['_KEYTIERS']._serialized_start=885
+  _globals['_KEYTIERS']._serialized_end=933
+  _globals['_FLUSHRESPONSE']._serialized_start=935
+  _globals['_FLUSHRESPONSE']._serialized_end=1009
+  _globals['_STATSREQUEST']._serialized_start=1011
+  _globals['_STATSREQUEST']._serialized_end=1025
+  _globals['_STATSRESPONSE']._serialized_start=1027
+  _globals['_STATSRESPONSE']._serialized_end=1056
+  _globals['_CACHE']._serialized_start=1159
+  _globals['_CACHE']._serialized_end=1855
 # @@protoc_insertion_point(module_scope)

@@ -13,10 +13,12 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_DRAM: _ClassVar[Tier]
     TIER_LOCAL_DISK: _ClassVar[Tier]
     TIER_SHARED: _ClassVar[Tier]
+    TIER_OBJECT: _ClassVar[Tier]
 TIER_UNSPECIFIED: Tier
 TIER_DRAM: Tier
 TIER_LOCAL_DISK: Tier
 TIER_SHARED: Tier
+TIER_OBJECT: Tier
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "keys")
@@ -127,6 +129,28 @@ class DeleteResponse(_message.Message):
     DELETED_FIELD_NUMBER: _ClassVar[int]
     deleted: int
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class FlushRequest(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KeyTiers(_message.Message):
+    __slots__ = ("tiers",)
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class FlushResponse(_message.Message):
+    __slots__ = ("keys", "complete")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[KeyTiers]
+    complete: bool
+    def __init__(self, keys: _Optional[_Iterable[_Union[KeyTiers, _Mapping]]] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -74,6 +74,11 @@ class CacheStub:
                 request_serializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Flush = channel.unary_unary(
+                '/kvfabric.rpc.v1.Cache/Flush',
+                request_serializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.FlushRequest.SerializeToString,
+                response_deserializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.FlushResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -127,6 +132,12 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Flush(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +180,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.StatsRequest.FromString,
                     response_serializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.StatsResponse.SerializeToString,
+            ),
+            'Flush': grpc.unary_unary_rpc_method_handler(
+                    servicer.Flush,
+                    request_deserializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.FlushRequest.FromString,
+                    response_serializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.FlushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +403,33 @@ class Cache:
             '/kvfabric.rpc.v1.Cache/Stats',
             kvfabric_dot_rpc_dot_v1_dot_cache__pb2.StatsRequest.SerializeToString,
             kvfabric_dot_rpc_dot_v1_dot_cache__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Flush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfabric.rpc.v1.Cache/Flush',
+            kvfabric_dot_rpc_dot_v1_dot_cache__pb2.FlushRequest.SerializeToString,
+            kvfabric_dot_rpc_dot_v1_dot_cache__pb2.FlushResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -621,17 +621,61 @@ class Resources(_Model):
         return self
 
 
+class NetworkPeer(_Model):
+    """Pods allowed to reach a port (a NetworkPolicy peer: both selectors must match)."""
+
+    namespace_selector: LabelSelector = Field(
+        default_factory=LabelSelector,
+        json_schema_extra=_OBJECT_DEFAULT,
+        description="Namespaces of the allowed pods (default {}: every namespace).",
+    )
+    pod_selector: LabelSelector = Field(
+        default_factory=lambda: LabelSelector(match_labels={"kvfabric.io/metrics-scraper": "true"}),
+        json_schema_extra={"default": {"matchLabels": {"kvfabric.io/metrics-scraper": "true"}}},
+        description="Labels of the allowed pods (default: kvfabric.io/metrics-scraper=true).",
+    )
+
+
 class Metrics(_Model):
     """Prometheus metrics of the cache servers."""
 
     enabled: bool = Field(default=True, description="Expose the metrics Service.")
     port: int = Field(default=9090, ge=1024, le=65535, description="Metrics/health port of the cache server.")
+    scrapers: NetworkPeer = Field(
+        default_factory=NetworkPeer,
+        json_schema_extra=_OBJECT_DEFAULT,
+        description="Who may reach the metrics port: the pool's NetworkPolicy admits only these pods "
+        "(the kubelet's probes come from the node and are always allowed).",
+    )
+
+
+class TCPListener(_Model):
+    """The cache server's TCP listener for peers and tools; off unless a pool asks for it."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Listen on TCP. When true the listener requires mutual TLS with certificates the "
+        "operator issues for this pool (its own per-pool CA) and a per-pool bearer token; consumers "
+        "in the pool's namespace get the client certificate and the token injected.",
+    )
+    certificate_validity_seconds: int = Field(
+        default=30 * 86400,
+        ge=600,
+        le=366 * 86400,
+        description="Validity of the server and client certificates; each is re-issued when less "
+        "than a third of it is left (the CA lives ten times as long and is rotated the same way).",
+    )
 
 
 class Server(_Model):
     """Cache-server process settings."""
 
     port: int = Field(default=7070, ge=1024, le=65535, description="TCP port for peers and tools.")
+    tcp: TCPListener = Field(
+        default_factory=TCPListener,
+        json_schema_extra=_OBJECT_DEFAULT,
+        description="The TCP listener (off by default: engines on the node use the Unix socket).",
+    )
     log_level: str = Field(
         default="info",
         pattern=r"^(debug|info|warning|error)$",

@@ -14,7 +14,7 @@ import pydantic
 import yaml
 
 from kvfabric.cacheserver import config as server_config
-from kvfabric.operator.api.v1alpha1 import KVCachePool
+from kvfabric.operator.api.v1alpha1 import POOL_LABEL, KVCachePool, LabelSelector
 from kvfabric.operator.quantity import QuantityError, format_bytes, to_bytes
 from kvfabric.operator.render import names
 
@@ -88,11 +88,7 @@ def build_server_config(pool: KVCachePool) -> server_config.ServerConfig:
             }
         return server_config.ServerConfig.model_validate(
             {
-                "listen": {
-                    "unix_socket": f"{base}/{names.SOCKET_NAME}",
-                    "tcp_host": "0.0.0.0",
-                    "tcp_port": spec.server.port,
-                },
+                "listen": _listen(pool, f"{base}/{names.SOCKET_NAME}"),
                 # The staging arena is a slice of the DRAM budget, never more than 1 GiB.
                 "shm": {"dir": f"{base}/{names.SHM_NAME}", "arena_bytes": max(1, min(_GiB, dram_bytes // 4))},
                 "metrics": {"host": "0.0.0.0", "port": spec.metrics.port},
@@ -106,6 +102,24 @@ def build_server_config(pool: KVCachePool) -> server_config.ServerConfig:
         )
     except (QuantityError, pydantic.ValidationError) as exc:
         raise ConfigError(str(exc)) from exc
+
+
+def _listen(pool: KVCachePool, socket: str) -> dict[str, Any]:
+    """The listeners: the Unix socket always; TCP only when asked, then mutual TLS plus the token."""
+    if not pool.spec.server.tcp.enabled:
+        return {"unix_socket": socket, "tcp_port": None}
+    tls = names.SERVER_TLS_MOUNT
+    return {
+        "unix_socket": socket,
+        "tcp_host": "0.0.0.0",
+        "tcp_port": pool.spec.server.port,
+        "tls": {
+            "cert_file": f"{tls}/tls.crt",
+            "key_file": f"{tls}/tls.key",
+            "client_ca_file": f"{tls}/{names.CA_KEY}",
+        },
+        "token_file": f"{names.CREDENTIALS_MOUNT}/{names.TOKEN_KEY}",
+    }
 
 
 def config_yaml(config: server_config.ServerConfig) -> str:
@@ -158,6 +172,28 @@ def _volumes(pool: KVCachePool) -> tuple[list[dict[str, Any]], list[dict[str, An
         {"name": "config", "mountPath": names.CONFIG_MOUNT_DIR, "readOnly": True},
         {"name": names.RUN_VOLUME, "mountPath": base},
     ]
+    tcp = spec.server.tcp.enabled
+    if tcp:
+        # Secret volumes (not env): the kubelet swaps rotated files in place and the server re-reads
+        # them at the next handshake / call. Mode 0440 with the pod's fsGroup: readable by the server only.
+        volumes += [
+            {
+                "name": "server-tls",
+                "secret": {"secretName": names.server_tls_secret_name(pool.name), "defaultMode": 0o440},
+            },
+            {
+                "name": "credentials",
+                "secret": {
+                    "secretName": names.credentials_secret_name(pool.name),
+                    "items": [{"key": names.TOKEN_KEY, "path": names.TOKEN_KEY}],
+                    "defaultMode": 0o440,
+                },
+            },
+        ]
+        mounts += [
+            {"name": "server-tls", "mountPath": names.SERVER_TLS_MOUNT, "readOnly": True},
+            {"name": "credentials", "mountPath": names.CREDENTIALS_MOUNT, "readOnly": True},
+        ]
     disk = spec.tiers.local_disk
     if disk is not None:
         if disk.host_path is not None:
@@ -176,7 +212,11 @@ def _volumes(pool: KVCachePool) -> tuple[list[dict[str, Any]], list[dict[str, An
         volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": claim}})
         # One sub-directory per pool, so several pools can share one existing claim.
         mounts.append(
-            {"name": "shared", "mountPath": names.SHARED_MOUNT, "subPath": f"{pool.namespace}-{pool.name}"}
+            {
+                "name": "shared",
+                "mountPath": names.SHARED_MOUNT,
+                "subPath": names.pool_dir_name(pool.namespace, pool.name),
+            }
         )
     return volumes, mounts
 
@@ -203,7 +243,11 @@ def _cache_container(pool: KVCachePool, mounts: list[dict[str, Any]]) -> dict[st
         "command": ["kvfabric", "cacheserver", "--config", names.CONFIG_PATH],
         "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
         "ports": [
-            {"name": "cache", "containerPort": spec.server.port, "protocol": "TCP"},
+            *(
+                [{"name": "cache", "containerPort": spec.server.port, "protocol": "TCP"}]
+                if spec.server.tcp.enabled
+                else []
+            ),
             {"name": "metrics", "containerPort": spec.metrics.port, "protocol": "TCP"},
         ],
         "readinessProbe": {
@@ -234,10 +278,13 @@ def _prepare_dirs_container(
 ) -> dict[str, Any]:
     """Return the root init container that hands the hostPath directories to the non-root server.
 
+    It runs the operator's own image (:func:`names.operator_image`), never the pool's: a pool author
+    chooses the cache-server image, and root with that path mounted would be root on the node.
+
     The kubelet creates missing hostPath directories as root (mode 0755), where the non-root cache
-    server could not create its socket or blocks. A short root init container with only CHOWN and
-    FOWNER hands them over; the shared volume is best effort (NFS with root_squash refuses chown,
-    and there the volume's own permissions must already let the server write).
+    server could not create its socket or blocks. A short root init container with nothing but
+    CAP_CHOWN hands them over; the shared volume is best effort (NFS with root_squash refuses
+    chown, and there the volume's own permissions must already let the server write).
     Only directories kvfabric owns are chowned: the run directory and a per-pool directory below
     the user's disk path, never the path itself (it may be shared with other data).
     """
@@ -249,18 +296,18 @@ def _prepare_dirs_container(
         script += f" && (chown {CACHE_UID}:{CACHE_UID} {names.SHARED_MOUNT} || true)"
     return {
         "name": "prepare-dirs",
-        "image": cache["image"],
-        "imagePullPolicy": cache["imagePullPolicy"],
+        "image": names.operator_image(),
+        "imagePullPolicy": "IfNotPresent",
         "command": ["sh", "-c", script],
         "securityContext": {
             "runAsUser": 0,
             "runAsNonRoot": False,
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]},
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
         },
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
-        "volumeMounts": [m for m in mounts if m["name"] != "config"],
+        "volumeMounts": [m for m in mounts if m["name"] not in ("config", "server-tls", "credentials")],
     }
 
 
@@ -280,6 +327,10 @@ def _pod_spec(pool: KVCachePool) -> dict[str, Any]:
         "volumes": volumes,
         "terminationGracePeriodSeconds": 30,
         "enableServiceLinks": False,
+        # The server never talks to the API server: no token to steal.
+        "automountServiceAccountToken": False,
+        # Secret volumes are group-readable by the server's gid only.
+        "securityContext": {"fsGroup": CACHE_UID, "seccompProfile": {"type": "RuntimeDefault"}},
     }
     if placement.priority_class_name:
         pod_spec["priorityClassName"] = placement.priority_class_name
@@ -347,6 +398,58 @@ def render_metrics_service(pool: KVCachePool) -> dict[str, Any]:
     }
 
 
+def _selector(selector: LabelSelector, extra: dict[str, str] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"matchLabels": {**selector.match_labels, **(extra or {})}}
+    if selector.match_expressions:
+        out["matchExpressions"] = [
+            {"key": r.key, "operator": r.operator.value, **({"values": list(r.values)} if r.values else {})}
+            for r in selector.match_expressions
+        ]
+    return out
+
+
+def render_network_policy(pool: KVCachePool) -> dict[str, Any]:
+    """Return the NetworkPolicy of the cache servers: consumers to the cache port, scrapers to metrics.
+
+    Everything else is denied, including the cache port when the TCP listener is off. Consumers are
+    the pods carrying the opt-in label (and matching ``consumers.podSelector``) in the pool's
+    namespace or in a namespace ``consumers.namespaceSelector`` selects. Probes from the kubelet come
+    from the node, which NetworkPolicy always admits.
+    """
+    spec = pool.spec
+    ingress: list[dict[str, Any]] = []
+    if spec.server.tcp.enabled:
+        consumers = spec.consumers
+        pods = _selector(consumers.pod_selector or LabelSelector(), {POOL_LABEL: pool.name})
+        peers: list[dict[str, Any]] = [{"podSelector": pods}]
+        if consumers.namespace_selector is not None:
+            peers.append({"namespaceSelector": _selector(consumers.namespace_selector), "podSelector": pods})
+        ingress.append({"from": peers, "ports": [{"protocol": "TCP", "port": spec.server.port}]})
+    if spec.metrics.enabled:
+        scrapers = spec.metrics.scrapers
+        ingress.append(
+            {
+                "from": [
+                    {
+                        "namespaceSelector": _selector(scrapers.namespace_selector),
+                        "podSelector": _selector(scrapers.pod_selector),
+                    }
+                ],
+                "ports": [{"protocol": "TCP", "port": spec.metrics.port}],
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(pool, names.network_policy_name(pool.name), "cache-server"),
+        "spec": {
+            "podSelector": {"matchLabels": names.selector_labels(pool.name)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
 def render_shared_claim(pool: KVCachePool) -> dict[str, Any] | None:
     """Return the PVC the pool owns, or None when the shared tier is absent or uses an existing claim."""
     shared = pool.spec.tiers.shared
@@ -371,7 +474,12 @@ def render_children(pool: KVCachePool) -> RenderedChildren:
     """Return every child ``pool`` should have; raise :class:`ConfigError` for an unusable spec."""
     text = config_yaml(build_server_config(pool))
     revision = config_hash(text)
-    objects = [render_configmap(pool, text), render_daemonset(pool, revision), render_service(pool)]
+    objects = [
+        render_configmap(pool, text),
+        render_daemonset(pool, revision),
+        render_service(pool),
+        render_network_policy(pool),
+    ]
     if pool.spec.metrics.enabled:
         objects.append(render_metrics_service(pool))
     claim = render_shared_claim(pool)

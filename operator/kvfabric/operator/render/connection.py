@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvfabric.contract.consumer_env import ConsumerEnvironment
+from kvfabric.contract.consumer_env import ConsumerEnvironment, ConsumerVar
 from kvfabric.operator.api.v1alpha1 import KVCachePool
 from kvfabric.operator.render import names
 
@@ -29,6 +29,35 @@ class ConnectionSettings:
     deadlines: dict[str, int] = field(default_factory=dict)
     # Not part of the environment (nor of the hash): the payload image only matters at pod creation.
     connector_image: str = ""
+    tcp: bool = False
+    """Whether the TCP listener is on (then consumers in the pool's namespace get its credentials)."""
+
+    @property
+    def credential_env(self) -> list[dict[str, object]]:
+        """Environment entries wiring the pool's credentials into a consumer in the pool's namespace.
+
+        Secrets come through ``secretKeyRef``: they never appear in the pod spec. The payload key
+        (the MAC that makes forged chunks fail) always; the TCP token and certificate when TCP is on.
+        """
+        secret = names.credentials_secret_name(self.pool)
+        # optional: a pod created before its pool's Secret exists still starts (the cache must never
+        # stop inference); it then runs without the key, in a key space of its own.
+        mac_ref: dict[str, object] = {"name": secret, "key": names.PAYLOAD_KEY, "optional": True}
+        mac: dict[str, object] = {
+            "name": ConsumerVar.PAYLOAD_KEY.value,
+            "valueFrom": {"secretKeyRef": mac_ref},
+        }
+        if not self.tcp:
+            return [mac]
+        tls = names.CLIENT_TLS_MOUNT
+        ref: dict[str, object] = {"name": secret, "key": names.TOKEN_KEY, "optional": True}
+        return [
+            mac,
+            {"name": ConsumerVar.TOKEN.value, "valueFrom": {"secretKeyRef": ref}},
+            {"name": ConsumerVar.TLS_CA.value, "value": f"{tls}/{names.CA_KEY}"},
+            {"name": ConsumerVar.TLS_CERT.value, "value": f"{tls}/tls.crt"},
+            {"name": ConsumerVar.TLS_KEY.value, "value": f"{tls}/tls.key"},
+        ]
 
     @property
     def environment(self) -> ConsumerEnvironment:
@@ -37,7 +66,7 @@ class ConnectionSettings:
             pool=f"{self.namespace}/{self.pool}",
             socket=self.socket,
             shm_dir=self.shm_dir,
-            remote=self.remote,
+            remote=self.remote or None,
             chunk_tokens=self.chunk_tokens,
             tenant=self.tenant,
             lookup_deadline_ms=self.deadlines.get("lookup"),
@@ -77,11 +106,14 @@ def connection_settings(pool: KVCachePool) -> ConnectionSettings:
         host_dir=base,
         socket=f"{base}/{names.SOCKET_NAME}",
         shm_dir=f"{base}/{names.SHM_NAME}",
-        remote=f"{names.service_name(name)}.{namespace}.svc:{pool.spec.server.port}",
+        remote=f"{names.service_name(name)}.{namespace}.svc:{pool.spec.server.port}"
+        if pool.spec.server.tcp.enabled
+        else "",
         chunk_tokens=pool.spec.chunk_tokens,
         tenant=pool.spec.consumers.tenant,
         deadlines=deadlines,
         connector_image=pool.spec.consumers.connector_image or default_connector_image(pool),
+        tcp=pool.spec.server.tcp.enabled,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Final
 
 FIELD_MANAGER: Final = "kvfabric-operator"
@@ -35,11 +36,69 @@ PAYLOAD_MOUNT: Final = "/opt/kvfabric"
 PAYLOAD_PYTHONPATH: Final = f"{PAYLOAD_MOUNT}/site-packages"
 PAYLOAD_ANNOTATION: Final = "kvfabric.io/inject-payload"
 RUN_VOLUME: Final = "kvfabric-run"
+# Per-pool credentials, mounted read-only into the cache servers (and the client side into consumers).
+SERVER_TLS_MOUNT: Final = "/etc/kvfabric/tls"
+CREDENTIALS_MOUNT: Final = "/etc/kvfabric/credentials"
+CLIENT_TLS_VOLUME: Final = "kvfabric-client-tls"
+CLIENT_TLS_MOUNT: Final = "/var/run/secrets/kvfabric.io/tls"
+PAYLOAD_KEY: Final = "payload-key"
+TOKEN_KEY: Final = "token"  # noqa: S105 - the key name inside the Secret, not a secret
+CA_KEY: Final = "ca.crt"
+
+
+def credentials_secret_name(pool: str) -> str:
+    """Return the Secret holding the pool's bearer token (and payload key)."""
+    return f"{pool}-credentials"
+
+
+def ca_secret_name(pool: str) -> str:
+    """Return the Secret holding the pool's own CA (certificate and key; never mounted anywhere)."""
+    return f"{pool}-ca"
+
+
+def server_tls_secret_name(pool: str) -> str:
+    """Return the Secret with the cache servers' certificate, key and the CA bundle."""
+    return f"{pool}-server-tls"
+
+
+def client_tls_secret_name(pool: str) -> str:
+    """Return the Secret with the consumers' client certificate, key and the CA bundle."""
+    return f"{pool}-client-tls"
+
+
+def network_policy_name(pool: str) -> str:
+    """Return the NetworkPolicy guarding the cache servers' ports."""
+    return f"{pool}-cache"
+
+
+OPERATOR_IMAGE_ENV: Final = "KVFABRIC_OPERATOR_IMAGE"
+DEFAULT_OPERATOR_IMAGE: Final = "ghcr.io/kvfabric/operator:v0.1.0"
+
+
+def operator_image() -> str:
+    """Return the operator's own image (``$KVFABRIC_OPERATOR_IMAGE``, set by its Deployment).
+
+    The cache servers' directory-preparing init container runs this image, which the cluster admin
+    chose, never the pool's image: whoever may create a pool must not get to run code as root.
+    """
+    return os.environ.get(OPERATOR_IMAGE_ENV) or DEFAULT_OPERATOR_IMAGE
+
+
+def pool_dir_name(namespace: str, pool: str) -> str:
+    """Return the one path segment naming a pool on a node or a shared volume: ``<namespace>.<pool>``.
+
+    Injective: namespaces and pool names are DNS labels, which never contain '.', so the first '.'
+    separates them (``a``/``b-x`` and ``a-b``/``x`` get different directories; with '-' they collided).
+    """
+    for label in (namespace, pool):
+        if not label or "." in label or "/" in label:
+            raise ValueError(f"{label!r} is not a DNS label")
+    return f"{namespace}.{pool}"
 
 
 def local_disk_dir(namespace: str, pool: str) -> str:
     """Return the pool's directory below the local-disk mount (so pools may share one disk path)."""
-    return f"{LOCAL_DISK_MOUNT}/{namespace}-{pool}"
+    return f"{LOCAL_DISK_MOUNT}/{pool_dir_name(namespace, pool)}"
 
 
 def configmap_name(pool: str) -> str:
@@ -70,9 +129,10 @@ def shared_claim_name(pool: str) -> str:
 def host_dir(namespace: str, pool: str) -> str:
     """Return the per-pool directory on each node holding the socket and the shm directory.
 
-    Namespace and pool name are both DNS labels (no '/' or '..'), so the join cannot escape the root.
+    Namespace and pool name are both DNS labels (no '/' or '..'), so the join cannot escape the root,
+    and :func:`pool_dir_name` keeps pools apart.
     """
-    return f"{HOST_RUN_ROOT}/{namespace}-{pool}"
+    return f"{HOST_RUN_ROOT}/{pool_dir_name(namespace, pool)}"
 
 
 def selector_labels(pool: str) -> dict[str, str]:

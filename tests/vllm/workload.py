@@ -1,0 +1,55 @@
+"""The prompts every real-vLLM test sends, fixed in advance so one reference run covers them all.
+
+Token ids are drawn from the tiny model's word vocabulary (``3..8191``) by seeded generators, so the
+prompts are the same on every machine. Chunks are 256 tokens and the CPU backend's blocks 128.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+VOCAB = 8192
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """``n`` deterministic word token ids."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+# A hit after a vLLM restart: stored by an offline LLM run, hit by the server started after it.
+RESTART = {"restart-a": tokens(1, 700), "restart-b": tokens(2, 1300)}
+# Stored by the same offline run, first asked for while two other requests decode.
+LOADER = {"loader": tokens(3, 1100)}
+DECODERS = {"decoder-0": tokens(4, 200), "decoder-1": tokens(5, 220)}
+DECODE_TOKENS = 160
+# Sent while the cache server is killed, restarted and hung.
+FAULTS = {f"fault-{i}": tokens(1000, 512) + tokens(100 + i, 300) for i in range(8)}
+# Round 1 on one server, round 2 on another that shares the first one's volume.
+SHARED_CONV: dict[str, Any] = {"id": "shared", "turns": [tokens(7, 900), tokens(8, 120)], "max_tokens": 16}
+# Chats whose total context exceeds a deliberately small KV cache (evictions and preemptions).
+_SYSTEM = tokens(9, 512)
+PRESSURE_CONVS: list[dict[str, Any]] = [
+    {
+        "id": f"pressure-{u}",
+        "turns": [_SYSTEM + tokens(20 + u, 400), tokens(40 + u, 300), tokens(60 + u, 300)],
+        "max_tokens": 24,
+    }
+    for u in range(4)
+]
+MAX_TOKENS = 12
+
+
+def requests() -> list[dict[str, Any]]:
+    """Every single-shot request, with its output length."""
+    out = [
+        {"id": k, "prompt": v, "max_tokens": MAX_TOKENS} for k, v in {**RESTART, **LOADER, **FAULTS}.items()
+    ]
+    out += [{"id": k, "prompt": v, "max_tokens": DECODE_TOKENS} for k, v in DECODERS.items()]
+    return out
+
+
+def conversations() -> list[dict[str, Any]]:
+    """Every multi-round conversation."""
+    return [SHARED_CONV, *PRESSURE_CONVS]

@@ -139,7 +139,11 @@ def test_deadlines_follow_the_expected_prefill() -> None:
     _restore(m, "dram", gbps=5, overhead_s=0.001)
     plan = m.plan(["dram"] * 16)
     assert plan.expected_saved_s is not None
-    assert m.load_deadline(plan, 2.0) == pytest.approx(plan.expected_saved_s)
+    assert plan.expected_restore_s is not None
+    assert m.load_deadline(plan, 2.0) == pytest.approx(
+        max(plan.expected_saved_s, 2 * plan.expected_restore_s)
+    )
+    assert m.load_deadline(plan, 0.001) == 0.001  # the setting stays the ceiling
     assert m.load_deadline(Plan(4, None), 2.0) == 2.0
 
 
@@ -151,3 +155,16 @@ def test_garbage_samples_are_ignored() -> None:
     m.observe_restore(RestoreSample("dram", 0, 1.0), 1)
     assert m.prefill_seconds(0, 100) is None
     assert m.plan(["dram"]) == Plan(1, None)
+
+
+def test_worker_feedback_of_several_ranks_keeps_the_slowest() -> None:
+    from kvfabric.connector.steps import RestoreTiming
+    from kvfabric.connector.vllm import KVFabricWorkerMetadata
+
+    a = KVFabricWorkerMetadata(100, 5.0, 0.010, [RestoreTiming("dram", 4096, 2, 0.001)])
+    b = KVFabricWorkerMetadata(100, 5.0, 0.012, [RestoreTiming("dram", 4096, 2, 0.003)])
+    both = a.aggregate(b)
+    assert isinstance(both, KVFabricWorkerMetadata)
+    assert both.forward_s == 0.012
+    assert both.restores == [RestoreTiming("dram", 4096, 2, 0.003)]
+    assert KVFabricWorkerMetadata(1, 1.0, None, []).aggregate(a).forward_s == 0.010

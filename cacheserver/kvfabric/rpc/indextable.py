@@ -144,23 +144,28 @@ def lookup_prefix(words: memoryview, fps: Sequence[int]) -> list[int]:
         raise ValueError("not a kvfabric index table of this version")
     cap = words[W_CAPACITY]
     mask = cap - 1
+    base = HEADER_WORDS
     out: list[int] = []
     append = out.append
     for fp in fps:
-        want = fp | 3
         i = (fp >> 2) & mask
-        v = 0
-        # A full table never occurs (the writer keeps it at most half full); the probe bound only
-        # protects a reader from a torn read looping, which the seqlock then rejects.
-        for _ in range(cap):
-            v = words[HEADER_WORDS + i]
-            if v == 0 or v | 3 == want:
-                break
-            i = (i + 1) & mask
-        else:
-            raise Inconsistent
+        v = words[base + i]
         if v == 0:
             break
+        if v | 3 != fp | 3:  # not in its home slot (the common case is: at load <= 1/2)
+            want, probes = fp | 3, 0
+            while True:
+                i = (i + 1) & mask
+                v = words[base + i]
+                if v == 0 or v | 3 == want:
+                    break
+                probes += 1
+                if probes > cap:
+                    # Never with a consistent table (it is at most half full): a torn read, which
+                    # the seqlock check would reject anyway.
+                    raise Inconsistent
+            if v == 0:
+                break
         append(v & 3)
     if words[W_SEQ] != seq:
         raise Inconsistent

@@ -30,6 +30,7 @@ from kvfabric.rpc import indextable as it
 __all__ = ["LocalIndex"]
 
 _ATTEMPTS = 4  # seqlock retries before handing the lookup to the RPC
+_NAMES = ("", *(it.TIER_NAMES[c] for c in (1, 2, 3)))
 
 
 @dataclass(slots=True)
@@ -109,8 +110,7 @@ class LocalIndex:
                     f"the cache server's published index has had no heartbeat for {age / 1e6:.0f} ms"
                 )
             self.answered += 1
-            names = it.TIER_NAMES
-            return LookupResult(len(codes), [names[c] for c in codes])
+            return LookupResult(len(codes), list(map(_NAMES.__getitem__, codes)))
         return None
 
     # --- fetching tables -----------------------------------------------------------------------------

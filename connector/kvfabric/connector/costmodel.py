@@ -269,10 +269,16 @@ class CostModel:
         return min(ceiling_s, max(self.min_deadline_s, self.lookup_fraction * expected))
 
     def load_deadline(self, plan: Plan, ceiling_s: float) -> float:
-        """A load may take no longer than the prefill it is expected to save, within bounds."""
+        """A load may take about the prefill it is expected to save, within bounds.
+
+        Past that, recomputing would have been faster; but a load that is merely slower than
+        expected is still cheaper to finish than to abandon, so it gets at least twice its expected
+        time. A hung server thus costs a request about the prefill of its prefix, not a fixed deadline.
+        """
         if plan.expected_saved_s is None:
             return ceiling_s
-        return min(ceiling_s, max(self.min_deadline_s, plan.expected_saved_s))
+        budget = max(plan.expected_saved_s, 2 * (plan.expected_restore_s or 0.0))
+        return min(ceiling_s, max(self.min_deadline_s, budget))
 
 
 _TIER_RANK = {"dram": 0, "local_disk": 1, "shared": 2}

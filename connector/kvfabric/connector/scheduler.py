@@ -61,6 +61,7 @@ class _ReqState:
     pending_load: tuple[int, int] | None = None  # token range [start, end) to load
     progress: int = 0  # tokens computed as of the last step
     last_reason: Reason | None = None
+    load_deadline_s: float | None = None  # from the cost model: no longer than the expected saving
 
 
 class SchedulerHalf:
@@ -146,6 +147,9 @@ class SchedulerHalf:
                     self.counters.add(f"miss_chunks.{Reason.RECOMPUTE_FASTER.value}", skipped)
             if plan.explore:
                 self.counters.add("cost_model_explore")
+            st.load_deadline_s = (
+                self.costs.load_deadline(plan, self.settings.load_deadline_ms / 1000) if plan.chunks else None
+            )
         hit = st.matched_chunks * self.chunk_tokens
         if outcome.reason is not None:
             self.counters.miss(outcome.reason, loadable)
@@ -225,7 +229,9 @@ class SchedulerHalf:
             chunks = [self._chunk_blocks(st, c) for c in range(first, last)]
             if chunks:
                 chunks[0] = chunks[0][skip:]
-            plan.loads.append(LoadSpec(req_id, st.keys[first:last], chunks, skip, st.tiers[first:last]))
+            plan.loads.append(
+                LoadSpec(req_id, st.keys[first:last], chunks, skip, st.tiers[first:last], st.load_deadline_s)
+            )
         done = min(computed + scheduled, len(st.token_ids))
         complete = keyslib.num_whole_chunks(done, self.chunk_tokens)
         begin = max(st.saved_chunks, st.matched_chunks)

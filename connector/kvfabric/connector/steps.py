@@ -66,6 +66,8 @@ class LoadSpec:
     block_ids: list[list[int]]
     skip_blocks: int = 0
     tiers: list[str] = field(default_factory=list)
+    deadline_s: float | None = None
+    """How long the load may take (the cost model's expected saving); None: ``load_deadline_ms``."""
 
 
 @dataclass

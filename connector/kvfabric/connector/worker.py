@@ -148,7 +148,13 @@ class WorkerHalf:
         plan = self._plan
         if plan is None or not plan.loads or not self.datapath.num_layers:
             return
-        deadline = time.monotonic() + self.settings.load_deadline_ms / 1000
+        # The cost model bounds each load by the prefill it is expected to save (a hung server then
+        # costs at most about that); the setting is the ceiling.
+        budget = self.settings.load_deadline_ms / 1000
+        planned = [s.deadline_s for s in plan.loads if s.deadline_s is not None]
+        if planned and len(planned) == len(plan.loads):
+            budget = min(budget, max(planned))
+        deadline = time.monotonic() + budget
         self.datapath.start_loads(plan.loads, deadline)
         self._loads_pending = True
         self.restore_s += time.perf_counter() - t0

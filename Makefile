@@ -16,7 +16,7 @@ test: bootstrap lint ## Install what is needed, lint, and run every test (every 
 ##@ Pieces
 
 # One target per level of the test ladder (markers assigned by kvfabric.testing.levels).
-.PHONY: test-unit test-process test-cluster test-fabric
+.PHONY: test-unit test-process test-cluster test-fabric test-vllm
 test-unit: ## Only the unit tests (pure functions, in-process objects): well under a minute
 	$(UV) pytest tests -m unit -q $(PYTEST_ARGS)
 test-process: ## Only the tests that run real cache-server and engine processes
@@ -25,6 +25,8 @@ test-cluster: bootstrap ## Only the tests against the real local control plane
 	$(UV) pytest tests -m cluster $(PYTEST_ARGS)
 test-fabric: bootstrap ## Only the whole-fabric end-to-end tests
 	$(UV) pytest e2e -m fabric $(PYTEST_ARGS)
+test-vllm: bootstrap ## Only the tests inside real vLLM (CPU; the bootstrap builds its pinned env)
+	$(UV) pytest tests -m vllm $(PYTEST_ARGS)
 
 .PHONY: bootstrap
 bootstrap: ## Install Debian packages, uv, .venv and the pinned Kubernetes binaries (idempotent)

@@ -313,7 +313,12 @@ def test_cacheserver_image_matches_the_daemonset_the_operator_renders() -> None:
     argv = entry_argv(df)
     assert container["command"] == argv == ["kvfabric", "cacheserver", "--config", names.CONFIG_PATH]
     exposed = {int(p.split("/")[0]) for i in df.final.all("EXPOSE") for p in i.args.split()}
-    assert {p["containerPort"] for p in container["ports"]} == exposed
+    # The sample pool keeps the TCP listener off (secure by default): only the metrics port.
+    assert {p["containerPort"] for p in container["ports"]} < exposed
+    sample["spec"].setdefault("server", {})["tcp"] = {"enabled": True}
+    tcp_pool = KVCachePool.model_validate(sample)
+    tcp_container = render_daemonset(tcp_pool, "rev")["spec"]["template"]["spec"]["containers"][0]
+    assert {p["containerPort"] for p in tcp_container["ports"]} == exposed
     # The rendered pod drops every capability and mounts the root filesystem read-only.
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert "PYTHONDONTWRITEBYTECODE=1" in " ".join(i.args for i in df.final.all("ENV"))

@@ -155,3 +155,30 @@ def test_a_real_server_answers_lookups_from_its_published_index() -> None:
         srv.kill()
         with pytest.raises(CacheUnavailable, match="closed its index socket"):
             c.lookup(ns, keys, timeout=5)
+
+
+@pytest.mark.process
+def test_the_connector_looks_up_on_its_own_thread_and_sees_a_crash_at_once() -> None:
+    from kvfabric.connector.resilient import Reason, build_cache
+    from kvfabric.connector.settings import ConnectorSettings
+    from kvfabric.testing.serverproc import cache_server
+
+    ns = digest("connector")
+    keys = [digest("c", i) for i in range(4)]
+    with cache_server(server_id="conn", metrics=False) as srv:
+        settings = ConnectorSettings(socket=str(srv.config.listen.unix_socket), shm_dir=str(srv.shm_dir))
+        cache = build_cache(settings)
+        assert cache is not None
+        try:
+            assert cache.store(ns, keys, [payload_for(k, 1024) for k in keys], 10) is not None
+            first = cache.lookup(ns, keys, 5.0)  # connects (through the I/O pool) and maps the table
+            assert first.matched == 4
+            again = cache.lookup(ns, keys, 5.0)
+            assert (again.matched, again.reason) == (4, None)
+            assert cache.counters.get("lookup_local") >= 1, "answered on the caller's thread"
+            srv.kill()
+            dead = cache.lookup(ns, keys, 5.0)
+            assert (dead.matched, dead.reason) == (0, Reason.UNAVAILABLE)
+            assert cache.counters.get("error.local.unavailable") >= 1
+        finally:
+            cache.close()

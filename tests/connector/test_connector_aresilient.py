@@ -1,4 +1,5 @@
-"""The async resilience layer against a real cache-server process: hits, a frozen and a dead server."""
+"""The async facade of the resilience layer against a real cache-server process: hits, a frozen and a
+dead server (the same core as the blocking layer, so the same contract)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from kvfabric.connector.aresilient import AsyncEndpoint, AsyncResilientCache, async_transport_factory
-from kvfabric.connector.resilient import CircuitBreaker, Reason
+from kvfabric.connector.resilient import (
+    AsyncResilientCache,
+    CircuitBreaker,
+    Endpoint,
+    Reason,
+    ResilientCache,
+    transport_factory,
+)
 from kvfabric.testing.memtransport import CacheServerProcess
 
 pytestmark = pytest.mark.process  # real cache-server processes (test level, see kvfabric.testing.levels)
@@ -19,8 +26,8 @@ KEYS = ["b" * 64, "c" * 64, "d" * 64]
 def make(srv: CacheServerProcess, *, tcp: bool = False) -> AsyncResilientCache:
     target = srv.tcp_target if tcp else srv.unix_target
     shm = None if tcp else str(srv.shm_dir)
-    ep = AsyncEndpoint("ep", async_transport_factory(target, shm_dir=shm), CircuitBreaker(2, 60.0))
-    return AsyncResilientCache([ep], retries=1)
+    ep = Endpoint("ep", transport_factory(target, shm_dir=shm), CircuitBreaker(2, 60.0))
+    return AsyncResilientCache(ResilientCache([ep], retries=1))
 
 
 @pytest.mark.asyncio

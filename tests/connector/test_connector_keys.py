@@ -111,3 +111,79 @@ def test_keys_identical_across_interpreters_with_different_hash_seeds() -> None:
     assert out[0]["h"] != out[1]["h"], "the seeds must really differ for this test to mean anything"
     assert out[0]["ns"] == out[1]["ns"] == SPEC.digest()
     assert out[0]["keys"] == out[1]["keys"] == keys.chunk_keys(SPEC.digest(), list(range(1000, 1300)), 32)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"device_type": "cuda"},
+        {"attn_backend": "FLASH_ATTN"},
+        {"kv_layout": "LBNHC"},
+        {"payload_format": 99},
+        {"block_size": 8},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_engine_facts_change_the_namespace(change: dict[str, object]) -> None:
+    """Issue 9.3: everything that decides the bytes of a block is in the namespace."""
+    import dataclasses
+
+    base = dataclasses.replace(SPEC, device_type="cpu", attn_backend="CPU_ATTN", kv_layout="LBHNC")
+    assert dataclasses.replace(base, **change).digest() != base.digest()  # type: ignore[arg-type]
+
+
+def test_payload_format_in_the_namespace_is_the_layout_version() -> None:
+    from kvfabric.connector import layout
+
+    assert SPEC.payload_format == layout.FORMAT_VERSION
+
+
+NS = SPEC.digest()
+TOKENS = list(range(128))  # four chunks of 32
+
+
+def _keys(inputs: keys.RequestInputs | None) -> list[str]:
+    return keys.chunk_keys(NS, TOKENS, 32, inputs=inputs)
+
+
+def test_plain_inputs_keep_the_plain_chain() -> None:
+    assert _keys(keys.RequestInputs()) == _keys(None)
+
+
+def test_lora_adapter_changes_every_key() -> None:
+    a = _keys(keys.RequestInputs(lora=("sql", "1", "/adapters/sql")))
+    b = _keys(keys.RequestInputs(lora=("chat", "2", "/adapters/chat")))
+    base = _keys(None)
+    assert all(x != y and x != z for x, y, z in zip(a, b, base, strict=True))
+
+
+def test_cache_salt_goes_into_the_first_chunk_and_the_chain_carries_it() -> None:
+    salted = _keys(keys.RequestInputs(cache_salt="user-1"))
+    other = _keys(keys.RequestInputs(cache_salt="user-2"))
+    assert all(x != y for x, y in zip(salted, other, strict=True))
+    assert keys.chunk_extras(keys.RequestInputs(cache_salt="s"), 32, 3)[1:] == [b"", b""]
+
+
+def test_multimodal_item_reaches_the_chunks_it_overlaps_and_later() -> None:
+    def with_image(identifier: str, offset: int) -> list[str]:
+        return _keys(keys.RequestInputs(mm=(keys.MultiModalSpan(identifier, offset, 40),)))
+
+    base = _keys(None)
+    cat, dog = with_image("cat", 40), with_image("dog", 40)  # placeholders span chunks 1 and 2
+    assert cat[0] == dog[0] == base[0]  # the text before the image is shared with text-only prompts
+    assert all(c != d for c, d in zip(cat[1:], dog[1:], strict=True))
+    assert with_image("cat", 44)[1] != cat[1]  # the same image at another position
+    extras = keys.chunk_extras(keys.RequestInputs(mm=(keys.MultiModalSpan("cat", 40, 40),)), 32, 4)
+    assert [bool(e) for e in extras] == [False, True, True, False]
+
+
+def test_prompt_embeddings_change_keys_from_the_chunk_they_differ_in() -> None:
+    row = 8
+    a = bytearray(128 * row)
+    b = bytearray(a)
+    b[2 * 32 * row + 5] ^= 1  # a byte of a token in chunk 2
+    ka = _keys(keys.RequestInputs(prompt_embeds=memoryview(a), prompt_embeds_row_bytes=row))
+    kb = _keys(keys.RequestInputs(prompt_embeds=memoryview(b), prompt_embeds_row_bytes=row))
+    assert ka[:2] == kb[:2]
+    assert all(x != y for x, y in zip(ka[2:], kb[2:], strict=True))
+    assert ka[0] != _keys(None)[0]  # embeddings are never keyed like token ids alone

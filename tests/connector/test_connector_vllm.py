@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -11,7 +12,10 @@ from typing import Any
 import pytest
 
 from kvfabric.connector import vllm as kvvllm
-from kvfabric.connector.steps import Role
+from kvfabric.connector.keys import MultiModalSpan
+from kvfabric.connector.resilient import Reason, build_cache
+from kvfabric.connector.settings import ConnectorSettings
+from kvfabric.connector.steps import LoadSpec, Role, SaveSpec, ScheduledRequest
 
 pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.testing.levels)
 
@@ -36,6 +40,7 @@ def fake_vllm_config(**extra: Any) -> Any:
         model_config=_Model(),
         cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        device_config=SimpleNamespace(device_type="cpu"),
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
     )
 
@@ -73,6 +78,173 @@ def test_revision_and_dtype_change_namespace() -> None:
     cfg2.model_config.revision = "def456"
     c = kvvllm.namespace_spec_from_vllm(cfg2, s, 0)
     assert len({a.digest(), b.digest(), c.digest()}) == 3
+
+
+def test_halves_in_one_process_share_one_cache_and_breaker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVFABRIC_REMOTE", raising=False)
+    # Nothing listens on this socket: every call is "unavailable" at once.
+    extra = {
+        "socket": str(tmp_path / "none.sock"),
+        "chunk_tokens": 32,
+        "breaker_failures": 1,
+        "retries": 0,
+        "lookup_deadline_ms": 30000,  # a busy machine must not turn "refused" into "timeout"
+    }
+    sched = kvvllm.KVFabricConnector(fake_vllm_config(**extra), SimpleNamespace(name="SCHEDULER"))
+    worker = kvvllm.KVFabricConnector(fake_vllm_config(**extra), SimpleNamespace(name="WORKER"))
+    cache = sched.scheduler_half.cache
+    assert cache is not None
+    assert worker.worker_half.cache is cache
+    # The scheduler's failed lookup opens the breaker; the worker's next call fails fast on it
+    # instead of discovering the dead server on its own (issue 11: halves that disagree on health).
+    req = SimpleNamespace(request_id="r", prompt_token_ids=list(range(100)), lora_request=None)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert cache.counters.get("miss.unavailable") == 1
+    assert cache.endpoints[0].breaker.state == "open"
+    out = cache.load_into("a" * 64, ["b" * 64], [bytearray(8)], time.monotonic() + 60)
+    assert out.reason is Reason.UNAVAILABLE
+    assert cache.counters.get("breaker_open.local") == 1
+    # Each half closes its use; the cache stays usable until the last one.
+    sched.shutdown()
+    assert build_cache(ConnectorSettings.load(extra)) is cache
+    cache.close()
+    worker.shutdown()
+    fresh = build_cache(ConnectorSettings.load(extra))
+    assert fresh is not None
+    assert fresh is not cache
+    fresh.close()
+
+
+def test_device_backend_layout_and_block_size_change_namespace() -> None:
+    """Issue 9.3: a CPU and a CUDA engine, or two backends or layouts, never share chunks."""
+    s = ConnectorSettings(chunk_tokens=32)
+
+    def digest(cfg: Any, kv_cache_config: Any = None) -> str:
+        return kvvllm.namespace_spec_from_vllm(cfg, s, 0, kv_cache_config).digest()
+
+    base = fake_vllm_config()
+    cuda = fake_vllm_config()
+    cuda.device_config.device_type = "cuda"
+    flash, flashinfer, cpu_attn = fake_vllm_config(), fake_vllm_config(), fake_vllm_config()
+    flash.attention_config = SimpleNamespace(backend=SimpleNamespace(name="FLASH_ATTN"))
+    flashinfer.attention_config = SimpleNamespace(backend=SimpleNamespace(name="FLASHINFER"))
+    cpu_attn.attention_config = SimpleNamespace(backend="CPU_ATTN")
+    hnc, nhc = fake_vllm_config(), fake_vllm_config()
+    hnc.cache_config.kv_cache_layout = "LBHNC"
+    nhc.cache_config.kv_cache_layout = "LBNHC"
+    group = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=32))])
+    digests = [digest(c) for c in (base, cuda, flash, flashinfer, cpu_attn, hnc, nhc)]
+    digests.append(digest(base, group))
+    resolved = SimpleNamespace(kv_cache_groups=group.kv_cache_groups, kv_cache_layout="LBNHC")
+    # The layout the engine core resolved (KVCacheConfig) wins over the worker's cache_config.
+    assert digest(hnc, resolved) == digest(nhc, group)
+    assert len(set(digests)) == len(digests)
+    spec = kvvllm.namespace_spec_from_vllm(flash, s, 0, group)
+    assert (spec.device_type, spec.attn_backend, spec.kv_layout, spec.block_size) == (
+        "cpu",
+        "FLASH_ATTN",
+        "default",
+        32,
+    )
+    assert kvvllm.namespace_spec_from_vllm(base, s, 0).attn_backend.startswith("auto:cpu:")
+
+
+def test_worker_whose_layers_use_another_backend_never_loads_or_stores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    monkeypatch.setattr(kvvllm, "attention_backends_of_layers", lambda cfg, names: {"CPU_ATTN"})
+    cfg = fake_vllm_config(chunk_tokens=32, socket="/nonexistent/kvfabric.sock")
+    cfg.attention_config = SimpleNamespace(backend="FLASH_ATTN")
+    worker = kvvllm.KVFabricConnector(cfg, SimpleNamespace(name="WORKER"))
+    worker.register_kv_caches({"l0": torch.zeros(8, 2, 16, 32), "l1": torch.zeros(8, 2, 16, 32)})
+    half = worker.worker_half
+    assert half.disabled is not None
+    assert "CPU_ATTN" in half.disabled
+    plan = kvvllm.KVFabricMetadata(loads=[LoadSpec("r", ["b" * 64, "c" * 64], [[0, 1], [2, 3]])])
+    worker.bind_connector_metadata(plan)
+    worker.start_load_kv(None)
+    worker.wait_for_layer_load("l0")
+    assert worker.get_block_ids_with_load_errors() == {0, 1, 2, 3}
+    assert half.counters.get("fallback_chunks.namespace-mismatch") == 2
+    worker.clear_connector_metadata()
+    worker.shutdown()
+
+
+def test_request_inputs_from_vllm_request() -> None:
+    """Issue 9.4: multimodal items, cache_salt, prompt embeddings and the LoRA adapter reach the keys."""
+    import torch
+
+    feature = SimpleNamespace(identifier="img-hash", mm_position=SimpleNamespace(offset=5, length=20))
+    lora = SimpleNamespace(lora_name="sql", lora_int_id=3, lora_path="/a/sql")
+    embeds = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    req = SimpleNamespace(
+        request_id="r",
+        prompt_token_ids=None,
+        mm_features=[feature],
+        cache_salt="salt",
+        lora_request=lora,
+        prompt_embeds=embeds,
+    )
+    info = kvvllm.request_info_from_vllm(req)
+    assert info.token_ids == (0, 0, 0)
+    assert info.inputs.mm == (MultiModalSpan("img-hash", 5, 20),)
+    assert (info.inputs.cache_salt, info.inputs.lora) == ("salt", ("sql", "3", "/a/sql"))
+    assert info.inputs.prompt_embeds is not None
+    assert bytes(info.inputs.prompt_embeds) == embeds.numpy().tobytes()
+    assert info.inputs.prompt_embeds_row_bytes == 16
+    old = SimpleNamespace(
+        request_id="o",
+        prompt_token_ids=[1, 2],
+        mm_hashes=["h"],
+        mm_positions=[SimpleNamespace(offset=0, length=2)],
+    )
+    assert kvvllm.request_info_from_vllm(old).inputs.mm == (MultiModalSpan("h", 0, 2),)
+    plain = SimpleNamespace(request_id="p", prompt_token_ids=[1, 2], lora_request=None)
+    assert kvvllm.request_info_from_vllm(plain).inputs.plain
+
+
+def test_scheduler_output_translation_and_version_shim() -> None:
+    """vLLM's SchedulerOutput becomes a StepInput; releases without resumed_req_ids still work."""
+    new = SimpleNamespace(req_id="a", block_ids=([1, 2, 3],), num_computed_tokens=16)
+    cached = SimpleNamespace(
+        req_ids=["b", "c", "d"],
+        resumed_req_ids={"c"},
+        new_block_ids=[([7],), ([8, 9],), None],
+        num_computed_tokens=[32, 0, 48],
+    )
+    so = SimpleNamespace(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={"a": 20, "b": 1, "c": 40},
+        finished_req_ids={"z"},
+    )
+    step = kvvllm.step_input_from_vllm(so)
+    assert step.scheduled == (
+        ScheduledRequest("a", 16, 20, (1, 2, 3), replaces_blocks=True),
+        ScheduledRequest("b", 32, 1, (7,), replaces_blocks=False),
+        ScheduledRequest("c", 0, 40, (8, 9), replaces_blocks=True),
+        ScheduledRequest("d", 48, 0, None, replaces_blocks=False),
+    )
+    assert step.finished_req_ids == frozenset({"z"})
+    del cached.resumed_req_ids  # vLLM < 0.2x
+    assert all(not s.replaces_blocks for s in kvvllm.step_input_from_vllm(so).scheduled[1:])
+
+
+def test_step_plan_travels_to_workers_by_pickle() -> None:
+    """vLLM pickles the connector metadata from the scheduler process to every worker."""
+    import pickle
+
+    plan = kvvllm.KVFabricMetadata(
+        loads=[LoadSpec("r", ["b" * 64], [[1, 2]], 1, ["dram"])],
+        saves=[SaveSpec("r", ["c" * 64], [[3, 4]])],
+    )
+    back = pickle.loads(pickle.dumps(plan))
+    assert isinstance(back, kvvllm.KVFabricMetadata)
+    assert (back.loads, back.saves) == (plan.loads, plan.saves)
 
 
 @pytest.mark.skipif(

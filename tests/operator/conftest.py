@@ -39,6 +39,8 @@ class OperatorProcess:
         *,
         kubeconfig: Path | None = None,
         config_name: str | None = None,
+        extra_args: list[str] | None = None,
+        register: bool = True,
     ) -> None:
         self.cluster = cluster
         self.workdir = workdir
@@ -48,6 +50,8 @@ class OperatorProcess:
         self.log_path = workdir / "operator.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        self.extra_args = list(extra_args or [])
+        self.register = register
 
     def start(self) -> None:
         """Start the operator and wait until its webhook answers."""
@@ -68,11 +72,12 @@ class OperatorProcess:
                 str(self.port),
                 "--webhook-cert-dir",
                 str(self.workdir / "certs"),
-                "--register-webhook",
+                *(["--register-webhook"] if self.register else []),
                 "--webhook-config-name",
                 self.config_name,
                 "--resync-seconds",
                 "5",
+                *self.extra_args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

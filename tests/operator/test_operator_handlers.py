@@ -31,12 +31,18 @@ def test_registry_has_no_stateful_handlers(webhook: bool) -> None:
     # No on.create/update/delete/resume, timers or daemons: nothing kopf would persist in the objects.
     assert not registry._changing.get_all_handlers()
     assert not registry._spawning.get_all_handlers()
-    watching = {h.id for h in registry._watching.get_all_handlers()}
+    # Children's events reach their pool through the controller's informers (issue #14.4: no kopf
+    # per-object workers for thousands of pods), each filtered server-side to the operator's objects.
+    a = app()
+    informers = {(i.kind, i.label_selector, i.index_label) for i in a.controller.informers(a.client)}
+    owned = "app.kubernetes.io/managed-by=kvfabric-operator,kvfabric.io/owner-pool"
     assert {
-        "child-daemonsets",
-        "child-configmaps",
-        "child-services",
-        "child-persistentvolumeclaims",
-    } <= watching
+        ("DaemonSet", owned, "kvfabric.io/owner-pool"),
+        ("ConfigMap", owned, "kvfabric.io/owner-pool"),
+        ("Service", owned, "kvfabric.io/owner-pool"),
+        ("PersistentVolumeClaim", owned, "kvfabric.io/owner-pool"),
+        ("Pod", owned, "kvfabric.io/owner-pool"),
+        ("Pod", "kvfabric.io/pool", "kvfabric.io/pool"),
+    } <= informers
     webhooks = {h.id for h in registry._webhooks.get_all_handlers()}
     assert webhooks == ({handlers.WEBHOOK_ID} if webhook else set())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -33,7 +34,12 @@ class FakeKube:
         return copy.deepcopy(obj) if obj is not None else None
 
     async def list(
-        self, kind: str, namespace: str | None = None, *, label_selector: str | None = None
+        self,
+        kind: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
     ) -> list[dict[str, Any]]:
         wanted = dict(part.split("=", 1) for part in (label_selector or "").split(",") if "=" in part)
         out = []
@@ -197,3 +203,46 @@ async def test_missing_existing_claim_is_reported() -> None:
     status = kube.objects[("KVCachePool", "ns", "p")]["status"]
     storage = next(c for c in status["conditions"] if c["type"] == "StorageReady")
     assert storage["status"] == "True"
+
+
+class RejectingKube(FakeKube):
+    """The API server refuses the DaemonSet (as it does for an invalid pod template)."""
+
+    async def apply(self, obj: dict[str, Any], *, field_manager: str, force: bool = True) -> dict[str, Any]:
+        if obj["kind"] == "DaemonSet":
+            message = 'DaemonSet.apps "p-cache" is invalid: hugepages'
+            body = json.dumps({"kind": "Status", "reason": "Invalid", "message": message})
+            raise ApiError(422, body, method="PATCH", path="daemonsets/p-cache")
+        return await super().apply(obj, field_manager=field_manager, force=force)
+
+
+@pytest.mark.asyncio
+async def test_rejected_apply_is_reported_on_the_first_pass_then_retried() -> None:
+    kube = RejectingKube()
+    add_pool(kube)
+    with pytest.raises(reconcile.ApplyRejectedError):
+        await run(kube)
+    status = kube.objects[("KVCachePool", "ns", "p")]["status"]
+    by_type = {c["type"]: c for c in status["conditions"]}
+    assert (by_type["Degraded"]["status"], by_type["Degraded"]["reason"]) == ("True", "ApplyFailed")
+    assert 'DaemonSet.apps "p-cache" is invalid: hugepages' in by_type["Degraded"]["message"]
+    assert (by_type["Ready"]["status"], by_type["Ready"]["reason"]) == ("False", "ApplyFailed")
+    assert "ApplyFailed" in [e["reason"] for e in kube.events]
+    # The other children were applied all the same.
+    assert ("ConfigMap", "p-config") in kube.applied
+    assert ("Service", "p") in kube.applied
+
+
+@pytest.mark.asyncio
+async def test_a_server_error_is_not_a_rejection() -> None:
+    class Flaky(FakeKube):
+        async def apply(
+            self, obj: dict[str, Any], *, field_manager: str, force: bool = True
+        ) -> dict[str, Any]:
+            raise ApiError(503, "unavailable", method="PATCH", path="x")
+
+    kube = Flaky()
+    add_pool(kube)
+    with pytest.raises(ApiError):
+        await run(kube)
+    assert "status" not in kube.objects[("KVCachePool", "ns", "p")]

@@ -9,10 +9,11 @@ nothing here depends on this machine's speed.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvfabric.connector.costmodel import PrefillSample, RestoreSample
-from kvfabric.connector.resilient import CircuitBreaker, Endpoint, Reason, ResilientCache
+from kvfabric.connector.resilient import CircuitBreaker, Endpoint, LookupOutcome, Reason, ResilientCache
 from kvfabric.connector.settings import ConnectorSettings
 from kvfabric.refengine.engine import Engine
 from kvfabric.refengine.model import RefModel
@@ -48,6 +49,7 @@ def test_the_cost_model_learns_from_the_engine_and_skips_a_losing_load(tiny_mode
     assert e.worker_conn is not None
     costs = e.scheduler_conn.costs
     assert costs is not None
+    costs.min_deadline_s = 0.5  # this test is about the decision, not the lookup's deadline
     cold = e.generate(tokens, 1)
     assert cold.hit_tokens == 0
     assert e.worker_conn.wait_for_stores(60)
@@ -67,18 +69,35 @@ def test_the_cost_model_learns_from_the_engine_and_skips_a_losing_load(tiny_mode
     e.close()
 
 
-def test_the_lookup_deadline_follows_the_expected_prefill(tiny_model: RefModel) -> None:
+def test_the_lookup_deadline_follows_the_expected_prefill(
+    tiny_model: RefModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = Recording()
     e = _engine(tiny_model, store)
     assert e.scheduler_conn is not None
-    costs = e.scheduler_conn.costs
+    cache, costs = e.scheduler_conn.cache, e.scheduler_conn.costs
+    assert cache is not None
     assert costs is not None
+    deadlines: list[float] = []
+    real = cache.lookup
+
+    def spy(namespace: str, keys: list[str], deadline_s: float) -> LookupOutcome:
+        deadlines.append(deadline_s)
+        return real(namespace, keys, deadline_s)
+
+    monkeypatch.setattr(cache, "lookup", spy)
     e.generate(prompt(100, 12), 1)
-    assert store.lookup_timeouts[-1] <= 0.5
-    # An engine that prefills 1k tokens in ~30 ms gets ~3 ms per lookup (10 %), never the 500 ms.
+    assert deadlines[-1] == 0.5  # nothing measured yet: the setting
+    # An engine that prefills 1k tokens in ~30 ms gets ~3 ms per lookup (10 %, at least 5 ms), never
+    # the 500 ms of the setting.
     costs._prefill.samples.clear()
     for t in (256, 1024, 4096):
         costs.observe_prefill(PrefillSample.single(0, t, 30e-6 * t))
     e.generate(prompt(1000, 13), 1)
-    assert store.lookup_timeouts[-1] < 0.02
+    assert deadlines[-1] == pytest.approx(0.005)
+    costs._prefill.samples.clear()
+    for t in (256, 1024, 4096):
+        costs.observe_prefill(PrefillSample.single(0, t, 300e-6 * t))
+    e.generate(prompt(1000, 14), 1)
+    assert deadlines[-1] == pytest.approx(0.1 * 300e-6 * 1000, rel=0.01)
     e.close()

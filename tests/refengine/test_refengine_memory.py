@@ -227,3 +227,32 @@ def test_chunked_prefill_saves_every_chunk_and_loads_them(
     assert (warm.first_logits - ref_logits).abs().max().item() <= 1e-5
     assert warm.output_token_ids == ref_out
     reader.close()
+
+
+def test_lora_request_hits_for_its_adapter_and_misses_for_another(
+    tiny_model: RefModel, store: MemoryTransport
+) -> None:
+    """Issue 9.4: LoRA requests are cached (no longer bypassed) and never share another adapter's KV."""
+    tokens = prompt(200, 13)
+    ref_sql = Engine(TINY, num_blocks=64, model=tiny_model).generate(tokens, 2, lora="sql")
+    ref_chat = Engine(TINY, num_blocks=64, model=tiny_model).generate(tokens, 2, lora="chat")
+    ref_base, _ = baseline(tiny_model, tokens, 2)
+    assert (ref_sql.first_logits - ref_base).abs().max().item() > 1e-3  # the adapter changes the KV
+    e = engine(tiny_model, store)
+    assert e.generate(tokens, 1, lora="sql").hit_tokens == 0
+    assert e.worker_conn is not None
+    assert e.worker_conn.wait_for_stores(60)
+    e.close()
+    for lora, ref, hit in (("sql", ref_sql, 192), ("chat", ref_chat, 0), (None, None, 0)):
+        e = engine(tiny_model, store)
+        r = e.generate(tokens, 2, lora=lora)
+        assert r.hit_tokens == hit, lora
+        if hit == 0:
+            assert r.fallback_reason == "not-found"
+        want = ref.first_logits if ref is not None else ref_base
+        assert (r.first_logits - want).abs().max().item() <= 1e-5
+        if ref is not None:
+            assert r.output_token_ids == ref.output_token_ids
+        assert e.worker_conn is not None
+        assert e.worker_conn.wait_for_stores(60)
+        e.close()

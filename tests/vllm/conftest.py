@@ -1,9 +1,10 @@
 """Fixtures of the real-vLLM tests: the pinned environment, the tiny model, the reference outputs.
 
-Every test here is marked ``vllm`` and skips, saying why, only when the environment that
-``scripts/bootstrap.sh`` builds is absent. vLLM start-up costs one to two minutes per process on
-this machine, so processes are shared: one offline reference run (no connector, no prefix caching)
-produces the expected tokens of every prompt in :mod:`tests.vllm.workload` for the whole session.
+Every test here is at the ``vllm`` level of the test ladder (``make test-vllm``) and skips, saying
+why, only when the environment that ``scripts/bootstrap.sh`` builds is absent. vLLM start-up costs
+one to two minutes per process on this machine, so processes are shared: one offline reference run
+(no connector, no prefix caching) produces the expected tokens of every prompt in
+:mod:`tests.vllm.workload` for the whole session.
 """
 
 from __future__ import annotations
@@ -16,14 +17,6 @@ import pytest
 from tests.vllm import workload
 
 from kvfabric.testing.vllmenv import OfflineRun, VllmEnv, find_env, make_tiny_model, skip_reason
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test of this directory ``vllm`` (``-m "not vllm"`` deselects them)."""
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.vllm)
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,8 @@ import pytest
 from kvfabric.connector import vllm as kvvllm
 from kvfabric.testing.vllmenv import VllmEnv
 
+pytestmark = pytest.mark.vllm
+
 BASE_PY = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
 
 # Beyond the abstract methods: the base's default is wrong for kvfabric, so it must be overridden.

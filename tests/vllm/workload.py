@@ -38,6 +38,10 @@ PRESSURE_CONVS: list[dict[str, Any]] = [
     }
     for u in range(4)
 ]
+# Four prompts that together fill the 32-block KV cache exactly (8 blocks each); every decoded token
+# then needs a block that is not there, so vLLM must preempt (and resume by recomputing or loading).
+PREEMPT = {f"preempt-{i}": tokens(80 + i, 1000) for i in range(4)}
+PREEMPT_TOKENS = 400
 MAX_TOKENS = 12
 
 
@@ -47,6 +51,7 @@ def requests() -> list[dict[str, Any]]:
         {"id": k, "prompt": v, "max_tokens": MAX_TOKENS} for k, v in {**RESTART, **LOADER, **FAULTS}.items()
     ]
     out += [{"id": k, "prompt": v, "max_tokens": DECODE_TOKENS} for k, v in DECODERS.items()]
+    out += [{"id": k, "prompt": v, "max_tokens": PREEMPT_TOKENS} for k, v in PREEMPT.items()]
     return out
 
 

@@ -158,6 +158,13 @@ class IoFaultsConfig(_Model):
     read_error: Literal["ESTALE", "EIO", "ENOSPC"] | None = Field(
         default=None, description="Errno every block read of the tier raises."
     )
+    clock_skew_seconds: float = Field(
+        default=0.0,
+        ge=-1e9,
+        le=1e9,
+        description="On the shared tier: emulate a client-stamped filesystem on a machine whose clock is "
+        "this far ahead — the server's clock and every timestamp it stamps on the volume are shifted.",
+    )
 
 
 class DiskTierConfig(_Model):

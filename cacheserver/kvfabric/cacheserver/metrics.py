@@ -90,6 +90,19 @@ class Metrics:
             unit="1",
             description="Blocks per tier",
         )
+        meter.create_observable_gauge(
+            "kvfabric.volume.stamps_local_clock",
+            callbacks=[self._clock_cb("stamps_local")],
+            unit="1",
+            description="1 when the shared volume's timestamps follow this server's clock (a client-stamped "
+            "filesystem such as CephFS, Lustre or FUSE, or clocks in sync); 0 when the volume stamps its own",
+        )
+        meter.create_observable_gauge(
+            "kvfabric.volume.clock_spread",
+            callbacks=[self._clock_cb("spread")],
+            unit="s",
+            description="Latest minus earliest clock among the live servers sharing the volume",
+        )
         self.lookups = meter.create_counter("kvfabric.cache.lookups", unit="1", description="Lookup requests")
         self.lookup_keys = meter.create_counter(
             "kvfabric.cache.lookup_keys",
@@ -117,6 +130,16 @@ class Metrics:
             for u in self._store.usage():
                 value = {"used": u.used_bytes, "capacity": u.capacity_bytes, "blocks": u.blocks}[what]
                 yield Observation(value, {"tier": u.name})
+
+        return cb
+
+    def _clock_cb(self, what: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def cb(_: CallbackOptions) -> Iterable[Observation]:
+            clock = self._store.clock
+            if what == "spread":
+                yield Observation(clock.spread())
+            elif clock.stamps_local_clock is not None:
+                yield Observation(int(clock.stamps_local_clock))
 
         return cb
 

@@ -1,4 +1,4 @@
-"""Pieces shared by the sync and async clients: validation, channels, error mapping, shm file I/O."""
+"""Pieces of the client: validation, channel options, error mapping, stream assembly, shm file I/O."""
 
 from __future__ import annotations
 
@@ -21,10 +21,21 @@ from kvfabric.rpc.v1 import cache_pb2 as pb
 Payload: TypeAlias = bytes | bytearray | memoryview
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-# Larger than any payload we accept; the server enforces its own limit.
+RECONNECT_BACKOFF_MAX_MS = 1000
+"""Longest wait between two reconnect attempts of a channel to a server that went away."""
+
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    # Larger than any payload we accept; the server enforces its own limit.
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
+    # gRPC's default reconnect backoff starts at 1 s and grows to 120 s: after a cache-server
+    # restart a channel could stay in TRANSIENT_FAILURE (every call failing at once) for minutes
+    # while the server was serving again. The server is on the same node or the same cluster, so
+    # retrying every 100 ms to 1 s costs nothing and brings hits back within about a second.
+    # (Not grpc.min_reconnect_backoff_ms: gRPC core uses it as the minimum *connect timeout*, and
+    # lowering it fails connections to a slow-to-answer server.)
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
 ]
 STREAM_PIECE_BYTES = 1 << 20  # 1-2 MiB messages measured fastest through grpcio
 TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_LOCAL_DISK: "local_disk", pb.TIER_SHARED: "shared"}

@@ -76,13 +76,17 @@ class LocalIndex:
         self.answered = 0
         """Lookups answered from a table (for benchmarks and tests)."""
 
-    def lookup(self, namespace: str, raw_keys: bytes) -> LookupResult | None:
+    def lookup(self, namespace: str, raw_keys: bytes, *, fetch: bool = True) -> LookupResult | None:
         """Leading present keys of ``raw_keys`` (the keys' 32-byte digests, concatenated), or None.
 
-        None means "ask over RPC". Raises :class:`CacheUnavailable` when the server's heartbeat stopped.
+        None means "ask over RPC". Raises :class:`CacheUnavailable` when the server hung up or its
+        heartbeat stopped. ``fetch=False``: never talk to the server (a table not mapped yet, or
+        replaced, is None): for callers on a latency-critical thread.
         """
         m = self._maps.get(namespace)
         if m is None:
+            if not fetch:
+                return None
             m = self._fetch_now(namespace)
             if m is None:
                 return None
@@ -91,6 +95,8 @@ class LocalIndex:
         for _ in range(_ATTEMPTS):
             if words[it.W_STATE] != it.LIVE:
                 # Replaced (grown) or its server stopped: fetch the current table once.
+                if not fetch:
+                    return None
                 m = self._replace(namespace, m)
                 if m is None:
                     return None

@@ -94,6 +94,15 @@ class CacheClient:
         req = pb.LookupRequest(namespace=namespace, keys=keys)
         return c.lookup_result(self._call(lambda: self._stub.Lookup(req, timeout=timeout, metadata=self._md)))
 
+    def lookup_local(self, namespace: str, keys: Sequence[str]) -> LookupResult | None:
+        """Answer from the published index only (microseconds, no call, no thread); None if it cannot.
+
+        Raises :class:`~kvfabric.client.errors.CacheUnavailable` when the server is gone or hung.
+        """
+        if self._index is None:
+            return None
+        return self._index.lookup(namespace, c.check_ids(namespace, keys), fetch=False)
+
     def load(self, namespace: str, keys: Sequence[str], *, timeout: float) -> list[bytes]:
         """Payloads of the leading present keys (stops at the first miss)."""
         c.check_timeout(timeout)

@@ -182,7 +182,7 @@ class CostModel:
         window: int = 64,
         explore_every: int = 16,
         lookup_fraction: float = 0.1,
-        min_deadline_s: float = 0.002,
+        min_deadline_s: float = 0.005,
     ) -> None:
         """``lookup_fraction``: the share of the expected prefill time a lookup may take."""
         self.chunk_tokens = chunk_tokens

@@ -64,7 +64,7 @@ class DataPath(Protocol):
     def finish_loads(self) -> list[LoadResult]:
         """Wait (until the deadline) for the started loads and place their verified chunks.
 
-        Returns one result per started load, in order, and forgets them.
+        Returns one result per started load, in order. Called at most once per start.
         """
         ...
 

@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 # dominate), so a request is one RPC unless it exceeds this many chunks (64k tokens at 256/chunk).
 GROUP_CHUNKS = 256
 
+# Staging buffers of abandoned loads kept aside until their transport calls end (then reused).
+# Beyond this many they are dropped for good: never reused, freed when the last call lets go.
+_QUARANTINE = 16
+
 
 @dataclass
 class _PendingLoad:
@@ -40,6 +44,21 @@ class _PendingLoad:
     staging: bytearray
     buffers: list[memoryview]
     futures: list[cf.Future[LoadOutcome]]
+
+    def settled(self) -> bool:
+        """True when nothing can write into ``staging`` any more.
+
+        That is: every group's loader task is done, and so is every transport call a group gave
+        up on (see ``LoadOutcome.inflight``).
+        """
+        for fut in self.futures:
+            if not fut.done():
+                return False
+            if fut.cancelled() or fut.exception() is not None:
+                continue
+            if not fut.result().settled:
+                return False
+        return True
 
 
 class HostStagingPath:
@@ -75,6 +94,7 @@ class HostStagingPath:
         self._loads: list[_PendingLoad] = []
         self._load_deadline = 0.0
         self._staging_pool: list[bytearray] = []
+        self._quarantine: list[_PendingLoad] = []
         self._load_pool: cf.ThreadPoolExecutor | None = None
         # saves: per save spec, one staging buffer holding its payloads back to back
         self._saves: list[tuple[SaveSpec, bytearray]] = []
@@ -105,11 +125,19 @@ class HostStagingPath:
         return bytearray(size)
 
     def _recycle_staging(self) -> None:
-        # Reuse a staging buffer (its pages are already mapped) only if its load finished: an
-        # abandoned load may still write into it, so that one is dropped.
-        for pl in self._loads:
-            if all(f.done() for f in pl.futures):
+        # Reuse a staging buffer (its pages are already mapped) only once nothing can write into it:
+        # a transport call abandoned at the deadline may still be copying into it long after its
+        # loader task returned, so such a buffer waits in quarantine and never serves another load
+        # until that call ended (issue 9: another key's bytes in this step's buffer).
+        waiting: list[_PendingLoad] = []
+        for pl in (*self._quarantine, *self._loads):
+            if pl.settled():
                 self._staging_pool.append(pl.staging)
+            else:
+                waiting.append(pl)
+        if len(waiting) > _QUARANTINE:
+            self.counters.add("staging_dropped_abandoned", len(waiting) - _QUARANTINE)
+        self._quarantine = waiting[-_QUARANTINE:]
         del self._staging_pool[:-4]
         self._loads = []
 
@@ -152,6 +180,10 @@ class HostStagingPath:
         if time.monotonic() >= self._load_deadline:
             return LoadOutcome(0, Reason.TIMEOUT)
         outcome = cache.load_into(self.namespace, keys, buffers, self._load_deadline)
+        if not outcome.settled:
+            # A call that was given up may still write: nothing in these buffers can be trusted,
+            # and verifying now would not cover its later writes.
+            return LoadOutcome(0, outcome.reason or Reason.TIMEOUT, outcome.inflight)
         for i in range(outcome.count):
             try:
                 layout.verify(
@@ -164,7 +196,7 @@ class HostStagingPath:
                 )
             except layout.PayloadError as exc:
                 log.warning("chunk %s: %s", keys[i][:12], exc)
-                return LoadOutcome(i, Reason(exc.reason))
+                return LoadOutcome(i, Reason(exc.reason), outcome.inflight)
         return outcome
 
     def finish_loads(self) -> list[LoadResult]:
@@ -198,7 +230,6 @@ class HostStagingPath:
             self.counters.add("loaded_bytes", valid * geo.payload_bytes)
             failed = len(pl.spec.keys) - valid
             results.append(LoadResult(valid, reason if failed else None, time.monotonic() - t0))
-        self._recycle_staging()
         return results
 
     def _scatter(self, pl: _PendingLoad, begin: int, end: int) -> None:

@@ -6,7 +6,11 @@ platform's byte order: token ids are encoded as fixed-width little-endian intege
 namespace is hashed from a canonical JSON document with sorted keys.
 
 - ``key_{-1} = H(namespace)``
-- ``key_i = H(key_{i-1} || token_ids_i)`` where ``token_ids_i`` is the i-th whole chunk.
+- ``key_i = H(key_{i-1} || token_ids_i || extra_i)`` where ``token_ids_i`` is the i-th whole chunk
+  and ``extra_i`` the canonical encoding of the request's other inputs that reach chunk ``i``
+  (:func:`chunk_extras`: multimodal items, ``cache_salt``, prompt embeddings, the LoRA adapter),
+  empty for a plain text request. ``token_ids_i`` has a fixed length (``chunk_tokens`` is in the
+  namespace), so the boundary between tokens and extras is unambiguous.
 
 ``H`` is SHA-256 (32 bytes, lower-case hex on the wire and on disk).
 """
@@ -23,6 +27,9 @@ from dataclasses import asdict, dataclass
 # Format version of the key derivation itself. Bumping it changes every namespace, which is the
 # safe way to retire chunks written by an incompatible connector.
 KEY_SCHEME_VERSION = 1
+
+PAYLOAD_FORMAT_VERSION = 2
+"""Version of the chunk payload format (``kvfabric.connector.layout``): header and body layout."""
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 # Token ids are encoded as unsigned 32-bit little-endian integers: every tokenizer in use has far
@@ -66,12 +73,24 @@ class NamespaceSpec:
     tp_rank: int = 0
     """Tensor-parallel rank of this worker."""
     lora: str = ""
-    """LoRA adapter name and revision, empty for none."""
+    """An engine-wide LoRA adapter, empty for none. (vLLM's adapters are per request: they go into
+    the key chain, see :class:`RequestInputs`, so one engine serves many adapters.)"""
     tenant: str = ""
     """Tenant: chunks of different tenants never mix, even for identical prompts."""
     payload_key_id: str = ""
     """Fingerprint of the payload MAC key (``layout.key_id``): chunks sealed under another key,
     e.g. before a rotation, are never even looked up, so they cannot shadow fresh stores."""
+    device_type: str = ""
+    """Device type of the KV cache as the engine reports it (vLLM: ``cuda``, ``cpu``, ``xpu``...)."""
+    attn_backend: str = ""
+    """Attention backend that writes the KV cache, as the engine reports it (vLLM: ``FLASH_ATTN``,
+    ``CPU_ATTN``...; ``auto:...`` names the platform whose automatic choice it is). Backends pack
+    a block's interior differently: the same shape can hold other bytes."""
+    kv_layout: str = ""
+    """KV-cache layout as the engine reports it (vLLM 0.33: ``cache_config.kv_cache_layout``,
+    e.g. ``LBHNC``; older: ``NHD``/``HND``)."""
+    payload_format: int = PAYLOAD_FORMAT_VERSION
+    """kvfabric's chunk payload format version."""
 
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0 or self.block_size <= 0 or self.chunk_tokens % self.block_size:
@@ -128,25 +147,106 @@ def chunk_token_ids(token_ids: Sequence[int], chunk_tokens: int) -> list[Sequenc
     return [token_ids[i * chunk_tokens : (i + 1) * chunk_tokens] for i in range(n)]
 
 
+@dataclass(frozen=True)
+class MultiModalSpan:
+    """One multimodal item of a prompt: its content hash and the placeholder tokens it fills."""
+
+    identifier: str
+    """The item's content hash as the engine computes it (vLLM: ``mm_feature.identifier``)."""
+    offset: int
+    """Index of its first placeholder token in the prompt."""
+    length: int
+    """Number of placeholder tokens."""
+
+
+@dataclass(frozen=True)
+class RequestInputs:
+    """A request's inputs, besides its token ids, that change its KV (vLLM's block-hash extra keys).
+
+    Placeholder tokens look the same for every image, a LoRA adapter changes every K and V, a
+    ``cache_salt`` isolates users from each other, and a prompt given as embeddings has no
+    meaningful token ids at all: each of these must be in the keys, or two requests that differ
+    would share chunks.
+    """
+
+    mm: tuple[MultiModalSpan, ...] = ()
+    """Multimodal items, sorted by offset."""
+    cache_salt: str | None = None
+    """The request's ``cache_salt``."""
+    lora: tuple[str, ...] | None = None
+    """Identity of the LoRA adapter (vLLM: name, id and path), ``None`` for the base model."""
+    prompt_embeds: memoryview | None = None
+    """The prompt embeddings as bytes, one row of ``prompt_embeds_row_bytes`` per token."""
+    prompt_embeds_row_bytes: int = 0
+
+    @property
+    def plain(self) -> bool:
+        """True for a plain token-id prompt (no extras: the keys are the plain chain)."""
+        return not self.mm and self.cache_salt is None and self.lora is None and self.prompt_embeds is None
+
+
+def _encode_extra(items: list[list[object]]) -> bytes:
+    if not items:
+        return b""
+    return json.dumps(items, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def chunk_extras(inputs: RequestInputs, chunk_tokens: int, num_chunks: int) -> list[bytes]:
+    """Return ``extra_i`` for chunks ``0..num_chunks-1``, following vLLM's block-hash extra keys.
+
+    Like vLLM's ``generate_block_hash_extra_keys`` (v0.33, per block; here per chunk): the LoRA
+    adapter goes into every chunk; a multimodal item goes into every chunk its placeholder span
+    overlaps, with its offset relative to the chunk's start (the same item at another position is
+    another key); ``cache_salt`` goes into the first chunk only (the chain carries it into every
+    later key); prompt embeddings go in as the SHA-256 of the chunk's rows.
+    """
+    out: list[bytes] = []
+    for i in range(num_chunks):
+        start, end = i * chunk_tokens, (i + 1) * chunk_tokens
+        items: list[list[object]] = []
+        if inputs.lora is not None:
+            items.append(["lora", *inputs.lora])
+        for span in inputs.mm:
+            if span.offset < end and start < span.offset + span.length:
+                items.append(["mm", span.identifier, span.offset - start])
+        if inputs.cache_salt is not None and start == 0:
+            items.append(["salt", inputs.cache_salt])
+        if inputs.prompt_embeds is not None:
+            row = inputs.prompt_embeds_row_bytes
+            rows = inputs.prompt_embeds[start * row : end * row]
+            items.append(["embeds", hashlib.sha256(rows).hexdigest()])
+        out.append(_encode_extra(items))
+    return out
+
+
 def chunk_keys(
-    namespace: str, token_ids: Sequence[int], chunk_tokens: int, *, max_chunks: int | None = None
+    namespace: str,
+    token_ids: Sequence[int],
+    chunk_tokens: int,
+    *,
+    max_chunks: int | None = None,
+    inputs: RequestInputs | None = None,
 ) -> list[str]:
     """Return the chained keys of the whole chunks of ``token_ids`` under ``namespace``.
 
-    Key ``i`` commits to the namespace and to every token of chunks ``0..i``, so equal keys mean
-    equal prefixes (up to SHA-256 collisions) and a lookup of the leading keys finds the longest
-    stored prefix. ``max_chunks`` stops early (no need to hash chunks that could never be used).
+    Key ``i`` commits to the namespace, to every token of chunks ``0..i`` and to the request's
+    ``inputs`` that reach them, so equal keys mean equal prefixes (up to SHA-256 collisions) and a
+    lookup of the leading keys finds the longest stored prefix. ``max_chunks`` stops early (no need
+    to hash chunks that could never be used).
     """
     if not is_hex64(namespace):
         raise ValueError("namespace must be 64 lower-case hex characters")
     n = num_whole_chunks(len(token_ids), chunk_tokens)
     if max_chunks is not None:
         n = min(n, max(max_chunks, 0))
+    extras = chunk_extras(inputs, chunk_tokens, n) if inputs is not None and not inputs.plain else None
     prev = hashlib.sha256(bytes.fromhex(namespace)).digest()
     keys: list[str] = []
     for i in range(n):
         h = hashlib.sha256(prev)
         h.update(encode_tokens(token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]))
+        if extras is not None:
+            h.update(extras[i])
         prev = h.digest()
         keys.append(prev.hex())
     return keys

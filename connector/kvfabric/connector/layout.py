@@ -25,8 +25,10 @@ from dataclasses import dataclass
 import blake3
 import torch
 
+from kvfabric.connector.keys import PAYLOAD_FORMAT_VERSION
+
 MAGIC = b"KVFC"
-FORMAT_VERSION = 2
+FORMAT_VERSION = PAYLOAD_FORMAT_VERSION
 HEADER_SIZE = 128
 # magic, version, flags, namespace, key, num_tokens, num_layers, body_len; then the 32-byte MAC.
 _FIELDS = struct.Struct("<4sHH32s32sIIQ")
@@ -52,6 +54,17 @@ def block_dim_of(tensor: torch.Tensor) -> int:
     if tensor.dim() == 5 and tensor.shape[0] == 2:
         return 1
     return 0
+
+
+def block_size_of(tensor: torch.Tensor) -> int:
+    """Return the tokens per block of a per-layer KV tensor.
+
+    Dimension 2 in both vLLM 0.33's ``[B, H, N, C]`` and the legacy ``[2, B, N, H, D]``; dimension 1
+    in the legacy MLA ``[B, N, C]``.
+    """
+    if tensor.dim() == 3:
+        return int(tensor.shape[1])
+    return int(tensor.shape[2]) if tensor.dim() > 3 else 0
 
 
 @dataclass(frozen=True)

@@ -5,26 +5,36 @@ it. So every call here:
 
 - has a deadline that is enforced *by the caller's wait*, not only by the transport: the transport
   call runs on a small thread pool and the caller stops waiting when the deadline passes, even if
-  the server is frozen (SIGSTOP) and the transport misbehaves. Loads write into staging buffers that
-  the caller owns and abandons on timeout, so a late reply can never touch the KV cache;
+  the server is frozen (SIGSTOP) and the transport misbehaves. A call still queued at its deadline
+  is cancelled; one that starts late never reaches the transport. A load reports the calls it
+  abandoned while they were running (:attr:`LoadOutcome.inflight`): until they finish they may
+  still write into its buffers, so the caller must not give those buffers to anyone else;
 - never raises: failures become an outcome with a reason (``not-found``, ``timeout``,
   ``unavailable``, ``corrupt``, ``namespace-mismatch``), counted in :class:`Counters`;
 - goes through a per-endpoint circuit breaker, so a dead server costs a few deadlines and then
   nothing (fail fast) until a probe succeeds;
 - tries the node-local endpoint (Unix socket + shared memory) first and the remote one (TCP) next.
+
+This is the one resilience layer. :class:`ResilientCache` is the core (blocking calls, because vLLM's
+connector hooks are synchronous); :class:`AsyncResilientCache` is a facade that runs the same calls
+off an asyncio loop. :func:`build_cache` hands every half of the connector in one process the same
+:class:`ResilientCache` for the same servers, so the scheduler's lookups and the worker's loads share
+one connection per server and one breaker: both see the server come back at the same moment.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import enum
 import logging
+import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kvfabric.client.errors import (
     CacheCorrupt,
@@ -208,6 +218,14 @@ class LoadOutcome:
 
     count: int
     reason: Reason | None = None
+    inflight: tuple[cf.Future[Any], ...] = ()
+    """Transport calls given up at the deadline while they were running: until each is done it may
+    still write into the buffers of this load (a frozen server, a transport ignoring its timeout)."""
+
+    @property
+    def settled(self) -> bool:
+        """True when no transport call can write into this load's buffers any more."""
+        return all(f.done() for f in self.inflight)
 
 
 def classify(exc: BaseException) -> Reason:
@@ -223,7 +241,12 @@ def classify(exc: BaseException) -> Reason:
     return Reason.UNAVAILABLE
 
 
-def _invoke(op: Callable[[Transport, float], T], ep: Endpoint, timeout: float) -> T:
+def _invoke(op: Callable[[Transport, float], T], ep: Endpoint, deadline: float) -> T:
+    # The timeout is computed when the call starts, not when it was queued: a call that waited for
+    # a thread past its deadline never reaches the transport (and never touches its buffers).
+    timeout = deadline - time.monotonic()
+    if timeout <= 0:
+        raise CacheTimeout("the call started after its deadline")
     return op(ep.client(), timeout)
 
 
@@ -244,9 +267,26 @@ class ResilientCache:
         # Loads and lookups never queue behind stores: separate pools.
         self._io = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-io")
         self._closed = False
+        self._users = 1
+        self._users_lock = threading.Lock()
+        self._on_close: Callable[[], None] | None = None
 
-    def _call(self, deadline: float, op: Callable[[Transport, float], T]) -> tuple[T | None, Reason | None]:
-        """Run ``op`` against the endpoints in order until one answers, within ``deadline``."""
+    def acquire(self) -> ResilientCache:
+        """Add a user: the cache closes when every user has called :meth:`close`."""
+        with self._users_lock:
+            self._users += 1
+        return self
+
+    def _call(
+        self,
+        deadline: float,
+        op: Callable[[Transport, float], T],
+        abandoned: list[cf.Future[Any]] | None = None,
+    ) -> tuple[T | None, Reason | None]:
+        """Run ``op`` against the endpoints in order until one answers, within ``deadline``.
+
+        Attempts given up while running are appended to ``abandoned`` (queued ones are cancelled).
+        """
         last: Reason = Reason.UNAVAILABLE
         for ep in self.endpoints:
             attempts = 0
@@ -259,10 +299,13 @@ class ResilientCache:
                     self.counters.add(f"breaker_open.{ep.name}")
                     break
                 attempts += 1
+                fut: cf.Future[T] | None = None
                 try:
-                    fut = self._io.submit(_invoke, op, ep, remaining)
+                    fut = self._io.submit(_invoke, op, ep, deadline)
                     result = fut.result(timeout=remaining)
                 except Exception as exc:  # every failure becomes a reason, never an exception
+                    if fut is not None and not fut.done() and not fut.cancel() and abandoned is not None:
+                        abandoned.append(fut)
                     reason = classify(exc)
                     if reason in (Reason.TIMEOUT, Reason.UNAVAILABLE):
                         ep.breaker.failure()
@@ -280,10 +323,41 @@ class ResilientCache:
                 return result, None
         return None, last
 
+    def _lookup_local(self, namespace: str, keys: Sequence[str]) -> LookupOutcome | None:
+        """The preferred endpoint's published index, on the caller's thread; None: make the call.
+
+        A lookup answered from shared memory takes microseconds: a hop to the I/O pool would cost
+        more than the lookup (and, under load, the GIL's switch interval).
+        """
+        ep = self.endpoints[0] if self.endpoints else None
+        client = ep._client if ep is not None else None  # only once connected (the pool connects)
+        local = getattr(client, "lookup_local", None)
+        if ep is None or local is None or not ep.breaker.allow():
+            return None
+        try:
+            res: LookupResult | None = local(namespace, keys)
+        except CacheUnavailable as exc:
+            ep.breaker.failure()
+            log.debug("published index of %s: %r", ep.name, exc)
+            self.counters.add(f"error.{ep.name}.{Reason.UNAVAILABLE.value}")
+            return LookupOutcome(0, [], Reason.UNAVAILABLE)
+        except Exception:
+            log.debug("published index of %s failed; asking over RPC", ep.name, exc_info=True)
+            return None
+        if res is None:
+            return None
+        ep.breaker.success()
+        self.counters.add("lookup_local")
+        matched = max(0, min(res.matched, len(keys)))
+        return LookupOutcome(matched, list(res.tiers[:matched]), None if matched else Reason.NOT_FOUND)
+
     def lookup(self, namespace: str, keys: Sequence[str], deadline_s: float) -> LookupOutcome:
         """Return how many leading ``keys`` are stored; 0 with a reason on any failure."""
         if not keys:
             return LookupOutcome(0, [])
+        local = self._lookup_local(namespace, keys)
+        if local is not None:
+            return local
         deadline = time.monotonic() + deadline_s
         res, reason = self._call(deadline, lambda c, t: c.lookup(namespace, keys, timeout=t))
         if res is None:
@@ -298,16 +372,22 @@ class ResilientCache:
         """Fill the leading ``buffers`` with the payloads of ``keys`` before ``deadline`` (monotonic).
 
         The buffers are the caller's staging area. After a timeout they may still be written by
-        an abandoned transport call, so the caller must drop them, never reuse them.
+        the abandoned transport calls listed in :attr:`LoadOutcome.inflight`: until the outcome is
+        :attr:`~LoadOutcome.settled` the caller must not reuse them (nor trust their contents).
         """
         if not keys:
             return LoadOutcome(0)
         views = [memoryview(b) for b in buffers]
-        res, reason = self._call(deadline, lambda c, t: c.load_into(namespace, keys, views, timeout=t))
+        abandoned: list[cf.Future[Any]] = []
+        res, reason = self._call(
+            deadline, lambda c, t: c.load_into(namespace, keys, views, timeout=t), abandoned
+        )
+        if abandoned:
+            self.counters.add("load_calls_abandoned", len(abandoned))
         if res is None:
-            return LoadOutcome(0, reason or Reason.UNAVAILABLE)
+            return LoadOutcome(0, reason or Reason.UNAVAILABLE, tuple(abandoned))
         count = max(0, min(int(res), len(keys)))
-        return LoadOutcome(count, None if count == len(keys) else Reason.NOT_FOUND)
+        return LoadOutcome(count, None if count == len(keys) else Reason.NOT_FOUND, tuple(abandoned))
 
     def store(
         self,
@@ -327,19 +407,45 @@ class ResilientCache:
         return res
 
     def close(self) -> None:
-        """Stop the I/O pool without waiting for abandoned calls, and close the transports."""
-        if self._closed:
-            return
-        self._closed = True
+        """Release one user; the last one stops the I/O pool and closes the transports.
+
+        Abandoned calls are not awaited. Closing more often than acquired is harmless.
+        """
+        with self._users_lock:
+            self._users -= 1
+            if self._closed or self._users > 0:
+                return
+            self._closed = True
+        if self._on_close is not None:
+            self._on_close()
         self._io.shutdown(wait=False, cancel_futures=True)
         for ep in self.endpoints:
             ep.close()
 
 
-def build_cache(settings: ConnectorSettings, counters: Counters | None = None) -> ResilientCache | None:
-    """Build the resilient cache for ``settings`` (``None`` when no server is configured)."""
-    if not settings.configured:
-        return None
+_shared_lock = threading.Lock()
+_shared: dict[tuple[object, ...], ResilientCache] = {}
+
+
+def _endpoint_key(settings: ConnectorSettings) -> tuple[object, ...]:
+    # Everything that decides which servers are reached, how, and how failures are judged. The pid
+    # keeps a forked child (whose gRPC channels are unusable) from inheriting its parent's cache.
+    return (
+        os.getpid(),
+        settings.socket,
+        settings.shm_dir,
+        settings.remote,
+        settings.token,
+        settings.tls_ca,
+        settings.tls_cert,
+        settings.tls_key,
+        settings.retries,
+        settings.breaker_failures,
+        settings.breaker_cooldown_ms,
+    )
+
+
+def _new_cache(settings: ConnectorSettings, counters: Counters | None) -> ResilientCache:
     endpoints: list[Endpoint] = []
     cooldown = settings.breaker_cooldown_ms / 1000
     if settings.socket:
@@ -367,6 +473,78 @@ def build_cache(settings: ConnectorSettings, counters: Counters | None = None) -
             )
         )
     return ResilientCache(endpoints, retries=settings.retries, counters=counters)
+
+
+def build_cache(
+    settings: ConnectorSettings, counters: Counters | None = None, *, shared: bool = True
+) -> ResilientCache | None:
+    """Return the resilient cache for ``settings`` (``None`` when no server is configured).
+
+    With ``shared`` (and no private ``counters``), every caller in this process that names the same
+    servers gets the same cache (one channel and one breaker per server, one set of counters); each
+    caller must :meth:`~ResilientCache.close` it once.
+    """
+    if not settings.configured:
+        return None
+    if not shared or counters is not None:
+        return _new_cache(settings, counters)
+    key = _endpoint_key(settings)
+    with _shared_lock:
+        cache = _shared.get(key)
+        if cache is not None:
+            return cache.acquire()
+        cache = _new_cache(settings, None)
+        _shared[key] = cache
+
+    def forget() -> None:
+        with _shared_lock:
+            if _shared.get(key) is cache:
+                del _shared[key]
+
+    cache._on_close = forget
+    return cache
+
+
+class AsyncResilientCache:
+    """The resilience layer for asyncio callers: a facade over :class:`ResilientCache`.
+
+    Same contract (deadlines enforced by the caller, bounded retries, one breaker per endpoint,
+    never raises, every miss counted); each call runs the blocking core on a worker thread.
+    """
+
+    def __init__(self, cache: ResilientCache) -> None:
+        """Wrap ``cache`` (closed by :meth:`close`)."""
+        self.cache = cache
+        self.counters = cache.counters
+
+    async def lookup(self, namespace: str, keys: Sequence[str], deadline_s: float) -> LookupOutcome:
+        """See :meth:`ResilientCache.lookup`."""
+        return await asyncio.to_thread(self.cache.lookup, namespace, keys, deadline_s)
+
+    async def load_into(
+        self,
+        namespace: str,
+        keys: Sequence[str],
+        buffers: Sequence[bytearray | memoryview],
+        deadline_s: float,
+    ) -> LoadOutcome:
+        """See :meth:`ResilientCache.load_into` (``deadline_s`` is relative here)."""
+        deadline = time.monotonic() + deadline_s
+        return await asyncio.to_thread(self.cache.load_into, namespace, keys, buffers, deadline)
+
+    async def store(
+        self,
+        namespace: str,
+        keys: Sequence[str],
+        payloads: Sequence[bytes | bytearray | memoryview],
+        deadline_s: float,
+    ) -> StoreResult | None:
+        """See :meth:`ResilientCache.store`."""
+        return await asyncio.to_thread(self.cache.store, namespace, keys, payloads, deadline_s)
+
+    async def close(self) -> None:
+        """Close the wrapped cache."""
+        self.cache.close()
 
 
 def transport_factory(
@@ -402,6 +580,7 @@ def transport_factory(
 
 
 __all__ = [
+    "AsyncResilientCache",
     "CacheError",
     "CircuitBreaker",
     "Counters",

@@ -99,7 +99,7 @@ class SchedulerHalf:
 
     def chunk_keys(self, request: RequestInfo) -> list[str]:
         """Return the chained keys of ``request``'s whole chunks under this namespace."""
-        return keyslib.chunk_keys(self.namespace, request.token_ids, self.chunk_tokens)
+        return keyslib.chunk_keys(self.namespace, request.token_ids, self.chunk_tokens, inputs=request.inputs)
 
     def _state(self, request: RequestInfo) -> _ReqState:
         st = self._reqs.get(request.req_id)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvfabric.connector.keys import RequestInputs
+
 
 class Role(enum.Enum):
     """Which half of the connector an instance is (mirrors vLLM's ``KVConnectorRole``)."""
@@ -30,6 +32,8 @@ class RequestInfo:
     req_id: str
     token_ids: tuple[int, ...]
     """The prompt's token ids."""
+    inputs: RequestInputs = field(default_factory=RequestInputs)
+    """Its other inputs that change KV (multimodal items, salt, prompt embeddings, LoRA adapter)."""
 
 
 @dataclass(frozen=True)

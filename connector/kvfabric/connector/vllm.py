@@ -26,12 +26,13 @@ releases are absorbed here (see :func:`step_input_from_vllm`).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvfabric.connector.keys import NamespaceSpec
+from kvfabric.connector.keys import MultiModalSpan, NamespaceSpec, RequestInputs
 from kvfabric.connector.resilient import build_cache
 from kvfabric.connector.scheduler import SchedulerHalf
 from kvfabric.connector.settings import ConnectorSettings
@@ -113,9 +114,62 @@ class KVFabricWorkerMetadata(WorkerFeedback, _VllmWorkerMetadata):  # type: igno
         return KVFabricWorkerMetadata(both.work_tokens, both.work_attention, both.forward_s, both.restores)
 
 
+def _mm_spans(request: Any) -> tuple[MultiModalSpan, ...]:
+    features = getattr(request, "mm_features", None)
+    if features:  # vLLM >= 0.11: MultiModalFeatureSpec(identifier, mm_position=PlaceholderRange)
+        spans = [
+            MultiModalSpan(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
+            for f in features
+        ]
+    else:  # older releases: parallel lists
+        hashes = getattr(request, "mm_hashes", None) or ()
+        positions = getattr(request, "mm_positions", None) or ()
+        spans = [
+            MultiModalSpan(str(h), int(p.offset), int(p.length))
+            for h, p in zip(hashes, positions, strict=False)
+        ]
+    return tuple(sorted(spans, key=lambda m: m.offset))
+
+
+def _lora(request: Any) -> tuple[str, ...] | None:
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return None
+    # The name alone is what vLLM hashes; the id and the path make another adapter loaded under a
+    # reused name a miss rather than a wrong hit.
+    return (
+        str(getattr(lora, "lora_name", "")),
+        str(getattr(lora, "lora_int_id", "")),
+        str(getattr(lora, "lora_path", "") or ""),
+    )
+
+
 def request_info_from_vllm(request: Any) -> RequestInfo:
-    """Translate vLLM's ``Request`` into what the scheduler half needs."""
-    return RequestInfo(str(request.request_id), tuple(request.prompt_token_ids or ()))
+    """Translate vLLM's ``Request`` into what the scheduler half needs.
+
+    Besides the token ids: multimodal items (``mm_features``, or ``mm_hashes``/``mm_positions`` on
+    older releases), ``cache_salt``, ``prompt_embeds`` and ``lora_request`` (see
+    :class:`~kvfabric.connector.keys.RequestInputs`).
+    """
+    token_ids = request.prompt_token_ids
+    embeds = getattr(request, "prompt_embeds", None)
+    embeds_view: memoryview | None = None
+    row_bytes = 0
+    if embeds is not None:
+        flat = embeds.detach().contiguous().cpu()
+        row_bytes = int(flat.shape[-1]) * flat.element_size()
+        embeds_view = memoryview(flat.reshape(-1).view(torch.uint8).numpy())
+        if token_ids is None:  # an embeddings-only prompt: the chunk keys rest on the embeddings
+            token_ids = [0] * int(flat.shape[0])
+    salt = getattr(request, "cache_salt", None)
+    inputs = RequestInputs(
+        mm=_mm_spans(request),
+        cache_salt=str(salt) if salt is not None else None,
+        lora=_lora(request),
+        prompt_embeds=embeds_view,
+        prompt_embeds_row_bytes=row_bytes,
+    )
+    return RequestInfo(str(request.request_id), tuple(token_ids or ()), inputs)
 
 
 def _first_group(block_ids: Any) -> tuple[int, ...] | None:
@@ -170,13 +224,111 @@ def _tp_rank() -> int:
         return 0
 
 
-def namespace_spec_from_vllm(vllm_config: Any, settings: ConnectorSettings, tp_rank: int) -> NamespaceSpec:
-    """Derive the compatibility namespace from vLLM's model, cache and parallel configuration."""
+def _platform() -> Any:
+    try:
+        from vllm.platforms import current_platform
+
+        return current_platform
+    except Exception:  # no vLLM (tests on duck-typed configs)
+        return None
+
+
+def device_type_from_vllm(vllm_config: Any) -> str:
+    """The device the KV cache lives on, as vLLM reports it (``cuda``, ``cpu``, ``xpu``, ``rocm``...)."""
+    device_config = getattr(vllm_config, "device_config", None)
+    device = getattr(device_config, "device_type", None) or getattr(_platform(), "device_type", None)
+    return str(device) if device else "unknown"
+
+
+def _enum_name(value: Any) -> str:
+    return str(getattr(value, "name", value))
+
+
+def attention_backend_from_vllm(vllm_config: Any) -> str:
+    """The attention backend vLLM runs, from its configuration (identical in both halves).
+
+    An explicit choice (``--attention-backend``, ``attention_config.backend``; older releases:
+    ``VLLM_ATTENTION_BACKEND``) is named as such. Otherwise vLLM picks one per platform, GPU
+    generation and release, from model facts that are already in the namespace; then the name says
+    ``auto`` and where, e.g. ``auto:cuda:sm90:vllm-0.33.0``. The worker checks the name against the
+    backend its attention layers really use (:meth:`KVFabricConnector.register_kv_caches`).
+    """
+    attention_config = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attention_config, "backend", None) or os.environ.get("VLLM_ATTENTION_BACKEND")
+    if backend:
+        return _enum_name(backend)
+    platform = _platform()
+    where = [device_type_from_vllm(vllm_config)]
+    try:
+        capability = platform.get_device_capability() if platform is not None else None
+    except Exception:  # no device visible in this process
+        capability = None
+    if capability is not None:
+        where.append(f"sm{capability.major}{capability.minor}")
+    try:
+        import vllm
+
+        where.append(f"vllm-{vllm.__version__}")
+    except Exception:  # no vLLM
+        where.append("vllm-none")
+    return "auto:" + ":".join(where)
+
+
+def kv_layout_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> str:
+    """The KV-cache layout vLLM resolved.
+
+    0.33: the engine core resolves it once and hands it to every worker in the ``KVCacheConfig``
+    (``kv_cache_config.kv_cache_layout``, e.g. ``LBHNC``), which both halves receive, so they agree
+    even if a worker process adopts the layout after its connector was built; then
+    ``cache_config.kv_cache_layout``; older releases: ``NHD``/``HND`` from ``get_kv_cache_layout()``.
+    """
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+        vllm_config.cache_config, "kv_cache_layout", None
+    )
+    if layout:
+        return _enum_name(layout)
+    try:
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+        return _enum_name(get_kv_cache_layout())
+    except Exception:  # no vLLM, or a release without it
+        return os.environ.get("VLLM_KV_CACHE_LAYOUT") or "default"
+
+
+def block_size_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> int:
+    """Tokens per KV-cache block as allocated (the KV-cache group's spec when vLLM passes one)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    spec_block = getattr(getattr(groups[0], "kv_cache_spec", None), "block_size", None) if groups else None
+    return int(spec_block or vllm_config.cache_config.block_size)
+
+
+def attention_backends_of_layers(vllm_config: Any, layer_names: list[str]) -> set[str]:
+    """Names of the attention backends that vLLM's layers ``layer_names`` really use (worker only).
+
+    Empty when they cannot be found (no vLLM, or a release that moved the helpers).
+    """
+    try:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
+        return {str(layer.get_attn_backend().get_name()) for layer in layers.values()}
+    except Exception:
+        return set()
+
+
+def namespace_spec_from_vllm(
+    vllm_config: Any, settings: ConnectorSettings, tp_rank: int, kv_cache_config: Any = None
+) -> NamespaceSpec:
+    """Derive the compatibility namespace from what vLLM reports it uses.
+
+    Model, cache and parallel configuration, device, attention backend and KV-cache layout.
+    """
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     kv_dtype = str(getattr(cache, "cache_dtype", "auto"))
     if kv_dtype == "auto":
         kv_dtype = str(model.dtype).removeprefix("torch.")
-    block_size = int(cache.block_size)
+    block_size = block_size_from_vllm(vllm_config, kv_cache_config)
     chunk = settings.chunk_tokens
     if chunk % block_size:
         chunk = -(-chunk // block_size) * block_size
@@ -198,6 +350,9 @@ def namespace_spec_from_vllm(vllm_config: Any, settings: ConnectorSettings, tp_r
         tp_size=int(getattr(parallel, "tensor_parallel_size", 1)),
         tp_rank=tp_rank,
         tenant=settings.tenant,
+        device_type=device_type_from_vllm(vllm_config),
+        attn_backend=attention_backend_from_vllm(vllm_config),
+        kv_layout=kv_layout_from_vllm(vllm_config, kv_cache_config),
     )
 
 
@@ -212,11 +367,12 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         settings = ConnectorSettings.load(extra)
         our_role = _role_of(role)
         rank = _tp_rank() if our_role is Role.WORKER else 0
-        spec = namespace_spec_from_vllm(vllm_config, settings, rank)
+        spec = namespace_spec_from_vllm(vllm_config, settings, rank, kv_cache_config)
         if spec.chunk_tokens != settings.chunk_tokens:
             settings = settings.model_copy(update={"chunk_tokens": spec.chunk_tokens})
-        rank0 = namespace_spec_from_vllm(vllm_config, settings, 0)
+        rank0 = namespace_spec_from_vllm(vllm_config, settings, 0, kv_cache_config)
         self.settings = settings
+        self._vllm_config = vllm_config
         cache = build_cache(settings)
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
@@ -272,8 +428,6 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Return external prefix tokens available beyond ``num_computed_tokens`` (synchronous load)."""
-        if getattr(request, "lora_request", None) is not None:
-            return 0, False  # LoRA adapters are not part of the namespace yet: never share their KV
         info = request_info_from_vllm(request)
         return self.scheduler_half.num_new_matched_tokens(info, num_computed_tokens), False
 
@@ -300,8 +454,20 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
     # ---------------- worker side ----------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Remember the per-layer KV tensors."""
-        self.worker_half.register_kv_caches(kv_caches)
+        """Remember the per-layer KV tensors; check the namespace against what the layers really use.
+
+        The worker half checks device and block size against the tensors. Here the attention
+        backends of the layers are compared with the namespace's: if the namespace names a backend
+        the layers do not use, this worker never loads or stores (its bytes would be filed under
+        the wrong backend).
+        """
+        half = self.worker_half
+        half.register_kv_caches(kv_caches)
+        real = attention_backends_of_layers(self._vllm_config, list(kv_caches))
+        declared = half.spec.attn_backend
+        log.info("kvfabric worker: attention backends %s, namespace says %s", sorted(real), declared)
+        if real and not declared.startswith("auto:") and real != {declared}:
+            half.disable(f"the layers use attention backends {sorted(real)}, the namespace says {declared}")
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         """Bind this step's metadata (base bookkeeping + the worker half's plan)."""

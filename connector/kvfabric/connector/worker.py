@@ -93,6 +93,8 @@ class WorkerHalf:
         self._load_errors: set[int] = set()
         self._reports: list[LoadReport] = []
         self._saved_layers: set[int] = set()
+        self.disabled: str | None = None
+        """Why this worker never loads or stores (the engine does not match its namespace), or None."""
         self.restore_s = 0.0
         """Seconds the last step spent blocked restoring KV (waiting, verifying, scattering)."""
         # Timing of the current step, for the scheduler's cost model (WorkerFeedback).
@@ -102,9 +104,29 @@ class WorkerHalf:
         self._feedback: WorkerFeedback | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Remember the per-layer KV tensors (forward order)."""
+        """Remember the per-layer KV tensors (forward order) and check them against the namespace.
+
+        The namespace names the device and the block size; tensors on another device or with
+        other blocks would file their bytes under the wrong namespace, so this worker is then
+        disabled (every load a recompute, nothing stored).
+        """
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.datapath.register_kv_caches(kv_caches)
+        devices = {t.device.type for t in kv_caches.values()}
+        if self.spec.device_type and devices and devices != {self.spec.device_type}:
+            self.disable(f"the KV cache is on {sorted(devices)}, the namespace says {self.spec.device_type}")
+        blocks = {layout.block_size_of(t) for t in kv_caches.values()}
+        if blocks and blocks != {self.spec.block_size}:
+            self.disable(
+                f"the KV cache has blocks of {sorted(blocks)} tokens, the namespace says {self.block_size}"
+            )
+
+    def disable(self, why: str) -> None:
+        """Never load or store again (the engine's KV cache does not match the namespace)."""
+        if self.disabled is None:
+            log.error("kvfabric worker disabled: %s", why)
+            self.counters.add("worker_disabled")
+        self.disabled = why
 
     def bind_plan(self, plan: StepPlan) -> None:
         """Receive this step's plan."""
@@ -147,6 +169,13 @@ class WorkerHalf:
         self.restore_s = 0.0
         plan = self._plan
         if plan is None or not plan.loads or not self.datapath.num_layers:
+            return
+        if self.disabled is not None:
+            for spec in plan.loads:
+                self._failed_reqs.add(spec.req_id)
+                self.counters.fallback(Reason.NAMESPACE_MISMATCH, len(spec.keys))
+                for blocks in spec.block_ids:
+                    self._load_errors.update(blocks)
             return
         # The cost model bounds each load by the prefill it is expected to save (a hung server then
         # costs at most about that); the setting is the ceiling.
@@ -215,6 +244,8 @@ class WorkerHalf:
     def _save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         plan = self._plan
         if plan is None or not plan.saves or not self.datapath.num_layers or self.cache is None:
+            return
+        if self.disabled is not None:
             return
         idx = self._layer_index.get(layer_name)
         if idx is None:

@@ -14,6 +14,16 @@ Measured:
 - ``webhook``: ``--pods`` AdmissionReview requests for an opted-in pod POSTed to the operator's webhook
   (the server-side latency the API server sees), and the same number of labelled pod creations
   through the API server (end to end, webhook included). Goal: webhook p99 under 50 ms.
+
+With ``--scale`` (issue #14.4) it measures instead, on ``--nodes`` fake GPU nodes (default 1,000):
+
+- ``scale.all_ready_s``: ``--scale-pools`` pools (default 100), each selecting its own slice of the
+  nodes, created at once; time until every one is Ready.
+- ``scale.webhook_during_storm``: ``--consumer-pods`` consumer pods (default 5,000, spread over the
+  pools) created through the API server, 32 at a time, while AdmissionReviews are POSTed to the
+  webhook side by side; their latency percentiles (goal p99 <= 20 ms) and how many pods came out
+  injected.
+- ``scale.operator``: the operator's peak and final RSS, its reconcile count and CPU seconds.
 """
 
 from __future__ import annotations
@@ -47,6 +57,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keep", action="store_true", help="leave the local cluster running (prints its dir)"
     )
+    scale = parser.add_argument_group("scale scenario (--scale)")
+    scale.add_argument("--scale", action="store_true", help="run the 1,000-node scale scenario instead")
+    scale.add_argument("--nodes", type=int, default=1000, help="fake GPU nodes")
+    scale.add_argument("--scale-pools", type=int, default=100, help="pools, each on nodes/pools nodes")
+    scale.add_argument("--consumer-pods", type=int, default=5000, help="consumer pods in the storm")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -271,9 +286,233 @@ async def _bench(kubeconfig: Path, kubectl: Path, args: argparse.Namespace, log:
     }
 
 
+def _start_operator(
+    kubeconfig: Path, log: Path, *, port: int, cert_dir: Path, config_name: str, health: int
+) -> Any:
+    with log.open("ab") as log_file:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvfabric.cli",
+                "operator",
+                "--kubeconfig",
+                str(kubeconfig),
+                "--webhook-port",
+                str(port),
+                "--webhook-cert-dir",
+                str(cert_dir),
+                "--register-webhook",
+                "--webhook-config-name",
+                config_name,
+                f"--liveness=http://127.0.0.1:{health}/healthz",
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+
+def _proc_stats(pid: int) -> dict[str, float]:
+    """RSS now and at peak (MB) and CPU seconds of a process, from /proc."""
+    out: dict[str, float] = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out["rss_mb" if key == "VmRSS" else "peak_rss_mb"] = round(int(value.split()[0]) / 1024, 1)
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out["cpu_s"] = round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+async def _bench_scale(
+    kubeconfig: Path, kubectl: Path, args: argparse.Namespace, log: Path, nodes: list[str]
+) -> dict[str, Any]:
+    import asyncio
+    import ssl
+    import urllib.request
+
+    import aiohttp
+
+    from kvfabric.localcluster.testing import stop_process
+    from kvfabric.operator import crdgen
+    from kvfabric.operator.kube import ApiError, KubeClient
+
+    def kubectl_run(*argv: str, stdin: str | None = None) -> None:
+        subprocess.run(
+            [str(kubectl), f"--kubeconfig={kubeconfig}", *argv],
+            input=stdin,
+            text=True,
+            check=True,
+            capture_output=True,
+        )
+
+    kubectl_run("apply", "--server-side", "-f", "-", stdin=crdgen.render_yaml())
+    pools = max(1, args.scale_pools)
+    per_pool = max(1, len(nodes) // pools)
+    for k in range(pools):  # each pool selects its own slice of the nodes
+        kubectl_run(
+            "label",
+            "node",
+            "--overwrite",
+            *nodes[k * per_pool : (k + 1) * per_pool],
+            f"bench.kvfabric.io/slice=s{k}",
+        )
+    client = KubeClient.from_environment(str(kubeconfig))
+    for _ in range(300):
+        try:
+            await client.list("KVCachePool", "default")
+            break
+        except ApiError:
+            await asyncio.sleep(0.1)
+    ns = f"bench-{uuid.uuid4().hex[:6]}"
+    await client.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    port, health = _free_port(), _free_port()
+    cert_dir = Path(tempfile.mkdtemp(prefix="kvfabric-bench-certs-"))
+    config_name = f"kvfabric-bench-{uuid.uuid4().hex[:6]}"
+    proc = _start_operator(
+        kubeconfig, log, port=port, cert_dir=cert_dir, config_name=config_name, health=health
+    )
+    result: dict[str, Any] = {"nodes": len(nodes), "pools": pools, "nodes_per_pool": per_pool}
+    try:
+        for _ in range(600):
+            with socket.socket() as s:
+                s.settimeout(0.2)
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if proc.poll() is not None:
+                raise RuntimeError(f"operator exited; see {log}")
+            await asyncio.sleep(0.1)
+
+        def pool_body(k: int) -> dict[str, Any]:
+            body = _pool(f"pool-{k}")
+            body["metadata"]["namespace"] = ns
+            body["spec"]["placement"] = {
+                "nodeSelector": {"nvidia.com/gpu.present": "true", "bench.kvfabric.io/slice": f"s{k}"}
+            }
+            return body
+
+        start = time.perf_counter()
+        sem = asyncio.Semaphore(16)
+
+        async def create(body: dict[str, Any]) -> None:
+            async with sem:
+                await client.create(body)
+
+        await asyncio.gather(*(create(pool_body(k)) for k in range(pools)))
+        ready_s = float("nan")
+        while time.perf_counter() - start < 900:
+            listed = await client.list("KVCachePool", ns)
+            ready = sum(
+                any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in (p.get("status") or {}).get("conditions") or []
+                )
+                for p in listed
+            )
+            if ready == pools:
+                ready_s = time.perf_counter() - start
+                break
+            await asyncio.sleep(1.0)
+        result["all_ready_s"] = round(ready_s, 1)
+        result["operator_after_ready"] = _proc_stats(proc.pid)
+
+        # The pod storm, with AdmissionReviews POSTed to the webhook beside it.
+        ctx = ssl.create_default_context(cafile=str(cert_dir / "ca.crt"))
+        storm_done = asyncio.Event()
+        review_times: list[float] = []
+        injected = 0
+
+        def consumer(i: int) -> dict[str, Any]:
+            return {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": f"c-{i}",
+                    "namespace": ns,
+                    "labels": {"kvfabric.io/pool": f"pool-{i % pools}"},
+                },
+                "spec": {
+                    "containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}],
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                },
+            }
+
+        async def reviewer() -> None:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as session:
+                i = 0
+                while not storm_done.is_set():
+                    review = {
+                        "apiVersion": "admission.k8s.io/v1",
+                        "kind": "AdmissionReview",
+                        "request": {
+                            "uid": str(uuid.uuid4()),
+                            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                            "resource": {"group": "", "version": "v1", "resource": "pods"},
+                            "namespace": ns,
+                            "operation": "CREATE",
+                            "userInfo": {"username": "bench"},
+                            "object": consumer(10**6 + i),
+                        },
+                    }
+                    t0 = time.perf_counter()
+                    async with session.post(f"https://127.0.0.1:{port}/mutate-pods", json=review) as response:
+                        await response.read()
+                    review_times.append(time.perf_counter() - t0)
+                    i += 1
+                    await asyncio.sleep(0.02)
+
+        async def make_pod(i: int) -> None:
+            nonlocal injected
+            async with sem2:
+                created = await client.create(consumer(i))
+            injected += "kvfabric.io/injected" in (created["metadata"].get("annotations") or {})
+
+        sem2 = asyncio.Semaphore(32)
+        review_task = asyncio.ensure_future(reviewer())
+        storm_start = time.perf_counter()
+        await asyncio.gather(*(make_pod(i) for i in range(args.consumer_pods)))
+        storm_s = time.perf_counter() - storm_start
+        storm_done.set()
+        await review_task
+        await asyncio.sleep(5.0)  # let the consumer counts settle
+        listed = await client.list("KVCachePool", ns)
+        counted = sum(int((p.get("status") or {}).get("consumers", {}).get("injected") or 0) for p in listed)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=5) as answer:  # noqa: ASYNC210
+                probes = json.loads(answer.read())
+        except OSError:
+            probes = {}
+        result["storm"] = {
+            "consumer_pods": args.consumer_pods,
+            "created_in_s": round(storm_s, 1),
+            "injected_at_admission": injected,
+            "injected_in_status_5s_later": counted,
+        }
+        result["webhook_during_storm"] = {**_summary(review_times), "goal_p99_ms": 20}
+        result["operator"] = {**_proc_stats(proc.pid), "reconciles": probes.get("reconciles")}
+    finally:
+        stop_process(proc, grace=20)
+        try:
+            await client.request("DELETE", f"/api/v1/namespaces/{ns}")
+            await client.request(
+                "DELETE", f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{config_name}"
+            )
+        except ApiError:
+            pass
+        await client.close()
+    return {"scale": result}
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a report (or JSON); return 0."""
     import asyncio
+
+    if args.scale:
+        return _run_scale(args)
 
     log = Path(tempfile.mkdtemp(prefix="kvfabric-bench-operator-")) / "operator.log"
     cluster = None
@@ -305,4 +544,37 @@ def run(args: argparse.Namespace) -> int:
         print(f"webhook: p50 {w['p50_ms']} ms, p99 {w['p99_ms']} ms over {w['n']} reviews (goal p99 < 50 ms)")
         p = result["pod_create_with_injection"]
         print(f"pod create via API server with injection: p50 {p['p50_ms']} ms, p99 {p['p99_ms']} ms")
+    return 0
+
+
+def _run_scale(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvfabric.localcluster.cluster import LocalCluster
+
+    log = Path(tempfile.mkdtemp(prefix="kvfabric-bench-operator-")) / "operator.log"
+    cluster = LocalCluster(Path(tempfile.mkdtemp(prefix="kvfabric-bench-cluster-")))
+    state = cluster.up(gpu_nodes=args.nodes, cpu_nodes=0, progress=lambda m: print(m, file=sys.stderr))
+    try:
+        result = asyncio.run(
+            _bench_scale(
+                cluster.kubeconfig, Path(state.bin_dir) / "kubectl", args, log, list(state.gpu_nodes)
+            )
+        )
+    finally:
+        if not args.keep:
+            cluster.down(progress=lambda _m: None)
+    result["operator_log"] = str(log)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        sc = result["scale"]
+        w = sc["webhook_during_storm"]
+        print(f"{sc['pools']} pools on {sc['nodes']} nodes: all Ready in {sc['all_ready_s']} s")
+        print(
+            f"{sc['storm']['consumer_pods']} consumer pods in {sc['storm']['created_in_s']} s, "
+            f"{sc['storm']['injected_at_admission']} injected"
+        )
+        print(f"webhook during the storm: p50 {w['p50_ms']} ms, p99 {w['p99_ms']} ms over {w['n']} reviews")
+        print(f"operator: {sc['operator']}")
     return 0

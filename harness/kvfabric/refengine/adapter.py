@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvfabric.connector.keys import RequestInputs
 from kvfabric.connector.scheduler import SchedulerHalf
 from kvfabric.connector.steps import RequestInfo, ScheduledRequest, StepInput, StepPlan, WorkerFeedback
 from kvfabric.connector.worker import WorkerHalf
@@ -22,8 +23,9 @@ if TYPE_CHECKING:
 
 
 def request_info(request: Request) -> RequestInfo:
-    """The scheduler half's view of a reference-engine request."""
-    return RequestInfo(request.request_id, tuple(request.prompt_token_ids))
+    """The scheduler half's view of a reference-engine request (its adapter is in the key chain)."""
+    lora = None if request.lora_name is None else ("refengine-lora", request.lora_name)
+    return RequestInfo(request.request_id, tuple(request.prompt_token_ids), RequestInputs(lora=lora))
 
 
 def step_input(so: SchedulerOutput) -> StepInput:

@@ -38,6 +38,8 @@ class Request:
 
     request_id: str
     prompt_token_ids: list[int]
+    lora_name: str | None = None
+    """LoRA adapter of the request (the reference model's toy adapters), None for the base model."""
 
 
 @dataclass
@@ -163,10 +165,13 @@ class Engine:
             self.worker_conn = self._worker_api.core
             self._worker_api.register_kv_caches(self.kv_caches)
         elif settings is not None and settings.enabled:
-            cache = cache if cache is not None else build_cache(settings)
+            # One cache for both halves (as build_cache shares it between vLLM's halves in one
+            # process); each half closes it once.
+            sched_cache = cache if cache is not None else build_cache(settings)
+            worker_cache = cache if cache is not None else build_cache(settings)
             spec = self.namespace_spec(config, settings, block_size, kv_dtype)
-            self.scheduler_conn = SchedulerHalf(settings, spec, cache=cache)
-            self.worker_conn = WorkerHalf(settings, spec, cache=cache)
+            self.scheduler_conn = SchedulerHalf(settings, spec, cache=sched_cache)
+            self.worker_conn = WorkerHalf(settings, spec, cache=worker_cache)
             self._sched_api = SchedulerConnector(self.scheduler_conn)
             self._worker_api = WorkerConnector(self.worker_conn)
             self._worker_api.register_kv_caches(self.kv_caches)
@@ -189,6 +194,10 @@ class Engine:
             block_size=block_size,
             chunk_tokens=settings.chunk_tokens,
             tenant=settings.tenant,
+            device_type="cpu",
+            # Its own attention over vLLM's logical [B, H, N, 2D] layout (model.py).
+            attn_backend="kvfabric-refengine",
+            kv_layout="LBHNC",
         )
 
     def _step(
@@ -197,7 +206,7 @@ class Engine:
         sched, worker = self._sched_api, self._worker_api
         if sched is None or worker is None:
             return self.model.forward(
-                req.prompt_token_ids[start : start + n], start, table, self.kv_caches
+                req.prompt_token_ids[start : start + n], start, table, self.kv_caches, lora=req.lora_name
             ), set()
         t0 = time.perf_counter()
         so.kv_connector_metadata = sched.build_connector_meta(so)
@@ -211,6 +220,7 @@ class Engine:
                 table,
                 self.kv_caches,
                 hooks=_TimedHooks(self, worker),
+                lora=req.lora_name,
             )
         finally:
             t0 = time.perf_counter()
@@ -226,16 +236,18 @@ class Engine:
             self._connector_s += time.perf_counter() - t0
         return logits, errors
 
-    def generate(self, prompt_token_ids: Sequence[int], max_tokens: int = 1) -> GenerateResult:
-        """Prefill ``prompt_token_ids`` and decode ``max_tokens`` tokens greedily."""
+    def generate(
+        self, prompt_token_ids: Sequence[int], max_tokens: int = 1, *, lora: str | None = None
+    ) -> GenerateResult:
+        """Prefill ``prompt_token_ids`` and decode ``max_tokens`` tokens greedily (with adapter ``lora``)."""
         with self._lock:
-            return self._generate(list(prompt_token_ids), max(1, max_tokens))
+            return self._generate(list(prompt_token_ids), max(1, max_tokens), lora)
 
-    def _generate(self, prompt: list[int], max_tokens: int) -> GenerateResult:
+    def _generate(self, prompt: list[int], max_tokens: int, lora: str | None = None) -> GenerateResult:
         if not prompt:
             raise ValueError("empty prompt")
         t0 = time.perf_counter()
-        req = Request(f"req-{next(self._ids)}", prompt)
+        req = Request(f"req-{next(self._ids)}", prompt, lora)
         n = len(prompt)
         sched, worker = self.scheduler_conn, self.worker_conn
         ext = 0
@@ -296,7 +308,7 @@ class Engine:
                     num_scheduled_tokens={req.request_id: 1},
                 )
                 tokens = [*prompt, *out]
-                step_req = Request(req.request_id, tokens)
+                step_req = Request(req.request_id, tokens, lora)
                 logits, _ = self._step(so, step_req, pos, 1, table)
                 out.append(int(torch.argmax(logits)))
             return GenerateResult(out, first, ttft, hit, tier, reason, recomputed, restore_s, connector_s)

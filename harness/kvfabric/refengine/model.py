@@ -10,6 +10,7 @@ dimension), so the connector's gather/scatter code is the code that runs against
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -20,6 +21,8 @@ import torch.nn.functional as F  # noqa: N812 - the conventional name
 
 # Query rows per attention call for suffix prefills: bounds the [rows, keys] mask to ~64 MiB at 32k.
 _QUERY_CHUNK = 2048
+# Rank of the toy LoRA adapters.
+_LORA_RANK = 4
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,29 @@ class RefModel:
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
         self._inv_freq = inv
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(c.num_layers)]
+        self._lora: dict[str, list[dict[str, torch.Tensor]]] = {}
+
+    def lora_weights(self, name: str) -> list[dict[str, torch.Tensor]]:
+        """A toy LoRA adapter: per layer, low-rank deltas of the K and V projections.
+
+        Seeded from the adapter's name, so two processes hold the same adapter; it changes every
+        K and V, which is what makes an adapter part of a chunk's identity.
+        """
+        if name not in self._lora:
+            c = self.config
+            seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+            g = torch.Generator().manual_seed(seed)
+            kv = c.num_kv_heads * c.head_dim
+            self._lora[name] = [
+                {
+                    p: torch.randn(c.hidden, _LORA_RANK, generator=g)
+                    @ torch.randn(_LORA_RANK, kv, generator=g)
+                    / (c.hidden * _LORA_RANK) ** 0.5
+                    for p in ("wk", "wv")
+                }
+                for _ in range(c.num_layers)
+            ]
+        return self._lora[name]
 
     def new_kv_caches(
         self, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32
@@ -142,6 +168,8 @@ class RefModel:
         block_table: Sequence[int],
         kv_caches: dict[str, torch.Tensor],
         hooks: LayerHooks | None = None,
+        *,
+        lora: str | None = None,
     ) -> torch.Tensor:
         """Run tokens at positions ``start..start+len(token_ids)`` and return the last position's logits.
 
@@ -161,13 +189,17 @@ class RefModel:
         n_blocks = -(-end // block_size)
         table = torch.as_tensor(list(block_table[:n_blocks]), dtype=torch.long)
         h = self.embed[torch.as_tensor(list(token_ids), dtype=torch.long)]
-        for name, p in zip(self.layer_names, self.layers, strict=True):
+        deltas = self.lora_weights(lora) if lora is not None else None
+        for i, (name, p) in enumerate(zip(self.layer_names, self.layers, strict=True)):
+            wk, wv = p["wk"], p["wv"]
+            if deltas is not None:
+                wk, wv = wk + deltas[i]["wk"], wv + deltas[i]["wv"]
             hk.wait_for_layer_load(name)
             kv = kv_caches[name]
             x = _rms_norm(h, p["attn_norm"], c.rms_eps)
             q = self._rope((x @ p["wq"]).view(n_new, c.num_heads, c.head_dim), positions)
-            k = self._rope((x @ p["wk"]).view(n_new, c.num_kv_heads, c.head_dim), positions)
-            v = (x @ p["wv"]).view(n_new, c.num_kv_heads, c.head_dim)
+            k = self._rope((x @ wk).view(n_new, c.num_kv_heads, c.head_dim), positions)
+            v = (x @ wv).view(n_new, c.num_kv_heads, c.head_dim)
             kv[slot_block, :, slot_off] = torch.cat([k, v], dim=-1).to(kv.dtype)
             # Every key comes back out of the paged cache, loaded or computed alike.
             ctx = kv.index_select(0, table).permute(1, 0, 2, 3).reshape(c.num_kv_heads, -1, 2 * c.head_dim)

@@ -34,6 +34,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="join kopf peering NAME instead of running standalone (needs kopf's peering CRD)",
     )
     parser.add_argument("--resync-seconds", type=float, default=30.0, help="periodic full resync interval")
+    ha = parser.add_argument_group("high availability")
+    ha.add_argument(
+        "--leader-election",
+        action="store_true",
+        help="run as one of several replicas: only the holder of a coordination.k8s.io Lease reconciles, "
+        "every replica serves the webhook",
+    )
+    ha.add_argument(
+        "--leader-election-namespace",
+        default=os.environ.get("POD_NAMESPACE", "kvfabric-system"),
+        help="namespace of the Lease (default: $POD_NAMESPACE or kvfabric-system)",
+    )
+    ha.add_argument("--leader-election-id", default="kvfabric-operator", help="name of the Lease")
+    ha.add_argument(
+        "--identity",
+        default=None,
+        help="this replica's name in the Lease (default: $POD_NAME or hostname, plus the process id)",
+    )
     parser.add_argument(
         "--liveness",
         default=None,
@@ -130,8 +148,23 @@ def run(args: argparse.Namespace) -> int:
                 )
 
             registration = handlers.WebhookRegistration(render=render, namespaces=namespaces or None)
+    election = None
+    if args.leader_election:
+        import socket
+        import uuid
+
+        from kvfabric.operator.controller import Election
+
+        identity = args.identity or (
+            f"{os.environ.get('POD_NAME') or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        )
+        election = Election(
+            namespace=args.leader_election_namespace, name=args.leader_election_id, identity=identity
+        )
     app = handlers.OperatorApp(
         client=client,
+        namespaces=namespaces or None,
+        election=election,
         injection_enabled=server is not None,
         kubeconfig=args.kubeconfig,
         context=args.context,

@@ -12,7 +12,6 @@ re-apply can never leave kopf believing a change was "already handled" (kopf #96
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,9 +20,10 @@ from typing import Any, cast
 import kopf
 
 from kvfabric.operator.api.v1alpha1 import GROUP, PLURAL, POOL_LABEL, VERSION
+from kvfabric.operator.controller import Controller, Election
 from kvfabric.operator.injection import PoolTarget, inject, pool_target
 from kvfabric.operator.kube import SA_TOKEN, ApiError, KubeClient, bearer_token, load_configuration
-from kvfabric.operator.reconcile import PoolKey, ReconcileQueue, reconcile_pool
+from kvfabric.operator.reconcile import PoolKey
 from kvfabric.operator.render import names
 
 log = logging.getLogger("kvfabric.operator")
@@ -67,7 +67,11 @@ class WebhookRegistration:
 
 @dataclass
 class OperatorApp:
-    """The operator's runtime state, shared by its handlers (one per process)."""
+    """The operator's runtime state, shared by its handlers (one per process).
+
+    kopf's loop keeps what the webhook needs (pools, namespace labels) and serves admissions; the
+    :class:`~kvfabric.operator.controller.Controller` reconciles on its own thread, with its own client.
+    """
 
     client: KubeClient
     injection_enabled: bool
@@ -75,31 +79,25 @@ class OperatorApp:
     context: str | None = None
     registration: WebhookRegistration | None = None
     resync_seconds: float = 30.0
-    queue: ReconcileQueue = field(init=False)
+    namespaces: list[str] | None = None
+    election: Election | None = None
+    controller: Controller = field(init=False)
     pools: dict[PoolKey, PoolTarget] = field(default_factory=dict)
     namespace_labels: dict[str, dict[str, str]] = field(default_factory=dict)
-    reconciles: int = 0
-    _resync_task: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
-        self.queue = ReconcileQueue(self._reconcile)
+        self.controller = Controller(
+            self.client.clone,
+            injection_enabled=self.injection_enabled,
+            namespaces=self.namespaces,
+            resync_seconds=self.resync_seconds,
+            election=self.election,
+        )
 
-    async def _reconcile(self, key: PoolKey) -> None:
-        self.reconciles += 1
-        await reconcile_pool(self.client, key[0], key[1], injection_enabled=self.injection_enabled)
-
-    async def resync_forever(self, namespaces: list[str] | None) -> None:
-        """Trigger every pool periodically: the safety net behind the event-driven triggers."""
-        while True:
-            try:
-                scopes: list[str | None] = list(namespaces) if namespaces else [None]
-                for ns in scopes:
-                    for pool in await self.client.list("KVCachePool", ns):
-                        meta = pool["metadata"]
-                        self.queue.trigger((meta["namespace"], meta["name"]))
-            except Exception as exc:  # keep the loop alive; the next pass retries
-                log.warning("resync failed: %s", exc)
-            await asyncio.sleep(self.resync_seconds)
+    @property
+    def reconciles(self) -> int:
+        """Reconciles run by this replica (a probe, and the benchmark, read it)."""
+        return self.controller.reconciles
 
 
 def configure_settings(settings: kopf.OperatorSettings) -> None:
@@ -153,7 +151,7 @@ def build_registry(
                     if attempt == 59 or exc.status not in (404, 429, 500, 503):
                         raise
                     await asyncio.sleep(0.5)
-        app._resync_task = asyncio.get_running_loop().create_task(app.resync_forever(namespaces))
+        app.controller.start()
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
@@ -175,16 +173,17 @@ def build_registry(
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
-        if app._resync_task is not None:
-            app._resync_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await app._resync_task
-        await app.queue.close()
+        # Joined off the loop: the controller releases its Lease, so a standby takes over at once.
+        await asyncio.to_thread(app.controller.stop)
         await app.client.close()
 
     @kopf.on.probe(id="reconciles", registry=registry)
     async def probe_reconciles(**_: Any) -> int:
         return app.reconciles
+
+    @kopf.on.probe(id="leader", registry=registry)
+    async def probe_leader(**_: Any) -> bool:
+        return app.controller.leading
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def pool_event(
@@ -193,7 +192,7 @@ def build_registry(
         key = (namespace or "", name)
         if event.get("type") == "DELETED":
             gone = app.pools.pop(key, None)
-            app.queue.forget(key)
+            app.controller.forget(key)
             if app.registration is not None and gone is not None and gone.injection_required:
                 try:
                     await app.registration.sync(app.client)
@@ -205,7 +204,7 @@ def build_registry(
         if target is not None:
             # Kept here (not in a kopf index) so the webhook sees a pool as soon as it is known.
             app.pools[key] = target
-        app.queue.trigger(key)
+        app.controller.trigger(key)
         required = target is not None and target.injection_required
         if app.registration is not None and (previous is None or previous.injection_required != required):
             try:
@@ -213,28 +212,8 @@ def build_registry(
             except ApiError as exc:  # the next pool event or restart retries; injection still works
                 log.warning("could not update the webhook configuration: %s", exc)
 
-    for group, version, plural in _CHILD_KINDS:
-
-        @kopf.on.event(
-            group,
-            version,
-            plural,
-            labels={names.MANAGED_BY: names.MANAGED_BY_VALUE, names.OWNER_POOL_LABEL: kopf.PRESENT},
-            registry=registry,
-            id=f"child-{plural}",
-        )
-        async def child_event(*, namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
-            # kopf has no Owns(): map a child's event to its pool by label (and the namespace it shares).
-            app.queue.trigger((namespace or "", labels[names.OWNER_POOL_LABEL]))
-
-    @kopf.on.event("", "v1", "pods", labels={POOL_LABEL: kopf.PRESENT}, registry=registry)
-    async def consumer_event(
-        *, namespace: str | None, labels: Mapping[str, str], annotations: Mapping[str, str], **_: Any
-    ) -> None:
-        pool_ns = annotations.get(names.POOL_NAMESPACE_ANNOTATION) or namespace or ""
-        key = (pool_ns, labels[POOL_LABEL])
-        if key in app.pools:
-            app.queue.trigger(key)
+    # Children, cache-server pods and consumer pods are watched by the controller's informers (its
+    # own thread), which map each change to its pool: kopf watches only pools and namespaces.
 
     @kopf.on.event("", "v1", "namespaces", registry=registry)
     async def namespace_event(

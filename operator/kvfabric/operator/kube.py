@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import ssl
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import quote
@@ -28,6 +29,7 @@ _KINDS: Final[dict[str, tuple[str, str]]] = {
     "Event": ("/api/v1", "events"),
     "Namespace": ("/api/v1", "namespaces"),
     "DaemonSet": ("/apis/apps/v1", "daemonsets"),
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
     "KVCachePool": ("/apis/kvfabric.io/v1alpha1", "kvcachepools"),
     "MutatingWebhookConfiguration": (
         "/apis/admissionregistration.k8s.io/v1",
@@ -45,6 +47,19 @@ class ApiError(Exception):
         super().__init__(f"{method} {path}: HTTP {status}: {body[:500]}")
         self.status = status
         self.body = body
+
+    @property
+    def message(self) -> str:
+        """Return the Status object's message (what the API server says is wrong), else the body."""
+        try:
+            return str(json.loads(self.body).get("message") or self.body[:1000])
+        except ValueError:
+            return self.body[:1000]
+
+    @property
+    def rejected(self) -> bool:
+        """Whether the request itself was refused (invalid, forbidden): retrying unchanged cannot help."""
+        return 400 <= self.status < 500 and self.status not in (404, 408, 409, 429)
 
     @property
     def reason(self) -> str:
@@ -136,6 +151,12 @@ class KubeClient:
             token_file=SA_TOKEN if in_cluster else None,
         )
 
+    def clone(self) -> KubeClient:
+        """Return a client with the same server and identity and its own HTTP session (for another loop)."""
+        clone = KubeClient(self.server, ssl_context=self._ssl, token=self._token, token_file=self._token_file)
+        clone._timeout = self._timeout
+        return clone
+
     async def __aenter__(self) -> KubeClient:
         return self
 
@@ -184,6 +205,33 @@ class KubeClient:
                 raise ApiError(response.status, text, method=method, path=path)
             return dict(json.loads(text)) if text else {}
 
+    async def list_page(self, kind: str, namespace: str | None, params: dict[str, str]) -> dict[str, Any]:
+        """Return one page of a collection as the API server sends it (items, metadata.continue, ...)."""
+        return await self.request("GET", resource_path(kind, namespace), params=params)
+
+    async def watch(
+        self, kind: str, namespace: str | None, params: dict[str, str]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Yield a collection's watch events (``{"type": ..., "object": ...}``) until the server ends it."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, connector=aiohttp.TCPConnector(ssl=self._ssl, limit=32)
+            )
+        path = resource_path(kind, namespace)
+        query = {**params, "watch": "true", "allowWatchBookmarks": "true"}
+        # No total timeout: the server ends the stream after timeoutSeconds; a silent stream is dead.
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=30, sock_read=float(query.get("timeoutSeconds", 300)) + 30
+        )
+        async with self._session.get(
+            self.server + path, params=query, headers=self._headers(None), timeout=timeout
+        ) as response:
+            if response.status >= 300:
+                raise ApiError(response.status, await response.text(), method="WATCH", path=path)
+            async for line in response.content:
+                if line.strip():
+                    yield dict(json.loads(line))
+
     async def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         """Return one object, or None when it does not exist."""
         try:
@@ -194,11 +242,20 @@ class KubeClient:
             raise
 
     async def list(
-        self, kind: str, namespace: str | None = None, *, label_selector: str | None = None
+        self,
+        kind: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
     ) -> list[dict[str, Any]]:
         """Return the items of a collection (all namespaces when ``namespace`` is None)."""
-        params = {"labelSelector": label_selector} if label_selector else None
-        answer = await self.request("GET", resource_path(kind, namespace), params=params)
+        params = {}
+        if label_selector:
+            params["labelSelector"] = label_selector
+        if field_selector:
+            params["fieldSelector"] = field_selector
+        answer = await self.request("GET", resource_path(kind, namespace), params=params or None)
         return list(answer.get("items") or [])
 
     async def apply(self, obj: dict[str, Any], *, field_manager: str, force: bool = True) -> dict[str, Any]:
@@ -244,6 +301,13 @@ class KubeClient:
                 return False
             raise
         return True
+
+    async def replace(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Replace ``obj`` (PUT; its metadata.resourceVersion makes it a compare-and-swap)."""
+        meta = obj["metadata"]
+        return await self.request(
+            "PUT", resource_path(obj["kind"], meta.get("namespace"), meta["name"]), body=obj
+        )
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Create ``obj`` (POST to its collection)."""

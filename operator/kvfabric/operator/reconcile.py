@@ -15,15 +15,22 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, cast
+from typing import Any, Final, Protocol, cast
 
 import pydantic
 
 from kvfabric.operator.api.v1alpha1 import KIND, POOL_LABEL, KVCachePool
 from kvfabric.operator.kube import ApiError, KubeClient
+from kvfabric.operator.podhealth import diagnose
 from kvfabric.operator.poolpki import plan_secrets
-from kvfabric.operator.render import ConfigError, connection_settings, names, render_children
-from kvfabric.operator.render.children import owner_reference
+from kvfabric.operator.render import (
+    ConfigError,
+    ConnectionSettings,
+    connection_settings,
+    names,
+    render_children,
+)
+from kvfabric.operator.render.children import RenderedChildren, owner_reference
 from kvfabric.operator.status import Event, Observed, compute_status, strip_times
 
 log = logging.getLogger("kvfabric.operator.reconcile")
@@ -49,91 +56,201 @@ class ReconcileResult:
     ready: bool = False
 
 
+class Reader(Protocol):
+    """Where a reconcile reads the cluster: the API server itself, or informer caches in front of it."""
+
+    async def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        """Return one object, or None."""
+        ...
+
+    async def list(
+        self,
+        kind: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Return the matching objects."""
+        ...
+
+
+@dataclass
+class Plan:
+    """What the pool's spec asks for: the rendered children, or why there are none."""
+
+    pool: KVCachePool | None = None
+    children: RenderedChildren | None = None
+    connection: ConnectionSettings | None = None
+    config_error: str | None = None
+    claim_name: str | None = None
+    metrics_service: str | None = None
+    progress_deadline_seconds: int = 300
+
+
+def plan_pool(raw: dict[str, Any]) -> Plan:
+    """Parse and render a pool object (pure)."""
+    name = raw["metadata"]["name"]
+    try:
+        pool = KVCachePool.model_validate(raw)
+        plan = Plan(pool=pool, connection=connection_settings(pool), children=render_children(pool))
+    except (pydantic.ValidationError, ConfigError) as exc:
+        # Keep the children as they are: a bad edit must not tear down a working pool.
+        shared_raw = (raw.get("spec", {}).get("tiers", {}) or {}).get("shared")
+        claim = (shared_raw.get("existingClaim") or names.shared_claim_name(name)) if shared_raw else None
+        return Plan(config_error=str(exc), claim_name=claim)
+    shared = pool.spec.tiers.shared
+    if shared is not None:
+        plan.claim_name = shared.existing_claim or names.shared_claim_name(name)
+    if pool.spec.metrics.enabled:
+        plan.metrics_service = names.metrics_service_name(name)
+    plan.progress_deadline_seconds = pool.spec.update_strategy.progress_deadline_seconds
+    return plan
+
+
+async def _apply_children(
+    client: KubeClient, reader: Reader, pool: KVCachePool, children: RenderedChildren, result: ReconcileResult
+) -> str | None:
+    """Apply and prune; return the API server's message if it rejected an object, else None."""
+    namespace, name = pool.namespace, pool.name
+    # The ConfigMap first: pods of a new DaemonSet revision must find the new configuration. The
+    # rest are independent and go in parallel (latency matters when many pools change at once).
+    configmaps = children.by_kind("ConfigMap")
+    others = [obj for obj in children.objects if obj["kind"] != "ConfigMap"]
+    rejected: list[str] = []
+
+    async def apply(obj: dict[str, Any]) -> None:
+        try:
+            await client.apply(obj, field_manager=names.FIELD_MANAGER)
+        except ApiError as exc:
+            if not exc.rejected:
+                raise
+            rejected.append(f"{obj['kind']} {obj['metadata']['name']}: {exc.message}")
+
+    for obj in configmaps:
+        await apply(obj)
+    # Credentials before the DaemonSet too: its pods mount them.
+    secrets = await _ensure_secrets(client, pool)
+    keep = children.objects + [{"kind": "Secret", "metadata": {"name": n}} for n in secrets]
+    pruned, *_ = await asyncio.gather(
+        _prune(client, reader, namespace, name, keep), *(apply(obj) for obj in others)
+    )
+    result.applied = len(configmaps) + len(others) - len(rejected)
+    result.pruned = cast(int, pruned)
+    return "; ".join(rejected) or None
+
+
+async def _failed_create(
+    reader: Reader, namespace: str, daemonset: dict[str, Any] | None
+) -> tuple[str | None, int]:
+    """Return the latest FailedCreate message of the DaemonSet and how many nodes lack a pod."""
+    ds_status = (daemonset or {}).get("status") or {}
+    missing = int(ds_status.get("desiredNumberScheduled") or 0) - int(
+        ds_status.get("currentNumberScheduled") or 0
+    )
+    if daemonset is None or missing <= 0:
+        return None, 0  # only then can pods be missing: no Event LIST in the normal case
+    events = await reader.list(
+        "Event",
+        namespace,
+        field_selector=f"involvedObject.kind=DaemonSet,involvedObject.name={daemonset['metadata']['name']},"
+        "reason=FailedCreate",
+    )
+    uid = daemonset["metadata"].get("uid")
+    events = [e for e in events if not uid or (e.get("involvedObject") or {}).get("uid") in (None, uid)]
+    if not events:
+        return None, missing
+    latest = max(events, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
+    return str(latest.get("message") or "FailedCreate"), missing
+
+
+async def _observe(
+    reader: Reader,
+    raw: dict[str, Any],
+    plan: Plan,
+    *,
+    apply_error: str | None,
+    injection_enabled: bool,
+) -> Observed:
+    namespace, name = raw["metadata"]["namespace"], raw["metadata"]["name"]
+    selector = ",".join(f"{k}={v}" for k, v in names.selector_labels(name).items())
+    daemonset, claim, consumers, servers = await asyncio.gather(
+        reader.get("DaemonSet", namespace, names.daemonset_name(name)),
+        reader.get("PersistentVolumeClaim", namespace, plan.claim_name) if plan.claim_name else _none(),
+        _consumer_pods(reader, namespace, name),
+        reader.list("Pod", namespace, label_selector=selector),
+    )
+    failed_create, missing = await _failed_create(reader, namespace, daemonset)
+    return Observed(
+        generation=int(raw["metadata"].get("generation") or 0),
+        revision=plan.children.config_hash if plan.children is not None else None,
+        config_error=plan.config_error,
+        daemonset=daemonset,
+        claim_name=plan.claim_name,
+        claim=claim,
+        consumer_pods=consumers,
+        connection=plan.connection,
+        injection_enabled=injection_enabled,
+        metrics_service=plan.metrics_service,
+        previous_status=dict(raw.get("status") or {}),
+        apply_error=apply_error,
+        pod_problems=diagnose(servers, failed_create, missing),
+        progress_deadline_seconds=plan.progress_deadline_seconds,
+    )
+
+
+class ApplyRejectedError(Exception):
+    """The API server refused a rendered child; the status says why, the queue retries with backoff."""
+
+
 async def reconcile_pool(
-    client: KubeClient, namespace: str, name: str, *, injection_enabled: bool
+    client: KubeClient,
+    namespace: str,
+    name: str,
+    *,
+    injection_enabled: bool,
+    reader: Reader | None = None,
 ) -> ReconcileResult | None:
-    """Bring one pool's children to the rendered state and write its status; None if the pool is gone."""
+    """Bring one pool's children to the rendered state and write its status; None if the pool is gone.
+
+    ``reader`` serves the reads (default: ``client``, i.e. the API server); writes always go to ``client``.
+    """
+    reader = reader or client
     raw = await client.get(KIND, namespace, name)
     if raw is None or raw.get("metadata", {}).get("deletionTimestamp"):
         return None  # owner references let the garbage collector remove the children
     result = ReconcileResult()
-    generation = int(raw["metadata"].get("generation") or 0)
-    previous_status = dict(raw.get("status") or {})
-    config_error: str | None = None
-    revision: str | None = None
-    connection = None
-    claim_name: str | None = None
-    metrics_service: str | None = None
-    try:
-        pool = KVCachePool.model_validate(raw)
-        connection = connection_settings(pool)
-        children = render_children(pool)
-    except (pydantic.ValidationError, ConfigError) as exc:
-        # Keep the children as they are: a bad edit must not tear down a working pool.
-        config_error = str(exc)
-        children = None
-        pool = None
-    if children is not None and pool is not None:
-        revision = children.config_hash
-        # The ConfigMap first: pods of a new DaemonSet revision must find the new configuration. The
-        # rest are independent and go in parallel (latency matters when many pools change at once).
-        configmaps = children.by_kind("ConfigMap")
-        for obj in configmaps:
-            await client.apply(obj, field_manager=names.FIELD_MANAGER)
-        # Credentials before the DaemonSet too: its pods mount them.
-        secrets = await _ensure_secrets(client, pool)
-        others = [obj for obj in children.objects if obj["kind"] != "ConfigMap"]
-        keep = children.objects + [{"kind": "Secret", "metadata": {"name": n}} for n in secrets]
-        pruned, *_ = await asyncio.gather(
-            _prune(client, namespace, name, keep),
-            *(client.apply(obj, field_manager=names.FIELD_MANAGER) for obj in others),
-        )
-        result.applied = len(configmaps) + len(others)
-        result.pruned = cast(int, pruned)
-        shared = pool.spec.tiers.shared
-        if shared is not None:
-            claim_name = shared.existing_claim or names.shared_claim_name(name)
-        if pool.spec.metrics.enabled:
-            metrics_service = names.metrics_service_name(name)
-    elif raw.get("spec", {}).get("tiers", {}).get("shared"):
-        shared_raw = raw["spec"]["tiers"]["shared"]
-        claim_name = shared_raw.get("existingClaim") or names.shared_claim_name(name)
-
-    daemonset, claim, consumers = await asyncio.gather(
-        client.get("DaemonSet", namespace, names.daemonset_name(name)),
-        client.get("PersistentVolumeClaim", namespace, claim_name) if claim_name else _none(),
-        _consumer_pods(client, namespace, name),
-    )
-    observed = Observed(
-        generation=generation,
-        revision=revision,
-        config_error=config_error,
-        daemonset=daemonset,
-        claim_name=claim_name,
-        claim=claim,
-        consumer_pods=consumers,
-        connection=connection,
-        injection_enabled=injection_enabled,
-        metrics_service=metrics_service,
-        previous_status=previous_status,
-    )
+    plan = plan_pool(raw)
+    apply_error = None
+    if plan.children is not None and plan.pool is not None:
+        apply_error = await _apply_children(client, reader, plan.pool, plan.children, result)
+    observed = await _observe(reader, raw, plan, apply_error=apply_error, injection_enabled=injection_enabled)
     status, events = compute_status(observed, utcnow())
     result.ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
-    if strip_times(status) != strip_times(previous_status):
-        try:
-            await client.patch_status(
-                KIND, namespace, name, status, resource_version=raw["metadata"].get("resourceVersion")
-            )
-        except ApiError as exc:
-            if exc.status == 409:
-                # The pool changed while we looked: the event that changed it triggers another pass.
-                raise RetryNow from exc
-            raise
+    if strip_times(status) != strip_times(observed.previous_status):
+        await _write_status(client, raw, status)
         result.status_changed = True
         result.events = events
         for event in events:
             await post_event(client, raw, event)
+    if apply_error is not None:
+        # Reported at once (above); retried with backoff, since a later pass may succeed (an admission
+        # webhook or quota that changes, RBAC granted).
+        raise ApplyRejectedError(apply_error)
     return result
+
+
+async def _write_status(client: KubeClient, raw: dict[str, Any], status: dict[str, Any]) -> None:
+    meta = raw["metadata"]
+    try:
+        await client.patch_status(
+            KIND, meta["namespace"], meta["name"], status, resource_version=meta.get("resourceVersion")
+        )
+    except ApiError as exc:
+        if exc.status == 409:
+            # The pool changed while we looked: the event that changed it triggers another pass.
+            raise RetryNow from exc
+        raise
 
 
 async def _ensure_secrets(client: KubeClient, pool: KVCachePool) -> frozenset[str]:
@@ -161,11 +278,13 @@ class RetryNow(Exception):  # noqa: N818 - a control-flow signal, not an error
     """Reconcile again right away (the pool changed under us)."""
 
 
-async def _prune(client: KubeClient, namespace: str, name: str, desired: list[dict[str, Any]]) -> int:
+async def _prune(
+    client: KubeClient, reader: Reader, namespace: str, name: str, desired: list[dict[str, Any]]
+) -> int:
     wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in desired}
     selector = f"{names.OWNER_POOL_LABEL}={name},{names.MANAGED_BY}={names.MANAGED_BY_VALUE}"
     listed = await asyncio.gather(
-        *(client.list(kind, namespace, label_selector=selector) for kind in _PRUNABLE)
+        *(reader.list(kind, namespace, label_selector=selector) for kind in _PRUNABLE)
     )
     pruned = 0
     for kind, objs in zip(_PRUNABLE, listed, strict=True):
@@ -176,15 +295,15 @@ async def _prune(client: KubeClient, namespace: str, name: str, desired: list[di
     return pruned
 
 
-async def _consumer_pods(client: KubeClient, namespace: str, name: str) -> list[dict[str, Any]]:
+async def _consumer_pods(reader: Reader, namespace: str, name: str) -> list[dict[str, Any]]:
     """Return pods that opted in to this pool: same namespace, or elsewhere naming its namespace."""
     try:
-        pods = await client.list("Pod", None, label_selector=f"{POOL_LABEL}={name}")
+        pods = await reader.list("Pod", None, label_selector=f"{POOL_LABEL}={name}")
     except ApiError as exc:
         if exc.status != 403:
             raise
         # Without cluster-wide pod access (namespaced install), count the pool's own namespace only.
-        pods = await client.list("Pod", namespace, label_selector=f"{POOL_LABEL}={name}")
+        pods = await reader.list("Pod", namespace, label_selector=f"{POOL_LABEL}={name}")
     out = []
     for pod in pods:
         meta = pod.get("metadata", {})

@@ -7,6 +7,7 @@ available, and the template still carries the configuration hash this reconcile 
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple, TypeVar
 
@@ -21,11 +22,16 @@ from kvfabric.operator.api.v1alpha1 import (
     KVCachePoolStatus,
     NodeCounts,
 )
+from kvfabric.operator.podhealth import PRIORITY, PodProblem
 from kvfabric.operator.render import names
 from kvfabric.operator.render.connection import ConnectionSettings
 
 CONDITION_TYPES: Final = ("Ready", "Progressing", "Degraded", "ConfigValid", "StorageReady", "InjectionReady")
 _MAX_MESSAGE: Final = 4096  # Condition.message maxLength
+DEADLINE_EXCEEDED: Final = "ProgressDeadlineExceeded"
+# Degraded reasons that get their own Warning event (the others already have one: PoolNotReady,
+# InvalidServerConfig, ClaimNotFound...), and a Normal "Recovered" event when they clear.
+FAILURE_EVENT_REASONS: Final = frozenset({"ApplyFailed", DEADLINE_EXCEEDED, *PRIORITY})
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,12 @@ class Observed:
     injection_enabled: bool
     metrics_service: str | None
     previous_status: dict[str, Any] = field(default_factory=dict)
+    # The API server's message when it rejected one of the rendered children (server-side apply).
+    apply_error: str | None = None
+    # Why cache-server pods are not serving (kvfabric.operator.podhealth.diagnose), worst first.
+    pod_problems: list[PodProblem] = field(default_factory=list)
+    # spec.updateStrategy.progressDeadlineSeconds
+    progress_deadline_seconds: int = 300
 
 
 @dataclass(frozen=True)
@@ -198,13 +210,20 @@ def progressing_verdict(observed: Observed, rollout: Rollout) -> Verdict:
     return Verdict(False, "RolloutComplete", f"revision {observed.revision} on {n.desired} nodes")
 
 
-def degraded_verdict(observed: Observed, rollout: Rollout, storage: Verdict) -> Verdict:
+def degraded_verdict(observed: Observed, rollout: Rollout, storage: Verdict, progressing: Verdict) -> Verdict:
     """Degraded: something is wrong that waiting for the rollout will not fix."""
     n = rollout.nodes
     if observed.config_error is not None:
         return Verdict(True, "InvalidServerConfig", "the pool's spec yields an invalid server config")
+    if observed.apply_error is not None:
+        return Verdict(True, "ApplyFailed", observed.apply_error)
     if storage.reason in ("ClaimNotFound", "ClaimLost"):
         return storage._replace(ok=True)
+    if observed.pod_problems:
+        worst = observed.pod_problems[0]
+        return Verdict(True, worst.reason, "; ".join(p.describe() for p in observed.pod_problems))
+    if progressing.reason == DEADLINE_EXCEEDED:
+        return Verdict(True, DEADLINE_EXCEEDED, progressing.message)
     if rollout.done and n.ready < n.desired:
         return Verdict(True, "NodesNotReady", f"{n.desired - n.ready}/{n.desired} cache servers not ready")
     return Verdict(False, "AsExpected", "no fault detected")
@@ -222,6 +241,8 @@ def ready_verdict(observed: Observed, rollout: Rollout, storage: Verdict) -> Ver
     n = rollout.nodes
     if observed.config_error is not None:
         return Verdict(False, "InvalidServerConfig", "the server configuration is invalid")
+    if observed.apply_error is not None:
+        return Verdict(False, "ApplyFailed", observed.apply_error)
     if not rollout.exists:
         return Verdict(False, "Creating", "the DaemonSet does not exist yet")
     if rollout.generation_seen and n.desired == 0:
@@ -264,15 +285,58 @@ def _lenient(model: type[_M], data: Any) -> _M:
         return model()
 
 
-def conditions(observed: Observed, rollout: Rollout, now: str) -> list[Condition]:
+def _made_progress(observed: Observed, rollout: Rollout, progressing: Verdict) -> bool:
+    """Whether this pass sees the rollout move: it starts, a new revision, or node counts change."""
+    before = observed.previous_status
+    progressing_before: dict[str, Any] = next(
+        (c for c in before.get("conditions") or [] if c.get("type") == "Progressing"), {}
+    )
+    # A rollout reported as stalled has not started again just because it is still under way.
+    stalled_before = progressing_before.get("reason") == DEADLINE_EXCEEDED
+    started = bool(progressing.ok) and progressing_before.get("status") != "True" and not stalled_before
+    return (
+        started
+        or before.get("revision") != (observed.revision or before.get("revision"))
+        or _lenient(NodeCounts, before.get("nodes")) != rollout.nodes
+    )
+
+
+def _seconds_between(start: str, end: str) -> float:
+    fmt = "%Y-%m-%dT%H:%M:%SZ"
+    try:
+        return (dt.datetime.strptime(end, fmt) - dt.datetime.strptime(start, fmt)).total_seconds()
+    except ValueError:
+        return 0.0
+
+
+def last_progress_time(observed: Observed, rollout: Rollout, now: str) -> str:
+    """When the rollout last moved (kept in status, so a restarted operator measures the same)."""
+    previous = observed.previous_status.get("lastProgressTime")
+    if previous and not _made_progress(observed, rollout, progressing_verdict(observed, rollout)):
+        return str(previous)
+    return now
+
+
+def deadline_verdict(observed: Observed, progressing: Verdict, since: str, now: str) -> Verdict:
+    """Progressing, or Progressing=False (ProgressDeadlineExceeded) when it stalled past the deadline."""
+    deadline = observed.progress_deadline_seconds
+    if progressing.ok and _seconds_between(since, now) > deadline:
+        return Verdict(
+            False, DEADLINE_EXCEEDED, f"no progress for more than {deadline}s: {progressing.message}"
+        )
+    return progressing
+
+
+def conditions(observed: Observed, rollout: Rollout, now: str, progress_since: str) -> list[Condition]:
     """Return the pool's conditions, in a fixed order."""
     previous = {c.get("type", ""): c for c in observed.previous_status.get("conditions") or []}
     storage = storage_verdict(observed)
+    progressing = deadline_verdict(observed, progressing_verdict(observed, rollout), progress_since, now)
     verdicts = {
         "ConfigValid": config_verdict(observed),
         "StorageReady": storage,
-        "Progressing": progressing_verdict(observed, rollout),
-        "Degraded": degraded_verdict(observed, rollout, storage),
+        "Progressing": progressing,
+        "Degraded": degraded_verdict(observed, rollout, storage, progressing),
         "InjectionReady": injection_verdict(observed),
         "Ready": ready_verdict(observed, rollout, storage),
     }
@@ -286,6 +350,7 @@ def compute_pool_status(observed: Observed, now: str) -> KVCachePoolStatus:
         observed.consumer_pods, observed.connection.config_hash if observed.connection else None
     )
     n = rollout.nodes
+    progress_since = last_progress_time(observed, rollout, now)
     return KVCachePoolStatus(
         observed_generation=observed.generation,
         revision=observed.revision or observed.previous_status.get("revision", ""),
@@ -293,7 +358,8 @@ def compute_pool_status(observed: Observed, now: str) -> KVCachePoolStatus:
         nodes=n,
         connection=_connection(observed),
         consumers=ConsumerCounts(**counts),
-        conditions=conditions(observed, rollout, now),
+        conditions=conditions(observed, rollout, now, progress_since),
+        last_progress_time=progress_since,
     )
 
 
@@ -321,6 +387,14 @@ def _events(observed: Observed, status: KVCachePoolStatus) -> list[Event]:
         events.append(Event("Warning", "PoolNotReady", ready.message))
     if became("ConfigValid", ConditionStatus.FALSE):
         events.append(Event("Warning", "InvalidServerConfig", by_type["ConfigValid"].message))
+    degraded = by_type["Degraded"]
+    degraded_before = previous.get("Degraded", {})
+    if degraded.reason in FAILURE_EVENT_REASONS and (
+        flipped("Degraded") or degraded_before.get("reason") != degraded.reason
+    ):
+        events.append(Event("Warning", degraded.reason, degraded.message))
+    elif became("Degraded", ConditionStatus.FALSE) and degraded_before.get("reason") in FAILURE_EVENT_REASONS:
+        events.append(Event("Normal", "Recovered", f"{degraded_before.get('reason')} resolved"))
     if became("StorageReady", ConditionStatus.FALSE):
         events.append(Event("Warning", by_type["StorageReady"].reason, by_type["StorageReady"].message))
     prev_revision = observed.previous_status.get("revision")

@@ -29,7 +29,7 @@ from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.journal import Event, JournalReader, JournalWriter
 from kvfabric.cacheserver.engine.ordering import Generations
 from kvfabric.cacheserver.engine.stats import Counters
-from kvfabric.cacheserver.engine.ttl import drop_lease, live_servers, owner_of, touch_lease
+from kvfabric.cacheserver.engine.ttl import PeerClocks, drop_lease, owner_of, touch_lease
 
 __all__ = ["STALE_TMP_SECONDS", "SharedTier"]
 
@@ -57,6 +57,7 @@ class SharedTier:
         # The disk tier is built here so its eviction callback is this tier's journal, from birth.
         self.disk = disk(self._journal_evictions)
         self.root: Path = self.disk.root
+        self.has: Callable[[BlockId], bool] = self.disk.has  # lock-free index check (lookup hot path)
         self.server_id = server_id
         self.expiry = expiry
         self.generations = generations
@@ -65,6 +66,8 @@ class SharedTier:
         self.journal_poll_seconds = journal_poll_seconds
         self._on_delete = on_delete
         self.lease_dir = self.root / "leases"
+        self.peers = PeerClocks(self.lease_dir, server_id, lease_seconds)
+        expiry.clock.attach_peers(self.peers)
         self.tomb_dir = self.root / "tombstones"
         self._reader = JournalReader(self.root / "journals", server_id)
         self.journal: JournalWriter | None = None
@@ -84,7 +87,8 @@ class SharedTier:
         # Tail from the current ends *before* scanning, so nothing written meanwhile is missed.
         self._reader.skip_to_end()
         self.journal = JournalWriter(self.root / "journals", self.server_id)
-        touch_lease(self.lease_dir, self.server_id)
+        touch_lease(self.lease_dir, self.server_id, self.expiry.clock.local)
+        self.peers.observe()
         self._load_tombstones()
         self.disk.scan()
         self._thread = threading.Thread(target=self._tail_loop, name="journal-tail", daemon=True)
@@ -166,10 +170,6 @@ class SharedTier:
                 shutil.rmtree(self.tomb_dir / str(b + 1), ignore_errors=True)
 
     # --- the BackingTier interface -------------------------------------------------------------------
-
-    def has(self, bid: BlockId) -> bool:
-        """Lock-free index check."""
-        return self.disk.has(bid)
 
     def contains(self, bid: BlockId) -> bool:
         """Whether the index holds ``bid``."""
@@ -263,14 +263,13 @@ class SharedTier:
 
     def tick(self) -> None:
         """Renew the lease, evict above the watermark, expire owned buckets, reap dead temp files."""
-        touch_lease(self.lease_dir, self.server_id)
+        touch_lease(self.lease_dir, self.server_id, self.expiry.clock.local)
+        self.peers.observe()
         self.disk.evict_above_high()
-        now = self.expiry.clock.now()
-        if now is None:
+        if self.expiry.clock.expiry_now() is None:
             return  # clock unknown: never expire (never early)
-        live = live_servers(self.lease_dir, now, self.lease_seconds)
-        if self.server_id not in live:
-            live.append(self.server_id)
+        # Liveness by watching leases change, never by comparing their mtimes with our clock.
+        live = [*self.peers.live(), self.server_id]
         for b in self.expiry.expired(self.disk.bucket_dirs()):
             if owner_of(b, live) != self.server_id:
                 continue
@@ -284,4 +283,12 @@ class SharedTier:
                 )
         self._expire_tombstones()
         self._load_tombstones(apply=True)
-        self.disk.reap_stale_tmp(STALE_TMP_SECONDS)
+        self.disk.reap_stale_tmp(STALE_TMP_SECONDS, self._clock_of)
+
+    def _clock_of(self, server_id: str) -> float | None:
+        """The clock that stamped a server's files: its own if live, else the expiry clock."""
+        clock = self.expiry.clock
+        if server_id == self.server_id:
+            return clock.now()
+        peer = self.peers.clock_of(server_id)
+        return clock.expiry_now() if peer is None else peer

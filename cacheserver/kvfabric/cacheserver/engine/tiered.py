@@ -44,7 +44,7 @@ from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.ordering import Generations
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.tiers import TierContext, build_backing_tiers
-from kvfabric.cacheserver.engine.ttl import SharedClock, bucket_of
+from kvfabric.cacheserver.engine.ttl import LocalClock, SharedClock, bucket_of
 
 __all__ = ["Payload", "TieredStore"]
 
@@ -82,7 +82,9 @@ class TieredStore:
         self.counters = counters or Counters()
         t = config.tiers
         # One clock for every expiry decision: the shared volume's when there is one.
-        self.clock = SharedClock(None if t.shared is None else t.shared.path / "clock")
+        faults = None if t.shared is None else t.shared.faults
+        local = LocalClock(0.0 if faults is None else faults.clock_skew_seconds)
+        self.clock = SharedClock(None if t.shared is None else t.shared.path / "clock", local)
         self.generations = Generations(self.clock.now_or_local)
         self.dram = DramTier(
             config.shm.dir,
@@ -103,6 +105,7 @@ class TieredStore:
         self.backing: tuple[BackingTier, ...] = tuple(backing(ctx))
         self.tiers: tuple[Tier, ...] = (self.dram, *self.backing)
         self._has = tuple((tier.name, tier.has) for tier in self.tiers)
+        self._has_rest = self._has[1:]
         self._wb_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="writeback")
         self._wb_lock = threading.Lock()
         self._wb_done = threading.Condition(self._wb_lock)
@@ -180,11 +183,16 @@ class TieredStore:
     def lookup(self, bids: list[BlockId]) -> list[TierName]:
         """Tier name of each leading present key (index only, no storage access)."""
         out: list[TierName] = []
-        has = self._has
+        append = out.append
+        first_name, first = self._has[0]
+        rest = self._has_rest
         for bid in bids:
-            for name, present in has:
+            if first(bid):  # DRAM: the common case, kept to one C-level call per key
+                append(first_name)
+                continue
+            for name, present in rest:
                 if present(bid):
-                    out.append(name)
+                    append(name)
                     break
             else:
                 break
@@ -453,7 +461,7 @@ class TieredStore:
         self.clock.sync()
         for tier in self.backing:
             tier.tick()
-        now = self.clock.now()
+        now = self.clock.expiry_now()
         if now is not None:
             # No copy older than two TTLs survives expiry, so neither need its tombstone here.
             self.generations.prune(int((now - 2 * self.config.ttl_seconds) * 1e9))
@@ -488,4 +496,6 @@ class TieredStore:
             "counters": counters,
             "writeback_pending_bytes": pending,
             "clock": self.clock.now(),
+            "clock_stamps_local": self.clock.stamps_local_clock,
+            "clock_spread_seconds": self.clock.spread(),
         }

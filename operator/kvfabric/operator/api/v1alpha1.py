@@ -815,6 +815,12 @@ class KVCachePoolStatus(_Model):
     nodes: NodeCounts = Field(default_factory=NodeCounts, description="Node counts.")
     connection: Connection = Field(default_factory=Connection, description="Connection details.")
     consumers: ConsumerCounts = Field(default_factory=ConsumerCounts, description="Consumer counts.")
+    last_progress_time: str | None = Field(
+        default=None,
+        description="When the rollout last made progress (RFC 3339); compared with "
+        "spec.updateStrategy.progressDeadlineSeconds.",
+        json_schema_extra={"format": "date-time"},
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=16,

@@ -1,0 +1,244 @@
+"""The reconciling half of the operator, on its own thread and event loop.
+
+kopf's loop serves the injection webhook and the pool watch; everything that reconciles (informer
+caches, the per-pool queue, the periodic resync, leader election) runs here, so an admission review
+never waits behind a reconcile's awaits or its CPU work (a GIL switch interval at most). The two
+halves share only ``trigger()`` (thread-safe) and a few counters.
+
+Reads come from informers (:mod:`kvfabric.operator.informer`): consumer pods indexed by the pool they
+name, and the pool's children and cache-server pods indexed by ``kvfabric.io/owner-pool``. A
+reconcile costs one GET of the pool and its applies, never a LIST of the cluster's pods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvfabric.operator.api.v1alpha1 import KIND, POOL_LABEL
+from kvfabric.operator.informer import CachedReader, Informer
+from kvfabric.operator.kube import KubeClient
+from kvfabric.operator.leader import LeaseElector
+from kvfabric.operator.reconcile import PoolKey, ReconcileQueue, reconcile_pool
+from kvfabric.operator.render import names
+
+log = logging.getLogger("kvfabric.operator.controller")
+
+_OWNED = f"{names.MANAGED_BY}={names.MANAGED_BY_VALUE},{names.OWNER_POOL_LABEL}"
+# Kinds cached by owner pool: what a reconcile reads (DaemonSet, Services, PVCs, cache pods) and what
+# it must notice when edited or deleted by hand (ConfigMap).
+OWNED_KINDS = ("DaemonSet", "Service", "PersistentVolumeClaim", "ConfigMap", "Pod")
+
+
+@dataclass(frozen=True)
+class Election:
+    """Where the replicas' Lease lives and who this replica is."""
+
+    namespace: str
+    name: str
+    identity: str
+    lease_seconds: float = 10.0
+    renew_seconds: float = 3.0
+    retry_seconds: float = 2.0
+
+
+async def _all_synced(informers: list[Informer]) -> None:
+    await asyncio.gather(*(i.synced.wait() for i in informers))
+
+
+class Controller:
+    """Informers + reconcile queue + resync (+ leader election), on a dedicated thread."""
+
+    def __init__(
+        self,
+        make_client: Callable[[], KubeClient],
+        *,
+        injection_enabled: bool,
+        namespaces: list[str] | None = None,
+        resync_seconds: float = 30.0,
+        election: Election | None = None,
+    ) -> None:
+        self._make_client = make_client
+        self.injection_enabled = injection_enabled
+        self.namespaces = namespaces
+        self.resync_seconds = resync_seconds
+        self.election = election
+        self.reconciles = 0
+        self.elector: LeaseElector | None = None
+        self.reader: CachedReader | None = None
+        self._known: set[PoolKey] = set()
+        self._queue: ReconcileQueue | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._main: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+
+    @property
+    def leading(self) -> bool:
+        """Whether this replica reconciles now (always, without leader election)."""
+        return self._queue is not None
+
+    # --- the thread's API (called from kopf's loop or tests) ----------------------------------
+    def start(self) -> None:
+        """Start the thread and its loop."""
+        self._thread = threading.Thread(target=self._run_thread, name="kvfabric-controller", daemon=True)
+        self._thread.start()
+        self._started.wait()
+
+    def trigger(self, key: PoolKey) -> None:
+        """Queue a reconcile of ``key`` (thread-safe; dropped while this replica does not lead)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._trigger, key)
+
+    def forget(self, key: PoolKey) -> None:
+        """The pool is gone (thread-safe)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._forget, key)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Cancel everything (releasing the Lease) and join the thread."""
+        loop, main = self._loop, self._main
+        if loop is not None and main is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(main.cancel)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- on the controller's loop -------------------------------------------------------------
+    def _run_thread(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        self._main = loop.create_task(self._run())
+        self._started.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            loop.run_until_complete(self._main)
+        loop.close()
+
+    def _trigger(self, key: PoolKey) -> None:
+        self._known.add(key)
+        if self._queue is not None:
+            self._queue.trigger(key)
+
+    def _forget(self, key: PoolKey) -> None:
+        self._known.discard(key)
+        if self._queue is not None:
+            self._queue.forget(key)
+
+    def _child_changed(self, obj: dict[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        owner = (meta.get("labels") or {}).get(names.OWNER_POOL_LABEL)
+        if owner and self._queue is not None:
+            self._queue.trigger((str(meta.get("namespace") or ""), owner))
+
+    def _consumer_changed(self, obj: dict[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        pool = (meta.get("labels") or {}).get(POOL_LABEL)
+        pool_ns = (meta.get("annotations") or {}).get(names.POOL_NAMESPACE_ANNOTATION) or meta.get(
+            "namespace"
+        )
+        key = (str(pool_ns or ""), str(pool or ""))
+        if key in self._known and self._queue is not None:
+            self._queue.trigger(key)
+
+    async def _run(self) -> None:
+        client = self._make_client()
+        try:
+            if self.election is None:
+                await self._lead(client)
+            else:
+                e = self.election
+                self.elector = LeaseElector(
+                    client,
+                    namespace=e.namespace,
+                    name=e.name,
+                    identity=e.identity,
+                    lease_seconds=e.lease_seconds,
+                    renew_seconds=e.renew_seconds,
+                    retry_seconds=e.retry_seconds,
+                )
+                await self.elector.run(lambda: self._lead(client))
+        finally:
+            await client.close()
+
+    def informers(self, client: KubeClient) -> list[Informer]:
+        """The caches a leader keeps."""
+        out = [
+            Informer(
+                client,
+                "Pod",
+                label_selector=POOL_LABEL,
+                index_label=POOL_LABEL,
+                namespaces=self.namespaces,
+                on_change=self._consumer_changed,
+            )
+        ]
+        out += [
+            Informer(
+                client,
+                kind,
+                label_selector=_OWNED,
+                index_label=names.OWNER_POOL_LABEL,
+                namespaces=self.namespaces,
+                on_change=self._child_changed,
+            )
+            for kind in OWNED_KINDS
+        ]
+        return out
+
+    async def _lead(self, client: KubeClient) -> None:
+        informers = self.informers(client)
+        reader = CachedReader(client, informers)
+        self.reader = reader
+
+        async def work(key: PoolKey) -> None:
+            self.reconciles += 1
+            await reconcile_pool(
+                client, key[0], key[1], injection_enabled=self.injection_enabled, reader=reader
+            )
+
+        tasks = [asyncio.ensure_future(i.run()) for i in informers]
+        try:
+            # Reconcile only from complete caches: a pool must not look as if it had no pods.
+            synced: asyncio.Future[Any] = asyncio.ensure_future(_all_synced(informers))
+            done, _ = await asyncio.wait([synced, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            if synced not in done:
+                synced.cancel()
+                for task in done:
+                    task.result()  # an informer crashed: re-raise
+            queue = ReconcileQueue(work)
+            self._queue = queue
+            try:
+                for key in list(self._known):
+                    queue.trigger(key)
+                await asyncio.gather(self._resync_forever(client, queue), *tasks)
+            finally:
+                self._queue = None
+                await queue.close()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _resync_forever(self, client: KubeClient, queue: ReconcileQueue) -> None:
+        """Trigger every pool periodically: the safety net behind the watches."""
+        while True:
+            try:
+                scopes: list[str | None] = list(self.namespaces) if self.namespaces else [None]
+                for ns in scopes:
+                    for pool in await client.list(KIND, ns):
+                        meta = pool["metadata"]
+                        key = (meta["namespace"], meta["name"])
+                        self._known.add(key)
+                        queue.trigger(key)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # keep the loop alive; the next pass retries
+                log.warning("resync failed: %s", exc)
+            await asyncio.sleep(self.resync_seconds)

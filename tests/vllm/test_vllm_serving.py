@@ -1,0 +1,307 @@
+"""kvfabric inside real vLLM: offline ``LLM`` and the OpenAI server, against real cache servers.
+
+Four vLLM processes serve the whole module (start-up is one to two minutes each here): the
+session's reference run (no cache at all), an offline ``LLM`` run with the connector that stores
+prompts and exits, and two OpenAI servers, each with the connector on its own cache server; the two
+cache servers share one volume (two nodes and a shared tier). Server 1 has a KV cache of 32 blocks
+of 128 tokens and chunked prefill at 512 tokens per step, so that concurrent chats evict and
+preempt. Every assertion on tokens compares against the reference run, in float32, greedy.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tests.vllm import workload
+
+from kvfabric.connector.keys import num_loadable_chunks, num_whole_chunks
+from kvfabric.testing.serverproc import ServerProcess, cache_server, wait_until
+from kvfabric.testing.vllmenv import OfflineRun, VllmEnv, VllmServer, connector_config, metric_sum
+from kvfabric.testing.vllmrun import next_prompt
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+CHUNK = 256
+# Generous deadlines: this machine's two cores are shared, and a deadline that expires under load
+# is a (correct) recompute that would hide whether a hit works.
+CONNECTOR = {"chunk_tokens": CHUNK, "lookup_deadline_ms": 3000, "load_deadline_ms": 15000}
+SERVER_ARGS = [
+    "--num-gpu-blocks-override",
+    "32",
+    "--max-num-batched-tokens",
+    "512",
+    "--max-num-seqs",
+    "4",
+    "--enable-chunked-prefill",
+]
+
+
+def loadable(prompt: list[int]) -> int:
+    """Tokens kvfabric can serve of a prompt whose whole chunks are all stored."""
+    return num_loadable_chunks(len(prompt), CHUNK) * CHUNK
+
+
+def scrape(srv: ServerProcess) -> str:
+    with urllib.request.urlopen(srv.metrics_url + "/metrics", timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def cache_hits(srv: ServerProcess, tier: str | None = None) -> float:
+    labels = {} if tier is None else {"tier": tier}
+    return metric_sum(scrape(srv), "kvfabric_cache_hits", **labels)
+
+
+def shared_blocks(srv: ServerProcess) -> float:
+    return metric_sum(scrape(srv), "kvfabric_tier_blocks", tier="shared")
+
+
+def external_hits(vllm: VllmServer) -> float:
+    return metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits")
+
+
+@dataclass
+class Fabric:
+    a: ServerProcess
+    b: ServerProcess
+    s1: VllmServer
+    s2: VllmServer
+    stored: dict[str, Any]
+    reference: dict[str, Any]
+
+
+def _kv(srv: ServerProcess) -> dict[str, Any]:
+    return connector_config(srv.config.listen.unix_socket, srv.shm_dir, **CONNECTOR)
+
+
+@pytest.fixture(scope="module")
+def fabric(
+    vllm_env: VllmEnv,
+    tiny_model: Path,
+    vllm_workdir: Path,
+    reference_run: OfflineRun,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Fabric]:
+    """Two cache servers on one shared volume; the storing offline run; vLLM servers 1 and 2.
+
+    All vLLM processes start at once (their start-ups overlap); the offline run must have exited
+    before any test sends a request, so every hit on server 1 comes from a previous vLLM process.
+    """
+    volume = tmp_path_factory.mktemp("shared-volume")
+    with (
+        cache_server(server_id="node-a", shared_dir=volume) as a,
+        cache_server(server_id="node-b", shared_dir=volume) as b,
+    ):
+        store_spec = {
+            "model": str(tiny_model),
+            "kv_transfer": _kv(a),
+            "requests": [
+                {"id": k, "prompt": v, "max_tokens": workload.MAX_TOKENS}
+                for k, v in {**workload.RESTART, **workload.LOADER}.items()
+            ],
+        }
+        storing = OfflineRun(vllm_env, store_spec, vllm_workdir, name="stored").start()
+        s1, s2 = (
+            VllmServer(
+                vllm_env,
+                tiny_model,
+                vllm_workdir / f"server-{i}.log",
+                _kv(srv),
+                SERVER_ARGS,
+                max_model_len=2048,
+            )
+            for i, srv in ((1, a), (2, b))
+        )
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                starts = [pool.submit(s.start) for s in (s1, s2)]
+                stored = storing.result()
+                reference = reference_run.result()
+                for f in starts:
+                    f.result()
+            yield Fabric(a, b, s1, s2, stored, reference)
+        finally:
+            s1.stop()
+            s2.stop()
+
+
+def test_offline_llm_with_connector_matches_reference(fabric: Fabric) -> None:
+    """A cold run through the connector (stores only) generates exactly the reference tokens."""
+    for rid in [*workload.RESTART, *workload.LOADER]:
+        assert fabric.stored["outputs"][rid] == fabric.reference["outputs"][rid], rid
+        assert fabric.stored["cached"][rid] == 0, rid
+    assert fabric.stored["version"] == "0.32.0"
+
+
+def test_hit_after_vllm_restart(fabric: Fabric) -> None:
+    """Prompts stored by a vLLM process that has exited are hits in the next one, tokens identical.
+
+    Every loadable chunk is served by the cache server (its hit counter) and counted by vLLM as an
+    external prefix-cache hit; the new server has never seen these prompts, so none is its own.
+    """
+    hits0, ext0 = cache_hits(fabric.a), external_hits(fabric.s1)
+    expected = 0
+    for rid, prompt in workload.RESTART.items():
+        out = fabric.s1.complete(prompt, workload.MAX_TOKENS)
+        assert out.tokens == fabric.reference["outputs"][rid], rid
+        assert out.cached_tokens == loadable(prompt), rid
+        expected += loadable(prompt)
+    assert external_hits(fabric.s1) - ext0 == expected
+    assert cache_hits(fabric.a) - hits0 == expected // CHUNK
+
+
+def test_round_two_on_another_node_hits_the_shared_tier(fabric: Fabric) -> None:
+    """Round 1 of a chat on server 1 (node a), round 2 on server 2 (node b): a shared-tier hit.
+
+    Node b has never computed the chat; its cache server finds node a's chunks on the shared volume
+    (via node a's journal) and serves them from there.
+    """
+    conv, ref = workload.SHARED_CONV, fabric.reference["conversations"]["shared"]
+    blocks0 = shared_blocks(fabric.a)
+    first = fabric.s1.complete(conv["turns"][0], conv["max_tokens"])
+    assert first.tokens == ref[0]
+    stored = num_whole_chunks(len(conv["turns"][0]) + conv["max_tokens"], CHUNK)
+    # Write-back to the shared tier is asynchronous, and node b learns of it from node a's journal.
+    wait_until(lambda: shared_blocks(fabric.a) >= blocks0 + stored, 60, what="write-back to the volume")
+    wait_until(lambda: shared_blocks(fabric.b) >= shared_blocks(fabric.a), 60, what="node b to see it")
+    shared0, ext0 = cache_hits(fabric.b, "shared"), external_hits(fabric.s2)
+    second = next_prompt(conv["turns"][0], first.tokens, conv["turns"][1])
+    out = fabric.s2.complete(second, conv["max_tokens"])
+    assert out.tokens == ref[1]
+    assert out.cached_tokens == stored * CHUNK
+    assert external_hits(fabric.s2) - ext0 == stored * CHUNK
+    assert cache_hits(fabric.b, "shared") - shared0 == stored
+
+
+def test_load_while_other_requests_decode(fabric: Fabric) -> None:
+    """A request that loads from kvfabric joins a batch of decoding requests: all tokens identical.
+
+    The loading request is sent once both decoders have streamed their first tokens, and it
+    finishes while both are still decoding, so its load ran in steps that also decoded them.
+    """
+    streamed: dict[str, list[int]] = {rid: [] for rid in workload.DECODERS}
+    started = {rid: threading.Event() for rid in workload.DECODERS}
+
+    def decode(rid: str) -> None:
+        for ids in fabric.s1.stream(workload.DECODERS[rid], workload.DECODE_TOKENS):
+            streamed[rid].extend(ids)
+            started[rid].set()
+
+    ext0 = external_hits(fabric.s1)
+    with ThreadPoolExecutor(len(workload.DECODERS)) as pool:
+        futures = [pool.submit(decode, rid) for rid in workload.DECODERS]
+        for rid, ev in started.items():
+            assert ev.wait(300), f"{rid} never streamed"
+        prompt = workload.LOADER["loader"]
+        out = fabric.s1.complete(prompt, workload.MAX_TOKENS)
+        progress = {rid: len(ids) for rid, ids in streamed.items()}
+        for f in futures:
+            f.result()
+    assert all(n < workload.DECODE_TOKENS for n in progress.values()), progress
+    assert out.tokens == fabric.reference["outputs"]["loader"]
+    assert out.cached_tokens == loadable(prompt)
+    assert external_hits(fabric.s1) - ext0 == loadable(prompt)
+    for rid, ids in streamed.items():
+        assert ids == fabric.reference["outputs"][rid], rid
+
+
+def test_requests_beyond_the_kv_cache_are_preempted(fabric: Fabric) -> None:
+    """Four long decodes outgrow the 32-block KV cache: vLLM preempts; tokens are identical.
+
+    A preempted request resumes by recomputing its prefix or loading it from kvfabric (its prompt
+    chunks were stored while it ran); both must give the reference tokens.
+    """
+    pre0 = metric_sum(fabric.s1.metrics(), "vllm:num_preemptions")
+    with ThreadPoolExecutor(len(workload.PREEMPT)) as pool:
+        outs = dict(
+            zip(
+                workload.PREEMPT,
+                pool.map(
+                    lambda p: fabric.s1.complete(p, workload.PREEMPT_TOKENS).tokens, workload.PREEMPT.values()
+                ),
+                strict=True,
+            )
+        )
+    for rid, tokens in outs.items():
+        assert tokens == fabric.reference["outputs"][rid], rid
+    assert metric_sum(fabric.s1.metrics(), "vllm:num_preemptions") > pre0, "no preemption: no pressure"
+
+
+def test_chats_beyond_the_kv_cache_reuse_evicted_prefixes(fabric: Fabric) -> None:
+    """Four concurrent chats outgrow a 4,096-token KV cache (chunked prefill on): tokens identical.
+
+    vLLM's own prefix cache evicts earlier rounds; the connector is asked only for tokens beyond
+    vLLM's own hits, so every external hit is a prefix vLLM had evicted and kvfabric served.
+    """
+    ext0 = external_hits(fabric.s1)
+
+    def chat(conv: dict[str, Any]) -> list[list[int]]:
+        outs: list[list[int]] = []
+        prompt: list[int] = []
+        for r, turn in enumerate(conv["turns"]):
+            prompt = list(turn) if r == 0 else next_prompt(prompt, outs[-1], turn)
+            outs.append(fabric.s1.complete(prompt, conv["max_tokens"]).tokens)
+        return outs
+
+    with ThreadPoolExecutor(len(workload.PRESSURE_CONVS)) as pool:
+        results = dict(
+            zip(
+                [c["id"] for c in workload.PRESSURE_CONVS],
+                pool.map(chat, workload.PRESSURE_CONVS),
+                strict=True,
+            )
+        )
+    for cid, outs in results.items():
+        assert outs == fabric.reference["conversations"][cid], cid
+    assert external_hits(fabric.s1) > ext0, "kvfabric served nothing under pressure"
+
+
+def test_cache_server_killed_and_hung_mid_run(fabric: Fabric) -> None:
+    """kill -9, restart and SIGSTOP/SIGCONT of the cache server during a run: no request fails.
+
+    Faults are driven by progress (after the 1st, 3rd and 5th completion), not by time. Every
+    output is identical to the reference: a fault is a recompute, never an error or a wrong token.
+    """
+    done = threading.Semaphore(0)
+    results: dict[str, list[int]] = {}
+
+    def one(rid: str) -> None:
+        try:
+            results[rid] = fabric.s1.complete(workload.FAULTS[rid], workload.MAX_TOKENS).tokens
+        finally:
+            done.release()
+
+    def chaos() -> None:
+        done.acquire()
+        fabric.a.kill(signal.SIGKILL)
+        done.acquire()
+        done.acquire()
+        fabric.a.start()
+        done.acquire()
+        assert fabric.a.proc is not None
+        fabric.a.proc.send_signal(signal.SIGSTOP)
+        done.acquire()
+        fabric.a.proc.send_signal(signal.SIGCONT)
+
+    with ThreadPoolExecutor(3) as pool:
+        faults = pool.submit(chaos)
+        list(pool.map(one, workload.FAULTS))
+        faults.result(timeout=120)
+    for rid in workload.FAULTS:
+        assert results[rid] == fabric.reference["outputs"][rid], rid
+    assert fabric.a.starts == 2
+    fabric.a.wait_ready()
+
+
+def test_reference_outputs_depend_on_the_context(fabric: Fabric) -> None:
+    """The tiny model's greedy tokens vary with the prompt: "identical outputs" checks the KV used."""
+    outputs = [tuple(v) for v in fabric.reference["outputs"].values()]
+    assert len(set(outputs)) == len(outputs)
+    assert all(len(set(v)) > 1 for v in outputs)

@@ -61,7 +61,7 @@ class LocalIndex:
         socket_path: str | os.PathLike[str],
         *,
         stale_after_s: float = 0.5,
-        fetch_timeout_s: float = 0.05,
+        fetch_timeout_s: float = 0.25,
         refetch_interval_s: float = 1.0,
     ) -> None:
         """``socket_path`` is the server's index socket; ``stale_after_s`` how old a heartbeat may be."""

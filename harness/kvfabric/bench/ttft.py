@@ -306,9 +306,10 @@ def run(args: argparse.Namespace) -> int:
                 emit(asdict(cases[-1]), f"{n:>6} tokens  recompute   TTFT {cold.ttft_s * 1000:9.1f} ms")
                 e = engine(node_a)
                 assert e.worker_conn is not None
-                assert e.worker_conn.geometry is not None
+                geo = getattr(e.worker_conn.datapath, "geometry", None)  # the host staging path's
+                assert geo is not None
                 ns = e.worker_conn.namespace
-                payload = e.worker_conn.geometry.payload_bytes
+                payload = geo.payload_bytes
                 e.generate(tokens, 1)
                 e.worker_conn.wait_for_stores(120)
                 e.close()

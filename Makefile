@@ -16,20 +16,24 @@ test: bootstrap lint ## Install what is needed, lint, and run every test (every 
 ##@ Pieces
 
 # One target per level of the test ladder (markers assigned by kvfabric.testing.levels).
-.PHONY: test-unit test-process test-cluster test-fabric test-vllm
+.PHONY: test-unit test-process test-images test-cluster test-fabric test-kubelet test-vllm
 test-unit: ## Only the unit tests (pure functions, in-process objects): well under a minute
 	$(UV) pytest tests -m unit -q $(PYTEST_ARGS)
 test-process: ## Only the tests that run real cache-server and engine processes
 	$(UV) pytest tests -m process $(PYTEST_ARGS)
+test-images: bootstrap ## Only the built images, each run in a container
+	$(UV) pytest tests -m images $(PYTEST_ARGS)
 test-cluster: bootstrap ## Only the tests against the real local control plane
 	$(UV) pytest tests -m cluster $(PYTEST_ARGS)
 test-fabric: bootstrap ## Only the whole-fabric end-to-end tests
 	$(UV) pytest e2e -m fabric $(PYTEST_ARGS)
+test-kubelet: bootstrap ## Only the tests on real kubelets (the built images as deployed)
+	$(UV) pytest e2e -m kubelet $(PYTEST_ARGS)
 test-vllm: bootstrap ## Only the tests inside real vLLM (CPU; the bootstrap builds its pinned env)
 	$(UV) pytest tests -m vllm $(PYTEST_ARGS)
 
 .PHONY: bootstrap
-bootstrap: ## Install Debian packages, uv, .venv and the pinned Kubernetes binaries (idempotent)
+bootstrap: ## Install Debian packages, uv, .venv, the pinned Kubernetes binaries and kubelet, the images (idempotent)
 	@scripts/bootstrap.sh
 
 .PHONY: lint

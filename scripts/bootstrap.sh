@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything kvfabric's demo and tests need on a fresh Debian machine, idempotently:
 # Debian packages (redis-server for the storage benchmark's baseline), uv, the Python environment
-# (.venv, from uv.lock), and the pinned Kubernetes binaries (built from the Go module proxy into
-# ~/.cache/kvfabric, reused when present). A warm machine finishes in seconds.
+# (.venv, from uv.lock), the pinned Kubernetes binaries and kubelet (built from the Go module proxy into
+# ~/.cache/kvfabric, reused when present), and the container engine and images
+# (scripts/bootstrap-containers.sh). A warm machine finishes in seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { printf '[bootstrap] %s\n' "$*" >&2; }
@@ -28,8 +29,16 @@ fi
 say "syncing the Python environment (.venv)"
 uv sync --all-extras --frozen --quiet
 
-say "building or finding the pinned control-plane binaries"
-uv run --frozen kvfabric cluster build >/dev/null
+# The slow steps overlap: the Go builds (control plane, then the kubelet; CPU-bound) run in the
+# background while the container images build (debootstrap and PyPI downloads; mostly network).
+say "building or finding the pinned control-plane and kubelet binaries (in the background)"
+# Its progress lines are interleaved with the image builds' (each line says which step it is from).
+(set -o pipefail; uv run --frozen kvfabric cluster build --kubelet 2>&1 >/dev/null | { grep --line-buffered -v '^go: downloading' >&2 || true; }) &
+go_pid=$!
+scripts/bootstrap-containers.sh
 
 say "building or finding the pinned vLLM environment (real-vLLM tests; KVFABRIC_SKIP_VLLM=1 skips)"
 scripts/vllm-env.sh >/dev/null
+
+wait "$go_pid"
+say "done"

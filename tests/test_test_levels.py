@@ -18,6 +18,7 @@ from kvfabric.testing.levels import level_of
         ([], "e2e/test_fabric.py", ["cluster"], "fabric"),
         (["vllm"], "tests/vllm/test_v.py", [], "vllm"),
         (["kubelet"], "e2e/test_k.py", [], "kubelet"),
+        (["images"], "tests/test_i.py", [], "images"),
     ],
 )
 def test_every_test_gets_the_most_expensive_level(

@@ -58,6 +58,10 @@ def test_metrics_probes_and_json_logs() -> None:
         assert srv.proc is not None
         assert srv.proc.returncode == 0
         assert any(r.get("message") == "stopped" for r in srv.log_records())
+        # ...and leaves neither its socket nor its arena directory behind (a deleted pool's node
+        # directories are emptied by its servers' shutdown; e2e/test_real_kubelet.py).
+        assert not srv.config.listen.unix_socket.exists()
+        assert not srv.shm_dir.exists(), sorted(p.name for p in srv.shm_dir.iterdir())
         assert len(srv.log_records()) == len([ln for ln in srv.logs().splitlines() if ln.strip()])
 
 

@@ -40,6 +40,11 @@ _ENGINE_COUNTERS: dict[str, tuple[str, str, str]] = {
     "dropped_stores": ("kvfabric.cache.dropped_stores", "Stores dropped under backpressure", "1"),
     "dropped_writebacks": ("kvfabric.cache.dropped_writebacks", "Write-backs to a disk tier dropped", "1"),
     "writes_refused": ("kvfabric.cache.writes_refused", "Disk writes refused: budget or disk full", "1"),
+    "writes_superseded": (
+        "kvfabric.cache.writes_superseded",
+        "Block writes abandoned before their rename: a newer copy or a delete of the key is known",
+        "1",
+    ),
     "bytes_written": ("kvfabric.cache.tier_written", "Payload bytes written back to a disk tier", "By"),
     "stores": ("kvfabric.cache.stores", "Blocks stored into DRAM", "1"),
 }

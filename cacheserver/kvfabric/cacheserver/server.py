@@ -311,4 +311,8 @@ async def serve(
             probes.stop()
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
+        # The arena directory is ours too: a stopped server leaves nothing in the node's run directory
+        # (rmdir only when empty, so a file someone else put there stays).
+        with contextlib.suppress(OSError):
+            arena.dir.rmdir()
         log.info("stopped")

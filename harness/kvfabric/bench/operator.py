@@ -342,13 +342,15 @@ async def _bench_scale(
     from kvfabric.operator.kube import ApiError, KubeClient
 
     def kubectl_run(*argv: str, stdin: str | None = None) -> None:
-        subprocess.run(
+        done = subprocess.run(
             [str(kubectl), f"--kubeconfig={kubeconfig}", *argv],
             input=stdin,
             text=True,
-            check=True,
             capture_output=True,
+            check=False,
         )
+        if done.returncode:
+            raise RuntimeError(f"kubectl {argv[0]} failed: {done.stderr}")
 
     kubectl_run("apply", "--server-side", "-f", "-", stdin=crdgen.render_yaml())
     pools = max(1, args.scale_pools)
@@ -492,7 +494,12 @@ async def _bench_scale(
             "injected_at_admission": injected,
             "injected_in_status_5s_later": counted,
         }
-        result["webhook_during_storm"] = {**_summary(review_times), "goal_p99_ms": 20}
+        # The first review sets up the TLS connection (the API server keeps its connections open).
+        result["webhook_during_storm"] = {
+            **_summary(review_times[1:]),
+            "first_ms": round(review_times[0] * 1000, 2) if review_times else None,
+            "goal_p99_ms": 20,
+        }
         result["operator"] = {**_proc_stats(proc.pid), "reconciles": probes.get("reconciles")}
     finally:
         stop_process(proc, grace=20)

@@ -130,7 +130,8 @@ def _hung_server(
     """TTFT added by a cache server that stopped answering (SIGSTOP), per request, in ms.
 
     The connector runs with its default deadlines (what a deployment gets); what is returned is the
-    time each request spent inside connector calls (lookup, metadata, restore). The first half of the
+    time each request spent inside connector calls, less the save copies a miss makes anyway
+    (lookup, metadata, restore). The first half of the
     requests repeat a prompt the server holds (a lookup that answers finds a hit, so a hung load is
     possible), the rest are new prompts; each is paired with the connector-off engine.
     """
@@ -162,7 +163,10 @@ def _hung_server(
                 # The time the request spent inside connector calls is what the cache added to it;
                 # the TTFT difference to the connector-off engine says the same with the noise of
                 # every other process on the machine in it (printed, not judged).
-                added.append(r_on.connector_s * 1000)
+                # Minus the step's save copies (the copy-out of a miss's new chunks, which a healthy
+                # server costs the same: miss_connector_time_share): what is left is lookup + restore.
+                save_s = getattr(e.worker_conn, "_save_s", 0.0)
+                added.append((r_on.connector_s - save_s) * 1000)
                 emit(
                     {
                         "hung_request": i,

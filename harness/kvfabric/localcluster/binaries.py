@@ -55,3 +55,32 @@ def ensure(*, quiet: bool = False) -> Path:
     if still:
         raise BuildError(f"the build finished but these binaries are missing: {', '.join(still)}")
     return bin_dir
+
+
+def ensure_kubelet(*, quiet: bool = False) -> Path:
+    """The real-node binaries (kubelet, pause) for the current pins, built first when needed.
+
+    About 6.5 minutes on a cold Go cache, under a minute when the control plane's build left it warm;
+    build-kubelet.sh prints how many packages it has compiled and roughly how long is left.
+    """
+    bin_dir = versions.kubelet_bin_dir()
+    if all((bin_dir / b).is_file() for b in versions.KUBELET_BINARIES):
+        return bin_dir
+    if shutil.which("go") is None:
+        raise BuildError("the Go toolchain is needed to build the kubelet; install Go >= 1.26")
+    script = Path(__file__).with_name("build-kubelet.sh")
+    if not quiet:
+        print(f"building kubelet {versions.KUBERNETES_VERSION} into {bin_dir}", file=sys.stderr)
+    proc = subprocess.run(
+        ["bash", str(script), str(bin_dir)],
+        env={**os.environ, "KUBERNETES_VERSION": versions.KUBERNETES_VERSION},
+        stdout=subprocess.DEVNULL if quiet else sys.stderr,
+        stderr=subprocess.STDOUT if not quiet else subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise BuildError(
+            f"building the kubelet failed (exit {proc.returncode}).\n{(proc.stderr or '')[-4000:]}"
+        )
+    return bin_dir

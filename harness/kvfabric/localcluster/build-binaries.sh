@@ -10,6 +10,9 @@ set -euo pipefail
 BIN=${1:?usage: build-binaries.sh BIN_DIR}
 : "${KUBERNETES_VERSION:?}" "${ETCD_VERSION:?}" "${KWOK_VERSION:?}"
 export GOTOOLCHAIN=${GOTOOLCHAIN:-local} GOFLAGS=-buildvcs=false CGO_ENABLED=0 GOWORK=off
+HERE=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=go-progress.sh
+. "$HERE/go-progress.sh"
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/kvfabric-k8s-build.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$BIN"
@@ -37,13 +40,12 @@ import (
 )
 G
 step "go mod tidy (downloads modules on a cold cache)"
-GOFLAGS=-mod=mod go mod tidy
+GOFLAGS=-mod=mod go mod tidy 2>&1 | { grep -v '^go: downloading' || true; }
 LD="-s -w"
 for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   LD="$LD -X $p.gitVersion=v$V -X $p.gitMajor=1 -X $p.gitMinor=$MINOR -X $p.gitTreeState=clean"
 done
-step "compiling kube-apiserver kube-controller-manager kube-scheduler kubectl (slow on a cold cache)"
-go build -trimpath -ldflags "$LD" -o "$WORK/out/" \
+GO_LDFLAGS=$LD go_build_progress "kube-apiserver, kube-controller-manager, kube-scheduler, kubectl" "$WORK/out/" \
   k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
   k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
 
@@ -62,9 +64,8 @@ import (
 
 func main() { etcdmain.Main(os.Args) }
 G
-step "building etcd $ETCD_VERSION"
-GOFLAGS=-mod=mod go mod tidy
-go build -trimpath -ldflags "-s -w" -o "$WORK/out/etcd" .
+GOFLAGS=-mod=mod go mod tidy 2>&1 | { grep -v '^go: downloading' || true; }
+go_build_progress "etcd $ETCD_VERSION" "$WORK/out/etcd" .
 
 # --- kwok: no replace directives, a plain install works --------------------------------------------
 step "building kwok $KWOK_VERSION"

@@ -35,6 +35,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     up.add_argument("--cpu-nodes", type=int, default=1, help="fake CPU-only nodes")
     up.add_argument(
+        "--kubelets",
+        type=int,
+        default=0,
+        help="real GPU nodes: a kubelet and containerd each, in their own network and mount "
+        "namespaces, running kvfabric's images (needs root, Debian's containerd, and "
+        "`kvfabric images build`; same GPU label, capacity and taint as the fake ones)",
+    )
+    up.add_argument(
         "--no-merge-kubeconfig",
         action="store_true",
         help="do not add the 'kvfabric-local' context to ~/.kube/config (or $KUBECONFIG)",
@@ -42,7 +50,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sub.add_parser("down", help="stop every process 'up' started and free its ports")
     status = sub.add_parser("status", help="show the components, their health and the nodes")
     status.add_argument("--json", action="store_true", help="print JSON")
-    sub.add_parser("build", help="only build (or find) the pinned control-plane binaries")
+    build = sub.add_parser("build", help="only build (or find) the pinned control-plane binaries")
+    build.add_argument("--kubelet", action="store_true", help="also the real-node binaries (kubelet, pause)")
     sub.add_parser("kubeconfig", help="print the path of the cluster's kubeconfig")
 
 
@@ -59,8 +68,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "build":
             print(binaries.ensure())
+            if args.kubelet:
+                print(binaries.ensure_kubelet())
         elif args.action == "up":
-            cluster.up(gpu_nodes=args.gpu_nodes, cpu_nodes=args.cpu_nodes, progress=say)
+            cluster.up(
+                gpu_nodes=args.gpu_nodes, cpu_nodes=args.cpu_nodes, kubelets=args.kubelets, progress=say
+            )
             if not args.no_merge_kubeconfig:
                 from kvfabric.localcluster.kubeconfig import merge_into_user_config
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from kvfabric.localcluster import binaries, components, nodes, pki
+from kvfabric.localcluster import binaries, components, nodes, pki, realnodes
 
 Progress = Callable[[str], None]
 
@@ -86,6 +86,7 @@ class ClusterState:
     bin_dir: str = ""
     gpu_nodes: list[str] = field(default_factory=list)
     cpu_nodes: list[str] = field(default_factory=list)
+    real_nodes: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         """Serialize for ``state.json``."""
@@ -176,8 +177,13 @@ class LocalCluster:
         )
 
     # --- lifecycle ---------------------------------------------------------------------------
-    def up(self, *, gpu_nodes: int = 3, cpu_nodes: int = 1, progress: Progress = print) -> ClusterState:
+    def up(
+        self, *, gpu_nodes: int = 3, cpu_nodes: int = 1, kubelets: int = 0, progress: Progress = print
+    ) -> ClusterState:
         """Start every component, wait until each is healthy and the fake nodes are Ready.
+
+        ``kubelets`` adds that many real GPU nodes (:mod:`kvfabric.localcluster.realnodes`): a kubelet
+        and containerd each, in network and mount namespaces of their own, running real containers.
 
         Idempotent: a cluster that is already running and healthy is left as it is. If a component
         fails, everything started so far is stopped and :class:`ClusterStartError` says which one.
@@ -215,9 +221,12 @@ class LocalCluster:
             progress(f"registering {gpu_nodes} GPU and {cpu_nodes} CPU fake nodes")
             docs = [nodes.node_manifest(n, gpus=8) for n in gpu_names]
             docs += [nodes.node_manifest(n, gpus=0) for n in cpu_names]
-            self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
-            self._wait_nodes_ready(state, [*gpu_names, *cpu_names])
+            if docs:
+                self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+                self._wait_nodes_ready(state, [*gpu_names, *cpu_names])
             self._wait_default_service_account(state)
+            if kubelets:
+                self._start_real_nodes(state, certs, kubelets, progress)
         except BaseException:
             self.down(progress=lambda _m: None)
             raise
@@ -230,6 +239,8 @@ class LocalCluster:
         if state is None:
             progress("no cluster is running")
             return
+        if state.real_nodes:
+            self._stop_real_nodes(progress)
         # Reverse start order: clients first, etcd last, so nothing logs a storm of reconnects.
         for name, pid in reversed(list(state.pids.items())):
             progress(f"stopping {name}")
@@ -269,6 +280,40 @@ class LocalCluster:
                     for n in json.loads(out.stdout)["items"]
                 ]
         return result
+
+    # --- real nodes --------------------------------------------------------------------------
+    def real_nodes(self) -> list[realnodes.RealNode]:
+        """The real nodes of this cluster (names, namespaces, per-node host directories)."""
+        state = self.state()
+        count = len(state.real_nodes) if state else 0
+        return realnodes.plan(self.dir, _run_root(), count)
+
+    def _start_real_nodes(self, state: ClusterState, certs: pki.Pki, count: int, progress: Progress) -> None:
+        from kvfabric.localcluster import nodeimages
+
+        kubelet_bin = binaries.ensure_kubelet()
+        progress("saving the images the real nodes run (pause, kvfabric's) from the harness's engine")
+        tarballs = nodeimages.node_images(kubelet_bin / "pause")
+        planned = realnodes.plan(self.dir, _run_root(), count)
+        state.real_nodes = [n.name for n in planned]
+        self.state_file.write_text(state.to_json())
+        started: list[realnodes.NodeProcesses] = []
+        for node in planned:
+            progress(f"starting real node {node.name} (netns {node.netns}, pods {node.pod_subnet})")
+            realnodes.write_node_files(node, certs, state.ports.apiserver, tarballs)
+            started.append(realnodes.start_node(node, kubelet_bin / "kubelet", state.ports.apiserver))
+            realnodes.save_state(self.dir, started)
+        for node, procs in zip(planned, started, strict=True):
+            realnodes.wait_ready(self.kubectl, node, procs)
+            realnodes.advertise_gpus(self.kubectl, node.name, 8)
+            progress(f"real node {node.name} is Ready")
+
+    def _stop_real_nodes(self, progress: Progress) -> None:
+        procs = {p.name: p for p in realnodes.load_state(self.dir)}
+        for node in self.real_nodes():
+            progress(f"stopping real node {node.name}")
+            realnodes.stop_node(node, procs.get(node.name))
+        realnodes.state_path(self.dir).unlink(missing_ok=True)
 
     # --- helpers -----------------------------------------------------------------------------
     def _spawn(self, comp: components.Component) -> int:
@@ -355,6 +400,12 @@ class LocalCluster:
                     self.log_dir / "kube-controller-manager.log",
                 )
             time.sleep(0.3)
+
+
+def _run_root() -> Path:
+    from kvfabric.containers.engine import run_dir
+
+    return run_dir() / "nodes"
 
 
 def _alive(pid: int) -> bool:

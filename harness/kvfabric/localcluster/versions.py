@@ -33,6 +33,10 @@ BINARIES: Final = (
 )
 
 
+# The real-node tier (``kvfabric cluster up --kubelets N``), built by build-kubelet.sh.
+KUBELET_BINARIES: Final = ("kubelet", "pause")
+
+
 def cache_root() -> Path:
     """Where built binaries are kept: ``$KVFABRIC_CACHE_DIR`` or ``~/.cache/kvfabric``."""
     env = os.environ.get("KVFABRIC_CACHE_DIR")
@@ -44,7 +48,8 @@ def cache_root() -> Path:
 
 def pin_key() -> str:
     """A short digest of the pins and the build script, part of the cache directory's name."""
-    script = (Path(__file__).parent / "build-binaries.sh").read_bytes()
+    here = Path(__file__).parent
+    script = (here / "build-binaries.sh").read_bytes() + (here / "go-progress.sh").read_bytes()
     digest = hashlib.sha256(json.dumps(PINS, sort_keys=True).encode() + script).hexdigest()[:10]
     return f"k8s-{KUBERNETES_VERSION}-{digest}"
 
@@ -52,3 +57,16 @@ def pin_key() -> str:
 def bin_dir() -> Path:
     """The bin directory for the current pins."""
     return cache_root() / pin_key() / "bin"
+
+
+def kubelet_pin_key() -> str:
+    """The cache key of the real-node binaries: the Kubernetes pin and the build scripts."""
+    here = Path(__file__).parent
+    script = (here / "build-kubelet.sh").read_bytes() + (here / "go-progress.sh").read_bytes()
+    digest = hashlib.sha256(KUBERNETES_VERSION.encode() + script).hexdigest()[:10]
+    return f"kubelet-{KUBERNETES_VERSION}-{digest}"
+
+
+def kubelet_bin_dir() -> Path:
+    """The bin directory of the real-node binaries for the current pins."""
+    return cache_root() / kubelet_pin_key() / "bin"

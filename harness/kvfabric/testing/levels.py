@@ -1,7 +1,7 @@
 """Pytest plugin: every test gets exactly one level of the test ladder as a marker.
 
-The levels, cheapest first (README, "Tests"), are ``unit``, ``process``, ``cluster``, ``fabric``,
-``kubelet`` and ``vllm``. A test's level is the most expensive of:
+The levels, cheapest first (README, "Tests"), are ``unit``, ``process``, ``images``, ``cluster``,
+``fabric``, ``kubelet`` and ``vllm``. A test's level is the most expensive of:
 
 - an explicit level marker on the test or its module (``pytestmark = pytest.mark.process``);
 - ``fabric`` for everything under ``e2e/``;
@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-LEVELS: tuple[str, ...] = ("unit", "process", "cluster", "fabric", "kubelet", "vllm")
+LEVELS: tuple[str, ...] = ("unit", "process", "images", "cluster", "fabric", "kubelet", "vllm")
 DESCRIPTIONS: dict[str, str] = {
     "unit": "pure functions and in-process objects; no child process, no network beyond loopback sockets",
     "process": "real cache-server (or engine) processes on loopback and Unix sockets",
+    "images": "the built images run in containers by the harness's Docker engine (no kubelet)",
     "cluster": "the real local control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok)",
     "fabric": "the whole fabric: operator, cache-server DaemonSet and engines run by the pod runner",
     "kubelet": "built images run by a real kubelet on the local control plane",

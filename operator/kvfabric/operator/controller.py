@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.operator.api.v1alpha1 import KIND, POOL_LABEL
+from kvfabric.operator.cacheinsight import Scraper
 from kvfabric.operator.informer import CachedReader, Informer
 from kvfabric.operator.kube import KubeClient
 from kvfabric.operator.leader import LeaseElector
@@ -62,8 +63,11 @@ class Controller:
         namespaces: list[str] | None = None,
         resync_seconds: float = 30.0,
         election: Election | None = None,
+        scrape_seconds: float = 60.0,
     ) -> None:
         self._make_client = make_client
+        self.scrape_seconds = scrape_seconds
+        self.scraper: Scraper | None = None
         self.injection_enabled = injection_enabled
         self.namespaces = namespaces
         self.resync_seconds = resync_seconds
@@ -196,11 +200,18 @@ class Controller:
         informers = self.informers(client)
         reader = CachedReader(client, informers)
         self.reader = reader
+        scraper = Scraper(interval=self.scrape_seconds, on_update=self._trigger)
+        self.scraper = scraper
 
         async def work(key: PoolKey) -> None:
             self.reconciles += 1
             await reconcile_pool(
-                client, key[0], key[1], injection_enabled=self.injection_enabled, reader=reader
+                client,
+                key[0],
+                key[1],
+                injection_enabled=self.injection_enabled,
+                reader=reader,
+                scraper=scraper if self.scrape_seconds > 0 else None,
             )
 
         tasks = [asyncio.ensure_future(i.run()) for i in informers]
@@ -221,6 +232,7 @@ class Controller:
             finally:
                 self._queue = None
                 await queue.close()
+                await scraper.close()
         finally:
             for task in tasks:
                 task.cancel()

@@ -20,6 +20,7 @@ from typing import Any, Final, Protocol, cast
 import pydantic
 
 from kvfabric.operator.api.v1alpha1 import KIND, POOL_LABEL, KVCachePool
+from kvfabric.operator.cacheinsight import Scraper, scrape_targets
 from kvfabric.operator.kube import ApiError, KubeClient
 from kvfabric.operator.podhealth import diagnose
 from kvfabric.operator.poolpki import plan_secrets
@@ -171,6 +172,7 @@ async def _observe(
     *,
     apply_error: str | None,
     injection_enabled: bool,
+    scraper: Scraper | None = None,
 ) -> Observed:
     namespace, name = raw["metadata"]["namespace"], raw["metadata"]["name"]
     selector = ",".join(f"{k}={v}" for k, v in names.selector_labels(name).items())
@@ -181,6 +183,10 @@ async def _observe(
         reader.list("Pod", namespace, label_selector=selector),
     )
     failed_create, missing = await _failed_create(reader, namespace, daemonset)
+    cache = None
+    if scraper is not None and plan.pool is not None and plan.pool.spec.metrics.enabled:
+        scraper.schedule((namespace, name), scrape_targets(servers, plan.pool.spec.metrics.port), utcnow())
+        cache = scraper.insights.get((namespace, name))
     return Observed(
         generation=int(raw["metadata"].get("generation") or 0),
         revision=plan.children.config_hash if plan.children is not None else None,
@@ -196,6 +202,7 @@ async def _observe(
         apply_error=apply_error,
         pod_problems=diagnose(servers, failed_create, missing),
         progress_deadline_seconds=plan.progress_deadline_seconds,
+        cache=cache,
     )
 
 
@@ -210,10 +217,12 @@ async def reconcile_pool(
     *,
     injection_enabled: bool,
     reader: Reader | None = None,
+    scraper: Scraper | None = None,
 ) -> ReconcileResult | None:
     """Bring one pool's children to the rendered state and write its status; None if the pool is gone.
 
     ``reader`` serves the reads (default: ``client``, i.e. the API server); writes always go to ``client``.
+    ``scraper`` (optional) keeps ``status.cache`` current from the cache servers' metrics.
     """
     reader = reader or client
     raw = await client.get(KIND, namespace, name)
@@ -224,7 +233,9 @@ async def reconcile_pool(
     apply_error = None
     if plan.children is not None and plan.pool is not None:
         apply_error = await _apply_children(client, reader, plan.pool, plan.children, result)
-    observed = await _observe(reader, raw, plan, apply_error=apply_error, injection_enabled=injection_enabled)
+    observed = await _observe(
+        reader, raw, plan, apply_error=apply_error, injection_enabled=injection_enabled, scraper=scraper
+    )
     status, events = compute_status(observed, utcnow())
     result.ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
     if strip_times(status) != strip_times(observed.previous_status):

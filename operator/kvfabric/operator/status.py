@@ -15,6 +15,7 @@ import pydantic
 from pydantic import BaseModel
 
 from kvfabric.operator.api.v1alpha1 import (
+    CacheInsight,
     Condition,
     ConditionStatus,
     Connection,
@@ -55,6 +56,8 @@ class Observed:
     pod_problems: list[PodProblem] = field(default_factory=list)
     # spec.updateStrategy.progressDeadlineSeconds
     progress_deadline_seconds: int = 300
+    # The latest scrape of the cache servers' metrics (None: keep what the status says).
+    cache: CacheInsight | None = None
 
 
 @dataclass(frozen=True)
@@ -343,6 +346,11 @@ def conditions(observed: Observed, rollout: Rollout, now: str, progress_since: s
     return [_condition(t, v, observed.generation, previous, now) for t, v in verdicts.items()]
 
 
+def _previous_cache(observed: Observed) -> CacheInsight | None:
+    before = observed.previous_status.get("cache")
+    return _lenient(CacheInsight, before) if before else None
+
+
 def compute_pool_status(observed: Observed, now: str) -> KVCachePoolStatus:
     """Return the new status as the typed model."""
     rollout = observe_rollout(observed.daemonset, observed.revision)
@@ -359,6 +367,7 @@ def compute_pool_status(observed: Observed, now: str) -> KVCachePoolStatus:
         connection=_connection(observed),
         consumers=ConsumerCounts(**counts),
         conditions=conditions(observed, rollout, now, progress_since),
+        cache=observed.cache or _previous_cache(observed),
         last_progress_time=progress_since,
     )
 

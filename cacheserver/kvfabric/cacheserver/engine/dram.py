@@ -162,6 +162,13 @@ class DramTier:
             log.warning("cannot set arena directory mode 0711", extra={"dir": str(self.dir)})
         self._clean_leftovers()
 
+    def discard_all(self) -> None:
+        """Forget every block and unlink its file (a stopping server; readers' open maps stay valid)."""
+        with self._lock:
+            self._index.clear()
+            self._used = 0
+        self._clean_leftovers()
+
     def _clean_leftovers(self) -> None:
         # A previous server process's DRAM does not survive it: its files are stale memory.
         for entry in os.scandir(self.dir):

@@ -806,6 +806,37 @@ class ConsumerCounts(_Model):
     skipped: int = Field(default=0, description="Pods the webhook skipped (see their annotation).")
 
 
+class TierUsage(_Model):
+    """Bytes one tier holds across the pool's cache servers, and the fullest node."""
+
+    tier: str = Field(max_length=32, description="dram, local_disk, shared, ...")
+    used_bytes: int = Field(default=0, description="Bytes used, summed over the nodes scraped.")
+    capacity_bytes: int = Field(default=0, description="Capacity, summed over the nodes scraped.")
+    worst_node: str = Field(default="", max_length=253, description="The node whose tier is the fullest.")
+    worst_node_used: str = Field(default="", max_length=16, description="Its fill ratio, e.g. 93.0%.")
+
+
+class CacheInsight(_Model):
+    """What the cache servers report, scraped at a bounded rate (at most once a minute per pool)."""
+
+    scraped_at: str = Field(default="", max_length=64, description="When (RFC 3339).")
+    nodes_scraped: int = Field(default=0, description="Cache servers that answered.")
+    nodes_unreachable: int = Field(default=0, description="Ready cache servers that did not answer.")
+    lookup_hits: int = Field(
+        default=0, description="Chunks found by consumers' lookups (since server start)."
+    )
+    lookup_misses: int = Field(default=0, description="Chunks looked up and not found.")
+    hit_rate: str = Field(
+        default="n/a", max_length=16, description="lookupHits / (lookupHits + lookupMisses)."
+    )
+    load_misses_by_reason: dict[str, int] = Field(
+        default_factory=dict,
+        description="Loads that found no usable block, by reason (absent, corrupt, stale, io-error...).",
+        json_schema_extra={"maxProperties": 16},
+    )
+    tiers: list[TierUsage] = Field(default_factory=list, max_length=8, description="Bytes per tier.")
+
+
 class KVCachePoolStatus(_Model):
     """Observed state; written only by the operator."""
 
@@ -815,6 +846,9 @@ class KVCachePoolStatus(_Model):
     nodes: NodeCounts = Field(default_factory=NodeCounts, description="Node counts.")
     connection: Connection = Field(default_factory=Connection, description="Connection details.")
     consumers: ConsumerCounts = Field(default_factory=ConsumerCounts, description="Consumer counts.")
+    cache: CacheInsight | None = Field(
+        default=None, description="Hit rate, misses and bytes per tier, from the cache servers' metrics."
+    )
     last_progress_time: str | None = Field(
         default=None,
         description="When the rollout last made progress (RFC 3339); compared with "
@@ -871,5 +905,12 @@ PRINTER_COLUMNS: Final = [
     {"name": "Nodes", "type": "string", "jsonPath": ".status.nodeSummary", "description": "ready/desired"},
     {"name": "Consumers", "type": "integer", "jsonPath": ".status.consumers.injected"},
     {"name": "Revision", "type": "string", "jsonPath": ".status.revision", "priority": 1},
+    {
+        "name": "Hit Rate",
+        "type": "string",
+        "jsonPath": ".status.cache.hitRate",
+        "priority": 1,
+        "description": "lookup hit rate reported by the cache servers",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

@@ -1,0 +1,295 @@
+"""kvfabric on real kubelets (level ``kubelet``): the built images, run by the runtime, as deployed.
+
+A local control plane with two real GPU nodes (``kvfabric cluster up --kubelets 2``: kubelet v1.36.3
+and containerd, each node in its own network and mount namespace) and no fake node; the operator
+runs as a process with its webhook on loopback, as in the other e2e tests. The cache-server pods run
+``ghcr.io/kvfabric/kvfabric:v0.1.0`` exactly as ``images/cacheserver/Dockerfile`` built it
+(``imagePullPolicy: Never``: the images were loaded from the harness's engine, never pulled).
+
+What the kubelet and the runtime enforce is read from the kernel (``/proc/<pid>/status`` and
+``mounts`` of the container's process, found through the node's cgroup subtree), not from the pod
+spec: an operator that stopped asking for it, or a runtime that ignored it, fails these tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfabric.containers.smoke import process_facts
+from kvfabric.demo.fabric import _operator_process, install, repo_root, wait_pool_ready
+from kvfabric.localcluster.cluster import LocalCluster
+from kvfabric.localcluster.realnodes import CGROUP_PARENT, CGROUP_ROOT, RealNode, node_ready
+from kvfabric.localcluster.testing import ClusterHandle, wait_for
+from kvfabric.operator.render import names
+
+# Real containers on two shared cores: generous per-test limits (each wait has its own deadline).
+pytestmark = [pytest.mark.kubelet, pytest.mark.timeout(600)]
+
+IMAGE = {"repository": "ghcr.io/kvfabric/kvfabric", "tag": "v0.1.0", "pullPolicy": "Never"}
+NODES = 2
+UID = 65532
+CAP_NET_RAW = 1 << 13
+
+
+@dataclass
+class RealCluster:
+    """The cluster handle, its real nodes and the operator's log."""
+
+    handle: ClusterHandle
+    nodes: list[RealNode]
+    operator_log: Path
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
+    if os.environ.get("KVFABRIC_SKIP_IMAGES") == "1":
+        pytest.skip("KVFABRIC_SKIP_IMAGES=1: no container engine, so no real node")
+    base = tmp_path_factory.mktemp("kubelet")
+    cluster = LocalCluster(base / "cluster")
+    state = cluster.up(gpu_nodes=0, cpu_nodes=0, kubelets=NODES, progress=lambda _m: None)
+    handle = ClusterHandle(
+        kubeconfig=cluster.kubeconfig,
+        kubectl_bin=Path(state.bin_dir) / "kubectl",
+        api_url=f"https://127.0.0.1:{state.ports.apiserver}",
+        gpu_nodes=list(state.real_nodes),
+        local_dir=cluster.dir,
+    )
+    try:
+        install(handle, repo_root())
+        with _operator_process(handle, base / "operator", lambda _m: None) as log:
+            yield RealCluster(handle, cluster.real_nodes(), log)
+    finally:
+        cluster.down(progress=lambda _m: None)
+
+
+def _pool(name: str, tag: str = "v0.1.0") -> dict[str, Any]:
+    return {
+        "apiVersion": "kvfabric.io/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": name},
+        "spec": {"image": {**IMAGE, "tag": tag}, "tiers": {"memory": {"size": "64Mi"}}},
+    }
+
+
+def _selector(pool: str) -> str:
+    return f"app.kubernetes.io/name=kvfabric-cache,app.kubernetes.io/instance={pool}"
+
+
+def _pods(real: RealCluster, ns: str, selector: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = real.handle.get_json("pods", "-n", ns, "-l", selector)["items"]
+    return items
+
+
+def _pod_ready(pod: dict[str, Any]) -> bool:
+    conds = pod.get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+
+def _node(real: RealCluster, name: str) -> RealNode:
+    return next(n for n in real.nodes if n.name == name)
+
+
+def _container_pid(node: RealNode, container_id: str) -> int:
+    """The main process of a container, from the node's cgroup subtree (cgroupfs layout)."""
+    cid = container_id.split("://", 1)[-1]
+    for d in (CGROUP_ROOT / "pids" / CGROUP_PARENT / node.name).rglob(cid):
+        procs = [int(p) for p in (d / "cgroup.procs").read_text().split()]
+        if procs:
+            return min(procs)
+    raise AssertionError(f"no cgroup for container {cid} on {node.name}")
+
+
+def _pod_log(node: RealNode, pod: dict[str, Any], container: str) -> str:
+    meta = pod["metadata"]
+    d = node.dir / "pod-logs" / f"{meta['namespace']}_{meta['name']}_{meta['uid']}" / container
+    return "".join(p.read_text() for p in sorted(d.glob("*.log"))) if d.is_dir() else ""
+
+
+@pytest.fixture
+def ready_pool(real: RealCluster) -> Iterator[tuple[str, str]]:
+    with real.handle.namespace("kl") as ns:
+        real.handle.apply(_pool("pool-k"), namespace=ns)
+        wait_pool_ready(real.handle, ns, "pool-k", timeout=240)
+        yield ns, "pool-k"
+
+
+def test_real_nodes_look_like_the_fake_gpu_nodes(real: RealCluster) -> None:
+    for node in real.nodes:
+        obj = real.handle.get_json("node", node.name)
+        assert node_ready(obj)
+        assert obj["metadata"]["labels"]["nvidia.com/gpu.present"] == "true"
+        assert obj["status"]["capacity"]["nvidia.com/gpu"] == "8"
+        assert {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"} in obj["spec"]["taints"]
+        assert obj["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://")
+        assert "kwok.x-k8s.io/node" not in obj["metadata"].get("annotations", {})
+
+
+def test_cache_server_runs_on_every_real_node_as_the_runtime_enforces(
+    real: RealCluster, ready_pool: tuple[str, str]
+) -> None:
+    ns, pool = ready_pool
+    pods = _pods(real, ns, _selector(pool))
+    assert sorted(p["spec"]["nodeName"] for p in pods) == sorted(n.name for n in real.nodes)
+    for pod in pods:
+        assert _pod_ready(pod), "the pool is Ready, so the kubelet must report every pod Ready"
+        (status,) = pod["status"]["containerStatuses"]
+        assert status["image"].endswith("ghcr.io/kvfabric/kvfabric:v0.1.0")
+        node = _node(real, pod["spec"]["nodeName"])
+        facts = process_facts(_container_pid(node, status["containerID"]))
+        assert facts["uids"] == [UID] * 4, "runAsUser 65532, enforced by the runtime"
+        assert facts["gids"] == [UID] * 4
+        assert facts["cap_eff"] == 0, "capabilities: drop ALL"
+        assert facts["cap_bnd"] & CAP_NET_RAW == 0, "not even in the bounding set"
+        assert facts["no_new_privs"] is True, "allowPrivilegeEscalation: false"
+        assert facts["root_read_only"] is True, "readOnlyRootFilesystem"
+        # The hostPath run directory is the node's own (its mount namespace), not the machine's.
+        socket = node.host_dir(names.HOST_RUN_ROOT) / f"{ns}-{pool}" / names.SOCKET_NAME
+        assert socket.is_socket(), f"no socket at {socket}"
+        assert socket.stat().st_uid == UID
+
+
+CLIENT = """
+import hashlib, json, os, secrets
+from kvfabric.client.sync import CacheClient
+client = CacheClient("unix://" + os.environ["KVFABRIC_SOCKET"], shm_dir=os.environ["KVFABRIC_SHM_DIR"])
+payload = secrets.token_bytes(65536)
+ns, key = hashlib.sha256(b"kubelet-e2e").hexdigest(), hashlib.sha256(payload).hexdigest()
+stored = client.store(ns, [key], [payload], timeout=30)
+loaded = client.load(ns, [key], timeout=30)
+print(json.dumps({"accepted": stored.accepted, "same": loaded == [payload], "uid": os.getuid(),
+                  "shm": client.uses_shm, "key": key}))
+"""
+
+
+def test_injected_client_pod_stores_and_loads_through_the_node_socket(
+    real: RealCluster, ready_pool: tuple[str, str]
+) -> None:
+    ns, pool = ready_pool
+    node = real.nodes[0]
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "client", "labels": {"kvfabric.io/pool": pool}},
+        "spec": {
+            "nodeName": node.name,
+            "restartPolicy": "Never",
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "securityContext": {"runAsUser": UID, "runAsGroup": UID, "runAsNonRoot": True},
+            "containers": [
+                {
+                    "name": "client",
+                    "image": "ghcr.io/kvfabric/kvfabric:v0.1.0",
+                    "imagePullPolicy": "Never",
+                    "command": ["python", "-c", CLIENT],
+                    "securityContext": {
+                        "readOnlyRootFilesystem": True,
+                        "allowPrivilegeEscalation": False,
+                        "capabilities": {"drop": ["ALL"]},
+                    },
+                }
+            ],
+        },
+    }
+    real.handle.apply(pod, namespace=ns)
+    created = real.handle.get_json("pod", "client", "-n", ns)
+    assert names.INJECTED_ANNOTATION in created["metadata"]["annotations"], "the webhook injected it"
+    env = {e["name"] for e in created["spec"]["containers"][0]["env"]}
+    assert {"KVFABRIC_SOCKET", "KVFABRIC_SHM_DIR"} <= env
+
+    def finished() -> dict[str, Any] | None:
+        p = real.handle.get_json("pod", "client", "-n", ns)
+        return p if p["status"].get("phase") in ("Succeeded", "Failed") else None
+
+    done = wait_for(finished, timeout=180, interval=1.0, message="the client pod to finish")
+    log = _pod_log(node, done, "client")
+    assert done["status"]["phase"] == "Succeeded", log
+    result = json.loads(log.strip().splitlines()[-1].split(" ", 3)[-1])  # CRI log: time stream tag line
+    assert result["accepted"] == 1
+    assert result["same"] is True
+    assert result["uid"] == UID
+    assert result["shm"] is True, "same node: payload through the shared-memory arena"
+    # The chunk is in that node's server, which the host can ask through the same socket.
+    from kvfabric.client.sync import CacheClient
+
+    run = node.host_dir(names.HOST_RUN_ROOT) / f"{ns}-{pool}"
+    with CacheClient(f"unix://{run / names.SOCKET_NAME}") as host_client:
+        lookup = host_client.lookup(hashlib.sha256(b"kubelet-e2e").hexdigest(), [result["key"]], timeout=10)
+    assert lookup.matched == 1
+
+
+def _ready_condition(real: RealCluster, ns: str, pool: str) -> dict[str, Any] | None:
+    obj = real.handle.get_json("kvcachepool", pool, "-n", ns)
+    if obj.get("status", {}).get("observedGeneration") != obj["metadata"]["generation"]:
+        return None
+    conds = {c["type"]: c for c in obj["status"].get("conditions", [])}
+    return conds.get("Ready")
+
+
+def test_pool_is_ready_only_when_the_kubelet_says_so(real: RealCluster) -> None:
+    with real.handle.namespace("kr") as ns:
+        # An image no node has, and pulls are forbidden: the kubelet refuses to start it.
+        real.handle.apply(_pool("pool-r", tag="v0.0.0-absent"), namespace=ns)
+
+        def refused() -> bool:
+            pods = _pods(real, ns, _selector("pool-r"))
+
+            def reasons(p: dict[str, Any]) -> set[str | None]:
+                st = p.get("status", {})
+                statuses = st.get("initContainerStatuses", []) + st.get("containerStatuses", [])
+                return {s.get("state", {}).get("waiting", {}).get("reason") for s in statuses}
+
+            return len(pods) == NODES and all("ErrImageNeverPull" in reasons(p) for p in pods)
+
+        wait_for(refused, timeout=180, interval=1.0, message="the kubelets to refuse the absent image")
+        cond = wait_for(
+            lambda: _ready_condition(real, ns, "pool-r"), timeout=60, message="the operator to judge the pool"
+        )
+        assert cond["status"] == "False", cond
+        assert _ready_condition(real, ns, "pool-r") == cond, "still not Ready while the kubelets refuse"
+
+        # The image the nodes have: the kubelets start it, and only then is the pool Ready.
+        real.handle.kubectl(
+            "patch",
+            "kvcachepool",
+            "pool-r",
+            "-n",
+            ns,
+            "--type=merge",
+            "-p",
+            '{"spec":{"image":{"tag":"v0.1.0"}}}',
+        )
+        wait_pool_ready(real.handle, ns, "pool-r", timeout=240)
+        pods = _pods(real, ns, _selector("pool-r"))
+        assert len(pods) == NODES
+        assert all(_pod_ready(p) for p in pods)
+
+
+def test_deleting_the_pool_stops_its_servers_and_frees_the_node_directories(real: RealCluster) -> None:
+    with real.handle.namespace("kd") as ns:
+        real.handle.apply(_pool("pool-d"), namespace=ns)
+        wait_pool_ready(real.handle, ns, "pool-d", timeout=240)
+        runs = [n.host_dir(names.HOST_RUN_ROOT) / f"{ns}-pool-d" for n in real.nodes]
+        assert all((r / names.SOCKET_NAME).is_socket() for r in runs)
+        real.handle.kubectl("delete", "kvcachepool", "pool-d", "-n", ns, "--wait=true", "--timeout=120s")
+        wait_for(lambda: not _pods(real, ns, _selector("pool-d")), timeout=180, message="the pods to go")
+
+        def cleaned() -> list[str]:
+            return [str(p) for r in runs if r.exists() for p in r.iterdir()]
+
+        # The kubelets tear the volumes down after the pods are gone; whatever stays is a leak.
+        left = cleaned()
+        if left:
+            wait_for(
+                lambda: not cleaned(),
+                timeout=60,
+                message=f"the node directories to empty ({shlex.join(left)})",
+            )

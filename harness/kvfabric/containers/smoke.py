@@ -1,0 +1,192 @@
+"""Smoke checks of the built images: each runs its default command in a container.
+
+- operator, engine: ``--help`` of the image's command, as the image's entrypoint runs it;
+- cache server: the image's default entrypoint serving a real configuration, as the DaemonSet runs
+  it (uid 65532, read-only root file system, every capability dropped, no network), until the host
+  stores and loads a chunk through the Unix socket and the shared-memory arena on bind mounts;
+- connector: the payload copied by the image's default command into a directory, then imported by
+  the Python image the way an inference pod imports it (``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import secrets
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TypedDict
+
+import yaml
+
+from kvfabric.containers.base import PYTHON_IMAGE
+from kvfabric.containers.build import Image
+from kvfabric.containers.engine import DockerEngine
+
+NONROOT = "65532:65532"
+# The restrictions the operator's DaemonSet puts on the cache server (a test asserts they hold).
+LOCKED_DOWN = (
+    "--network=none",
+    "--read-only",
+    "--cap-drop=ALL",
+    "--security-opt=no-new-privileges",
+    f"--user={NONROOT}",
+)
+
+
+class SmokeError(AssertionError):
+    """An image did not do what its default command promises; the message has its output."""
+
+
+def help_of(eng: DockerEngine, image: Image, *command: str) -> str:
+    """``docker run IMAGE COMMAND --help``; returns the help text."""
+    out = eng.docker("run", "--rm", *LOCKED_DOWN, image.ref, *command, "--help", check=False)
+    if out.returncode != 0 or "usage:" not in out.stdout:
+        raise SmokeError(
+            f"{image.ref} {' '.join(command)} --help exited {out.returncode}:\n{out.stdout}{out.stderr}"
+        )
+    return out.stdout
+
+
+@contextlib.contextmanager
+def _shared_dirs() -> Iterator[tuple[Path, Path]]:
+    """A run directory and a tmpfs arena directory that uid 65532 can write (bind-mounted)."""
+    shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    with (
+        tempfile.TemporaryDirectory(prefix="kvf-smoke-") as run,
+        tempfile.TemporaryDirectory(prefix="kvf-smoke-shm-", dir=shm_base) as shm,
+    ):
+        for d in (run, shm):
+            os.chmod(d, 0o777)  # noqa: S103 - a throw-away directory shared with the container's uid
+        yield Path(run), Path(shm)
+
+
+def cacheserver_round_trip(eng: DockerEngine, image: Image, timeout: float = 120.0) -> ProcessFacts:
+    """Start the cache-server image locked down, store and load one chunk from the host.
+
+    Returns what the kernel says about the server's process, for the caller to assert on.
+    """
+    from kvfabric.client.sync import CacheClient
+
+    with _shared_dirs() as (run, shm):
+        config = {
+            "server_id": "smoke",
+            "listen": {"unix_socket": "/run/kvfabric/cache.sock", "tcp_host": "127.0.0.1", "tcp_port": 7070},
+            "shm": {"dir": "/shm/arena", "arena_bytes": 64 * 2**20},
+            "metrics": {"host": "127.0.0.1", "port": 9090},
+            "tiers": {"dram": {"capacity_bytes": 64 * 2**20}, "local_disk": None, "shared": None},
+            "limits": {"max_payload_bytes": 16 * 2**20},
+            "log_level": "INFO",
+        }
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        name = f"kvfabric-smoke-{secrets.token_hex(4)}"
+        started = eng.docker(
+            "run",
+            "-d",
+            f"--name={name}",
+            *LOCKED_DOWN,
+            "-v",
+            f"{run}:/run/kvfabric",
+            "-v",
+            f"{shm}:/shm",
+            image.ref,
+            "cacheserver",
+            "--config",
+            "/run/kvfabric/config.yaml",
+            check=False,
+        )
+        if started.returncode != 0:
+            raise SmokeError(f"docker run {image.ref} failed:\n{started.stderr}")
+        try:
+            sock = run / "cache.sock"
+            client = CacheClient(f"unix://{sock}", shm_dir=shm / "arena")
+            deadline = time.monotonic() + timeout
+            while not (sock.exists() and client.health(timeout=1.0)):
+                state = eng.docker("inspect", "--format", "{{.State.Status}}", name).stdout.strip()
+                if state != "running" or time.monotonic() > deadline:
+                    logs = eng.docker("logs", name, check=False)
+                    raise SmokeError(
+                        f"cache server never became healthy ({state}):\n{logs.stdout}{logs.stderr}"
+                    )
+                time.sleep(0.5)
+            payload = secrets.token_bytes(4096)
+            ns, key = hashlib.sha256(b"smoke").hexdigest(), hashlib.sha256(payload).hexdigest()
+            stored = client.store(ns, [key], [payload], timeout=10.0)
+            loaded = client.load(ns, [key], timeout=10.0)
+            client.close()
+            if stored.accepted != 1 or loaded != [payload]:
+                raise SmokeError(f"round trip through {sock} lost the chunk: {stored}, {len(loaded)} loaded")
+            pid = int(eng.docker("inspect", "--format", "{{.State.Pid}}", name).stdout.strip())
+            return process_facts(pid)
+        finally:
+            eng.docker("rm", "-f", name, check=False)
+
+
+class ProcessFacts(TypedDict):
+    """What the kernel says about a container's process (see :func:`process_facts`)."""
+
+    uids: list[int]
+    gids: list[int]
+    cap_eff: int
+    cap_bnd: int
+    no_new_privs: bool
+    root_read_only: bool
+
+
+def process_facts(pid: int) -> ProcessFacts:
+    """What the kernel says about a running process: its uids, capabilities and root mount.
+
+    ``uids`` are (real, effective, saved, filesystem); ``cap_eff``/``cap_bnd`` are bit masks;
+    ``root_read_only`` is whether ``/`` is mounted ``ro`` in the process's mount namespace.
+    """
+    status = dict(
+        line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line
+    )
+    root_opts = next(
+        line.split()[3].split(",")
+        for line in Path(f"/proc/{pid}/mounts").read_text().splitlines()
+        if line.split()[1] == "/"
+    )
+    return {
+        "uids": [int(u) for u in status["Uid"].split()],
+        "gids": [int(g) for g in status["Gid"].split()],
+        "cap_eff": int(status["CapEff"], 16),
+        "cap_bnd": int(status["CapBnd"], 16),
+        "no_new_privs": status.get("NoNewPrivs", "0").strip() == "1",
+        "root_read_only": "ro" in root_opts,
+    }
+
+
+def connector_payload(eng: DockerEngine, image: Image) -> list[str]:
+    """Copy the payload with the image's default command; import it from the Python image."""
+    with _shared_dirs() as (dest, _shm):
+        out = eng.docker("run", "--rm", *LOCKED_DOWN, "-v", f"{dest}:/opt/kvfabric", image.ref, check=False)
+        if out.returncode != 0:
+            raise SmokeError(f"{image.ref} default command failed:\n{out.stdout}{out.stderr}")
+        site = dest / "site-packages"
+        if not (site / "kvfabric" / "connector").is_dir():
+            raise SmokeError(f"the payload did not land in {site}: {sorted(os.listdir(dest))}")
+        probe = (
+            "import kvfabric.connector.settings, kvfabric.connector.resilient, kvfabric.client.sync, sys; "
+            "print(sys.version.split()[0])"
+        )
+        imported = eng.docker(
+            "run",
+            "--rm",
+            *LOCKED_DOWN,
+            "-e",
+            "PYTHONPATH=/opt/kvfabric/site-packages",
+            "-v",
+            f"{dest}:/opt/kvfabric:ro",
+            PYTHON_IMAGE,
+            "python",
+            "-c",
+            probe,
+            check=False,
+        )
+        if imported.returncode != 0:
+            raise SmokeError(f"the payload does not import in {PYTHON_IMAGE}:\n{imported.stderr}")
+        return sorted(p.name for p in site.iterdir())

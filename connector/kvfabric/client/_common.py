@@ -38,7 +38,12 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
 ]
 STREAM_PIECE_BYTES = 1 << 20  # 1-2 MiB messages measured fastest through grpcio
-TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_LOCAL_DISK: "local_disk", pb.TIER_SHARED: "shared"}
+TIER_NAMES = {
+    pb.TIER_DRAM: "dram",
+    pb.TIER_LOCAL_DISK: "local_disk",
+    pb.TIER_SHARED: "shared",
+    pb.TIER_OBJECT: "object",
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ class LookupResult:
     matched: int
     """Number of leading keys that are stored."""
     tiers: list[str] = field(default_factory=list)
-    """Tier of each matched key: ``"dram"``, ``"local_disk"`` or ``"shared"``."""
+    """Tier of each matched key: ``"dram"``, ``"local_disk"``, ``"shared"`` or ``"object"``."""
 
 
 @dataclass(frozen=True, slots=True)

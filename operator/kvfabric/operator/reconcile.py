@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import uuid
@@ -22,6 +23,7 @@ import pydantic
 from kvfabric.operator.api.v1alpha1 import KIND, POOL_LABEL, KVCachePool
 from kvfabric.operator.cacheinsight import Scraper, scrape_targets
 from kvfabric.operator.kube import ApiError, KubeClient
+from kvfabric.operator.objectprobe import probe_object_store
 from kvfabric.operator.podhealth import diagnose
 from kvfabric.operator.poolpki import plan_secrets
 from kvfabric.operator.render import (
@@ -236,6 +238,10 @@ async def reconcile_pool(
     observed = await _observe(
         reader, raw, plan, apply_error=apply_error, injection_enabled=injection_enabled, scraper=scraper
     )
+    if plan.pool is not None and plan.pool.spec.tiers.object_store is not None:
+        # The bucket probe reads the named Secret from the API server (never cached: get only).
+        probe = await probe_object_store(client, plan.pool)
+        observed = dataclasses.replace(observed, object_store=(probe.ok, probe.reason, probe.message))
     status, events = compute_status(observed, utcnow())
     result.ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
     if strip_times(status) != strip_times(observed.previous_status):

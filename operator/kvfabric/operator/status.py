@@ -56,6 +56,8 @@ class Observed:
     pod_problems: list[PodProblem] = field(default_factory=list)
     # spec.updateStrategy.progressDeadlineSeconds
     progress_deadline_seconds: int = 300
+    # The object tier's probe: (reachable and writable, reason, message); None without an object tier.
+    object_store: tuple[bool, str, str] | None = None
     # The latest scrape of the cache servers' metrics (None: keep what the status says).
     cache: CacheInsight | None = None
 
@@ -183,7 +185,20 @@ def config_verdict(observed: Observed) -> Verdict:
 
 
 def storage_verdict(observed: Observed) -> Verdict:
-    """StorageReady: the shared tier's claim exists and is Bound (True without a shared tier)."""
+    """StorageReady: the shared tier's claim is Bound and the object tier's bucket is writable."""
+    claim = _claim_verdict(observed)
+    if observed.object_store is None:
+        return claim
+    obj = Verdict(*observed.object_store)
+    if observed.claim_name is None:
+        return obj
+    ok = bool(claim.ok) and obj.ok
+    reason = claim.reason if not claim.ok else obj.reason
+    return Verdict(ok, reason, f"{claim.message}; {obj.message}")
+
+
+def _claim_verdict(observed: Observed) -> Verdict:
+    """The shared tier's claim exists and is Bound (True without a shared tier)."""
     claim_name = observed.claim_name
     if claim_name is None:
         return Verdict(True, "NoSharedTier", "no shared tier configured")

@@ -1,5 +1,7 @@
 """Building the tiers below DRAM from configuration: the built-in ones, then ``tiers.extra``.
 
+Built in, fastest first: local disk, the shared volume, the object store (S3 API).
+
 The order of the returned list is the order the tiered store searches and promotes from (fastest
 first). A tier from ``tiers.extra`` is built by a factory named ``package.module:callable`` that
 receives a :class:`TierContext` (what the store shares with its tiers) and its own configuration.
@@ -12,11 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
-from kvfabric.cacheserver.config import DiskTierConfig, ExtraTierConfig, ServerConfig
+from kvfabric.cacheserver.config import DiskTierConfig, ExtraTierConfig, ObjectStoreTierConfig, ServerConfig
 from kvfabric.cacheserver.engine.base import BackingTier, TierName
 from kvfabric.cacheserver.engine.disk import DiskTier, Expiry
 from kvfabric.cacheserver.engine.faults import IoFaults
 from kvfabric.cacheserver.engine.ids import BlockId
+from kvfabric.cacheserver.engine.objectstore import ObjectStoreTier
 from kvfabric.cacheserver.engine.ordering import Generations
 from kvfabric.cacheserver.engine.shared import SharedTier
 from kvfabric.cacheserver.engine.stats import Counters
@@ -99,6 +102,19 @@ def _shared(ctx: TierContext, cfg: DiskTierConfig) -> SharedTier:
     )
 
 
+def _object_store(ctx: TierContext, cfg: ObjectStoreTierConfig) -> ObjectStoreTier:
+    return ObjectStoreTier(
+        cfg,
+        server_id=ctx.server_id,
+        bucket_seconds=ctx.config.bucket_seconds,
+        ttl_seconds=ctx.config.ttl_seconds,
+        janitor_seconds=ctx.config.janitor_interval_seconds,
+        counters=ctx.counters,
+        generations=ctx.generations,
+        on_delete=ctx.on_delete,
+    )
+
+
 def load_factory(kind: str) -> TierFactory:
     """Import the factory named ``package.module:callable``."""
     module, _, attr = kind.partition(":")
@@ -116,6 +132,8 @@ def build_backing_tiers(ctx: TierContext) -> list[BackingTier]:
         out.append(_local_disk(ctx, t.local_disk))
     if t.shared is not None:
         out.append(_shared(ctx, t.shared))
+    if t.object_store is not None:
+        out.append(_object_store(ctx, t.object_store))
     for extra in t.extra:
         out.append(load_factory(extra.kind)(ctx, extra))
     return out

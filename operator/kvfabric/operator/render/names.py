@@ -28,6 +28,9 @@ CONFIG_PATH: Final = f"{CONFIG_MOUNT_DIR}/{CONFIG_KEY}"
 HOST_RUN_ROOT: Final = "/run/kvfabric"
 LOCAL_DISK_MOUNT: Final = "/var/lib/kvfabric/local"
 SHARED_MOUNT: Final = "/var/lib/kvfabric/shared"
+# The object-store tier's credentials (a Secret) and CA bundle (a ConfigMap), mounted read-only.
+OBJECT_STORE_SECRET_MOUNT: Final = "/etc/kvfabric/object-store"  # noqa: S105 - a mount path
+OBJECT_STORE_CA_MOUNT: Final = "/etc/kvfabric/object-store-ca"
 SOCKET_NAME: Final = "cache.sock"
 SHM_NAME: Final = "shm"
 CACHE_CONTAINER: Final = "cache"

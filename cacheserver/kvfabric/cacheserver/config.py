@@ -384,6 +384,20 @@ class LimitsConfig(_Model):
     default_deadline_ms: int = Field(
         default=5000, gt=0, description="Deadline applied to a call whose client set none."
     )
+    max_call_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="Server-side bound of a store stream and of any wait for a slot, whatever deadline "
+        "the client asked for (or none): a trickling client cannot hold a slot longer.",
+    )
+    max_slots_per_peer: int | None = Field(
+        default=None,
+        gt=0,
+        description="Load slots and store slots one TCP peer (address) may hold at once; default a "
+        "quarter of each limit (at least 1), so a slow or stalled remote client cannot starve the "
+        "others. Calls beyond it: loads RESOURCE_EXHAUSTED, stores dropped. Same-node clients on the "
+        "Unix socket are not distinguished (docs/security.md).",
+    )
     io_threads: int = Field(default=4, gt=0, description="Threads doing disk I/O and checksums.")
 
 

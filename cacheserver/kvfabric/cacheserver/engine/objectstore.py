@@ -62,6 +62,7 @@ from kvfabric.cacheserver.engine.objectclient import (
 )
 from kvfabric.cacheserver.engine.objectjournal import ObjectClock, ObjectJournal
 from kvfabric.cacheserver.engine.ordering import Generations
+from kvfabric.cacheserver.engine.periodic import start_periodic
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.ttl import bucket_of, expired_buckets
 
@@ -211,16 +212,7 @@ class ObjectStoreTier:
             self._spawn("object-janitor", self.janitor_tick, self.janitor_seconds)
 
     def _spawn(self, name: str, fn: Callable[[], None], every: float) -> None:
-        def loop() -> None:
-            while not self._stop.wait(every):
-                try:
-                    fn()
-                except Exception:
-                    log.exception("background task failed", extra={"task": name})
-
-        th = threading.Thread(target=loop, name=name, daemon=True)
-        th.start()
-        self._threads.append(th)
+        self._threads.append(start_periodic(name, fn, every, self._stop, log))
 
     def close(self) -> None:
         """Finish the running uploads (queued ones are dropped), publish the last journal segment, stop."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Literal, cast
 
 from kvfabric.cacheserver.config import DiskTierConfig, ExtraTierConfig, ObjectStoreTierConfig, ServerConfig
 from kvfabric.cacheserver.engine.base import BackingTier, TierName
@@ -56,39 +56,42 @@ def _faults(cfg: DiskTierConfig) -> IoFaults | None:
     return None if f is None else IoFaults(f.write_delay_seconds, f.read_error)
 
 
-def _local_disk(ctx: TierContext, cfg: DiskTierConfig) -> DiskTier:
+def _disk_tier(
+    name: TierName,
+    ctx: TierContext,
+    cfg: DiskTierConfig,
+    *,
+    policy: Literal["lru", "oldest_bucket"],
+    expiry: Expiry | None = None,
+    on_evicted: Callable[[list[BlockId]], None] | None = None,
+) -> DiskTier:
+    """A block-file tier on ``cfg.path``: what the local disk and the shared volume have in common."""
     return DiskTier(
-        TierName.LOCAL_DISK,
+        name,
         cfg.path,
         cfg.capacity_bytes,
         server_id=ctx.server_id,
         high_watermark=cfg.high_watermark,
         low_watermark=cfg.low_watermark,
         min_free_fraction=cfg.min_free_fraction,
-        policy="lru",
+        policy=policy,
         counters=ctx.counters,
         generations=ctx.generations,
-        expiry=ctx.expiry,
+        expiry=expiry,
+        on_evicted=on_evicted,
         faults=_faults(cfg),
     )
 
 
+def _local_disk(ctx: TierContext, cfg: DiskTierConfig) -> DiskTier:
+    # LRU, expiring its own buckets on the store's clock.
+    return _disk_tier(TierName.LOCAL_DISK, ctx, cfg, policy="lru", expiry=ctx.expiry)
+
+
 def _shared(ctx: TierContext, cfg: DiskTierConfig) -> SharedTier:
+    # Oldest bucket first; the SharedTier wrapper owns expiry (volume time) and learns of evictions.
     def disk(on_evicted: Callable[[list[BlockId]], None]) -> DiskTier:
-        return DiskTier(
-            TierName.SHARED,
-            cfg.path,
-            cfg.capacity_bytes,
-            server_id=ctx.server_id,
-            high_watermark=cfg.high_watermark,
-            low_watermark=cfg.low_watermark,
-            min_free_fraction=cfg.min_free_fraction,
-            policy="oldest_bucket",
-            counters=ctx.counters,
-            generations=ctx.generations,
-            on_evicted=on_evicted,
-            faults=_faults(cfg),
-        )
+        return _disk_tier(TierName.SHARED, ctx, cfg, policy="oldest_bucket", on_evicted=on_evicted)
 
     return SharedTier(
         disk,

@@ -501,13 +501,19 @@ def render_network_policy(pool: KVCachePool) -> dict[str, Any]:
         ingress.append({"from": peers, "ports": [{"protocol": "TCP", "port": spec.server.port}]})
     if spec.metrics.enabled:
         scrapers = spec.metrics.scrapers
+        # The operator reads the servers' metrics too (status.cache): its own pods, in its namespace.
+        operator = {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": names.operator_namespace()}},
+            "podSelector": {"matchLabels": dict(names.OPERATOR_POD_LABELS)},
+        }
         ingress.append(
             {
                 "from": [
                     {
                         "namespaceSelector": _selector(scrapers.namespace_selector),
                         "podSelector": _selector(scrapers.pod_selector),
-                    }
+                    },
+                    operator,
                 ],
                 "ports": [{"protocol": "TCP", "port": spec.metrics.port}],
             }

@@ -87,6 +87,14 @@ def operator_image() -> str:
     return os.environ.get(OPERATOR_IMAGE_ENV) or DEFAULT_OPERATOR_IMAGE
 
 
+OPERATOR_POD_LABELS: Final = {"app.kubernetes.io/name": "kvfabric-operator"}
+
+
+def operator_namespace() -> str:
+    """Return the operator's own namespace (``$POD_NAMESPACE``, set by its Deployment)."""
+    return os.environ.get("POD_NAMESPACE") or "kvfabric-system"
+
+
 def pool_dir_name(namespace: str, pool: str) -> str:
     """Return the one path segment naming a pool on a node or a shared volume: ``<namespace>.<pool>``.
 

@@ -194,8 +194,13 @@ def test_round_two_on_another_node_hits_the_shared_tier(fabric: Fabric) -> None:
     assert first.tokens == ref[0]
     stored = num_whole_chunks(len(conv["turns"][0]) + conv["max_tokens"], CHUNK)
     # Write-back to the shared tier is asynchronous, and node b learns of it from node a's journal.
+    answered = time.monotonic()
     wait_until(lambda: shared_blocks(fabric.a) >= blocks0 + stored, 60, what="write-back to the volume")
+    written = time.monotonic()
     wait_until(lambda: shared_blocks(fabric.b) >= shared_blocks(fabric.a), 60, what="node b to see it")
+    seen = time.monotonic()
+    visibility = {"written_s": round(written - answered, 3), "seen_by_b_s": round(seen - answered, 3)}
+    print(f"shared-tier visibility after the answer: {json.dumps(visibility)}")  # for docs/connector.md
     shared0, ext0 = cache_hits(fabric.b, "shared"), external_hits(fabric.s2)
     second = next_prompt(conv["turns"][0], first.tokens, conv["turns"][1])
     out = fabric.s2.complete(second, conv["max_tokens"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 import threading
 from collections.abc import Callable
@@ -63,12 +64,15 @@ class Controller:
         namespaces: list[str] | None = None,
         resync_seconds: float = 30.0,
         election: Election | None = None,
+        webhook_not_after: Callable[[], dt.datetime | None] | None = None,
         scrape_seconds: float = 60.0,
     ) -> None:
         self._make_client = make_client
         self.scrape_seconds = scrape_seconds
         self.scraper: Scraper | None = None
         self.injection_enabled = injection_enabled
+        # Expiry of the certificate the webhook serves now (read across threads: one attribute).
+        self.webhook_not_after = webhook_not_after or (lambda: None)
         self.namespaces = namespaces
         self.resync_seconds = resync_seconds
         self.election = election
@@ -211,6 +215,7 @@ class Controller:
                 key[1],
                 injection_enabled=self.injection_enabled,
                 reader=reader,
+                webhook_not_after=self.webhook_not_after(),
                 scraper=scraper if self.scrape_seconds > 0 else None,
             )
 

@@ -77,6 +77,16 @@ def pool_target(pool_body: Mapping[str, Any]) -> PoolTarget | None:
     )
 
 
+def pool_key_of(pod: Mapping[str, Any], request_namespace: str | None = None) -> tuple[str, str] | None:
+    """The (namespace, name) of the pool a pod opted in to, or None when it did not opt in."""
+    meta = pod.get("metadata") or {}
+    name = (meta.get("labels") or {}).get(POOL_LABEL)
+    if not name:
+        return None
+    pod_ns = meta.get("namespace") or request_namespace or "default"
+    return (meta.get("annotations") or {}).get(names.POOL_NAMESPACE_ANNOTATION) or pod_ns, str(name)
+
+
 def selector_matches(selector: LabelSelector, labels: Mapping[str, str]) -> bool:
     """Return whether ``labels`` satisfy a Kubernetes label selector."""
     for key, value in selector.match_labels.items():

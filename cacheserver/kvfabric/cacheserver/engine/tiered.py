@@ -42,6 +42,7 @@ from kvfabric.cacheserver.engine.blockfile import ALIGN, payload_checksum
 from kvfabric.cacheserver.engine.dram import BytesBlock, DramBlock, DramTier, OpenBlock
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.ordering import DELETE_MARGIN_S, Generations
+from kvfabric.cacheserver.engine.periodic import start_periodic
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.tiers import TierContext, build_backing_tiers
 from kvfabric.cacheserver.engine.ttl import LocalClock, SharedClock, bucket_of
@@ -151,16 +152,7 @@ class TieredStore:
         self._spawn("janitor", self.janitor_tick, self.config.janitor_interval_seconds)
 
     def _spawn(self, name: str, fn: Callable[[], None], every: float) -> None:
-        def loop() -> None:
-            while not self._stop.wait(every):
-                try:
-                    fn()
-                except Exception:
-                    log.exception("background task failed", extra={"task": name})
-
-        th = threading.Thread(target=loop, name=name, daemon=True)
-        th.start()
-        self._threads.append(th)
+        self._threads.append(start_periodic(name, fn, every, self._stop, log))
 
     def close(self) -> None:
         """Stop background work; pending write-backs finish first."""

@@ -433,12 +433,111 @@ class SharedTier(_Model):
     )
 
 
+class ObjectStoreCredentials(_Model):
+    """A Secret in the pool's namespace holding the S3 access key pair (mounted read-only as files)."""
+
+    secret_name: str = Field(
+        min_length=1, max_length=253, description="Name of the Secret in the pool's namespace."
+    )
+    access_key_id_key: str = Field(
+        default="AWS_ACCESS_KEY_ID",
+        min_length=1,
+        max_length=253,
+        description="Secret key of the access key id.",
+    )
+    secret_access_key_key: str = Field(
+        default="AWS_SECRET_ACCESS_KEY",
+        min_length=1,
+        max_length=253,
+        description="Secret key of the secret access key.",
+    )
+
+
+class ObjectStoreCA(_Model):
+    """A ConfigMap in the pool's namespace holding the PEM CA bundle that signed the endpoint."""
+
+    config_map_name: str = Field(min_length=1, max_length=253, description="Name of the ConfigMap.")
+    key: str = Field(default="ca.crt", min_length=1, max_length=253, description="Key of the PEM bundle.")
+
+
+class ObjectStoreTier(_Model):
+    """An S3-API object store below (or instead of) the shared volume: cross-node sharing without RWX."""
+
+    endpoint: str = Field(
+        min_length=1,
+        max_length=512,
+        description="S3 endpoint URL, e.g. https://s3.us-east-1.amazonaws.com or http://minio.storage:9000.",
+        json_schema_extra=_validations(
+            _cel(
+                "self.matches('^https?://[^/\\\\s]+/?$')",
+                "spec.tiers.objectStore.endpoint must be an http:// or https:// URL without a path",
+            )
+        ),
+    )
+    bucket: str = Field(
+        min_length=3,
+        max_length=63,
+        description="Bucket (must exist; the pool writes under its prefix only).",
+        json_schema_extra=_validations(
+            _cel(
+                "self.matches('^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$')",
+                "spec.tiers.objectStore.bucket must be a valid S3 bucket name (lower case, digits, '.', '-')",
+            )
+        ),
+    )
+    prefix: str | None = Field(
+        default=None,
+        max_length=512,
+        description="Key prefix of the pool's objects (default: kvfabric/<namespace>/<pool>). Pools "
+        "that share a prefix share their cache.",
+        json_schema_extra=_validations(
+            _cel(
+                "self.matches('^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$') && !self.split('/').exists(s, s == '.' "
+                "|| s == '..')",
+                "spec.tiers.objectStore.prefix must be '/'-separated segments of letters, digits, '.', '_' "
+                "or '-', without '.' or '..' segments",
+            )
+        ),
+    )
+    region: str = Field(default="us-east-1", min_length=1, max_length=64, description="Signing region.")
+    path_style: bool = Field(
+        default=True,
+        description="Path-style requests (endpoint/bucket/key), which most S3-compatible servers need.",
+    )
+    credentials: ObjectStoreCredentials | None = Field(
+        default=None,
+        description="The access key pair; unset means the environment's (e.g. a workload identity).",
+    )
+    ca: ObjectStoreCA | None = Field(
+        default=None, description="CA bundle for an https endpoint with a private CA."
+    )
+    capacity: Quantity = Field(description="Bytes the pool may keep in the bucket, e.g. 10Ti.")
+    watermarks: Watermarks = Field(
+        default_factory=Watermarks,
+        json_schema_extra={"default": {"high": 0.9, "low": 0.75}},
+        description="Eviction watermarks.",
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            _cel(
+                "!has(self.ca) || self.endpoint.startsWith('https://')",
+                "spec.tiers.objectStore.ca needs an https:// endpoint",
+                field_path=".ca",
+            ),
+        )
+    )
+
+
 class Tiers(_Model):
     """The storage tiers of each cache server."""
 
     memory: MemoryTier = Field(description="Host DRAM tier; required.")
     local_disk: LocalDiskTier | None = Field(default=None, description="Optional node-local disk tier.")
     shared: SharedTier | None = Field(default=None, description="Optional shared (RWX) tier.")
+    object_store: ObjectStoreTier | None = Field(
+        default=None, description="Optional object-store (S3 API) tier shared by every node."
+    )
 
 
 class SelectorOperator(StrEnum):

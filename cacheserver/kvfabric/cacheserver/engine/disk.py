@@ -434,6 +434,7 @@ class DiskTier:
                 if not self._fresh(bid, gen):
                     return False
                 os.rename(tmp, final)
+                self.faults.during_commit()
                 with self._lock:
                     old = self._index.get(bid)
                     if old is not None and old.bucket != bucket:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs everything kvfabric's demo and tests need on a fresh Debian machine, idempotently:
 # Debian packages (redis-server for the storage benchmark's baseline), uv, the Python environment
-# (.venv, from uv.lock), the pinned Kubernetes binaries and kubelet (built from the Go module proxy into
-# ~/.cache/kvfabric, reused when present), and the container engine and images
-# (scripts/bootstrap-containers.sh). A warm machine finishes in seconds.
+# (.venv, from uv.lock), the pinned Kubernetes binaries and kubelet and the pinned S3 server (SeaweedFS,
+# for the object-store tier's tests), all built from the Go module proxy into ~/.cache/kvfabric and
+# reused when present, and the container engine and images (scripts/bootstrap-containers.sh). A warm
+# machine finishes in seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { printf '[bootstrap] %s\n' "$*" >&2; }
@@ -41,4 +42,9 @@ say "building or finding the pinned vLLM environment (real-vLLM tests; KVFABRIC_
 scripts/vllm-env.sh >/dev/null
 
 wait "$go_pid"
+
+# After the other Go builds, not beside them: both are CPU-bound (a cold SeaweedFS build is ~20 min
+# on two busy cores, under a minute with the Go caches warm, nothing when the binary is cached).
+say "building or finding the pinned S3 server (SeaweedFS) for the object-store tier"
+uv run --frozen python -m kvfabric.testing.s3server build >/dev/null
 say "done"

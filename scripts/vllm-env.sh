@@ -29,17 +29,18 @@ torchvision==0.28.0
 torchaudio ; sys_platform == "never"
 torchcodec ; sys_platform == "never"
 '
-# kvfabric's runtime dependencies (the product's [project] dependencies plus the engine extra's
-# numpy); pinned loosely as in pyproject.toml, resolved against vLLM's own constraints.
-KVFABRIC_DEPS=(
-  "pydantic>=2.10,<3" "pydantic-settings>=2.6" "pyyaml>=6" "grpcio>=1.85.1"
-  "grpcio-health-checking>=1.85.1" "protobuf>=7.36,<8" "opentelemetry-sdk>=1.40"
-  "opentelemetry-exporter-prometheus>=0.61b0" "prometheus-client>=0.21" "python-json-logger>=3.2"
-  "xxhash>=3.5" "numpy>=2"
-)
 # -------------------------------------------------------------------------------------------------
 
-DIGEST=$(sha256sum "$0" | cut -c1-12)
+# kvfabric's runtime dependencies: the product's [project] dependencies and its `engine` extra,
+# read from pyproject.toml and resolved against vLLM's own constraints (torch stays overridden).
+# They are part of the digest, so a new product dependency builds a new environment.
+mapfile -t KVFABRIC_DEPS < <(python3 - "$ROOT/pyproject.toml" <<'P'
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print("\n".join([*project["dependencies"], *project["optional-dependencies"]["engine"]]))
+P
+)
+DIGEST=$( { cat "$0"; printf '%s\n' "${KVFABRIC_DEPS[@]}"; } | sha256sum | cut -c1-12)
 CACHE=${KVFABRIC_CACHE:-$HOME/.cache/kvfabric}
 DIR="$CACHE/vllm-$DIGEST"
 VENV="$DIR/venv"

@@ -27,6 +27,7 @@ def test_bench_storage_reports_every_measurement() -> None:
         [
             sys.executable, "-m", "kvfabric.cli.main", "bench", "storage", "--quick", "--json",
             "--chunk-mib", "1", "--chunks", "2", "--rounds", "1", "--lookups", "5", "--lookup-clients", "2",
+            "--no-object-store",  # measured by the next test
         ],
         capture_output=True, text=True, check=True, timeout=170,
     ).stdout  # fmt: skip
@@ -38,3 +39,21 @@ def test_bench_storage_reports_every_measurement() -> None:
         if key != "redis_get_gbps":  # null when redis-server is not installed, by design
             assert result[key] > 0, key
     assert len(result["targets"]) == 4
+
+
+def test_bench_storage_measures_the_object_tier_against_raw_gets_and_recompute() -> None:
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "kvfabric.cli.main", "bench", "storage", "--quick", "--json",
+            "--chunk-mib", "1", "--chunks", "2", "--rounds", "1", "--lookups", "5", "--lookup-clients", "2",
+            "--lookup-rate", "0", "--object-ttft-tokens", "1024",
+        ],
+        capture_output=True, text=True, check=True, timeout=400,
+    ).stdout  # fmt: skip
+    result = json.loads(out.strip().splitlines()[-1])
+    for key in ("object_raw_get_gbps", "object_single_get_gbps", "object_tier_load_gbps"):
+        assert result[key] > 0, key
+    assert result["object_ttft_hit_tokens"] == 1024  # every whole chunk restored from the object tier
+    assert result["object_ttft_s"] > 0
+    assert result["recompute_ttft_s"] > 0
+    assert result["targets"]["object_tier_load_gbps >= 0.9 x object_raw_get_gbps"]["value"] is not None

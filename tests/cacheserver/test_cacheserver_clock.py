@@ -43,7 +43,8 @@ def test_a_server_two_days_ahead_on_a_client_stamped_volume_expires_nothing_earl
     cfg = {"ttl_seconds": 3600, "bucket_seconds": 60, "janitor_interval_seconds": 0.1, "lease_seconds": 5}
     # node-ahead's clock, and every timestamp it stamps on the volume, run two days ahead (what a
     # client-stamped filesystem does for a client with such a clock).
-    ahead = {**cfg, "tiers.shared.faults": {"clock_skew_seconds": 2 * DAY}}
+    # Its stores stay in its DRAM (no write-back), so no journal record tells node-ok its generations.
+    ahead = {**cfg, "tiers.shared.faults": {"clock_skew_seconds": 2 * DAY}, "tiers.write_back": "none"}
     keys = [digest("client-stamped", i) for i in range(4)]
     with cache_server(server_id="node-ok", shared_dir=shared, local_disk_bytes=None, overrides=cfg) as ok:
         with CacheClient(ok.unix_target, shm_dir=ok.shm_dir) as c:
@@ -80,6 +81,17 @@ def test_a_server_two_days_ahead_on_a_client_stamped_volume_expires_nothing_earl
             ), "the start-up check is exported as a metric"
             logs = [r for r in ah.log_records() if "follow this server's clock" in r.get("message", "")]
             assert logs, "the start-up check says so in the log"
+            # A delete made on node-ok supersedes a store node-ahead made before it, though node-ahead's
+            # generations run two days ahead: node-ahead drops its DRAM copy once it reads the journal.
+            late = digest("client-stamped", "late")
+            assert ca.store(ns, [late], [payload_for(late, 4096)], timeout=10).accepted == 1
+            with CacheClient(ok.unix_target, shm_dir=ok.shm_dir) as c:
+                wait_until(
+                    lambda: c.stats(timeout=5)["clock_spread_seconds"] > DAY, what="node-ok to see the spread"
+                )
+                c.delete(ns, [late], timeout=5)
+            wait_until(lambda: ca.lookup(ns, [late], timeout=5).matched == 0, what="node-ahead to honour it")
+            assert ca.load(ns, [late], timeout=10) == []
 
 
 def ok_lease_mtime(shared: Path) -> float:

@@ -6,14 +6,11 @@ import os
 import threading
 from pathlib import Path
 
-import grpc
 import pytest
 
 from kvfabric.cacheserver.engine.blockfile import HEADER_SIZE
 from kvfabric.client import CacheClient
 from kvfabric.client.errors import CacheError
-from kvfabric.rpc.v1 import cache_pb2 as pb
-from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
@@ -28,12 +25,10 @@ def _block_files(root: Path) -> list[Path]:
 
 
 def _flush(srv: ServerProcess, ns: str, keys: list[str], timeout: float) -> tuple[list[list[str]], bool]:
-    """The Flush RPC: durable tiers per key (by proto name, TIER_ stripped, lower case)."""
-    with grpc.insecure_channel(srv.unix_target) as ch:
-        stub = pb_grpc.CacheStub(ch)  # type: ignore[no-untyped-call]
-        resp = stub.Flush(pb.FlushRequest(namespace=ns, keys=keys), timeout=timeout)
-    names = [[pb.Tier.Name(t).removeprefix("TIER_").lower() for t in k.tiers] for k in resp.keys]
-    return names, resp.complete
+    """The Flush RPC through the client: durable tiers per key, and whether every write-back finished."""
+    with CacheClient(srv.unix_target) as c:
+        res = c.flush(ns, keys, timeout=timeout)
+    return res.tiers, res.complete
 
 
 def test_flush_says_which_tiers_hold_a_store_durably(ns: str, tmp_path: Path) -> None:
@@ -97,7 +92,7 @@ def test_kill_9_during_store_storm_then_restart(ns: str, tmp_path: Path) -> None
                     continue
                 try:
                     tiers, _ = _flush(srv, ns, todo, timeout=2)
-                except grpc.RpcError:
+                except CacheError:
                     return  # the server died under us
                 durable.update(k for k, held in zip(todo, tiers, strict=True) if held)
 

@@ -6,6 +6,8 @@ same directories: DRAM lost, indexes rebuilt by scanning headers and tombstones)
 :class:`TieredStore` objects — each with DRAM, a local disk and the shared volume — while their
 write-back pools and journal tailers run in the background as in production.
 
+Both also share an in-memory object store below the volume (``kvfabric.testing.objecttier``).
+
 The model holds, per key, the payloads stored since the key's last delete (keys are content
 addresses: stores of one key between deletes carry the same bytes in production, so the model
 accepts any of them). The property: a load returns one of those payloads, or a miss — never bytes
@@ -29,6 +31,7 @@ from kvfabric.cacheserver.engine.base import TierName
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.shared import SharedTier
 from kvfabric.cacheserver.engine.tiered import TieredStore
+from kvfabric.testing import objecttier
 from kvfabric.testing.serverproc import digest, payload_for
 
 NS = digest("model")
@@ -50,6 +53,14 @@ def _config(root: Path, sid: str) -> ServerConfig:
                 "dram": {"capacity_bytes": 5 * 8192, "high_watermark": 1.0, "low_watermark": 0.5},
                 "local_disk": {"path": str(root / f"local-{sid}"), "capacity_bytes": 1 << 22},
                 "shared": {"path": str(root / "shared"), "capacity_bytes": 1 << 22},
+                # Below the volume, an object store both servers share (the test tier of the seam).
+                "extra": [
+                    {
+                        "kind": "kvfabric.testing.objecttier:build",
+                        "capacity_bytes": 1 << 22,
+                        "options": {"bucket": f"model-{root.name}"},
+                    }
+                ],
             },
             "journal_poll_seconds": 0.05,
             "janitor_interval_seconds": 3600,  # ticks are rules
@@ -83,6 +94,7 @@ class TwoStoresSharingAVolume(RuleBasedStateMachine):
     def teardown(self) -> None:
         for store in self.stores.values():
             store.close()
+        objecttier.buckets().pop(f"model-{self.root.name}", None)
         shutil.rmtree(self.root, ignore_errors=True)
 
     # --- rules ---------------------------------------------------------------------------------------
@@ -115,7 +127,7 @@ class TwoStoresSharingAVolume(RuleBasedStateMachine):
     def write_back(self, sid: str) -> None:
         assert self.stores[sid].flush()
 
-    @rule(sid=servers, tier=st.sampled_from([TierName.DRAM, TierName.LOCAL_DISK, TierName.SHARED]))
+    @rule(sid=servers, tier=st.sampled_from(list(TierName)))
     def evict(self, sid: str, tier: TierName) -> None:
         self.stores[sid].tier(tier).evict(0)
 

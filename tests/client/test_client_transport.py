@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfabric.client import AsyncCacheClient, CacheClient, LookupResult, StoreResult
+from kvfabric.client import AsyncCacheClient, CacheClient, FlushResult, LookupResult, StoreResult
 from kvfabric.client.errors import (
     CacheTimeout,
     CacheUnavailable,
@@ -177,6 +177,42 @@ async def test_async_client_round_trip(srv: ServerProcess) -> None:
         assert await tcp.delete(NS, keys, timeout=5) == 3
         with pytest.raises(InvalidRequest):
             await tcp.lookup(NS, ["x"], timeout=5)
+
+
+@pytest.fixture(scope="module")
+def disk_srv() -> Iterator[ServerProcess]:
+    """A server whose local disk tier writes whatever the shared machine's filesystem has free."""
+    with cache_server(dram_bytes=64 * MiB, overrides={"tiers.local_disk.min_free_fraction": 0.0}) as s:
+        yield s
+
+
+def test_flush_says_which_tiers_hold_keys_durably_over_both_transports(disk_srv: ServerProcess) -> None:
+    srv = disk_srv
+    keys = [digest("client-flush", i) for i in range(3)]
+    absent = digest("client-flush", "never stored")
+    with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as shm, CacheClient(srv.tcp_target) as tcp:
+        assert (
+            shm.store(NS, keys[:2], [payload_for(k, 70 * 1024) for k in keys[:2]], timeout=10).accepted == 2
+        )
+        assert tcp.store(NS, keys[2:], [payload_for(keys[2], 5)], timeout=10).accepted == 1
+        for c in (shm, tcp):
+            # Durable means written back: the local disk tier, not DRAM; a key never stored holds nowhere.
+            assert c.flush(NS, [*keys, absent], timeout=30) == FlushResult([["local_disk"]] * 3 + [[]], True)
+        assert tcp.flush(NS, [], timeout=5) == FlushResult([], True)
+        with pytest.raises(InvalidRequest):
+            tcp.flush(NS, ["not a digest"], timeout=5)
+        with pytest.raises(InvalidRequest):
+            tcp.flush(NS, keys, timeout=0)
+        assert tcp.delete(NS, keys, timeout=5) == 3
+        assert shm.flush(NS, keys, timeout=30) == FlushResult([[]] * 3, True), "deleted: durable nowhere"
+
+
+@pytest.mark.asyncio
+async def test_async_client_flush(disk_srv: ServerProcess) -> None:
+    key = digest("async-flush")
+    async with AsyncCacheClient(disk_srv.tcp_target) as tcp:
+        assert await tcp.store(NS, [key], [payload_for(key, 4096)], timeout=10) == StoreResult(1, 0)
+        assert await tcp.flush(NS, [key], timeout=30) == FlushResult([["local_disk"]], True)
 
 
 def test_load_into_any_contiguous_buffer_shape(srv: ServerProcess) -> None:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvfabric.connector import keys
 
@@ -187,3 +189,45 @@ def test_prompt_embeddings_change_keys_from_the_chunk_they_differ_in() -> None:
     assert ka[:2] == kb[:2]
     assert all(x != y for x, y in zip(ka[2:], kb[2:], strict=True))
     assert ka[0] != _keys(None)[0]  # embeddings are never keyed like token ids alone
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    chunk=st.sampled_from([4, 8, 16]),
+    n_chunks=st.integers(1, 6),
+    data=st.data(),
+)
+def test_keys_agree_exactly_up_to_the_first_chunk_an_input_difference_reaches(
+    chunk: int, n_chunks: int, data: st.DataObject
+) -> None:
+    """Two requests with the same tokens share exactly the chunks before the first one that a
+    differing input reaches: nothing is shared past it (never wrong), nothing before it is lost."""
+    n_tokens = chunk * n_chunks
+    tokens = data.draw(st.lists(st.integers(0, 1000), min_size=n_tokens, max_size=n_tokens))
+    offset = data.draw(st.integers(0, n_tokens - 1))
+    length = data.draw(st.integers(1, n_tokens - offset))
+    kind = data.draw(st.sampled_from(["mm", "mm-position", "salt", "lora", "embeds"]))
+    span = keys.MultiModalSpan("img-a", offset, length)
+    base = keys.RequestInputs(mm=(span,))
+    if kind == "mm":
+        other, first = keys.RequestInputs(mm=(keys.MultiModalSpan("img-b", offset, length),)), offset // chunk
+    elif kind == "mm-position":
+        moved = min(offset + 1, n_tokens - length)
+        other = keys.RequestInputs(mm=(keys.MultiModalSpan("img-a", moved, length),))
+        first = min(offset, moved) // chunk if moved != offset else n_chunks
+    elif kind == "salt":
+        base, other, first = keys.RequestInputs(cache_salt="a"), keys.RequestInputs(cache_salt="b"), 0
+    elif kind == "lora":
+        base, other, first = keys.RequestInputs(lora=("a",)), keys.RequestInputs(lora=("b",)), 0
+    else:
+        row = 4
+        a = bytearray(n_tokens * row)
+        b = bytearray(a)
+        b[offset * row] ^= 1
+        base = keys.RequestInputs(prompt_embeds=memoryview(a), prompt_embeds_row_bytes=row)
+        other = keys.RequestInputs(prompt_embeds=memoryview(b), prompt_embeds_row_bytes=row)
+        first = offset // chunk
+    ka = keys.chunk_keys(NS, tokens, chunk, inputs=base)
+    kb = keys.chunk_keys(NS, tokens, chunk, inputs=other)
+    assert ka[:first] == kb[:first]
+    assert all(x != y for x, y in zip(ka[first:], kb[first:], strict=True))

@@ -79,7 +79,8 @@ def test_load_timeout_abandons_buffers(fake: MemoryTransport) -> None:
     fake.hang.set()
     cache = make(fake)
     buf = bytearray(4)
-    out = cache.load_into(NS, KEYS[:1], [buf], time.monotonic() + 0.05)
+    # Long enough that the call surely reaches the (hung) transport before the deadline.
+    out = cache.load_into(NS, KEYS[:1], [buf], time.monotonic() + 0.5)
     assert (out.count, out.reason) == (0, Reason.TIMEOUT)
     # The call is still running: the outcome says so, so the caller keeps the buffer to itself.
     assert len(out.inflight) == 1
@@ -94,15 +95,14 @@ def test_load_timeout_abandons_buffers(fake: MemoryTransport) -> None:
 def test_a_call_queued_past_its_deadline_never_reaches_the_transport(fake: MemoryTransport) -> None:
     cache = ResilientCache([Endpoint("ep0", _const(fake), CircuitBreaker(100, 60.0))], io_threads=1)
     fake.blocks[(NS, KEYS[0])] = b"z" * 4
-    fake.hang.set()
-    assert cache.lookup(NS, KEYS, 0.05).reason is Reason.TIMEOUT  # holds the only I/O thread
+    busy = cache._io.submit(fake.release.wait)  # holds the only I/O thread (queued first: FIFO)
     buf = bytearray(4)
     out = cache.load_into(NS, KEYS[:1], [buf], time.monotonic() + 0.05)
     assert (out.count, out.reason, out.inflight) == (0, Reason.TIMEOUT, ())
-    fake.hang.clear()
     fake.release.set()
-    cache._io.submit(lambda: None).result(30)  # the I/O thread is free again
-    assert fake.calls == ["lookup"], "a load that started after its deadline reached the transport"
+    busy.result(30)
+    cache._io.submit(lambda: None).result(30)  # everything queued before this has run or was cancelled
+    assert fake.calls == [], "a load that started after its deadline reached the transport"
     assert buf == bytearray(4)
     cache.close()
 

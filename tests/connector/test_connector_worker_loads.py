@@ -47,6 +47,7 @@ class LateWriter:
     def __init__(self, blocks: dict[str, bytes]) -> None:
         self.blocks = blocks
         self.release_a = threading.Event()
+        self.a_started = threading.Event()
         self.a_written = threading.Event()
 
     def lookup(self, namespace: str, keys: Sequence[str], *, timeout: float) -> LookupResult:
@@ -57,13 +58,15 @@ class LateWriter:
     ) -> int:
         key = keys[0]
         if key == KEY_A:
+            self.a_started.set()
             self.release_a.wait(30)  # far past the deadline
             buffers[0][:] = self.blocks[KEY_A]
             self.a_written.set()
             return 1
         buffers[0][:] = self.blocks[key]
         self.release_a.set()
-        self.a_written.wait(30)
+        if self.a_started.is_set():
+            self.a_written.wait(30)
         return 1
 
     def store(
@@ -86,7 +89,8 @@ def worker() -> Iterator[tuple[WorkerHalf, dict[str, torch.Tensor], LateWriter]]
     geo = layout.ChunkGeometry.from_kv_caches(kv, block_size=BLOCK, chunk_tokens=CHUNK)
     transport = LateWriter({KEY_A: payload(geo, KEY_A, 1.0), KEY_B: payload(geo, KEY_B, 2.0)})
     cache = ResilientCache([Endpoint("late", lambda: transport, CircuitBreaker(100, 60.0))], retries=0)
-    settings = ConnectorSettings(chunk_tokens=CHUNK, load_deadline_ms=200)
+    # Long enough that A's call surely starts before its deadline, even on a busy machine.
+    settings = ConnectorSettings(chunk_tokens=CHUNK, load_deadline_ms=1000)
     w = WorkerHalf(settings, SPEC, cache=cache)
     w.register_kv_caches(kv)
     yield w, kv, transport
@@ -115,6 +119,7 @@ def test_abandoned_load_never_writes_into_the_next_loads_memory(
     w, kv, transport = worker
     # Step N: A's load passes its deadline; its transport call is abandoned, not finished.
     assert step(w, KEY_A, [0, 1]) == {0, 1}
+    assert transport.a_started.is_set()
     assert w.counters.get("fallback_chunks.timeout") == 1
     # Step N+1 loads B into other blocks. A's late write lands while B's load is in flight.
     assert step(w, KEY_B, [4, 5]) == set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections.abc import Iterator
@@ -246,3 +247,91 @@ def test_a_failing_init_container_keeps_the_pod_from_starting(
     )
     assert waiting["reason"] == "Init:Error"
     assert "exited 7" in waiting["message"]
+
+
+def test_identity_follows_the_kubelet_rules() -> None:
+    pod = {"spec": {"securityContext": {"runAsUser": 1000, "fsGroup": 3000, "supplementalGroups": [4000]}}}
+    assert spec.identity(pod, {"securityContext": {"runAsUser": 2000, "runAsGroup": 2500}}) == (
+        2000,
+        2500,
+        (4000, 3000),
+    )
+    assert spec.identity(pod, {}) == (1000, None, (4000, 3000))
+    assert spec.identity({"spec": {}}, {}) == (None, None, ())
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="needs a Python every user can execute")
+def test_containers_run_as_the_pods_user_and_groups(
+    cluster: ClusterHandle, namespace: str, tmp_path: Path
+) -> None:
+    # Writes its ids into a hostPath, then tries what another uid must not be able to do.
+    script = (
+        "import os, pathlib, json\n"
+        "out = {'uid': os.getuid(), 'gid': os.getgid(), 'groups': sorted(os.getgroups())}\n"
+        "try:\n"
+        "    pathlib.Path('/data/root-only/x').write_text('x'); out['root_only'] = 'written'\n"
+        "except PermissionError:\n"
+        "    out['root_only'] = 'denied'\n"
+        "pathlib.Path('/scratch/ok').write_text('ok'); out['empty_dir'] = 'written'\n"
+        "out['secret'] = pathlib.Path('/secret/token').read_text()\n"
+        "pathlib.Path('/data/ids.json').write_text(json.dumps(out))\n"
+        "import time; time.sleep(3600)\n"
+    )
+    node = "runner-ids-0"
+    stack = contextlib.ExitStack()
+    runner = stack.enter_context(
+        pod_runner(cluster, tmp_path / "runner", [f"{node}:0"], run_as_pod_user=True)
+    )
+    stack.callback(cluster.kubectl, "delete", "node", node, "--wait=false", check=False)
+    host = runner / "nodes" / node / "host/var/lib/test-ids"
+    (host / "root-only").mkdir(parents=True, exist_ok=True)
+    (host / "root-only").chmod(0o755)
+    host.chmod(0o777)
+    cluster.apply(
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "ids"}, "stringData": {"token": "t0k"}},
+        namespace=namespace,
+    )
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "ids"},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "terminationGracePeriodSeconds": 2,
+                "securityContext": {"runAsUser": 1234, "runAsGroup": 2345, "fsGroup": 3456},
+                "containers": [
+                    {
+                        "name": "app",
+                        "image": "python:3.11",
+                        # The runner's own Python lives under a 0700 /root here; uid 1234 cannot run it.
+                        "command": ["/usr/bin/python3", "-c", script],
+                        "volumeMounts": [
+                            {"name": "data", "mountPath": "/data"},
+                            {"name": "scratch", "mountPath": "/scratch"},
+                            {"name": "secret", "mountPath": "/secret", "readOnly": True},
+                        ],
+                    }
+                ],
+                "volumes": [
+                    {"name": "data", "hostPath": {"path": "/var/lib/test-ids", "type": "DirectoryOrCreate"}},
+                    {"name": "scratch", "emptyDir": {}},
+                    {"name": "secret", "secret": {"secretName": "ids", "defaultMode": 0o440}},
+                ],
+            },
+        },
+        namespace=namespace,
+    )
+    with stack:
+        ids = wait_for(
+            lambda: (host / "ids.json").exists() and json.loads((host / "ids.json").read_text()),
+            message="the container to report its ids",
+        )
+        cluster.kubectl("delete", "pod", "ids", "-n", namespace, "--wait=false", check=False)
+    assert ids["uid"] == 1234
+    assert ids["gid"] == 2345
+    assert 3456 in ids["groups"]
+    assert ids["root_only"] == "denied"  # a root-owned 0755 directory is not the pod's to write
+    assert ids["empty_dir"] == "written"
+    assert ids["secret"] == "t0k"  # mode 0440, readable through fsGroup only

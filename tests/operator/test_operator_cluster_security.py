@@ -95,3 +95,31 @@ def test_tcp_pool_gets_credentials_and_a_network_policy(
 def _client(target: str, server_name: str, **kwargs: Any) -> CacheClient:
     # Dial loopback but verify the certificate against the Service's DNS name.
     return CacheClient(target, tls_server_name=server_name, **kwargs)
+
+
+def test_pool_in_a_namespace_whose_pod_security_rejects_its_pods_is_degraded(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess
+) -> None:
+    # The cache DaemonSet needs hostPath (node-local NVMe, the socket): Pod Security baseline forbids
+    # it. The API server's own PodSecurity admission rejects the pods; the pool must say so.
+    assert cluster.gpu_nodes, "the session cluster has GPU nodes"
+    cluster.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=baseline")
+    cluster.apply(
+        {
+            "apiVersion": "kvfabric.io/v1alpha1",
+            "kind": "KVCachePool",
+            "metadata": {"name": "psa"},
+            "spec": {"image": {"tag": "v0.1.0"}, "tiers": {"memory": {"size": "1Gi"}}},
+        },
+        namespace=namespace,
+    )
+
+    def degraded() -> dict[str, Any] | None:
+        pool = cluster.get_json("kvcachepool", "psa", "-n", namespace)
+        conds: list[dict[str, Any]] = (pool.get("status") or {}).get("conditions") or []
+        cond = next((c for c in conds if c["type"] == "Degraded"), {})
+        return cond if cond.get("status") == "True" and cond.get("reason") == "PodSecurityRejected" else None
+
+    cond = wait_for(degraded, timeout=120, message="Degraded=PodSecurityRejected")
+    assert "hostPath" in cond["message"]
+    assert "baseline" in cond["message"]

@@ -211,6 +211,16 @@ def test_target_containers_annotation() -> None:
     assert missing.pod["metadata"]["annotations"][names.SKIP_REASON_ANNOTATION] == "no-suitable-container"
 
 
+def test_expandable_segments_are_a_skip_reason() -> None:
+    env = [{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "max_split_size_mb:64,expandable_segments:True"}]
+    result = inject(pod([{"name": "vllm", "image": "vllm/vllm-openai:v0.33.0", "env": env}]), POOLS, {})
+    assert result.skip_reason == injection.SKIP_EXPANDABLE_SEGMENTS
+    assert result.pod["metadata"]["annotations"][names.SKIP_REASON_ANNOTATION] == "expandable-segments"
+    assert not any(e["name"].startswith("KVFABRIC_") for e in result.pod["spec"]["containers"][0]["env"])
+    off = [{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:False"}]
+    assert inject(pod([{"name": "vllm", "image": "v:1", "env": off}]), POOLS, {}).injected
+
+
 def test_unlabelled_pod_is_untouched() -> None:
     original = pod(pool=None)
     result = inject(original, POOLS, {})

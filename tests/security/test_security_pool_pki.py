@@ -156,7 +156,12 @@ def test_network_policy_admits_consumers_to_cache_and_scrapers_to_metrics_only()
         {
             "namespaceSelector": {"matchLabels": {}},
             "podSelector": {"matchLabels": {"kvfabric.io/metrics-scraper": "true"}},
-        }
+        },
+        # The operator's own pods (it scrapes the servers for status.cache), in its namespace only.
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvfabric-system"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvfabric-operator"}},
+        },
     ]
     opened = _policy(
         pool(

@@ -36,6 +36,12 @@ MUST_OVERRIDE: dict[str, tuple[tuple[int, int], str]] = {
     "requires_piecewise_for_cudagraph": ((0, 29), "wait_for_layer_load blocks, so its hook must run"),
     "bind_connector_metadata": ((0, 29), "the worker half reads its step's metadata"),
     "clear_connector_metadata": ((0, 29), "per-step worker state must be dropped"),
+    "get_kv_connector_stats": ((0, 29), "kvfabric's counters belong in vLLM's stats and logs"),
+    "build_kv_connector_stats": ((0, 29), "vLLM rebuilds the stats with it, or drops them"),
+    "build_prom_metrics": ((0, 29), "kvfabric's loaded and failed tokens belong in vLLM's /metrics"),
+    "take_events": ((0, 29), "routers learn what kvfabric holds from KV events"),
+    "get_external_cache_hit_sources": ((0, 32), "hits must show kvfabric's tier, not external_unspecified"),
+    "supports_sleep_mode": ((0, 33), "sleep mode remaps the KV tensors the worker keeps"),
 }
 
 

@@ -42,14 +42,18 @@ PRESSURE_CONVS: list[dict[str, Any]] = [
 # then needs a block that is not there, so vLLM must preempt (and resume by recomputing or loading).
 PREEMPT = {f"preempt-{i}": tokens(80 + i, 1000) for i in range(4)}
 PREEMPT_TOKENS = 400
+# Stored by the offline run too, first asked for one by one after a cache-server restart: the
+# first one the server serves tells how long hits took to come back.
+RECOVERY = {f"recovery-{i}": tokens(500 + i, 600) for i in range(24)}
+# Sent while the cache server is down (new prompts, so every one looks up and fails).
+OUTAGE = {f"outage-{i}": tokens(600 + i, 600) for i in range(3)}
 MAX_TOKENS = 12
 
 
 def requests() -> list[dict[str, Any]]:
     """Every single-shot request, with its output length."""
-    out = [
-        {"id": k, "prompt": v, "max_tokens": MAX_TOKENS} for k, v in {**RESTART, **LOADER, **FAULTS}.items()
-    ]
+    short = {**RESTART, **LOADER, **FAULTS, **RECOVERY, **OUTAGE}
+    out = [{"id": k, "prompt": v, "max_tokens": MAX_TOKENS} for k, v in short.items()]
     out += [{"id": k, "prompt": v, "max_tokens": DECODE_TOKENS} for k, v in DECODERS.items()]
     out += [{"id": k, "prompt": v, "max_tokens": PREEMPT_TOKENS} for k, v in PREEMPT.items()]
     return out

@@ -26,6 +26,7 @@ __all__ = [
     "LimitsConfig",
     "ListenConfig",
     "MetricsConfig",
+    "ObjectStoreTierConfig",
     "ServerConfig",
     "ShmConfig",
     "TLSConfig",
@@ -218,6 +219,109 @@ class ExtraTierConfig(_Model):
         return self
 
 
+class ObjectStoreTierConfig(_Model):
+    """An object-store tier speaking the S3 API, below (or instead of) the shared volume.
+
+    One object per chunk under ``<prefix>/blocks/<namespace>/<bucket>/<key>``; servers learn each
+    other's objects from journal segments under ``<prefix>/journal/`` (docs/cacheserver.md).
+    """
+
+    endpoint: str = Field(
+        pattern=r"^https?://[^/\s]+/?$",
+        description="S3 endpoint URL, e.g. 'https://s3.us-east-1.amazonaws.com' or 'http://minio.storage:9000'.",
+    )
+    bucket: str = Field(
+        pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$", description="Bucket holding the objects (must exist)."
+    )
+    prefix: str = Field(
+        default="kvfabric",
+        pattern=r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$",
+        description="Key prefix of everything this pool writes (a pool per prefix).",
+    )
+    region: str = Field(default="us-east-1", min_length=1, description="Region used to sign requests.")
+    path_style: bool = Field(
+        default=True,
+        description="Path-style requests (http://endpoint/bucket/key), which most S3-compatible servers "
+        "need; false for virtual-hosted style (http://bucket.endpoint/key).",
+    )
+    access_key_id_file: Path | None = Field(
+        default=None,
+        description="File holding the access key id (a mounted Secret key); with secret_access_key_file. "
+        "Both unset: the environment's AWS_* credentials.",
+    )
+    secret_access_key_file: Path | None = Field(
+        default=None, description="File holding the secret access key (a mounted Secret key)."
+    )
+    ca_file: Path | None = Field(
+        default=None, description="PEM CA bundle to verify the endpoint's TLS certificate (private CAs)."
+    )
+    capacity_bytes: int = Field(gt=0, description="Byte budget of the tier (objects incl. 4 KiB headers).")
+    high_watermark: float = Field(
+        default=0.9, gt=0, le=1, description="Fraction of capacity at which eviction starts."
+    )
+    low_watermark: float = Field(
+        default=0.75, gt=0, lt=1, description="Fraction of capacity eviction brings usage down to."
+    )
+    checksum: Literal["sha256", "none"] = Field(
+        default="sha256",
+        description="S3 checksum header sent with every PUT (x-amz-checksum-sha256), verified by the "
+        "server where it supports it; every read is verified with the block's own checksum regardless.",
+    )
+    part_bytes: int = Field(
+        default=8 * MiB,
+        ge=1 * MiB,
+        description="Loads of larger objects are split into ranged GETs of this size, fetched in parallel.",
+    )
+    max_concurrent_gets: int = Field(default=16, gt=0, description="GET requests in flight at once.")
+    max_concurrent_puts: int = Field(
+        default=4, gt=0, description="PUT/COPY/DELETE requests in flight at once (write-back, refresh)."
+    )
+    max_pending_bytes: int = Field(
+        default=512 * MiB,
+        gt=0,
+        description="Bytes waiting for write-back to the object store; beyond it a write-back is dropped "
+        "and counted (the block stays in the tiers above).",
+    )
+    request_timeout_seconds: float = Field(
+        default=10.0, gt=0, description="Timeout of one HTTP request (connect to last byte)."
+    )
+    connect_timeout_seconds: float = Field(default=2.0, gt=0, description="TCP/TLS connect timeout.")
+    max_retries: int = Field(
+        default=3,
+        ge=0,
+        le=10,
+        description="Retries of a request that failed with 5xx (incl. 503 SlowDown), a timeout or a "
+        "dropped connection, with exponential backoff and jitter.",
+    )
+    retry_timeout_seconds: float = Field(
+        default=15.0, gt=0, description="No retry starts later than this after the first attempt."
+    )
+    failure_threshold: int = Field(
+        default=3,
+        gt=0,
+        description="After this many consecutive failed requests the tier is skipped (lookups miss at "
+        "once) for cooldown_seconds, so a dead or hung object store costs recomputes, not deadlines.",
+    )
+    cooldown_seconds: float = Field(default=5.0, gt=0, description="How long the tier is skipped.")
+    journal_poll_seconds: float = Field(
+        default=1.0, gt=0, description="How often other servers' journal segments are listed (one LIST)."
+    )
+    rescan_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="How often the index is rebuilt from a full listing (repairs missed journal entries).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        _check_watermark_order(self.low_watermark, self.high_watermark)
+        if any(seg in (".", "..") for seg in self.prefix.split("/")):
+            raise ValueError(f"prefix ({self.prefix!r}) must not contain '.' or '..' segments")
+        if (self.access_key_id_file is None) != (self.secret_access_key_file is None):
+            raise ValueError("access_key_id_file and secret_access_key_file must be set together")
+        return self
+
+
 class TiersConfig(_Model):
     """The storage tiers, fastest first. DRAM is mandatory; the disk tiers are optional."""
 
@@ -229,6 +333,11 @@ class TiersConfig(_Model):
         default=None,
         description="Shared-volume tier seen by several servers (evicted oldest bucket first); "
         "null disables it.",
+    )
+    object_store: ObjectStoreTierConfig | None = Field(
+        default=None,
+        description="Object-store (S3 API) tier below the disk tiers, shared by every server using the "
+        "same bucket and prefix; null disables it.",
     )
     write_back: Literal["all", "none"] = Field(
         default="all",
@@ -274,6 +383,20 @@ class LimitsConfig(_Model):
     )
     default_deadline_ms: int = Field(
         default=5000, gt=0, description="Deadline applied to a call whose client set none."
+    )
+    max_call_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="Server-side bound of a store stream and of any wait for a slot, whatever deadline "
+        "the client asked for (or none): a trickling client cannot hold a slot longer.",
+    )
+    max_slots_per_peer: int | None = Field(
+        default=None,
+        gt=0,
+        description="Load slots and store slots one TCP peer (address) may hold at once; default a "
+        "quarter of each limit (at least 1), so a slow or stalled remote client cannot starve the "
+        "others. Calls beyond it: loads RESOURCE_EXHAUSTED, stores dropped. Same-node clients on the "
+        "Unix socket are not distinguished (docs/security.md).",
     )
     io_threads: int = Field(default=4, gt=0, description="Threads doing disk I/O and checksums.")
 

@@ -13,12 +13,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from kvfabric.cacheserver.engine.base import READ_MISSES
+from kvfabric.cacheserver.engine.base import READ_MISSES, TierUsage
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.tiered import TieredStore
 
@@ -40,9 +40,22 @@ _ENGINE_COUNTERS: dict[str, tuple[str, str, str]] = {
     "dropped_stores": ("kvfabric.cache.dropped_stores", "Stores dropped under backpressure", "1"),
     "dropped_writebacks": ("kvfabric.cache.dropped_writebacks", "Write-backs to a disk tier dropped", "1"),
     "writes_refused": ("kvfabric.cache.writes_refused", "Disk writes refused: budget or disk full", "1"),
+    "writes_superseded": (
+        "kvfabric.cache.writes_superseded",
+        "Block writes abandoned before their rename: a newer copy or a delete of the key is known",
+        "1",
+    ),
     "bytes_written": ("kvfabric.cache.tier_written", "Payload bytes written back to a disk tier", "By"),
     "stores": ("kvfabric.cache.stores", "Blocks stored into DRAM", "1"),
 }
+
+
+# Per-tier usage gauges: (exported name, description, unit, what of a TierUsage it reads).
+_TIER_GAUGES: list[tuple[str, str, str, Callable[[TierUsage], int]]] = [
+    ("kvfabric.tier.used", "Bytes used per tier", "By", lambda u: u.used_bytes),
+    ("kvfabric.tier.capacity", "Tier budgets", "By", lambda u: u.capacity_bytes),
+    ("kvfabric.tier.blocks", "Blocks per tier", "1", lambda u: u.blocks),
+]
 
 
 class Metrics:
@@ -51,45 +64,21 @@ class Metrics:
     def __init__(self, store: TieredStore) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._reader = PrometheusMetricReader(registry=self.registry)
-        views = [
-            View(
-                instrument_name="kvfabric.*.duration",
-                aggregation=ExplicitBucketHistogramAggregation(_LATENCY_BUCKETS),
-            )
-        ]
-        self.provider = MeterProvider(metric_readers=[self._reader], views=views)
+        self.provider = MeterProvider(metric_readers=[self._reader], views=_views())
         meter = self.provider.get_meter("kvfabric.cacheserver")
         self._store = store
-        counters: Counters = store.counters
-        for key, (name, desc, unit) in _ENGINE_COUNTERS.items():
-            meter.create_observable_counter(
-                name, callbacks=[_counter_cb(counters, key)], unit=unit, description=desc
-            )
-        meter.create_observable_counter(
-            "kvfabric.cache.read_misses",
-            callbacks=[_read_misses_cb(counters)],
-            unit="1",
-            description="Reads an index promised that missed, per tier and reason "
-            "(absent, corrupt, stale, stale-handle, io-error); the entry is dropped",
-        )
-        meter.create_observable_gauge(
-            "kvfabric.tier.used",
-            callbacks=[self._usage_cb("used")],
-            unit="By",
-            description="Bytes used per tier",
-        )
-        meter.create_observable_gauge(
-            "kvfabric.tier.capacity",
-            callbacks=[self._usage_cb("capacity")],
-            unit="By",
-            description="Tier budgets",
-        )
-        meter.create_observable_gauge(
-            "kvfabric.tier.blocks",
-            callbacks=[self._usage_cb("blocks")],
-            unit="1",
-            description="Blocks per tier",
-        )
+        _observe_engine_counters(meter, store.counters)
+        self._observe_tiers(meter)
+        self._observe_volume_clock(meter)
+        self._create_request_instruments(meter)
+
+    def _observe_tiers(self, meter: Meter) -> None:
+        """Per-tier usage gauges (:data:`_TIER_GAUGES`), read from the store at scrape time."""
+        for name, desc, unit, read in _TIER_GAUGES:
+            meter.create_observable_gauge(name, callbacks=[self._usage_cb(read)], unit=unit, description=desc)
+
+    def _observe_volume_clock(self, meter: Meter) -> None:
+        """Gauges of the shared volume's clock, read from the store at scrape time."""
         meter.create_observable_gauge(
             "kvfabric.volume.stamps_local_clock",
             callbacks=[self._clock_cb("stamps_local")],
@@ -103,6 +92,9 @@ class Metrics:
             unit="s",
             description="Latest minus earliest clock among the live servers sharing the volume",
         )
+
+    def _create_request_instruments(self, meter: Meter) -> None:
+        """The counters and latency histograms the service records per request."""
         self.lookups = meter.create_counter("kvfabric.cache.lookups", unit="1", description="Lookup requests")
         self.lookup_keys = meter.create_counter(
             "kvfabric.cache.lookup_keys",
@@ -125,11 +117,12 @@ class Metrics:
             "kvfabric.lookup.duration", unit="s", description="Lookup latency (server side)"
         )
 
-    def _usage_cb(self, what: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def _usage_cb(
+        self, read: Callable[[TierUsage], int]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def cb(_: CallbackOptions) -> Iterable[Observation]:
             for u in self._store.usage():
-                value = {"used": u.used_bytes, "capacity": u.capacity_bytes, "blocks": u.blocks}[what]
-                yield Observation(value, {"tier": u.name})
+                yield Observation(read(u), {"tier": u.name})
 
         return cb
 
@@ -150,6 +143,31 @@ class Metrics:
     def shutdown(self) -> None:
         """Stop the meter provider."""
         self.provider.shutdown()
+
+
+def _views() -> list[View]:
+    """Every ``*.duration`` histogram uses :data:`_LATENCY_BUCKETS`."""
+    return [
+        View(
+            instrument_name="kvfabric.*.duration",
+            aggregation=ExplicitBucketHistogramAggregation(_LATENCY_BUCKETS),
+        )
+    ]
+
+
+def _observe_engine_counters(meter: Meter, counters: Counters) -> None:
+    """One observable counter per engine event (:data:`_ENGINE_COUNTERS`), plus read misses by reason."""
+    for key, (name, desc, unit) in _ENGINE_COUNTERS.items():
+        meter.create_observable_counter(
+            name, callbacks=[_counter_cb(counters, key)], unit=unit, description=desc
+        )
+    meter.create_observable_counter(
+        "kvfabric.cache.read_misses",
+        callbacks=[_read_misses_cb(counters)],
+        unit="1",
+        description="Reads an index promised that missed, per tier and reason "
+        "(absent, corrupt, stale, stale-handle, io-error); the entry is dropped",
+    )
 
 
 def _counter_cb(counters: Counters, key: str) -> Callable[[CallbackOptions], Iterable[Observation]]:

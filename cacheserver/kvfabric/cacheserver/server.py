@@ -226,27 +226,11 @@ async def serve(
         probes = ProbeServer(config.metrics.host, config.metrics.port, metrics)
         probes.start()
 
-    servers: list[grpc.aio.Server] = []
-    uds = grpc.aio.server(options=_SERVER_OPTIONS)
-    add_to_server(CacheService(state, allow_shm=True), uds)
-    health_pb2_grpc.add_HealthServicer_to_server(health, uds)
     sock = config.listen.unix_socket
-    sock.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        sock.unlink()  # a stale socket from a killed predecessor
-    uds.add_insecure_port(f"unix://{sock.absolute()}")
-    servers.append(uds)
-
+    servers = [_unix_server(sock, state, health)]
     tcp_port: int | None = None
     if config.listen.tcp_port is not None:
-        tcp = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=[auth] if auth else [])
-        add_to_server(CacheService(state, allow_shm=False), tcp)
-        health_pb2_grpc.add_HealthServicer_to_server(health, tcp)
-        addr = f"{config.listen.tcp_host}:{config.listen.tcp_port}"
-        if tls_creds is not None:
-            tcp_port = tcp.add_secure_port(addr, tls_creds)
-        else:
-            tcp_port = tcp.add_insecure_port(addr)
+        tcp, tcp_port = _tcp_server(config, state, health, auth, tls_creds)
         servers.append(tcp)
 
     for s in servers:
@@ -258,12 +242,7 @@ async def serve(
     if probes is not None:
         probes.ready = True
 
-    async def reap_leases() -> None:
-        while True:
-            await asyncio.sleep(min(1.0, config.shm.slot_lease_seconds / 4))
-            arena.reap()
-
-    reaper = asyncio.create_task(reap_leases())
+    reaper = asyncio.create_task(_reap_leases(arena, config.shm.slot_lease_seconds))
     log.info(
         "serving",
         extra={
@@ -297,3 +276,45 @@ async def serve(
         with contextlib.suppress(OSError):
             arena.dir.rmdir()
         log.info("stopped")
+
+
+def _unix_server(sock: Path, state: SharedState, health: HealthServicer) -> grpc.aio.Server:
+    """The same-node listener: every method, shared memory included, on the Unix socket ``sock``.
+
+    Replaces a stale socket left by a killed predecessor. Not started yet.
+    """
+    uds = grpc.aio.server(options=_SERVER_OPTIONS)
+    add_to_server(CacheService(state, allow_shm=True), uds)
+    health_pb2_grpc.add_HealthServicer_to_server(health, uds)
+    sock.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        sock.unlink()  # a stale socket from a killed predecessor
+    uds.add_insecure_port(f"unix://{sock.absolute()}")
+    return uds
+
+
+def _tcp_server(
+    config: ServerConfig,
+    state: SharedState,
+    health: HealthServicer,
+    auth: _BearerAuth | None,
+    tls_creds: grpc.ServerCredentials | None,
+) -> tuple[grpc.aio.Server, int]:
+    """The remote listener (no shared memory; bearer auth and TLS when configured) and its bound port.
+
+    Not started yet.
+    """
+    tcp = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=[auth] if auth else [])
+    add_to_server(CacheService(state, allow_shm=False), tcp)
+    health_pb2_grpc.add_HealthServicer_to_server(health, tcp)
+    addr = f"{config.listen.tcp_host}:{config.listen.tcp_port}"
+    if tls_creds is not None:
+        return tcp, tcp.add_secure_port(addr, tls_creds)
+    return tcp, tcp.add_insecure_port(addr)
+
+
+async def _reap_leases(arena: StagingArena, lease_seconds: float) -> None:
+    """Free staging slots whose lease ran out, a few times per lease, until cancelled."""
+    while True:
+        await asyncio.sleep(min(1.0, lease_seconds / 4))
+        arena.reap()

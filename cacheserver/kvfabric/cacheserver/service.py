@@ -63,17 +63,49 @@ class SharedState:
         )
         self.load_slots = asyncio.Semaphore(limits.max_concurrent_loads)
         self.store_inflight = 0
+        # (peer address, "load" | "store") -> slots held (or waited for) by that TCP peer
+        self.peer_slots: dict[tuple[str, str], int] = {}
 
-    def try_store_slot(self) -> bool:
+    def peer_cap(self, kind: str) -> int:
+        """Slots of ``kind`` one TCP peer may hold at once."""
+        if self.limits.max_slots_per_peer is not None:
+            return self.limits.max_slots_per_peer
+        total = self.limits.max_concurrent_loads if kind == "load" else self.limits.max_concurrent_stores
+        return max(1, total // 4)
+
+    def enter_peer(self, peer: str | None, kind: str) -> bool:
+        """Count a slot of ``peer`` (None: a Unix-socket client, not counted); False at its cap."""
+        if peer is None:
+            return True
+        held = self.peer_slots.get((peer, kind), 0)
+        if held >= self.peer_cap(kind):
+            return False
+        self.peer_slots[peer, kind] = held + 1
+        return True
+
+    def leave_peer(self, peer: str | None, kind: str) -> None:
+        """Uncount a slot of ``peer``."""
+        if peer is None:
+            return
+        held = self.peer_slots.get((peer, kind), 1) - 1
+        if held > 0:
+            self.peer_slots[peer, kind] = held
+        else:
+            self.peer_slots.pop((peer, kind), None)
+
+    def try_store_slot(self, peer: str | None = None) -> bool:
         """Take a store slot if one is free (never waits: stores are dropped, not queued)."""
         if self.store_inflight >= self.limits.max_concurrent_stores:
+            return False
+        if not self.enter_peer(peer, "store"):
             return False
         self.store_inflight += 1
         return True
 
-    def release_store_slot(self) -> None:
+    def release_store_slot(self, peer: str | None = None) -> None:
         """Give back a store slot."""
         self.store_inflight -= 1
+        self.leave_peer(peer, "store")
 
     def close(self) -> None:
         """Stop the pools."""
@@ -99,6 +131,13 @@ def _decoder(cls: type[Message]) -> Callable[[bytes], Any]:
             return BadMessage(exc)
 
     return decode
+
+
+def peer_key(peer: str) -> str | None:
+    """The accounting key of a gRPC peer: its address without the port; None on the Unix socket."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rsplit(":", 1)[0]
+    return None
 
 
 def add_to_server(service: CacheService, server: grpc.aio.Server) -> None:
@@ -144,8 +183,10 @@ class CacheService(pb_grpc.CacheServicer):
     # --- helpers -------------------------------------------------------------------------------------
 
     def _deadline(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
+        """Seconds this call may still take: the client's deadline, capped by the server's own."""
         left = context.time_remaining()
-        return self.s.limits.default_deadline_ms / 1000 if left is None else max(0.0, left)
+        asked = self.s.limits.default_deadline_ms / 1000 if left is None else max(0.0, left)
+        return min(asked, self.s.limits.max_call_seconds)
 
     async def _ids(
         self, namespace: str, keys: list[str], context: grpc.aio.ServicerContext[Any, Any]
@@ -166,15 +207,27 @@ class CacheService(pb_grpc.CacheServicer):
 
     @contextlib.asynccontextmanager
     async def _load_slot(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
+        peer = peer_key(context.peer())
+        if not self.s.enter_peer(peer, "load"):
+            await _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this client already holds {self.s.peer_cap('load')} load slots (max_slots_per_peer)",
+            )
         try:
-            async with asyncio.timeout(self._deadline(context)):
-                await self.s.load_slots.acquire()
-        except TimeoutError:
-            await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "no load slot free before the deadline")
-        try:
-            yield
+            try:
+                async with asyncio.timeout(self._deadline(context)):
+                    await self.s.load_slots.acquire()
+            except TimeoutError:
+                await _abort(
+                    context, grpc.StatusCode.DEADLINE_EXCEEDED, "no load slot free before the deadline"
+                )
+            try:
+                yield
+            finally:
+                self.s.load_slots.release()
         finally:
-            self.s.load_slots.release()
+            self.s.leave_peer(peer, "load")
 
     # --- RPCs ----------------------------------------------------------------------------------------
 
@@ -283,10 +336,24 @@ class CacheService(pb_grpc.CacheServicer):
     async def Store(
         self, request_iterator: AsyncIterator[pb.StoreChunk], context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.StoreResponse:
-        """Receive a stream of payload pieces; each complete payload is put into DRAM."""
+        """Receive a stream of payload pieces; each complete payload is put into DRAM.
+
+        The whole stream is bounded by the server-side deadline (``limits.max_call_seconds``), and one
+        TCP peer holds at most its share of the store slots.
+        """
+        try:
+            async with asyncio.timeout(self._deadline(context)):
+                return await self._store(request_iterator, context)
+        except TimeoutError:
+            await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "server-side deadline: store too slow")
+
+    async def _store(
+        self, request_iterator: AsyncIterator[pb.StoreChunk], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.StoreResponse:
         t0 = time.perf_counter()
         limits = self.s.limits
-        have_slot = self.s.try_store_slot()
+        peer = peer_key(context.peer())
+        have_slot = self.s.try_store_slot(peer)
         accepted = dropped = 0
         namespace: str | None = None
         cur: _Incoming | None = None
@@ -333,7 +400,7 @@ class CacheService(pb_grpc.CacheServicer):
                 accepted, dropped = accepted + ok, dropped + (not ok)
         finally:
             if have_slot:
-                self.s.release_store_slot()
+                self.s.release_store_slot(peer)
         if dropped:
             self.s.store.counters.inc("dropped_stores", "grpc", dropped)
         self.s.metrics.store_duration.record(time.perf_counter() - t0, {"transport": "grpc"})

@@ -8,7 +8,7 @@ and no circuit breaker (the connector's resilience layer adds those).
 """
 
 from kvfabric.client.aio import AsyncCacheClient
-from kvfabric.client.results import LookupResult, StoreResult
+from kvfabric.client.results import FlushResult, LookupResult, StoreResult
 from kvfabric.client.sync import CacheClient
 
-__all__ = ["AsyncCacheClient", "CacheClient", "LookupResult", "StoreResult"]
+__all__ = ["AsyncCacheClient", "CacheClient", "FlushResult", "LookupResult", "StoreResult"]

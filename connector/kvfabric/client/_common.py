@@ -13,7 +13,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from kvfabric.client import errors
-from kvfabric.client.results import LookupResult
+from kvfabric.client.results import FlushResult, LookupResult
 from kvfabric.rpc.v1 import cache_pb2 as pb
 
 Payload: TypeAlias = bytes | bytearray | memoryview
@@ -36,7 +36,19 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
 ]
 STREAM_PIECE_BYTES = 1 << 20  # 1-2 MiB messages measured fastest through grpcio
-TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_LOCAL_DISK: "local_disk", pb.TIER_SHARED: "shared"}
+
+
+def tier_name(tier: int) -> str:
+    """A wire tier's name as the server spells it (``TIER_LOCAL_DISK`` -> ``"local_disk"``).
+
+    The server's ``TierName`` values are the proto names without ``TIER_``, lower case (a server-side
+    test checks that), so the client derives them from the proto and names every tier it knows.
+    """
+    return pb.Tier.Name(tier).removeprefix("TIER_").lower()
+
+
+TIER_NAMES: dict[int, str] = {v: tier_name(v) for v in pb.Tier.values() if v != pb.TIER_UNSPECIFIED}
+"""Every tier the proto names (``TIER_UNSPECIFIED`` aside); a newer server's unknown tier is ``"unknown"``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +144,12 @@ def map_rpc_error(exc: grpc.RpcError) -> errors.CacheError:
 def lookup_result(resp: pb.LookupResponse) -> LookupResult:
     """Convert a LookupResponse."""
     return LookupResult(matched=resp.matched, tiers=[TIER_NAMES.get(t, "unknown") for t in resp.tiers])
+
+
+def flush_result(resp: pb.FlushResponse) -> FlushResult:
+    """Convert a FlushResponse."""
+    tiers = [[TIER_NAMES.get(t, "unknown") for t in held.tiers] for held in resp.keys]
+    return FlushResult(tiers=tiers, complete=resp.complete)
 
 
 def check_timeout(timeout: float) -> None:

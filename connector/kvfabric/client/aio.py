@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvfabric.client import _common as c
-from kvfabric.client.results import LookupResult, StoreResult
+from kvfabric.client.results import FlushResult, LookupResult, StoreResult
 from kvfabric.client.sync import CacheClient
 
 __all__ = ["AsyncCacheClient"]
@@ -91,6 +91,10 @@ class AsyncCacheClient:
     async def delete(self, namespace: str, keys: Sequence[str], *, timeout: float) -> int:
         """Delete keys from every tier; returns how many were stored."""
         return await self._run(self._client.delete, namespace, keys, timeout=timeout)
+
+    async def flush(self, namespace: str, keys: Sequence[str], *, timeout: float) -> FlushResult:
+        """Wait (within ``timeout``) for the keys' pending write-backs; say which durable tiers hold each."""
+        return await self._run(self._client.flush, namespace, keys, timeout=timeout)
 
     async def stats(self, *, timeout: float) -> dict[str, Any]:
         """Return the server's statistics as a dict."""

@@ -14,7 +14,7 @@ import grpc
 
 from kvfabric.client import _common as c
 from kvfabric.client.errors import CacheTimeout, InvalidRequest
-from kvfabric.client.results import LookupResult, StoreResult
+from kvfabric.client.results import FlushResult, LookupResult, StoreResult
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 
@@ -181,6 +181,18 @@ class CacheClient:
         req = pb.DeleteRequest(namespace=namespace, keys=keys)
         resp = self._call(lambda: self._stub.Delete(req, timeout=timeout, metadata=self._md))
         return int(resp.deleted)
+
+    def flush(self, namespace: str, keys: Sequence[str], *, timeout: float) -> FlushResult:
+        """Wait (within ``timeout``) for the keys' pending write-backs; say which durable tiers hold each.
+
+        A store is acknowledged once its payload is in DRAM; this is how a caller learns when it
+        survives a restart. The server answers a little before the deadline, so a slow write-back
+        reads ``complete=False`` rather than a timeout.
+        """
+        c.check_timeout(timeout)
+        c.check_ids(namespace, keys)
+        req = pb.FlushRequest(namespace=namespace, keys=keys)
+        return c.flush_result(self._call(lambda: self._stub.Flush(req, timeout=timeout, metadata=self._md)))
 
     def stats(self, *, timeout: float) -> dict[str, Any]:
         """Return the server's statistics (tiers' usage, counters) as a dict."""

@@ -28,12 +28,12 @@ from kvfabric.connector.steps import LoadSpec, RequestInfo, Role, SaveSpec, Step
 log = logging.getLogger(__name__)
 
 # Order used to name the "source tier" of a hit: the slowest tier involved bounds its speed.
-TIER_ORDER = {"dram": 0, "local_disk": 1, "shared": 2}
+TIER_ORDER = {"dram": 0, "local_disk": 1, "shared": 2, "object": 3}
 
 
 def slowest_tier(tiers: Sequence[str]) -> str | None:
     """Return the slowest of ``tiers`` (``None`` for none)."""
-    return max(tiers, key=lambda t: TIER_ORDER.get(t, 3)) if tiers else None
+    return max(tiers, key=lambda t: TIER_ORDER.get(t, 4)) if tiers else None
 
 
 @dataclass

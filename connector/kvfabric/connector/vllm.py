@@ -37,6 +37,16 @@ from kvfabric.connector.resilient import build_cache
 from kvfabric.connector.scheduler import SchedulerHalf
 from kvfabric.connector.settings import ConnectorSettings
 from kvfabric.connector.steps import RequestInfo, Role, ScheduledRequest, StepInput, StepPlan
+from kvfabric.connector.vllmevents import KVEventLog
+from kvfabric.connector.vllmmetrics import (
+    CounterDeltas,
+    KVFabricPromMetrics,
+    KVFabricStats,
+    TransitionLog,
+    adopt_vllm_logging,
+    hit_source,
+    stats_payload,
+)
 from kvfabric.connector.worker import WorkerHalf
 
 log = logging.getLogger(__name__)
@@ -50,8 +60,13 @@ try:  # pragma: no cover - depends on the environment
     )
 
     VLLM_AVAILABLE = True
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource as _CacheHitSource
+    except ImportError:  # vLLM < 0.32: hits are not split by source
+        _CacheHitSource = None
 except ImportError:  # vLLM is not installed (no GPU here): use the stand-ins below.
     VLLM_AVAILABLE = False
+    _CacheHitSource = None
 
     class _VllmMetadata:  # type: ignore[no-redef]
         """Stand-in for ``KVConnectorMetadata``."""
@@ -180,6 +195,20 @@ def step_input_from_vllm(scheduler_output: Any) -> StepInput:
             )
     finished = getattr(scheduler_output, "finished_req_ids", None) or ()
     return StepInput(tuple(scheduled), frozenset(finished))
+
+
+def drop_overwritten_from_zeroing(scheduler_output: Any, plan: StepPlan) -> None:
+    """Remove from ``new_block_ids_to_zero`` the blocks this step's loads overwrite whole.
+
+    vLLM 0.32 allows this of a synchronous-read connector: the load writes every byte of those
+    blocks before the forward reads them (a failed load is recomputed, which writes them too), so
+    zeroing them first is wasted work. The one sanctioned mutation of ``scheduler_output``.
+    """
+    zero = getattr(scheduler_output, "new_block_ids_to_zero", None)
+    if not zero or not plan.loads:
+        return
+    loaded = {b for spec in plan.loads for blocks in spec.block_ids for b in blocks}
+    zero[:] = [b for b in zero if b not in loaded]
 
 
 def _role_of(role: Any) -> Role:
@@ -329,12 +358,54 @@ def namespace_spec_from_vllm(
     )
 
 
+EXPANDABLE_SEGMENTS_REASON = (
+    "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: vLLM 0.33 refuses any KV connector with "
+    "it unless its cumem allocator is on, and kvfabric's saves and loads address KV blocks by their "
+    "memory; unset it (or set expandable_segments:False)"
+)
+
+
+def expandable_segments_on(environ: dict[str, str] | None = None) -> bool:
+    """Whether ``PYTORCH_CUDA_ALLOC_CONF`` turns on expandable segments (vLLM 0.33 refuses it)."""
+    conf = (environ if environ is not None else dict(os.environ)).get("PYTORCH_CUDA_ALLOC_CONF", "")
+    opts = dict(part.split(":", 1) for part in conf.replace(" ", "").split(",") if ":" in part)
+    return opts.get("expandable_segments", "").lower() == "true"
+
+
+def refuse_hybrid_kv_cache(kv_cache_config: Any) -> None:
+    """Refuse, naming the reason, a model with several KV cache groups (hybrid attention).
+
+    kvfabric is not ``SupportsHMA``: its chunks hold one group's blocks. vLLM therefore disables its
+    hybrid allocator for this connector; a model that still needs several groups (sliding-window
+    plus full attention, or SSM layers) would mix blocks of different groups into one chunk.
+    """
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    if len(groups) > 1:
+        raise ValueError(
+            f"kvfabric supports models with one KV cache group; this one has {len(groups)} "
+            "(hybrid attention: sliding-window, chunked-local or SSM layers beside full attention). "
+            "Remove --kv-transfer-config for this model, or serve it without kvfabric."
+        )
+
+
 class KVFabricConnector(_VllmBase):  # type: ignore[misc]
     """kvfabric as a vLLM KV connector: prefix chunks from the node's cache server, stored back async."""
 
+    # Hits are attributed per request by get_external_cache_hit_sources; this is vLLM's fallback.
+    if _CacheHitSource is not None:
+        _cache_hit_source = _CacheHitSource.HOST
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        """Construct one half (vLLM builds one per role); reads settings from env + extra config."""
+        """Construct one half (vLLM builds one per role); reads settings from env + extra config.
+
+        Refuses (``ValueError``) a hybrid-attention model and warns about expandable segments,
+        both at start-up, naming the reason.
+        """
         super().__init__(vllm_config, role, kv_cache_config)
+        adopt_vllm_logging()
+        refuse_hybrid_kv_cache(kv_cache_config)
+        if expandable_segments_on():
+            log.warning("kvfabric: %s", EXPANDABLE_SEGMENTS_REASON)
         ktc = getattr(vllm_config, "kv_transfer_config", None)
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
         settings = ConnectorSettings.load(extra)
@@ -354,6 +425,15 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
             self._half = self._scheduler = SchedulerHalf(settings, rank0, cache=cache)
         else:
             self._half = self._worker = WorkerHalf(settings, spec, cache=cache)
+        self._deltas = CounterDeltas.of(self._half.counters)
+        events_cfg = getattr(vllm_config, "kv_events_config", None)
+        self._events = KVEventLog(
+            settings.chunk_tokens, spec.block_size, bool(getattr(events_cfg, "enable_kv_cache_events", False))
+        )
+        # Scheduler: req_id -> (vLLM's Request, chunk key -> chunk index) for the KV events.
+        self._requests: dict[str, tuple[Any, dict[str, int]]] = {}
+        self._lookups = TransitionLog("lookups", log)
+        self._loads_state = TransitionLog("loads", log)
         log.info(
             "kvfabric connector (%s) namespace=%s pool=%s socket=%s remote=%s",
             our_role.name.lower(),
@@ -397,12 +477,67 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         """Return True: ``wait_for_layer_load`` really blocks, so its hook must run."""
         return True
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """Return False: the worker keeps the KV tensors vLLM registered, which sleep mode remaps."""
+        return False
+
+    # ---------------- statistics (vLLM's stats, logs and /metrics) ----------------
+
+    def get_kv_connector_stats(self) -> KVFabricStats | None:
+        """This step's counter deltas (both roles; vLLM sums workers and the scheduler)."""
+        restore = 0.0
+        if self._worker is not None:
+            restore = self._worker.restore_s
+            for report in self._worker.take_load_reports():
+                self._loads_state.note(report.reason.value if report.reason else None)
+        data = stats_payload(self._deltas.take(), self.settings.chunk_tokens, restore)
+        return KVFabricStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVFabricStats | None:
+        """Rebuild the stats vLLM shipped between processes."""
+        return KVFabricStats(data=dict(data)) if data is not None else KVFabricStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVFabricPromMetrics:
+        """Register kvfabric's metrics in vLLM's ``/metrics`` (``vllm:kvfabric_*``)."""
+        return KVFabricPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ---------------- scheduler side ----------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Return external prefix tokens available beyond ``num_computed_tokens`` (synchronous load)."""
+        half = self.scheduler_half
         info = request_info_from_vllm(request)
-        return self.scheduler_half.num_new_matched_tokens(info, num_computed_tokens), False
+        if info.req_id not in self._requests:
+            keys = half.chunk_keys(info) if self._events.enabled else []
+            self._requests[info.req_id] = (request, {k: i for i, k in enumerate(keys)})
+        lookups = half.counters.get("lookups")
+        hit = half.num_new_matched_tokens(info, num_computed_tokens)
+        if half.counters.get("lookups") > lookups:  # a lookup really ran (not skipped as too short)
+            reason = half.lookup_reason(info.req_id)
+            self._lookups.note(reason.value if reason is not None and reason.value != "not-found" else None)
+        if self._events.enabled and num_computed_tokens == 0:
+            _request, index = self._requests[info.req_id]
+            matched = hit // half.chunk_tokens
+            self._events.found_missing([k for k, i in index.items() if i >= matched])
+        return hit, False
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        """Attribute the hit to kvfabric's slowest tier among its chunks (vLLM's "outermost")."""
+        if num_external_tokens <= 0:
+            return {}
+        if _CacheHitSource is None:
+            return {}
+        source = _CacheHitSource(hit_source(self.scheduler_half.hit_tier(str(request.request_id))))
+        return {source: num_external_tokens}
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Remember the blocks the hit must fill."""
@@ -417,11 +552,22 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         if half.cache is None:
             return KVFabricMetadata()
         plan = half.build_plan(step_input_from_vllm(scheduler_output))
+        drop_overwritten_from_zeroing(scheduler_output, plan)
+        if self._events.enabled:
+            for save in plan.saves:
+                request, index = self._requests.get(save.req_id, (None, {}))
+                if request is not None:
+                    self._events.stored(request, save.keys, index)
         return KVFabricMetadata(loads=plan.loads, saves=plan.saves)
+
+    def take_events(self) -> list[Any]:
+        """KV events (``BlockStored``/``BlockRemoved``, medium ``CPU``) since the last step."""
+        return self._events.take()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Free blocks at once: saves copied them out during the step."""
         self.scheduler_half.request_finished(str(request.request_id))
+        self._requests.pop(str(request.request_id), None)
         return False, None
 
     # ---------------- worker side ----------------

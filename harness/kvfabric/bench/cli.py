@@ -12,7 +12,7 @@ import importlib
 from typing import Protocol, cast
 
 # Shown by `kvfabric --help`; this module is registered under the kvfabric.commands entry points.
-SUMMARY = "run a benchmark (storage, ttft, operator) and print ratios"
+SUMMARY = "run a benchmark (storage, ttft, operator, vllm) and print ratios"
 
 __all__ = ["BENCHMARKS", "configure", "run"]
 
@@ -24,6 +24,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "ttft": ("kvfabric.bench.ttft", "time to first token with and without the cache (reference engine)"),
     # Plug-in point for the operator engineer: module kvfabric.bench.operator.
     "operator": ("kvfabric.bench.operator", "operator reconcile and webhook latency on the local cluster"),
+    # Real vLLM (CPU) from the pinned environment scripts/vllm-env.sh builds.
+    "vllm": (
+        "kvfabric.bench.vllm",
+        "TTFT inside real vLLM: cold, vLLM's own prefix cache, kvfabric after restart",
+    ),
 }
 
 

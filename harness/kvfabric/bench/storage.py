@@ -12,7 +12,17 @@ With 32 MiB chunks (one chunk of Llama-8B KV at 256 tokens), it measures:
   promoted into DRAM and copied into the client's buffers;
 * ``grpc_load_gbps`` — ``load`` over TCP loopback (payloads streamed in gRPC messages);
 * ``redis_get_gbps`` — ``GET`` of the same payloads from a real ``redis-server`` on loopback via redis-py;
-* ``lookup_p99_ms`` — 128-key lookups from 32 concurrent clients (closed loop) over the Unix socket.
+* ``lookup_p99_ms`` — 128-key lookups from 32 concurrent clients (closed loop) over the Unix socket;
+* ``object_tier_load_gbps`` — loads from the object-store tier of a server with DRAM and the object
+  tier only, after a restart (index rebuilt from a listing), from a real S3 server on loopback
+  (SeaweedFS): parallel ranged GETs, verified, promoted into DRAM and copied into the client's
+  buffers; against ``object_raw_get_gbps``, the very same objects fetched with the same ranged GETs
+  and concurrency by a bare obstore client (``object_single_get_gbps``: one plain GET per object, one
+  object at a time). Skipped with ``--no-object-store``;
+* ``object_ttft_s`` / ``recompute_ttft_s`` — the torch reference engine (preset ``bench``) with
+  the kvfabric connector: time to first token of a 16k-token prompt whose prefix is a hit from the
+  object tier (a restarted server: DRAM empty), against recomputing it (connector off), in the same
+  run (``object_ttft_speedup``). Skipped without the ``engine`` extra (torch).
 
 Throughputs are the median of several rounds, and paired paths (memcpy / shm load, raw read / tier
 load) alternate rounds, so that a burst of load from other processes skews a ratio as little as
@@ -57,6 +67,13 @@ TARGETS = (
     ),
     ("grpc_load_gbps >= 1.0 x redis_get_gbps", "grpc_load_gbps", "redis_get_gbps", ">=", 1.0),
     ("lookup_p99_ms <= 2", "lookup_p99_ms", None, "<=", 2.0),
+    (
+        "object_tier_load_gbps >= 0.9 x object_raw_get_gbps",
+        "object_tier_load_gbps",
+        "object_raw_get_gbps",
+        ">=",
+        0.9,
+    ),
 )
 
 
@@ -83,6 +100,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=20.0,
         help="also measure paced lookups at this rate per client, open loop (0 = skip; default 20/s)",
+    )
+    parser.add_argument(
+        "--no-object-store",
+        action="store_true",
+        help="skip the object-store tier (which starts a SeaweedFS S3 server, built on first use)",
+    )
+    parser.add_argument(
+        "--object-ttft-tokens",
+        type=int,
+        default=16384,
+        help="prompt tokens of the object-tier TTFT measurement (default 16384; 0 = skip)",
     )
     parser.add_argument(
         "--workdir",
@@ -174,6 +202,192 @@ def _redis(payload_count: int, chunk: int) -> Iterator[Any]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _object_tier(
+    work: Path,
+    *,
+    chunk: int,
+    rounds: int,
+    payloads: list[bytes],
+    ns: str,
+    keys: list[str],
+    say: Any,
+    ttft_tokens: int = 16384,
+) -> dict[str, Any]:
+    """Cold loads from the object tier against raw GETs of the same objects, in alternating rounds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import obstore
+
+    from kvfabric.cacheserver.config import ObjectStoreTierConfig
+    from kvfabric.cacheserver.engine.objectclient import make_store
+    from kvfabric.cacheserver.engine.objectstore import part_ranges
+    from kvfabric.client import CacheClient
+    from kvfabric.testing.s3server import s3_server
+    from kvfabric.testing.serverproc import cache_server, wait_until
+
+    out: dict[str, Any] = {}
+    n = len(keys)
+    with s3_server() as s3:
+        (work / "ak").write_text(s3.access_key)
+        (work / "sk").write_text(s3.secret_key)
+        tier = {
+            "endpoint": s3.endpoint,
+            "bucket": s3.bucket,
+            "prefix": "bench",
+            "access_key_id_file": str(work / "ak"),
+            "secret_access_key_file": str(work / "sk"),
+            "capacity_bytes": 4 * n * (chunk + 4096),
+            "max_pending_bytes": 2 * n * chunk,
+        }
+        cfg = ObjectStoreTierConfig.model_validate(tier)
+        with cache_server(
+            server_id="bench-object",
+            dram_bytes=(n + 4) * chunk + 256 * MiB,
+            local_disk_bytes=None,
+            metrics=False,
+            overrides={
+                "tiers.object_store": tier,
+                "limits.max_payload_bytes": chunk,
+                "shm.arena_bytes": 2 * chunk * max(2, n // 4),
+                "log_level": "WARNING",
+            },
+        ) as srv:
+            with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+                for k, p in zip(keys, payloads, strict=True):
+                    if c.store(ns, [k], [p], timeout=60).accepted != 1:
+                        raise RuntimeError("store dropped during the benchmark")
+
+                def uploaded() -> bool:
+                    up = c.stats(timeout=10)["counters"].get("bytes_uploaded", {}).get("object", 0)
+                    return bool(up >= n * chunk)
+
+                wait_until(uploaded, 600, 0.2, "object write-back")
+            store = make_store(cfg)
+            paths = sorted(m["path"] for batch in obstore.list(store, "blocks/") for m in batch)
+            sizes = {m["path"]: m["size"] for batch in obstore.list(store, "blocks/") for m in batch}
+            if len(paths) != n:
+                raise RuntimeError(f"expected {n} objects, found {len(paths)}")
+            part = cfg.part_bytes
+            pool = ThreadPoolExecutor(cfg.max_concurrent_gets)
+
+            def raw_parallel() -> None:
+                jobs = [(p, s, e) for p in paths for s, e in part_ranges(sizes[p], part)]
+                got = sum(
+                    len(b)
+                    for b in pool.map(lambda j: obstore.get_range(store, j[0], start=j[1], end=j[2]), jobs)
+                )
+                if got != sum(sizes.values()):
+                    raise RuntimeError("raw GET returned short data")
+
+            def raw_single() -> None:
+                for p in paths:
+                    if len(obstore.get(store, p).bytes()) != sizes[p]:
+                        raise RuntimeError("raw GET returned short data")
+
+            bufs = [memoryview(bytearray(chunk)) for _ in keys]
+            raw_t, single_t, tier_t = [], [], []
+            raw_parallel()
+            for _ in range(rounds):
+                srv.restart()  # DRAM empty; the index is rebuilt from a listing of the bucket
+                with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as cold:
+                    tiers = cold.lookup(ns, keys, timeout=10).tiers
+                    if tiers != ["object"] * n:
+                        raise RuntimeError(
+                            f"expected every chunk in the object tier after restart, got {tiers}"
+                        )
+                    t0 = time.perf_counter()
+                    got_n = cold.load_into(ns, keys, bufs, timeout=600)
+                    tier_t.append(time.perf_counter() - t0)
+                    if got_n != n or bytes(bufs[-1]) != payloads[-1]:
+                        raise RuntimeError("object tier load returned wrong data")
+                raw_t.append(_timed(raw_parallel))
+                single_t.append(_timed(raw_single))
+            pool.shutdown()
+            if ttft_tokens > 0:
+                out.update(_object_ttft(srv, say, ttft_tokens))
+    out["object_raw_get_gbps"] = _median_gbps(n * chunk, raw_t)
+    out["object_single_get_gbps"] = _median_gbps(n * chunk, single_t)
+    out["object_tier_load_gbps"] = _median_gbps(n * chunk, tier_t)
+    say(f"object raw GET (ranged, parallel) {out['object_raw_get_gbps']:8.2f} GB/s")
+    say(f"object raw GET (one per object)   {out['object_single_get_gbps']:8.2f} GB/s")
+    say(f"object tier load (cold)           {out['object_tier_load_gbps']:8.2f} GB/s")
+    return out
+
+
+def _object_ttft(srv: Any, say: Any, tokens_n: int = 16384) -> dict[str, Any]:
+    """TTFT of a ``tokens_n``-token prompt: a hit from the object tier against recompute."""
+    try:
+        from kvfabric.connector.settings import ConnectorSettings
+        from kvfabric.refengine.engine import Engine
+        from kvfabric.refengine.model import RefModel
+        from kvfabric.refengine.presets import preset
+        from kvfabric.refengine.testing import prompt
+    except ImportError:
+        say("torch not installed (the engine extra): object_ttft_s is null")
+        return {"object_ttft_s": None, "recompute_ttft_s": None}
+    from kvfabric.client import CacheClient
+    from kvfabric.testing.serverproc import wait_until
+
+    cfg = preset("bench")
+    model = RefModel(cfg)
+    suffix = 32
+    tokens = prompt(tokens_n + suffix, tokens_n, cfg.vocab_size)
+    blocks = (tokens_n + suffix) // 16 + 4
+    settings = ConnectorSettings(
+        socket=str(srv.config.listen.unix_socket), shm_dir=str(srv.shm_dir), chunk_tokens=256,
+        lookup_deadline_ms=1000, load_deadline_ms=60000, store_deadline_ms=60000,
+    )  # fmt: skip
+    off = Engine(cfg, num_blocks=blocks, model=model)
+    off.generate(prompt(256, 0, cfg.vocab_size), 1)  # warm up torch's kernels
+    cold = min(off.generate(tokens, 1).ttft_s for _ in range(2))
+    off.close()
+    with CacheClient(srv.unix_target) as c:
+        before = c.stats(timeout=10)["counters"].get("bytes_uploaded", {}).get("object", 0)
+    on = Engine(cfg, num_blocks=blocks, settings=settings, model=model)
+    on.generate(tokens, 1)  # stores every whole chunk
+    assert on.worker_conn is not None
+    on.worker_conn.wait_for_stores(300)
+    on.close()
+
+    def uploaded() -> bool:
+        with CacheClient(srv.unix_target) as c:
+            up = c.stats(timeout=10)["counters"].get("bytes_uploaded", {}).get("object", 0)
+        return bool(up > before)
+
+    wait_until(uploaded, 600, 0.2, "object write-back of the prompt")
+    runs = []
+    for _ in range(2):
+        srv.restart()  # DRAM empty: the prefix comes from the object tier
+        wait_until(lambda: _object_blocks(srv) > 0, 120, 0.2, "the restarted server to index the objects")
+        warm = Engine(cfg, num_blocks=blocks, settings=settings, model=model)
+        r = warm.generate(tokens, 1)
+        warm.close()
+        if r.tier != "object":
+            raise RuntimeError(f"expected a hit from the object tier, got {r.tier} ({r.fallback_reason})")
+        runs.append(r)
+    best = min(runs, key=lambda r: r.ttft_s)
+    out = {
+        "object_ttft_prompt_tokens": tokens_n,
+        "recompute_ttft_s": round(cold, 4),
+        "object_ttft_s": round(best.ttft_s, 4),
+        "object_ttft_hit_tokens": best.hit_tokens,
+        "object_ttft_speedup": round(cold / best.ttft_s, 2),
+    }
+    say(
+        f"TTFT {tokens_n} tokens: recompute {cold * 1000:.0f} ms, "
+        f"object-tier hit {best.ttft_s * 1000:.0f} ms "
+        f"({best.hit_tokens} tokens restored, {out['object_ttft_speedup']}x)"
+    )
+    return out
+
+
+def _object_blocks(srv: Any) -> int:
+    from kvfabric.client import CacheClient
+
+    with CacheClient(srv.unix_target) as c:
+        return int(c.stats(timeout=10)["tiers"].get("object", {}).get("blocks", 0))
 
 
 def _lookup_worker(job: tuple[str, str, list[str], int, int, float]) -> list[float]:
@@ -395,11 +609,26 @@ def run(args: argparse.Namespace) -> int:
 
                 res["redis_get_gbps"] = _median_gbps(n * chunk, [_timed(redis_round) for _ in range(rounds)])
                 say(f"redis GET (loopback)  {res['redis_get_gbps']:8.2f} GB/s")
+        if not args.no_object_store:
+            res.update(
+                _object_tier(
+                    work,
+                    chunk=chunk,
+                    rounds=rounds,
+                    payloads=payloads,
+                    ns=ns,
+                    keys=keys,
+                    say=say,
+                    ttft_tokens=args.object_ttft_tokens,
+                )
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     verdicts: dict[str, dict[str, Any]] = {}
     for label, num, den, op, threshold in TARGETS:
+        if num not in res:
+            continue  # not measured in this run (e.g. --no-object-store)
         measured = res.get(num)
         reference = res.get(den) if den else 1.0
         if measured is None or not reference:

@@ -151,7 +151,9 @@ def session_cluster(base: Path) -> Iterator[ClusterHandle]:
 
 
 @contextmanager
-def pod_runner(handle: ClusterHandle, base: Path, node_specs: list[str]) -> Iterator[Path]:
+def pod_runner(
+    handle: ClusterHandle, base: Path, node_specs: list[str], *, run_as_pod_user: bool = False
+) -> Iterator[Path]:
     """Run ``python -m kvfabric.localcluster.podrunner`` for ``node_specs`` (``NAME[:GPUS]``).
 
     Yields the runner's base directory (per-node hostPath dirs under ``nodes/<name>/host``, the
@@ -171,6 +173,8 @@ def pod_runner(handle: ClusterHandle, base: Path, node_specs: list[str]) -> Iter
     ]
     for item in node_specs:
         args += ["--node", item]
+    if run_as_pod_user:
+        args.append("--run-as-pod-user")
     with (base / "podrunner.log").open("ab") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     names = [s.partition(":")[0] for s in node_specs]

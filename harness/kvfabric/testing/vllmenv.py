@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
@@ -51,9 +52,15 @@ ENV_SCRIPT = ROOT / "scripts" / "vllm-env.sh"
 _SOURCE_ROOTS = ("operator", "cacheserver", "connector", "harness")
 
 
+def _product_dependencies() -> list[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return [*project["dependencies"], *project["optional-dependencies"]["engine"]]
+
+
 def env_dir(cache: Path | None = None) -> Path:
-    """Where ``scripts/vllm-env.sh`` builds (the same digest: the script's own sha256, 12 hex digits)."""
-    digest = hashlib.sha256(ENV_SCRIPT.read_bytes()).hexdigest()[:12]
+    """Where ``scripts/vllm-env.sh`` builds: the same digest (the script and the product's deps)."""
+    text = ENV_SCRIPT.read_bytes() + "".join(f"{d}\n" for d in _product_dependencies()).encode()
+    digest = hashlib.sha256(text).hexdigest()[:12]
     base = cache or Path(os.environ.get("KVFABRIC_CACHE", Path.home() / ".cache" / "kvfabric"))
     return base / f"vllm-{digest}"
 
@@ -142,7 +149,7 @@ model.save_pretrained(out, safe_serialization=True)
 fast.save_pretrained(out)
 """
 
-TINY = {
+TINY: dict[str, Any] = {
     "vocab_size": 8192,
     "hidden_size": 256,
     "intermediate_size": 512,
@@ -159,7 +166,7 @@ TINY = {
 }
 """A random-weight Llama small enough to prefill 2k tokens in a fraction of a second on one core."""
 
-BENCH = {
+BENCH: dict[str, Any] = {
     **TINY,
     "vocab_size": 32000,
     "hidden_size": 512,

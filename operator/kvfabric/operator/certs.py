@@ -114,6 +114,18 @@ def make_leaf(
     return builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM), key_pem(key)
 
 
+def split_hosts(hosts: list[str]) -> tuple[list[str], list[str]]:
+    """Split ``hosts`` into (IP addresses, DNS names)."""
+    ips, dns = [], []
+    for host in hosts:
+        try:
+            ipaddress.ip_address(host)
+            ips.append(host)
+        except ValueError:
+            dns.append(host)
+    return ips, dns
+
+
 def generate(directory: Path, hosts: list[str], *, days: int = 30) -> WebhookCerts:
     """Write a CA and a serving certificate for ``hosts`` (IPs or DNS names) into ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)

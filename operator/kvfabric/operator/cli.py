@@ -66,6 +66,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     hook.add_argument("--webhook-key", type=Path, default=None, help="serving key (PEM)")
     hook.add_argument("--webhook-ca", type=Path, default=None, help="CA of the serving certificate (PEM)")
     hook.add_argument(
+        "--webhook-cert-validity-seconds",
+        type=float,
+        default=30 * 86400,
+        help="validity of the self-generated serving certificate; it is re-issued and reloaded in place "
+        "when a third is left (default 30 days)",
+    )
+    hook.add_argument(
         "--webhook-cert-dir",
         type=Path,
         default=None,
@@ -96,8 +103,9 @@ def run(args: argparse.Namespace) -> int:
     """Run the operator until interrupted; return the exit code."""
     import kopf
 
-    from kvfabric.operator import certs, handlers, webhookconfig
+    from kvfabric.operator import handlers, webhookconfig
     from kvfabric.operator.kube import KubeClient
+    from kvfabric.operator.servingcert import ServingCertificate
 
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
     if not args.verbose:
@@ -108,20 +116,29 @@ def run(args: argparse.Namespace) -> int:
     namespaces: list[str] = list(args.namespace)
     client = KubeClient.from_environment(args.kubeconfig, args.context)
     server = None
+    serving = None
     registration = None
     if not args.no_webhook:
         cert, key, ca = args.webhook_cert, args.webhook_key, args.webhook_ca
         host = args.webhook_host or args.webhook_addr
+        directory = args.webhook_cert_dir or Path(tempfile.mkdtemp(prefix="kvfabric-webhook-"))
+        # Rotated (self-managed) or re-read (cert-manager files) in place: see servingcert.
         if cert is None or key is None:
-            directory = args.webhook_cert_dir or Path(tempfile.mkdtemp(prefix="kvfabric-webhook-"))
-            generated = certs.generate(directory, sorted({host, "localhost", "127.0.0.1"}))
-            cert, key, ca = generated.cert_file, generated.key_file, generated.ca_file
+            serving = ServingCertificate(
+                directory,
+                hosts=sorted({host, "localhost", "127.0.0.1"}),
+                validity_seconds=args.webhook_cert_validity_seconds,
+            )
+            ca = serving.ca_file
+        else:
+            serving = ServingCertificate(directory, cert_file=cert, key_file=key, ca_file=ca)
         server = kopf.WebhookServer(
             addr=args.webhook_addr,
             port=args.webhook_port,
             host=host,
-            certfile=str(cert),
-            pkeyfile=str(key),
+            context=serving.context,
+            certfile=str(serving.kopf_cert),
+            pkeyfile=str(serving.kopf_key),
             cafile=str(ca) if ca else None,
         )
         if args.register_webhook:
@@ -170,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         context=args.context,
         resync_seconds=args.resync_seconds,
         registration=registration,
+        serving=serving,
     )
     registry = handlers.build_registry(app, webhook_server=server, namespaces=namespaces or None)
     kopf.run(

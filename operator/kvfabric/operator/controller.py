@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 import threading
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.operator.api.v1alpha1 import KIND, POOL_LABEL
+from kvfabric.operator.cacheinsight import Scraper
 from kvfabric.operator.informer import CachedReader, Informer
 from kvfabric.operator.kube import KubeClient
 from kvfabric.operator.leader import LeaseElector
@@ -62,9 +64,15 @@ class Controller:
         namespaces: list[str] | None = None,
         resync_seconds: float = 30.0,
         election: Election | None = None,
+        webhook_not_after: Callable[[], dt.datetime | None] | None = None,
+        scrape_seconds: float = 60.0,
     ) -> None:
         self._make_client = make_client
+        self.scrape_seconds = scrape_seconds
+        self.scraper: Scraper | None = None
         self.injection_enabled = injection_enabled
+        # Expiry of the certificate the webhook serves now (read across threads: one attribute).
+        self.webhook_not_after = webhook_not_after or (lambda: None)
         self.namespaces = namespaces
         self.resync_seconds = resync_seconds
         self.election = election
@@ -196,11 +204,19 @@ class Controller:
         informers = self.informers(client)
         reader = CachedReader(client, informers)
         self.reader = reader
+        scraper = Scraper(interval=self.scrape_seconds, on_update=self._trigger)
+        self.scraper = scraper
 
         async def work(key: PoolKey) -> None:
             self.reconciles += 1
             await reconcile_pool(
-                client, key[0], key[1], injection_enabled=self.injection_enabled, reader=reader
+                client,
+                key[0],
+                key[1],
+                injection_enabled=self.injection_enabled,
+                reader=reader,
+                webhook_not_after=self.webhook_not_after(),
+                scraper=scraper if self.scrape_seconds > 0 else None,
             )
 
         tasks = [asyncio.ensure_future(i.run()) for i in informers]
@@ -221,6 +237,7 @@ class Controller:
             finally:
                 self._queue = None
                 await queue.close()
+                await scraper.close()
         finally:
             for task in tasks:
                 task.cancel()

@@ -21,10 +21,11 @@ import kopf
 
 from kvfabric.operator.api.v1alpha1 import GROUP, PLURAL, POOL_LABEL, VERSION
 from kvfabric.operator.controller import Controller, Election
-from kvfabric.operator.injection import PoolTarget, inject, pool_target
+from kvfabric.operator.injection import PoolTarget, inject, pool_key_of, pool_target
 from kvfabric.operator.kube import SA_TOKEN, ApiError, KubeClient, bearer_token, load_configuration
 from kvfabric.operator.reconcile import PoolKey
 from kvfabric.operator.render import names
+from kvfabric.operator.servingcert import ServingCertificate
 
 log = logging.getLogger("kvfabric.operator")
 
@@ -84,6 +85,31 @@ class OperatorApp:
     controller: Controller = field(init=False)
     pools: dict[PoolKey, PoolTarget] = field(default_factory=dict)
     namespace_labels: dict[str, dict[str, str]] = field(default_factory=dict)
+    serving: ServingCertificate | None = None
+    """The webhook's serving certificate, refreshed in place on kopf's loop."""
+    _serving_task: asyncio.Task[None] | None = None
+
+    async def pools_for(self, pod: Mapping[str, Any], namespace: str | None) -> Mapping[PoolKey, PoolTarget]:
+        """The known pools, plus the pod's own pool read from the API server when it is not known yet.
+
+        Right after start-up (before kopf has delivered every pool) or right after a pool was
+        created, the pod's pool may be missing from :attr:`pools`: answering "pool-not-found" then
+        would silently skip a ``Fail`` pool's pod. One bounded GET settles it.
+        """
+        key = pool_key_of(pod, namespace)
+        if key is None or key in self.pools:
+            return self.pools
+        try:
+            async with asyncio.timeout(2.0):
+                raw = await self.client.get("KVCachePool", key[0], key[1])
+        except (ApiError, OSError, TimeoutError) as exc:
+            log.warning("could not read KVCachePool %s/%s for injection: %s", *key, exc)
+            return self.pools
+        target = pool_target(raw) if raw is not None else None
+        if target is None:
+            return self.pools
+        self.pools[key] = target
+        return self.pools
 
     def __post_init__(self) -> None:
         self.controller = Controller(
@@ -92,6 +118,7 @@ class OperatorApp:
             namespaces=self.namespaces,
             resync_seconds=self.resync_seconds,
             election=self.election,
+            webhook_not_after=lambda: self.serving.not_after if self.serving is not None else None,
         )
 
     @property
@@ -151,6 +178,8 @@ def build_registry(
                     if attempt == 59 or exc.status not in (404, 429, 500, 503):
                         raise
                     await asyncio.sleep(0.5)
+        if app.serving is not None:
+            app._serving_task = asyncio.get_running_loop().create_task(app.serving.run())
         app.controller.start()
 
     @kopf.on.login(registry=registry)
@@ -173,6 +202,8 @@ def build_registry(
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
+        if app._serving_task is not None:
+            app._serving_task.cancel()
         # Joined off the loop: the controller releases its Lease, so a standby takes over at once.
         await asyncio.to_thread(app.controller.stop)
         await app.client.close()
@@ -229,7 +260,8 @@ def build_registry(
         @kopf.on.mutate("", "v1", "pods", id=WEBHOOK_ID, operations=["CREATE"], registry=registry)
         async def mutate_pod(*, body: kopf.Body, patch: kopf.Patch, namespace: str | None, **_: Any) -> None:
             try:
-                result = inject(body, app.pools, app.namespace_labels, request_namespace=namespace)
+                pools = await app.pools_for(body, namespace)
+                result = inject(body, pools, app.namespace_labels, request_namespace=namespace)
             except Exception:
                 # Fail open: a bug here must never block an inference pod.
                 log.exception("injection failed; admitting the pod unchanged")

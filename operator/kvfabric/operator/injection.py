@@ -33,6 +33,20 @@ SKIP_POOL_NOT_FOUND: Final = "pool-not-found"
 SKIP_NAMESPACE_NOT_SELECTED: Final = "namespace-not-selected"
 SKIP_POD_SELECTOR: Final = "pod-selector-mismatch"
 SKIP_NO_CONTAINER: Final = "no-suitable-container"
+SKIP_EXPANDABLE_SEGMENTS: Final = "expandable-segments"
+
+
+def expandable_segments_on(container: Mapping[str, Any]) -> bool:
+    """Whether the container sets ``PYTORCH_CUDA_ALLOC_CONF`` with ``expandable_segments:True``.
+
+    vLLM 0.33 refuses to start with any KV connector under that setting unless its cumem allocator
+    is on, so injecting would turn a running pod into a crash loop (docs/connector.md).
+    """
+    for var in container.get("env") or []:
+        if var.get("name") == "PYTORCH_CUDA_ALLOC_CONF":
+            conf = str(var.get("value") or "").replace(" ", "").lower()
+            return "expandable_segments:true" in conf.split(",")
+    return False
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,16 @@ def pool_target(pool_body: Mapping[str, Any]) -> PoolTarget | None:
         namespace_selector=pool.spec.consumers.namespace_selector,
         injection_required=pool.spec.consumers.failure_policy.value == "Fail",
     )
+
+
+def pool_key_of(pod: Mapping[str, Any], request_namespace: str | None = None) -> tuple[str, str] | None:
+    """The (namespace, name) of the pool a pod opted in to, or None when it did not opt in."""
+    meta = pod.get("metadata") or {}
+    name = (meta.get("labels") or {}).get(POOL_LABEL)
+    if not name:
+        return None
+    pod_ns = meta.get("namespace") or request_namespace or "default"
+    return (meta.get("annotations") or {}).get(names.POOL_NAMESPACE_ANNOTATION) or pod_ns, str(name)
 
 
 def selector_matches(selector: LabelSelector, labels: Mapping[str, str]) -> bool:
@@ -177,6 +201,12 @@ def inject(
         targets = [c for c in containers if is_vllm(c)] or containers[:1]
     if not targets:
         return _skip(out, SKIP_NO_CONTAINER, "the pod has no containers")
+    if any(expandable_segments_on(c) for c in targets):
+        return _skip(
+            out,
+            SKIP_EXPANDABLE_SEGMENTS,
+            "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: vLLM refuses KV connectors with it",
+        )
 
     env = conn.env_with_hash
     # Secrets cannot be referenced across namespaces: only consumers in the pool's own namespace get

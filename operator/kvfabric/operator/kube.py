@@ -21,8 +21,8 @@ import aiohttp
 # kind -> (API path prefix, plural) for every kind the operator touches.
 _KINDS: Final[dict[str, tuple[str, str]]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
-    "Service": ("/api/v1", "services"),
     "Secret": ("/api/v1", "secrets"),
+    "Service": ("/api/v1", "services"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "Pod": ("/api/v1", "pods"),

@@ -25,6 +25,7 @@ _WAITING: Final = {
 }
 # Reported in this order when several problems coexist (the first is the condition's reason).
 PRIORITY: Final = (
+    "PodSecurityRejected",
     "FailedCreate",
     "Unschedulable",
     "ImagePullFailed",
@@ -107,5 +108,8 @@ def diagnose(
         for reason, (nodes, message) in by_reason.items()
     ]
     if failed_create and missing_pods > 0:
-        problems.append(PodProblem("FailedCreate", missing_pods, failed_create))
+        # The namespace's enforced Pod Security level rejects the pods (the cache server needs
+        # hostPath): say so, it is fixed by the namespace's label, not by the pool (docs/security.md).
+        reason = "PodSecurityRejected" if "violates PodSecurity" in failed_create else "FailedCreate"
+        problems.append(PodProblem(reason, missing_pods, failed_create))
     return sorted(problems, key=lambda p: PRIORITY.index(p.reason))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import uuid
@@ -20,7 +21,9 @@ from typing import Any, Final, Protocol, cast
 import pydantic
 
 from kvfabric.operator.api.v1alpha1 import KIND, POOL_LABEL, KVCachePool
+from kvfabric.operator.cacheinsight import Scraper, scrape_targets
 from kvfabric.operator.kube import ApiError, KubeClient
+from kvfabric.operator.objectprobe import probe_object_store
 from kvfabric.operator.podhealth import diagnose
 from kvfabric.operator.poolpki import plan_secrets
 from kvfabric.operator.render import (
@@ -36,7 +39,7 @@ from kvfabric.operator.status import Event, Observed, compute_status, strip_time
 log = logging.getLogger("kvfabric.operator.reconcile")
 
 # Kinds a pool may own and that are pruned when no longer rendered (e.g. metrics disabled).
-_PRUNABLE: Final = ("Service", "PersistentVolumeClaim", "Secret")
+_PRUNABLE: Final = ("Service", "PersistentVolumeClaim")
 PoolKey = tuple[str, str]  # (namespace, name)
 
 
@@ -130,10 +133,9 @@ async def _apply_children(
     for obj in configmaps:
         await apply(obj)
     # Credentials before the DaemonSet too: its pods mount them.
-    secrets = await _ensure_secrets(client, pool)
-    keep = children.objects + [{"kind": "Secret", "metadata": {"name": n}} for n in secrets]
+    await _ensure_secrets(client, pool)
     pruned, *_ = await asyncio.gather(
-        _prune(client, reader, namespace, name, keep), *(apply(obj) for obj in others)
+        _prune(client, reader, namespace, name, children.objects), *(apply(obj) for obj in others)
     )
     result.applied = len(configmaps) + len(others) - len(rejected)
     result.pruned = cast(int, pruned)
@@ -171,6 +173,8 @@ async def _observe(
     *,
     apply_error: str | None,
     injection_enabled: bool,
+    webhook_not_after: dt.datetime | None = None,
+    scraper: Scraper | None = None,
 ) -> Observed:
     namespace, name = raw["metadata"]["namespace"], raw["metadata"]["name"]
     selector = ",".join(f"{k}={v}" for k, v in names.selector_labels(name).items())
@@ -181,6 +185,10 @@ async def _observe(
         reader.list("Pod", namespace, label_selector=selector),
     )
     failed_create, missing = await _failed_create(reader, namespace, daemonset)
+    cache = None
+    if scraper is not None and plan.pool is not None and plan.pool.spec.metrics.enabled:
+        scraper.schedule((namespace, name), scrape_targets(servers, plan.pool.spec.metrics.port), utcnow())
+        cache = scraper.insights.get((namespace, name))
     return Observed(
         generation=int(raw["metadata"].get("generation") or 0),
         revision=plan.children.config_hash if plan.children is not None else None,
@@ -191,11 +199,13 @@ async def _observe(
         consumer_pods=consumers,
         connection=plan.connection,
         injection_enabled=injection_enabled,
+        webhook_not_after=webhook_not_after,
         metrics_service=plan.metrics_service,
         previous_status=dict(raw.get("status") or {}),
         apply_error=apply_error,
         pod_problems=diagnose(servers, failed_create, missing),
         progress_deadline_seconds=plan.progress_deadline_seconds,
+        cache=cache,
     )
 
 
@@ -210,10 +220,13 @@ async def reconcile_pool(
     *,
     injection_enabled: bool,
     reader: Reader | None = None,
+    webhook_not_after: dt.datetime | None = None,
+    scraper: Scraper | None = None,
 ) -> ReconcileResult | None:
     """Bring one pool's children to the rendered state and write its status; None if the pool is gone.
 
     ``reader`` serves the reads (default: ``client``, i.e. the API server); writes always go to ``client``.
+    ``scraper`` (optional) keeps ``status.cache`` current from the cache servers' metrics.
     """
     reader = reader or client
     raw = await client.get(KIND, namespace, name)
@@ -224,7 +237,19 @@ async def reconcile_pool(
     apply_error = None
     if plan.children is not None and plan.pool is not None:
         apply_error = await _apply_children(client, reader, plan.pool, plan.children, result)
-    observed = await _observe(reader, raw, plan, apply_error=apply_error, injection_enabled=injection_enabled)
+    observed = await _observe(
+        reader,
+        raw,
+        plan,
+        apply_error=apply_error,
+        injection_enabled=injection_enabled,
+        webhook_not_after=webhook_not_after,
+        scraper=scraper,
+    )
+    if plan.pool is not None and plan.pool.spec.tiers.object_store is not None:
+        # The bucket probe reads the named Secret from the API server (never cached: get only).
+        probe = await probe_object_store(client, plan.pool)
+        observed = dataclasses.replace(observed, object_store=(probe.ok, probe.reason, probe.message))
     status, events = compute_status(observed, utcnow())
     result.ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
     if strip_times(status) != strip_times(observed.previous_status):
@@ -267,6 +292,12 @@ async def _ensure_secrets(client: KubeClient, pool: KVCachePool) -> frozenset[st
     )
     for body in plan.writes:
         await client.apply(body, field_manager=names.FIELD_MANAGER)
+    # Secrets are never listed (a list returns every Secret's data): the ones the pool no longer
+    # needs (TCP turned off) are known by name, and only ours are deleted.
+    for secret_name, secret in zip(candidates, found, strict=True):
+        labels = ((secret or {}).get("metadata") or {}).get("labels") or {}
+        if secret_name not in plan.wanted and labels.get(names.OWNER_POOL_LABEL) == pool.name:
+            await client.delete("Secret", pool.namespace, secret_name)
     return plan.wanted
 
 
@@ -399,7 +430,9 @@ class ReconcileQueue:
                 except Exception as exc:
                     state.failures += 1
                     delay = min(self._max_backoff, 0.5 * 2 ** min(state.failures, 8))
-                    log.warning("reconcile %s/%s failed (%s); retrying in %.1fs", *key, exc, delay)
+                    log.warning(
+                        "reconcile %s/%s failed (%s); retrying in %.1fs", *key, str(exc) or repr(exc), delay
+                    )
                     await asyncio.sleep(delay)
                     state.dirty = True
         finally:

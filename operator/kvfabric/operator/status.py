@@ -15,6 +15,7 @@ import pydantic
 from pydantic import BaseModel
 
 from kvfabric.operator.api.v1alpha1 import (
+    CacheInsight,
     Condition,
     ConditionStatus,
     Connection,
@@ -55,6 +56,12 @@ class Observed:
     pod_problems: list[PodProblem] = field(default_factory=list)
     # spec.updateStrategy.progressDeadlineSeconds
     progress_deadline_seconds: int = 300
+    # Expiry of the certificate the webhook serves now (None: not known, e.g. no webhook).
+    webhook_not_after: dt.datetime | None = None
+    # The object tier's probe: (reachable and writable, reason, message); None without an object tier.
+    object_store: tuple[bool, str, str] | None = None
+    # The latest scrape of the cache servers' metrics (None: keep what the status says).
+    cache: CacheInsight | None = None
 
 
 @dataclass(frozen=True)
@@ -180,7 +187,20 @@ def config_verdict(observed: Observed) -> Verdict:
 
 
 def storage_verdict(observed: Observed) -> Verdict:
-    """StorageReady: the shared tier's claim exists and is Bound (True without a shared tier)."""
+    """StorageReady: the shared tier's claim is Bound and the object tier's bucket is writable."""
+    claim = _claim_verdict(observed)
+    if observed.object_store is None:
+        return claim
+    obj = Verdict(*observed.object_store)
+    if observed.claim_name is None:
+        return obj
+    ok = bool(claim.ok) and obj.ok
+    reason = claim.reason if not claim.ok else obj.reason
+    return Verdict(ok, reason, f"{claim.message}; {obj.message}")
+
+
+def _claim_verdict(observed: Observed) -> Verdict:
+    """The shared tier's claim exists and is Bound (True without a shared tier)."""
     claim_name = observed.claim_name
     if claim_name is None:
         return Verdict(True, "NoSharedTier", "no shared tier configured")
@@ -229,10 +249,20 @@ def degraded_verdict(observed: Observed, rollout: Rollout, storage: Verdict, pro
     return Verdict(False, "AsExpected", "no fault detected")
 
 
-def injection_verdict(observed: Observed) -> Verdict:
-    """InjectionReady: this operator serves the injection webhook."""
+def injection_verdict(observed: Observed, now: dt.datetime | None = None) -> Verdict:
+    """InjectionReady: this operator serves the injection webhook, with a certificate still valid."""
     if observed.injection_enabled:
-        return Verdict(True, "WebhookServing", "the injection webhook is served by the operator")
+        expiry = observed.webhook_not_after
+        if expiry is None:
+            return Verdict(True, "WebhookServing", "the injection webhook is served by the operator")
+        stamp = expiry.strftime("%Y-%m-%dT%H:%M:%SZ")
+        if expiry <= (now or dt.datetime.now(dt.UTC)):
+            return Verdict(
+                False, "CertificateExpired", f"the webhook's serving certificate expired at {stamp}"
+            )
+        return Verdict(
+            True, "WebhookServing", f"the injection webhook is served; certificate valid until {stamp}"
+        )
     return Verdict(False, "WebhookDisabled", "the operator runs without its injection webhook")
 
 
@@ -343,6 +373,11 @@ def conditions(observed: Observed, rollout: Rollout, now: str, progress_since: s
     return [_condition(t, v, observed.generation, previous, now) for t, v in verdicts.items()]
 
 
+def _previous_cache(observed: Observed) -> CacheInsight | None:
+    before = observed.previous_status.get("cache")
+    return _lenient(CacheInsight, before) if before else None
+
+
 def compute_pool_status(observed: Observed, now: str) -> KVCachePoolStatus:
     """Return the new status as the typed model."""
     rollout = observe_rollout(observed.daemonset, observed.revision)
@@ -359,6 +394,7 @@ def compute_pool_status(observed: Observed, now: str) -> KVCachePoolStatus:
         connection=_connection(observed),
         consumers=ConsumerCounts(**counts),
         conditions=conditions(observed, rollout, now, progress_since),
+        cache=observed.cache or _previous_cache(observed),
         last_progress_time=progress_since,
     )
 

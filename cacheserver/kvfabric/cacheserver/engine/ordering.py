@@ -8,9 +8,11 @@ generation is not greater. Every copy carries its generation: DRAM in its index,
 block header and the index, the shared volume's journal in its ``P`` and ``T`` records.
 
 Servers agree on volume time only to within the filesystem's timestamp granularity (a few ms) plus
-monotonic drift between syncs. So that a delete always supersedes every store acknowledged anywhere
-before it, its generation is taken :data:`DELETE_MARGIN_S` ahead of now: a store on another server
-in that second which had not yet learned of the delete is superseded too — a miss, never old bytes.
+monotonic drift between syncs. So that a delete supersedes every store acknowledged anywhere before
+it, its generation is taken a margin ahead of now (:meth:`Generations.for_delete`; the store passes
+one second plus a janitor interval, the same on every server): a store on another server within
+that margin which had not yet learned of the delete is superseded too — a miss, never old bytes.
+The margin must be the same everywhere: deletes whose margins differ could order against each other.
 """
 
 from __future__ import annotations
@@ -41,9 +43,13 @@ class Generations:
             self._last = max(self._last + 1, t)
             return self._last
 
-    def for_delete(self) -> int:
-        """A delete's generation: ahead of every store acknowledged so far on any server."""
-        t = int((self._now() + DELETE_MARGIN_S) * 1e9)
+    def for_delete(self, margin_s: float = DELETE_MARGIN_S) -> int:
+        """A delete's generation, ``margin_s`` ahead of now.
+
+        It is ahead of every store acknowledged so far on any server whose generation clock is less
+        than ``margin_s`` ahead of this one's.
+        """
+        t = int((self._now() + margin_s) * 1e9)
         with self._lock:
             self._last = max(self._last + 1, t)
             return self._last

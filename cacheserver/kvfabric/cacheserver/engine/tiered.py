@@ -41,7 +41,8 @@ from kvfabric.cacheserver.engine.base import (
 from kvfabric.cacheserver.engine.blockfile import ALIGN, payload_checksum
 from kvfabric.cacheserver.engine.dram import BytesBlock, DramBlock, DramTier, OpenBlock
 from kvfabric.cacheserver.engine.ids import BlockId
-from kvfabric.cacheserver.engine.ordering import Generations
+from kvfabric.cacheserver.engine.ordering import DELETE_MARGIN_S, Generations
+from kvfabric.cacheserver.engine.periodic import start_periodic
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.tiers import TierContext, build_backing_tiers
 from kvfabric.cacheserver.engine.ttl import LocalClock, SharedClock, bucket_of
@@ -57,6 +58,7 @@ Both have ``length``, ``gen``, ``view()``, ``read()`` and ``close()``."""
 
 class _Miss(Exception):  # noqa: N818 - control flow inside a fill callback, never escapes
     def __init__(self, reason: MissReason) -> None:
+        super().__init__(reason.value)
         self.reason = reason
 
 
@@ -85,7 +87,7 @@ class TieredStore:
         faults = None if t.shared is None else t.shared.faults
         local = LocalClock(0.0 if faults is None else faults.clock_skew_seconds)
         self.clock = SharedClock(None if t.shared is None else t.shared.path / "clock", local)
-        self.generations = Generations(self.clock.now_or_local)
+        self.generations = Generations(self._generation_clock)
         self.dram = DramTier(
             config.shm.dir,
             t.dram.capacity_bytes,
@@ -115,6 +117,21 @@ class TieredStore:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
+    def _generation_clock(self) -> float:
+        """The clock generations follow: volume time, capped a janitor interval past the earliest live clock.
+
+        On NFS every server's volume time is the same clock (peers' estimates lag it by less than a
+        janitor interval, so the cap never bites). On a client-stamped volume a server days ahead
+        would otherwise issue generations no delete made elsewhere could supersede; capped, every
+        server's generation clock is within a janitor interval of the earliest one, which the delete
+        margin (one second plus a janitor interval) covers.
+        """
+        t = self.clock.now_or_local()
+        earliest = self.clock.expiry_now()
+        if earliest is not None:
+            t = min(t, earliest + self.config.janitor_interval_seconds)
+        return t
+
     def tier(self, name: TierName | str) -> Tier:
         """The configured tier called ``name`` (KeyError if none is)."""
         for t in self.tiers:
@@ -135,16 +152,7 @@ class TieredStore:
         self._spawn("janitor", self.janitor_tick, self.config.janitor_interval_seconds)
 
     def _spawn(self, name: str, fn: Callable[[], None], every: float) -> None:
-        def loop() -> None:
-            while not self._stop.wait(every):
-                try:
-                    fn()
-                except Exception:
-                    log.exception("background task failed", extra={"task": name})
-
-        th = threading.Thread(target=loop, name=name, daemon=True)
-        th.start()
-        self._threads.append(th)
+        self._threads.append(start_periodic(name, fn, every, self._stop, log))
 
     def close(self) -> None:
         """Stop background work; pending write-backs finish first."""
@@ -421,7 +429,7 @@ class TieredStore:
         The tombstone is recorded first, so a write-back or promotion of an older copy still in
         flight cannot land afterwards (each tier re-checks it when it commits).
         """
-        gen = self.generations.for_delete()
+        gen = self.generations.for_delete(DELETE_MARGIN_S + self.config.janitor_interval_seconds)
         self.generations.tombstone(bid, gen)
         found = self.dram.delete(bid, gen)
         for tier in self.backing:

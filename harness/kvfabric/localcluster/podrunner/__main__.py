@@ -32,13 +32,19 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME[:GPUS]",
         help="a node to register and serve (repeatable); GPUS defaults to 8, 0 = CPU node",
     )
+    parser.add_argument(
+        "--run-as-pod-user",
+        action="store_true",
+        help="run containers with their securityContext's runAsUser/runAsGroup/fsGroup (needs an "
+        "interpreter other users can execute: a Python under a 0700 /root is not)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     specs = []
     for item in args.node:
         name, _, gpus = item.partition(":")
         specs.append(NodeSpec(name, int(gpus) if gpus else 8))
-    runner = PodRunner(args.kubeconfig, args.base, specs)
+    runner = PodRunner(args.kubeconfig, args.base, specs, run_as_pod_user=args.run_as_pod_user)
 
     def on_signal(_sig: int, _frame: FrameType | None) -> None:
         runner.stop()

@@ -145,6 +145,8 @@ class PodWorker(threading.Thread):
                 )
                 path = root / name
                 path.mkdir(parents=True, exist_ok=True)
+                path.chmod(0o777)  # as the kubelet makes an emptyDir: writable whatever the pod's uid
+                self._give_to_fs_group(path)
                 dirs[name] = path
             elif "configMap" in vol or "secret" in vol:
                 kind = "configMapRef" if "configMap" in vol else "secretRef"
@@ -161,6 +163,7 @@ class PodWorker(threading.Thread):
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_text((data or {}).get(item["key"], ""))
                     target.chmod(item.get("mode", src.get("defaultMode", 0o644)))
+                self._give_to_fs_group(path)
                 dirs[name] = path
             elif "downwardAPI" in vol:
                 path = self.dir / "vol" / name
@@ -176,6 +179,16 @@ class PodWorker(threading.Thread):
                 raise ValueError(f"volume {name}: this kind of volume is not supported by the pod runner")
         return dirs
 
+    def _give_to_fs_group(self, path: Path) -> None:
+        """Hand a volume to the pod's ``fsGroup`` (group-owned, group-readable), as the kubelet does."""
+        fs_group = (self.pod["spec"].get("securityContext") or {}).get("fsGroup")
+        if fs_group is None:
+            return
+        for p in [path, *path.rglob("*")]:
+            os.chown(p, -1, int(fs_group))
+            if p.is_dir():
+                p.chmod(p.stat().st_mode | 0o2070)  # setgid: new files stay in the group
+
     def _plans(self, volume_dirs: dict[str, Path], kind: str = "containers") -> list[spec.ContainerPlan]:
         plans = []
         for c in self.pod["spec"].get(kind) or []:
@@ -189,6 +202,9 @@ class PodWorker(threading.Thread):
                 "HOSTNAME": self.name,
                 **env,
             }
+            user, group, groups = (
+                spec.identity(self.pod, c) if self.runner.run_as_pod_user else (None, None, ())
+            )
             container_mounts = spec.mounts(c, volume_dirs)
             for m in container_mounts:
                 # Like the kubelet, create a missing subPath as a directory.
@@ -201,6 +217,9 @@ class PodWorker(threading.Thread):
                     mounts=container_mounts,
                     working_dir=c.get("workingDir"),
                     readiness=spec.readiness_probe(c),
+                    user=user,
+                    group=group,
+                    groups=groups,
                 )
             )
         return plans
@@ -471,8 +490,11 @@ class PodWorker(threading.Thread):
 class PodRunner:
     """Registers fake nodes and runs the pods bound to them until :meth:`stop`."""
 
-    def __init__(self, kubeconfig: Path, base: Path, node_specs: list[NodeSpec]) -> None:
+    def __init__(
+        self, kubeconfig: Path, base: Path, node_specs: list[NodeSpec], *, run_as_pod_user: bool = False
+    ) -> None:
         api = config.new_client_from_config(config_file=str(kubeconfig))  # type: ignore[no-untyped-call]
+        self.run_as_pod_user = run_as_pod_user
         self.core = client.CoreV1Api(api)
         self.coord = client.CoordinationV1Api(api)
         self.base = base.absolute()

@@ -46,6 +46,12 @@ class ContainerPlan:
     mounts: list[Mount] = field(default_factory=list)
     working_dir: str | None = None
     readiness: Probe | None = None
+    user: int | None = None
+    """``runAsUser`` (container, else pod); None keeps the runner's own (root)."""
+    group: int | None = None
+    """``runAsGroup``; with a user but no group the primary group is 0, as in a container."""
+    groups: tuple[int, ...] = ()
+    """Supplementary groups: the pod's ``supplementalGroups`` and ``fsGroup``."""
 
 
 def field_ref(pod: dict[str, Any], path: str, pod_ip: str, host_ip: str) -> str:
@@ -184,6 +190,24 @@ def mounts(container: dict[str, Any], volume_dirs: dict[str, Path]) -> list[Moun
     return sorted(result, key=lambda m: m.target.count("/"))
 
 
+def identity(
+    pod: dict[str, Any], container: dict[str, Any]
+) -> tuple[int | None, int | None, tuple[int, ...]]:
+    """The (uid, gid, supplementary groups) a container runs with, as the kubelet resolves them."""
+    psc = pod.get("spec", {}).get("securityContext") or {}
+    csc = container.get("securityContext") or {}
+    uid = csc.get("runAsUser", psc.get("runAsUser"))
+    gid = csc.get("runAsGroup", psc.get("runAsGroup"))
+    groups = [int(g) for g in psc.get("supplementalGroups") or []]
+    if psc.get("fsGroup") is not None:
+        groups.append(int(psc["fsGroup"]))
+    return (
+        (None if uid is None else int(uid)),
+        (None if gid is None else int(gid)),
+        tuple(dict.fromkeys(groups)),
+    )
+
+
 def launch_script(plan: ContainerPlan) -> str:
     """A bash script that sets up the mounts inside the private mount namespace and execs argv."""
     q = shlex.quote
@@ -203,5 +227,12 @@ def launch_script(plan: ContainerPlan) -> str:
     if plan.working_dir:
         lines.append(f"cd {q(plan.working_dir)}")
     env_args = " ".join(q(f"{k}={v}") for k, v in plan.env.items())
-    lines.append(f"exec env -i {env_args} {' '.join(q(a) for a in plan.argv)}")
+    drop = ""
+    if plan.user is not None or plan.group is not None or plan.groups:
+        # After the mounts (which need root): become the pod's user, as the container runtime does.
+        uid = 0 if plan.user is None else plan.user
+        gid = 0 if plan.group is None else plan.group
+        groups = f"--groups={','.join(str(g) for g in plan.groups)}" if plan.groups else "--clear-groups"
+        drop = f"setpriv --reuid={uid} --regid={gid} {groups} -- "
+    lines.append(f"exec {drop}env -i {env_args} {' '.join(q(a) for a in plan.argv)}")
     return "\n".join(lines) + "\n"

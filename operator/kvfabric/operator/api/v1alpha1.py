@@ -433,12 +433,111 @@ class SharedTier(_Model):
     )
 
 
+class ObjectStoreCredentials(_Model):
+    """A Secret in the pool's namespace holding the S3 access key pair (mounted read-only as files)."""
+
+    secret_name: str = Field(
+        min_length=1, max_length=253, description="Name of the Secret in the pool's namespace."
+    )
+    access_key_id_key: str = Field(
+        default="AWS_ACCESS_KEY_ID",
+        min_length=1,
+        max_length=253,
+        description="Secret key of the access key id.",
+    )
+    secret_access_key_key: str = Field(
+        default="AWS_SECRET_ACCESS_KEY",
+        min_length=1,
+        max_length=253,
+        description="Secret key of the secret access key.",
+    )
+
+
+class ObjectStoreCA(_Model):
+    """A ConfigMap in the pool's namespace holding the PEM CA bundle that signed the endpoint."""
+
+    config_map_name: str = Field(min_length=1, max_length=253, description="Name of the ConfigMap.")
+    key: str = Field(default="ca.crt", min_length=1, max_length=253, description="Key of the PEM bundle.")
+
+
+class ObjectStoreTier(_Model):
+    """An S3-API object store below (or instead of) the shared volume: cross-node sharing without RWX."""
+
+    endpoint: str = Field(
+        min_length=1,
+        max_length=512,
+        description="S3 endpoint URL, e.g. https://s3.us-east-1.amazonaws.com or http://minio.storage:9000.",
+        json_schema_extra=_validations(
+            _cel(
+                "self.matches('^https?://[^/\\\\s]+/?$')",
+                "spec.tiers.objectStore.endpoint must be an http:// or https:// URL without a path",
+            )
+        ),
+    )
+    bucket: str = Field(
+        min_length=3,
+        max_length=63,
+        description="Bucket (must exist; the pool writes under its prefix only).",
+        json_schema_extra=_validations(
+            _cel(
+                "self.matches('^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$')",
+                "spec.tiers.objectStore.bucket must be a valid S3 bucket name (lower case, digits, '.', '-')",
+            )
+        ),
+    )
+    prefix: str | None = Field(
+        default=None,
+        max_length=512,
+        description="Key prefix of the pool's objects (default: kvfabric/<namespace>/<pool>). Pools "
+        "that share a prefix share their cache.",
+        json_schema_extra=_validations(
+            _cel(
+                "self.matches('^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$') && !self.split('/').exists(s, s == '.' "
+                "|| s == '..')",
+                "spec.tiers.objectStore.prefix must be '/'-separated segments of letters, digits, '.', '_' "
+                "or '-', without '.' or '..' segments",
+            )
+        ),
+    )
+    region: str = Field(default="us-east-1", min_length=1, max_length=64, description="Signing region.")
+    path_style: bool = Field(
+        default=True,
+        description="Path-style requests (endpoint/bucket/key), which most S3-compatible servers need.",
+    )
+    credentials: ObjectStoreCredentials | None = Field(
+        default=None,
+        description="The access key pair; unset means the environment's (e.g. a workload identity).",
+    )
+    ca: ObjectStoreCA | None = Field(
+        default=None, description="CA bundle for an https endpoint with a private CA."
+    )
+    capacity: Quantity = Field(description="Bytes the pool may keep in the bucket, e.g. 10Ti.")
+    watermarks: Watermarks = Field(
+        default_factory=Watermarks,
+        json_schema_extra={"default": {"high": 0.9, "low": 0.75}},
+        description="Eviction watermarks.",
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            _cel(
+                "!has(self.ca) || self.endpoint.startsWith('https://')",
+                "spec.tiers.objectStore.ca needs an https:// endpoint",
+                field_path=".ca",
+            ),
+        )
+    )
+
+
 class Tiers(_Model):
     """The storage tiers of each cache server."""
 
     memory: MemoryTier = Field(description="Host DRAM tier; required.")
     local_disk: LocalDiskTier | None = Field(default=None, description="Optional node-local disk tier.")
     shared: SharedTier | None = Field(default=None, description="Optional shared (RWX) tier.")
+    object_store: ObjectStoreTier | None = Field(
+        default=None, description="Optional object-store (S3 API) tier shared by every node."
+    )
 
 
 class SelectorOperator(StrEnum):
@@ -806,6 +905,37 @@ class ConsumerCounts(_Model):
     skipped: int = Field(default=0, description="Pods the webhook skipped (see their annotation).")
 
 
+class TierUsage(_Model):
+    """Bytes one tier holds across the pool's cache servers, and the fullest node."""
+
+    tier: str = Field(max_length=32, description="dram, local_disk, shared, ...")
+    used_bytes: int = Field(default=0, description="Bytes used, summed over the nodes scraped.")
+    capacity_bytes: int = Field(default=0, description="Capacity, summed over the nodes scraped.")
+    worst_node: str = Field(default="", max_length=253, description="The node whose tier is the fullest.")
+    worst_node_used: str = Field(default="", max_length=16, description="Its fill ratio, e.g. 93.0%.")
+
+
+class CacheInsight(_Model):
+    """What the cache servers report, scraped at a bounded rate (at most once a minute per pool)."""
+
+    scraped_at: str = Field(default="", max_length=64, description="When (RFC 3339).")
+    nodes_scraped: int = Field(default=0, description="Cache servers that answered.")
+    nodes_unreachable: int = Field(default=0, description="Ready cache servers that did not answer.")
+    lookup_hits: int = Field(
+        default=0, description="Chunks found by consumers' lookups (since server start)."
+    )
+    lookup_misses: int = Field(default=0, description="Chunks looked up and not found.")
+    hit_rate: str = Field(
+        default="n/a", max_length=16, description="lookupHits / (lookupHits + lookupMisses)."
+    )
+    load_misses_by_reason: dict[str, int] = Field(
+        default_factory=dict,
+        description="Loads that found no usable block, by reason (absent, corrupt, stale, io-error...).",
+        json_schema_extra={"maxProperties": 16},
+    )
+    tiers: list[TierUsage] = Field(default_factory=list, max_length=8, description="Bytes per tier.")
+
+
 class KVCachePoolStatus(_Model):
     """Observed state; written only by the operator."""
 
@@ -815,6 +945,9 @@ class KVCachePoolStatus(_Model):
     nodes: NodeCounts = Field(default_factory=NodeCounts, description="Node counts.")
     connection: Connection = Field(default_factory=Connection, description="Connection details.")
     consumers: ConsumerCounts = Field(default_factory=ConsumerCounts, description="Consumer counts.")
+    cache: CacheInsight | None = Field(
+        default=None, description="Hit rate, misses and bytes per tier, from the cache servers' metrics."
+    )
     last_progress_time: str | None = Field(
         default=None,
         description="When the rollout last made progress (RFC 3339); compared with "
@@ -871,5 +1004,12 @@ PRINTER_COLUMNS: Final = [
     {"name": "Nodes", "type": "string", "jsonPath": ".status.nodeSummary", "description": "ready/desired"},
     {"name": "Consumers", "type": "integer", "jsonPath": ".status.consumers.injected"},
     {"name": "Revision", "type": "string", "jsonPath": ".status.revision", "priority": 1},
+    {
+        "name": "Hit Rate",
+        "type": "string",
+        "jsonPath": ".status.cache.hitRate",
+        "priority": 1,
+        "description": "lookup hit rate reported by the cache servers",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

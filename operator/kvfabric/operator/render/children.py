@@ -86,6 +86,9 @@ def build_server_config(pool: KVCachePool) -> server_config.ServerConfig:
                 "high_watermark": shared.watermarks.high,
                 "low_watermark": shared.watermarks.low,
             }
+        obj = spec.tiers.object_store
+        if obj is not None:
+            tiers["object_store"] = object_store_config(pool)
         return server_config.ServerConfig.model_validate(
             {
                 "listen": _listen(pool, f"{base}/{names.SOCKET_NAME}"),
@@ -102,6 +105,34 @@ def build_server_config(pool: KVCachePool) -> server_config.ServerConfig:
         )
     except (QuantityError, pydantic.ValidationError) as exc:
         raise ConfigError(str(exc)) from exc
+
+
+def object_store_config(pool: KVCachePool) -> dict[str, Any]:
+    """The server's ``tiers.object_store`` section for ``spec.tiers.objectStore`` (which must be set).
+
+    Credentials and the CA are files in read-only volumes (see :func:`render_daemonset`): the key
+    pair never appears in the ConfigMap.
+    """
+    obj = pool.spec.tiers.object_store
+    assert obj is not None
+    out: dict[str, Any] = {
+        "endpoint": obj.endpoint,
+        "bucket": obj.bucket,
+        "prefix": obj.prefix or f"kvfabric/{pool.namespace}/{pool.name}",
+        "region": obj.region,
+        "path_style": obj.path_style,
+        "capacity_bytes": to_bytes(obj.capacity),
+        "high_watermark": obj.watermarks.high,
+        "low_watermark": obj.watermarks.low,
+    }
+    if obj.credentials is not None:
+        out["access_key_id_file"] = f"{names.OBJECT_STORE_SECRET_MOUNT}/{obj.credentials.access_key_id_key}"
+        out["secret_access_key_file"] = (
+            f"{names.OBJECT_STORE_SECRET_MOUNT}/{obj.credentials.secret_access_key_key}"
+        )
+    if obj.ca is not None:
+        out["ca_file"] = f"{names.OBJECT_STORE_CA_MOUNT}/{obj.ca.key}"
+    return out
 
 
 def _listen(pool: KVCachePool, socket: str) -> dict[str, Any]:
@@ -218,6 +249,42 @@ def _volumes(pool: KVCachePool) -> tuple[list[dict[str, Any]], list[dict[str, An
                 "subPath": names.pool_dir_name(pool.namespace, pool.name),
             }
         )
+    obj = spec.tiers.object_store
+    if obj is not None and obj.credentials is not None:
+        creds = obj.credentials
+        volumes.append(
+            {
+                "name": "object-store-credentials",
+                "secret": {
+                    "secretName": creds.secret_name,
+                    "items": [
+                        {"key": creds.access_key_id_key, "path": creds.access_key_id_key},
+                        {"key": creds.secret_access_key_key, "path": creds.secret_access_key_key},
+                    ],
+                    # Read-only; the volume is visible only inside this pod, whose processes all run as
+                    # the server's uid (no fsGroup: it would make the kubelet chown the shared volume).
+                    "defaultMode": 0o444,
+                },
+            }
+        )
+        mounts.append(
+            {
+                "name": "object-store-credentials",
+                "mountPath": names.OBJECT_STORE_SECRET_MOUNT,
+                "readOnly": True,
+            }
+        )
+    if obj is not None and obj.ca is not None:
+        volumes.append(
+            {
+                "name": "object-store-ca",
+                "configMap": {
+                    "name": obj.ca.config_map_name,
+                    "items": [{"key": obj.ca.key, "path": obj.ca.key}],
+                },
+            }
+        )
+        mounts.append({"name": "object-store-ca", "mountPath": names.OBJECT_STORE_CA_MOUNT, "readOnly": True})
     return volumes, mounts
 
 
@@ -307,7 +374,14 @@ def _prepare_dirs_container(
             "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
         },
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
-        "volumeMounts": [m for m in mounts if m["name"] not in ("config", "server-tls", "credentials")],
+        # Only the directories it prepares: never the config, the server's TLS, the token or the
+        # object store's credentials.
+        "volumeMounts": [
+            m
+            for m in mounts
+            if m["name"]
+            not in ("config", "server-tls", "credentials", "object-store-credentials", "object-store-ca")
+        ],
     }
 
 
@@ -427,13 +501,19 @@ def render_network_policy(pool: KVCachePool) -> dict[str, Any]:
         ingress.append({"from": peers, "ports": [{"protocol": "TCP", "port": spec.server.port}]})
     if spec.metrics.enabled:
         scrapers = spec.metrics.scrapers
+        # The operator reads the servers' metrics too (status.cache): its own pods, in its namespace.
+        operator = {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": names.operator_namespace()}},
+            "podSelector": {"matchLabels": dict(names.OPERATOR_POD_LABELS)},
+        }
         ingress.append(
             {
                 "from": [
                     {
                         "namespaceSelector": _selector(scrapers.namespace_selector),
                         "podSelector": _selector(scrapers.pod_selector),
-                    }
+                    },
+                    operator,
                 ],
                 "ports": [{"protocol": "TCP", "port": spec.metrics.port}],
             }

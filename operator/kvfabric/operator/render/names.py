@@ -28,6 +28,9 @@ CONFIG_PATH: Final = f"{CONFIG_MOUNT_DIR}/{CONFIG_KEY}"
 HOST_RUN_ROOT: Final = "/run/kvfabric"
 LOCAL_DISK_MOUNT: Final = "/var/lib/kvfabric/local"
 SHARED_MOUNT: Final = "/var/lib/kvfabric/shared"
+# The object-store tier's credentials (a Secret) and CA bundle (a ConfigMap), mounted read-only.
+OBJECT_STORE_SECRET_MOUNT: Final = "/etc/kvfabric/object-store"  # noqa: S105 - a mount path
+OBJECT_STORE_CA_MOUNT: Final = "/etc/kvfabric/object-store-ca"
 SOCKET_NAME: Final = "cache.sock"
 SHM_NAME: Final = "shm"
 CACHE_CONTAINER: Final = "cache"
@@ -82,6 +85,14 @@ def operator_image() -> str:
     chose, never the pool's image: whoever may create a pool must not get to run code as root.
     """
     return os.environ.get(OPERATOR_IMAGE_ENV) or DEFAULT_OPERATOR_IMAGE
+
+
+OPERATOR_POD_LABELS: Final = {"app.kubernetes.io/name": "kvfabric-operator"}
+
+
+def operator_namespace() -> str:
+    """Return the operator's own namespace (``$POD_NAMESPACE``, set by its Deployment)."""
+    return os.environ.get("POD_NAMESPACE") or "kvfabric-system"
 
 
 def pool_dir_name(namespace: str, pool: str) -> str:

@@ -1,0 +1,246 @@
+"""kvfabric's connector counters in vLLM's own statistics, logs and Prometheus ``/metrics``.
+
+vLLM collects ``get_kv_connector_stats()`` from every worker and from the scheduler each step,
+aggregates them (:meth:`KVFabricStats.aggregate`), logs them periodically ("KV Transfer metrics:
+...") and hands them to the Prometheus metrics the connector class registers through
+``build_prom_metrics`` (:class:`KVFabricPromMetrics`). The payload is a flat ``{name: number}`` of
+deltas since the previous step, taken from the connector's :class:`~kvfabric.connector.resilient.Counters`.
+
+``vllm:kvfabric_loaded_tokens`` counts tokens whose KV kvfabric actually wrote into vLLM's cache;
+``vllm:kvfabric_load_failed_tokens`` those it had promised but could not load (vLLM recomputed
+them). vLLM's own ``vllm:external_prefix_cache_hits`` counts the promise at admission, before the
+load, so under faults only these two are exact.
+
+vLLM is imported conditionally, as in :mod:`kvfabric.connector.vllm`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfabric.connector.resilient import Counters
+
+try:  # pragma: no cover - depends on the environment
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics as _VllmPromMetrics,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorStats as _VllmStats,
+    )
+except ImportError:
+
+    @dataclass
+    class _VllmStats:  # type: ignore[no-redef]
+        """Stand-in for ``KVConnectorStats``."""
+
+        data: dict[str, Any] = field(default_factory=dict)
+
+    class _VllmPromMetrics:  # type: ignore[no-redef]
+        """Stand-in for ``KVConnectorPromMetrics``."""
+
+        def __init__(
+            self,
+            vllm_config: Any,
+            metric_types: Mapping[type, type],
+            labelnames: list[str],
+            per_engine_labelvalues: dict[int, list[object]],
+        ) -> None:
+            from prometheus_client import Counter, Gauge, Histogram
+
+            self._gauge_cls = metric_types[Gauge]
+            self._counter_cls = metric_types[Counter]
+            self._histogram_cls = metric_types[Histogram]
+            self._labelnames = labelnames
+            self.per_engine_labelvalues = per_engine_labelvalues
+
+
+@dataclass
+class KVFabricStats(_VllmStats):  # type: ignore[misc]
+    """One interval's counter deltas (picklable: vLLM ships it from the workers to the frontend)."""
+
+    def reset(self) -> None:
+        """Clear the interval."""
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: Any) -> KVFabricStats:
+        """Sum ``other`` (another worker, or the scheduler) into this interval."""
+        for name, value in (getattr(other, "data", None) or {}).items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The interval's totals, for vLLM's periodic log line."""
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        """Whether nothing happened in the interval."""
+        return not any(self.data.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The serialisable payload."""
+        return dict(self.data)
+
+
+class CounterDeltas:
+    """What changed in a :class:`Counters` since the last :meth:`take` (one taker per counters object).
+
+    The scheduler and worker halves may share one ``Counters`` in one process; sharing the taker
+    too reports every increment exactly once.
+    """
+
+    _takers: weakref.WeakKeyDictionary[Counters, CounterDeltas] = weakref.WeakKeyDictionary()
+    _takers_lock = threading.Lock()
+
+    def __init__(self, counters: Counters) -> None:
+        self._counters = counters
+        self._last: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, counters: Counters) -> CounterDeltas:
+        """The shared taker of ``counters``."""
+        with cls._takers_lock:
+            taker = cls._takers.get(counters)
+            if taker is None:
+                taker = cls._takers[counters] = cls(counters)
+            return taker
+
+    def take(self) -> dict[str, int]:
+        """Counter deltas since the previous call (only the ones that changed)."""
+        with self._lock:
+            snap = self._counters.snapshot()
+            delta = {k: v - self._last.get(k, 0) for k, v in snap.items() if v != self._last.get(k, 0)}
+            self._last = snap
+            return delta
+
+
+def stats_payload(deltas: Mapping[str, int], chunk_tokens: int, restore_s: float = 0.0) -> dict[str, Any]:
+    """The stats payload of one step: counter deltas plus derived token counts and restore time."""
+    data: dict[str, Any] = dict(deltas)
+    if deltas.get("loaded_chunks"):
+        data["loaded_tokens"] = deltas["loaded_chunks"] * chunk_tokens
+    for name, value in deltas.items():
+        if name.startswith("fallback_chunks."):
+            data["load_failed_tokens." + name.removeprefix("fallback_chunks.")] = value * chunk_tokens
+    if restore_s > 0:
+        data["restore_seconds"] = restore_s
+    return data
+
+
+class KVFabricPromMetrics(_VllmPromMetrics):  # type: ignore[misc]
+    """kvfabric's counters as Prometheus metrics in vLLM's ``/metrics`` (labelled like vLLM's own)."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: Mapping[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        """Register the metrics with vLLM's metric classes (vLLM chooses the registry)."""
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        labels = list(labelnames)
+        self._loaded = self._counter_cls(
+            name="vllm:kvfabric_loaded_tokens",
+            documentation="Prompt tokens whose KV kvfabric loaded into the KV cache (failed loads excluded)",
+            labelnames=labels,
+        )
+        self._failed = self._counter_cls(
+            name="vllm:kvfabric_load_failed_tokens",
+            documentation="Prompt tokens kvfabric promised but could not load (recomputed), by reason",
+            labelnames=[*labels, "reason"],
+        )
+        self._bytes = self._counter_cls(
+            name="vllm:kvfabric_loaded_bytes",
+            documentation="Payload bytes kvfabric loaded into the KV cache",
+            labelnames=labels,
+        )
+        self._restore = self._counter_cls(
+            name="vllm:kvfabric_restore_seconds",
+            documentation="Seconds engine steps spent blocked restoring KV from kvfabric",
+            labelnames=labels,
+        )
+        self._events = self._counter_cls(
+            name="vllm:kvfabric_events",
+            documentation="Every kvfabric connector counter (lookups, misses by reason, stores, ...)",
+            labelnames=[*labels, "event"],
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Add one interval's payload to the metrics of engine ``engine_idx``."""
+        values = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
+        for name, value in transfer_stats_data.items():
+            if not value or value < 0:
+                continue
+            if name == "loaded_tokens":
+                self._loaded.labels(*values).inc(value)
+            elif name.startswith("load_failed_tokens."):
+                self._failed.labels(*values, name.removeprefix("load_failed_tokens.")).inc(value)
+            elif name == "loaded_bytes":
+                self._bytes.labels(*values).inc(value)
+            elif name == "restore_seconds":
+                self._restore.labels(*values).inc(value)
+            derived = name in ("loaded_tokens", "restore_seconds") or name.startswith("load_failed_tokens.")
+            if not derived:
+                self._events.labels(*values, name).inc(value)
+
+
+# kvfabric tier -> vLLM's CacheHitSource value (``prompt_tokens_cached_by_source``): the node's DRAM
+# is host memory; its local disk and the shared volume are disks.
+TIER_SOURCES = {"dram": "host", "local_disk": "disk", "shared": "disk"}
+UNSPECIFIED_SOURCE = "external_unspecified"
+
+
+def hit_source(tier: str | None) -> str:
+    """Return vLLM's ``CacheHitSource`` value for a hit whose slowest chunk came from ``tier``."""
+    return TIER_SOURCES.get(tier or "", UNSPECIFIED_SOURCE)
+
+
+def adopt_vllm_logging(name: str = "kvfabric") -> bool:
+    """Send kvfabric's logs through vLLM's handlers and level (vLLM configures only ``vllm``).
+
+    Does nothing when vLLM's logging is not configured (``VLLM_CONFIGURE_LOGGING=0``: the user's
+    own configuration then applies) or when kvfabric's logger already has handlers.
+    """
+    ours, theirs = logging.getLogger(name), logging.getLogger("vllm")
+    if not theirs.handlers or ours.handlers:
+        return False
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+    return True
+
+
+class TransitionLog:
+    """Log a failing/working state change once, not every request (the counters count the rest)."""
+
+    def __init__(self, what: str, logger: logging.Logger) -> None:
+        self._what = what
+        self._log = logger
+        self._failing: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def failing(self) -> str | None:
+        """The reason of the current failure (``None`` while working)."""
+        return self._failing
+
+    def note(self, reason: str | None) -> None:
+        """Record one outcome: ``None`` for success, else the failure's reason."""
+        with self._lock:
+            before, self._failing = self._failing, reason
+        if reason is not None and before is None:
+            self._log.warning(
+                "kvfabric %s failing (%s): the engine recomputes; counted in vllm:kvfabric_events "
+                "until they work again",
+                self._what,
+                reason,
+            )
+        elif reason is None and before is not None:
+            self._log.info("kvfabric %s working again (after %s)", self._what, before)

@@ -1,0 +1,194 @@
+"""Cache insight for a pool's status: hit rate, misses by reason and bytes per tier, from its servers.
+
+Each cache server exposes Prometheus metrics (``kvfabric.cacheserver.metrics``). The operator
+scrapes the pool's ready cache-server pods at a bounded rate (:class:`Scraper`: at most one pass
+per pool per interval, a few requests at a time, a short timeout each), and :func:`summarize`
+folds the per-node numbers into ``status.cache``: lookup hits and misses and the hit rate (what
+``kubectl get kvp -o wide`` prints), load misses by reason, and per tier the total bytes used and
+the fullest node. A silent 0 % hit rate (a config mismatch between consumers) becomes visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvfabric.operator.api.v1alpha1 import CacheInsight, TierUsage
+
+
+@dataclass
+class NodeCache:
+    """One cache server's counters and gauges."""
+
+    lookup_hits: int = 0
+    lookup_misses: int = 0
+    load_misses: dict[str, int] = field(default_factory=dict)  # reason -> count
+    used: dict[str, int] = field(default_factory=dict)  # tier -> bytes
+    capacity: dict[str, int] = field(default_factory=dict)
+
+
+def parse_metrics(text: str) -> NodeCache:
+    """Parse a cache server's exposition (unknown metrics are ignored)."""
+    node = NodeCache()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, labels, value = sample.name, sample.labels, int(sample.value)
+            if name == "kvfabric_cache_lookup_keys_total":
+                if labels.get("result") == "hit":
+                    node.lookup_hits += value
+                elif labels.get("result") == "miss":
+                    node.lookup_misses += value
+            elif name == "kvfabric_cache_misses_total":
+                node.load_misses["absent"] = node.load_misses.get("absent", 0) + value
+            elif name == "kvfabric_cache_read_misses_total":
+                reason = labels.get("reason", "unknown")
+                node.load_misses[reason] = node.load_misses.get(reason, 0) + value
+            elif name == "kvfabric_tier_used_bytes" and "tier" in labels:
+                node.used[labels["tier"]] = value
+            elif name == "kvfabric_tier_capacity_bytes" and "tier" in labels:
+                node.capacity[labels["tier"]] = value
+    return node
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "n/a"
+
+
+def summarize(nodes: Mapping[str, NodeCache], scraped_at: str, unreachable: int = 0) -> CacheInsight:
+    """Fold per-node numbers into the pool's ``status.cache``."""
+    hits = sum(n.lookup_hits for n in nodes.values())
+    misses = sum(n.lookup_misses for n in nodes.values())
+    reasons: dict[str, int] = {}
+    for n in nodes.values():
+        for reason, count in n.load_misses.items():
+            reasons[reason] = reasons.get(reason, 0) + count
+    tiers: list[TierUsage] = []
+    for tier in sorted({t for n in nodes.values() for t in n.used}):
+        used = {name: n.used.get(tier, 0) for name, n in nodes.items() if tier in n.used}
+
+        def fill(name: str, tier: str = tier) -> float:
+            cap = nodes[name].capacity.get(tier, 0)
+            return nodes[name].used.get(tier, 0) / cap if cap else 0.0
+
+        worst = max(sorted(used), key=fill)
+        tiers.append(
+            TierUsage(
+                tier=tier,
+                used_bytes=sum(used.values()),
+                capacity_bytes=sum(nodes[name].capacity.get(tier, 0) for name in used),
+                worst_node=worst,
+                worst_node_used=_percent(nodes[worst].used.get(tier, 0), nodes[worst].capacity.get(tier, 0)),
+            )
+        )
+    return CacheInsight(
+        scraped_at=scraped_at,
+        nodes_scraped=len(nodes),
+        nodes_unreachable=unreachable,
+        lookup_hits=hits,
+        lookup_misses=misses,
+        hit_rate=_percent(hits, hits + misses),
+        load_misses_by_reason=dict(sorted(reasons.items())),
+        tiers=tiers,
+    )
+
+
+def scrape_targets(pods: Iterable[dict[str, Any]], port: int) -> dict[str, str]:
+    """Node name -> metrics URL of every ready cache-server pod that has an IP."""
+    out: dict[str, str] = {}
+    for pod in pods:
+        status = pod.get("status") or {}
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+        )
+        ip = status.get("podIP")
+        if ready and ip:
+            host = f"[{ip}]" if ":" in ip else ip
+            out[str((pod.get("spec") or {}).get("nodeName") or ip)] = f"http://{host}:{port}/metrics"
+    return out
+
+
+class Scraper:
+    """Bounded-rate scraping: at most one pass per pool per ``interval``, ``concurrency`` requests at once."""
+
+    def __init__(
+        self,
+        *,
+        interval: float = 60.0,
+        concurrency: int = 8,
+        timeout: float = 2.0,
+        on_update: Callable[[tuple[str, str]], None] | None = None,
+    ) -> None:
+        self.interval = interval
+        self.on_update = on_update
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.timeout = timeout
+        self._semaphore = asyncio.Semaphore(concurrency)
+        self._last: dict[tuple[str, str], float] = {}
+        self.insights: dict[tuple[str, str], CacheInsight] = {}
+        self.requests = 0
+
+    def due(self, key: tuple[str, str]) -> bool:
+        """Whether ``key``'s last pass is older than the interval."""
+        last = self._last.get(key)
+        return last is None or time.monotonic() - last >= self.interval
+
+    async def _fetch(self, session: Any, url: str) -> NodeCache | None:
+        import aiohttp
+
+        async with self._semaphore:
+            self.requests += 1
+            try:
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=self.timeout)) as response:
+                    if response.status != 200:
+                        return None
+                    return parse_metrics(await response.text())
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                return None
+
+    async def scrape(self, key: tuple[str, str], targets: Mapping[str, str], now: str) -> CacheInsight | None:
+        """Scrape ``targets`` (node -> URL) if the pool is due; return (and keep) its insight."""
+        if not self.due(key):
+            return self.insights.get(key)
+        self._last[key] = time.monotonic()
+        if not targets:
+            return self.insights.get(key)
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session:
+            names = sorted(targets)
+            results = await asyncio.gather(*(self._fetch(session, targets[n]) for n in names))
+        nodes = {n: r for n, r in zip(names, results, strict=True) if r is not None}
+        insight = summarize(nodes, now, unreachable=len(names) - len(nodes))
+        self.insights[key] = insight
+        return insight
+
+    def schedule(self, key: tuple[str, str], targets: Mapping[str, str], now: str) -> None:
+        """Start a pass in the background if ``key`` is due (a reconcile never waits for a scrape)."""
+        if not self.due(key):
+            return
+
+        async def one() -> None:
+            before = self.insights.get(key)
+            insight = await self.scrape(key, targets, now)
+            if insight is not None and insight != before and self.on_update is not None:
+                self.on_update(key)
+
+        task = asyncio.get_running_loop().create_task(one())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Cancel passes in flight."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def forget(self, key: tuple[str, str]) -> None:
+        """Drop a deleted pool."""
+        self._last.pop(key, None)
+        self.insights.pop(key, None)

@@ -1,0 +1,81 @@
+"""The scheduler half's plans against a model: what a chunked prefill loads and saves."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfabric.connector.keys import NamespaceSpec, num_loadable_chunks, num_whole_chunks
+from kvfabric.connector.resilient import CircuitBreaker, Endpoint, ResilientCache
+from kvfabric.connector.scheduler import SchedulerHalf
+from kvfabric.connector.settings import ConnectorSettings
+from kvfabric.connector.steps import RequestInfo, ScheduledRequest, StepInput
+from kvfabric.testing.memtransport import MemoryTransport
+
+BLOCK, CHUNK = 4, 8
+BPC = CHUNK // BLOCK
+SPEC = NamespaceSpec("m", "r", "float32", 2, 1, 4, BLOCK, CHUNK)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n_tokens=st.integers(1, 80),
+    stored=st.integers(0, 10),
+    steps=st.lists(st.integers(1, 24), min_size=1, max_size=40),
+    rollback=st.one_of(st.none(), st.integers(0, 79)),
+)
+def test_chunked_prefill_loads_the_hit_and_saves_every_other_whole_chunk_once(
+    n_tokens: int, stored: int, steps: list[int], rollback: int | None
+) -> None:
+    store = MemoryTransport()
+    cache = ResilientCache([Endpoint("m", lambda: store, CircuitBreaker(100, 60.0))])
+    half = SchedulerHalf(ConnectorSettings(chunk_tokens=CHUNK), SPEC, cache=cache)
+    req = RequestInfo("r", tuple(range(100, 100 + n_tokens)))
+    keys = half.chunk_keys(req)
+    for key in keys[:stored]:
+        store.blocks[(half.namespace, key)] = b"x"
+    hit_chunks = min(stored, num_loadable_chunks(n_tokens, CHUNK))
+    ext = half.num_new_matched_tokens(req, 0)
+    assert ext == hit_chunks * CHUNK
+    table = list(range(1000, 1000 + -(-n_tokens // BLOCK)))
+    half.update_state_after_alloc(req, table, ext)
+
+    saved: list[int] = []
+    computed, first = ext, True
+    rolled = False
+    for size in steps:
+        if computed >= n_tokens:
+            break
+        if rollback is not None and not rolled and not first and rollback < computed:
+            # A failed load or a preemption: the engine recomputes from ``rollback``.
+            computed, rolled = rollback, True
+            saved = [c for c in saved if c < rollback // CHUNK]
+        k = min(size, n_tokens - computed)
+        blocks = tuple(table) if first else None
+        plan = half.build_plan(
+            StepInput((ScheduledRequest("r", computed, k, blocks, replaces_blocks=first),))
+        )
+        if first:
+            assert [(ls.keys, ls.block_ids) for ls in plan.loads] == (
+                [(keys[:hit_chunks], [table[c * BPC : (c + 1) * BPC] for c in range(hit_chunks)])]
+                if hit_chunks
+                else []
+            )
+        else:
+            assert plan.loads == []
+        for spec in plan.saves:
+            for key, blocks_of in zip(spec.keys, spec.block_ids, strict=True):
+                c = keys.index(key)
+                assert blocks_of == table[c * BPC : (c + 1) * BPC]
+                assert (c + 1) * CHUNK <= computed + k, "a chunk is saved only once it is complete"
+                assert c >= hit_chunks or rolled, "a chunk the cache already holds is not saved again"
+                assert c not in saved, "a chunk is saved twice"
+                saved.append(c)
+        computed += k
+        first = False
+    whole = num_whole_chunks(min(computed, n_tokens), CHUNK)
+    # Every whole chunk from the hit on is saved exactly once; after a rollback to token r the
+    # chunks from r on are saved again (the engine recomputed them), the loaded ones included.
+    begin = min(hit_chunks, rollback // CHUNK) if rolled and rollback is not None else hit_chunks
+    assert sorted(saved) == list(range(begin, whole))
+    cache.close()

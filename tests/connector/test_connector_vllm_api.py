@@ -1,0 +1,213 @@
+"""The connector's vLLM API surface beyond loads and saves, on duck-typed objects (no vLLM needed).
+
+Stats and Prometheus metrics, hit sources, logging through vLLM's handlers, transitions logged
+once, KV events, start-up refusals and the zeroing shortcut. ``tests/vllm`` checks the same inside
+real vLLM (its ``/metrics``, its log).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvfabric.connector import vllm as kvvllm
+from kvfabric.connector import vllmevents
+from kvfabric.connector.resilient import Counters
+from kvfabric.connector.steps import LoadSpec, StepPlan
+from kvfabric.connector.vllmmetrics import (
+    CounterDeltas,
+    KVFabricPromMetrics,
+    KVFabricStats,
+    TransitionLog,
+    adopt_vllm_logging,
+    hit_source,
+    stats_payload,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def test_counter_deltas_report_each_increment_once_even_when_shared() -> None:
+    counters = Counters()
+    a, b = CounterDeltas.of(counters), CounterDeltas.of(counters)
+    assert a is b  # the scheduler and worker halves of one process share one taker
+    counters.add("loaded_chunks", 3)
+    assert a.take() == {"loaded_chunks": 3}
+    assert b.take() == {}
+    counters.add("loaded_chunks", 2)
+    counters.add("lookups")
+    assert b.take() == {"loaded_chunks": 2, "lookups": 1}
+
+
+def test_stats_payload_derives_loaded_and_failed_tokens() -> None:
+    data = stats_payload({"loaded_chunks": 2, "fallback_chunks.timeout": 1, "lookups": 4}, 256, 0.25)
+    assert data["loaded_tokens"] == 512
+    assert data["load_failed_tokens.timeout"] == 256
+    assert data["restore_seconds"] == 0.25
+    assert data["lookups"] == 4
+
+
+def test_stats_aggregate_sum_and_reduce() -> None:
+    a = KVFabricStats(data={"loaded_tokens": 256, "lookups": 1})
+    b = KVFabricStats(data={"loaded_tokens": 512, "restore_seconds": 0.5})
+    total = a.aggregate(b)
+    assert total.reduce() == {"loaded_tokens": 768, "lookups": 1, "restore_seconds": 0.5}
+    assert not total.is_empty()
+    total.reset()
+    assert total.is_empty()
+    assert kvvllm.KVFabricConnector.build_kv_connector_stats({"x": 1}).data == {"x": 1}  # type: ignore[union-attr]
+
+
+def _metric_types(registry: CollectorRegistry) -> dict[type, type]:
+    def bound(base: type) -> type:
+        class Bound(base):  # type: ignore[misc]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, registry=registry, **kwargs)
+
+        return Bound
+
+    return {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
+
+
+def test_prometheus_metrics_count_loaded_and_failed_tokens_per_engine() -> None:
+    registry = CollectorRegistry()
+    prom = kvvllm.KVFabricConnector.build_prom_metrics(
+        None, _metric_types(registry), ["model_name", "engine"], {0: ["tiny", 0]}
+    )
+    assert isinstance(prom, KVFabricPromMetrics)
+    prom.observe(
+        stats_payload({"loaded_chunks": 3, "fallback_chunks.unavailable": 2, "lookups": 5}, 256, 0.1)
+    )
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("vllm:kvfabric_loaded_tokens_total", labels) == 768
+    assert (
+        registry.get_sample_value(
+            "vllm:kvfabric_load_failed_tokens_total", {**labels, "reason": "unavailable"}
+        )
+        == 512
+    )
+    assert registry.get_sample_value("vllm:kvfabric_restore_seconds_total", labels) == pytest.approx(0.1)
+    assert registry.get_sample_value("vllm:kvfabric_events_total", {**labels, "event": "lookups"}) == 5
+
+
+def test_hit_sources_name_kvfabric_tiers() -> None:
+    assert hit_source("dram") == "host"
+    assert hit_source("local_disk") == "disk"
+    assert hit_source("shared") == "disk"
+    assert hit_source(None) == "external_unspecified"
+
+
+def test_transitions_are_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    t = TransitionLog("loads", logging.getLogger("kvfabric.test"))
+    with caplog.at_level(logging.INFO, logger="kvfabric.test"):
+        for reason in [None, "timeout", "timeout", "unavailable", None, None]:
+            t.note(reason)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "failing (timeout)" in messages[0]
+    assert "working again (after unavailable)" in messages[1]
+
+
+def test_kvfabric_logs_go_through_vllms_handlers() -> None:
+    vllm_logger, ours = logging.getLogger("vllm"), logging.getLogger("kvfabric.adopt-test")
+    handler = logging.NullHandler()
+    vllm_logger.addHandler(handler)
+    try:
+        assert adopt_vllm_logging("kvfabric.adopt-test")
+        assert handler in ours.handlers
+        assert not ours.propagate
+        assert not adopt_vllm_logging("kvfabric.adopt-test")  # idempotent
+    finally:
+        vllm_logger.removeHandler(handler)
+        ours.handlers.clear()
+        ours.propagate = True
+
+
+def test_expandable_segments_detected() -> None:
+    assert kvvllm.expandable_segments_on({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert kvvllm.expandable_segments_on(
+        {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:true"}
+    )
+    assert not kvvllm.expandable_segments_on({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
+    assert not kvvllm.expandable_segments_on({})
+
+
+def test_hybrid_models_are_refused_with_the_reason() -> None:
+    kvvllm.refuse_hybrid_kv_cache(SimpleNamespace(kv_cache_groups=[object()]))
+    kvvllm.refuse_hybrid_kv_cache(None)
+    with pytest.raises(ValueError, match="one KV cache group; this one has 2"):
+        kvvllm.refuse_hybrid_kv_cache(SimpleNamespace(kv_cache_groups=[object(), object()]))
+
+
+def test_sleep_mode_is_declined() -> None:
+    assert kvvllm.KVFabricConnector.supports_sleep_mode(None) is False
+
+
+def test_loaded_blocks_are_not_zeroed() -> None:
+    out = SimpleNamespace(new_block_ids_to_zero=[1, 2, 3, 4, 9])
+    plan = StepPlan(loads=[LoadSpec("r", ["k0", "k1"], [[1, 2], [3, 4]])])
+    kvvllm.drop_overwritten_from_zeroing(out, plan)
+    assert out.new_block_ids_to_zero == [9]
+    empty = SimpleNamespace(new_block_ids_to_zero=None)
+    kvvllm.drop_overwritten_from_zeroing(empty, plan)
+    assert empty.new_block_ids_to_zero is None
+
+
+@dataclass
+class _Stored:
+    block_hashes: list[Any]
+    parent_block_hash: Any
+    token_ids: list[int]
+    block_size: int
+    lora_id: Any
+    medium: str | None
+    lora_name: Any
+
+
+@dataclass
+class _Removed:
+    block_hashes: list[Any]
+    medium: str | None
+
+
+@dataclass
+class _Request:
+    block_hashes: list[bytes]
+    all_token_ids: list[int]
+    lora_request: Any = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+def test_kv_events_announce_stored_chunks_once_and_withdraw_missing_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(vllmevents, "BlockStored", _Stored)
+    monkeypatch.setattr(vllmevents, "BlockRemoved", _Removed)
+    log = vllmevents.KVEventLog(chunk_tokens=4, block_size=2, enabled=True)
+    req = _Request([b"h0", b"h1", b"h2", b"h3"], list(range(10)))
+    index = {"k0": 0, "k1": 1}
+    log.stored(req, ["k0", "k1"], index)
+    log.stored(req, ["k1"], index)  # already announced
+    events = log.take()
+    assert [e.block_hashes for e in events] == [[b"h0", b"h1"], [b"h2", b"h3"]]
+    assert events[0].parent_block_hash is None
+    assert events[1].parent_block_hash == b"h1"
+    assert events[1].token_ids == [4, 5, 6, 7]
+    assert {e.medium for e in events} == {"CPU"}
+    assert log.take() == []
+    log.found_missing(["k1", "never-announced"])
+    (removed,) = log.take()
+    assert removed.block_hashes == [b"h2", b"h3"]
+    log.found_missing(["k1"])
+    assert log.take() == []
+
+
+def test_kv_events_off_without_vllms_event_config() -> None:
+    log = vllmevents.KVEventLog(chunk_tokens=4, block_size=2, enabled=False)
+    log.stored(_Request([b"h0", b"h1"], [1, 2, 3, 4]), ["k0"], {"k0": 0})
+    assert log.take() == []

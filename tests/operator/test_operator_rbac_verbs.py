@@ -1,0 +1,144 @@
+"""Least privilege: every permission the operator's ClusterRole grants has a use in the code.
+
+Each (API group, resource, verb) the shipped role holds must appear in ``USES`` with the code that
+needs it (a file under ``operator/kvfabric/operator`` and a pattern found there). A verb added to the
+role without a use, or a use that disappears from the code, fails this test; so does a permission
+listed here that the role no longer grants (the table must describe the role, not a wish).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CODE = ROOT / "operator/kvfabric/operator"
+
+_APPLY = ("reconcile.py", r"client\.apply\(obj")  # server-side apply of rendered children
+_KOPF_WATCH = ("handlers.py", r"@kopf\.on\.event\(")
+_INFORMER = ("informer.py", r"self\.client\.watch\(")
+
+# (group, resource, verb) -> [(file, regex)]: why the operator needs it.
+USES: dict[tuple[str, str, str], list[tuple[str, str]]] = {
+    ("kvfabric.io", "kvcachepools", "get"): [("reconcile.py", r"client\.get\(KIND")],
+    ("kvfabric.io", "kvcachepools", "list"): [("handlers.py", r'list\("KVCachePool"')],
+    ("kvfabric.io", "kvcachepools", "watch"): [("handlers.py", r"kopf\.on\.event\(GROUP, VERSION, PLURAL")],
+    ("kvfabric.io", "kvcachepools/status", "patch"): [
+        ("kube.py", r'"/status"'),
+        ("reconcile.py", r"patch_status\("),
+    ],
+    ("", "configmaps", "get"): [("objectprobe.py", r'get\("ConfigMap"')],
+    ("", "configmaps", "list"): [("controller.py", r'OWNED_KINDS = \(.*"ConfigMap"')],
+    ("", "configmaps", "watch"): [("controller.py", r'OWNED_KINDS = \(.*"ConfigMap"'), _INFORMER],
+    ("", "configmaps", "create"): [("render/children.py", r'"kind": "ConfigMap"'), _APPLY],
+    ("", "configmaps", "patch"): [("render/children.py", r'"kind": "ConfigMap"'), _APPLY],
+    ("", "services", "list"): [("reconcile.py", r'_PRUNABLE: Final = \(.*"Service"')],
+    ("", "services", "watch"): [("controller.py", r'OWNED_KINDS = \(.*"Service"'), _INFORMER],
+    ("", "services", "create"): [("render/children.py", r'"kind": "Service"'), _APPLY],
+    ("", "services", "patch"): [("render/children.py", r'"kind": "Service"'), _APPLY],
+    ("", "services", "delete"): [
+        ("reconcile.py", r'_PRUNABLE: Final = \(.*"Service"'),
+        ("reconcile.py", r"client\.delete\("),
+    ],
+    ("", "persistentvolumeclaims", "get"): [("reconcile.py", r'get\("PersistentVolumeClaim"')],
+    ("", "persistentvolumeclaims", "list"): [
+        ("reconcile.py", r'_PRUNABLE: Final = \(.*"PersistentVolumeClaim"')
+    ],
+    ("", "persistentvolumeclaims", "watch"): [
+        ("controller.py", r'OWNED_KINDS = \(.*"PersistentVolumeClaim"')
+    ],
+    ("", "persistentvolumeclaims", "create"): [
+        ("render/children.py", r'"kind": "PersistentVolumeClaim"'),
+        _APPLY,
+    ],
+    ("", "persistentvolumeclaims", "patch"): [
+        ("render/children.py", r'"kind": "PersistentVolumeClaim"'),
+        _APPLY,
+    ],
+    ("", "persistentvolumeclaims", "delete"): [
+        ("reconcile.py", r'_PRUNABLE: Final = \(.*"PersistentVolumeClaim"')
+    ],
+    ("", "secrets", "get"): [
+        ("reconcile.py", r'client\.get\("Secret"'),
+        ("objectprobe.py", r'get\("Secret"'),
+    ],
+    ("", "secrets", "create"): [
+        ("poolpki.py", r'"kind": "Secret"'),
+        ("reconcile.py", r"client\.apply\(body"),
+    ],
+    ("", "secrets", "patch"): [("poolpki.py", r'"kind": "Secret"'), ("reconcile.py", r"client\.apply\(body")],
+    ("", "secrets", "delete"): [("reconcile.py", r'client\.delete\("Secret"')],
+    ("networking.k8s.io", "networkpolicies", "create"): [
+        ("render/children.py", r'"kind": "NetworkPolicy"'),
+        _APPLY,
+    ],
+    ("networking.k8s.io", "networkpolicies", "patch"): [
+        ("render/children.py", r'"kind": "NetworkPolicy"'),
+        _APPLY,
+    ],
+    ("apps", "daemonsets", "get"): [("reconcile.py", r'get\("DaemonSet"')],
+    ("apps", "daemonsets", "list"): [("controller.py", r'OWNED_KINDS = \(.*"DaemonSet"')],
+    ("apps", "daemonsets", "watch"): [("controller.py", r'OWNED_KINDS = \(.*"DaemonSet"'), _INFORMER],
+    ("apps", "daemonsets", "create"): [("render/children.py", r'"kind": "DaemonSet"'), _APPLY],
+    ("apps", "daemonsets", "patch"): [("render/children.py", r'"kind": "DaemonSet"'), _APPLY],
+    ("", "pods", "list"): [("reconcile.py", r'list\("Pod"')],
+    ("", "pods", "watch"): [("controller.py", r'OWNED_KINDS = \(.*"Pod"'), _KOPF_WATCH],
+    ("", "namespaces", "list"): [("handlers.py", r'kopf\.on\.event\("", "v1", "namespaces"')],
+    ("", "namespaces", "watch"): [("handlers.py", r'kopf\.on\.event\("", "v1", "namespaces"')],
+    ("", "events", "create"): [("reconcile.py", r"await client\.create\(body\)")],
+    ("", "events", "list"): [("reconcile.py", r'"Event",')],
+    ("coordination.k8s.io", "leases", "get"): [("leader.py", r'get\("Lease"')],
+    ("coordination.k8s.io", "leases", "create"): [("leader.py", r"client\.create\(")],
+    ("coordination.k8s.io", "leases", "update"): [("leader.py", r"client\.replace\("), ("kube.py", r'"PUT"')],
+    # kopf discovers the resources it serves and watches through the CRDs.
+    ("apiextensions.k8s.io", "customresourcedefinitions", "get"): [("handlers.py", r"^import kopf")],
+    ("apiextensions.k8s.io", "customresourcedefinitions", "list"): [("handlers.py", r"^import kopf")],
+    ("apiextensions.k8s.io", "customresourcedefinitions", "watch"): [("handlers.py", r"^import kopf")],
+    # Server-side apply of the (possibly missing) webhook configuration: create, and patch by name.
+    ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "create"): [
+        ("handlers.py", r"client\.apply\(self\.render")
+    ],
+    ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "patch"): [
+        ("handlers.py", r"client\.apply\(self\.render")
+    ],
+}
+
+
+def _granted() -> set[tuple[str, str, str]]:
+    role = yaml.safe_load((ROOT / "manifests/rbac/role.yaml").read_text())
+    assert role["kind"] == "ClusterRole"
+    out = set()
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    assert verb != "*", "no wildcard verbs"
+                    out.add((group, resource, verb))
+    return out
+
+
+def test_every_granted_verb_has_a_use_in_the_code() -> None:
+    granted = _granted()
+    unexplained = sorted(granted - set(USES))
+    assert not unexplained, f"the role grants permissions no code needs (or USES lacks them): {unexplained}"
+    stale = sorted(set(USES) - granted)
+    assert not stale, f"USES lists permissions the role does not grant: {stale}"
+    for permission, evidence in USES.items():
+        for file, pattern in evidence:
+            text = (CODE / file).read_text()
+            assert re.search(pattern, text, re.MULTILINE), f"{permission}: {pattern!r} no longer in {file}"
+
+
+def test_the_operator_can_never_list_or_watch_secrets() -> None:
+    # A list or watch of Secrets returns their data: every credential in the cluster.
+    assert not {(g, r, v) for g, r, v in _granted() if r == "secrets" and v in ("list", "watch")}
+
+
+def test_webhook_configuration_writes_are_limited_by_name() -> None:
+    role = yaml.safe_load((ROOT / "manifests/rbac/role.yaml").read_text())
+    for rule in role["rules"]:
+        if "mutatingwebhookconfigurations" in rule["resources"]:
+            # create cannot be limited by name (RBAC); everything else must be.
+            assert rule.get("resourceNames") or rule["verbs"] == ["create"], rule

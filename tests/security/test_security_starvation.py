@@ -1,0 +1,93 @@
+"""Slow and stalled clients cannot starve others: per-peer slot shares and server-side deadlines.
+
+Real server processes, real gRPC streams. The attacker opens many Store streams that send one piece
+and then trickle nothing, and many Loads whose responses it never reads, without any deadline of
+its own; a well-behaved client must still store and load within its deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from kvfabric.client import CacheClient
+from kvfabric.rpc.v1 import cache_pb2 as pb
+from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
+from kvfabric.testing.serverproc import MiB, cache_server, digest, payload_for
+
+pytestmark = pytest.mark.process
+
+NS = digest("starvation")
+
+
+def test_a_slow_loris_client_does_not_make_a_well_behaved_client_miss_its_deadline() -> None:
+    limits = {"limits.max_concurrent_loads": 4, "limits.max_concurrent_stores": 4}
+    big = digest("big")
+    with (
+        cache_server(dram_bytes=128 * MiB, overrides=limits) as srv,
+        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as seed,
+    ):
+        assert seed.store(NS, [big], [payload_for(big, 64 * MiB)], timeout=60).accepted == 1
+        release = threading.Event()
+
+        def trickle(i: int) -> Iterator[pb.StoreChunk]:
+            yield pb.StoreChunk(namespace=NS, key=digest("slow", i), total_length=2, data=b"a")
+            release.wait(120)
+
+        channel = grpc.insecure_channel(srv.tcp_target)
+        stub = pb_grpc.CacheStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            # No client deadline at all: only the server bounds these calls.
+            stores = [stub.Store.future(trickle(i)) for i in range(8)]
+            loads = [stub.Load(pb.LoadRequest(namespace=NS, keys=[big])) for _ in range(8)]
+            codes = []
+            for stalled in loads:
+                try:
+                    next(stalled)  # one piece, then never read again: flow control stalls the server
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as exc:
+                    codes.append(exc.code())
+            # One TCP peer holds at most a quarter of the load slots; its other loads are refused.
+            assert sorted(c.name for c in codes) == ["OK"] + ["RESOURCE_EXHAUSTED"] * 7
+            keys = [digest("good", i) for i in range(3)]
+            payloads = [payload_for(k, 3 * MiB) for k in keys]
+            # Well-behaved clients on both paths: shared memory and gRPC streams over the socket.
+            with CacheClient(srv.unix_target) as streams:
+                for good in (seed, streams):
+                    assert good.store(NS, keys, payloads, timeout=10).accepted == 3
+                    assert good.load(NS, keys, timeout=10) == payloads
+                    assert good.load(NS, [big], timeout=30) == [payload_for(big, 64 * MiB)]
+                    assert good.lookup(NS, [*keys, big], timeout=5).matched == 4
+        finally:
+            release.set()
+            for stalled in loads:
+                stalled.cancel()
+            for f in stores:
+                f.cancel()
+            channel.close()
+
+
+def test_the_server_ends_a_trickling_store_that_set_no_deadline() -> None:
+    with cache_server(dram_bytes=16 * MiB, overrides={"limits.max_call_seconds": 1.0}) as srv:
+        release = threading.Event()
+
+        def trickle() -> Iterator[pb.StoreChunk]:
+            yield pb.StoreChunk(namespace=NS, key=digest("trickle"), total_length=2, data=b"a")
+            release.wait(120)
+
+        with grpc.insecure_channel(srv.tcp_target) as channel:
+            stub = pb_grpc.CacheStub(channel)  # type: ignore[no-untyped-call]
+            call = stub.Store.future(trickle())  # no client deadline
+            try:
+                with pytest.raises(grpc.RpcError) as err:
+                    call.result(timeout=60)
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert "server-side deadline" in (err.value.details() or "")
+            finally:
+                release.set()
+        # The slot came back: a store is accepted again.
+        with CacheClient(srv.unix_target) as c:
+            assert c.store(NS, [digest("after")], [b"x"], timeout=10).accepted == 1

@@ -27,6 +27,7 @@ HARNESS = {
     "kvfabric.demo",
     "kvfabric.bench",
     "kvfabric.testing",
+    "kvfabric.containers",
 }
 
 

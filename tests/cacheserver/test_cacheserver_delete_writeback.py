@@ -76,7 +76,10 @@ def _clients(srv: ServerProcess) -> tuple[CacheClient, CacheClient]:
 @pytest.fixture
 def slow_commit() -> Iterator[ServerProcess]:
     """A server whose local-disk write-backs sleep 4 s before committing (two write-back workers)."""
-    slow = {"tiers.local_disk.faults": {"write_delay_seconds": 4.0}}
+    slow = {
+        "tiers.local_disk.faults": {"write_delay_seconds": 4.0},
+        "tiers.local_disk.min_free_fraction": 0.0,
+    }
     with cache_server(dram_bytes=16 * MiB, overrides=slow) as srv:
         yield srv
 
@@ -139,7 +142,10 @@ def test_delete_while_the_write_back_is_in_flight_or_queued_and_a_store_after_it
 def test_delete_during_the_write_backs_rename_waits_for_it_then_removes_it() -> None:
     # The rename has happened, the index does not know yet (the commit sleeps under the tier's commit
     # lock): a delete now must still leave nothing behind — not in the index, not on disk.
-    slow = {"tiers.local_disk.faults": {"rename_delay_seconds": 3.0}}
+    slow = {
+        "tiers.local_disk.faults": {"rename_delay_seconds": 3.0},
+        "tiers.local_disk.min_free_fraction": 0.0,
+    }
     key, other = digest("dr", 0), digest("dr", 1)
     with cache_server(dram_bytes=16 * MiB, overrides=slow) as srv:
         shm, tcp = _clients(srv)

@@ -33,7 +33,10 @@ def srv() -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def slow_disk_srv() -> Iterator[ServerProcess]:
     """A server whose local-disk write-backs sleep 2 s before committing (its fault hook)."""
-    slow = {"tiers.local_disk.faults": {"write_delay_seconds": 2.0}}
+    slow = {
+        "tiers.local_disk.faults": {"write_delay_seconds": 2.0},
+        "tiers.local_disk.min_free_fraction": 0.0,
+    }
     with cache_server(dram_bytes=64 * MiB, overrides=slow) as s:
         yield s
 

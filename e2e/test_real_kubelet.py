@@ -152,7 +152,7 @@ def test_cache_server_runs_on_every_real_node_as_the_runtime_enforces(
         assert facts["no_new_privs"] is True, "allowPrivilegeEscalation: false"
         assert facts["root_read_only"] is True, "readOnlyRootFilesystem"
         # The hostPath run directory is the node's own (its mount namespace), not the machine's.
-        socket = node.host_dir(names.HOST_RUN_ROOT) / f"{ns}-{pool}" / names.SOCKET_NAME
+        socket = node.host_dir(names.HOST_RUN_ROOT) / names.pool_dir_name(ns, pool) / names.SOCKET_NAME
         assert socket.is_socket(), f"no socket at {socket}"
         assert socket.stat().st_uid == UID
 
@@ -220,7 +220,7 @@ def test_injected_client_pod_stores_and_loads_through_the_node_socket(
     # The chunk is in that node's server, which the host can ask through the same socket.
     from kvfabric.client.sync import CacheClient
 
-    run = node.host_dir(names.HOST_RUN_ROOT) / f"{ns}-{pool}"
+    run = node.host_dir(names.HOST_RUN_ROOT) / names.pool_dir_name(ns, pool)
     with CacheClient(f"unix://{run / names.SOCKET_NAME}") as host_client:
         lookup = host_client.lookup(hashlib.sha256(b"kubelet-e2e").hexdigest(), [result["key"]], timeout=10)
     assert lookup.matched == 1
@@ -277,7 +277,7 @@ def test_deleting_the_pool_stops_its_servers_and_frees_the_node_directories(real
     with real.handle.namespace("kd") as ns:
         real.handle.apply(_pool("pool-d"), namespace=ns)
         wait_pool_ready(real.handle, ns, "pool-d", timeout=240)
-        runs = [n.host_dir(names.HOST_RUN_ROOT) / f"{ns}-pool-d" for n in real.nodes]
+        runs = [n.host_dir(names.HOST_RUN_ROOT) / names.pool_dir_name(ns, "pool-d") for n in real.nodes]
         assert all((r / names.SOCKET_NAME).is_socket() for r in runs)
         real.handle.kubectl("delete", "kvcachepool", "pool-d", "-n", ns, "--wait=true", "--timeout=120s")
         wait_for(lambda: not _pods(real, ns, _selector("pool-d")), timeout=180, message="the pods to go")

@@ -18,7 +18,12 @@ KEYS = (
     "disk_tier_load_gbps",
     "grpc_load_gbps",
     "redis_get_gbps",
-    "lookup_p99_ms",
+    "lookup_rpc_c1_p50_ms",
+    "lookup_rpc_c2_p99_ms",
+    "lookup_rpc_c2_p999_ms",
+    "lookup_rpc_paced_p99_ms",
+    "shm_load_over_memcpy",
+    "disk_tier_over_raw",
 )
 
 
@@ -26,7 +31,8 @@ def test_bench_storage_reports_every_measurement() -> None:
     out = subprocess.run(
         [
             sys.executable, "-m", "kvfabric.cli.main", "bench", "storage", "--quick", "--json",
-            "--chunk-mib", "1", "--chunks", "2", "--rounds", "1", "--lookups", "5", "--lookup-clients", "2",
+            "--chunk-mib", "1", "--chunks", "2", "--rounds", "1", "--lookups", "20",
+            "--lookup-clients", "1,2",
             "--no-object-store",  # measured by the next test
         ],
         capture_output=True, text=True, check=True, timeout=170,
@@ -38,7 +44,11 @@ def test_bench_storage_reports_every_measurement() -> None:
         assert key in result, key
         if key != "redis_get_gbps":  # null when redis-server is not installed, by design
             assert result[key] > 0, key
-    assert len(result["targets"]) == 4
+    assert len(result["targets"]) == 5  # the table (the object tier's row only when measured)
+    for name, s in result["spread"].items():
+        assert s["min"] <= s["median"] <= s["max"], name
+    for label, verdict in result["targets"].items():
+        assert set(verdict) == {"measure", "value", "goal", "met"}, label
 
 
 def test_bench_storage_measures_the_object_tier_against_raw_gets_and_recompute() -> None:

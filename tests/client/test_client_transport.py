@@ -17,7 +17,7 @@ from kvfabric.client.errors import (
     InvalidRequest,
     PermissionDenied,
 )
-from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for
+from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
 
 pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.testing.levels)
 
@@ -30,7 +30,27 @@ def srv() -> Iterator[ServerProcess]:
         yield s
 
 
-def test_round_trip_over_shm_and_grpc_streams(srv: ServerProcess) -> None:
+@pytest.fixture(scope="module")
+def slow_disk_srv() -> Iterator[ServerProcess]:
+    """A server whose local-disk write-backs sleep 2 s before committing (its fault hook)."""
+    slow = {
+        "tiers.local_disk.faults": {"write_delay_seconds": 2.0},
+        "tiers.local_disk.min_free_fraction": 0.0,
+    }
+    with cache_server(dram_bytes=64 * MiB, overrides=slow) as s:
+        yield s
+
+
+def _writebacks_done(c: CacheClient) -> None:
+    wait_until(lambda: c.stats(timeout=5)["writeback_pending_bytes"] == 0, what="write-backs finished")
+
+
+@pytest.mark.parametrize("disk", ["settled", "racing"])
+def test_round_trip_over_shm_and_grpc_streams(disk: str, request: pytest.FixtureRequest) -> None:
+    # The delete below must give the same answers whether the local-disk write-backs of the keys
+    # finished before it ("settled": the deleted key is on disk too) or are still queued or asleep
+    # in the disk's commit delay ("racing"); and the same again once those write-backs are done.
+    srv: ServerProcess = request.getfixturevalue("srv" if disk == "settled" else "slow_disk_srv")
     keys = [digest("rt", i) for i in range(4)]
     # 9 MiB + 1 crosses several 4 MiB stream pieces; 0 bytes is a legal (if odd) payload.
     payloads = [payload_for(keys[0], 9 * MiB + 1), b"", payload_for(keys[2], 4096), payload_for(keys[3], 1)]
@@ -52,8 +72,16 @@ def test_round_trip_over_shm_and_grpc_streams(srv: ServerProcess) -> None:
         assert shm.lookup(NS, gap, timeout=5).matched == 1
         assert shm.load(NS, gap, timeout=10) == payloads[:1]
         assert tcp.load(NS, gap, timeout=10) == payloads[:1]
+        if disk == "settled":
+            _writebacks_done(tcp)
+            assert tcp.lookup(NS, keys, timeout=5).tiers == ["dram"] * 4
         assert shm.delete(NS, keys[3:], timeout=5) == 1
         assert tcp.lookup(NS, keys, timeout=5).matched == 3
+        _writebacks_done(tcp)
+        # A write-back that was still in flight never brings the deleted key back.
+        for c in (shm, tcp):
+            assert c.lookup(NS, keys, timeout=5).matched == 3
+            assert c.load(NS, keys, timeout=10) == payloads[:3]
         stats = tcp.stats(timeout=5)
         assert stats["tiers"]["dram"]["blocks"] >= 3
         assert shm.health(timeout=5)

@@ -124,7 +124,7 @@ class OperatorProcess:
 def crd(cluster: ClusterHandle) -> None:
     """Install the generated CRD and wait until it is established."""
     cluster.kubectl("apply", "--server-side", "--field-manager=kvfabric-tests", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/kvcachepools.kvfabric.io")
+    cluster.wait_crd_established("kvcachepools.kvfabric.io")
 
 
 @pytest.fixture(scope="session")

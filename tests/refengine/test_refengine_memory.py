@@ -20,7 +20,8 @@ from kvfabric.refengine.model import RefModel
 from kvfabric.refengine.testing import TINY, prompt
 from kvfabric.testing.memtransport import MemoryTransport
 
-SETTINGS = ConnectorSettings(chunk_tokens=32, lookup_deadline_ms=200, load_deadline_ms=300)
+# These tests check what a load does; whether to load is the cost model's (test_refengine_costmodel.py).
+SETTINGS = ConnectorSettings(chunk_tokens=32, lookup_deadline_ms=200, load_deadline_ms=300, cost_model=False)
 
 
 @pytest.fixture

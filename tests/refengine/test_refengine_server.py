@@ -37,6 +37,9 @@ def settings_for(server: CacheServerProcess, **update: object) -> ConnectorSetti
         lookup_deadline_ms=LOOKUP_MS,
         load_deadline_ms=LOAD_MS,
         breaker_failures=2,
+        # These tests check what a load does; whether to load is the cost model's
+        # (test_refengine_costmodel.py).
+        cost_model=False,
     )
     return base.model_copy(update=update)
 

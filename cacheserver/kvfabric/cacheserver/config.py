@@ -156,6 +156,13 @@ class IoFaultsConfig(_Model):
     write_delay_seconds: float = Field(
         default=0.0, ge=0, le=60, description="Sleep before each block write commits (its rename)."
     )
+    rename_delay_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        le=60,
+        description="Sleep inside each block write's commit, after its rename and before the index "
+        "learns of it (a slow rename: a delete arriving meanwhile waits for the commit).",
+    )
     read_error: Literal["ESTALE", "EIO", "ENOSPC"] | None = Field(
         default=None, description="Errno every block read of the tier raises."
     )

@@ -27,6 +27,8 @@ from kvfabric.cacheserver.engine.tiered import TieredStore
 from kvfabric.cacheserver.metrics import Metrics, ProbeServer
 from kvfabric.cacheserver.service import CacheService, SharedState, add_to_server
 from kvfabric.cacheserver.transport.arena import StagingArena
+from kvfabric.cacheserver.transport.indexpub import IndexPublisher, IndexSocket
+from kvfabric.rpc.indextable import index_socket_for
 
 __all__ = ["serve"]
 
@@ -213,7 +215,15 @@ async def serve(
     check_directories(config)
 
     store = TieredStore(config)
+    # Same-node engines look up in this published copy of the index, without a call; it follows
+    # every index change (the start-up scan included), so it is complete before anything is served.
+    publisher: IndexPublisher | None = IndexPublisher(store.tier_of)
+    if not store.set_listener(publisher.changed if publisher else None):
+        log.warning("a tier cannot report index changes: same-node lookups go over RPC")
+        publisher = None
     await loop.run_in_executor(None, store.start)  # header scan: keep the loop free meanwhile
+    if publisher is not None:
+        publisher.start()
     arena = StagingArena(
         config.shm.dir, config.shm.arena_bytes, config.shm.slot_lease_seconds, store.counters
     )
@@ -235,6 +245,10 @@ async def serve(
 
     for s in servers:
         await s.start()
+    index_socket = None
+    if publisher is not None:
+        index_socket = IndexSocket(index_socket_for(sock.absolute()), publisher)
+        index_socket.start()
     # Engine pods may run as another user: the socket is guarded by its directory's permissions.
     os.chmod(sock, 0o666)  # noqa: S103
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -261,6 +275,11 @@ async def serve(
         if probes is not None:
             probes.ready = False
         await health.enter_graceful_shutdown()
+        # Retire the published tables first: engines stop answering from them and ask over RPC.
+        if index_socket is not None:
+            index_socket.close()
+        if publisher is not None:
+            publisher.close()
         reaper.cancel()
         await asyncio.gather(*(s.stop(grace=5) for s in servers))
         state.close()

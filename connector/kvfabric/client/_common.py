@@ -13,7 +13,9 @@ from typing import Any, TypeAlias
 import grpc
 
 from kvfabric.client import errors
+from kvfabric.client.localindex import LocalIndex
 from kvfabric.client.results import FlushResult, LookupResult
+from kvfabric.rpc.indextable import index_socket_for
 from kvfabric.rpc.v1 import cache_pb2 as pb
 
 Payload: TypeAlias = bytes | bytearray | memoryview
@@ -74,13 +76,34 @@ def parse_target(target: str) -> Target:
     return Target(target, False)
 
 
-def check_ids(namespace: str, keys: Sequence[str]) -> None:
-    """Raise :class:`InvalidRequest` unless namespace and keys are 64-char lower-case hex digests."""
+def local_index_for(target: Target) -> LocalIndex | None:
+    """The published-index reader of a Unix target's server (None for TCP: nothing is published remotely)."""
+    if not target.is_unix:
+        return None
+    return LocalIndex(index_socket_for(target.address[len("unix://") :]))
+
+
+def check_ids(namespace: str, keys: Sequence[str]) -> bytes:
+    """Raise :class:`InvalidRequest` unless namespace and keys are 64-char lower-case hex digests.
+
+    Returns the keys' digests, concatenated (what the published index is probed with).
+    """
     if not isinstance(namespace, str) or not _HEX64.fullmatch(namespace):
         raise errors.InvalidRequest(f"namespace must be 64 lower-case hex characters: {namespace!r:.80}")
+    # One C-speed pass over all keys (bytes.fromhex rejects non-hex, the length checks reject the
+    # whitespace it skips, lower() rejects upper case): a regex per key costs ~0.4 us each, which is
+    # most of a 128-key local lookup. The slow loop only runs to name the bad key.
+    try:
+        joined = "".join(keys)
+        raw = bytes.fromhex(joined)
+        if set(map(len, keys)) <= {64} and len(raw) == 32 * len(keys) and joined == joined.lower():
+            return raw
+    except (TypeError, ValueError):
+        pass
     for key in keys:
         if not isinstance(key, str) or not _HEX64.fullmatch(key):
             raise errors.InvalidRequest(f"key must be 64 lower-case hex characters: {key!r:.80}")
+    raise errors.InvalidRequest("keys must be 64 lower-case hex characters")
 
 
 def metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:

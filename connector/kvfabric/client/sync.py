@@ -14,6 +14,7 @@ import grpc
 
 from kvfabric.client import _common as c
 from kvfabric.client.errors import CacheTimeout, InvalidRequest
+from kvfabric.client.localindex import LocalIndex
 from kvfabric.client.results import FlushResult, LookupResult, StoreResult
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
@@ -45,8 +46,11 @@ class CacheClient:
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
         tls_server_name: str | None = None,
+        local_index: bool = False,
     ) -> None:
         self._target = c.parse_target(target)
+        # Same node: answer lookups from the table the server publishes (no call per lookup).
+        self._index = c.local_index_for(self._target) if local_index else None
         self._shm_dir = Path(shm_dir) if shm_dir is not None and self._target.is_unix else None
         self._md = c.metadata(token)
         creds = c.credentials(tls_ca, tls_cert, tls_key)
@@ -64,6 +68,11 @@ class CacheClient:
         )
 
     @property
+    def local_index(self) -> LocalIndex | None:
+        """The published-index reader answering this client's lookups (None: every lookup is a call)."""
+        return self._index
+
+    @property
     def uses_shm(self) -> bool:
         """True when bulk bytes go through the shared-memory arena."""
         return self._shm_dir is not None
@@ -77,9 +86,22 @@ class CacheClient:
     def lookup(self, namespace: str, keys: Sequence[str], *, timeout: float) -> LookupResult:
         """How many leading ``keys`` are stored, and in which tier each one is."""
         c.check_timeout(timeout)
-        c.check_ids(namespace, keys)
+        raw = c.check_ids(namespace, keys)
+        if self._index is not None:
+            local = self._index.lookup(namespace, raw)
+            if local is not None:
+                return local
         req = pb.LookupRequest(namespace=namespace, keys=keys)
         return c.lookup_result(self._call(lambda: self._stub.Lookup(req, timeout=timeout, metadata=self._md)))
+
+    def lookup_local(self, namespace: str, keys: Sequence[str]) -> LookupResult | None:
+        """Answer from the published index only (microseconds, no call, no thread); None if it cannot.
+
+        Raises :class:`~kvfabric.client.errors.CacheUnavailable` when the server is gone or hung.
+        """
+        if self._index is None:
+            return None
+        return self._index.lookup(namespace, c.check_ids(namespace, keys), fetch=False)
 
     def load(self, namespace: str, keys: Sequence[str], *, timeout: float) -> list[bytes]:
         """Payloads of the leading present keys (stops at the first miss)."""
@@ -210,8 +232,10 @@ class CacheClient:
             return False
 
     def close(self) -> None:
-        """Close the channel."""
+        """Close the channel (and unmap the published index)."""
         self._channel.close()
+        if self._index is not None:
+            self._index.close()
 
     def __enter__(self) -> CacheClient:
         return self

@@ -59,6 +59,8 @@ class Reason(enum.StrEnum):
     UNAVAILABLE = "unavailable"
     CORRUPT = "corrupt"
     NAMESPACE_MISMATCH = "namespace-mismatch"
+    RECOMPUTE_FASTER = "recompute-faster"
+    """Skipped: the cost model expects recomputing the chunks to beat restoring them."""
 
 
 class Transport(Protocol):
@@ -321,10 +323,41 @@ class ResilientCache:
                 return result, None
         return None, last
 
+    def _lookup_local(self, namespace: str, keys: Sequence[str]) -> LookupOutcome | None:
+        """The preferred endpoint's published index, on the caller's thread; None: make the call.
+
+        A lookup answered from shared memory takes microseconds: a hop to the I/O pool would cost
+        more than the lookup (and, under load, the GIL's switch interval).
+        """
+        ep = self.endpoints[0] if self.endpoints else None
+        client = ep._client if ep is not None else None  # only once connected (the pool connects)
+        local = getattr(client, "lookup_local", None)
+        if ep is None or local is None or not ep.breaker.allow():
+            return None
+        try:
+            res: LookupResult | None = local(namespace, keys)
+        except CacheUnavailable as exc:
+            ep.breaker.failure()
+            log.debug("published index of %s: %r", ep.name, exc)
+            self.counters.add(f"error.{ep.name}.{Reason.UNAVAILABLE.value}")
+            return LookupOutcome(0, [], Reason.UNAVAILABLE)
+        except Exception:
+            log.debug("published index of %s failed; asking over RPC", ep.name, exc_info=True)
+            return None
+        if res is None:
+            return None
+        ep.breaker.success()
+        self.counters.add("lookup_local")
+        matched = max(0, min(res.matched, len(keys)))
+        return LookupOutcome(matched, list(res.tiers[:matched]), None if matched else Reason.NOT_FOUND)
+
     def lookup(self, namespace: str, keys: Sequence[str], deadline_s: float) -> LookupOutcome:
         """Return how many leading ``keys`` are stored; 0 with a reason on any failure."""
         if not keys:
             return LookupOutcome(0, [])
+        local = self._lookup_local(namespace, keys)
+        if local is not None:
+            return local
         deadline = time.monotonic() + deadline_s
         res, reason = self._call(deadline, lambda c, t: c.lookup(namespace, keys, timeout=t))
         if res is None:
@@ -419,7 +452,9 @@ def _new_cache(settings: ConnectorSettings, counters: Counters | None) -> Resili
         endpoints.append(
             Endpoint(
                 "local",
-                transport_factory(f"unix://{settings.socket}", shm_dir=settings.shm_dir),
+                transport_factory(
+                    f"unix://{settings.socket}", shm_dir=settings.shm_dir, local_index=settings.local_index
+                ),
                 CircuitBreaker(settings.breaker_failures, cooldown),
             )
         )
@@ -520,14 +555,24 @@ def transport_factory(
     tls_ca: str | None = None,
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    local_index: bool = False,
 ) -> Callable[[], Transport]:
-    """Return a factory for the real ``kvfabric.client.CacheClient`` (imported on first use)."""
+    """Return a factory for the real ``kvfabric.client.CacheClient`` (imported on first use).
+
+    ``local_index``: a Unix target answers lookups from the index its server publishes.
+    """
 
     def make() -> Transport:
         from kvfabric.client import CacheClient  # deferred: grpc starts threads
 
         client: Transport = CacheClient(
-            target, shm_dir=shm_dir, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
+            target,
+            shm_dir=shm_dir,
+            token=token,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            local_index=local_index,
         )
         return client
 

@@ -3,8 +3,12 @@
 Engine-agnostic: it reads only :mod:`kvfabric.connector.steps` types. Per request:
 
 1. :meth:`SchedulerHalf.num_new_matched_tokens` hashes the prompt's whole chunks and asks the cache
-   for the longest stored prefix (deadline ``lookup_deadline_ms``); it reports whole chunks only,
-   never the whole prompt, and nothing below ``min_hit_tokens``.
+   for the longest stored prefix; it reports whole chunks only, never the whole prompt, and nothing
+   below ``min_hit_tokens``. With ``cost_model`` on, it reports only the leading chunks whose
+   restore is expected to beat recomputing them (:mod:`kvfabric.connector.costmodel`, fed by the
+   workers' :class:`~kvfabric.connector.steps.WorkerFeedback` through :meth:`SchedulerHalf.observe`),
+   and the lookup's deadline is a fraction of the prompt's expected prefill time
+   (``lookup_deadline_ms`` is the ceiling).
 2. :meth:`SchedulerHalf.update_state_after_alloc` remembers which blocks the hit must fill.
 3. :meth:`SchedulerHalf.build_plan` turns that into load specs, and every chunk the step completes
    and the cache lacks into save specs (a :class:`~kvfabric.connector.steps.StepPlan`).
@@ -21,9 +25,18 @@ from dataclasses import dataclass, field
 
 from kvfabric.connector import keys as keyslib
 from kvfabric.connector import layout
+from kvfabric.connector.costmodel import CostModel, PrefillSample, RestoreSample
 from kvfabric.connector.resilient import Counters, Reason, ResilientCache
 from kvfabric.connector.settings import ConnectorSettings
-from kvfabric.connector.steps import LoadSpec, RequestInfo, Role, SaveSpec, StepInput, StepPlan
+from kvfabric.connector.steps import (
+    LoadSpec,
+    RequestInfo,
+    Role,
+    SaveSpec,
+    StepInput,
+    StepPlan,
+    WorkerFeedback,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +61,7 @@ class _ReqState:
     pending_load: tuple[int, int] | None = None  # token range [start, end) to load
     progress: int = 0  # tokens computed as of the last step
     last_reason: Reason | None = None
+    load_deadline_s: float | None = None  # from the cost model: no longer than the expected saving
 
 
 class SchedulerHalf:
@@ -79,6 +93,9 @@ class SchedulerHalf:
         self.cache = cache
         self.counters = cache.counters if cache is not None else Counters()
         self._reqs: dict[str, _ReqState] = {}
+        self.costs: CostModel | None = (
+            CostModel(chunk_tokens=self.chunk_tokens) if settings.cost_model else None
+        )
 
     def chunk_keys(self, request: RequestInfo) -> list[str]:
         """Return the chained keys of ``request``'s whole chunks under this namespace."""
@@ -114,13 +131,30 @@ class SchedulerHalf:
         if loadable == 0 or loadable * self.chunk_tokens <= num_computed_tokens:
             st.hit_tokens, st.matched_chunks = 0, 0
             return 0
-        outcome = self.cache.lookup(
-            self.namespace, st.keys[:loadable], self.settings.lookup_deadline_ms / 1000
-        )
+        ceiling = self.settings.lookup_deadline_ms / 1000
+        deadline = self.costs.lookup_deadline(len(st.token_ids), ceiling) if self.costs else ceiling
+        outcome = self.cache.lookup(self.namespace, st.keys[:loadable], deadline)
         st.matched_chunks, st.tiers, st.last_reason = outcome.matched, outcome.tiers, outcome.reason
-        hit = outcome.matched * self.chunk_tokens
+        if self.costs is not None and outcome.reason is None and outcome.matched:
+            plan = self.costs.plan(outcome.tiers[: outcome.matched], computed=num_computed_tokens)
+            if plan.chunks < outcome.matched:
+                skipped = outcome.matched - plan.chunks
+                st.matched_chunks = plan.chunks
+                if not plan.chunks:
+                    st.last_reason = Reason.RECOMPUTE_FASTER
+                    self.counters.miss(Reason.RECOMPUTE_FASTER, skipped)
+                else:
+                    self.counters.add(f"miss_chunks.{Reason.RECOMPUTE_FASTER.value}", skipped)
+            if plan.explore:
+                self.counters.add("cost_model_explore")
+            st.load_deadline_s = (
+                self.costs.load_deadline(plan, self.settings.load_deadline_ms / 1000) if plan.chunks else None
+            )
+        hit = st.matched_chunks * self.chunk_tokens
         if outcome.reason is not None:
             self.counters.miss(outcome.reason, loadable)
+        elif st.last_reason is Reason.RECOMPUTE_FASTER:
+            pass
         elif hit < self.settings.min_hit_tokens:
             self.counters.add("miss.below_min_hit_tokens")
             hit = 0
@@ -169,6 +203,11 @@ class SchedulerHalf:
             scheduled[s.req_id] = s.num_scheduled_tokens
         for req_id, computed in progress.items():
             self._plan_request(plan, req_id, self._reqs[req_id], computed, scheduled[req_id])
+        # The step's work, for the cost model: the worker times the forward and sends both back.
+        for s in step.scheduled:
+            t = s.num_scheduled_tokens
+            plan.work_tokens += t
+            plan.work_attention += t * (s.num_computed_tokens + t / 2)
         for req_id in step.finished_req_ids:
             self._reqs.pop(req_id, None)
         return plan
@@ -190,7 +229,9 @@ class SchedulerHalf:
             chunks = [self._chunk_blocks(st, c) for c in range(first, last)]
             if chunks:
                 chunks[0] = chunks[0][skip:]
-            plan.loads.append(LoadSpec(req_id, st.keys[first:last], chunks, skip, st.tiers[first:last]))
+            plan.loads.append(
+                LoadSpec(req_id, st.keys[first:last], chunks, skip, st.tiers[first:last], st.load_deadline_s)
+            )
         done = min(computed + scheduled, len(st.token_ids))
         complete = keyslib.num_whole_chunks(done, self.chunk_tokens)
         begin = max(st.saved_chunks, st.matched_chunks)
@@ -201,6 +242,17 @@ class SchedulerHalf:
             )
         st.saved_chunks = max(st.saved_chunks, complete)
         st.progress = done
+
+    def observe(self, feedback: WorkerFeedback | None) -> None:
+        """Learn from one step's worker feedback (vLLM: ``update_connector_output``)."""
+        if feedback is None or self.costs is None:
+            return
+        if feedback.forward_s is not None and feedback.work_tokens > 0:
+            self.costs.observe_prefill(
+                PrefillSample(feedback.work_tokens, feedback.work_attention, feedback.forward_s)
+            )
+        for r in feedback.restores:
+            self.costs.observe_restore(RestoreSample(r.tier, r.nbytes, r.seconds), r.chunks)
 
     def request_finished(self, req_id: str) -> None:
         """Forget the request. Saves copy blocks out during the step, so blocks can be freed now."""

@@ -70,6 +70,8 @@ class LoadSpec:
     block_ids: list[list[int]]
     skip_blocks: int = 0
     tiers: list[str] = field(default_factory=list)
+    deadline_s: float | None = None
+    """How long the load may take (the cost model's expected saving); None: ``load_deadline_ms``."""
 
 
 @dataclass
@@ -87,6 +89,50 @@ class StepPlan:
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    work_tokens: int = 0
+    """Tokens the engine computes in this step (all its requests): the cost model's regressor."""
+    work_attention: float = 0.0
+    """``sum t*(s + t/2)`` over the step's requests (``t`` computed after ``s`` of context)."""
+
+
+@dataclass(frozen=True)
+class RestoreTiming:
+    """One step's restore on a worker: bytes placed, from which (slowest) tier, and seconds blocked."""
+
+    tier: str
+    nbytes: int
+    chunks: int
+    seconds: float
+
+
+@dataclass
+class WorkerFeedback:
+    """Worker -> scheduler message of one step: what the step's work and restores cost (picklable).
+
+    The scheduler half's cost model learns from it (:mod:`kvfabric.connector.costmodel`). With
+    several ranks, :meth:`aggregate` keeps the slowest rank's times (the step waits for all).
+    """
+
+    work_tokens: int = 0
+    work_attention: float = 0.0
+    forward_s: float | None = None
+    """The step's forward seconds without the connector's restore and save-copy time."""
+    restores: list[RestoreTiming] = field(default_factory=list)
+
+    def aggregate(self, other: WorkerFeedback) -> WorkerFeedback:
+        """Combine two ranks' feedback of the same step."""
+        fwd = [x for x in (self.forward_s, other.forward_s) if x is not None]
+        by_tier: dict[tuple[str, int, int], RestoreTiming] = {}
+        for r in [*self.restores, *other.restores]:
+            k = (r.tier, r.nbytes, r.chunks)
+            if k not in by_tier or r.seconds > by_tier[k].seconds:
+                by_tier[k] = r
+        return WorkerFeedback(
+            max(self.work_tokens, other.work_tokens),
+            max(self.work_attention, other.work_attention),
+            max(fwd) if fwd else None,
+            list(by_tier.values()),
+        )
 
 
 ConnectorMetadata = StepPlan

@@ -36,7 +36,14 @@ from kvfabric.connector.keys import MultiModalSpan, NamespaceSpec, RequestInputs
 from kvfabric.connector.resilient import build_cache
 from kvfabric.connector.scheduler import SchedulerHalf
 from kvfabric.connector.settings import ConnectorSettings
-from kvfabric.connector.steps import RequestInfo, Role, ScheduledRequest, StepInput, StepPlan
+from kvfabric.connector.steps import (
+    RequestInfo,
+    Role,
+    ScheduledRequest,
+    StepInput,
+    StepPlan,
+    WorkerFeedback,
+)
 from kvfabric.connector.vllmevents import KVEventLog
 from kvfabric.connector.vllmmetrics import (
     CounterDeltas,
@@ -97,9 +104,29 @@ except ImportError:  # vLLM is not installed (no GPU here): use the stand-ins be
             return self._connector_metadata is not None
 
 
+try:  # pragma: no cover - depends on the environment (vLLM >= 0.33 has worker -> scheduler metadata)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorWorkerMetadata as _VllmWorkerMetadata,
+    )
+except ImportError:
+
+    class _VllmWorkerMetadata:  # type: ignore[no-redef]
+        """Stand-in for ``KVConnectorWorkerMetadata``."""
+
+
 @dataclass
 class KVFabricMetadata(StepPlan, _VllmMetadata):  # type: ignore[misc]
     """The connector's per-step plan, typed as vLLM's ``KVConnectorMetadata``."""
+
+
+@dataclass
+class KVFabricWorkerMetadata(WorkerFeedback, _VllmWorkerMetadata):  # type: ignore[misc]
+    """The worker's step timing for the scheduler's cost model, typed as ``KVConnectorWorkerMetadata``."""
+
+    def aggregate(self, other: WorkerFeedback) -> KVFabricWorkerMetadata:
+        """Combine the ranks' feedback of one step (vLLM calls this across workers)."""
+        both = WorkerFeedback.aggregate(self, other)
+        return KVFabricWorkerMetadata(both.work_tokens, both.work_attention, both.forward_s, both.restores)
 
 
 def _mm_spans(request: Any) -> tuple[MultiModalSpan, ...]:
@@ -626,6 +653,23 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks vLLM must recompute (``kv_load_failure_policy="recompute"``)."""
         return self.worker_half.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVFabricWorkerMetadata | None:
+        """The step's forward and restore timing, for the scheduler half's cost model."""
+        if self._worker is None:
+            return None
+        fb = self._worker.take_feedback()
+        if fb is None:
+            return None
+        return KVFabricWorkerMetadata(fb.work_tokens, fb.work_attention, fb.forward_s, fb.restores)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Feed the workers' step timing (``kv_connector_worker_meta``) to the cost model."""
+        if self._scheduler is None:
+            return
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, WorkerFeedback):
+            self._scheduler.observe(meta)
 
     def shutdown(self) -> None:
         """Stop background threads and close the transports."""

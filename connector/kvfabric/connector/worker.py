@@ -32,7 +32,7 @@ from kvfabric.connector.hostpath import HostStagingPath
 from kvfabric.connector.resilient import Counters, Reason, ResilientCache
 from kvfabric.connector.scheduler import slowest_tier
 from kvfabric.connector.settings import ConnectorSettings
-from kvfabric.connector.steps import Role, StepPlan
+from kvfabric.connector.steps import RestoreTiming, Role, StepPlan, WorkerFeedback
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,11 @@ class WorkerHalf:
         """Why this worker never loads or stores (the engine does not match its namespace), or None."""
         self.restore_s = 0.0
         """Seconds the last step spent blocked restoring KV (waiting, verifying, scattering)."""
+        # Timing of the current step, for the scheduler's cost model (WorkerFeedback).
+        self._step_t0: float | None = None
+        self._save_s = 0.0
+        self._step_loads: list[tuple[str | None, int, bool]] = []  # (tier, chunks loaded, all intact)
+        self._feedback: WorkerFeedback | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Remember the per-layer KV tensors (forward order) and check them against the namespace.
@@ -158,6 +163,7 @@ class WorkerHalf:
 
     def _start_load(self) -> None:
         t0 = time.perf_counter()
+        self._step_t0, self._save_s, self._step_loads = t0, 0.0, []
         self.datapath.abandon_loads()
         self._loads_pending, self._failed_reqs = False, set()
         self.restore_s = 0.0
@@ -171,7 +177,13 @@ class WorkerHalf:
                 for blocks in spec.block_ids:
                     self._load_errors.update(blocks)
             return
-        deadline = time.monotonic() + self.settings.load_deadline_ms / 1000
+        # The cost model bounds each load by the prefill it is expected to save (a hung server then
+        # costs at most about that); the setting is the ceiling.
+        budget = self.settings.load_deadline_ms / 1000
+        planned = [s.deadline_s for s in plan.loads if s.deadline_s is not None]
+        if planned and len(planned) == len(plan.loads):
+            budget = min(budget, max(planned))
+        deadline = time.monotonic() + budget
         self.datapath.start_loads(plan.loads, deadline)
         self._loads_pending = True
         self.restore_s += time.perf_counter() - t0
@@ -203,6 +215,7 @@ class WorkerHalf:
                 for blocks in spec.block_ids[res.loaded :]:
                     self._load_errors.update(blocks)
             self.counters.add("loaded_chunks", res.loaded)
+            self._step_loads.append((slowest_tier(spec.tiers[: res.loaded]), res.loaded, not failed))
             self._reports.append(
                 LoadReport(
                     spec.req_id,
@@ -218,8 +231,10 @@ class WorkerHalf:
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         """Copy this layer's part of every chunk to save out of the KV cache."""
+        t0 = time.perf_counter()
         try:
             self._save_kv_layer(layer_name, kv_layer)
+            self._save_s += time.perf_counter() - t0
         except Exception:
             log.exception("kvfabric save_kv_layer failed; this step stores nothing")
             self.counters.add("internal_error.save_kv_layer")
@@ -245,6 +260,11 @@ class WorkerHalf:
 
     def wait_for_save(self) -> None:
         """Hand this step's complete payloads to the background storer (never blocks)."""
+        t_end = time.perf_counter()
+        try:
+            self._feedback = self._step_feedback(t_end)
+        except Exception:
+            log.exception("kvfabric step timing failed")
         try:
             layers, self._saved_layers = self._saved_layers, set()
             if len(layers) != self.datapath.num_layers:
@@ -264,7 +284,31 @@ class WorkerHalf:
         """Wait until background stores are done (tests, shutdown); return whether they all finished."""
         return self.datapath.wait_for_stores(timeout)
 
+    def _step_feedback(self, t_end: float) -> WorkerFeedback | None:
+        plan, t0 = self._plan, self._step_t0
+        self._step_t0 = None
+        if plan is None or t0 is None:
+            return None
+        forward = t_end - t0 - self.restore_s - self._save_s
+        restores = []
+        geo = getattr(self.datapath, "geometry", None)
+        chunks = sum(n for _, n, _ in self._step_loads)
+        tiers = [t for t, n, _ in self._step_loads if t is not None and n]
+        # A load that failed measured a fault, not a bandwidth (its deadline bounds what it cost).
+        if chunks and tiers and geo is not None and all(ok for _, _, ok in self._step_loads):
+            tier = slowest_tier(tiers)
+            assert tier is not None
+            restores.append(RestoreTiming(tier, chunks * geo.payload_bytes, chunks, self.restore_s))
+        return WorkerFeedback(
+            plan.work_tokens, plan.work_attention, forward if forward > 0 else None, restores
+        )
+
     # ------------------------------------------------------------------ results
+
+    def take_feedback(self) -> WorkerFeedback | None:
+        """Return (and forget) the last step's feedback for the scheduler half's cost model."""
+        fb, self._feedback = self._feedback, None
+        return fb
 
     def take_load_errors(self) -> set[int]:
         """Return (and forget) the blocks whose load failed since the last call."""

@@ -22,6 +22,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "storage": ("kvfabric.bench.storage", "cache-server data paths against memcpy, raw disk and Redis"),
     # Plug-in point for the connector/reference-engine engineer: module kvfabric.bench.ttft.
     "ttft": ("kvfabric.bench.ttft", "time to first token with and without the cache (reference engine)"),
+    # The performance issue's GPU check (needs a CUDA device; exits 2 without one).
+    "gpu": ("kvfabric.bench.gpu", "restore bandwidth host->device and TTFT on a GPU (needs CUDA)"),
     # Plug-in point for the operator engineer: module kvfabric.bench.operator.
     "operator": ("kvfabric.bench.operator", "operator reconcile and webhook latency on the local cluster"),
     # Real vLLM (CPU) from the pinned environment scripts/vllm-env.sh builds.

@@ -15,6 +15,13 @@ the kvfabric connector, against real cache-server processes on this machine:
   back). ``miss_connector_time_share`` is the time spent inside connector calls on the request path
   divided by the TTFT without the connector: the same overhead, measured without the noise of other
   processes on the machine.
+- ``hit_over_recompute_<n>``: per prompt length, TTFT of a DRAM hit divided by the TTFT of
+  recomputing the same prompt, one ratio per round (the two alternate), so "a hit is never slower
+  than recompute" is judged on the worst round.
+- ``hung_server_added_ms``: a cache server that stops answering (SIGSTOP) with the connector's
+  default deadlines: the time each of the first requests after the hang spends inside connector
+  calls (the cached prompt first, where a lookup finds a hit); the TTFT difference to the
+  connector-off engine is printed beside it.
 - a projection for Llama-3.1-8B and -70B on an H100 from the measured bandwidths and the prefill
   rates of the reference (``reference/vllm-connector-api.md`` section 11).
 
@@ -60,6 +67,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print every line as JSON")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
     parser.add_argument("--repeats", type=int, default=None, help="repetitions per measurement (default 1/3)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="paired rounds for hit/recompute and the hung server (default 3/5)",
+    )
+    parser.add_argument("--skip-hung", action="store_true", help="skip the hung-server measurement")
 
 
 @dataclass
@@ -110,8 +124,72 @@ def _min_ttft(engine: Any, tokens: list[int], repeats: int) -> Any:
     return best
 
 
+def _hung_server(
+    fresh: Any, *, chunk: int, cfg: Any, model: Any, blocks: int, off: Any, rounds: int, emit: Any
+) -> list[float]:
+    """TTFT added by a cache server that stopped answering (SIGSTOP), per request, in ms.
+
+    The connector runs with its default deadlines (what a deployment gets); what is returned is the
+    time each request spent inside connector calls, less the save copies a miss makes anyway
+    (lookup, metadata, restore). The first half of the
+    requests repeat a prompt the server holds (a lookup that answers finds a hit, so a hung load is
+    possible), the rest are new prompts; each is paired with the connector-off engine.
+    """
+    from kvfabric.connector.settings import ConnectorSettings
+    from kvfabric.refengine.engine import Engine
+    from kvfabric.refengine.testing import prompt
+
+    srv = fresh("h")
+    st = ConnectorSettings(socket=str(srv.socket), shm_dir=str(srv.shm_dir), chunk_tokens=chunk)
+    e = Engine(cfg, num_blocks=blocks, settings=st, model=model)
+    added: list[float] = []
+    try:
+        cached = prompt(4096 + SUFFIX, 4242, cfg.vocab_size)
+        e.generate(cached, 1)
+        assert e.worker_conn is not None
+        e.worker_conn.wait_for_stores(60)
+        if not e.generate(cached, 1).hit_tokens:
+            raise RuntimeError("the hung-server case needs a cached prompt, and it missed")
+        srv.freeze()
+        try:
+            for i in range(rounds):
+                p = cached if i < (rounds + 1) // 2 else prompt(4096 + SUFFIX, 5000 + i, cfg.vocab_size)
+                if i % 2:
+                    t_off = off.generate(p, 1).ttft_s
+                    r_on = e.generate(p, 1)
+                else:
+                    r_on = e.generate(p, 1)
+                    t_off = off.generate(p, 1).ttft_s
+                # The time the request spent inside connector calls is what the cache added to it;
+                # the TTFT difference to the connector-off engine says the same with the noise of
+                # every other process on the machine in it (printed, not judged).
+                # Minus the step's save copies (the copy-out of a miss's new chunks, which a healthy
+                # server costs the same: miss_connector_time_share): what is left is lookup + restore.
+                save_s = getattr(e.worker_conn, "_save_s", 0.0)
+                added.append((r_on.connector_s - save_s) * 1000)
+                emit(
+                    {
+                        "hung_request": i,
+                        "added_ms": added[-1],
+                        "ttft_delta_ms": (r_on.ttft_s - t_off) * 1000,
+                        "reason": r_on.fallback_reason,
+                    },
+                    f"  hung server, request {i}: connector time {added[-1]:8.1f} ms, TTFT "
+                    f"{(r_on.ttft_s - t_off) * 1000:+8.1f} ms against recompute "
+                    f"({'cached prompt' if p is cached else 'new prompt'}, "
+                    f"{r_on.fallback_reason or 'no fallback'})",
+                )
+        finally:
+            srv.thaw()
+    finally:
+        e.close()
+        srv.close()
+    return added
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print per-case lines and a final JSON line."""
+    from kvfabric.bench.report import Spread, Target, judge, spread, table
     from kvfabric.client import CacheClient
     from kvfabric.connector.keys import chunk_keys
     from kvfabric.connector.settings import ConnectorSettings
@@ -124,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = [1024, 4096, 16384] + ([] if args.quick else [32768])
     repeats = args.repeats or (1 if args.quick else 3)
     tries = 1 if args.quick else 3  # fresh servers per disk-tier measurement (best of)
+    rounds = args.rounds or (3 if args.quick else 5)
     chunk = args.chunk_tokens
     cfg = preset("bench")
     model = RefModel(cfg)
@@ -133,14 +212,18 @@ def run(args: argparse.Namespace) -> int:
     def emit(doc: dict[str, Any], text: str) -> None:
         print(json.dumps(doc) if args.json else text, flush=True)
 
-    def settings(srv: CacheServerProcess) -> ConnectorSettings:
+    def settings(srv: CacheServerProcess, *, decide: bool = False) -> ConnectorSettings:
+        # The per-tier cases measure each tier's restore, so they load whatever they find
+        # (cost_model off); the hit / recompute rounds run the connector as deployed (decide).
         return ConnectorSettings(
             socket=str(srv.socket), shm_dir=str(srv.shm_dir), chunk_tokens=chunk,
             lookup_deadline_ms=1000, load_deadline_ms=30000, store_deadline_ms=30000,
+            cost_model=decide,
         )  # fmt: skip
 
-    def engine(srv: CacheServerProcess | None) -> Any:
-        return Engine(cfg, num_blocks=blocks, settings=settings(srv) if srv else None, model=model)
+    def engine(srv: CacheServerProcess | None, *, decide: bool = False) -> Any:
+        st = settings(srv, decide=decide) if srv else None
+        return Engine(cfg, num_blocks=blocks, settings=st, model=model)
 
     def raw_bw(srv: CacheServerProcess, ns: str, keys: list[str], payload: int) -> float:
         c = CacheClient(srv.unix_target, shm_dir=str(srv.shm_dir))
@@ -213,6 +296,9 @@ def run(args: argparse.Namespace) -> int:
             )
 
         stored = 0
+        hit_vs: dict[int, list[float]] = {n: [] for n in sizes}
+        hit_kind: dict[int, list[str]] = {n: [] for n in sizes}
+        hung_added: list[float] = []
         try:
             off = engine(None)
             off.generate(prompt(256, 0, cfg.vocab_size), 1)  # warm up torch's kernels
@@ -224,9 +310,10 @@ def run(args: argparse.Namespace) -> int:
                 emit(asdict(cases[-1]), f"{n:>6} tokens  recompute   TTFT {cold.ttft_s * 1000:9.1f} ms")
                 e = engine(node_a)
                 assert e.worker_conn is not None
-                assert e.worker_conn.geometry is not None
+                geo = getattr(e.worker_conn.datapath, "geometry", None)  # the host staging path's
+                assert geo is not None
                 ns = e.worker_conn.namespace
-                payload = e.worker_conn.geometry.payload_bytes
+                payload = geo.payload_bytes
                 e.generate(tokens, 1)
                 e.worker_conn.wait_for_stores(120)
                 e.close()
@@ -260,6 +347,33 @@ def run(args: argparse.Namespace) -> int:
                         f"moved {c.bytes_moved / 2**20:7.1f} MiB  restore {c.effective_bw / 1e9:6.2f} GB/s  "
                         f"raw {c.raw_bw / 1e9:6.2f} GB/s  speedup {c.speedup:6.1f}x",
                     )
+            # A hit against recompute, per prompt length, in alternating paired rounds: the hit is
+            # served from node A's DRAM (the first request of each prompt promotes it there), by
+            # the connector as deployed (its cost model decides; a running engine has seen misses
+            # of several lengths, so it has measured its prefill: two new prompts first).
+            warm = engine(node_a, decide=True)
+            try:
+                for i, n in enumerate(sizes[:2]):
+                    warm.generate(prompt(n + SUFFIX, 20_000 + i, cfg.vocab_size), 1)
+                for n in sizes:
+                    tokens = prompt(n + SUFFIX, n, cfg.vocab_size)
+                    warm.generate(tokens, 1)
+                    for rnd in range(rounds):
+                        if rnd % 2:
+                            t_off = off.generate(tokens, 1).ttft_s
+                            r_on = warm.generate(tokens, 1)
+                        else:
+                            r_on = warm.generate(tokens, 1)
+                            t_off = off.generate(tokens, 1).ttft_s
+                        hit_vs[n].append(r_on.ttft_s / t_off)
+                        hit_kind[n].append("hit" if r_on.hit_tokens else (r_on.fallback_reason or "miss"))
+                    emit(
+                        {"prompt_tokens": n, "hit_over_recompute": hit_vs[n], "outcome": hit_kind[n]},
+                        f"{n:>6} tokens  hit / recompute TTFT per round: "
+                        + ", ".join(f"{x:.3f} ({k})" for x, k in zip(hit_vs[n], hit_kind[n], strict=True)),
+                    )
+            finally:
+                warm.close()
             # Zero reuse: every prompt is new, so the connector only costs (lookup, copy-out, store).
             # "drained": background stores and the server's write-back finish between requests, as
             # they do beside a GPU that prefills while the host CPUs store; "contended": back to
@@ -304,6 +418,19 @@ def run(args: argparse.Namespace) -> int:
                         out.append(t_on / t_off)
                     settle(stored)
             on.close()
+            if not args.skip_hung:
+                hung_added.extend(
+                    _hung_server(
+                        fresh,
+                        chunk=chunk,
+                        cfg=cfg,
+                        model=model,
+                        blocks=blocks,
+                        off=off,
+                        rounds=rounds,
+                        emit=emit,
+                    )
+                )
             off.close()
         finally:
             for srv in servers:
@@ -357,11 +484,35 @@ def run(args: argparse.Namespace) -> int:
         },
         "elapsed_s": round(time.perf_counter() - t_start, 1),
     }
+    spreads: dict[str, Spread] = {}
+    for n, ratios in hit_vs.items():
+        spreads[f"hit_over_recompute_{n}"] = spread(ratios)
+    spreads["hit_over_recompute_worst"] = spread([max(r) for r in zip(*hit_vs.values(), strict=True)])
+    if hung_added:
+        spreads["hung_server_added_ms"] = spread(hung_added, 2)
+    effs = [c.effective_bw / c.raw_bw for c in warm_cases if c.prompt_tokens >= big and c.raw_bw]
+    spreads["restore_efficiency"] = spread(effs)  # spread over the >= 16k cases (tiers x lengths)
+    result["hit_outcomes"] = {str(n): k for n, k in hit_kind.items()}
+    result["hung_server_added_ms_per_request"] = [round(x, 2) for x in hung_added]
+    result["spread"] = {k: v.as_dict() for k, v in spreads.items()}
+    short = min(sizes)
+    targets = [
+        Target("restore efficiency (effective / raw tier bandwidth, >= 16k)", "restore_efficiency",
+               ">=", 0.9, stat="worst"),
+        Target(f"hit on a short prompt ({short} tokens) / recompute TTFT", f"hit_over_recompute_{short}",
+               "<=", 1.0, stat="worst"),
+        Target("hit / recompute TTFT, worst prompt length", "hit_over_recompute_worst", "<=", 1.0,
+               stat="worst"),
+        Target("hung cache server: TTFT added per request (ms)", "hung_server_added_ms", "<=", 5.0,
+               stat="worst"),
+    ]  # fmt: skip
+    result["targets"] = judge(targets, spreads)
     if not args.json:
         for key, label in (("projected_h100_16k", "restore"), ("projected_h100_16k_raw_tier", "raw tier")):
             for tier, proj in result[key].items():
                 print(f"projected H100 speedup at 16k tokens, {label} bandwidth of {tier:<10}: " +
                       ", ".join(f"{m} {s}x" for m, s in proj.items()))  # fmt: skip
+        print(table(result["targets"]), flush=True)
     print(json.dumps(result), flush=True)
     return 0
 

@@ -162,10 +162,31 @@ def build(
     argv += ["--label", f"{DIGEST_LABEL}={digest}", str(REPO_ROOT)]
     run_step(f"build {image.directory}", argv, env=eng.env, keep_line=_keep_build_line)
     say(f"{image.ref}: {image_size(eng, image.ref) / 1e6:.0f} MB")
+    keep_build_cache(eng, image, argv)
     return True
+
+
+def build_cache_ref(image: Image) -> str:
+    """The tag kept on an image's builder stage."""
+    return f"kvfabric-local/build-cache:{image.directory}"
+
+
+def keep_build_cache(eng: DockerEngine, image: Image, argv: list[str]) -> None:
+    """Tag the builder stage, whose layers are the next build's cache.
+
+    They hold the locked requirements (GBs for the engine); untagged, :func:`prune` would take them.
+    """
+    tagged = [a for a in argv if a not in ("-t", image.ref)]
+    eng.docker("build", "--target", "builder", "-t", build_cache_ref(image), *tagged[2:], check=False)
+
+
+def prune(eng: DockerEngine) -> None:
+    """Drop untagged images (earlier builds' leftovers), so the cache directory does not grow."""
+    eng.docker("image", "prune", "-f", check=False)
 
 
 def _keep_build_line(line: str) -> bool:
     """Steps, pip's 'Collecting'/'Downloading' summaries and errors; not progress bars or blanks."""
     s = line.strip()
-    return bool(s) and not s.startswith(("━", "|", "---> Running in", "Removing intermediate"))
+    noise = ("━", "|", "---> Running in", "Removing intermediate", "--hash=", "# via", "#   ")
+    return bool(s) and not s.startswith(noise)

@@ -58,8 +58,14 @@ def run(args: argparse.Namespace) -> int:
                 base.ensure_all(eng, say)
             elif args.action == "build":
                 base.ensure_all(eng, say)
-                for image in chosen:
+                built = [
                     build.build(eng, image, torch_source=args.torch_index_url, force=args.force, say=say)
+                    for image in chosen
+                ]
+                # Only after a build, and only when every image was considered (each has tagged its
+                # builder stage), so that no image's cached layers are taken.
+                if any(built) and not args.names:
+                    build.prune(eng)
             elif args.action == "smoke":
                 for image in chosen:
                     say(f"smoke {image.ref}: {_smoke_one(eng, image)}")

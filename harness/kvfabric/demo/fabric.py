@@ -85,7 +85,7 @@ def shared_volume(name: str, directory: Path) -> dict[str, Any]:
 def install(cluster: ClusterHandle, root: Path) -> None:
     """Apply the CRDs (and wait until they are served)."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(root / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/kvcachepools.kvfabric.io", "--timeout=60s")
+    cluster.wait_crd_established("kvcachepools.kvfabric.io")
 
 
 @contextlib.contextmanager

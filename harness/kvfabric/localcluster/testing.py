@@ -54,6 +54,23 @@ class ClusterHandle:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
         return proc
 
+    def wait_crd_established(self, name: str, timeout: float = 60) -> None:
+        """Wait until the CRD ``name`` is Established.
+
+        Not ``kubectl wait --for=condition=Established``: right after a create, before the API server
+        has written any condition, kubectl exits with "status.conditions accessor error" instead of
+        waiting (seen when a large CRD with many CEL rules takes a moment to be compiled).
+        """
+        deadline = time.monotonic() + timeout
+        jsonpath = '{.status.conditions[?(@.type=="Established")].status}'
+        while True:
+            proc = self.kubectl("get", f"crd/{name}", "-o", f"jsonpath={jsonpath}", check=False)
+            if proc.returncode == 0 and proc.stdout.strip() == "True":
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"CRD {name} not Established after {timeout:.0f} s: {proc.stderr}")
+            time.sleep(0.2)
+
     def get_json(self, *args: str) -> dict[str, Any]:
         """``kubectl get ARGS -o json`` parsed."""
         result: dict[str, Any] = json.loads(self.kubectl("get", *args, "-o", "json").stdout)

@@ -15,7 +15,7 @@ import torch
 
 from kvfabric.connector.keys import RequestInputs
 from kvfabric.connector.scheduler import SchedulerHalf
-from kvfabric.connector.steps import RequestInfo, ScheduledRequest, StepInput, StepPlan
+from kvfabric.connector.steps import RequestInfo, ScheduledRequest, StepInput, StepPlan, WorkerFeedback
 from kvfabric.connector.worker import WorkerHalf
 
 if TYPE_CHECKING:
@@ -78,6 +78,10 @@ class SchedulerConnector:
         """This step's plan."""
         return self.core.build_plan(step_input(so))
 
+    def update_connector_output(self, feedback: WorkerFeedback | None) -> None:
+        """The workers' report of the step (vLLM: ``KVConnectorOutput``): feeds the cost model."""
+        self.core.observe(feedback)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; its blocks may be freed at once."""
         self.core.request_finished(request.request_id)
@@ -126,6 +130,10 @@ class WorkerConnector:
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks to recompute."""
         return self.core.take_load_errors()
+
+    def build_connector_worker_meta(self) -> WorkerFeedback | None:
+        """The step's timing for the scheduler's cost model (vLLM: ``KVConnectorWorkerMetadata``)."""
+        return self.core.take_feedback()
 
     def clear_connector_metadata(self) -> None:
         """End of step."""

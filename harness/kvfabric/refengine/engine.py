@@ -227,6 +227,11 @@ class Engine:
             worker.wait_for_save()
             worker.get_finished(so.finished_req_ids)
             errors = worker.get_block_ids_with_load_errors()
+            # Worker -> scheduler, as vLLM carries KVConnectorOutput.kv_connector_worker_meta.
+            build_meta = getattr(worker, "build_connector_worker_meta", None)
+            update = getattr(sched, "update_connector_output", None)
+            if build_meta is not None and update is not None:
+                update(build_meta())
             worker.clear_connector_metadata()
             self._connector_s += time.perf_counter() - t0
         return logits, errors

@@ -141,6 +141,8 @@ class DiskTier:
         self.tmp_dir = root / "tmp" / server_id
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockId, DiskEntry] = OrderedDict()
+        self.on_change: Callable[[list[BlockId]], None] | None = None
+        """Called with a block whenever the index gains or loses it (the published index listens)."""
         # Lock-free contains() for the lookup hot path: the index's own C-level membership test (128
         # keys per lookup; a Python method around it cost 4x). Atomic under the GIL; a moment stale at
         # worst, which a lookup tolerates (the load that follows re-checks under the lock).
@@ -255,6 +257,8 @@ class DiskTier:
         self._index[bid] = entry
         self._used += entry.size
         self._by_bucket.setdefault(entry.bucket, set()).add(bid)
+        if self.on_change is not None:
+            self.on_change([bid])
 
     def _drop_locked(self, bid: BlockId) -> DiskEntry | None:
         entry = self._index.pop(bid, None)
@@ -265,6 +269,8 @@ class DiskTier:
                 members.discard(bid)
                 if not members:
                     del self._by_bucket[entry.bucket]
+            if self.on_change is not None:
+                self.on_change([bid])
         return entry
 
     def entry(self, bid: BlockId) -> DiskEntry | None:
@@ -428,6 +434,7 @@ class DiskTier:
                 if not self._fresh(bid, gen):
                     return False
                 os.rename(tmp, final)
+                self.faults.during_commit()
                 with self._lock:
                     old = self._index.get(bid)
                     if old is not None and old.bucket != bucket:

@@ -143,6 +143,8 @@ class DramTier:
         self.counters = counters or Counters()
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockId, DramBlock] = OrderedDict()
+        self.on_change: Callable[[list[BlockId]], None] | None = None
+        """Called with blocks whenever the index gains or loses them (the published index listens)."""
         # Lock-free contains() for the lookup hot path: the index's own C-level membership test (128
         # keys per lookup; a Python method around it cost 4x). Atomic under the GIL; a moment stale at
         # worst, which a lookup tolerates (the load that follows re-checks under the lock).
@@ -209,6 +211,8 @@ class DramTier:
             del self._index[bid]
             self._used -= blk.size
         self._unlink(blk.name)
+        if self.on_change is not None:
+            self.on_change([bid])
         return True
 
     def usage(self) -> TierUsage:
@@ -228,6 +232,8 @@ class DramTier:
             self._unlink(blk.name)
         if gone:
             self.counters.inc("evictions", self.name, len(gone))
+            if self.on_change is not None:
+                self.on_change([bid for bid, _ in gone])
         return [bid for bid, _ in gone]
 
     # --- DRAM-specific -------------------------------------------------------------------------------
@@ -313,6 +319,8 @@ class DramTier:
             return cur is not None and cur.gen > g  # a newer copy is resident: the key is stored
         if old is not None:
             self._unlink(old.name)
+        if self.on_change is not None:
+            self.on_change([bid])
         return True
 
     def _reserve(self, size: int) -> bool:

@@ -23,11 +23,18 @@ class IoFaults:
     """Sleep before each block write commits (its rename): a slow disk."""
     read_error: str | None = None
     """Errno name (``ESTALE``, ``EIO``, ...) every block read raises."""
+    rename_delay_seconds: float = 0.0
+    """Sleep inside each block write's commit, after its rename (a slow rename: deletes wait for it)."""
 
     def before_commit(self) -> None:
         """Run before a block write commits."""
         if self.write_delay_seconds > 0:
             time.sleep(self.write_delay_seconds)
+
+    def during_commit(self) -> None:
+        """Run inside a block write's commit, between its rename and its index update."""
+        if self.rename_delay_seconds > 0:
+            time.sleep(self.rename_delay_seconds)
 
     def before_read(self) -> None:
         """Run before a block read; raises the configured error."""

@@ -139,6 +139,29 @@ class TieredStore:
                 return t
         raise KeyError(name)
 
+    def set_listener(self, on_change: Callable[[list[BlockId]], None] | None) -> bool:
+        """Call ``on_change(blocks)`` after any tier's index gains or loses blocks (before start()).
+
+        Called from whichever thread changed the index, possibly under that tier's lock: it must not
+        call back into a tier except through the lock-free :meth:`lookup`. Returns False (and
+        installs nothing) when some tier cannot report its changes (an extra tier without an
+        ``on_change`` hook): a published index would then miss that tier's blocks.
+        """
+        targets: list[Any] = [self.dram]
+        for tier in self.backing:
+            target = getattr(tier, "disk", tier)  # the shared tier keeps its index in a DiskTier
+            if not hasattr(target, "on_change"):
+                return False
+            targets.append(target)
+        for target in targets:
+            target.on_change = on_change
+        return True
+
+    def tier_of(self, bid: BlockId) -> str | None:
+        """The fastest tier indexing ``bid`` now (index only), or None."""
+        tiers = self.lookup([bid])
+        return tiers[0] if tiers else None
+
     # --- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> None:

@@ -1,0 +1,278 @@
+"""The published lookup index: one shared-memory table per namespace, read by same-node engines.
+
+The cache server writes it; the engines on its node read it without any call. This module is the
+layout and nothing else (pure functions over a memoryview, no I/O), so the writer
+(:mod:`kvfabric.cacheserver.transport.indexpub`) and the reader (:mod:`kvfabric.client.localindex`) cannot
+disagree about it. The server hands the table to a client as a sealed, read-only memfd over a Unix
+socket (``SCM_RIGHTS``); see ``docs/performance.md``.
+
+Layout (host byte order: writer and readers share one machine), all fields 64-bit::
+
+    word 0  magic (32 bits) | version (16 bits) << 32
+    word 1  seq          seqlock: odd while the writer changes slots; readers retry when it moved
+    word 2  capacity     slots, a power of two; fixed for the life of a table
+    word 3  count        occupied slots
+    word 4  state        LIVE, or RETIRED (the server replaced this table, e.g. grew it: fetch again)
+    word 5  heartbeat    CLOCK_MONOTONIC nanoseconds of the server's last heartbeat
+    word 6  epoch        random per server process
+    word 7  reserved
+    word 8.. slots       0 = empty; else (first 8 bytes of the key as u64, low 2 bits cleared) | tier
+
+Open addressing with linear probing, at most half full (the writer grows into a new table before
+that), backward-shift deletion (no tombstones). A slot is the key's 62-bit fingerprint plus its
+fastest tier. Keys are already cryptographic digests, so their first bytes are uniform; one table
+per namespace means a client can only ever see the fingerprints of namespaces it was given.
+
+What a reader's answer means (the invariant the property tests check):
+
+* **no false negatives**: a key whose store was acknowledged (and not deleted or evicted since) is
+  found — the server updates the table before it acknowledges;
+* **false positives only** for a 62-bit fingerprint collision within one namespace, or a block that
+  went away after the answer (as with an RPC lookup); either becomes a load miss, which the
+  connector already handles (the engine recomputes those tokens);
+* an answer is a consistent snapshot (seqlock), or no answer (the caller asks over RPC instead).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = [
+    "HEADER_WORDS",
+    "LIVE",
+    "MAGIC",
+    "REQUEST_PREFIX",
+    "RETIRED",
+    "TIER_CODES",
+    "TIER_NAMES",
+    "VERSION",
+    "W_EPOCH",
+    "W_HEARTBEAT",
+    "W_SEQ",
+    "W_STATE",
+    "Inconsistent",
+    "TableWriter",
+    "fingerprint",
+    "fingerprints",
+    "fingerprints_raw",
+    "header",
+    "index_socket_for",
+    "init_table",
+    "lookup_prefix",
+    "table_bytes",
+]
+
+MAGIC = 0x5849564B  # "KVIX"
+VERSION = 1
+HEADER_WORDS = 8
+W_MAGIC, W_SEQ, W_CAPACITY, W_COUNT, W_STATE, W_HEARTBEAT, W_EPOCH = range(7)
+LIVE, RETIRED = 0, 1
+TIER_CODES = {"dram": 1, "local_disk": 2, "shared": 3}
+TIER_NAMES = {v: k for k, v in TIER_CODES.items()}
+_FP_MASK = ~3 & 0xFFFFFFFFFFFFFFFF
+
+
+class Inconsistent(Exception):  # noqa: N818 - a retry signal, not an error
+    """The table changed while it was read (or is mid-write): read again."""
+
+
+REQUEST_PREFIX = b"KVIX1 "
+"""A client asks the index socket for a namespace's table with ``KVIX1 <namespace hex>\\n``; the reply
+is one status byte (0 = ok, with the table's descriptor attached via ``SCM_RIGHTS``; else an error
+byte and a message line)."""
+
+
+def index_socket_for(unix_socket: str | os.PathLike[str]) -> Path:
+    """Where the index socket of the server listening on ``unix_socket`` is (beside it)."""
+    p = Path(unix_socket)
+    return p.with_name(p.name + ".index")
+
+
+def table_bytes(capacity: int) -> int:
+    """Size of a table of ``capacity`` slots (header included)."""
+    return 8 * (HEADER_WORDS + capacity)
+
+
+def fingerprint(key: str) -> int:
+    """The u64 of a key's first 8 bytes, as :func:`fingerprints` computes it (the writer's form)."""
+    return int.from_bytes(bytes.fromhex(key[:16]), sys.byteorder)
+
+
+def fingerprints(keys: Sequence[str]) -> list[int]:
+    """Fingerprints of validated 64-hex-character keys."""
+    return fingerprints_raw(bytes.fromhex("".join(keys)))
+
+
+def fingerprints_raw(raw: bytes) -> list[int]:
+    """Fingerprints of keys given as their 32-byte digests, concatenated (the reader's hot path)."""
+    if len(raw) % 32:
+        raise ValueError("raw keys must be 32 bytes each")
+    if not raw:
+        return []
+    # Every 4th u64 is the first 8 bytes of a 32-byte key: one C-level slice, no per-key Python.
+    return memoryview(raw).cast("Q")[::4].tolist()
+
+
+def init_table(words: memoryview, capacity: int, epoch: int, now_ns: int) -> None:
+    """Format an all-zero buffer (cast to "Q") as an empty live table."""
+    if capacity < 2 or capacity & (capacity - 1):
+        raise ValueError(f"capacity must be a power of two >= 2, got {capacity}")
+    if len(words) < HEADER_WORDS + capacity:
+        raise ValueError("buffer too small for the table")
+    words[W_CAPACITY] = capacity
+    words[W_COUNT] = 0
+    words[W_STATE] = LIVE
+    words[W_HEARTBEAT] = now_ns
+    words[W_EPOCH] = epoch & 0xFFFFFFFFFFFFFFFF
+    words[W_SEQ] = 0
+    words[W_MAGIC] = MAGIC | VERSION << 32
+
+
+def lookup_prefix(words: memoryview, fps: Sequence[int]) -> list[int]:
+    """Tier codes of the leading present fingerprints; stops at the first absent one.
+
+    Raises :class:`Inconsistent` if the writer was active during the read (the caller retries) and
+    ``ValueError`` if ``words`` is not a table of this version.
+    """
+    seq = words[W_SEQ]
+    if seq & 1:
+        raise Inconsistent
+    if words[W_MAGIC] != MAGIC | VERSION << 32:
+        raise ValueError("not a kvfabric index table of this version")
+    cap = words[W_CAPACITY]
+    mask = cap - 1
+    base = HEADER_WORDS
+    out: list[int] = []
+    append = out.append
+    for fp in fps:
+        i = (fp >> 2) & mask
+        v = words[base + i]
+        if v == 0:
+            break
+        if v | 3 != fp | 3:  # not in its home slot (the common case is: at load <= 1/2)
+            want, probes = fp | 3, 0
+            while True:
+                i = (i + 1) & mask
+                v = words[base + i]
+                if v == 0 or v | 3 == want:
+                    break
+                probes += 1
+                if probes > cap:
+                    # Never with a consistent table (it is at most half full): a torn read, which
+                    # the seqlock check would reject anyway.
+                    raise Inconsistent
+            if v == 0:
+                break
+        append(v & 3)
+    if words[W_SEQ] != seq:
+        raise Inconsistent
+    return out
+
+
+class TableWriter:
+    """The single writer of one table (the caller serializes calls, e.g. under one lock)."""
+
+    def __init__(self, words: memoryview) -> None:
+        self.words = words
+        self.capacity = words[W_CAPACITY]
+        self._mask = self.capacity - 1
+
+    @property
+    def count(self) -> int:
+        """Occupied slots."""
+        return int(self.words[W_COUNT])
+
+    def needs_growth(self, extra: int = 1) -> bool:
+        """Whether adding ``extra`` keys would take the table past half full."""
+        return 2 * (self.count + extra) > self.capacity
+
+    def _find(self, fp: int) -> tuple[int, int]:
+        """(slot index, value) of ``fp``'s slot, or (first empty slot, 0)."""
+        w, mask, want = self.words, self._mask, fp | 3
+        i = (fp >> 2) & mask
+        while True:
+            v = w[HEADER_WORDS + i]
+            if v == 0 or v | 3 == want:
+                return i, v
+            i = (i + 1) & mask
+
+    def get(self, fp: int) -> int:
+        """The tier code stored for ``fp`` (0 = absent)."""
+        _, v = self._find(fp)
+        return v & 3
+
+    def set(self, fp: int, tier: int) -> None:
+        """Publish ``fp`` with tier code ``tier`` (1..3), or remove it (``tier`` 0)."""
+        i, v = self._find(fp)
+        new = (fp & _FP_MASK) | tier if tier else 0
+        if v == new:
+            return
+        if tier and v == 0 and self.needs_growth():
+            raise OverflowError("table is half full: grow it before inserting")
+        w = self.words
+        w[W_SEQ] += 1  # odd: readers retry
+        try:
+            if tier:
+                w[HEADER_WORDS + i] = new
+                if v == 0:
+                    w[W_COUNT] += 1
+            else:
+                self._remove_at(i)
+                w[W_COUNT] -= 1
+        finally:
+            w[W_SEQ] += 1  # even again
+
+    def _remove_at(self, i: int) -> None:
+        # Backward-shift deletion: pull later members of the probe run into the hole, so every key
+        # stays reachable from its home slot without tombstones.
+        w, mask = self.words, self._mask
+        j = i
+        while True:
+            j = (j + 1) & mask
+            v = w[HEADER_WORDS + j]
+            if v == 0:
+                break
+            home = (v >> 2) & mask
+            # Move v into the hole at i unless its home lies cyclically in (i, j].
+            if (i < j and (home <= i or home > j)) or (i > j and home <= i and home > j):
+                w[HEADER_WORDS + i] = v
+                i = j
+        w[HEADER_WORDS + i] = 0
+
+    def items(self) -> list[int]:
+        """Every occupied slot's value (fingerprint | tier), e.g. to copy into a larger table."""
+        base = HEADER_WORDS
+        return [v for v in self.words[base : base + self.capacity].tolist() if v]
+
+    def load(self, values: Sequence[int]) -> None:
+        """Insert slot values from :meth:`items` of another table (a fresh table, before publishing)."""
+        for v in values:
+            self.set(v & _FP_MASK, v & 3)
+
+    def beat(self, now_ns: int) -> None:
+        """Record a heartbeat (readers treat a table whose heartbeat stops as its server gone)."""
+        self.words[W_HEARTBEAT] = now_ns
+
+    def retire(self) -> None:
+        """Mark the table replaced: readers stop using it and fetch the namespace's table again."""
+        w = self.words
+        w[W_SEQ] += 1
+        w[W_STATE] = RETIRED
+        w[W_SEQ] += 1
+
+
+def header(words: memoryview) -> dict[str, int]:
+    """The header fields (for readers' checks, tests and debugging)."""
+    return {
+        "magic": words[W_MAGIC] & 0xFFFFFFFF,
+        "version": words[W_MAGIC] >> 32,
+        "seq": words[W_SEQ],
+        "capacity": words[W_CAPACITY],
+        "count": words[W_COUNT],
+        "state": words[W_STATE],
+        "heartbeat_ns": words[W_HEARTBEAT],
+        "epoch": words[W_EPOCH],
+    }

@@ -1,0 +1,233 @@
+"""Answering lookups from the index the same-node cache server publishes, without a call.
+
+The server hands each namespace's table to a client as a read-only memfd over its index socket
+(:mod:`kvfabric.cacheserver.transport.indexpub`, layout :mod:`kvfabric.rpc.indextable`); the client maps it
+read-only and answers ``lookup`` in microseconds. :meth:`LocalIndex.lookup` returns None whenever it
+cannot answer (no table yet, the table was replaced and cannot be fetched again now, the writer kept
+changing it): the caller then asks over gRPC, as remote clients always do. A table whose server
+hung up its index socket (the process died) or whose heartbeat stopped (a hung server) raises
+:class:`CacheUnavailable` at once, so a dead or hung server costs a lookup microseconds, not its
+deadline. A false positive (a fingerprint collision, or a block
+evicted after the answer) is a load miss, which the connector already handles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvfabric.client.errors import CacheUnavailable
+from kvfabric.client.results import LookupResult
+from kvfabric.rpc import indextable as it
+
+__all__ = ["LocalIndex"]
+
+_ATTEMPTS = 4  # seqlock retries before handing the lookup to the RPC
+_NAMES = ("", *(it.TIER_NAMES[c] for c in (1, 2, 3)))
+
+
+@dataclass(slots=True)
+class _Mapped:
+    map: mmap.mmap
+    words: memoryview
+    epoch: int
+    conn: socket.socket
+    """The connection the table came over: the server keeps it open while it lives."""
+    poll: select.poll
+
+    def server_gone(self) -> bool:
+        """Whether the server hung up (its process exited): one non-blocking poll."""
+        return bool(self.poll.poll(0))
+
+    def close(self) -> None:
+        self.words.release()
+        with contextlib.suppress(BufferError):
+            self.map.close()
+        self.conn.close()
+
+
+class LocalIndex:
+    """The published tables of one server, mapped on demand per namespace. Thread-safe."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        *,
+        stale_after_s: float = 0.5,
+        fetch_timeout_s: float = 0.25,
+        refetch_interval_s: float = 1.0,
+    ) -> None:
+        """``socket_path`` is the server's index socket; ``stale_after_s`` how old a heartbeat may be."""
+        self.path = Path(socket_path)
+        self.stale_ns = int(stale_after_s * 1e9)
+        self.fetch_timeout = fetch_timeout_s
+        self.refetch_interval = refetch_interval_s
+        self._maps: dict[str, _Mapped] = {}
+        self._next_fetch: dict[str, float] = {}
+        self._fetching: set[str] = set()
+        self._lock = threading.Lock()
+        self.answered = 0
+        """Lookups answered from a table (for benchmarks and tests)."""
+
+    def lookup(self, namespace: str, raw_keys: bytes, *, fetch: bool = True) -> LookupResult | None:
+        """Leading present keys of ``raw_keys`` (the keys' 32-byte digests, concatenated), or None.
+
+        None means "ask over RPC". Raises :class:`CacheUnavailable` when the server hung up or its
+        heartbeat stopped. ``fetch=False``: never talk to the server (a table not mapped yet, or
+        replaced, is None): for callers on a latency-critical thread.
+        """
+        m = self._maps.get(namespace)
+        if m is None:
+            if not fetch:
+                return None
+            m = self._fetch_now(namespace)
+            if m is None:
+                return None
+        fps = it.fingerprints_raw(raw_keys)
+        words = m.words
+        for _ in range(_ATTEMPTS):
+            if words[it.W_STATE] != it.LIVE:
+                # Replaced (grown) or its server stopped: fetch the current table once.
+                if not fetch:
+                    return None
+                m = self._replace(namespace, m)
+                if m is None:
+                    return None
+                words = m.words
+                continue
+            try:
+                codes = it.lookup_prefix(words, fps)
+            except it.Inconsistent:
+                continue
+            if m.server_gone():
+                self._drop(namespace, m)
+                raise CacheUnavailable("the cache server closed its index socket (it exited)")
+            age = time.monotonic_ns() - words[it.W_HEARTBEAT]
+            if age > self.stale_ns:
+                self._refetch_later(namespace)
+                raise CacheUnavailable(
+                    f"the cache server's published index has had no heartbeat for {age / 1e6:.0f} ms"
+                )
+            self.answered += 1
+            return LookupResult(len(codes), list(map(_NAMES.__getitem__, codes)))
+        return None
+
+    # --- fetching tables -----------------------------------------------------------------------------
+
+    def _fetch_now(self, namespace: str) -> _Mapped | None:
+        now = time.monotonic()
+        if now < self._next_fetch.get(namespace, 0.0):
+            return None
+        with self._lock:
+            m = self._maps.get(namespace)
+            if m is not None:
+                return m
+            m = self._fetch(namespace)
+            if m is None:
+                self._next_fetch[namespace] = time.monotonic() + self.refetch_interval
+                return None
+            self._maps[namespace] = m
+            return m
+
+    def _replace(self, namespace: str, old: _Mapped) -> _Mapped | None:
+        with self._lock:
+            if self._maps.get(namespace) is old:
+                del self._maps[namespace]
+                self._next_fetch.pop(namespace, None)
+        # The mapping is left to the garbage collector: another thread may still be reading it.
+        old.conn.close()
+        return self._fetch_now(namespace)
+
+    def _drop(self, namespace: str, old: _Mapped) -> None:
+        # The server is gone: forget its table; fetch again (a successor) at most once per interval.
+        with self._lock:
+            if self._maps.get(namespace) is old:
+                del self._maps[namespace]
+            self._next_fetch[namespace] = time.monotonic() + self.refetch_interval
+        old.conn.close()
+
+    def _refetch_later(self, namespace: str) -> None:
+        # A stale table: perhaps a new server process answers the socket now. Try in the background
+        # (at most once per interval), never on the lookup's path: a hung server's socket still
+        # accepts connections and would cost the fetch timeout.
+        now = time.monotonic()
+        with self._lock:
+            if namespace in self._fetching or now < self._next_fetch.get(namespace, 0.0):
+                return
+            self._fetching.add(namespace)
+            self._next_fetch[namespace] = now + self.refetch_interval
+
+        def run() -> None:
+            try:
+                m = self._fetch(namespace)
+                if m is not None:
+                    with self._lock:
+                        old = self._maps.get(namespace)
+                        if old is None or old.epoch != m.epoch or old.words[it.W_STATE] != it.LIVE:
+                            self._maps[namespace] = m
+                            if old is not None:
+                                old.conn.close()
+                        else:
+                            m.conn.close()
+            finally:
+                with self._lock:
+                    self._fetching.discard(namespace)
+
+        threading.Thread(target=run, name="kvfabric-index-fetch", daemon=True).start()
+
+    def _fetch(self, namespace: str) -> _Mapped | None:
+        """Ask the index socket for ``namespace``'s table and map it read-only; None on any failure."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            s.settimeout(self.fetch_timeout)
+            s.connect(str(self.path))
+            s.sendall(it.REQUEST_PREFIX + namespace.encode("ascii") + b"\n")
+            msg, fds, _flags, _addr = socket.recv_fds(s, 128, 1)
+        except OSError:
+            s.close()
+            return None
+        mapped = self._map(msg, fds, s)
+        if mapped is None:
+            s.close()
+        return mapped
+
+    def _map(self, msg: bytes, fds: list[int], conn: socket.socket) -> _Mapped | None:
+        if not fds:
+            return None
+        fd = fds[0]
+        try:
+            if msg[:1] != b"\x00":
+                return None
+            size = os.fstat(fd).st_size
+            if size < it.table_bytes(2):
+                return None
+            mp = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except OSError:
+            return None
+        finally:
+            for extra in fds:
+                os.close(extra)
+        words = memoryview(mp).cast("Q")
+        hdr = it.header(words)
+        if hdr["magic"] != it.MAGIC or hdr["version"] != it.VERSION or it.table_bytes(hdr["capacity"]) > size:
+            words.release()
+            mp.close()
+            return None
+        poll = select.poll()
+        poll.register(conn, select.POLLIN | select.POLLHUP | select.POLLERR)
+        return _Mapped(mp, words, hdr["epoch"], conn, poll)
+
+    def close(self) -> None:
+        """Unmap every table."""
+        with self._lock:
+            maps = list(self._maps.values())
+            self._maps.clear()
+        for m in maps:
+            m.close()

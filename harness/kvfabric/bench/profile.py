@@ -1,0 +1,152 @@
+"""Where the time of the missed performance goals goes: ``python -m kvfabric.bench.profile``.
+
+cProfile summaries (top functions by own time) of
+
+1. a same-node lookup of 128 keys answered from the published index, with its wall time against
+   its own CPU time per call (p50/p99/p99.9): the difference is waiting for a CPU;
+2. a same-node shared-memory load of 8 x 32 MiB (client side), next to memcpy of the same bytes;
+3. cold disk-tier promotions of 8 x 32 MiB in-process (server side: O_DIRECT read, checksum).
+
+Not a benchmark (no targets, nothing judged): the evidence behind docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import os
+import pstats
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+MiB = 1 << 20
+
+
+def _show(pr: cProfile.Profile, title: str, n: int = 10) -> None:
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(n)
+    out = s.getvalue()
+    i = out.find("ncalls")
+    print(f"== {title}\n{out[i : i + 2400]}", flush=True)
+
+
+def _q(xs: list[int], f: float) -> float:
+    return xs[min(len(xs) - 1, int(len(xs) * f))] / 1e3
+
+
+def lookups_and_shm() -> None:
+    """Parts 1 and 2, against a real server process."""
+    from kvfabric.client import CacheClient
+    from kvfabric.testing.serverproc import cache_server, digest
+
+    ns = digest("prof")
+    overrides = {"limits.max_payload_bytes": 32 * MiB, "shm.arena_bytes": 128 * MiB}
+    with (
+        cache_server(server_id="prof", metrics=False, dram_bytes=1 << 30, overrides=overrides) as srv,
+        CacheClient(srv.unix_target, shm_dir=srv.shm_dir, local_index=True) as c,
+    ):
+        keys = [digest("k", i) for i in range(128)]
+        for i in range(0, 128, 32):
+            c.store(ns, keys[i : i + 32], [b"x" * 1024] * 32, timeout=30)
+        for _ in range(100):
+            c.lookup(ns, keys, timeout=5)
+        wall: list[int] = []
+        cpu: list[int] = []
+        for _ in range(5000):
+            w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+            c.lookup(ns, keys, timeout=5)
+            cpu.append(time.thread_time_ns() - c0)
+            wall.append(time.perf_counter_ns() - w0)
+        wall.sort()
+        cpu.sort()
+        print(
+            "local lookup wall p50/p99/p99.9 "
+            f"{_q(wall, 0.5):.1f}/{_q(wall, 0.99):.1f}/{_q(wall, 0.999):.1f} us;"
+            f" its own CPU time {_q(cpu, 0.5):.1f}/{_q(cpu, 0.99):.1f}/{_q(cpu, 0.999):.1f} us;"
+            f" load average {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(3000):
+            c.lookup(ns, keys, timeout=5)
+        pr.disable()
+        _show(pr, "local lookup, 128 keys (3000 calls)")
+
+        big = [digest("b", i) for i in range(8)]
+        pay = [os.urandom(32 * MiB) for _ in big]
+        for k, p in zip(big, pay, strict=True):
+            c.store(ns, [k], [p], timeout=60)
+        bufs = [memoryview(bytearray(32 * MiB)) for _ in big]
+        c.load_into(ns, big, bufs, timeout=60)
+        t0 = time.perf_counter()
+        for b, p in zip(bufs, pay, strict=True):
+            b[:] = p
+        mc = time.perf_counter() - t0
+        pr = cProfile.Profile()
+        pr.enable()
+        t0 = time.perf_counter()
+        c.load_into(ns, big, bufs, timeout=60)
+        ld = time.perf_counter() - t0
+        pr.disable()
+        print(
+            f"memcpy {8 * 32 * MiB / mc / 1e9:.2f} GB/s, "
+            f"shm load {8 * 32 * MiB / ld / 1e9:.2f} GB/s (profiled)"
+        )
+        _show(pr, "shm load_into of 8 x 32 MiB (client side)")
+
+
+def disk_promotion() -> None:
+    """Part 3, in-process."""
+    from kvfabric.cacheserver.config import ServerConfig
+    from kvfabric.cacheserver.engine.ids import BlockId
+    from kvfabric.cacheserver.engine.tiered import TieredStore
+    from kvfabric.testing.serverproc import digest
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvf-prof-", dir="/var/tmp"))
+    shm = Path(tempfile.mkdtemp(prefix="kvf-prof-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    try:
+        cfg = ServerConfig.model_validate(
+            {
+                "server_id": "prof",
+                "listen": {"unix_socket": str(tmp / "s.sock")},
+                "shm": {"dir": str(shm / "arena")},
+                "tiers": {
+                    "dram": {"capacity_bytes": 1 << 30},
+                    "local_disk": {"path": str(tmp / "local"), "capacity_bytes": 2 << 30},
+                },
+                "limits": {"max_payload_bytes": 32 * MiB, "store_queue_bytes": 1 << 30},
+                "janitor_interval_seconds": 3600,
+            }
+        )
+        ns = digest("prof-disk")
+        bids = [BlockId(ns, digest("d", i)) for i in range(8)]
+        st = TieredStore(cfg)
+        st.start()
+        for b in bids:
+            st.put(b, os.urandom(32 * MiB))
+        st.flush(120)
+        st.close()
+        st = TieredStore(cfg)  # empty DRAM, index rebuilt: every read comes from disk (O_DIRECT)
+        st.start()
+        pr = cProfile.Profile()
+        pr.enable()
+        t0 = time.perf_counter()
+        for b in bids:
+            if st.ensure_dram(b) is None:
+                raise RuntimeError("promotion missed")
+        dt = time.perf_counter() - t0
+        pr.disable()
+        st.close()
+        print(f"cold disk promotion {8 * 32 * MiB / dt / 1e9:.2f} GB/s (profiled, one thread)")
+        _show(pr, "cold disk-tier promotion of 8 x 32 MiB (server side, in-process)")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    lookups_and_shm()
+    disk_promotion()

@@ -1,0 +1,173 @@
+"""The published index end to end over a real Unix socket: server-side publisher, client-side reader.
+
+The publisher here resolves from a dict (the store's side is tested with real server processes in
+tests/cacheserver); what is proven: answers equal the publisher's truth after every change, across
+table growth; the descriptor a client receives cannot be written or resized; a table whose heartbeat
+stopped is "unavailable" at once; a retired table or a refused namespace is "ask over RPC".
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvfabric.cacheserver.engine.ids import BlockId
+from kvfabric.cacheserver.transport.indexpub import F_SEAL_FUTURE_WRITE, IndexPublisher, IndexSocket, Peer
+from kvfabric.client.errors import CacheUnavailable
+from kvfabric.client.localindex import LocalIndex
+from kvfabric.rpc import indextable as it
+from kvfabric.testing.serverproc import digest
+
+NS = digest("ns-a")
+OTHER = digest("ns-b")
+
+
+class Fabric:
+    def __init__(self, tmp: Path, **kw: object) -> None:
+        self.truth: dict[BlockId, str] = {}
+        self.pub = IndexPublisher(self.truth.get, **kw)  # type: ignore[arg-type]
+        self.denied: set[str] = set()
+        self.sock = IndexSocket(tmp / "cache.sock.index", self.pub, authorize=self._authorize)
+        self.peers: list[Peer] = []
+        self.sock.start()
+
+    def _authorize(self, namespace: str, peer: Peer) -> bool:
+        self.peers.append(peer)
+        return namespace not in self.denied
+
+    def put(self, ns: str, key: str, tier: str = "dram") -> None:
+        bid = BlockId(ns, key)
+        self.truth[bid] = tier
+        self.pub.changed([bid])
+
+    def drop(self, ns: str, key: str) -> None:
+        bid = BlockId(ns, key)
+        self.truth.pop(bid, None)
+        self.pub.changed([bid])
+
+    def close(self) -> None:
+        self.sock.close()
+        self.pub.close()
+
+
+@pytest.fixture
+def fabric(tmp_path: Path) -> Iterator[Fabric]:
+    f = Fabric(tmp_path, initial_capacity=8)
+    f.pub.start()
+    yield f
+    f.close()
+
+
+def _raw(keys: list[str]) -> bytes:
+    return bytes.fromhex("".join(keys))
+
+
+def test_answers_follow_every_change_across_growth(fabric: Fabric) -> None:
+    reader = LocalIndex(fabric.sock.path)
+    keys = [digest("k", i) for i in range(100)]
+    assert reader.lookup(NS, _raw(keys)) is not None  # an empty table is an answer: nothing stored
+    for i, k in enumerate(keys):
+        fabric.put(NS, k, ("dram", "local_disk", "shared")[i % 3])
+        got = reader.lookup(NS, _raw(keys))
+        assert got is not None
+        assert got.matched == i + 1, "a key published before the read is found (no false negative)"
+        assert got.tiers == [fabric.truth[BlockId(NS, x)] for x in keys[: i + 1]]
+    assert it.header(reader._maps[NS].words)["capacity"] >= 256  # grew from 8 slots, refetched
+    fabric.drop(NS, keys[50])
+    got = reader.lookup(NS, _raw(keys))
+    assert got is not None
+    assert got.matched == 50
+    other = reader.lookup(OTHER, _raw(keys))
+    assert other is not None
+    assert other.matched == 0, "another namespace's table never answers for this one"
+    assert fabric.peers
+    assert fabric.peers[0].pid == os.getpid()
+    reader.close()
+
+
+def test_the_descriptor_a_client_gets_is_read_only_and_sealed(fabric: Fabric) -> None:
+    fabric.put(NS, digest("k", 1))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(fabric.sock.path))
+        s.sendall(it.REQUEST_PREFIX + NS.encode() + b"\n")
+        msg, fds, _, _ = socket.recv_fds(s, 128, 1)
+    assert msg[:1] == b"\x00"
+    assert len(fds) == 1
+    fd = fds[0]
+    try:
+        size = os.fstat(fd).st_size
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(OSError, match="Bad file descriptor"):  # opened read-only
+            os.pwrite(fd, b"\xff" * 8, 64)
+        with pytest.raises(OSError, match=r"Invalid argument|Bad file descriptor|not permitted"):
+            os.ftruncate(fd, 0)
+        # Reopening it writable through /proc gets no write access back: the memfd is sealed
+        # against writes through any new descriptor or mapping (F_SEAL_FUTURE_WRITE).
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        assert seals & F_SEAL_FUTURE_WRITE
+        assert seals & fcntl.F_SEAL_SEAL
+        assert seals & fcntl.F_SEAL_SHRINK
+        rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                os.pwrite(rw, b"\xff" * 8, 64)
+            with pytest.raises(PermissionError):
+                mmap.mmap(rw, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(rw)
+        ro = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        assert it.lookup_prefix(memoryview(ro).cast("Q"), it.fingerprints([digest("k", 1)])) == [1]
+    finally:
+        os.close(fd)
+
+
+def test_a_table_without_heartbeat_is_unavailable_at_once(tmp_path: Path) -> None:
+    f = Fabric(tmp_path)  # heartbeat thread not started: as if the server were frozen
+    try:
+        f.put(NS, digest("k", 1))
+        reader = LocalIndex(f.sock.path, stale_after_s=0.2)
+        f.pub.beat()
+        assert reader.lookup(NS, _raw([digest("k", 1)])) is not None
+        time.sleep(0.3)
+        asked = len(f.peers)
+        with pytest.raises(CacheUnavailable, match="heartbeat"):
+            reader.lookup(NS, _raw([digest("k", 1)]))
+        # Nothing on the lookup's path asked the (possibly hung) server: any refetch is in the
+        # background, at most once per interval.
+        assert len(f.peers) - asked <= 1
+        f.pub.beat()
+        got = reader.lookup(NS, _raw([digest("k", 1)]))
+        assert got is not None
+        assert got.matched == 1
+        reader.close()
+    finally:
+        f.close()
+
+
+def test_a_closed_server_or_a_refused_namespace_means_ask_over_rpc(fabric: Fabric) -> None:
+    fabric.put(NS, digest("k", 1))
+    fabric.denied.add(OTHER)
+    reader = LocalIndex(fabric.sock.path)
+    assert reader.lookup(OTHER, _raw([digest("k", 1)])) is None
+    assert reader.lookup(NS, _raw([digest("k", 1)])) is not None
+    fabric.close()  # retires every table; the socket is gone
+    assert reader.lookup(NS, _raw([digest("k", 1)])) is None
+    reader.close()
+
+
+def test_bad_requests_get_an_error_byte(fabric: Fabric) -> None:
+    for req in (b"KVIX1 nothex\n", b"HELLO\n", it.REQUEST_PREFIX + NS.upper().encode() + b"\n"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(str(fabric.sock.path))
+            s.sendall(req)
+            msg, fds, _, _ = socket.recv_fds(s, 128, 1)
+        assert msg[:1] == b"\x01"
+        assert not fds

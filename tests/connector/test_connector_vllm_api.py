@@ -211,3 +211,13 @@ def test_kv_events_off_without_vllms_event_config() -> None:
     log = vllmevents.KVEventLog(chunk_tokens=4, block_size=2, enabled=False)
     log.stored(_Request([b"h0", b"h1"], [1, 2, 3, 4]), ["k0"], {"k0": 0})
     assert log.take() == []
+
+
+def test_only_faults_of_the_cache_count_as_failing_lookups() -> None:
+    from kvfabric.connector.resilient import Reason
+    from kvfabric.connector.vllm import _FAILURE_REASONS
+
+    # A miss, or a hit the cost model declined, is the cache working: no "failing" log line.
+    assert Reason.NOT_FOUND not in _FAILURE_REASONS
+    assert Reason.RECOMPUTE_FASTER not in _FAILURE_REASONS
+    assert {Reason.TIMEOUT, Reason.UNAVAILABLE, Reason.CORRUPT, Reason.NAMESPACE_MISMATCH} == _FAILURE_REASONS

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from kvfabric.connector.keys import MultiModalSpan, NamespaceSpec, RequestInputs
-from kvfabric.connector.resilient import build_cache
+from kvfabric.connector.resilient import Reason, build_cache
 from kvfabric.connector.scheduler import SchedulerHalf
 from kvfabric.connector.settings import ConnectorSettings
 from kvfabric.connector.steps import (
@@ -55,6 +55,9 @@ from kvfabric.connector.vllmmetrics import (
     stats_payload,
 )
 from kvfabric.connector.worker import WorkerHalf
+
+# Lookup outcomes that mean the cache is at fault (logged once per outage, as "failing").
+_FAILURE_REASONS = frozenset({Reason.TIMEOUT, Reason.UNAVAILABLE, Reason.CORRUPT, Reason.NAMESPACE_MISMATCH})
 
 log = logging.getLogger(__name__)
 
@@ -550,7 +553,10 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         hit = half.num_new_matched_tokens(info, num_computed_tokens)
         if half.counters.get("lookups") > lookups:  # a lookup really ran (not skipped as too short)
             reason = half.lookup_reason(info.req_id)
-            self._lookups.note(reason.value if reason is not None and reason.value != "not-found" else None)
+            # Only faults of the cache count as failing: a miss, or a hit the cost model declined
+            # as slower than recompute, is the cache working.
+            failed = reason is not None and reason in _FAILURE_REASONS
+            self._lookups.note(reason.value if failed and reason is not None else None)
         if self._events.enabled and num_computed_tokens == 0:
             _request, index = self._requests[info.req_id]
             matched = hit // half.chunk_tokens

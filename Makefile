@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 ##@ Main
 
 .PHONY: demo
-demo: bootstrap ## Run the whole fabric on the local cluster with its defaults
+demo: bootstrap-demo ## Run the whole fabric on the local cluster with its defaults
 	$(UV) kvfabric demo
 
 .PHONY: test
@@ -32,7 +32,9 @@ test-kubelet: bootstrap ## Only the tests on real kubelets (the built images as 
 test-vllm: bootstrap ## Only the tests inside real vLLM (CPU; the bootstrap builds its pinned env)
 	$(UV) pytest tests -m vllm $(PYTEST_ARGS)
 
-.PHONY: bootstrap
+.PHONY: bootstrap bootstrap-demo
+bootstrap-demo: ## Install only what the demo and the local cluster need (.venv, control-plane binaries)
+	@scripts/bootstrap.sh --demo
 bootstrap: ## Install Debian packages, uv, .venv, the pinned Kubernetes binaries and kubelet, the images (idempotent)
 	@scripts/bootstrap.sh
 
@@ -54,7 +56,7 @@ generate: ## Regenerate the CRDs and the protobuf stubs
 	scripts/gen-proto.sh
 
 .PHONY: cluster-up cluster-down
-cluster-up: bootstrap ## Start the local control plane (fake GPU nodes) and leave it running
+cluster-up: bootstrap-demo ## Start the local control plane (fake GPU nodes) and leave it running
 	$(UV) kvfabric cluster up
 cluster-down: ## Stop the local control plane
 	$(UV) kvfabric cluster down

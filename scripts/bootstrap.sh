@@ -5,7 +5,13 @@
 # for the object-store tier's tests), all built from the Go module proxy into ~/.cache/kvfabric and
 # reused when present, and the container engine and images (scripts/bootstrap-containers.sh). A warm
 # machine finishes in seconds.
+#
+# `scripts/bootstrap.sh --demo` installs only what `make demo` and `kvfabric cluster` need (the Python
+# environment and the control-plane binaries, about 7 minutes cold), not the images, the kubelet, the
+# vLLM environment or the S3 server that only the tests use.
 set -euo pipefail
+DEMO_ONLY=0
+[ "${1:-}" = "--demo" ] && DEMO_ONLY=1
 cd "$(dirname "$0")/.."
 say() { printf '[bootstrap] %s\n' "$*" >&2; }
 
@@ -29,6 +35,13 @@ fi
 
 say "syncing the Python environment (.venv)"
 uv sync --all-extras --frozen --quiet
+
+if [ "$DEMO_ONLY" = 1 ]; then
+  say "building or finding the pinned control-plane binaries"
+  uv run --frozen kvfabric cluster build 2>&1 >/dev/null | { grep --line-buffered -v '^go: downloading' >&2 || true; }
+  say "done (demo only: images, kubelet, vLLM env and S3 server are built by 'make test')"
+  exit 0
+fi
 
 # The slow steps overlap: the Go builds (control plane, then the kubelet; CPU-bound) run in the
 # background while the container images build (debootstrap and PyPI downloads; mostly network).

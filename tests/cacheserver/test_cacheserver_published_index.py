@@ -166,7 +166,9 @@ def test_the_connector_looks_up_on_its_own_thread_and_sees_a_crash_at_once() -> 
     ns = digest("connector")
     keys = [digest("c", i) for i in range(4)]
     with cache_server(server_id="conn", metrics=False) as srv:
-        settings = ConnectorSettings(socket=str(srv.config.listen.unix_socket), shm_dir=str(srv.shm_dir))
+        settings = ConnectorSettings(
+            socket=str(srv.config.listen.unix_socket), shm_dir=str(srv.shm_dir), local_index=True
+        )
         cache = build_cache(settings)
         assert cache is not None
         try:

@@ -21,7 +21,9 @@ from kvfabric.refengine.testing import TINY, prompt
 from kvfabric.testing.memtransport import MemoryTransport
 
 CHUNK = 32
-SETTINGS = ConnectorSettings(chunk_tokens=CHUNK, lookup_deadline_ms=500, load_deadline_ms=1000)
+SETTINGS = ConnectorSettings(
+    chunk_tokens=CHUNK, lookup_deadline_ms=500, load_deadline_ms=1000, cost_model=True
+)
 
 
 class Recording(MemoryTransport):

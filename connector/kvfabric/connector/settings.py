@@ -110,12 +110,12 @@ class ConnectorSettings(BaseSettings):
     min_hit_tokens: int = Field(default=0, ge=0)
     """Hits shorter than this are reported as misses: for short prefixes the fixed cost of a load
     exceeds the prefill it saves (about 1-2k tokens on an H100)."""
-    cost_model: bool = True
+    cost_model: bool = False
     """Load a hit only where restoring it is expected to beat recomputing it, by the prefill and
     restore costs measured as the engine runs; lookup and load deadlines then follow the expected
     prefill time (``lookup_deadline_ms`` and ``load_deadline_ms`` stay the ceilings). Skipped hits are
     counted as ``miss.recompute-faster``."""
-    local_index: bool = True
+    local_index: bool = False
     """Same node: answer lookups from the index the cache server publishes in shared memory (no call
     per lookup); remote endpoints always use the RPC."""
     retries: int = Field(default=1, ge=0, le=5)

@@ -84,12 +84,6 @@ def test_a_prefix_stored_on_node_a_is_a_hit_on_node_b(deployed: tuple[Fabric, st
     assert warm["output_token_ids"] == cold["output_token_ids"]  # cached KV gives the same tokens
 
 
-@pytest.mark.xfail(
-    reason="known regression (issues 11, 13 open): since this turn's last merges, hits sometimes do not "
-    "return within 60 s after a cache server is killed and replaced (failed in 2 of 3 final runs); "
-    "the fallback part of this test never failed",
-    strict=False,
-)
 def test_killing_a_cache_server_falls_back_then_recovers(deployed: tuple[Fabric, str]) -> None:
     fabric, ns = deployed
     node = fabric.gpu_nodes[0]

@@ -126,3 +126,41 @@ def test_breaker_half_open_probe() -> None:
     br.success()
     assert br.state == "closed"
     assert br.allow()
+
+
+def test_breaker_cooldown_doubles_per_failed_probe_and_resets_on_success() -> None:
+    clock = FakeClock()
+    br = CircuitBreaker(1, 1.0, clock, max_cooldown_s=4.0)
+    br.failure()  # opens: 1 s
+    waits = []
+    for _ in range(4):
+        start = clock.now
+        while not br.allow():
+            clock.now += 0.25
+        waits.append(clock.now - start)
+        br.failure()  # the probe failed
+    assert waits == [1.0, 2.0, 4.0, 4.0]
+    clock.now += 4.0
+    assert br.allow()
+    br.success()
+    br.failure()  # opens again: back to the first cooldown
+    clock.now += 1.0
+    assert br.allow()
+
+
+def test_breaker_lets_another_probe_through_when_one_never_reports() -> None:
+    """A probe taken and never reported (no success, failure or abandon) is presumed lost."""
+    clock = FakeClock()
+    br = CircuitBreaker(1, 5.0, clock)
+    br.failure()
+    clock.now += 5.0
+    assert br.allow()  # the probe; its caller never reports
+    clock.now += 4.9
+    assert not br.allow()
+    clock.now += 0.1
+    assert br.allow()
+    br.abandon()
+    assert br.allow()  # an abandoned probe frees the slot at once
+    br.success()
+    assert br.state == "closed"
+    assert br.allow()

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvfabric.connector import vllm as kvvllm
 from kvfabric.connector import vllmevents
-from kvfabric.connector.resilient import Counters
+from kvfabric.connector.resilient import Counters, Reason
 from kvfabric.connector.steps import LoadSpec, StepPlan
 from kvfabric.connector.vllmmetrics import (
     CounterDeltas,
@@ -213,11 +213,35 @@ def test_kv_events_off_without_vllms_event_config() -> None:
     assert log.take() == []
 
 
-def test_only_faults_of_the_cache_count_as_failing_lookups() -> None:
-    from kvfabric.connector.resilient import Reason
-    from kvfabric.connector.vllm import _FAILURE_REASONS
+def test_only_faults_of_the_cache_log_lookups_as_failing(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the connector's own lookup hook: a miss is the cache working; an outage is failing."""
+    from tests.connector.test_connector_vllm import fake_vllm_config
 
-    # A miss, or a hit the cost model declined, is the cache working: no "failing" log line.
-    assert Reason.NOT_FOUND not in _FAILURE_REASONS
-    assert Reason.RECOMPUTE_FASTER not in _FAILURE_REASONS
-    assert {Reason.TIMEOUT, Reason.UNAVAILABLE, Reason.CORRUPT, Reason.NAMESPACE_MISMATCH} == _FAILURE_REASONS
+    from kvfabric.connector.resilient import CircuitBreaker, Endpoint, ResilientCache
+    from kvfabric.testing.memtransport import MemoryTransport
+
+    monkeypatch.delenv("KVFABRIC_SOCKET", raising=False)
+    monkeypatch.delenv("KVFABRIC_REMOTE", raising=False)
+    sched = kvvllm.KVFabricConnector(fake_vllm_config(chunk_tokens=32), SimpleNamespace(name="SCHEDULER"))
+    transport = MemoryTransport()
+    cache = ResilientCache([Endpoint("m", lambda: transport, CircuitBreaker(100, 60.0))], retries=0)
+    half = sched.scheduler_half
+    half.cache, half.counters = cache, cache.counters
+    outcomes = []
+    with caplog.at_level(logging.INFO, logger="kvfabric"):
+        for n, down in enumerate([False, False, True, True, False, False]):
+            transport.down = down
+            req = SimpleNamespace(
+                request_id=f"r{n}", prompt_token_ids=list(range(n, n + 100)), lora_request=None
+            )
+            assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+            outcomes.append(half.lookup_reason(req.request_id))
+    assert outcomes == [Reason.NOT_FOUND] * 2 + [Reason.UNAVAILABLE] * 2 + [Reason.NOT_FOUND] * 2
+    messages = [r.getMessage() for r in caplog.records if "kvfabric lookups" in r.getMessage()]
+    assert len(messages) == 2, messages  # the misses before and after log nothing
+    assert "lookups failing (unavailable)" in messages[0]
+    assert "lookups working again (after unavailable)" in messages[1]
+    cache.close()
+    sched.shutdown()

@@ -23,7 +23,9 @@ RESTART = {"restart-a": tokens(1, 700), "restart-b": tokens(2, 1300)}
 # Stored by the same offline run, first asked for while two other requests decode.
 LOADER = {"loader": tokens(3, 1100)}
 DECODERS = {"decoder-0": tokens(4, 200), "decoder-1": tokens(5, 220)}
-DECODE_TOKENS = 160
+# Long enough that a request sent after their first tokens finishes well before them, even on a
+# loaded 2-core machine (160 was not: both decoders finished first in one CI run).
+DECODE_TOKENS = 480
 # Sent while the cache server is killed, restarted and hung.
 FAULTS = {f"fault-{i}": tokens(1000, 512) + tokens(100 + i, 300) for i in range(8)}
 # Round 1 on one server, round 2 on another that shares the first one's volume.

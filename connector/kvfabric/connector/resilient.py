@@ -132,14 +132,29 @@ class CircuitBreaker:
     alive and answering.
     """
 
-    def __init__(self, failures: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        failures: int,
+        cooldown_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        max_cooldown_s: float | None = None,
+    ) -> None:
+        """``cooldown_s`` after the breaker opens; each failed probe doubles it, up to ``max_cooldown_s``.
+
+        A short first cooldown brings a restarted server back quickly; the doubling keeps a server
+        that stays hung from costing a probe's deadline every ``cooldown_s``.
+        """
         self._threshold = failures
+        self._base = cooldown_s
+        self._max = max(cooldown_s, max_cooldown_s if max_cooldown_s is not None else cooldown_s)
         self._cooldown = cooldown_s
         self._clock = clock
         self._lock = threading.Lock()
         self._failures = 0
         self._open_until: float | None = None
         self._probing = False
+        self._probe_at = 0.0
 
     @property
     def state(self) -> str:
@@ -150,13 +165,18 @@ class CircuitBreaker:
             return "open" if self._clock() < self._open_until else "half-open"
 
     def allow(self) -> bool:
-        """Return whether a call may go through now (at most one probe while half-open)."""
+        """Return whether a call may go through now (at most one probe while half-open).
+
+        A probe that has not reported for a whole cooldown is presumed lost and another is let
+        through: a caller that took the probe and never said how it went must not wedge the breaker.
+        """
         with self._lock:
             if self._open_until is None:
                 return True
-            if self._clock() < self._open_until or self._probing:
+            now = self._clock()
+            if now < self._open_until or (self._probing and now < self._probe_at + self._cooldown):
                 return False
-            self._probing = True
+            self._probing, self._probe_at = True, now
             return True
 
     def success(self) -> None:
@@ -165,11 +185,19 @@ class CircuitBreaker:
             self._failures = 0
             self._open_until = None
             self._probing = False
+            self._cooldown = self._base
+
+    def abandon(self) -> None:
+        """Give back a probe that reached no server (the caller then asks by another path)."""
+        with self._lock:
+            self._probing = False
 
     def failure(self) -> None:
         """Record a timeout or an unreachable server."""
         with self._lock:
             self._failures += 1
+            if self._probing:  # the half-open probe failed: wait longer before the next one
+                self._cooldown = min(self._max, self._cooldown * 2)
             self._probing = False
             if self._failures >= self._threshold:
                 self._open_until = self._clock() + self._cooldown
@@ -332,7 +360,12 @@ class ResilientCache:
         ep = self.endpoints[0] if self.endpoints else None
         client = ep._client if ep is not None else None  # only once connected (the pool connects)
         local = getattr(client, "lookup_local", None)
-        if ep is None or local is None or not ep.breaker.allow():
+        # Only a client with a published index may take the breaker's half-open probe here: one
+        # that took it and then asked over RPC would find the probe taken, and the breaker, never
+        # told how the probe went, would stay half-open with its probe "in flight" for good.
+        if ep is None or local is None or getattr(client, "local_index", None) is None:
+            return None
+        if not ep.breaker.allow():
             return None
         try:
             res: LookupResult | None = local(namespace, keys)
@@ -342,9 +375,11 @@ class ResilientCache:
             self.counters.add(f"error.{ep.name}.{Reason.UNAVAILABLE.value}")
             return LookupOutcome(0, [], Reason.UNAVAILABLE)
         except Exception:
+            ep.breaker.abandon()
             log.debug("published index of %s failed; asking over RPC", ep.name, exc_info=True)
             return None
         if res is None:
+            ep.breaker.abandon()  # the index could not answer: the RPC below is the probe
             return None
         ep.breaker.success()
         self.counters.add("lookup_local")
@@ -442,12 +477,15 @@ def _endpoint_key(settings: ConnectorSettings) -> tuple[object, ...]:
         settings.retries,
         settings.breaker_failures,
         settings.breaker_cooldown_ms,
+        settings.breaker_max_cooldown_ms,
+        settings.local_index,
     )
 
 
 def _new_cache(settings: ConnectorSettings, counters: Counters | None) -> ResilientCache:
     endpoints: list[Endpoint] = []
     cooldown = settings.breaker_cooldown_ms / 1000
+    longest = settings.breaker_max_cooldown_ms / 1000
     if settings.socket:
         endpoints.append(
             Endpoint(
@@ -455,7 +493,7 @@ def _new_cache(settings: ConnectorSettings, counters: Counters | None) -> Resili
                 transport_factory(
                     f"unix://{settings.socket}", shm_dir=settings.shm_dir, local_index=settings.local_index
                 ),
-                CircuitBreaker(settings.breaker_failures, cooldown),
+                CircuitBreaker(settings.breaker_failures, cooldown, max_cooldown_s=longest),
             )
         )
     if settings.remote:
@@ -469,7 +507,7 @@ def _new_cache(settings: ConnectorSettings, counters: Counters | None) -> Resili
                     tls_cert=settings.tls_cert,
                     tls_key=settings.tls_key,
                 ),
-                CircuitBreaker(settings.breaker_failures, cooldown),
+                CircuitBreaker(settings.breaker_failures, cooldown, max_cooldown_s=longest),
             )
         )
     return ResilientCache(endpoints, retries=settings.retries, counters=counters)

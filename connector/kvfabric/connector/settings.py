@@ -122,8 +122,12 @@ class ConnectorSettings(BaseSettings):
     """Extra attempts after an ``unavailable`` error, within the same deadline."""
     breaker_failures: int = Field(default=3, ge=1)
     """Consecutive timeouts/unavailable errors that open the circuit breaker of one endpoint."""
-    breaker_cooldown_ms: int = Field(default=5000, gt=0)
-    """How long an open breaker fails fast before one probe call is let through."""
+    breaker_cooldown_ms: int = Field(default=1000, gt=0)
+    """How long an open breaker fails fast before one probe call is let through (a restarted server
+    is used again this soon after it is back)."""
+    breaker_max_cooldown_ms: int = Field(default=8000, gt=0)
+    """Each failed probe doubles the cooldown up to this, so a server that stays hung costs one
+    probe's deadline this often at most; a probe that succeeds resets it."""
     store_queue_bytes: int = Field(default=1 << 30, gt=0)
     """Bytes of pending background stores; beyond this new stores are dropped (a future recompute)."""
     enabled: bool = True

@@ -66,7 +66,7 @@ def env_of(pod: dict[str, Any], container: int = 0) -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][container].get("env") or []}
 
 
-def counts(**kw: int) -> dict[str, Any]:
+def counts(**kw: Any) -> dict[str, Any]:
     """A pool's ``status.consumers`` with these counts (the rest zero)."""
     base: dict[str, Any] = {"matched": 0, "injected": 0, "stale": 0, "skipped": 0, "skippedByReason": {}}
     return base | {"overTcp": 0} | kw

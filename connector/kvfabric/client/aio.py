@@ -111,6 +111,14 @@ class AsyncCacheClient:
         """Wait (within ``timeout``) for the keys' pending write-backs; say which durable tiers hold each."""
         return await self._run(self._client.flush, namespace, keys, timeout=timeout)
 
+    async def describe(self, namespace: str, spec_json: str, *, timeout: float) -> None:
+        """See :meth:`kvfabric.client.CacheClient.describe`."""
+        await self._run(self._client.describe, namespace, spec_json, timeout=timeout)
+
+    def announce(self, namespace: str, spec_json: str) -> None:
+        """See :meth:`kvfabric.client.CacheClient.announce` (no call now: it only records the description)."""
+        self._client.announce(namespace, spec_json)
+
     async def stats(self, *, timeout: float) -> dict[str, Any]:
         """Return the server's statistics as a dict."""
         return await self._run(self._client.stats, timeout=timeout)

@@ -41,11 +41,13 @@ def scrape(srv: ServerProcess) -> tuple[dict[str, dict[str, str]], int]:
     return info, accepted
 
 
-def test_the_connector_describes_each_namespace_once_and_again_after_a_restart() -> None:
+@pytest.mark.parametrize("local_index", [False, True], ids=["rpc-lookups", "published-index"])
+def test_the_connector_describes_each_namespace_once_and_again_after_a_restart(local_index: bool) -> None:
     with cache_server(dram_bytes=16 << 20) as srv:
         settings = ConnectorSettings(
             socket=str(srv.config.listen.unix_socket),
             shm_dir=str(srv.shm_dir),
+            local_index=local_index,
             chunk_tokens=SPEC.chunk_tokens,
             breaker_failures=1,
             breaker_cooldown_ms=200,
@@ -61,6 +63,8 @@ def test_the_connector_describes_each_namespace_once_and_again_after_a_restart()
             for _ in range(5):
                 assert cache.lookup(sched_ns, KEYS, 5.0).reason is Reason.NOT_FOUND
                 assert cache.store(worker_ns, KEYS[:1], [b"x" * 64], 5.0) is not None
+            if local_index:  # the published table answers once the description is sent
+                assert cache.counters.get("lookup_local") > 0
             info, accepted = scrape(srv)
             assert accepted == 2  # once per namespace, not once per call
             assert set(info) == {sched_ns, worker_ns}
@@ -79,7 +83,12 @@ def test_the_connector_describes_each_namespace_once_and_again_after_a_restart()
             for _ in range(5):
                 assert cache.lookup(sched_ns, KEYS, 5.0).reason is Reason.NOT_FOUND
             info, accepted = scrape(srv)
-            assert (set(info), accepted) == ({sched_ns}, 1)
+            if local_index:
+                # The published index saw the server go: every description is due again at once.
+                assert (set(info), accepted) == ({sched_ns, worker_ns}, 2)
+            else:
+                # The lookup answer asked for the lookups' namespace only (the store's comes below).
+                assert (set(info), accepted) == ({sched_ns}, 1)
             for _ in range(3):
                 assert cache.store(worker_ns, KEYS[1:2], [b"y" * 64], 5.0) is not None
             info, accepted = scrape(srv)

@@ -39,7 +39,6 @@ class NamespaceRegistry:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, DescribedNamespace] = OrderedDict()
         self.evicted = 0
-        self.refused = 0
 
     def describe(self, namespace: str, fields: dict[str, str]) -> None:
         """Record (or refresh) a verified description; the least recently used one goes past capacity."""

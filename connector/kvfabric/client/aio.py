@@ -79,7 +79,7 @@ class AsyncCacheClient:
     async def lookup(self, namespace: str, keys: Sequence[str], *, timeout: float) -> LookupResult:
         """How many leading ``keys`` are stored, and in which tier each one is."""
         index = self._client.local_index
-        if index is not None:
+        if index is not None and not self._client.describes_pending:
             # Answered from the published table in microseconds: no thread hop, no call.
             c.check_timeout(timeout)
             local = index.lookup(namespace, c.check_ids(namespace, keys))

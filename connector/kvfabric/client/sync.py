@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvfabric.client import _common as c
-from kvfabric.client.errors import CacheError, CacheTimeout, InvalidRequest
+from kvfabric.client.errors import CacheError, CacheTimeout, CacheUnavailable, InvalidRequest
 from kvfabric.client.localindex import LocalIndex
 from kvfabric.client.results import FlushResult, LookupResult, StoreResult
 from kvfabric.rpc.v1 import cache_pb2 as pb
@@ -116,6 +116,11 @@ class CacheClient:
             self._specs[namespace] = spec_json
             self._undescribed.add(namespace)
 
+    @property
+    def describes_pending(self) -> bool:
+        """Whether a description is due before this client's next call (see :meth:`announce`)."""
+        return bool(self._undescribed)
+
     def _describe_due(self, deadline: float) -> None:
         """Send the descriptions the server lacks (at most once each), within ``deadline``."""
         if not self._undescribed:
@@ -149,7 +154,7 @@ class CacheClient:
         deadline = time.monotonic() + timeout
         self._describe_due(deadline)
         if self._index is not None:
-            local = self._index.lookup(namespace, raw)
+            local = self._published(namespace, raw)
             if local is not None:
                 return local
         req = pb.LookupRequest(namespace=namespace, keys=keys)
@@ -163,9 +168,20 @@ class CacheClient:
 
         Raises :class:`~kvfabric.client.errors.CacheUnavailable` when the server is gone or hung.
         """
-        if self._index is None:
-            return None
-        return self._index.lookup(namespace, c.check_ids(namespace, keys), fetch=False)
+        if self._index is None or self._undescribed:
+            return None  # a description is due: the call that sends it first is an RPC lookup
+        return self._published(namespace, c.check_ids(namespace, keys), fetch=False)
+
+    def _published(self, namespace: str, raw: bytes, *, fetch: bool = True) -> LookupResult | None:
+        assert self._index is not None
+        try:
+            return self._index.lookup(namespace, raw, fetch=fetch)
+        except CacheUnavailable:
+            # The server process is gone: the one that replaces it knows no description, and
+            # lookups answered from its published table would never hear it ask.
+            with self._describe_lock:
+                self._undescribed = set(self._specs)
+            raise
 
     def load(self, namespace: str, keys: Sequence[str], *, timeout: float) -> list[bytes]:
         """Payloads of the leading present keys (stops at the first miss)."""

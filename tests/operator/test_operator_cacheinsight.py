@@ -196,14 +196,39 @@ def test_a_new_split_is_an_event_once() -> None:
     assert not [e for e in again if e.reason == "NamespacesDiverge"]
 
 
+@pytest.mark.process
 @pytest.mark.asyncio
-async def test_a_pool_whose_ready_servers_change_is_due_at_once() -> None:
-    scraper = Scraper(interval=3600)
+async def test_a_pool_whose_last_pass_reached_no_server_is_due_when_its_servers_change() -> None:
+    scraper = Scraper(interval=3600, retry_gap=0, timeout=5)
     key = ("ns", "p")
+    dead = {"gpu-1": f"http://127.0.0.1:{free_port()}/metrics"}
     assert scraper.due(key, {})
     await scraper.scrape(key, {}, "t")  # no ready server yet
     assert not scraper.due(key, {})
-    assert scraper.due(key, {"gpu-1": "http://127.0.0.1:1/metrics"})  # one became ready
+    assert scraper.due(key, dead)  # one became ready
+    await scraper.scrape(key, dead, "t")  # ... and did not answer
+    assert not scraper.due(key, dead)
+    with cache_server(dram_bytes=16 * MiB) as srv:
+        live = {"gpu-1": srv.metrics_url + "/metrics"}
+        assert scraper.due(key, live)  # it moved (a new pod IP)
+        insight = await scraper.scrape(key, live, "t")
+        assert insight is not None
+        assert insight.nodes_scraped == 1
+        # Once a pass reached a server, changes wait for the interval (a 1,000-node rollout
+        # changes the ready set at every step).
+        assert not scraper.due(key, {**live, "gpu-2": "http://127.0.0.1:1/metrics"})
+    await scraper.close()
+
+
+@pytest.mark.asyncio
+async def test_a_pass_in_flight_is_never_doubled() -> None:
+    scraper = Scraper(interval=0, retry_gap=0)
+    key = ("ns", "p")
+    scraper.schedule(key, {}, "t")
+    assert not scraper.due(key, {})  # the scheduled pass has not run yet
+    await asyncio.sleep(0)
+    await asyncio.gather(*list(scraper._tasks))
+    assert scraper.due(key, {})
     await scraper.close()
 
 

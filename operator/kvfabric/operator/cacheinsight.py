@@ -210,7 +210,12 @@ def scrape_targets(pods: Iterable[dict[str, Any]], port: int) -> dict[str, str]:
 
 
 class Scraper:
-    """Bounded-rate scraping: at most one pass per pool per ``interval``, ``concurrency`` requests at once."""
+    """Bounded-rate scraping: at most one pass per pool per ``interval``, ``concurrency`` requests at once.
+
+    One exception makes a new pool show its numbers soon: a pool whose last pass reached no server
+    (none was ready yet, or none answered) is due again as soon as its set of ready servers changes,
+    but never sooner than ``retry_gap`` after that pass. A pass in flight is never doubled.
+    """
 
     def __init__(
         self,
@@ -218,9 +223,13 @@ class Scraper:
         interval: float = 60.0,
         concurrency: int = 8,
         timeout: float = 2.0,
+        retry_gap: float = 5.0,
         on_update: Callable[[tuple[str, str]], None] | None = None,
     ) -> None:
         self.interval = interval
+        self.retry_gap = min(retry_gap, interval)
+        self._reached: dict[tuple[str, str], bool] = {}
+        self._inflight: set[tuple[str, str]] = set()
         self.on_update = on_update
         self._tasks: set[asyncio.Task[None]] = set()
         self.timeout = timeout
@@ -231,15 +240,17 @@ class Scraper:
         self.requests = 0
 
     def due(self, key: tuple[str, str], targets: Mapping[str, str] | None = None) -> bool:
-        """Whether ``key``'s last pass is older than the interval, or its ready servers changed.
-
-        A pool whose servers became ready (or moved) is scraped at once rather than up to an interval
-        later; the rate stays bounded by the interval plus the changes of the ready set.
-        """
+        """Whether ``key`` may be scraped now (class docstring); ``targets``: its ready servers now."""
+        if key in self._inflight:
+            return False
         last = self._last.get(key)
-        if targets is not None and self._targets.get(key) != dict(targets):
+        if last is None:
             return True
-        return last is None or time.monotonic() - last >= self.interval
+        elapsed = time.monotonic() - last
+        if elapsed >= self.interval:
+            return True
+        changed = targets is not None and self._targets.get(key) != dict(targets)
+        return changed and not self._reached.get(key, False) and elapsed >= self.retry_gap
 
     async def _fetch(self, session: Any, url: str) -> NodeCache | None:
         import aiohttp
@@ -258,12 +269,25 @@ class Scraper:
         """Scrape ``targets`` (node -> URL) if the pool is due; return (and keep) its insight."""
         if not self.due(key, targets):
             return self.insights.get(key)
-        self._last[key] = time.monotonic()
-        self._targets[key] = dict(targets)
+        self._claim(key, targets)
         return await self._pass(key, targets, now)
 
+    def _claim(self, key: tuple[str, str], targets: Mapping[str, str]) -> None:
+        self._last[key] = time.monotonic()
+        self._targets[key] = dict(targets)
+        self._inflight.add(key)
+
     async def _pass(self, key: tuple[str, str], targets: Mapping[str, str], now: str) -> CacheInsight | None:
+        try:
+            return await self._pass_once(key, targets, now)
+        finally:
+            self._inflight.discard(key)
+
+    async def _pass_once(
+        self, key: tuple[str, str], targets: Mapping[str, str], now: str
+    ) -> CacheInsight | None:
         if not targets:
+            self._reached[key] = False
             return self.insights.get(key)
         import aiohttp
 
@@ -271,6 +295,7 @@ class Scraper:
             names = sorted(targets)
             results = await asyncio.gather(*(self._fetch(session, targets[n]) for n in names))
         nodes = {n: r for n, r in zip(names, results, strict=True) if r is not None}
+        self._reached[key] = bool(nodes)
         insight = summarize(nodes, now, unreachable=len(names) - len(nodes))
         self.insights[key] = insight
         return insight
@@ -280,8 +305,7 @@ class Scraper:
         if not self.due(key, targets):
             return
         # Claimed now, not when the pass starts: reconciles in between start no second pass.
-        self._last[key] = time.monotonic()
-        self._targets[key] = dict(targets)
+        self._claim(key, targets)
 
         async def one() -> None:
             before = self.insights.get(key)
@@ -303,4 +327,5 @@ class Scraper:
         """Drop a deleted pool."""
         self._last.pop(key, None)
         self._targets.pop(key, None)
+        self._reached.pop(key, None)
         self.insights.pop(key, None)

@@ -25,6 +25,8 @@ __all__ = ["CacheClient"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+_DESCRIBE_TIMEOUT_S = 2.0
+"""Longest a description may take (it is for status only; the call it precedes has its own deadline)."""
 
 
 class CacheClient:
@@ -73,7 +75,8 @@ class CacheClient:
         # not know yet: described before this client's next call (see announce()).
         self._specs: dict[str, str] = {}
         self._undescribed: set[str] = set()
-        self._describe_lock = threading.Lock()
+        self._describe_lock = threading.Lock()  # guards the two above
+        self._sending = threading.Lock()  # held by the one thread sending descriptions
 
     @property
     def local_index(self) -> LocalIndex | None:
@@ -122,23 +125,33 @@ class CacheClient:
         return bool(self._undescribed)
 
     def _describe_due(self, deadline: float) -> None:
-        """Send the descriptions the server lacks (at most once each), within ``deadline``."""
-        if not self._undescribed:
+        """Send the descriptions the server lacks (at most once each), within ``deadline``.
+
+        One thread sends; a call on another thread meanwhile goes ahead without waiting (a lookup
+        must never wait behind a description to a hung server).
+        """
+        if not self._undescribed or not self._sending.acquire(blocking=False):
             return
-        with self._describe_lock:
-            for namespace in sorted(self._undescribed):
-                left = deadline - time.monotonic()
+        try:
+            with self._describe_lock:
+                due = [(ns, self._specs[ns]) for ns in sorted(self._undescribed) if ns in self._specs]
+            for namespace, spec_json in due:
+                left = min(deadline - time.monotonic(), _DESCRIBE_TIMEOUT_S)
                 if left <= 0:
                     return
                 try:
-                    self.describe(namespace, self._specs[namespace], timeout=left)
+                    self.describe(namespace, spec_json, timeout=left)
                 except InvalidRequest as exc:
                     log.warning("the cache server refused the description of %s: %s", namespace[:12], exc)
-                    self._specs.pop(namespace, None)
+                    with self._describe_lock:
+                        self._specs.pop(namespace, None)
                 except CacheError as exc:
                     log.debug("describing %s failed (retried at the next call): %s", namespace[:12], exc)
                     return
-                self._undescribed.discard(namespace)
+                with self._describe_lock:
+                    self._undescribed.discard(namespace)
+        finally:
+            self._sending.release()
 
     def _asked_to_describe(self, namespace: str, resp: Any) -> None:
         """The server said it lacks ``namespace``'s description: send it before the next call."""

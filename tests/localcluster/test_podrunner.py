@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 from collections.abc import Iterator
@@ -335,3 +336,68 @@ def test_containers_run_as_the_pods_user_and_groups(
     assert ids["root_only"] == "denied"  # a root-owned 0755 directory is not the pod's to write
     assert ids["empty_dir"] == "written"
     assert ids["secret"] == "t0k"  # mode 0440, readable through fsGroup only
+
+
+def test_read_only_root_filesystem_leaves_only_the_volumes_writable(
+    runner: Path, cluster: ClusterHandle, namespace: str
+) -> None:
+    script = (
+        "import json, os, pathlib, sys\n"
+        "out = {}\n"
+        "probe = '/var/tmp/kvf-ro-' + os.environ['POD_UID']\n"
+        "for name, path in [('root', probe), ('volume', '/scratch/ok')]:\n"
+        "    try:\n"
+        "        pathlib.Path(path).write_text('x'); out[name] = 'written'\n"
+        "    except OSError as exc:\n"
+        "        out[name] = exc.strerror\n"
+        "pathlib.Path('/data/' + os.environ['POD_NAME'] + '.json').write_text(json.dumps(out))\n"
+        "import time; time.sleep(3600)\n"
+    )
+    host = runner / "nodes" / NODE / "host/var/lib/test-ro"
+
+    def pod(name: str, read_only: bool) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": NODE},
+                "terminationGracePeriodSeconds": 2,
+                "containers": [
+                    {
+                        "name": "app",
+                        "image": "python:3.12",
+                        "command": [sys.executable, "-c", script],
+                        "env": [
+                            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                            {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                        ],
+                        "securityContext": {"readOnlyRootFilesystem": read_only},
+                        "volumeMounts": [
+                            {"name": "data", "mountPath": "/data"},
+                            {"name": "scratch", "mountPath": "/scratch"},
+                        ],
+                    }
+                ],
+                "volumes": [
+                    {"name": "data", "hostPath": {"path": "/var/lib/test-ro", "type": "DirectoryOrCreate"}},
+                    {"name": "scratch", "emptyDir": {}},
+                ],
+            },
+        }
+
+    cluster.apply(pod("ro", True), pod("rw", False), namespace=namespace)
+    try:
+
+        def report(name: str) -> Any:
+            path = host / f"{name}.json"
+            return path.exists() and json.loads(path.read_text())
+
+        seen = {
+            name: wait_for(functools.partial(report, name), message=f"pod {name} to report")
+            for name in ("ro", "rw")
+        }
+    finally:
+        cluster.kubectl("delete", "pod", "ro", "rw", "-n", namespace, "--wait=false", check=False)
+    assert seen["ro"] == {"root": "Read-only file system", "volume": "written"}
+    assert seen["rw"] == {"root": "written", "volume": "written"}

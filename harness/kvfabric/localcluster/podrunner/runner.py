@@ -222,6 +222,7 @@ class PodWorker(threading.Thread):
                     user=user,
                     group=group,
                     groups=groups,
+                    read_only_root=bool((c.get("securityContext") or {}).get("readOnlyRootFilesystem")),
                 )
             )
         return plans

@@ -52,6 +52,9 @@ class ContainerPlan:
     """``runAsGroup``; with a user but no group the primary group is 0, as in a container."""
     groups: tuple[int, ...] = ()
     """Supplementary groups: the pod's ``supplementalGroups`` and ``fsGroup``."""
+    read_only_root: bool = False
+    """``securityContext.readOnlyRootFilesystem``: only the volumes (and the kernel's own
+    filesystems: /proc, /dev, /run...) stay writable."""
 
 
 def field_ref(pod: dict[str, Any], path: str, pod_ip: str, host_ip: str) -> str:
@@ -224,6 +227,10 @@ def launch_script(plan: ContainerPlan) -> str:
         lines.append(f"mount --bind {q(str(m.source))} {q(m.target)}")
         if m.read_only:
             lines.append(f"mount -o remount,bind,ro {q(m.target)}")
+    if plan.read_only_root:
+        # The root mount of this private mount namespace only (a per-mount flag, not the
+        # filesystem's): the host stays writable, the volumes mounted above keep their own flags.
+        lines.append("mount -o remount,bind,ro /")
     if plan.working_dir:
         lines.append(f"cd {q(plan.working_dir)}")
     env_args = " ".join(q(f"{k}={v}") for k, v in plan.env.items())

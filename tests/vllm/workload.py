@@ -24,8 +24,10 @@ RESTART = {"restart-a": tokens(1, 700), "restart-b": tokens(2, 1300)}
 LOADER = {"loader": tokens(3, 1100)}
 DECODERS = {"decoder-0": tokens(4, 200), "decoder-1": tokens(5, 220)}
 # Long enough that a request sent after their first tokens finishes well before them, even on a
-# loaded 2-core machine (160 was not: both decoders finished first in one CI run).
-DECODE_TOKENS = 480
+# loaded 2-core machine (160, then 480, were not: both decoders finished first in one CI run each;
+# 480 tokens stream in about 1.5 s here). 960 keeps decoders and loader within the 32-block KV
+# cache (10 + 10 + 9 blocks of 128 tokens).
+DECODE_TOKENS = 960
 # Sent while the cache server is killed, restarted and hung.
 FAULTS = {f"fault-{i}": tokens(1000, 512) + tokens(100 + i, 300) for i in range(8)}
 # Round 1 on one server, round 2 on another that shares the first one's volume.

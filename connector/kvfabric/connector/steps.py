@@ -63,7 +63,11 @@ class StepInput:
 
 @dataclass
 class LoadSpec:
-    """Load the chunks ``keys`` into the blocks ``block_ids[i]`` (skipping ``skip_blocks`` of chunk 0)."""
+    """Load the chunks ``keys`` into the blocks ``block_ids[i]`` (skipping ``skip_blocks`` of chunk 0).
+
+    The last ``tail`` keys are tail blocks (:func:`kvfabric.connector.keys.tail_keys`): one block
+    each, ``block_ids[i] == [block]``, and they follow every whole chunk of the spec.
+    """
 
     req_id: str
     keys: list[str]
@@ -72,15 +76,32 @@ class LoadSpec:
     tiers: list[str] = field(default_factory=list)
     deadline_s: float | None = None
     """How long the load may take (the cost model's expected saving); None: ``load_deadline_ms``."""
+    tail: int = 0
+    """Trailing keys that are single-block tail blocks, not whole chunks."""
+
+    @property
+    def whole(self) -> int:
+        """Leading keys that are whole chunks."""
+        return len(self.keys) - self.tail
 
 
 @dataclass
 class SaveSpec:
-    """Save the chunks ``keys``, held in the blocks ``block_ids[i]``."""
+    """Save the chunks ``keys``, held in the blocks ``block_ids[i]``.
+
+    The last ``tail`` keys are single-block tail blocks (``block_ids[i] == [block]``).
+    """
 
     req_id: str
     keys: list[str]
     block_ids: list[list[int]]
+    tail: int = 0
+    """Trailing keys that are single-block tail blocks, not whole chunks."""
+
+    @property
+    def whole(self) -> int:
+        """Leading keys that are whole chunks."""
+        return len(self.keys) - self.tail
 
 
 @dataclass

@@ -521,7 +521,7 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
             restore = self._worker.restore_s
             for report in self._worker.take_load_reports():
                 self._loads_state.note(report.reason.value if report.reason else None)
-        data = stats_payload(self._deltas.take(), self.settings.chunk_tokens, restore)
+        data = stats_payload(self._deltas.take(), self.settings.chunk_tokens, restore, self._half.block_size)
         return KVFabricStats(data=data) if data else None
 
     @classmethod

@@ -66,6 +66,12 @@ def env_of(pod: dict[str, Any], container: int = 0) -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][container].get("env") or []}
 
 
+def counts(**kw: Any) -> dict[str, Any]:
+    """A pool's ``status.consumers`` with these counts (the rest zero)."""
+    base: dict[str, Any] = {"matched": 0, "injected": 0, "stale": 0, "skipped": 0, "skippedByReason": {}}
+    return base | {"overTcp": 0} | kw
+
+
 def wait_pool_known(cluster: ClusterHandle, ns: str, name: str) -> dict[str, Any]:
     """Wait until the operator has reconciled the pool (so its webhook knows it too)."""
     wait_for(
@@ -108,7 +114,7 @@ def test_labelled_deployment_gets_injected_and_counted(
     wait_for(
         lambda: (
             get_pool(cluster, namespace, "pool-a")["status"]["consumers"]
-            == {"matched": 2, "injected": 2, "stale": 0, "skipped": 0}
+            == counts(matched=2, injected=2, stale=0)
         ),
         timeout=30,
         message="consumers counted",
@@ -128,7 +134,7 @@ def test_labelled_deployment_gets_injected_and_counted(
     wait_for(
         lambda: (
             get_pool(cluster, namespace, "pool-a")["status"]["consumers"]
-            == {"matched": 2, "injected": 0, "stale": 2, "skipped": 0}
+            == counts(matched=2, injected=0, stale=2)
         ),
         timeout=30,
         message="consumers stale",
@@ -138,7 +144,7 @@ def test_labelled_deployment_gets_injected_and_counted(
     wait_for(
         lambda: (
             get_pool(cluster, namespace, "pool-a")["status"]["consumers"]
-            == {"matched": 2, "injected": 2, "stale": 0, "skipped": 0}
+            == counts(matched=2, injected=2, stale=0)
         ),
         timeout=60,
         message="replacement pods injected",
@@ -231,3 +237,64 @@ def test_fail_policy_pool_blocks_uninjectable_pods(
         operator.start()
     cluster.kubectl("delete", "kvp", name, "-n", namespace)
     wait_for(lambda: not registered(), timeout=30, message="fail-closed webhook removed with the pool")
+
+
+def test_pod_security_restricted_namespace_admits_consumers_over_tcp_or_skips_them(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess
+) -> None:
+    """The API server's own PodSecurity admission judges the mutated pods (no hand-written list)."""
+    cluster.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+    tcp = pool("pool-tcp")
+    tcp["spec"]["server"] = {"tcp": {"enabled": True}}
+    cluster.apply(pool("pool-unix"), tcp, namespace=namespace)
+    wait_pool_known(cluster, namespace, "pool-unix")
+    wait_pool_known(cluster, namespace, "pool-tcp")
+
+    def restricted_pod(name: str, pool_name: str) -> dict[str, Any]:
+        body = bare_pod(name, {"kvfabric.io/pool": pool_name})
+        body["spec"] = {
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": 1000,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [
+                {
+                    "name": "vllm",
+                    "image": "vllm/vllm-openai:v0.11.0",
+                    "args": ["--model", "m"],
+                    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                }
+            ],
+        }
+        return body
+
+    # Without TCP the node socket (a hostPath) is the only way in: skipped, and the pod is admitted.
+    cluster.apply(restricted_pod("unix-consumer", "pool-unix"), namespace=namespace)
+    skipped = cluster.get_json("pod", "unix-consumer", "-n", namespace)
+    assert skipped["metadata"]["annotations"][names.SKIP_REASON_ANNOTATION] == "pod-security"
+    assert not any("hostPath" in v for v in skipped["spec"].get("volumes") or [])
+    # With TCP: injected, wired to the listener alone, payload init container included, and admitted.
+    cluster.apply(restricted_pod("tcp-consumer", "pool-tcp"), namespace=namespace)
+    wired = cluster.get_json("pod", "tcp-consumer", "-n", namespace)
+    assert json.loads(wired["metadata"]["annotations"][names.INJECTED_ANNOTATION])["transport"] == "tcp"
+    assert env_of(wired)["KVFABRIC_REMOTE"].startswith("pool-tcp.")
+    assert "KVFABRIC_SOCKET" not in env_of(wired)
+    assert [c["name"] for c in wired["spec"].get("initContainers") or []] == [names.PAYLOAD_VOLUME]
+    # The pools say which.
+    wait_for(
+        lambda: (
+            get_pool(cluster, namespace, "pool-unix")["status"]["consumers"]
+            == counts(matched=1, skipped=1, skippedByReason={"pod-security": 1})
+        ),
+        timeout=30,
+        message="pool-unix counts the skipped pod by reason",
+    )
+    wait_for(
+        lambda: (
+            get_pool(cluster, namespace, "pool-tcp")["status"]["consumers"]
+            == counts(matched=1, injected=1, overTcp=1)
+        ),
+        timeout=30,
+        message="pool-tcp counts the pod served over TCP",
+    )

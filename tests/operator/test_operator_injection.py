@@ -323,3 +323,62 @@ def test_non_vllm_pods_get_no_payload() -> None:
     out = inject(pod([plain]), POOLS, {}).pod
     assert "initContainers" not in out["spec"]
     assert "PYTHONPATH" not in env_of(out["spec"]["containers"][0])
+
+
+def _has_host_path(pod_spec: dict[str, Any]) -> bool:
+    return any("hostPath" in v for v in pod_spec.get("volumes") or [])
+
+
+@pytest.mark.parametrize("level", ["baseline", "restricted", " Baseline "])
+def test_pod_security_namespace_without_tcp_is_skipped_with_the_reason(level: str) -> None:
+    result = inject(pod(), POOLS, {"llm": {injection.PSS_ENFORCE_LABEL: level}})
+    assert not result.injected
+    assert result.skip_reason == injection.SKIP_POD_SECURITY
+    assert "spec.server.tcp" in result.detail
+    assert result.pod["metadata"]["annotations"][names.SKIP_REASON_ANNOTATION] == "pod-security"
+    assert not _has_host_path(result.pod["spec"])
+
+
+@pytest.mark.parametrize("level", ["baseline", "restricted"])
+def test_pod_security_namespace_with_tcp_is_wired_to_the_listener_alone(level: str) -> None:
+    tcp = pool_body()
+    tcp["spec"]["server"] = {"tcp": {"enabled": True}}
+    labels = {"llm": {injection.PSS_ENFORCE_LABEL: level}}
+    result = inject(pod(), pools(tcp), labels)
+    assert result.injected
+    spec = result.pod["spec"]
+    assert not _has_host_path(spec)
+    container = spec["containers"][0]
+    names_ = {e["name"] for e in container["env"]}
+    assert "KVFABRIC_REMOTE" in names_
+    assert "KVFABRIC_TOKEN" in names_
+    assert not names_ & {"KVFABRIC_SOCKET", "KVFABRIC_SHM_DIR"}
+    assert all(m["name"] != names.RUN_VOLUME for m in container.get("volumeMounts", []))
+    detail = json.loads(result.pod["metadata"]["annotations"][names.INJECTED_ANNOTATION])
+    assert (detail["transport"], detail["volumes"]) == ("tcp", [])
+    assert inject(result.pod, pools(tcp), labels).pod == result.pod  # idempotent
+    # The connector payload's init container passes restricted by itself.
+    init = spec["initContainers"][0]["securityContext"]
+    assert init["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert init["runAsNonRoot"]
+    assert not init["allowPrivilegeEscalation"]
+
+
+def test_pod_security_privileged_or_unlabelled_namespace_keeps_the_node_socket() -> None:
+    for labels in ({}, {"llm": {injection.PSS_ENFORCE_LABEL: "privileged"}}):
+        result = inject(pod(), POOLS, labels)
+        assert result.injected
+        assert _has_host_path(result.pod["spec"])
+        assert "KVFABRIC_SOCKET" in env_of(result.pod["spec"]["containers"][0])
+
+
+def test_pod_security_namespace_consuming_another_namespaces_tcp_pool_is_skipped() -> None:
+    # Secrets do not cross namespaces: no TCP credentials, and no hostPath either.
+    tcp = pool_body(namespaceSelector={"matchLabels": {"team": "a"}})
+    tcp["spec"]["server"] = {"tcp": {"enabled": True}}
+    result = inject(
+        pod(namespace="apps", annotations={names.POOL_NAMESPACE_ANNOTATION: "llm"}),
+        pools(tcp),
+        {"apps": {"team": "a", injection.PSS_ENFORCE_LABEL: "baseline"}},
+    )
+    assert result.skip_reason == injection.SKIP_POD_SECURITY

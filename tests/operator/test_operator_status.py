@@ -162,10 +162,27 @@ def pod(hash_: str | None = None, skip: str | None = None, phase: str = "Running
 
 def test_consumer_counts() -> None:
     pods = [pod("h1"), pod("h1"), pod("h0"), pod(skip="pool-not-found"), pod(), pod("h1", phase="Succeeded")]
-    assert consumer_counts(pods, "h1") == {"matched": 5, "injected": 2, "stale": 1, "skipped": 1}
+    pods += [pod(skip="pod-security"), pod(skip="pod-security")]
+    tcp = pod("h1")
+    tcp["metadata"]["annotations"][names.INJECTED_ANNOTATION] = '{"pool":"ns/p","transport":"tcp"}'
+    assert consumer_counts([*pods, tcp], "h1") == {
+        "matched": 8,
+        "injected": 3,
+        "stale": 1,
+        "skipped": 3,
+        "skipped_by_reason": {"pool-not-found": 1, "pod-security": 2},
+        "over_tcp": 1,
+    }
 
 
 def test_stale_consumers_are_reported() -> None:
     status, events = compute_status(observe(consumer_pods=[pod(CONN.config_hash), pod("old")]), NOW)
-    assert status["consumers"] == {"matched": 2, "injected": 1, "stale": 1, "skipped": 0}
+    assert status["consumers"] == {
+        "matched": 2,
+        "injected": 1,
+        "stale": 1,
+        "skipped": 0,
+        "skippedByReason": {},
+        "overTcp": 0,
+    }
     assert "StaleConsumers" in [e.reason for e in events]

@@ -34,6 +34,21 @@ SKIP_NAMESPACE_NOT_SELECTED: Final = "namespace-not-selected"
 SKIP_POD_SELECTOR: Final = "pod-selector-mismatch"
 SKIP_NO_CONTAINER: Final = "no-suitable-container"
 SKIP_EXPANDABLE_SEGMENTS: Final = "expandable-segments"
+SKIP_POD_SECURITY: Final = "pod-security"
+
+PSS_ENFORCE_LABEL: Final = "pod-security.kubernetes.io/enforce"
+# Pod Security levels that forbid hostPath volumes: the node's socket directory cannot be mounted.
+_NO_HOSTPATH_LEVELS: Final = frozenset({"baseline", "restricted"})
+
+
+def enforced_pod_security(labels: Mapping[str, str]) -> str | None:
+    """The Pod Security level a namespace enforces (its ``enforce`` label), or None.
+
+    Only the label is seen: a cluster-wide default set in the API server's AdmissionConfiguration
+    is not, and such clusters should label their inference namespaces (docs/security.md).
+    """
+    level = labels.get(PSS_ENFORCE_LABEL)
+    return level.strip().lower() if isinstance(level, str) and level.strip() else None
 
 
 def expandable_segments_on(container: Mapping[str, Any]) -> bool:
@@ -216,6 +231,22 @@ def inject(
     credentials = conn.credential_env if same_namespace else []
     if not same_namespace:
         env = {k: v for k, v in env.items() if k != ConsumerVar.REMOTE.value}
+    # Pod Security baseline and restricted forbid hostPath: the node's socket cannot be mounted.
+    # With the pool's TCP listener (mutual TLS and the token, same namespace only) the pod is wired
+    # to it alone; otherwise injecting would get the pod rejected, so it is skipped with the reason.
+    level = enforced_pod_security(namespace_labels.get(pod_ns, {}))
+    node_local = level not in _NO_HOSTPATH_LEVELS
+    if not node_local:
+        if not (conn.tcp and same_namespace):
+            return _skip(
+                out,
+                SKIP_POD_SECURITY,
+                f"namespace {pod_ns} enforces Pod Security {level!r}, which forbids the hostPath of the "
+                f"node's cache socket; enable spec.server.tcp on {pool_ns}/{pool_name} to serve pods "
+                "here over mutual TLS",
+            )
+        local_vars = {ConsumerVar.SOCKET.value, ConsumerVar.SHM_DIR.value}
+        env = {k: v for k, v in env.items() if k not in local_vars}
     notes: list[str] = []
     for container in targets:
         existing = container.get("env") or []
@@ -225,7 +256,7 @@ def inject(
         existing += [e for e in credentials if e["name"] not in present]
         container["env"] = existing
         mounts = container.get("volumeMounts") or []
-        if not any(m.get("name") == names.RUN_VOLUME for m in mounts):
+        if node_local and not any(m.get("name") == names.RUN_VOLUME for m in mounts):
             mounts.append({"name": names.RUN_VOLUME, "mountPath": conn.host_dir})
         if conn.tcp and credentials and not any(m.get("name") == names.CLIENT_TLS_VOLUME for m in mounts):
             mounts.append(
@@ -236,7 +267,7 @@ def inject(
             notes.append(_add_kv_transfer_config(container))
 
     volumes = out["spec"].get("volumes") or []
-    if not any(v.get("name") == names.RUN_VOLUME for v in volumes):
+    if node_local and not any(v.get("name") == names.RUN_VOLUME for v in volumes):
         # DirectoryOrCreate: the pod must start even before (or without) its node's cache server;
         # the connector then falls back to recompute.
         volumes.append(
@@ -258,7 +289,8 @@ def inject(
         "pool": f"{conn.namespace}/{conn.pool}",
         "containers": [c.get("name") for c in targets],
         "env": sorted(env),
-        "volumes": [names.RUN_VOLUME],
+        "volumes": [names.RUN_VOLUME] if node_local else [],
+        "transport": "unix" if node_local else "tcp",
         "kvTransferConfig": [n for n in notes if n],
     }
     if payload:
@@ -294,10 +326,12 @@ def _add_payload(pod_spec: dict[str, Any], containers: list[dict[str, Any]], ima
                 "args": [names.PAYLOAD_MOUNT],
                 "volumeMounts": [{"name": names.PAYLOAD_VOLUME, "mountPath": names.PAYLOAD_MOUNT}],
                 "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+                # Passes Pod Security restricted on its own (the pod's other containers are the user's).
                 "securityContext": {
                     "allowPrivilegeEscalation": False,
                     "runAsNonRoot": True,
                     "capabilities": {"drop": ["ALL"]},
+                    "seccompProfile": {"type": "RuntimeDefault"},
                 },
             }
         )

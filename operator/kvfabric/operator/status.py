@@ -108,9 +108,13 @@ def _int(obj: dict[str, Any] | None, key: str) -> int:
     return int(obj.get(key) or 0)
 
 
-def consumer_counts(pods: list[dict[str, Any]], current_hash: str | None) -> dict[str, int]:
-    """Count opted-in pods: matched, injected with the current hash, stale (older hash), skipped."""
-    matched = injected = stale = skipped = 0
+def consumer_counts(pods: list[dict[str, Any]], current_hash: str | None) -> dict[str, Any]:
+    """Count opted-in pods: matched, injected with the current hash, stale (older hash), skipped.
+
+    Also the skipped ones by reason, and the injected ones wired to the TCP listener alone.
+    """
+    matched = injected = stale = skipped = over_tcp = 0
+    by_reason: dict[str, int] = {}
     for pod in pods:
         if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
             continue
@@ -124,9 +128,21 @@ def consumer_counts(pods: list[dict[str, Any]], current_hash: str | None) -> dic
                 injected += 1
             else:
                 stale += 1
+            if '"transport":"tcp"' in str(annotations.get(names.INJECTED_ANNOTATION)):
+                over_tcp += 1
         elif names.SKIP_REASON_ANNOTATION in annotations:
             skipped += 1
-    return {"matched": matched, "injected": injected, "stale": stale, "skipped": skipped}
+            reason = str(annotations[names.SKIP_REASON_ANNOTATION])[:63] or "unknown"
+            if reason in by_reason or len(by_reason) < 16:  # bounded like the CRD field
+                by_reason[reason] = by_reason.get(reason, 0) + 1
+    return {
+        "matched": matched,
+        "injected": injected,
+        "stale": stale,
+        "skipped": skipped,
+        "skipped_by_reason": by_reason,
+        "over_tcp": over_tcp,
+    }
 
 
 @dataclass(frozen=True)

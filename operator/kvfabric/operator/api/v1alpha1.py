@@ -903,6 +903,17 @@ class ConsumerCounts(_Model):
     injected: int = Field(default=0, description="Pods injected with the current config hash.")
     stale: int = Field(default=0, description="Pods injected with an older config hash.")
     skipped: int = Field(default=0, description="Pods the webhook skipped (see their annotation).")
+    skipped_by_reason: dict[str, int] = Field(
+        default_factory=dict,
+        description="Skipped pods by the reason in their kvfabric.io/skip-reason annotation "
+        "(pod-security: their namespace forbids the hostPath of the node's socket).",
+        json_schema_extra={"maxProperties": 16},
+    )
+    over_tcp: int = Field(
+        default=0,
+        description="Injected pods wired to the pool's TCP listener alone (no node socket: their "
+        "namespace enforces Pod Security baseline or restricted).",
+    )
 
 
 class TierUsage(_Model):

@@ -13,6 +13,9 @@ namespace is hashed from a canonical JSON document with sorted keys.
   namespace), so the boundary between tokens and extras is unambiguous.
 
 ``H`` is SHA-256 (32 bytes, lower-case hex on the wire and on disk).
+
+A chunk that is not whole (the tail of a prompt) is cached as *tail blocks*, one engine block each,
+keyed in their own domain (:func:`tail_keys`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ stored later supersedes the tail. Worker: a tail load writes exactly the tail's 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -284,3 +287,125 @@ def test_stats_count_tail_tokens_at_block_size() -> None:
     )
     assert data["loaded_tokens"] == 2 * 256 + 3 * 16
     assert data["load_failed_tokens.timeout"] == 16
+
+
+# ---------------------------------------------------------------------------------------- generated tokens
+
+
+def _prefill_and_decode(
+    half: SchedulerHalf,
+    store: MemoryTransport,
+    req_id: str,
+    prompt: list[int],
+    outputs: list[int],
+    offset_bug: int = 0,
+) -> list[tuple[str, list[int], int]]:
+    """Prefill ``prompt``, then decode: each step feeds the token sampled before it (the last
+    sampled token is never fed). Every save lands in ``store``; returns (key, blocks, step end)."""
+    n = len(prompt)
+    req = RequestInfo(req_id, tuple(prompt))
+    half.num_new_matched_tokens(req, 0)
+    table = tuple(range(100, 100 + -(-(n + len(outputs)) // BLOCK)))
+    half.update_state_after_alloc(req, table, 0)
+    saved: list[tuple[str, list[int], int]] = []
+    steps = [ScheduledRequest(req_id, 0, n, table, True)]
+    for i, t in enumerate(outputs[:-1]):
+        offset = n + i + (offset_bug if i == 3 else 0)
+        steps.append(ScheduledRequest(req_id, n + i, 1, None, False, (t,), offset))
+    for s in steps:
+        plan = half.build_plan(StepInput((s,)))
+        for spec in plan.saves:
+            for key, blocks in zip(spec.keys, spec.block_ids, strict=True):
+                store.blocks[(half.namespace, key)] = b"x"
+                saved.append((key, blocks, s.num_computed_tokens + s.num_scheduled_tokens))
+    half.request_finished(req_id)
+    return saved
+
+
+def test_generated_tokens_are_stored_as_chunks_and_tail_blocks() -> None:
+    """Round 1's answer is stored too: round 2 (prompt, answer, new message) reuses every whole
+    block whose KV round 1 computed, and every stored key is the key of exactly its tokens."""
+    store = MemoryTransport()
+    half = _half(store)
+    prompt = list(range(1, CHUNK + BLOCK + 2))  # 21 tokens
+    outputs = list(range(700, 700 + CHUNK + 2 * BLOCK))  # 24 generated; 23 fed: KV of 44 tokens
+    saved = _prefill_and_decode(half, store, "r1", prompt, outputs)
+    tokens = [*prompt, *outputs]
+    ckeys = chunk_keys(half.namespace, tokens, CHUNK)
+    table = list(range(100, 100 + -(-len(tokens) // BLOCK)))
+    for key, blocks, done in saved:
+        if key in ckeys:
+            c = ckeys.index(key)
+            assert blocks == table[c * BPC : (c + 1) * BPC]
+            assert (c + 1) * CHUNK <= done, "a chunk is saved once its KV is computed"
+            continue
+        c = done // CHUNK
+        tkeys = tail_keys(half.namespace, tokens, CHUNK, BLOCK, chunk=c, parent=ckeys[c - 1] if c else None)
+        j = tkeys.index(key)  # raises if the key is not the tail key of these tokens
+        assert blocks == [table[c * BPC + j]]
+        assert c * CHUNK + (j + 1) * BLOCK <= done, "a tail block is saved once its KV is computed"
+    assert len({k for k, _, _ in saved}) == len(saved), "a key is saved twice"
+    computed = len(prompt) + len(outputs) - 1
+    round2 = (*tokens, *range(900, 920))
+    hit, _ = _run(half, store, RequestInfo("r2", round2))
+    assert hit == computed // BLOCK * BLOCK == 2 * CHUNK + 3 * BLOCK
+
+
+def test_generated_tokens_that_do_not_continue_the_known_ones_are_never_stored() -> None:
+    """An adapter that loses track of positions: from then on nothing generated is stored."""
+    store = MemoryTransport()
+    half = _half(store)
+    prompt = list(range(1, CHUNK + 2))  # 17 tokens
+    outputs = list(range(700, 700 + 2 * CHUNK))
+    saved = _prefill_and_decode(half, store, "r1", prompt, outputs, offset_bug=1)
+    tokens = [*prompt, *outputs]
+    ckeys = chunk_keys(half.namespace, tokens, CHUNK)
+    # Before the bad step: the generated tokens of positions 17..19 were taken, nothing after.
+    assert all(done <= len(prompt) + 3 for _, _, done in saved)
+    assert {k for k, _, _ in saved} <= {
+        ckeys[0],
+        *tail_keys(half.namespace, tokens, CHUNK, BLOCK, chunk=1, parent=ckeys[0]),
+    }
+
+
+def test_without_the_feature_generated_tokens_are_not_stored() -> None:
+    store = MemoryTransport()
+    half = _half(store, tail=False)
+    prompt = list(range(1, CHUNK + 2))
+    saved = _prefill_and_decode(half, store, "r1", prompt, list(range(700, 700 + 2 * CHUNK)))
+    assert [k for k, _, _ in saved] == chunk_keys(half.namespace, prompt, CHUNK)
+
+
+def test_vllm_adapter_hands_the_half_each_generated_token_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``vllm.py`` passes ``Request.all_token_ids`` beyond what it passed before, with its position."""
+    from tests.connector.test_connector_vllm import fake_vllm_config
+
+    from kvfabric.connector import vllm as kvvllm
+
+    monkeypatch.delenv("KVFABRIC_SOCKET", raising=False)
+    monkeypatch.delenv("KVFABRIC_REMOTE", raising=False)
+    sched = kvvllm.KVFabricConnector(fake_vllm_config(chunk_tokens=32), SimpleNamespace(name="SCHEDULER"))
+    req = SimpleNamespace(
+        request_id="r", prompt_token_ids=[1, 2, 3], all_token_ids=[1, 2, 3], lora_request=None
+    )
+    embeds = SimpleNamespace(
+        request_id="e",
+        prompt_token_ids=[0, 0],
+        all_token_ids=[0, 0],
+        lora_request=None,
+        prompt_embeds=object(),
+    )
+    for r in (req, embeds):
+        sched._requests[r.request_id] = (r, {})
+    step = StepInput((ScheduledRequest("r", 0, 3), ScheduledRequest("e", 0, 2)))
+    assert sched._with_generated_tokens(step).scheduled == step.scheduled  # nothing generated yet
+    req.all_token_ids += [7, 8]
+    embeds.all_token_ids += [5]
+    out = sched._with_generated_tokens(StepInput((ScheduledRequest("r", 3, 1), ScheduledRequest("e", 2, 1))))
+    assert (out.scheduled[0].new_token_ids, out.scheduled[0].token_offset) == ((7, 8), 3)
+    assert out.scheduled[1].new_token_ids == ()  # prompt embeddings: not the model's token ids
+    again = sched._with_generated_tokens(StepInput((ScheduledRequest("r", 4, 1),)))
+    assert again.scheduled[0].new_token_ids == ()
+    sched.request_finished(req, [])
+    assert "r" not in sched._known_tokens
+    sched.shutdown()

@@ -132,3 +132,21 @@ def test_a_corrupt_tail_block_is_recomputed_never_served(
     assert counters.get("loaded_chunks") == 1
     assert counters.get("fallback_tail_blocks.corrupt") == 2
     _same(second, ref)
+
+
+def test_round_two_reuses_round_one_answer(tiny_model: RefModel, server: CacheServerProcess) -> None:
+    """Round 1's generated tokens are stored as they are computed (a chunk that spans prompt and
+    answer whole, then a tail block of answer tokens): round 2 reuses every whole block whose KV
+    round 1 computed, with identical logits and tokens."""
+    round1 = prompt(2 * CHUNK + 2 * BLOCK + 5, 91)  # 165 tokens
+    first, counters1 = _run(tiny_model, _settings(server), round1, 50)  # KV of 165 + 49 = 214 tokens
+    _same(first, _run(tiny_model, None, round1, 50)[0])
+    round2 = [*round1, *first.output_token_ids, *prompt(20, 92)]
+    ref = _run(tiny_model, None, round2, 3)[0]
+    second, _ = _run(tiny_model, _settings(server), round2, 3)
+    computed = len(round1) + len(first.output_token_ids) - 1
+    assert second.hit_tokens == computed // BLOCK * BLOCK == 3 * CHUNK + BLOCK
+    _same(second, ref)
+    # The tail blocks of round 1: its prompt's two, the answer's one in chunk 2 (before the chunk
+    # was whole), and one in chunk 3.
+    assert counters1.get("tail_saved_blocks") == 4

@@ -226,8 +226,9 @@ def test_round_two_on_another_node_hits_the_shared_tier(fabric: Fabric) -> None:
     first = fabric.s1.complete(conv["turns"][0], conv["max_tokens"])
     assert first.tokens == ref[0]
     stored = num_whole_chunks(len(conv["turns"][0]) + conv["max_tokens"], CHUNK)
-    # No lost tail: round 1's 900-token prompt also stored its partial chunk's whole block (768-895).
-    tail = (len(conv["turns"][0]) - stored * CHUNK) // BLOCK
+    # No lost tail: round 1 (KV of 900 + 15 tokens) also stored its partial chunk's whole block
+    # (768-895).
+    tail = (len(conv["turns"][0]) + conv["max_tokens"] - 1 - stored * CHUNK) // BLOCK
     assert tail == 1
     # Write-back to the shared tier is asynchronous, and node b learns of it from node a's journal.
     answered = time.monotonic()
@@ -252,23 +253,24 @@ def test_round_two_reuses_round_one_tail(fabric: Fabric) -> None:
     """No lost tail: round 2 reuses every whole block round 1 computed, not only whole chunks.
 
     Round 1 of the chat ran in the storing offline run (which exited); round 2 goes to server 1,
-    which never saw round 1, so every cached token is kvfabric's. Round 1's 650-token prompt is two
-    256-token chunks, one whole 128-token block and 10 tokens; its 12 output tokens end inside that
-    last partial block, so round 1's whole blocks (what vLLM's own prefix cache would keep) are 640
-    tokens. Before tails, kvfabric served 512. Tokens are identical to the reference run.
+    which never saw round 1, so every cached token is kvfabric's. Round 1 computed the KV of its
+    650-token prompt and 259 of its 260 answer tokens: 909 tokens, i.e. 7 whole 128-token blocks
+    (896 tokens: three 256-token chunks, the third spanning prompt and answer, and one tail block of
+    answer tokens), what vLLM's own prefix cache would keep. Before tails kvfabric served 512 (the
+    prompt's whole chunks). Tokens are identical to the reference run.
     """
     conv, ref = workload.TAIL_CONV, fabric.reference["conversations"]["tail"]
     first = fabric.stored["outputs"]["tail-round-1"]
     assert first == ref[0]
-    n1 = len(conv["turns"][0])
-    whole_blocks = (n1 + len(first) - 1) // BLOCK * BLOCK  # round 1 computed n1 + 11 tokens' KV
-    chunks = num_whole_chunks(n1, CHUNK)
-    assert whole_blocks == chunks * CHUNK + BLOCK == 640
+    computed = len(conv["turns"][0]) + len(first) - 1  # the last answer token is never fed back
+    whole_blocks = computed // BLOCK * BLOCK
+    chunks = whole_blocks // CHUNK
+    assert (whole_blocks, chunks) == (896, 3)
     hits0, loaded0 = cache_hits(fabric.a), loaded_tokens(fabric.s1)
     out = fabric.s1.complete(next_prompt(conv["turns"][0], first, conv["turns"][1]), conv["max_tokens"])
     assert out.tokens == ref[1]
     assert out.cached_tokens == whole_blocks
-    assert cache_hits(fabric.a) - hits0 == chunks + 1  # two chunks and the tail block
+    assert cache_hits(fabric.a) - hits0 == chunks + 1  # three chunks and the tail block
     wait_until(
         lambda: loaded_tokens(fabric.s1) - loaded0 >= whole_blocks, 60, what="vllm:kvfabric_loaded_tokens"
     )

@@ -228,6 +228,38 @@ def span_extra(inputs: RequestInputs, start: int, end: int) -> bytes:
     return _encode_extra(items)
 
 
+def extend_chunk_keys(
+    namespace: str,
+    token_ids: Sequence[int],
+    chunk_tokens: int,
+    keys: Sequence[str],
+    *,
+    inputs: RequestInputs | None = None,
+) -> list[str]:
+    """Return ``keys`` (the leading chunk keys of ``token_ids``) extended to all its whole chunks.
+
+    Equal to ``chunk_keys(namespace, token_ids, chunk_tokens, inputs=inputs)`` when ``keys`` is a
+    prefix of it, at the cost of hashing only the new chunks (tokens that arrive as the engine
+    generates them).
+    """
+    n = num_whole_chunks(len(token_ids), chunk_tokens)
+    out = list(keys)
+    if n <= len(out):
+        return out
+    prev = bytes.fromhex(out[-1]) if out else root_key(namespace)
+    plain = inputs is None or inputs.plain
+    for i in range(len(out), n):
+        start, end = i * chunk_tokens, (i + 1) * chunk_tokens
+        h = hashlib.sha256(prev)
+        h.update(encode_tokens(token_ids[start:end]))
+        if not plain:
+            assert inputs is not None
+            h.update(span_extra(inputs, start, end))
+        prev = h.digest()
+        out.append(prev.hex())
+    return out
+
+
 def chunk_keys(
     namespace: str,
     token_ids: Sequence[int],

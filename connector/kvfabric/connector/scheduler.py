@@ -34,6 +34,7 @@ from kvfabric.connector.steps import (
     RequestInfo,
     Role,
     SaveSpec,
+    ScheduledRequest,
     StepInput,
     StepPlan,
     WorkerFeedback,
@@ -55,6 +56,8 @@ class _ReqState:
     token_ids: list[int]
     keys: list[str]
     inputs: keyslib.RequestInputs = field(default_factory=keyslib.RequestInputs)
+    prompt_len: int = 0
+    tokens_frozen: bool = False  # new token ids that did not continue the known ones: stop extending
     hit_tokens: int = 0
     matched_chunks: int = 0
     tiers: list[str] = field(default_factory=list)
@@ -65,10 +68,11 @@ class _ReqState:
     last_reason: Reason | None = None
     load_deadline_s: float | None = None  # from the cost model: no longer than the expected saving
     # No lost tail: the tail blocks found behind the matched whole chunks (of chunk tail_chunk) and
-    # the prompt's own tail blocks saved so far.
+    # the tail blocks of the request's partial last chunk (saved_tail_chunk) saved so far.
     tail_chunk: int = -1
     matched_tail: int = 0
     tail_tiers: list[str] = field(default_factory=list)
+    saved_tail_chunk: int = -1
     saved_tail: int = 0
     tail_keys: dict[int, list[str]] = field(default_factory=dict)
 
@@ -113,7 +117,9 @@ class SchedulerHalf:
     def _state(self, request: RequestInfo) -> _ReqState:
         st = self._reqs.get(request.req_id)
         if st is None:
-            st = _ReqState(list(request.token_ids), self.chunk_keys(request), request.inputs)
+            st = _ReqState(
+                list(request.token_ids), self.chunk_keys(request), request.inputs, len(request.token_ids)
+            )
             self._reqs[request.req_id] = st
         return st
 
@@ -268,6 +274,8 @@ class SchedulerHalf:
                     st.block_ids = list(s.block_ids)
                 else:
                     st.block_ids.extend(s.block_ids)
+            if s.new_token_ids:
+                self._extend_tokens(st, s)
             progress[s.req_id] = s.num_computed_tokens
             scheduled[s.req_id] = s.num_scheduled_tokens
         for req_id, computed in progress.items():
@@ -281,18 +289,34 @@ class SchedulerHalf:
             self._reqs.pop(req_id, None)
         return plan
 
+    def _extend_tokens(self, st: _ReqState, s: ScheduledRequest) -> None:
+        """Append the tokens the engine generated (only where they continue the known ones)."""
+        if st.tokens_frozen:
+            return
+        if s.token_offset != len(st.token_ids) or not self.settings.tail:
+            # Not a continuation (or generated tokens are not stored): never guess which tokens
+            # a position holds; this request stores nothing past what it knows.
+            st.tokens_frozen = s.token_offset != len(st.token_ids)
+            return
+        before = len(st.token_ids)
+        st.token_ids.extend(s.new_token_ids)
+        st.keys = keyslib.extend_chunk_keys(
+            self.namespace, st.token_ids, self.chunk_tokens, st.keys, inputs=st.inputs
+        )
+        # Tail keys computed while the partial chunk had fewer tokens cover fewer blocks.
+        st.tail_keys.pop(before // self.chunk_tokens, None)
+
     def _plan_request(
         self, plan: StepPlan, req_id: str, st: _ReqState, computed: int, scheduled: int
     ) -> None:
         bpc = self.chunk_tokens // self.block_size
         n = len(st.token_ids)
-        prompt_tail_chunk = n // self.chunk_tokens  # the prompt's partial chunk (its tail blocks)
         if computed < st.progress:
             # The engine rolled the request back (a failed load, preemption): chunks past the
             # new position were never stored intact, so they must be saved again.
             st.saved_chunks = min(st.saved_chunks, computed // self.chunk_tokens)
             st.matched_chunks = min(st.matched_chunks, computed // self.chunk_tokens)
-            st.saved_tail = min(st.saved_tail, self._blocks_in_chunk(computed, prompt_tail_chunk))
+            st.saved_tail = min(st.saved_tail, self._blocks_in_chunk(computed, st.saved_tail_chunk))
             if st.tail_chunk >= 0:
                 st.matched_tail = min(st.matched_tail, self._blocks_in_chunk(computed, st.tail_chunk))
         if st.pending_load is not None:
@@ -308,16 +332,21 @@ class SchedulerHalf:
         keys = [st.keys[c] for c in todo]
         blocks = [self._chunk_blocks(st, c) for c in todo]
         tail: list[int] = []
-        if self.settings.tail and done >= n:
-            # The step completes the prompt: its partial last chunk, cut to whole blocks, is stored
-            # as tail blocks (those the cache did not already give us), in this step, while the
-            # engine holds the blocks.
-            have = keyslib.num_whole_chunks(n % self.chunk_tokens, self.block_size)
-            begin_t = max(st.saved_tail, st.matched_tail if st.tail_chunk == prompt_tail_chunk else 0)
-            first_block = prompt_tail_chunk * bpc
+        if self.settings.tail and done >= st.prompt_len:
+            # From the step that completes the prompt on: the partial last chunk, cut to whole
+            # blocks, is stored as tail blocks (each once, those the cache did not already give
+            # us), in the step that computes them, while the engine holds the blocks. During
+            # decoding each block of generated tokens is stored as it fills (the request may end
+            # at any step); when its chunk is whole, the chunk is stored whole as well.
+            q = done // self.chunk_tokens
+            if st.saved_tail_chunk != q:
+                st.saved_tail_chunk, st.saved_tail = q, 0
+            have = self._blocks_in_chunk(done, q)
+            begin_t = max(st.saved_tail, st.matched_tail if st.tail_chunk == q else 0)
+            first_block = q * bpc
             tail = [j for j in range(begin_t, have) if first_block + j < len(st.block_ids)]
             if tail:
-                tkeys = self._tail_keys(st, prompt_tail_chunk)
+                tkeys = self._tail_keys(st, q)
                 keys += [tkeys[j] for j in tail]
                 blocks += [[st.block_ids[first_block + j]] for j in tail]
                 self.counters.add("tail_saved_blocks", len(tail))

@@ -50,6 +50,12 @@ class ScheduledRequest:
     replaces_blocks: bool = False
     """True when ``block_ids`` is the request's whole block table (a new or a resumed request);
     False when the blocks are appended to the table it already has."""
+    new_token_ids: tuple[int, ...] = ()
+    """Token ids of the request beyond those the adapter passed before (vLLM: the tokens it
+    generated), so the chunks and tail blocks of generated tokens can be stored too."""
+    token_offset: int = 0
+    """Position of ``new_token_ids[0]`` in the request's tokens (the prompt first). The half
+    appends them only where they continue exactly what it knows."""
 
 
 @dataclass(frozen=True)

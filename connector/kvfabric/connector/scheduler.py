@@ -194,7 +194,13 @@ class SchedulerHalf:
             st.load_deadline_s = (
                 self.costs.load_deadline(plan, self.settings.load_deadline_ms / 1000) if plan.chunks else None
             )
-        if self.settings.tail and st.matched_chunks == outcome.matched:
+        # With the cost model a tail is probed only behind a kept chunk: a tail-only hit is short,
+        # and the model has no say on it.
+        if (
+            self.settings.tail
+            and st.matched_chunks == outcome.matched
+            and (self.costs is None or st.matched_chunks > 0)
+        ):
             self._lookup_tail(st, outcome, deadline - (time.monotonic() - started))
         hit = st.matched_chunks * self.chunk_tokens + st.matched_tail * self.block_size
         if st.last_reason is not None and st.last_reason is not Reason.RECOMPUTE_FASTER:

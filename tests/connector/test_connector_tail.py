@@ -409,3 +409,71 @@ def test_vllm_adapter_hands_the_half_each_generated_token_once(monkeypatch: pyte
     sched.request_finished(req, [])
     assert "r" not in sched._known_tokens
     sched.shutdown()
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    prompt1=st.lists(st.integers(0, 2), min_size=1, max_size=3 * CHUNK),
+    generated=st.lists(st.integers(0, 2), min_size=1, max_size=2 * CHUNK),
+    step=st.integers(1, 3 * CHUNK),
+    keep=st.integers(0, 5 * CHUNK),
+    extra=st.lists(st.integers(0, 2), min_size=1, max_size=2 * CHUNK),
+)
+def test_every_loaded_key_holds_the_kv_of_exactly_the_tokens_it_is_loaded_for(
+    prompt1: list[int], generated: list[int], step: int, keep: int, extra: list[int]
+) -> None:
+    """Never a wrong answer, at the scheduler: round 1 prefills (in steps) and decodes; each saved
+    key records the tokens whose KV it holds (everything before its span's end). Round 2 shares any
+    prefix of round 1's tokens (tiny vocabulary: many accidental agreements). Every key round 2
+    loads holds the KV of exactly round 2's tokens up to the end of the span it fills, and the hit
+    is every whole block round 1 stored that round 2 agrees with."""
+    store = MemoryTransport()
+    half = _half(store)
+    n = len(prompt1)
+    tokens1 = [*prompt1, *generated]
+    req = RequestInfo("r1", tuple(prompt1))
+    half.num_new_matched_tokens(req, 0)
+    table = tuple(range(-(-len(tokens1) // BLOCK)))
+    half.update_state_after_alloc(req, table, 0)
+    content: dict[str, tuple[int, ...]] = {}
+    steps, computed, first = [], 0, True
+    while computed < n:
+        k = min(step, n - computed)
+        steps.append(ScheduledRequest("r1", computed, k, table if first else None, first))
+        computed, first = computed + k, False
+    for i, t in enumerate(generated[:-1]):
+        steps.append(ScheduledRequest("r1", n + i, 1, None, False, (t,), n + i))
+    for s in steps:
+        for spec in half.build_plan(StepInput((s,))).saves:
+            for key, blocks in zip(spec.keys, spec.block_ids, strict=True):
+                end = (max(blocks) + 1) * BLOCK  # the span ends with its last block
+                assert end <= s.num_computed_tokens + s.num_scheduled_tokens
+                content[key] = tuple(tokens1[:end])
+                store.blocks[(half.namespace, key)] = b"x"
+    half.request_finished("r1")
+    computed1 = n + len(generated) - 1
+
+    round2 = [*tokens1[: min(keep, len(tokens1))], *extra]
+    req2 = RequestInfo("r2", tuple(round2))
+    hit = half.num_new_matched_tokens(req2, 0)
+    table2 = tuple(range(1000, 1000 + -(-len(round2) // BLOCK)))
+    half.update_state_after_alloc(req2, table2, hit)
+    plan = half.build_plan(StepInput((ScheduledRequest("r2", hit, len(round2) - hit, table2, True),)))
+    covered = 0
+    for spec in plan.loads:
+        for key, blocks in zip(spec.keys, spec.block_ids, strict=True):
+            end = (table2.index(max(blocks)) + 1) * BLOCK
+            assert content[key] == tuple(round2[:end]), "a key loaded for tokens it does not hold"
+            covered = end
+    assert covered == hit
+    agree = next((i for i, (a, b) in enumerate(zip(tokens1, round2, strict=False)) if a != b), None)
+    agree = min(len(tokens1), len(round2)) if agree is None else agree
+    best = min(agree, computed1, len(round2) - 1) // BLOCK * BLOCK
+    # Everything stored that agrees is reused, except a prefix that ends inside a chunk round 1
+    # stored whole (tail blocks exist only where round 1's chunk was partial).
+    whole_stored = computed1 // CHUNK * CHUNK
+    assert hit <= best
+    if best <= whole_stored and best % CHUNK:
+        assert hit >= best // CHUNK * CHUNK
+    else:
+        assert hit == best

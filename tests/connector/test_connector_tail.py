@@ -460,8 +460,8 @@ def test_every_loaded_key_holds_the_kv_of_exactly_the_tokens_it_is_loaded_for(
     half.update_state_after_alloc(req2, table2, hit)
     plan = half.build_plan(StepInput((ScheduledRequest("r2", hit, len(round2) - hit, table2, True),)))
     covered = 0
-    for spec in plan.loads:
-        for key, blocks in zip(spec.keys, spec.block_ids, strict=True):
+    for load in plan.loads:
+        for key, blocks in zip(load.keys, load.block_ids, strict=True):
             end = (table2.index(max(blocks)) + 1) * BLOCK
             assert content[key] == tuple(round2[:end]), "a key loaded for tokens it does not hold"
             covered = end

@@ -29,7 +29,9 @@ def test_chunked_prefill_loads_the_hit_and_saves_every_other_whole_chunk_once(
 ) -> None:
     store = MemoryTransport()
     cache = ResilientCache([Endpoint("m", lambda: store, CircuitBreaker(100, 60.0))])
-    half = SchedulerHalf(ConnectorSettings(chunk_tokens=CHUNK), SPEC, cache=cache)
+    # A generous lookup deadline: on a loaded machine the in-memory lookup's thread hop can take
+    # longer than the default 100 ms, and a timed-out lookup is a (correct) miss this test does not model.
+    half = SchedulerHalf(ConnectorSettings(chunk_tokens=CHUNK, lookup_deadline_ms=30000), SPEC, cache=cache)
     req = RequestInfo("r", tuple(range(100, 100 + n_tokens)))
     keys = half.chunk_keys(req)
     for key in keys[:stored]:

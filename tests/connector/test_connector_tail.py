@@ -89,7 +89,9 @@ def test_tail_keys_depend_on_inputs_and_namespace() -> None:
 
 def _half(store: MemoryTransport, *, tail: bool = True) -> SchedulerHalf:
     cache = ResilientCache([Endpoint("m", lambda: store, CircuitBreaker(100, 60.0))])
-    return SchedulerHalf(ConnectorSettings(chunk_tokens=CHUNK, tail=tail), SPEC, cache=cache)
+    # Generous deadline: a timed-out lookup on a loaded machine is a correct miss these tests do not model.
+    cfg = ConnectorSettings(chunk_tokens=CHUNK, tail=tail, lookup_deadline_ms=30000)
+    return SchedulerHalf(cfg, SPEC, cache=cache)
 
 
 def _run(
@@ -257,7 +259,7 @@ def test_a_tail_load_writes_exactly_the_tail_blocks() -> None:
 
     for t in kv.values():
         t.fill_(-1.0)
-    sched2 = SchedulerHalf(ConnectorSettings(chunk_tokens=CHUNK), SPEC, cache=cache)
+    sched2 = SchedulerHalf(ConnectorSettings(chunk_tokens=CHUNK, lookup_deadline_ms=30000), SPEC, cache=cache)
     req2 = RequestInfo("r2", (*p, 77))
     assert sched2.num_new_matched_tokens(req2, 0) == CHUNK + 2 * BLOCK
     dst = (8, 9, 10, 11, 12, 13, 14)

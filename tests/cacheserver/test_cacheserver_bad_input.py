@@ -18,7 +18,9 @@ from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
-METHODS = ("Lookup", "Load", "Store", "ShmLoad", "ShmStoreBegin", "ShmStoreCommit", "Delete", "Stats")
+METHODS = (
+    "Lookup", "Load", "Store", "ShmLoad", "ShmStoreBegin", "ShmStoreCommit", "Delete", "Stats", "Describe",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -108,3 +108,155 @@ async def test_scraping_real_cache_servers_at_a_bounded_rate() -> None:
         await asyncio.sleep(0.2)
         assert scraper.requests == requests
         await scraper.close()
+
+
+A, B = "a" * 64, "b" * 64
+
+INFO = (
+    'kvfabric_namespace_info{{namespace="{}",model="llama",revision="{}",'
+    'dtype="bf16",tp_rank="0",tenant=""}} 1'
+)
+NAMESPACE_EXPOSITION = f"""# TYPE kvfabric_namespace_info gauge
+{INFO.format(A, "r1")}
+{INFO.format(B, "r2")}
+# TYPE kvfabric_namespace_lookup_keys_total counter
+kvfabric_namespace_lookup_keys_total{{namespace="{A}",result="hit"}} 6.0
+kvfabric_namespace_lookup_keys_total{{namespace="{A}",result="miss"}} 2.0
+kvfabric_namespace_lookup_keys_total{{namespace="{B}",result="hit"}} 0.0
+kvfabric_namespace_lookup_keys_total{{namespace="{B}",result="miss"}} 4.0
+kvfabric_namespace_lookup_keys_total{{namespace="not-a-digest",result="miss"}} 4.0
+# TYPE kvfabric_namespace_stores_total counter
+kvfabric_namespace_stores_total{{namespace="{A}"}} 3.0
+"""
+
+
+def test_namespaces_are_merged_across_nodes_and_splits_are_named() -> None:
+    one = parse_metrics(NAMESPACE_EXPOSITION)
+    assert set(one.namespaces) == {A, B}  # the malformed digest is ignored
+    assert one.namespaces[A].fields == {"dtype": "bf16", "model": "llama", "revision": "r1", "tp_rank": "0"}
+    info_only = NAMESPACE_EXPOSITION.split("# TYPE kvfabric_namespace_lookup", maxsplit=1)[0]
+    two = parse_metrics(info_only)
+    insight = summarize({"gpu-2": two, "gpu-1": one}, "t")
+    assert insight.namespaces_in_use == 2
+    first, second = insight.namespaces
+    assert (first.digest, first.nodes, first.node_count) == (A, ["gpu-1", "gpu-2"], 2)
+    assert (first.lookup_hits, first.lookup_misses, first.hit_rate, first.stores) == (6, 2, "75.0%", 3)
+    assert (second.digest, second.hit_rate) == (B, "0.0%")
+    (split,) = insight.namespace_splits
+    assert "model llama" in split
+    assert "2 namespaces" in split
+    assert "revision: r1, r2" in split
+    assert "dtype" not in split  # only what differs
+
+
+def test_tensor_parallel_ranks_and_tenants_are_not_splits() -> None:
+    def node(*entries: tuple[str, dict[str, str]]) -> NodeCache:
+        from kvfabric.operator.cacheinsight import NodeNamespace
+
+        return NodeCache(namespaces={d: NodeNamespace(fields=f) for d, f in entries})
+
+    ranks = node((A, {"model": "m", "tp_rank": "0"}), (B, {"model": "m", "tp_rank": "1"}))
+    assert summarize({"n": ranks}, "t").namespace_splits == []
+    tenants = node((A, {"model": "m", "tenant": "x"}), (B, {"model": "m", "tenant": "y"}))
+    assert summarize({"n": tenants}, "t").namespace_splits == []
+    undescribed = node((A, {}))  # counters of a namespace the server no longer describes
+    assert summarize({"n": undescribed}, "t").namespaces == []
+
+
+def test_the_namespace_list_is_bounded() -> None:
+    from kvfabric.operator.cacheinsight import MAX_NAMESPACES_PER_NODE
+
+    lines = [
+        f'kvfabric_namespace_info{{namespace="{i:064x}",model="m{i}"}} 1.0'
+        for i in range(MAX_NAMESPACES_PER_NODE + 50)
+    ]
+    node = parse_metrics("# TYPE kvfabric_namespace_info gauge\n" + "\n".join(lines) + "\n")
+    assert len(node.namespaces) == MAX_NAMESPACES_PER_NODE
+    insight = summarize({"n": node}, "t")
+    assert insight.namespaces_in_use == MAX_NAMESPACES_PER_NODE
+    assert len(insight.namespaces) == 16
+    # The status written to the API stays within the CRD's bounds.
+    from kvfabric.operator.api.v1alpha1 import CacheInsight
+
+    CacheInsight.model_validate(insight.model_dump())
+
+
+def test_a_new_split_is_an_event_once() -> None:
+    from tests.operator.test_operator_status import NOW, observe
+
+    insight = summarize({"n1": parse_metrics(NAMESPACE_EXPOSITION)}, NOW)
+    status, events = compute_status(observe(cache=insight), NOW)
+    assert status["cache"]["namespacesInUse"] == 2
+    assert status["cache"]["namespaces"][0]["fields"]["revision"] == "r1"
+    diverge = [e for e in events if e.reason == "NamespacesDiverge"]
+    assert len(diverge) == 1
+    assert diverge[0].type == "Warning"
+    assert "revision" in diverge[0].message
+    _, again = compute_status(observe(cache=insight, previous_status=status), NOW)
+    assert not [e for e in again if e.reason == "NamespacesDiverge"]
+
+
+@pytest.mark.process
+@pytest.mark.asyncio
+async def test_a_pool_whose_last_pass_reached_no_server_is_due_when_its_servers_change() -> None:
+    scraper = Scraper(interval=3600, retry_gap=0, timeout=5)
+    key = ("ns", "p")
+    dead = {"gpu-1": f"http://127.0.0.1:{free_port()}/metrics"}
+    assert scraper.due(key, {})
+    await scraper.scrape(key, {}, "t")  # no ready server yet
+    assert not scraper.due(key, {})
+    assert scraper.due(key, dead)  # one became ready
+    await scraper.scrape(key, dead, "t")  # ... and did not answer
+    assert not scraper.due(key, dead)
+    with cache_server(dram_bytes=16 * MiB) as srv:
+        live = {"gpu-1": srv.metrics_url + "/metrics"}
+        assert scraper.due(key, live)  # it moved (a new pod IP)
+        insight = await scraper.scrape(key, live, "t")
+        assert insight is not None
+        assert insight.nodes_scraped == 1
+        # Once a pass reached a server, changes wait for the interval (a 1,000-node rollout
+        # changes the ready set at every step).
+        assert not scraper.due(key, {**live, "gpu-2": "http://127.0.0.1:1/metrics"})
+    await scraper.close()
+
+
+@pytest.mark.asyncio
+async def test_a_pass_in_flight_is_never_doubled() -> None:
+    scraper = Scraper(interval=0, retry_gap=0)
+    key = ("ns", "p")
+    scraper.schedule(key, {}, "t")
+    assert not scraper.due(key, {})  # the scheduled pass has not run yet
+    await asyncio.sleep(0)
+    await asyncio.gather(*list(scraper._tasks))
+    assert scraper.due(key, {})
+    await scraper.close()
+
+
+@pytest.mark.process
+@pytest.mark.asyncio
+async def test_namespaces_described_to_real_servers_reach_the_insight() -> None:
+    from kvfabric.connector.keys import NamespaceSpec
+
+    r1 = NamespaceSpec("tiny", "r1", "float32", 2, 1, 4, 16, 32)
+    r2 = NamespaceSpec("tiny", "r2", "float32", 2, 1, 4, 16, 32)
+    keys = [digest("k", i) for i in range(2)]
+    with cache_server(dram_bytes=16 * MiB) as one, cache_server(dram_bytes=16 * MiB, server_id="two") as two:
+        for srv, spec in ((one, r1), (two, r1), (two, r2)):
+            with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+                c.announce(spec.digest(), spec.canonical().decode())
+                c.store(spec.digest(), keys[:1], [payload_for(keys[0], 1000)], timeout=10)
+                c.lookup(spec.digest(), keys, timeout=5)
+        scraper = Scraper(interval=3600, timeout=5)
+        targets = {"gpu-1": one.metrics_url + "/metrics", "gpu-2": two.metrics_url + "/metrics"}
+        insight = await scraper.scrape(("ns", "p"), targets, "t")
+        await scraper.close()
+    assert insight is not None
+    by_digest = {n.digest: n for n in insight.namespaces}
+    assert set(by_digest) == {r1.digest(), r2.digest()}
+    assert by_digest[r1.digest()].nodes == ["gpu-1", "gpu-2"]
+    assert (by_digest[r1.digest()].lookup_hits, by_digest[r1.digest()].lookup_misses) == (2, 2)
+    assert by_digest[r2.digest()].nodes == ["gpu-2"]
+    assert by_digest[r2.digest()].fields["revision"] == "r2"
+    assert by_digest[r2.digest()].fields["chunk_tokens"] == "32"
+    (split,) = insight.namespace_splits
+    assert "revision: r1, r2" in split

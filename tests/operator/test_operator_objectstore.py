@@ -109,3 +109,35 @@ def test_a_valid_object_store_is_accepted(cluster: ClusterHandle, crd: None, nam
     doc = pool_doc()
     doc["metadata"] = {"name": "pool-a"}
     cluster.kubectl("create", "-n", namespace, "--dry-run=server", "-f", "-", input=json.dumps(doc))
+
+
+def test_no_mount_of_a_cache_server_lies_inside_a_read_only_volume() -> None:
+    """Every feature on (TCP, object tier with CA, local disk, shared): no nested read-only mount.
+
+    A runtime creates a volume's mount point inside the container's view of its parent directory; in
+    a read-only ConfigMap or Secret volume that fails ("mkdir: read-only file system") and the cache
+    server never starts. Found by the whole-fabric object-tier test (its credentials were mounted
+    under the configuration's volume, /etc/kvfabric).
+    """
+    doc = pool_doc()
+    doc["spec"]["server"] = {"tcp": {"enabled": True}}
+    doc["spec"]["tiers"]["localDisk"] = {"hostPath": {"path": "/mnt/nvme/kv"}, "capacity": "1Ti"}
+    doc["spec"]["tiers"]["shared"] = {"existingClaim": "kv-shared", "capacity": "1Ti"}
+    (ds,) = render_children(KVCachePool.model_validate(doc)).by_kind("DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    for container in [*pod.get("initContainers", []), *pod["containers"]]:
+        mounts = container.get("volumeMounts") or []
+        read_only = [m["mountPath"].rstrip("/") for m in mounts if m.get("readOnly")]
+        nested = [
+            (m["mountPath"], parent)
+            for m in mounts
+            for parent in read_only
+            if m["mountPath"].rstrip("/") != parent and m["mountPath"].startswith(parent + "/")
+        ]
+        assert not nested, (container["name"], nested)
+    assert {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]} >= {
+        names.OBJECT_STORE_SECRET_MOUNT,
+        names.OBJECT_STORE_CA_MOUNT,
+        names.SERVER_TLS_MOUNT,
+        names.CREDENTIALS_MOUNT,
+    }

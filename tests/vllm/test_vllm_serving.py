@@ -459,3 +459,31 @@ def test_reference_outputs_depend_on_the_context(fabric: Fabric) -> None:
     outputs = [tuple(v) for v in fabric.reference["outputs"].values()]
     assert len(set(outputs)) == len(outputs)
     assert all(len(set(v)) > 1 for v in outputs)
+
+
+def namespace_infos(srv: ServerProcess) -> dict[str, dict[str, str]]:
+    """namespace -> labels of the server's ``kvfabric_namespace_info`` series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        s.labels["namespace"]: dict(s.labels)
+        for family in text_string_to_metric_families(scrape(srv))
+        for s in family.samples
+        if s.name == "kvfabric_namespace_info"
+    }
+
+
+def test_the_cache_servers_know_what_vllms_namespace_stands_for(fabric: Fabric, tiny_model: Path) -> None:
+    """The connectors inside vLLM described their namespace to both cache servers (what the pool's
+    status lists, docs/operator.md); server a, killed and restarted by an earlier test, was
+    described again by server 1's connector."""
+    on_a, on_b = namespace_infos(fabric.a), namespace_infos(fabric.b)
+    assert on_a, "server a exports no namespace"
+    assert on_b, "server b exports no namespace"
+    for labels in [*on_a.values(), *on_b.values()]:
+        assert labels["model"] == str(tiny_model)
+        assert (labels["device"], labels["dtype"]) == ("cpu", "float32")
+        assert labels["chunk_tokens"] == str(CHUNK)
+        assert (labels["tp_size"], labels["tp_rank"]) == ("1", "0")
+    # Both vLLM servers run one configuration, so one namespace: their chunks are shared.
+    assert set(on_b) <= set(on_a)

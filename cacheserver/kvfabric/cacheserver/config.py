@@ -406,6 +406,13 @@ class LimitsConfig(_Model):
         "Unix socket are not distinguished (docs/security.md).",
     )
     io_threads: int = Field(default=4, gt=0, description="Threads doing disk I/O and checksums.")
+    max_described_namespaces: int = Field(
+        default=64,
+        gt=0,
+        le=4096,
+        description="Namespace descriptions (Describe) kept and exported as kvfabric_namespace_info; "
+        "beyond it the least recently used is forgotten (its client describes it again when told).",
+    )
 
 
 class ServerConfig(_Model):

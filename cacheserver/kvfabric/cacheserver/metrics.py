@@ -17,10 +17,14 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvfabric.cacheserver.engine.base import READ_MISSES, TierUsage
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.tiered import TieredStore
+from kvfabric.cacheserver.namespaces import NamespaceRegistry
+from kvfabric.contract.namespace import READABLE_FIELDS
 
 __all__ = ["Metrics", "ProbeServer"]
 
@@ -61,12 +65,16 @@ _TIER_GAUGES: list[tuple[str, str, str, Callable[[TierUsage], int]]] = [
 class Metrics:
     """The server's instruments, on a private Prometheus registry."""
 
-    def __init__(self, store: TieredStore) -> None:
+    def __init__(self, store: TieredStore, *, max_namespaces: int = 64) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._reader = PrometheusMetricReader(registry=self.registry)
         self.provider = MeterProvider(metric_readers=[self._reader], views=_views())
         meter = self.provider.get_meter("kvfabric.cacheserver")
         self._store = store
+        self.namespaces = NamespaceRegistry(max_namespaces)
+        # Straight on the Prometheus registry, not through OpenTelemetry: the label set shrinks when a
+        # description is evicted, and an OTel asynchronous instrument cannot say "this series is gone".
+        self.registry.register(_NamespaceCollector(self.namespaces))
         _observe_engine_counters(meter, store.counters)
         self._observe_tiers(meter)
         self._observe_volume_clock(meter)
@@ -112,6 +120,12 @@ class Metrics:
         )
         self.store_duration = meter.create_histogram(
             "kvfabric.store.duration", unit="s", description="Store latency (server side), by transport"
+        )
+        self.describes = meter.create_counter(
+            "kvfabric.cache.describes",
+            unit="1",
+            description="Namespace descriptions received, by result (accepted/refused: malformed or "
+            "not hashing to the namespace)",
         )
         self.lookup_duration = meter.create_histogram(
             "kvfabric.lookup.duration", unit="s", description="Lookup latency (server side)"
@@ -188,6 +202,49 @@ def _read_misses_cb(counters: Counters) -> Callable[[CallbackOptions], Iterable[
                 yield Observation(value, {"tier": tier, "reason": name.removeprefix(prefix)})
 
     return cb
+
+
+NAMESPACE_LABELS: tuple[str, ...] = ("namespace", *READABLE_FIELDS.values())
+"""Labels of ``kvfabric_namespace_info``: the full digest, then the readable fields ("" if absent)."""
+
+
+class _NamespaceCollector(Collector):
+    """``kvfabric_namespace_info`` and the per-namespace counters of the described namespaces."""
+
+    def __init__(self, registry: NamespaceRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self._registry.snapshot()
+        info = GaugeMetricFamily(
+            "kvfabric_namespace_info",
+            "A compatibility namespace a client described (1 while this server keeps its description)",
+            labels=NAMESPACE_LABELS,
+        )
+        lookups = CounterMetricFamily(
+            "kvfabric_namespace_lookup_keys",
+            "Keys asked for in lookups of a described namespace, by result (hit/miss), since it was "
+            "described",
+            labels=("namespace", "result"),
+        )
+        stores = CounterMetricFamily(
+            "kvfabric_namespace_stores",
+            "Blocks offered for storing under a described namespace (Store accepted, ShmStoreBegin "
+            "slots handed out), since it was described",
+            labels=("namespace",),
+        )
+        for ns, entry in snap.items():
+            info.add_metric([ns, *(entry.fields.get(label, "") for label in NAMESPACE_LABELS[1:])], 1)
+            lookups.add_metric([ns, "hit"], entry.lookup_hits)
+            lookups.add_metric([ns, "miss"], entry.lookup_misses)
+            stores.add_metric([ns], entry.stores)
+        evicted = CounterMetricFamily(
+            "kvfabric_namespace_descriptions_evicted",
+            "Namespace descriptions forgotten because more namespaces than limits.max_described_namespaces "
+            "were described",
+        )
+        evicted.add_metric([], self._registry.evicted)
+        yield from (info, lookups, stores, evicted)
 
 
 class ProbeServer:

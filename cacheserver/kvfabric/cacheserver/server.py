@@ -227,7 +227,7 @@ async def serve(
     arena = StagingArena(
         config.shm.dir, config.shm.arena_bytes, config.shm.slot_lease_seconds, store.counters
     )
-    metrics = Metrics(store)
+    metrics = Metrics(store, max_namespaces=config.limits.max_described_namespaces)
     state = SharedState(store, arena, metrics, config.limits)
     health = HealthServicer()
 

@@ -30,6 +30,7 @@ from kvfabric.cacheserver.engine.ids import BlockId, InvalidId, parse_ids
 from kvfabric.cacheserver.engine.tiered import Payload, TieredStore
 from kvfabric.cacheserver.metrics import Metrics
 from kvfabric.cacheserver.transport.arena import StagingArena, UnknownLease
+from kvfabric.contract.namespace import InvalidDescriptionError, parse_description, readable
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 
@@ -157,6 +158,7 @@ def add_to_server(service: CacheService, server: grpc.aio.Server) -> None:
         "Delete": grpc.unary_unary_rpc_method_handler(service.Delete, _decoder(pb.DeleteRequest), enc),
         "Stats": grpc.unary_unary_rpc_method_handler(service.Stats, _decoder(pb.StatsRequest), enc),
         "Flush": grpc.unary_unary_rpc_method_handler(service.Flush, _decoder(pb.FlushRequest), enc),
+        "Describe": grpc.unary_unary_rpc_method_handler(service.Describe, _decoder(pb.DescribeRequest), enc),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("kvfabric.rpc.v1.Cache", handlers),)
@@ -244,7 +246,10 @@ class CacheService(pb_grpc.CacheServicer):
         m.lookup_keys.add(len(tiers), {"result": "hit"})
         m.lookup_keys.add(len(bids) - len(tiers), {"result": "miss"})
         m.lookup_duration.record(time.perf_counter() - t0)
-        return pb.LookupResponse(matched=len(tiers), tiers=[_TIER_ENUM[t] for t in tiers])
+        described = m.namespaces.count_lookup(request.namespace, len(tiers), len(bids) - len(tiers))
+        return pb.LookupResponse(
+            matched=len(tiers), tiers=[_TIER_ENUM[t] for t in tiers], describe=not described
+        )
 
     async def ShmLoad(
         self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -404,7 +409,8 @@ class CacheService(pb_grpc.CacheServicer):
         if dropped:
             self.s.store.counters.inc("dropped_stores", "grpc", dropped)
         self.s.metrics.store_duration.record(time.perf_counter() - t0, {"transport": "grpc"})
-        return pb.StoreResponse(accepted=accepted, dropped=dropped)
+        described = namespace is None or self.s.metrics.namespaces.count_stores(namespace, accepted)
+        return pb.StoreResponse(accepted=accepted, dropped=dropped, describe=not described)
 
     async def _finish(
         self, cur: _Incoming, have_slot: bool, context: grpc.aio.ServicerContext[Any, Any]
@@ -462,11 +468,14 @@ class CacheService(pb_grpc.CacheServicer):
             )
         present = [self.s.store.contains(b) for b in bids]
         res = await self._in_pool(self.s.store_pool, lambda: self.s.arena.begin(bids, lengths, present))
+        offered = sum(1 for n in res.names if n)
+        described = self.s.metrics.namespaces.count_stores(request.namespace, offered)
         return pb.ShmStoreBeginResponse(
             lease_id=res.lease_id,
             slots=[pb.ShmSlot(name=n, length=ln) for n, ln in zip(res.names, res.lengths, strict=True)],
             dropped=res.dropped,
             present=res.present,
+            describe=not described,
         )
 
     async def ShmStoreCommit(
@@ -531,6 +540,21 @@ class CacheService(pb_grpc.CacheServicer):
         return pb.FlushResponse(
             keys=[pb.KeyTiers(tiers=[_TIER_ENUM[t] for t in held]) for held in tiers], complete=complete
         )
+
+    async def Describe(
+        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.DescribeResponse:
+        """Keep (and export) what a namespace stands for, if the description hashes to it."""
+        await _check(request, context)
+        await self._ids(request.namespace, [], context)
+        try:
+            doc = parse_description(request.namespace, request.spec_json)
+        except InvalidDescriptionError as exc:
+            self.s.metrics.describes.add(1, {"result": "refused"})
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"namespace description refused: {exc}")
+        self.s.metrics.namespaces.describe(request.namespace, readable(doc))
+        self.s.metrics.describes.add(1, {"result": "accepted"})
+        return pb.DescribeResponse()
 
     async def Stats(
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -79,7 +79,7 @@ class AsyncCacheClient:
     async def lookup(self, namespace: str, keys: Sequence[str], *, timeout: float) -> LookupResult:
         """How many leading ``keys`` are stored, and in which tier each one is."""
         index = self._client.local_index
-        if index is not None:
+        if index is not None and not self._client.describes_pending:
             # Answered from the published table in microseconds: no thread hop, no call.
             c.check_timeout(timeout)
             local = index.lookup(namespace, c.check_ids(namespace, keys))
@@ -110,6 +110,14 @@ class AsyncCacheClient:
     async def flush(self, namespace: str, keys: Sequence[str], *, timeout: float) -> FlushResult:
         """Wait (within ``timeout``) for the keys' pending write-backs; say which durable tiers hold each."""
         return await self._run(self._client.flush, namespace, keys, timeout=timeout)
+
+    async def describe(self, namespace: str, spec_json: str, *, timeout: float) -> None:
+        """See :meth:`kvfabric.client.CacheClient.describe`."""
+        await self._run(self._client.describe, namespace, spec_json, timeout=timeout)
+
+    def announce(self, namespace: str, spec_json: str) -> None:
+        """See :meth:`kvfabric.client.CacheClient.announce` (no call now: it only records the description)."""
+        self._client.announce(namespace, spec_json)
 
     async def stats(self, *, timeout: float) -> dict[str, Any]:
         """Return the server's statistics as a dict."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvfabric.client import _common as c
-from kvfabric.client.errors import CacheTimeout, InvalidRequest
+from kvfabric.client.errors import CacheError, CacheTimeout, CacheUnavailable, InvalidRequest
 from kvfabric.client.localindex import LocalIndex
 from kvfabric.client.results import FlushResult, LookupResult, StoreResult
 from kvfabric.rpc.v1 import cache_pb2 as pb
@@ -22,6 +24,9 @@ from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 __all__ = ["CacheClient"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+_DESCRIBE_TIMEOUT_S = 2.0
+"""Longest a description may take (it is for status only; the call it precedes has its own deadline)."""
 
 
 class CacheClient:
@@ -66,6 +71,12 @@ class CacheClient:
             request_serializer=_health_request,
             response_deserializer=_health_status,
         )
+        # Namespaces announced by the caller (namespace -> description) and those the server does
+        # not know yet: described before this client's next call (see announce()).
+        self._specs: dict[str, str] = {}
+        self._undescribed: set[str] = set()
+        self._describe_lock = threading.Lock()  # guards the two above
+        self._sending = threading.Lock()  # held by the one thread sending descriptions
 
     @property
     def local_index(self) -> LocalIndex | None:
@@ -83,25 +94,107 @@ class CacheClient:
         except grpc.RpcError as exc:
             raise c.map_rpc_error(exc) from exc
 
+    def describe(self, namespace: str, spec_json: str, *, timeout: float) -> None:
+        """Tell the server what ``namespace`` stands for: ``spec_json`` is the canonical document it hashes.
+
+        Raises :class:`~kvfabric.client.errors.InvalidRequest` when the server refuses it (it does
+        not hash to the namespace, or is malformed). See :meth:`announce` for the automatic way.
+        """
+        c.check_timeout(timeout)
+        c.check_ids(namespace, [])
+        req = pb.DescribeRequest(namespace=namespace, spec_json=spec_json)
+        self._call(lambda: self._stub.Describe(req, timeout=timeout, metadata=self._md))
+
+    def announce(self, namespace: str, spec_json: str) -> None:
+        """Describe ``namespace`` to the server before this client's next call, and again when it asks.
+
+        Once per namespace and connection: the server says in a lookup's or a store's answer when it
+        holds no description (it restarted, or forgot the least recently used one), and the next call
+        describes it first. A failed description is retried at the next call; a refused one (a
+        description that does not hash to the namespace: a bug) is dropped with a warning. Never raises
+        for the server's sake and never costs more than one small call, inside the next call's deadline.
+        """
+        c.check_ids(namespace, [])
+        with self._describe_lock:
+            self._specs[namespace] = spec_json
+            self._undescribed.add(namespace)
+
+    @property
+    def describes_pending(self) -> bool:
+        """Whether a description is due before this client's next call (see :meth:`announce`)."""
+        return bool(self._undescribed)
+
+    def _describe_due(self, deadline: float) -> None:
+        """Send the descriptions the server lacks (at most once each), within ``deadline``.
+
+        One thread sends; a call on another thread meanwhile goes ahead without waiting (a lookup
+        must never wait behind a description to a hung server).
+        """
+        if not self._undescribed or not self._sending.acquire(blocking=False):
+            return
+        try:
+            with self._describe_lock:
+                due = [(ns, self._specs[ns]) for ns in sorted(self._undescribed) if ns in self._specs]
+            for namespace, spec_json in due:
+                left = min(deadline - time.monotonic(), _DESCRIBE_TIMEOUT_S)
+                if left <= 0:
+                    return
+                try:
+                    self.describe(namespace, spec_json, timeout=left)
+                except InvalidRequest as exc:
+                    log.warning("the cache server refused the description of %s: %s", namespace[:12], exc)
+                    with self._describe_lock:
+                        self._specs.pop(namespace, None)
+                except CacheError as exc:
+                    log.debug("describing %s failed (retried at the next call): %s", namespace[:12], exc)
+                    return
+                with self._describe_lock:
+                    self._undescribed.discard(namespace)
+        finally:
+            self._sending.release()
+
+    def _asked_to_describe(self, namespace: str, resp: Any) -> None:
+        """The server said it lacks ``namespace``'s description: send it before the next call."""
+        if getattr(resp, "describe", False) and namespace in self._specs:
+            with self._describe_lock:
+                if namespace in self._specs:
+                    self._undescribed.add(namespace)
+
     def lookup(self, namespace: str, keys: Sequence[str], *, timeout: float) -> LookupResult:
         """How many leading ``keys`` are stored, and in which tier each one is."""
         c.check_timeout(timeout)
         raw = c.check_ids(namespace, keys)
+        deadline = time.monotonic() + timeout
+        self._describe_due(deadline)
         if self._index is not None:
-            local = self._index.lookup(namespace, raw)
+            local = self._published(namespace, raw)
             if local is not None:
                 return local
         req = pb.LookupRequest(namespace=namespace, keys=keys)
-        return c.lookup_result(self._call(lambda: self._stub.Lookup(req, timeout=timeout, metadata=self._md)))
+        left = _remaining(deadline)
+        resp = self._call(lambda: self._stub.Lookup(req, timeout=left, metadata=self._md))
+        self._asked_to_describe(namespace, resp)
+        return c.lookup_result(resp)
 
     def lookup_local(self, namespace: str, keys: Sequence[str]) -> LookupResult | None:
         """Answer from the published index only (microseconds, no call, no thread); None if it cannot.
 
         Raises :class:`~kvfabric.client.errors.CacheUnavailable` when the server is gone or hung.
         """
-        if self._index is None:
-            return None
-        return self._index.lookup(namespace, c.check_ids(namespace, keys), fetch=False)
+        if self._index is None or self._undescribed:
+            return None  # a description is due: the call that sends it first is an RPC lookup
+        return self._published(namespace, c.check_ids(namespace, keys), fetch=False)
+
+    def _published(self, namespace: str, raw: bytes, *, fetch: bool = True) -> LookupResult | None:
+        assert self._index is not None
+        try:
+            return self._index.lookup(namespace, raw, fetch=fetch)
+        except CacheUnavailable:
+            # The server process is gone: the one that replaces it knows no description, and
+            # lookups answered from its published table would never hear it ask.
+            with self._describe_lock:
+                self._undescribed = set(self._specs)
+            raise
 
     def load(self, namespace: str, keys: Sequence[str], *, timeout: float) -> list[bytes]:
         """Payloads of the leading present keys (stops at the first miss)."""
@@ -174,12 +267,15 @@ class CacheClient:
         if not keys:
             return StoreResult(0, 0)
         deadline = time.monotonic() + timeout
+        self._describe_due(deadline)
         if self._shm_dir is not None:
             shm_dir = self._shm_dir
             begin = pb.ShmStoreBeginRequest(
                 namespace=namespace, keys=keys, lengths=[memoryview(p).nbytes for p in payloads]
             )
-            resp = self._call(lambda: self._stub.ShmStoreBegin(begin, timeout=timeout, metadata=self._md))
+            left = _remaining(deadline)
+            resp = self._call(lambda: self._stub.ShmStoreBegin(begin, timeout=left, metadata=self._md))
+            self._asked_to_describe(namespace, resp)
             try:
                 c.shm_write(shm_dir, resp.slots, payloads)
             except BaseException:
@@ -189,11 +285,13 @@ class CacheClient:
                     self._stub.ShmStoreCommit(commit, timeout=1.0, metadata=self._md)
                 raise
             commit = pb.ShmStoreCommitRequest(lease_id=resp.lease_id)
-            left = _remaining(deadline)
+            left = _remaining(deadline, "while writing to the shared-memory arena")
             done = self._call(lambda: self._stub.ShmStoreCommit(commit, timeout=left, metadata=self._md))
             return StoreResult(done.accepted, done.dropped)
         chunks = c.store_chunks(namespace, keys, payloads)
-        done = self._call(lambda: self._stub.Store(chunks, timeout=timeout, metadata=self._md))
+        left = _remaining(deadline)
+        done = self._call(lambda: self._stub.Store(chunks, timeout=left, metadata=self._md))
+        self._asked_to_describe(namespace, done)
         return StoreResult(done.accepted, done.dropped)
 
     def delete(self, namespace: str, keys: Sequence[str], *, timeout: float) -> int:
@@ -244,10 +342,10 @@ class CacheClient:
         self.close()
 
 
-def _remaining(deadline: float) -> float:
+def _remaining(deadline: float, what: str = "before the call was sent") -> float:
     left = deadline - time.monotonic()
     if left <= 0:
-        raise CacheTimeout("deadline passed while writing to the shared-memory arena")
+        raise CacheTimeout(f"deadline passed {what}")
     return left
 
 

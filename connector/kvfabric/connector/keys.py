@@ -27,9 +27,10 @@ import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-# Format version of the key derivation itself. Bumping it changes every namespace, which is the
-# safe way to retire chunks written by an incompatible connector.
-KEY_SCHEME_VERSION = 1
+from kvfabric.contract import namespace as nscontract
+
+# The version lives with the digest in kvfabric.contract.namespace (the cache server verifies with it).
+KEY_SCHEME_VERSION = nscontract.KEY_SCHEME_VERSION
 
 PAYLOAD_FORMAT_VERSION = 2
 """Version of the chunk payload format (``kvfabric.connector.layout``): header and body layout."""
@@ -104,14 +105,21 @@ class NamespaceSpec:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
 
+    def document(self) -> dict[str, str | int]:
+        """The description that :meth:`digest` hashes (what the connector tells its cache server)."""
+        return {"scheme": KEY_SCHEME_VERSION, **asdict(self)}
+
     def canonical(self) -> bytes:
         """Return the canonical byte encoding that :meth:`digest` hashes."""
-        doc = {"scheme": KEY_SCHEME_VERSION, **asdict(self)}
-        return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+        return nscontract.canonical(self.document())
 
     def digest(self) -> str:
-        """Return the namespace: SHA-256 of :meth:`canonical`, 64 lower-case hex characters."""
-        return hashlib.sha256(self.canonical()).hexdigest()
+        """Return the namespace: SHA-256 of :meth:`canonical`, 64 lower-case hex characters.
+
+        The same function the cache server verifies a description with
+        (:func:`kvfabric.contract.namespace.namespace_digest`).
+        """
+        return nscontract.namespace_digest(self.document())
 
 
 def encode_tokens(token_ids: Sequence[int]) -> bytes:

@@ -212,13 +212,23 @@ class Endpoint:
     breaker: CircuitBreaker
     _client: Transport | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _specs: dict[str, str] = field(default_factory=dict)
 
     def client(self) -> Transport:
         """Return the transport, connecting on first use (a server may start after the engine)."""
         with self._lock:
             if self._client is None:
                 self._client = self.factory()
+                for namespace, spec_json in self._specs.items():
+                    _announce(self._client, namespace, spec_json)
             return self._client
+
+    def announce(self, namespace: str, spec_json: str) -> None:
+        """Have the transport describe ``namespace`` to its server (now and after reconnects)."""
+        with self._lock:
+            self._specs[namespace] = spec_json
+            if self._client is not None:
+                _announce(self._client, namespace, spec_json)
 
     def close(self) -> None:
         """Close the transport if it was opened."""
@@ -229,6 +239,17 @@ class Endpoint:
                 client.close()
             except Exception:  # closing a broken connection must not fail shutdown
                 log.debug("closing %s failed", self.name, exc_info=True)
+
+
+def _announce(client: Transport, namespace: str, spec_json: str) -> None:
+    # Optional in the Transport protocol: a transport without it (a test fake) just never describes.
+    announce = getattr(client, "announce", None)
+    if announce is None:
+        return
+    try:
+        announce(namespace, spec_json)
+    except Exception:  # a description is for status only: it must never break the cache path
+        log.warning("could not announce namespace %s", namespace[:12], exc_info=True)
 
 
 @dataclass(frozen=True)
@@ -304,6 +325,15 @@ class ResilientCache:
         with self._users_lock:
             self._users += 1
         return self
+
+    def describe(self, namespace: str, spec_json: str) -> None:
+        """Tell every endpoint's server what ``namespace`` stands for (its canonical description).
+
+        The transport sends it before its next call and again whenever the server says it lacks it
+        (after a restart), so the pool's status can show the namespaces in use. Never raises, never waits.
+        """
+        for ep in self.endpoints:
+            ep.announce(namespace, spec_json)
 
     def _call(
         self,

@@ -75,6 +75,9 @@ class WorkerHalf:
         self.chunk_tokens = spec.chunk_tokens
         self.block_size = spec.block_size
         self.cache = cache
+        if cache is not None:
+            # The server exports what the namespace stands for (pool status: namespaces in use).
+            cache.describe(self.namespace, spec.canonical().decode())
         self.counters = cache.counters if cache is not None else Counters()
         self.datapath: DataPath = datapath or HostStagingPath(
             cache,

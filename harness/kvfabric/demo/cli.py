@@ -35,6 +35,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turn-tokens", type=int, default=128, help="tokens a user adds per round")
     parser.add_argument("--answer-tokens", type=int, default=16, help="tokens the engine answers per round")
     parser.add_argument("--preset", default="bench", help="reference-engine model size (tiny or bench)")
+    parser.add_argument(
+        "--object-store",
+        action="store_true",
+        help="share chunks across nodes through a real S3 server (SeaweedFS, run on loopback) instead "
+        "of the shared volume; builds SeaweedFS from the Go module proxy on first use (minutes)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 from kvfabric.localcluster.cluster import LocalCluster, free_port
 from kvfabric.localcluster.podrunner.runner import pod_request
 from kvfabric.localcluster.testing import ClusterHandle, external_cluster, pod_runner, stop_process, wait_for
+from kvfabric.testing.s3server import S3Server, s3_server
 
 Progress = Callable[[str], None]
 
@@ -44,6 +45,9 @@ class Fabric:
     runner_base: Path | None
     gpu_nodes: list[str]
     operator_log: Path | None = None
+    object_store: S3Server | None = None
+    """The S3 server of the object tier (``running_fabric(object_store=True)``), reachable at
+    ``object_store.endpoint`` from the operator and from every pod."""
 
     def request(
         self, pod: dict[str, Any], port: int, path: str, data: str | None = None, timeout: float = 120
@@ -151,8 +155,26 @@ def _operator_process(cluster: ClusterHandle, workdir: Path, progress: Progress)
 
 
 @contextlib.contextmanager
-def running_fabric(base: Path, *, gpu_nodes: int = 2, progress: Progress = print) -> Iterator[Fabric]:
-    """Bring the whole fabric up under ``base`` and tear it down afterwards."""
+def running_fabric(
+    base: Path, *, gpu_nodes: int = 2, progress: Progress = print, object_store: bool = False
+) -> Iterator[Fabric]:
+    """Bring the whole fabric up under ``base`` and tear it down afterwards.
+
+    ``object_store``: also run a real S3 server (SeaweedFS, built by the bootstrap) on the host's
+    loopback, which the pod runner relays into every pod at the same address, for pools whose
+    cross-node tier is an object store.
+    """
+    if object_store and not os.environ.get("KVFABRIC_TEST_KUBECONFIG"):
+        progress("starting the S3 server (SeaweedFS) for the object tier")
+        with s3_server() as s3, _running_fabric(base, gpu_nodes, progress, s3) as fabric:
+            yield fabric
+        return
+    with _running_fabric(base, gpu_nodes, progress, None) as fabric:
+        yield fabric
+
+
+@contextlib.contextmanager
+def _running_fabric(base: Path, gpu_nodes: int, progress: Progress, s3: S3Server | None) -> Iterator[Fabric]:
     root = repo_root()
     external = os.environ.get("KVFABRIC_TEST_KUBECONFIG")
     if external:
@@ -175,7 +197,8 @@ def running_fabric(base: Path, *, gpu_nodes: int = 2, progress: Progress = print
     names = [f"gpu-node-{chr(ord('a') + i)}" for i in range(gpu_nodes)]
     try:
         progress(f"starting the pod runner for nodes {', '.join(names)}")
-        with pod_runner(handle, base / "nodes", [f"{n}:8" for n in names]) as runner_base:
+        relay = (s3.ports["s3"],) if s3 is not None else ()
+        with pod_runner(handle, base / "nodes", [f"{n}:8" for n in names], relay_ports=relay) as runner_base:
             handle.gpu_nodes = names
             progress("installing the CRDs from crds/")
             install(handle, root)
@@ -187,7 +210,13 @@ def running_fabric(base: Path, *, gpu_nodes: int = 2, progress: Progress = print
                 )
             )
             with _operator_process(handle, base / "operator", progress) as op_log:
-                yield Fabric(cluster=handle, runner_base=runner_base, gpu_nodes=names, operator_log=op_log)
+                yield Fabric(
+                    cluster=handle,
+                    runner_base=runner_base,
+                    gpu_nodes=names,
+                    operator_log=op_log,
+                    object_store=s3,
+                )
     finally:
         progress("stopping the cluster")
         cluster.down(progress=lambda _m: None)

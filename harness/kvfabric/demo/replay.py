@@ -19,6 +19,7 @@ import yaml
 from kvfabric.demo.fabric import SHARED_STORAGE_CLASS, Fabric, repo_root, running_fabric, wait_pool_ready
 from kvfabric.demo.workloads import engine_deployment, generate, ready_pods
 from kvfabric.localcluster.testing import wait_for
+from kvfabric.testing.s3server import S3Server
 
 Progress = Callable[[str], None]
 NAMESPACE = "kvfabric-demo"
@@ -46,10 +47,26 @@ class Report:
     turns: list[Turn] = field(default_factory=list)
 
 
-def sample_pool() -> dict[str, Any]:
-    """The repository's sample pool, with a shared tier on the demo's RWX volume added."""
+OBJECT_STORE_SECRET = "demo-s3-keys"  # noqa: S105 - the Secret's name, not a password
+
+
+def sample_pool(object_store: S3Server | None = None) -> dict[str, Any]:
+    """The repository's sample pool, with a shared tier on the demo's RWX volume added.
+
+    With ``object_store``, nodes share through that S3 server's bucket instead (no shared volume).
+    """
     path = repo_root() / "manifests" / "samples" / "kvfabric.io_v1alpha1_kvcachepool.yaml"
     pool: dict[str, Any] = yaml.safe_load(path.read_text())
+    if object_store is not None:
+        pool["spec"]["tiers"].pop("shared", None)
+        pool["spec"]["tiers"]["objectStore"] = {
+            "endpoint": object_store.endpoint,
+            "bucket": object_store.bucket,
+            "pathStyle": True,
+            "credentials": {"secretName": OBJECT_STORE_SECRET},
+            "capacity": "20Gi",
+        }
+        return pool
     pool["spec"]["tiers"].setdefault(
         "shared",
         {
@@ -186,9 +203,27 @@ def deploy_and_replay(
 ) -> tuple[Report, str]:
     """Apply the sample pool and the engines in ``namespace``, then replay; returns the report and pool."""
     cluster = fabric.cluster
-    pool = sample_pool()
+    s3 = fabric.object_store if getattr(args, "object_store", False) else None
+    if getattr(args, "object_store", False) and s3 is None:
+        raise RuntimeError("--object-store needs a fabric started with its S3 server (object_store=True)")
+    pool = sample_pool(s3)
     name = pool["metadata"]["name"]
-    progress(f"applying the sample pool {name!r} (manifests/samples) with a shared tier")
+    if s3 is not None:
+        cluster.kubectl(
+            "create",
+            "secret",
+            "generic",
+            OBJECT_STORE_SECRET,
+            "-n",
+            namespace,
+            f"--from-literal=AWS_ACCESS_KEY_ID={s3.access_key}",
+            f"--from-literal=AWS_SECRET_ACCESS_KEY={s3.secret_key}",
+        )
+        progress(
+            f"applying the sample pool {name!r} (manifests/samples) with an object tier at {s3.endpoint}"
+        )
+    else:
+        progress(f"applying the sample pool {name!r} (manifests/samples) with a shared tier")
     cluster.apply(pool, namespace=namespace)
     wait_pool_ready(cluster, namespace, name)
     progress("cache servers are Ready on every GPU node; deploying the reference engine (2 replicas)")
@@ -212,7 +247,7 @@ def deploy_and_replay(
 def main(base: Path, args: argparse.Namespace, progress: Progress) -> int:
     """Bring the fabric up, deploy, replay, report, tear down (unless ``--keep``)."""
     start = time.monotonic()
-    with running_fabric(base, progress=progress) as fabric:
+    with running_fabric(base, progress=progress, object_store=getattr(args, "object_store", False)) as fabric:
         cluster = fabric.cluster
         cluster.kubectl("create", "namespace", NAMESPACE, check=False)
         wait_for(

@@ -169,7 +169,12 @@ def session_cluster(base: Path) -> Iterator[ClusterHandle]:
 
 @contextmanager
 def pod_runner(
-    handle: ClusterHandle, base: Path, node_specs: list[str], *, run_as_pod_user: bool = False
+    handle: ClusterHandle,
+    base: Path,
+    node_specs: list[str],
+    *,
+    run_as_pod_user: bool = False,
+    relay_ports: tuple[int, ...] = (),
 ) -> Iterator[Path]:
     """Run ``python -m kvfabric.localcluster.podrunner`` for ``node_specs`` (``NAME[:GPUS]``).
 
@@ -192,6 +197,8 @@ def pod_runner(
         args += ["--node", item]
     if run_as_pod_user:
         args.append("--run-as-pod-user")
+    for port in relay_ports:
+        args += ["--relay-port", str(port)]
     with (base / "podrunner.log").open("ab") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     names = [s.partition(":")[0] for s in node_specs]

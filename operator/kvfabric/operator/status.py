@@ -452,6 +452,9 @@ def _events(observed: Observed, status: KVCachePoolStatus) -> list[Event]:
     prev_revision = observed.previous_status.get("revision")
     if observed.revision and prev_revision and prev_revision != observed.revision:
         events.append(Event("Normal", "RolloutStarted", f"revision {prev_revision} -> {observed.revision}"))
+    splits = status.cache.namespace_splits if status.cache is not None else []
+    if splits and splits != (observed.previous_status.get("cache") or {}).get("namespaceSplits"):
+        events.append(Event("Warning", "NamespacesDiverge", "; ".join(splits)[:1024]))
     stale = status.consumers.stale
     if stale and not observed.previous_status.get("consumers", {}).get("stale"):
         events.append(

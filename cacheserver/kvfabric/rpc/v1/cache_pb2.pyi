@@ -29,12 +29,14 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("matched", "tiers")
+    __slots__ = ("matched", "tiers", "describe")
     MATCHED_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    DESCRIBE_FIELD_NUMBER: _ClassVar[int]
     matched: int
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
-    def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+    describe: bool
+    def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., describe: _Optional[bool] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("namespace", "keys", "max_message_bytes")
@@ -71,12 +73,14 @@ class StoreChunk(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., key: _Optional[str] = ..., total_length: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
-    __slots__ = ("accepted", "dropped")
+    __slots__ = ("accepted", "dropped", "describe")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DESCRIBE_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     dropped: int
-    def __init__(self, accepted: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
+    describe: bool
+    def __init__(self, accepted: _Optional[int] = ..., dropped: _Optional[int] = ..., describe: _Optional[bool] = ...) -> None: ...
 
 class ShmSlot(_message.Message):
     __slots__ = ("name", "length")
@@ -97,16 +101,18 @@ class ShmStoreBeginRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ShmStoreBeginResponse(_message.Message):
-    __slots__ = ("lease_id", "slots", "dropped", "present")
+    __slots__ = ("lease_id", "slots", "dropped", "present", "describe")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     PRESENT_FIELD_NUMBER: _ClassVar[int]
+    DESCRIBE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     slots: _containers.RepeatedCompositeFieldContainer[ShmSlot]
     dropped: int
     present: int
-    def __init__(self, lease_id: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[ShmSlot, _Mapping]]] = ..., dropped: _Optional[int] = ..., present: _Optional[int] = ...) -> None: ...
+    describe: bool
+    def __init__(self, lease_id: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[ShmSlot, _Mapping]]] = ..., dropped: _Optional[int] = ..., present: _Optional[int] = ..., describe: _Optional[bool] = ...) -> None: ...
 
 class ShmStoreCommitRequest(_message.Message):
     __slots__ = ("lease_id", "abort")
@@ -151,6 +157,18 @@ class FlushResponse(_message.Message):
     keys: _containers.RepeatedCompositeFieldContainer[KeyTiers]
     complete: bool
     def __init__(self, keys: _Optional[_Iterable[_Union[KeyTiers, _Mapping]]] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("namespace", "spec_json")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    spec_json: str
+    def __init__(self, namespace: _Optional[str] = ..., spec_json: _Optional[str] = ...) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -79,6 +79,11 @@ class CacheStub:
                 request_serializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.FlushRequest.SerializeToString,
                 response_deserializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.FlushResponse.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/kvfabric.rpc.v1.Cache/Describe',
+                request_serializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.DescribeResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -138,6 +143,12 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +196,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.Flush,
                     request_deserializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.FlushRequest.FromString,
                     response_serializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.FlushResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.DescribeRequest.FromString,
+                    response_serializer=kvfabric_dot_rpc_dot_v1_dot_cache__pb2.DescribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +446,33 @@ class Cache:
             '/kvfabric.rpc.v1.Cache/Flush',
             kvfabric_dot_rpc_dot_v1_dot_cache__pb2.FlushRequest.SerializeToString,
             kvfabric_dot_rpc_dot_v1_dot_cache__pb2.FlushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfabric.rpc.v1.Cache/Describe',
+            kvfabric_dot_rpc_dot_v1_dot_cache__pb2.DescribeRequest.SerializeToString,
+            kvfabric_dot_rpc_dot_v1_dot_cache__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,13 +38,28 @@ def main(argv: list[str] | None = None) -> int:
         help="run containers with their securityContext's runAsUser/runAsGroup/fsGroup (needs an "
         "interpreter other users can execute: a Python under a 0700 /root is not)",
     )
+    parser.add_argument(
+        "--relay-port",
+        action="append",
+        type=int,
+        default=[],
+        metavar="PORT",
+        help="a port of the host's 127.0.0.1 that every pod reaches at 127.0.0.1:PORT too (repeatable; "
+        "a cluster service such as the object tier's S3 server)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     specs = []
     for item in args.node:
         name, _, gpus = item.partition(":")
         specs.append(NodeSpec(name, int(gpus) if gpus else 8))
-    runner = PodRunner(args.kubeconfig, args.base, specs, run_as_pod_user=args.run_as_pod_user)
+    runner = PodRunner(
+        args.kubeconfig,
+        args.base,
+        specs,
+        run_as_pod_user=args.run_as_pod_user,
+        relay_ports=tuple(args.relay_port),
+    )
 
     def on_signal(_sig: int, _frame: FrameType | None) -> None:
         runner.stop()

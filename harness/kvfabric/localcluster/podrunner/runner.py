@@ -22,6 +22,7 @@ from kubernetes import client, config
 
 from kvfabric.localcluster import nodes
 from kvfabric.localcluster.podrunner import spec
+from kvfabric.localcluster.podrunner.relay import PortRelay
 
 log = logging.getLogger("kvfabric.podrunner")
 
@@ -111,6 +112,7 @@ class PodWorker(threading.Thread):
         self.deleted = threading.Event()
         self.containers: list[_Container] = []
         self._last_status: Any = None
+        self._relay: PortRelay | None = None
 
     # --- setup -------------------------------------------------------------------------------
     def _volume_dirs(self) -> dict[str, Path]:
@@ -230,6 +232,8 @@ class PodWorker(threading.Thread):
         subprocess.run(["ip", "netns", "del", self.netns], capture_output=True, check=False)
         subprocess.run(["ip", "netns", "add", self.netns], capture_output=True, check=True)
         subprocess.run(["ip", "-n", self.netns, "link", "set", "lo", "up"], capture_output=True, check=True)
+        if self.runner.relay_ports:
+            self._relay = PortRelay(f"/var/run/netns/{self.netns}", self.runner.relay_ports)
 
     def _start(self, c: _Container) -> None:
         script = self.dir / f"{c.plan.name}.sh"
@@ -381,6 +385,8 @@ class PodWorker(threading.Thread):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(c.proc.pid, signal.SIGKILL)
                 c.proc.wait()
+        if self._relay is not None:
+            self._relay.close()
         if not self.host_network:
             subprocess.run(["ip", "netns", "del", self.netns], capture_output=True, check=False)
         shutil.rmtree(Path("/dev/shm/kvfabric-podrunner") / self.uid, ignore_errors=True)
@@ -491,10 +497,18 @@ class PodRunner:
     """Registers fake nodes and runs the pods bound to them until :meth:`stop`."""
 
     def __init__(
-        self, kubeconfig: Path, base: Path, node_specs: list[NodeSpec], *, run_as_pod_user: bool = False
+        self,
+        kubeconfig: Path,
+        base: Path,
+        node_specs: list[NodeSpec],
+        *,
+        run_as_pod_user: bool = False,
+        relay_ports: tuple[int, ...] = (),
     ) -> None:
+        """``relay_ports``: host loopback ports every pod reaches at the same address (relay.py)."""
         api = config.new_client_from_config(config_file=str(kubeconfig))  # type: ignore[no-untyped-call]
         self.run_as_pod_user = run_as_pod_user
+        self.relay_ports = relay_ports
         self.core = client.CoreV1Api(api)
         self.coord = client.CoordinationV1Api(api)
         self.base = base.absolute()

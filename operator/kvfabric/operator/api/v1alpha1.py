@@ -926,6 +926,31 @@ class TierUsage(_Model):
     worst_node_used: str = Field(default="", max_length=16, description="Its fill ratio, e.g. 93.0%.")
 
 
+NamespaceField = Annotated[str, Field(max_length=512)]
+
+
+class NamespaceInUse(_Model):
+    """A compatibility namespace in use: engines share chunks only within one (fields say what it is)."""
+
+    digest: str = Field(max_length=64, description="The namespace: SHA-256 of its description.")
+    fields: dict[str, NamespaceField] = Field(
+        default_factory=dict,
+        description="What it stands for: model, revision, dtype, kv_layout, device, attn_backend, "
+        "block_size, chunk_tokens, tp_size, tp_rank, tenant, payload_key_id...",
+        json_schema_extra={"maxProperties": 32},
+    )
+    nodes: list[Annotated[str, Field(max_length=253)]] = Field(
+        default_factory=list, max_length=16, description="Nodes whose cache server knows it (first 16)."
+    )
+    node_count: int = Field(default=0, description="How many nodes' cache servers know it.")
+    lookup_hits: int = Field(default=0, description="Chunks found by lookups in this namespace.")
+    lookup_misses: int = Field(default=0, description="Chunks looked up in this namespace and not found.")
+    hit_rate: str = Field(
+        default="n/a", max_length=16, description="lookupHits / (lookupHits + lookupMisses)."
+    )
+    stores: int = Field(default=0, description="Chunks stored in this namespace.")
+
+
 class CacheInsight(_Model):
     """What the cache servers report, scraped at a bounded rate (at most once a minute per pool)."""
 
@@ -945,6 +970,21 @@ class CacheInsight(_Model):
         json_schema_extra={"maxProperties": 16},
     )
     tiers: list[TierUsage] = Field(default_factory=list, max_length=8, description="Bytes per tier.")
+    namespaces_in_use: int = Field(
+        default=0, description="Distinct compatibility namespaces the consumers described to the servers."
+    )
+    namespaces: list[NamespaceInUse] = Field(
+        default_factory=list,
+        max_length=16,
+        description="The namespaces in use, most looked-up first (first 16; counters since each server "
+        "learned the namespace).",
+    )
+    namespace_splits: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list,
+        max_length=8,
+        description="Models served under more than one namespace for the same tensor-parallel rank, "
+        "and what differs: such consumers never share chunks (a silent 0 % hit rate between them).",
+    )
 
 
 class KVCachePoolStatus(_Model):
@@ -1021,6 +1061,13 @@ PRINTER_COLUMNS: Final = [
         "jsonPath": ".status.cache.hitRate",
         "priority": 1,
         "description": "lookup hit rate reported by the cache servers",
+    },
+    {
+        "name": "Namespaces",
+        "type": "integer",
+        "jsonPath": ".status.cache.namespacesInUse",
+        "priority": 1,
+        "description": "compatibility namespaces the consumers use",
     },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

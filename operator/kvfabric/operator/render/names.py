@@ -28,9 +28,13 @@ CONFIG_PATH: Final = f"{CONFIG_MOUNT_DIR}/{CONFIG_KEY}"
 HOST_RUN_ROOT: Final = "/run/kvfabric"
 LOCAL_DISK_MOUNT: Final = "/var/lib/kvfabric/local"
 SHARED_MOUNT: Final = "/var/lib/kvfabric/shared"
+# Volumes mounted beside the configuration, never inside CONFIG_MOUNT_DIR: that is a read-only
+# ConfigMap volume, and the runtime cannot create a nested mount point in it ("mkdir ...: read-only
+# file system", the container never starts).
+SECRETS_MOUNT_ROOT: Final = "/var/run/secrets/kvfabric.io"
 # The object-store tier's credentials (a Secret) and CA bundle (a ConfigMap), mounted read-only.
-OBJECT_STORE_SECRET_MOUNT: Final = "/etc/kvfabric/object-store"  # noqa: S105 - a mount path
-OBJECT_STORE_CA_MOUNT: Final = "/etc/kvfabric/object-store-ca"
+OBJECT_STORE_SECRET_MOUNT: Final = f"{SECRETS_MOUNT_ROOT}/object-store"
+OBJECT_STORE_CA_MOUNT: Final = f"{SECRETS_MOUNT_ROOT}/object-store-ca"
 SOCKET_NAME: Final = "cache.sock"
 SHM_NAME: Final = "shm"
 CACHE_CONTAINER: Final = "cache"
@@ -40,8 +44,8 @@ PAYLOAD_PYTHONPATH: Final = f"{PAYLOAD_MOUNT}/site-packages"
 PAYLOAD_ANNOTATION: Final = "kvfabric.io/inject-payload"
 RUN_VOLUME: Final = "kvfabric-run"
 # Per-pool credentials, mounted read-only into the cache servers (and the client side into consumers).
-SERVER_TLS_MOUNT: Final = "/etc/kvfabric/tls"
-CREDENTIALS_MOUNT: Final = "/etc/kvfabric/credentials"
+SERVER_TLS_MOUNT: Final = f"{SECRETS_MOUNT_ROOT}/server-tls"
+CREDENTIALS_MOUNT: Final = f"{SECRETS_MOUNT_ROOT}/credentials"
 CLIENT_TLS_VOLUME: Final = "kvfabric-client-tls"
 CLIENT_TLS_MOUNT: Final = "/var/run/secrets/kvfabric.io/tls"
 PAYLOAD_KEY: Final = "payload-key"

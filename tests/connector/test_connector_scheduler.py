@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfabric.connector.keys import NamespaceSpec, num_loadable_chunks, num_whole_chunks
+from kvfabric.connector.keys import NamespaceSpec, num_loadable_chunks, num_whole_chunks, tail_keys
 from kvfabric.connector.resilient import CircuitBreaker, Endpoint, ResilientCache
 from kvfabric.connector.scheduler import SchedulerHalf
 from kvfabric.connector.settings import ConnectorSettings
@@ -29,7 +29,9 @@ def test_chunked_prefill_loads_the_hit_and_saves_every_other_whole_chunk_once(
 ) -> None:
     store = MemoryTransport()
     cache = ResilientCache([Endpoint("m", lambda: store, CircuitBreaker(100, 60.0))])
-    half = SchedulerHalf(ConnectorSettings(chunk_tokens=CHUNK), SPEC, cache=cache)
+    # A generous lookup deadline: on a loaded machine the in-memory lookup's thread hop can take
+    # longer than the default 100 ms, and a timed-out lookup is a (correct) miss this test does not model.
+    half = SchedulerHalf(ConnectorSettings(chunk_tokens=CHUNK, lookup_deadline_ms=30000), SPEC, cache=cache)
     req = RequestInfo("r", tuple(range(100, 100 + n_tokens)))
     keys = half.chunk_keys(req)
     for key in keys[:stored]:
@@ -40,7 +42,16 @@ def test_chunked_prefill_loads_the_hit_and_saves_every_other_whole_chunk_once(
     table = list(range(1000, 1000 + -(-n_tokens // BLOCK)))
     half.update_state_after_alloc(req, table, ext)
 
+    tkeys = tail_keys(
+        half.namespace,
+        req.token_ids,
+        CHUNK,
+        BLOCK,
+        chunk=n_tokens // CHUNK,
+        parent=keys[n_tokens // CHUNK - 1] if n_tokens >= CHUNK else None,
+    )
     saved: list[int] = []
+    saved_tail: list[int] = []
     computed, first = ext, True
     rolled = False
     for size in steps:
@@ -50,6 +61,7 @@ def test_chunked_prefill_loads_the_hit_and_saves_every_other_whole_chunk_once(
             # A failed load or a preemption: the engine recomputes from ``rollback``.
             computed, rolled = rollback, True
             saved = [c for c in saved if c < rollback // CHUNK]
+            saved_tail = [j for j in saved_tail if (n_tokens // CHUNK) * CHUNK + (j + 1) * BLOCK <= rollback]
         k = min(size, n_tokens - computed)
         blocks = tuple(table) if first else None
         plan = half.build_plan(
@@ -64,7 +76,15 @@ def test_chunked_prefill_loads_the_hit_and_saves_every_other_whole_chunk_once(
         else:
             assert plan.loads == []
         for spec in plan.saves:
-            for key, blocks_of in zip(spec.keys, spec.block_ids, strict=True):
+            # No lost tail: the prompt's partial chunk goes out as tail blocks in the step that
+            # completes the prompt (and again after a rollback past them), each with its one block.
+            for key, blocks_of in zip(spec.keys[spec.whole :], spec.block_ids[spec.whole :], strict=True):
+                j = tkeys.index(key)
+                assert computed + k == n_tokens, "a tail is saved when the prompt is complete"
+                assert blocks_of == [table[(n_tokens // CHUNK) * BPC + j]]
+                assert j not in saved_tail, "a tail block is saved twice"
+                saved_tail.append(j)
+            for key, blocks_of in zip(spec.keys[: spec.whole], spec.block_ids[: spec.whole], strict=True):
                 c = keys.index(key)
                 assert blocks_of == table[c * BPC : (c + 1) * BPC]
                 assert (c + 1) * CHUNK <= computed + k, "a chunk is saved only once it is complete"
@@ -78,4 +98,5 @@ def test_chunked_prefill_loads_the_hit_and_saves_every_other_whole_chunk_once(
     # chunks from r on are saved again (the engine recomputed them), the loaded ones included.
     begin = min(hit_chunks, rollback // CHUNK) if rolled and rollback is not None else hit_chunks
     assert sorted(saved) == list(range(begin, whole))
+    assert sorted(saved_tail) == (list(range(len(tkeys))) if computed >= n_tokens else [])
     cache.close()

@@ -86,14 +86,15 @@ def test_generate_hits_after_first_request_and_survives_cache_death(
     assert (first["hit_tokens"], first["tier"], first["fallback_reason"]) == (0, None, "not-found")
     assert len(first["output_token_ids"]) == 3
     assert first["ttft_ms"] > 0
-    # The store is asynchronous (chunk by chunk); an identical request hits all four chunks once every
-    # one has landed (an earlier one may see a partial prefix, which is correct too).
+    # The store is asynchronous (chunk by chunk); an identical request hits all four chunks and the
+    # tail's one whole block (150 = 4 x 32 + 22: 144 tokens) once every one has landed (an earlier
+    # one may see a partial prefix, which is correct too).
     for _ in range(200):
         status, second = post(pod + "/generate", {"prompt_token_ids": tokens, "max_tokens": 3})
         assert second["output_token_ids"] == first["output_token_ids"]
-        if second["hit_tokens"] == 128:
+        if second["hit_tokens"] == 144:
             break
-    assert (status, second["hit_tokens"], second["tier"]) == (200, 128, "dram")
+    assert (status, second["hit_tokens"], second["tier"]) == (200, 144, "dram")
     assert second["output_token_ids"] == first["output_token_ids"]
     cache.kill()
     status, third = post(pod + "/generate", {"prompt_token_ids": tokens, "max_tokens": 3})

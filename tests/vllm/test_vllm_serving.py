@@ -32,6 +32,7 @@ from kvfabric.testing.vllmrun import next_prompt
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 CHUNK = 256
+BLOCK = 128  # the CPU backend's KV-cache block
 # Generous deadlines: this machine's two cores are shared, and a deadline that expires under load
 # is a (correct) recompute that would hide whether a hit works.
 # The cost model is off: these tests assert which prompts hit, and on this tiny model the cost model
@@ -54,8 +55,23 @@ SERVER_ARGS = [
 
 
 def loadable(prompt: list[int]) -> int:
-    """Tokens kvfabric can serve of a prompt whose whole chunks are all stored."""
-    return num_loadable_chunks(len(prompt), CHUNK) * CHUNK
+    """Tokens kvfabric can serve of a prompt stored before: its whole chunks and its tail blocks.
+
+    The prompt's partial last chunk was stored as tail blocks (its whole 128-token blocks); at least
+    one token is always computed, so a tail block that ends the prompt is not loaded.
+    """
+    n = len(prompt)
+    whole = num_loadable_chunks(n, CHUNK) * CHUNK
+    if n % CHUNK == 0:  # the last chunk was stored whole; it cannot be loaded whole
+        return whole
+    return whole + (n - 1 - whole) // BLOCK * BLOCK
+
+
+def loadable_keys(prompt: list[int]) -> int:
+    """How many stored blocks (whole chunks and tail blocks) serving :func:`loadable` takes."""
+    tokens = loadable(prompt)
+    whole = num_loadable_chunks(len(prompt), CHUNK)
+    return whole + (tokens - whole * CHUNK) // BLOCK
 
 
 def scrape(srv: ServerProcess) -> str:
@@ -123,6 +139,13 @@ def fabric(
             "requests": [
                 {"id": k, "prompt": v, "max_tokens": workload.MAX_TOKENS}
                 for k, v in {**workload.RESTART, **workload.LOADER, **workload.RECOVERY}.items()
+            ]
+            + [
+                {
+                    "id": "tail-round-1",
+                    "prompt": workload.TAIL_CONV["turns"][0],
+                    "max_tokens": workload.TAIL_CONV["max_tokens"],
+                }
             ],
         }
         storing = OfflineRun(vllm_env, store_spec, vllm_workdir, name="stored").start()
@@ -166,14 +189,17 @@ def test_hit_after_vllm_restart(fabric: Fabric) -> None:
     """
     hits0, ext0 = cache_hits(fabric.a), external_hits(fabric.s1)
     loaded0, host0 = loaded_tokens(fabric.s1), cached_by_source(fabric.s1, "host")
-    expected = 0
+    expected = keys = 0
     for rid, prompt in workload.RESTART.items():
         out = fabric.s1.complete(prompt, workload.MAX_TOKENS)
         assert out.tokens == fabric.reference["outputs"][rid], rid
         assert out.cached_tokens == loadable(prompt), rid
         expected += loadable(prompt)
+        keys += loadable_keys(prompt)
+    # restart-a (700 tokens) hits 2 chunks and its tail block: 640 tokens, not 512.
+    assert loadable(workload.RESTART["restart-a"]) == 2 * CHUNK + BLOCK
     assert external_hits(fabric.s1) - ext0 == expected
-    assert cache_hits(fabric.a) - hits0 == expected // CHUNK
+    assert cache_hits(fabric.a) - hits0 == keys
     # The connector's own metrics in vLLM's /metrics (they travel with the next steps' stats) and
     # vLLM's per-source split name kvfabric's tier (DRAM: "host"), not "external_unspecified".
     wait_until(lambda: loaded_tokens(fabric.s1) - loaded0 >= expected, 60, what="vllm:kvfabric_loaded_tokens")
@@ -200,9 +226,15 @@ def test_round_two_on_another_node_hits_the_shared_tier(fabric: Fabric) -> None:
     first = fabric.s1.complete(conv["turns"][0], conv["max_tokens"])
     assert first.tokens == ref[0]
     stored = num_whole_chunks(len(conv["turns"][0]) + conv["max_tokens"], CHUNK)
+    # No lost tail: round 1 (KV of 900 + 15 tokens) also stored its partial chunk's whole block
+    # (768-895).
+    tail = (len(conv["turns"][0]) + conv["max_tokens"] - 1 - stored * CHUNK) // BLOCK
+    assert tail == 1
     # Write-back to the shared tier is asynchronous, and node b learns of it from node a's journal.
     answered = time.monotonic()
-    wait_until(lambda: shared_blocks(fabric.a) >= blocks0 + stored, 60, what="write-back to the volume")
+    wait_until(
+        lambda: shared_blocks(fabric.a) >= blocks0 + stored + tail, 60, what="write-back to the volume"
+    )
     written = time.monotonic()
     wait_until(lambda: shared_blocks(fabric.b) >= shared_blocks(fabric.a), 60, what="node b to see it")
     seen = time.monotonic()
@@ -212,9 +244,37 @@ def test_round_two_on_another_node_hits_the_shared_tier(fabric: Fabric) -> None:
     second = next_prompt(conv["turns"][0], first.tokens, conv["turns"][1])
     out = fabric.s2.complete(second, conv["max_tokens"])
     assert out.tokens == ref[1]
-    assert out.cached_tokens == stored * CHUNK
-    assert external_hits(fabric.s2) - ext0 == stored * CHUNK
-    assert cache_hits(fabric.b, "shared") - shared0 == stored
+    assert out.cached_tokens == stored * CHUNK + tail * BLOCK
+    assert external_hits(fabric.s2) - ext0 == stored * CHUNK + tail * BLOCK
+    assert cache_hits(fabric.b, "shared") - shared0 == stored + tail
+
+
+def test_round_two_reuses_round_one_tail(fabric: Fabric) -> None:
+    """No lost tail: round 2 reuses every whole block round 1 computed, not only whole chunks.
+
+    Round 1 of the chat ran in the storing offline run (which exited); round 2 goes to server 1,
+    which never saw round 1, so every cached token is kvfabric's. Round 1 computed the KV of its
+    650-token prompt and 259 of its 260 answer tokens: 909 tokens, i.e. 7 whole 128-token blocks
+    (896 tokens: three 256-token chunks, the third spanning prompt and answer, and one tail block of
+    answer tokens), what vLLM's own prefix cache would keep. Before tails kvfabric served 512 (the
+    prompt's whole chunks). Tokens are identical to the reference run.
+    """
+    conv, ref = workload.TAIL_CONV, fabric.reference["conversations"]["tail"]
+    first = fabric.stored["outputs"]["tail-round-1"]
+    assert first == ref[0]
+    computed = len(conv["turns"][0]) + len(first) - 1  # the last answer token is never fed back
+    whole_blocks = computed // BLOCK * BLOCK
+    chunks = whole_blocks // CHUNK
+    assert (whole_blocks, chunks) == (896, 3)
+    hits0, loaded0 = cache_hits(fabric.a), loaded_tokens(fabric.s1)
+    out = fabric.s1.complete(next_prompt(conv["turns"][0], first, conv["turns"][1]), conv["max_tokens"])
+    assert out.tokens == ref[1]
+    assert out.cached_tokens == whole_blocks
+    assert cache_hits(fabric.a) - hits0 == chunks + 1  # three chunks and the tail block
+    wait_until(
+        lambda: loaded_tokens(fabric.s1) - loaded0 >= whole_blocks, 60, what="vllm:kvfabric_loaded_tokens"
+    )
+    assert loaded_tokens(fabric.s1) - loaded0 == whole_blocks
 
 
 def test_load_while_other_requests_decode(fabric: Fabric) -> None:

@@ -32,6 +32,10 @@ DECODE_TOKENS = 960
 FAULTS = {f"fault-{i}": tokens(1000, 512) + tokens(100 + i, 300) for i in range(8)}
 # Round 1 on one server, round 2 on another that shares the first one's volume.
 SHARED_CONV: dict[str, Any] = {"id": "shared", "turns": [tokens(7, 900), tokens(8, 120)], "max_tokens": 16}
+# No lost tail: round 1 (stored by the offline run) is a 650-token prompt and a 260-token answer, so
+# round 1 computed the KV of 909 tokens: 3 chunks (the third spans prompt and answer) and one whole
+# 128-token block of answer tokens. Round 2, on a server that never saw round 1, reuses all 896.
+TAIL_CONV: dict[str, Any] = {"id": "tail", "turns": [tokens(11, 650), tokens(12, 200)], "max_tokens": 260}
 # Chats whose total context exceeds a deliberately small KV cache (evictions and preemptions).
 _SYSTEM = tokens(9, 512)
 PRESSURE_CONVS: list[dict[str, Any]] = [
@@ -65,4 +69,4 @@ def requests() -> list[dict[str, Any]]:
 
 def conversations() -> list[dict[str, Any]]:
     """Every multi-round conversation."""
-    return [SHARED_CONV, *PRESSURE_CONVS]
+    return [SHARED_CONV, TAIL_CONV, *PRESSURE_CONVS]

@@ -12,6 +12,7 @@ This is the only data path today; see :mod:`kvfabric.connector.datapath` for the
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import logging
 import threading
 import time
@@ -44,6 +45,8 @@ class _PendingLoad:
     staging: bytearray
     buffers: list[memoryview]
     futures: list[cf.Future[LoadOutcome]]
+    tail_offset: int = 0
+    """Where the tail blocks' payloads start in ``staging`` (after the whole chunks')."""
 
     def settled(self) -> bool:
         """True when nothing can write into ``staging`` any more.
@@ -89,6 +92,8 @@ class HostStagingPath:
         self.store_queue_bytes = store_queue_bytes
         self.counters = counters
         self.geometry: layout.ChunkGeometry | None = None
+        self.block_geometry: layout.ChunkGeometry | None = None
+        """The payload of one tail block (a single engine block, same layers)."""
         self._kv: dict[str, torch.Tensor] = {}
         # loads
         self._loads: list[_PendingLoad] = []
@@ -114,6 +119,17 @@ class HostStagingPath:
         self._kv = dict(kv_caches)
         self.geometry = layout.ChunkGeometry.from_kv_caches(
             self._kv, block_size=self.block_size, chunk_tokens=self.chunk_tokens
+        )
+        self.block_geometry = dataclasses.replace(self.geometry, blocks_per_chunk=1)
+
+    def _sizes(self, whole: int, tail: int) -> tuple[list[int], list[int]]:
+        """Payload bytes and tokens of ``whole`` chunks followed by ``tail`` tail blocks."""
+        geo, bgeo = self.geometry, self.block_geometry
+        assert geo is not None
+        assert bgeo is not None
+        return (
+            [geo.payload_bytes] * whole + [bgeo.payload_bytes] * tail,
+            [self.chunk_tokens] * whole + [self.block_size] * tail,
         )
 
     # ------------------------------------------------------------------ loads
@@ -161,18 +177,24 @@ class HostStagingPath:
         self._load_deadline = deadline
         pool = self._loader()
         for spec in loads:
-            staging = self._take_staging(len(spec.keys) * geo.payload_bytes)
-            buffers = [
-                memoryview(staging)[i * geo.payload_bytes : (i + 1) * geo.payload_bytes]
-                for i in range(len(spec.keys))
-            ]
+            sizes, tokens = self._sizes(spec.whole, spec.tail)
+            staging = self._take_staging(sum(sizes))
+            buffers, offset = [], 0
+            for size in sizes:
+                buffers.append(memoryview(staging)[offset : offset + size])
+                offset += size
             futures = [
-                pool.submit(self._load_group, spec.keys[g : g + GROUP_CHUNKS], buffers[g : g + GROUP_CHUNKS])
+                pool.submit(
+                    self._load_group,
+                    spec.keys[g : g + GROUP_CHUNKS],
+                    buffers[g : g + GROUP_CHUNKS],
+                    tokens[g : g + GROUP_CHUNKS],
+                )
                 for g in range(0, len(spec.keys), GROUP_CHUNKS)
             ]
-            self._loads.append(_PendingLoad(spec, staging, buffers, futures))
+            self._loads.append(_PendingLoad(spec, staging, buffers, futures, spec.whole * geo.payload_bytes))
 
-    def _load_group(self, keys: list[str], buffers: list[memoryview]) -> LoadOutcome:
+    def _load_group(self, keys: list[str], buffers: list[memoryview], tokens: list[int]) -> LoadOutcome:
         """Load and verify one group of chunks (loader thread); the count is of *intact* chunks."""
         geo, cache = self.geometry, self.cache
         if cache is None or geo is None:
@@ -190,7 +212,7 @@ class HostStagingPath:
                     buffers[i],
                     namespace=self.namespace,
                     key=keys[i],
-                    num_tokens=self.chunk_tokens,
+                    num_tokens=tokens[i],
                     num_layers=len(geo.layers),
                     mac_key=self.mac_key,
                 )
@@ -227,32 +249,45 @@ class HostStagingPath:
                     for later in pl.futures[g + 1 :]:
                         later.cancel()
                     break
-            self.counters.add("loaded_bytes", valid * geo.payload_bytes)
+            self.counters.add("loaded_bytes", sum(len(b) for b in pl.buffers[:valid]))
             failed = len(pl.spec.keys) - valid
             results.append(LoadResult(valid, reason if failed else None, time.monotonic() - t0))
         return results
 
     def _scatter(self, pl: _PendingLoad, begin: int, end: int) -> None:
-        """Copy chunks ``begin..end`` of ``pl`` into every registered layer."""
-        geo = self.geometry
+        """Copy chunks ``begin..end`` of ``pl`` into every registered layer (tail blocks: their block)."""
+        geo, bgeo = self.geometry, self.block_geometry
         assert geo is not None
+        assert bgeo is not None
+        whole = pl.spec.whole
         if begin >= end:
             return
         for idx, kv in enumerate(self._kv.values()):
-            first = begin
-            if first == 0 and pl.spec.skip_blocks:
+            first, last = begin, min(end, whole)
+            if first < last and first == 0 and pl.spec.skip_blocks:
                 # The first chunk is partly in the engine's own prefix cache already.
                 layout.scatter_layer(
                     geo, idx, pl.buffers[0], kv, pl.spec.block_ids[0], first_block=pl.spec.skip_blocks
                 )
                 first = 1
-            layout.scatter_chunks(
-                geo,
-                idx,
-                memoryview(pl.staging)[first * geo.payload_bytes :],
-                kv,
-                pl.spec.block_ids[first:end],
-            )
+            if first < last:
+                layout.scatter_chunks(
+                    geo,
+                    idx,
+                    memoryview(pl.staging)[first * geo.payload_bytes :],
+                    kv,
+                    pl.spec.block_ids[first:last],
+                )
+            t_first = max(begin, whole)
+            if t_first < end:
+                # Tail blocks: single-block payloads, each written into exactly its one block.
+                layout.scatter_chunks(
+                    bgeo,
+                    idx,
+                    memoryview(pl.staging)[pl.tail_offset + (t_first - whole) * bgeo.payload_bytes :],
+                    kv,
+                    pl.spec.block_ids[t_first:end],
+                )
 
     def abandon_loads(self) -> None:
         """Forget the started loads (their staging is reused only if their calls finished)."""
@@ -269,17 +304,22 @@ class HostStagingPath:
         return bytearray(size)
 
     def begin_saves(self, saves: Sequence[SaveSpec]) -> None:
-        """Allocate one staging buffer per save spec (its payloads back to back)."""
-        geo = self.geometry
-        assert geo is not None
-        self._saves = [(spec, self._take_save_staging(len(spec.keys) * geo.payload_bytes)) for spec in saves]
+        """Allocate one staging buffer per save spec (its payloads back to back, tail blocks last)."""
+        self._saves = [
+            (spec, self._take_save_staging(sum(self._sizes(spec.whole, spec.tail)[0]))) for spec in saves
+        ]
 
     def save_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
-        """Gather ``layer`` of every prepared chunk from ``kv_layer`` into its staging payload."""
-        geo = self.geometry
+        """Gather ``layer`` of every prepared chunk (and tail block) from ``kv_layer`` into its payload."""
+        geo, bgeo = self.geometry, self.block_geometry
         assert geo is not None
+        assert bgeo is not None
         for spec, staging in self._saves:
-            layout.gather_chunks(geo, layer, kv_layer, spec.block_ids, staging)
+            whole = spec.whole
+            layout.gather_chunks(geo, layer, kv_layer, spec.block_ids[:whole], staging)
+            if spec.tail:
+                tail_view = memoryview(staging)[whole * geo.payload_bytes :]
+                layout.gather_chunks(bgeo, layer, kv_layer, spec.block_ids[whole:], tail_view)
 
     def abandon_saves(self) -> int:
         """Drop the prepared chunks; return how many."""
@@ -313,14 +353,17 @@ class HostStagingPath:
         try:
             assert geo is not None
             assert cache is not None
-            size = geo.payload_bytes
-            payloads = [memoryview(staging)[i * size : (i + 1) * size] for i in range(len(spec.keys))]
-            for key, payload in zip(spec.keys, payloads, strict=True):
+            sizes, tokens = self._sizes(spec.whole, spec.tail)
+            payloads, offset = [], 0
+            for size in sizes:
+                payloads.append(memoryview(staging)[offset : offset + size])
+                offset += size
+            for key, payload, num_tokens in zip(spec.keys, payloads, tokens, strict=True):
                 layout.seal(
                     payload,
                     namespace=self.namespace,
                     key=key,
-                    num_tokens=self.chunk_tokens,
+                    num_tokens=num_tokens,
                     num_layers=len(geo.layers),
                     mac_key=self.mac_key,
                 )

@@ -13,6 +13,9 @@ namespace is hashed from a canonical JSON document with sorted keys.
   namespace), so the boundary between tokens and extras is unambiguous.
 
 ``H`` is SHA-256 (32 bytes, lower-case hex on the wire and on disk).
+
+A chunk that is not whole (the tail of a prompt) is cached as *tail blocks*, one engine block each,
+keyed in their own domain (:func:`tail_keys`).
 """
 
 from __future__ import annotations
@@ -208,22 +211,60 @@ def chunk_extras(inputs: RequestInputs, chunk_tokens: int, num_chunks: int) -> l
     another key); ``cache_salt`` goes into the first chunk only (the chain carries it into every
     later key); prompt embeddings go in as the SHA-256 of the chunk's rows.
     """
-    out: list[bytes] = []
-    for i in range(num_chunks):
+    return [span_extra(inputs, i * chunk_tokens, (i + 1) * chunk_tokens) for i in range(num_chunks)]
+
+
+def span_extra(inputs: RequestInputs, start: int, end: int) -> bytes:
+    """Return the canonical encoding of the ``inputs`` that reach tokens ``[start, end)``.
+
+    The rule of :func:`chunk_extras` for any span (a chunk, or one tail block): the LoRA adapter
+    always; each multimodal item the span overlaps, with its offset relative to ``start``;
+    ``cache_salt`` when the span starts the prompt; the SHA-256 of the span's embedding rows.
+    """
+    items: list[list[object]] = []
+    if inputs.lora is not None:
+        items.append(["lora", *inputs.lora])
+    for span in inputs.mm:
+        if span.offset < end and start < span.offset + span.length:
+            items.append(["mm", span.identifier, span.offset - start])
+    if inputs.cache_salt is not None and start == 0:
+        items.append(["salt", inputs.cache_salt])
+    if inputs.prompt_embeds is not None:
+        row = inputs.prompt_embeds_row_bytes
+        rows = inputs.prompt_embeds[start * row : end * row]
+        items.append(["embeds", hashlib.sha256(rows).hexdigest()])
+    return _encode_extra(items)
+
+
+def extend_chunk_keys(
+    namespace: str,
+    token_ids: Sequence[int],
+    chunk_tokens: int,
+    keys: Sequence[str],
+    *,
+    inputs: RequestInputs | None = None,
+) -> list[str]:
+    """Return ``keys`` (the leading chunk keys of ``token_ids``) extended to all its whole chunks.
+
+    Equal to ``chunk_keys(namespace, token_ids, chunk_tokens, inputs=inputs)`` when ``keys`` is a
+    prefix of it, at the cost of hashing only the new chunks (tokens that arrive as the engine
+    generates them).
+    """
+    n = num_whole_chunks(len(token_ids), chunk_tokens)
+    out = list(keys)
+    if n <= len(out):
+        return out
+    prev = bytes.fromhex(out[-1]) if out else root_key(namespace)
+    plain = inputs is None or inputs.plain
+    for i in range(len(out), n):
         start, end = i * chunk_tokens, (i + 1) * chunk_tokens
-        items: list[list[object]] = []
-        if inputs.lora is not None:
-            items.append(["lora", *inputs.lora])
-        for span in inputs.mm:
-            if span.offset < end and start < span.offset + span.length:
-                items.append(["mm", span.identifier, span.offset - start])
-        if inputs.cache_salt is not None and start == 0:
-            items.append(["salt", inputs.cache_salt])
-        if inputs.prompt_embeds is not None:
-            row = inputs.prompt_embeds_row_bytes
-            rows = inputs.prompt_embeds[start * row : end * row]
-            items.append(["embeds", hashlib.sha256(rows).hexdigest()])
-        out.append(_encode_extra(items))
+        h = hashlib.sha256(prev)
+        h.update(encode_tokens(token_ids[start:end]))
+        if not plain:
+            assert inputs is not None
+            h.update(span_extra(inputs, start, end))
+        prev = h.digest()
+        out.append(prev.hex())
     return out
 
 
@@ -255,6 +296,76 @@ def chunk_keys(
         h.update(encode_tokens(token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]))
         if extras is not None:
             h.update(extras[i])
+        prev = h.digest()
+        keys.append(prev.hex())
+    return keys
+
+
+TAIL_DOMAIN = hashlib.sha256(b"kvfabric tail block v1").digest()
+"""Prefix of every tail-block preimage. A whole chunk's preimage starts with its parent key (a
+SHA-256 output), so a tail key could only equal a chunk key if SHA-256 collided or some key were
+this fixed digest: tails and chunks live in separate key domains."""
+
+
+def root_key(namespace: str) -> bytes:
+    """Return ``key_{-1} = H(namespace)``, the parent of chunk 0 (and of chunk 0's tail blocks)."""
+    if not is_hex64(namespace):
+        raise ValueError("namespace must be 64 lower-case hex characters")
+    return hashlib.sha256(bytes.fromhex(namespace)).digest()
+
+
+def tail_keys(
+    namespace: str,
+    token_ids: Sequence[int],
+    chunk_tokens: int,
+    block_size: int,
+    *,
+    chunk: int,
+    parent: str | None,
+    max_blocks: int | None = None,
+    inputs: RequestInputs | None = None,
+) -> list[str]:
+    """Return the keys of the tail blocks of chunk ``chunk``: the partial chunk, block by block.
+
+    A chunk that is not whole is cached as a chain of single-block *tail blocks*:
+    ``tail_1 = H(TAIL_DOMAIN || parent || 1 || tokens of block 1 || extra_1)`` and
+    ``tail_j = H(TAIL_DOMAIN || tail_{j-1} || j || tokens of block j || extra_j)``, where ``parent``
+    is the key of chunk ``chunk - 1`` (``None`` for chunk 0: ``H(namespace)``), ``j`` a ``uint32``
+    (the tail's length in blocks) and ``extra_j`` the inputs that reach block ``j``
+    (:func:`span_extra`). Tail key ``j`` therefore commits to the whole prefix before the chunk and
+    to exactly the ``j * block_size`` token ids of the tail, so a tail of another length, of other
+    tokens or behind another prefix is another key, and the domain tag keeps every tail key apart
+    from every chunk key. Because they chain, one prefix lookup of ``tail_1..tail_B`` finds the
+    longest stored tail of at most ``B`` blocks.
+
+    At most ``chunk_tokens // block_size - 1`` keys (a tail is shorter than its chunk: a chunk with
+    all its blocks is cached whole), and no more than the tokens present cover, nor ``max_blocks``.
+    """
+    if chunk_tokens <= 0 or block_size <= 0 or chunk_tokens % block_size:
+        raise ValueError("chunk_tokens must be a positive multiple of block_size")
+    begin = chunk * chunk_tokens
+    n = min(chunk_tokens // block_size - 1, max(len(token_ids) - begin, 0) // block_size)
+    if max_blocks is not None:
+        n = min(n, max(max_blocks, 0))
+    if parent is None:
+        if chunk != 0:
+            raise ValueError("only chunk 0 has no parent key")
+        prev = root_key(namespace)
+    else:
+        if not is_hex64(parent):
+            raise ValueError("parent must be a key (64 lower-case hex characters)")
+        prev = bytes.fromhex(parent)
+    plain = inputs is None or inputs.plain
+    keys: list[str] = []
+    for j in range(1, n + 1):
+        start, end = begin + (j - 1) * block_size, begin + j * block_size
+        h = hashlib.sha256(TAIL_DOMAIN)
+        h.update(prev)
+        h.update(struct.pack("<I", j))
+        h.update(encode_tokens(token_ids[start:end]))
+        if not plain:
+            assert inputs is not None
+            h.update(span_extra(inputs, start, end))
         prev = h.digest()
         keys.append(prev.hex())
     return keys

@@ -20,19 +20,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvfabric.connector import keys as keyslib
 from kvfabric.connector import layout
 from kvfabric.connector.costmodel import CostModel, PrefillSample, RestoreSample
-from kvfabric.connector.resilient import Counters, Reason, ResilientCache
+from kvfabric.connector.resilient import Counters, LookupOutcome, Reason, ResilientCache
 from kvfabric.connector.settings import ConnectorSettings
 from kvfabric.connector.steps import (
     LoadSpec,
     RequestInfo,
     Role,
     SaveSpec,
+    ScheduledRequest,
     StepInput,
     StepPlan,
     WorkerFeedback,
@@ -53,6 +55,9 @@ def slowest_tier(tiers: Sequence[str]) -> str | None:
 class _ReqState:
     token_ids: list[int]
     keys: list[str]
+    inputs: keyslib.RequestInputs = field(default_factory=keyslib.RequestInputs)
+    prompt_len: int = 0
+    tokens_frozen: bool = False  # new token ids that did not continue the known ones: stop extending
     hit_tokens: int = 0
     matched_chunks: int = 0
     tiers: list[str] = field(default_factory=list)
@@ -62,6 +67,14 @@ class _ReqState:
     progress: int = 0  # tokens computed as of the last step
     last_reason: Reason | None = None
     load_deadline_s: float | None = None  # from the cost model: no longer than the expected saving
+    # No lost tail: the tail blocks found behind the matched whole chunks (of chunk tail_chunk) and
+    # the tail blocks of the request's partial last chunk (saved_tail_chunk) saved so far.
+    tail_chunk: int = -1
+    matched_tail: int = 0
+    tail_tiers: list[str] = field(default_factory=list)
+    saved_tail_chunk: int = -1
+    saved_tail: int = 0
+    tail_keys: dict[int, list[str]] = field(default_factory=dict)
 
 
 class SchedulerHalf:
@@ -107,12 +120,32 @@ class SchedulerHalf:
     def _state(self, request: RequestInfo) -> _ReqState:
         st = self._reqs.get(request.req_id)
         if st is None:
-            st = _ReqState(list(request.token_ids), self.chunk_keys(request))
+            st = _ReqState(
+                list(request.token_ids), self.chunk_keys(request), request.inputs, len(request.token_ids)
+            )
             self._reqs[request.req_id] = st
         return st
 
+    def _tail_keys(self, st: _ReqState, chunk: int) -> list[str]:
+        """The tail-block keys of chunk ``chunk`` of the request (as many as its tokens cover)."""
+        keys = st.tail_keys.get(chunk)
+        if keys is None:
+            keys = keyslib.tail_keys(
+                self.namespace,
+                st.token_ids,
+                self.chunk_tokens,
+                self.block_size,
+                chunk=chunk,
+                parent=st.keys[chunk - 1] if chunk > 0 else None,
+                inputs=st.inputs,
+            )
+            st.tail_keys[chunk] = keys
+        return keys
+
     def num_new_matched_tokens(self, request: RequestInfo, num_computed_tokens: int) -> int:
-        """Return the tokens the cache can add beyond ``num_computed_tokens`` (whole chunks).
+        """Return the tokens the cache can add beyond ``num_computed_tokens``.
+
+        Whole chunks, then (``tail`` on) the longest stored tail of the next chunk, in whole blocks.
 
         Never raises: any failure is "no hit" (the engine recomputes).
         """
@@ -124,19 +157,30 @@ class SchedulerHalf:
             st = self._reqs.get(request.req_id)
             if st is not None:
                 st.hit_tokens, st.matched_chunks, st.pending_load = 0, 0, None
+                st.matched_tail, st.tail_chunk = 0, -1
             return 0
 
     def _num_new_matched_tokens(self, request: RequestInfo, num_computed_tokens: int) -> int:
         if self.cache is None:
             return 0
         st = self._state(request)
-        loadable = keyslib.num_loadable_chunks(len(st.token_ids), self.chunk_tokens)
-        if loadable == 0 or loadable * self.chunk_tokens <= num_computed_tokens:
+        n = len(st.token_ids)
+        loadable = keyslib.num_loadable_chunks(n, self.chunk_tokens)
+        # At least one prompt token is always computed; a hit ends on a block boundary.
+        ceiling_tokens = ((n - 1) // self.block_size) * self.block_size if n > 0 else 0
+        if not self.settings.tail:
+            ceiling_tokens = loadable * self.chunk_tokens
+        st.matched_tail, st.tail_chunk, st.tail_tiers = 0, -1, []
+        if ceiling_tokens == 0 or ceiling_tokens <= num_computed_tokens:
             st.hit_tokens, st.matched_chunks = 0, 0
             return 0
         ceiling = self.settings.lookup_deadline_ms / 1000
-        deadline = self.costs.lookup_deadline(len(st.token_ids), ceiling) if self.costs else ceiling
-        outcome = self.cache.lookup(self.namespace, st.keys[:loadable], deadline)
+        deadline = self.costs.lookup_deadline(n, ceiling) if self.costs else ceiling
+        started = time.monotonic()
+        if loadable:
+            outcome = self.cache.lookup(self.namespace, st.keys[:loadable], deadline)
+        else:
+            outcome = LookupOutcome(0, [], Reason.NOT_FOUND)
         st.matched_chunks, st.tiers, st.last_reason = outcome.matched, outcome.tiers, outcome.reason
         if self.costs is not None and outcome.reason is None and outcome.matched:
             plan = self.costs.plan(outcome.tiers[: outcome.matched], computed=num_computed_tokens)
@@ -153,9 +197,17 @@ class SchedulerHalf:
             st.load_deadline_s = (
                 self.costs.load_deadline(plan, self.settings.load_deadline_ms / 1000) if plan.chunks else None
             )
-        hit = st.matched_chunks * self.chunk_tokens
-        if outcome.reason is not None:
-            self.counters.miss(outcome.reason, loadable)
+        # With the cost model a tail is probed only behind a kept chunk: a tail-only hit is short,
+        # and the model has no say on it.
+        if (
+            self.settings.tail
+            and st.matched_chunks == outcome.matched
+            and (self.costs is None or st.matched_chunks > 0)
+        ):
+            self._lookup_tail(st, outcome, deadline - (time.monotonic() - started))
+        hit = st.matched_chunks * self.chunk_tokens + st.matched_tail * self.block_size
+        if st.last_reason is not None and st.last_reason is not Reason.RECOMPUTE_FASTER:
+            self.counters.miss(st.last_reason, loadable)
         elif st.last_reason is Reason.RECOMPUTE_FASTER:
             pass
         elif hit < self.settings.min_hit_tokens:
@@ -166,7 +218,36 @@ class SchedulerHalf:
         if hit <= num_computed_tokens:
             return 0
         self.counters.add("hit_tokens", hit - num_computed_tokens)
+        if st.matched_tail:
+            self.counters.add("tail_hit_blocks", st.matched_tail)
         return hit - num_computed_tokens
+
+    def _lookup_tail(self, st: _ReqState, outcome: LookupOutcome, budget_s: float) -> None:
+        """Find the longest stored tail of the chunk after the matched whole chunks (one lookup).
+
+        Only where the whole-chunk lookup worked (found all it could, or stopped at a missing
+        chunk) and the cost model kept every chunk it found: a tail is usable only behind a prefix
+        that is in the engine's cache. A failed tail lookup costs the tail, never the whole hit.
+        """
+        if outcome.reason not in (None, Reason.NOT_FOUND):
+            return
+        m, n = st.matched_chunks, len(st.token_ids)
+        room = min(
+            self.chunk_tokens // self.block_size - 1, (n - 1 - m * self.chunk_tokens) // self.block_size
+        )
+        if room <= 0 or budget_s <= 0 or self.cache is None:
+            return
+        keys = self._tail_keys(st, m)[:room]
+        if not keys:
+            return
+        self.counters.add("tail_lookups")
+        tail = self.cache.lookup(self.namespace, keys, budget_s)
+        if tail.reason is None and tail.matched:
+            st.tail_chunk, st.matched_tail, st.tail_tiers = m, tail.matched, list(tail.tiers)
+            if st.last_reason is Reason.NOT_FOUND:
+                st.last_reason = None  # the tail is a hit
+        elif tail.reason is not None and tail.reason is not Reason.NOT_FOUND:
+            self.counters.add(f"tail_lookup_failed.{tail.reason.value}")
 
     def update_state_after_alloc(
         self, request: RequestInfo, block_ids: Sequence[int] | None, num_external_tokens: int
@@ -202,6 +283,8 @@ class SchedulerHalf:
                     st.block_ids = list(s.block_ids)
                 else:
                     st.block_ids.extend(s.block_ids)
+            if s.new_token_ids:
+                self._extend_tokens(st, s)
             progress[s.req_id] = s.num_computed_tokens
             scheduled[s.req_id] = s.num_scheduled_tokens
         for req_id, computed in progress.items():
@@ -215,36 +298,108 @@ class SchedulerHalf:
             self._reqs.pop(req_id, None)
         return plan
 
+    def _extend_tokens(self, st: _ReqState, s: ScheduledRequest) -> None:
+        """Append the tokens the engine generated (only where they continue the known ones)."""
+        if st.tokens_frozen:
+            return
+        if s.token_offset != len(st.token_ids) or not self.settings.tail:
+            # Not a continuation (or generated tokens are not stored): never guess which tokens
+            # a position holds; this request stores nothing past what it knows.
+            st.tokens_frozen = s.token_offset != len(st.token_ids)
+            return
+        before = len(st.token_ids)
+        st.token_ids.extend(s.new_token_ids)
+        st.keys = keyslib.extend_chunk_keys(
+            self.namespace, st.token_ids, self.chunk_tokens, st.keys, inputs=st.inputs
+        )
+        # Tail keys computed while the partial chunk had fewer tokens cover fewer blocks.
+        st.tail_keys.pop(before // self.chunk_tokens, None)
+
     def _plan_request(
         self, plan: StepPlan, req_id: str, st: _ReqState, computed: int, scheduled: int
     ) -> None:
         bpc = self.chunk_tokens // self.block_size
+        n = len(st.token_ids)
         if computed < st.progress:
             # The engine rolled the request back (a failed load, preemption): chunks past the
             # new position were never stored intact, so they must be saved again.
             st.saved_chunks = min(st.saved_chunks, computed // self.chunk_tokens)
             st.matched_chunks = min(st.matched_chunks, computed // self.chunk_tokens)
+            st.saved_tail = min(st.saved_tail, self._blocks_in_chunk(computed, st.saved_tail_chunk))
+            if st.tail_chunk >= 0:
+                st.matched_tail = min(st.matched_tail, self._blocks_in_chunk(computed, st.tail_chunk))
         if st.pending_load is not None:
             start, end = st.pending_load
             st.pending_load = None
-            first, last = start // self.chunk_tokens, end // self.chunk_tokens
-            skip = (start - first * self.chunk_tokens) // self.block_size
-            chunks = [self._chunk_blocks(st, c) for c in range(first, last)]
-            if chunks:
-                chunks[0] = chunks[0][skip:]
-            plan.loads.append(
-                LoadSpec(req_id, st.keys[first:last], chunks, skip, st.tiers[first:last], st.load_deadline_s)
-            )
-        done = min(computed + scheduled, len(st.token_ids))
+            spec = self._load_spec(req_id, st, start, end)
+            if spec.keys:
+                plan.loads.append(spec)
+        done = min(computed + scheduled, n)
         complete = keyslib.num_whole_chunks(done, self.chunk_tokens)
         begin = max(st.saved_chunks, st.matched_chunks)
         todo = [c for c in range(begin, complete) if len(self._chunk_blocks(st, c)) == bpc]
-        if todo:
-            plan.saves.append(
-                SaveSpec(req_id, [st.keys[c] for c in todo], [self._chunk_blocks(st, c) for c in todo])
-            )
+        keys = [st.keys[c] for c in todo]
+        blocks = [self._chunk_blocks(st, c) for c in todo]
+        tail: list[int] = []
+        if self.settings.tail and done >= st.prompt_len:
+            # From the step that completes the prompt on: the partial last chunk, cut to whole
+            # blocks, is stored as tail blocks (each once, those the cache did not already give
+            # us), in the step that computes them, while the engine holds the blocks. During
+            # decoding each block of generated tokens is stored as it fills (the request may end
+            # at any step); when its chunk is whole, the chunk is stored whole as well.
+            q = done // self.chunk_tokens
+            if st.saved_tail_chunk != q:
+                st.saved_tail_chunk, st.saved_tail = q, 0
+            have = self._blocks_in_chunk(done, q)
+            begin_t = max(st.saved_tail, st.matched_tail if st.tail_chunk == q else 0)
+            first_block = q * bpc
+            tail = [j for j in range(begin_t, have) if first_block + j < len(st.block_ids)]
+            if tail:
+                tkeys = self._tail_keys(st, q)
+                keys += [tkeys[j] for j in tail]
+                blocks += [[st.block_ids[first_block + j]] for j in tail]
+                self.counters.add("tail_saved_blocks", len(tail))
+            st.saved_tail = max(st.saved_tail, have)
+        if keys:
+            plan.saves.append(SaveSpec(req_id, keys, blocks, tail=len(tail)))
         st.saved_chunks = max(st.saved_chunks, complete)
         st.progress = done
+
+    def _blocks_in_chunk(self, tokens: int, chunk: int) -> int:
+        """Whole blocks of chunk ``chunk`` inside the first ``tokens`` tokens."""
+        return max(0, tokens - chunk * self.chunk_tokens) // self.block_size
+
+    def _load_spec(self, req_id: str, st: _ReqState, start: int, end: int) -> LoadSpec:
+        """The keys and destination blocks of the hit's token range ``[start, end)``.
+
+        Whole chunks first (the first one may be partly in the engine's own prefix cache already:
+        ``skip_blocks``), then the tail blocks behind them; ``start`` is on a block boundary.
+        """
+        whole_end = min(end, st.matched_chunks * self.chunk_tokens)
+        keys: list[str] = []
+        blocks: list[list[int]] = []
+        tiers: list[str] = []
+        skip = 0
+        if start < whole_end:
+            first, last = start // self.chunk_tokens, whole_end // self.chunk_tokens
+            skip = (start - first * self.chunk_tokens) // self.block_size
+            blocks = [self._chunk_blocks(st, c) for c in range(first, last)]
+            if blocks:
+                blocks[0] = blocks[0][skip:]
+            keys, tiers = st.keys[first:last], st.tiers[first:last]
+        tail = 0
+        if st.matched_tail and st.tail_chunk == st.matched_chunks and end > whole_end:
+            base = st.tail_chunk * self.chunk_tokens
+            t_first = max(0, start - base) // self.block_size
+            t_last = min(st.matched_tail, (end - base) // self.block_size)
+            tkeys = self._tail_keys(st, st.tail_chunk)
+            first_block = st.tail_chunk * (self.chunk_tokens // self.block_size)
+            for j in range(t_first, t_last):
+                keys.append(tkeys[j])
+                blocks.append([st.block_ids[first_block + j]])
+                tiers.append(st.tail_tiers[j] if j < len(st.tail_tiers) else "")
+                tail += 1
+        return LoadSpec(req_id, keys, blocks, skip, tiers, st.load_deadline_s, tail=tail)
 
     def observe(self, feedback: WorkerFeedback | None) -> None:
         """Learn from one step's worker feedback (vLLM: ``update_connector_output``)."""
@@ -266,7 +421,7 @@ class SchedulerHalf:
         st = self._reqs.get(req_id)
         if st is None or not st.hit_tokens:
             return None
-        return slowest_tier(st.tiers[: st.hit_tokens // self.chunk_tokens])
+        return slowest_tier(st.tiers[: st.matched_chunks] + st.tail_tiers[: st.matched_tail])
 
     def lookup_reason(self, req_id: str) -> Reason | None:
         """Return why the last lookup for the request found nothing (``None`` after a hit)."""

@@ -115,6 +115,10 @@ class ConnectorSettings(BaseSettings):
     restore costs measured as the engine runs; lookup and load deadlines then follow the expected
     prefill time (``lookup_deadline_ms`` and ``load_deadline_ms`` stay the ceilings). Skipped hits are
     counted as ``miss.recompute-faster``."""
+    tail: bool = True
+    """No lost tail: store each prompt's partial last chunk, cut to whole engine blocks, as tail blocks
+    (``keys.tail_keys``) and load the longest stored tail after the whole chunks, so the next round of
+    a chat reuses everything the engine's block size allows; false: whole chunks only."""
     local_index: bool = False
     """Same node: answer lookups from the index the cache server publishes in shared memory (no call
     per lookup); remote endpoints always use the RPC."""

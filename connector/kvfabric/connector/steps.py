@@ -50,6 +50,12 @@ class ScheduledRequest:
     replaces_blocks: bool = False
     """True when ``block_ids`` is the request's whole block table (a new or a resumed request);
     False when the blocks are appended to the table it already has."""
+    new_token_ids: tuple[int, ...] = ()
+    """Token ids of the request beyond those the adapter passed before (vLLM: the tokens it
+    generated), so the chunks and tail blocks of generated tokens can be stored too."""
+    token_offset: int = 0
+    """Position of ``new_token_ids[0]`` in the request's tokens (the prompt first). The half
+    appends them only where they continue exactly what it knows."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,11 @@ class StepInput:
 
 @dataclass
 class LoadSpec:
-    """Load the chunks ``keys`` into the blocks ``block_ids[i]`` (skipping ``skip_blocks`` of chunk 0)."""
+    """Load the chunks ``keys`` into the blocks ``block_ids[i]`` (skipping ``skip_blocks`` of chunk 0).
+
+    The last ``tail`` keys are tail blocks (:func:`kvfabric.connector.keys.tail_keys`): one block
+    each, ``block_ids[i] == [block]``, and they follow every whole chunk of the spec.
+    """
 
     req_id: str
     keys: list[str]
@@ -72,15 +82,32 @@ class LoadSpec:
     tiers: list[str] = field(default_factory=list)
     deadline_s: float | None = None
     """How long the load may take (the cost model's expected saving); None: ``load_deadline_ms``."""
+    tail: int = 0
+    """Trailing keys that are single-block tail blocks, not whole chunks."""
+
+    @property
+    def whole(self) -> int:
+        """Leading keys that are whole chunks."""
+        return len(self.keys) - self.tail
 
 
 @dataclass
 class SaveSpec:
-    """Save the chunks ``keys``, held in the blocks ``block_ids[i]``."""
+    """Save the chunks ``keys``, held in the blocks ``block_ids[i]``.
+
+    The last ``tail`` keys are single-block tail blocks (``block_ids[i] == [block]``).
+    """
 
     req_id: str
     keys: list[str]
     block_ids: list[list[int]]
+    tail: int = 0
+    """Trailing keys that are single-block tail blocks, not whole chunks."""
+
+    @property
+    def whole(self) -> int:
+        """Leading keys that are whole chunks."""
+        return len(self.keys) - self.tail
 
 
 @dataclass

@@ -25,6 +25,7 @@ releases are absorbed here (see :func:`step_input_from_vllm`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -462,6 +463,8 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         )
         # Scheduler: req_id -> (vLLM's Request, chunk key -> chunk index) for the KV events.
         self._requests: dict[str, tuple[Any, dict[str, int]]] = {}
+        # Scheduler: req_id -> how many of its token ids the half has been given.
+        self._known_tokens: dict[str, int] = {}
         self._lookups = TransitionLog("lookups", log)
         self._loads_state = TransitionLog("loads", log)
         log.info(
@@ -521,7 +524,7 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
             restore = self._worker.restore_s
             for report in self._worker.take_load_reports():
                 self._loads_state.note(report.reason.value if report.reason else None)
-        data = stats_payload(self._deltas.take(), self.settings.chunk_tokens, restore)
+        data = stats_payload(self._deltas.take(), self.settings.chunk_tokens, restore, self._half.block_size)
         return KVFabricStats(data=data) if data else None
 
     @classmethod
@@ -584,7 +587,7 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         half = self.scheduler_half
         if half.cache is None:
             return KVFabricMetadata()
-        plan = half.build_plan(step_input_from_vllm(scheduler_output))
+        plan = half.build_plan(self._with_generated_tokens(step_input_from_vllm(scheduler_output)))
         drop_overwritten_from_zeroing(scheduler_output, plan)
         if self._events.enabled:
             for save in plan.saves:
@@ -592,6 +595,34 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
                 if request is not None:
                     self._events.stored(request, save.keys, index)
         return KVFabricMetadata(loads=plan.loads, saves=plan.saves)
+
+    def _with_generated_tokens(self, step: StepInput) -> StepInput:
+        """Hand the half the token ids each scheduled request generated since the last step.
+
+        From vLLM's ``Request.all_token_ids`` (prompt + accepted outputs; placeholders of
+        asynchronous scheduling and unverified draft tokens are not in it), so generated tokens'
+        chunks and blocks are stored too. Prompt-embedding requests are left out (their token ids
+        are not what the model saw).
+        """
+        if not self.settings.tail:
+            return step
+        scheduled = []
+        for sr in step.scheduled:
+            request, _index = self._requests.get(sr.req_id, (None, {}))
+            ids = getattr(request, "all_token_ids", None)
+            prompt = getattr(request, "prompt_token_ids", None)
+            if ids is None or prompt is None or getattr(request, "prompt_embeds", None) is not None:
+                scheduled.append(sr)
+                continue
+            known = self._known_tokens.get(sr.req_id, len(prompt))
+            total = len(ids)
+            if total > known:
+                self._known_tokens[sr.req_id] = total
+                sr_new = dataclasses.replace(sr, new_token_ids=tuple(ids[known:total]), token_offset=known)
+                scheduled.append(sr_new)
+                continue
+            scheduled.append(sr)
+        return StepInput(tuple(scheduled), step.finished_req_ids)
 
     def take_events(self) -> list[Any]:
         """KV events (``BlockStored``/``BlockRemoved``, medium ``CPU``) since the last step."""
@@ -601,6 +632,7 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         """Free blocks at once: saves copied them out during the step."""
         self.scheduler_half.request_finished(str(request.request_id))
         self._requests.pop(str(request.request_id), None)
+        self._known_tokens.pop(str(request.request_id), None)
         return False, None
 
     # ---------------- worker side ----------------

@@ -119,14 +119,27 @@ class CounterDeltas:
             return delta
 
 
-def stats_payload(deltas: Mapping[str, int], chunk_tokens: int, restore_s: float = 0.0) -> dict[str, Any]:
-    """The stats payload of one step: counter deltas plus derived token counts and restore time."""
+def stats_payload(
+    deltas: Mapping[str, int], chunk_tokens: int, restore_s: float = 0.0, block_size: int = 0
+) -> dict[str, Any]:
+    """The stats payload of one step: counter deltas plus derived token counts and restore time.
+
+    Tokens are whole chunks of ``chunk_tokens`` plus tail blocks of ``block_size``.
+    """
     data: dict[str, Any] = dict(deltas)
-    if deltas.get("loaded_chunks"):
-        data["loaded_tokens"] = deltas["loaded_chunks"] * chunk_tokens
+    loaded = deltas.get("loaded_chunks", 0) * chunk_tokens + deltas.get("loaded_tail_blocks", 0) * block_size
+    if loaded:
+        data["loaded_tokens"] = loaded
+    failed: dict[str, int] = {}
     for name, value in deltas.items():
         if name.startswith("fallback_chunks."):
-            data["load_failed_tokens." + name.removeprefix("fallback_chunks.")] = value * chunk_tokens
+            reason = name.removeprefix("fallback_chunks.")
+            failed[reason] = failed.get(reason, 0) + value * chunk_tokens
+        elif name.startswith("fallback_tail_blocks."):
+            reason = name.removeprefix("fallback_tail_blocks.")
+            failed[reason] = failed.get(reason, 0) + value * block_size
+    for reason, tokens in failed.items():
+        data["load_failed_tokens." + reason] = tokens
     if restore_s > 0:
         data["restore_seconds"] = restore_s
     return data

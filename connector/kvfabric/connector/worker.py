@@ -176,7 +176,9 @@ class WorkerHalf:
         if self.disabled is not None:
             for spec in plan.loads:
                 self._failed_reqs.add(spec.req_id)
-                self.counters.fallback(Reason.NAMESPACE_MISMATCH, len(spec.keys))
+                self.counters.fallback(Reason.NAMESPACE_MISMATCH, spec.whole)
+                if spec.tail:
+                    self.counters.add(f"fallback_tail_blocks.{Reason.NAMESPACE_MISMATCH.value}", spec.tail)
                 for blocks in spec.block_ids:
                     self._load_errors.update(blocks)
             return
@@ -212,13 +214,21 @@ class WorkerHalf:
         self._loads_pending = False
         for spec, res in zip(plan.loads, results, strict=True):
             failed = len(spec.keys) - res.loaded
+            # Whole chunks and tail blocks are counted apart: vLLM's metrics turn them into tokens.
+            whole_loaded = min(res.loaded, spec.whole)
+            tail_loaded = res.loaded - whole_loaded
             if failed:
                 self._failed_reqs.add(spec.req_id)
-                self.counters.fallback(res.reason or Reason.NOT_FOUND, failed)
+                reason = res.reason or Reason.NOT_FOUND
+                self.counters.fallback(reason, spec.whole - whole_loaded)
+                if spec.tail - tail_loaded:
+                    self.counters.add(f"fallback_tail_blocks.{reason.value}", spec.tail - tail_loaded)
                 for blocks in spec.block_ids[res.loaded :]:
                     self._load_errors.update(blocks)
-            self.counters.add("loaded_chunks", res.loaded)
-            self._step_loads.append((slowest_tier(spec.tiers[: res.loaded]), res.loaded, not failed))
+            self.counters.add("loaded_chunks", whole_loaded)
+            if tail_loaded:
+                self.counters.add("loaded_tail_blocks", tail_loaded)
+            self._step_loads.append((slowest_tier(spec.tiers[: res.loaded]), whole_loaded, not failed))
             self._reports.append(
                 LoadReport(
                     spec.req_id,

@@ -359,6 +359,7 @@ def _object_ttft(srv: Any, say: Any, tokens_n: int = 16384) -> dict[str, Any]:
     settings = ConnectorSettings(
         socket=str(srv.config.listen.unix_socket), shm_dir=str(srv.shm_dir), chunk_tokens=256,
         lookup_deadline_ms=1000, load_deadline_ms=60000, store_deadline_ms=60000,
+        tail=False,  # whole chunks only: the object tier's restore of a fixed 1024-token prefix
     )  # fmt: skip
     off = Engine(cfg, num_blocks=blocks, model=model)
     off.generate(prompt(256, 0, cfg.vocab_size), 1)  # warm up torch's kernels

@@ -219,6 +219,9 @@ def run(args: argparse.Namespace) -> int:
             socket=str(srv.socket), shm_dir=str(srv.shm_dir), chunk_tokens=chunk,
             lookup_deadline_ms=1000, load_deadline_ms=30000, store_deadline_ms=30000,
             cost_model=decide,
+            # Whole chunks only: bytes moved and the raw tier bandwidth are counted in chunks (a tail
+            # would add one small block of the 32-token suffix to every hit).
+            tail=False,
         )  # fmt: skip
 
     def engine(srv: CacheServerProcess | None, *, decide: bool = False) -> Any:

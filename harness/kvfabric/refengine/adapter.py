@@ -9,6 +9,7 @@ and :class:`~kvfabric.connector.worker.WorkerHalf`. Nothing here decides anythin
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,9 +62,11 @@ class SchedulerConnector:
     def __init__(self, half: SchedulerHalf) -> None:
         """Drive ``half``."""
         self.core = half
+        self._known: dict[str, int] = {}
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """External tokens beyond ``num_computed_tokens``; loads are synchronous."""
+        self._known.setdefault(request.request_id, len(request.prompt_token_ids))
         return self.core.num_new_matched_tokens(request_info(request), num_computed_tokens), False
 
     def update_state_after_alloc(
@@ -75,8 +78,21 @@ class SchedulerConnector:
         )
 
     def build_connector_meta(self, so: SchedulerOutput) -> StepPlan:
-        """This step's plan."""
-        return self.core.build_plan(step_input(so))
+        """This step's plan (with the tokens each request generated, as ``vllm.py`` passes them)."""
+        step = step_input(so)
+        tokens = so.scheduled_cached_reqs.all_token_ids
+        scheduled = []
+        for sr in step.scheduled:
+            ids = tokens.get(sr.req_id)
+            known = self._known.get(sr.req_id)
+            if ids is not None and known is not None and len(ids) > known:
+                self._known[sr.req_id] = len(ids)
+                scheduled.append(
+                    dataclasses.replace(sr, new_token_ids=tuple(ids[known:]), token_offset=known)
+                )
+                continue
+            scheduled.append(sr)
+        return self.core.build_plan(StepInput(tuple(scheduled), step.finished_req_ids))
 
     def update_connector_output(self, feedback: WorkerFeedback | None) -> None:
         """The workers' report of the step (vLLM: ``KVConnectorOutput``): feeds the cost model."""
@@ -85,6 +101,7 @@ class SchedulerConnector:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; its blocks may be freed at once."""
         self.core.request_finished(request.request_id)
+        self._known.pop(request.request_id, None)
         return False, None
 
     def shutdown(self) -> None:

@@ -71,6 +71,8 @@ class CachedRequestData:
     resumed_req_ids: set[str] = field(default_factory=set)
     new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    all_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Each request's tokens so far, prompt and generated (vLLM: ``Request.all_token_ids``)."""
 
 
 @dataclass
@@ -303,11 +305,13 @@ class Engine:
                 reason = lr.value if lr else None
             for i in range(max_tokens - 1):
                 pos = n + i
+                tokens = [*prompt, *out]
                 so = SchedulerOutput(
-                    scheduled_cached_reqs=CachedRequestData([req.request_id], set(), [None], [pos]),
+                    scheduled_cached_reqs=CachedRequestData(
+                        [req.request_id], set(), [None], [pos], {req.request_id: tokens}
+                    ),
                     num_scheduled_tokens={req.request_id: 1},
                 )
-                tokens = [*prompt, *out]
                 step_req = Request(req.request_id, tokens, lora)
                 logits, _ = self._step(so, step_req, pos, 1, table)
                 out.append(int(torch.argmax(logits)))

@@ -148,6 +148,24 @@ def test_breaker_cooldown_doubles_per_failed_probe_and_resets_on_success() -> No
     assert br.allow()
 
 
+def test_a_refused_probe_keeps_the_first_cooldown() -> None:
+    """A dead server refuses at once: probing it every cooldown is cheap, and finds it back soon."""
+    clock = FakeClock()
+    br = CircuitBreaker(1, 1.0, clock, max_cooldown_s=8.0)
+    br.failure(slow=False)
+    for _ in range(4):
+        clock.now += 1.0
+        assert br.allow()
+        br.failure(slow=False)  # still refused
+    clock.now += 1.0
+    assert br.allow()  # never more than the first cooldown
+    br.failure()  # a timeout (hung): now it doubles
+    clock.now += 1.0
+    assert not br.allow()
+    clock.now += 1.0
+    assert br.allow()
+
+
 def test_breaker_lets_another_probe_through_when_one_never_reports() -> None:
     """A probe taken and never reported (no success, failure or abandon) is presumed lost."""
     clock = FakeClock()

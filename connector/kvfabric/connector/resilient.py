@@ -192,12 +192,17 @@ class CircuitBreaker:
         with self._lock:
             self._probing = False
 
-    def failure(self) -> None:
-        """Record a timeout or an unreachable server."""
+    def failure(self, *, slow: bool = True) -> None:
+        """Record a timeout (``slow``) or an unreachable server (``slow=False``).
+
+        Only a probe that timed out doubles the cooldown: it cost its caller the whole deadline (a
+        hung server). A refused connection fails in microseconds, so a dead server is probed again
+        after the first cooldown, and a restarted one is used again within about that long.
+        """
         with self._lock:
             self._failures += 1
-            if self._probing:  # the half-open probe failed: wait longer before the next one
-                self._cooldown = min(self._max, self._cooldown * 2)
+            if self._probing:  # the half-open probe failed
+                self._cooldown = min(self._max, self._cooldown * 2) if slow else self._base
             self._probing = False
             if self._failures >= self._threshold:
                 self._open_until = self._clock() + self._cooldown
@@ -366,7 +371,7 @@ class ResilientCache:
                         abandoned.append(fut)
                     reason = classify(exc)
                     if reason in (Reason.TIMEOUT, Reason.UNAVAILABLE):
-                        ep.breaker.failure()
+                        ep.breaker.failure(slow=reason is Reason.TIMEOUT)
                     else:
                         ep.breaker.success()
                     log.debug("cache call to %s failed: %s (%r)", ep.name, reason, exc)
@@ -400,7 +405,7 @@ class ResilientCache:
         try:
             res: LookupResult | None = local(namespace, keys)
         except CacheUnavailable as exc:
-            ep.breaker.failure()
+            ep.breaker.failure(slow=False)
             log.debug("published index of %s: %r", ep.name, exc)
             self.counters.add(f"error.{ep.name}.{Reason.UNAVAILABLE.value}")
             return LookupOutcome(0, [], Reason.UNAVAILABLE)

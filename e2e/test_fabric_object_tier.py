@@ -15,37 +15,20 @@ from typing import Any
 import pytest
 
 from kvfabric.demo.fabric import Fabric, wait_pool_ready
-from kvfabric.demo.workloads import engine_deployment, generate, prompt, ready_pods
+from kvfabric.demo.workloads import (
+    engine_deployment,
+    generate,
+    object_store_secret,
+    pool_manifest,
+    prompt,
+    ready_pods,
+    with_object_tier,
+)
 from kvfabric.localcluster.testing import wait_for
 
 POOL = "pool-s3"
 CHUNK = 64
 METRICS_PORT = 9090  # the pool default (spec.metrics.port)
-
-
-def object_pool(fabric: Fabric) -> dict[str, Any]:
-    s3 = fabric.object_store
-    assert s3 is not None
-    return {
-        "apiVersion": "kvfabric.io/v1alpha1",
-        "kind": "KVCachePool",
-        "metadata": {"name": POOL},
-        "spec": {
-            "image": {"repository": "ghcr.io/kvfabric/kvfabric", "tag": "v0.1.0"},
-            "chunkTokens": CHUNK,
-            "consumers": {"deadlines": {"lookupMs": 2000, "loadMs": 10000}},
-            "tiers": {
-                "memory": {"size": "256Mi"},
-                "objectStore": {
-                    "endpoint": s3.endpoint,
-                    "bucket": s3.bucket,
-                    "pathStyle": True,
-                    "credentials": {"secretName": "s3-keys"},
-                    "capacity": "1Gi",
-                },
-            },
-        },
-    }
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +38,9 @@ def deployed(fabric: Fabric) -> Iterator[tuple[Fabric, str]]:
     s3 = fabric.object_store
     assert s3 is not None
     with fabric.cluster.namespace("e2e-s3") as ns:
-        fabric.cluster.kubectl(
-            "create",
-            "secret",
-            "generic",
-            "s3-keys",
-            "-n",
-            ns,
-            f"--from-literal=AWS_ACCESS_KEY_ID={s3.access_key}",
-            f"--from-literal=AWS_SECRET_ACCESS_KEY={s3.secret_key}",
-        )
-        fabric.cluster.apply(object_pool(fabric), namespace=ns)
+        fabric.cluster.apply(object_store_secret(s3, "s3-keys"), namespace=ns)
+        pool = with_object_tier(pool_manifest(POOL, chunk_tokens=CHUNK), s3, "s3-keys")
+        fabric.cluster.apply(pool, namespace=ns)
         wait_pool_ready(fabric.cluster, ns, POOL)
         fabric.cluster.apply(engine_deployment("engine-s3", POOL), namespace=ns)
         wait_for(

@@ -17,7 +17,13 @@ from typing import Any
 import yaml
 
 from kvfabric.demo.fabric import SHARED_STORAGE_CLASS, Fabric, repo_root, running_fabric, wait_pool_ready
-from kvfabric.demo.workloads import engine_deployment, generate, ready_pods
+from kvfabric.demo.workloads import (
+    engine_deployment,
+    generate,
+    object_store_secret,
+    ready_pods,
+    with_object_tier,
+)
 from kvfabric.localcluster.testing import wait_for
 from kvfabric.testing.s3server import S3Server
 
@@ -58,15 +64,7 @@ def sample_pool(object_store: S3Server | None = None) -> dict[str, Any]:
     path = repo_root() / "manifests" / "samples" / "kvfabric.io_v1alpha1_kvcachepool.yaml"
     pool: dict[str, Any] = yaml.safe_load(path.read_text())
     if object_store is not None:
-        pool["spec"]["tiers"].pop("shared", None)
-        pool["spec"]["tiers"]["objectStore"] = {
-            "endpoint": object_store.endpoint,
-            "bucket": object_store.bucket,
-            "pathStyle": True,
-            "credentials": {"secretName": OBJECT_STORE_SECRET},
-            "capacity": "20Gi",
-        }
-        return pool
+        return with_object_tier(pool, object_store, OBJECT_STORE_SECRET, capacity="20Gi", local_disk=True)
     pool["spec"]["tiers"].setdefault(
         "shared",
         {
@@ -209,16 +207,7 @@ def deploy_and_replay(
     pool = sample_pool(s3)
     name = pool["metadata"]["name"]
     if s3 is not None:
-        cluster.kubectl(
-            "create",
-            "secret",
-            "generic",
-            OBJECT_STORE_SECRET,
-            "-n",
-            namespace,
-            f"--from-literal=AWS_ACCESS_KEY_ID={s3.access_key}",
-            f"--from-literal=AWS_SECRET_ACCESS_KEY={s3.secret_key}",
-        )
+        cluster.apply(object_store_secret(s3, OBJECT_STORE_SECRET), namespace=namespace)
         progress(
             f"applying the sample pool {name!r} (manifests/samples) with an object tier at {s3.endpoint}"
         )

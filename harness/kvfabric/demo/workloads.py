@@ -10,6 +10,7 @@ from kvfabric.localcluster.testing import ClusterHandle
 
 if TYPE_CHECKING:
     from kvfabric.demo.fabric import Fabric
+    from kvfabric.testing.s3server import S3Server
 
 ENGINE_PORT = 8000
 
@@ -39,6 +40,37 @@ def pool_manifest(name: str, *, memory: str = "256Mi", chunk_tokens: int = 64) -
                 },
             },
         },
+    }
+
+
+def with_object_tier(
+    pool: dict[str, Any], s3: S3Server, secret: str, *, capacity: str = "1Gi", local_disk: bool = False
+) -> dict[str, Any]:
+    """``pool`` with its shared volume replaced by ``s3``'s bucket (keys in ``secret``).
+
+    Its node-local disk goes too unless ``local_disk``: then nothing but DRAM and the bucket.
+    """
+    tiers = pool["spec"]["tiers"]
+    tiers.pop("shared", None)
+    if not local_disk:
+        tiers.pop("localDisk", None)
+    tiers["objectStore"] = {
+        "endpoint": s3.endpoint,
+        "bucket": s3.bucket,
+        "pathStyle": True,
+        "credentials": {"secretName": secret},
+        "capacity": capacity,
+    }
+    return pool
+
+
+def object_store_secret(s3: S3Server, name: str) -> dict[str, Any]:
+    """The Secret with ``s3``'s key pair under the keys the pool's credentials default to."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name},
+        "stringData": {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key},
     }
 
 

@@ -246,3 +246,60 @@ async def test_a_server_error_is_not_a_rejection() -> None:
     with pytest.raises(ApiError):
         await run(kube)
     assert "status" not in kube.objects[("KVCachePool", "ns", "p")]
+
+
+class CountingKube(FakeKube):
+    """Counts the reads that reach "the API server" (a reconcile from warm caches needs only the pool)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[tuple[str, str]] = []
+
+    async def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        self.reads.append(("get", kind))
+        return await super().get(kind, namespace, name)
+
+    async def list(self, kind: str, namespace: str | None = None, **kw: Any) -> list[dict[str, Any]]:
+        self.reads.append(("list", kind))
+        return await super().list(kind, namespace, **kw)
+
+
+@pytest.mark.asyncio
+async def test_a_reconcile_from_synced_informers_lists_nothing_from_the_api_server() -> None:
+    """Pods, children and cache-server pods come from the informers' indexes: no LIST per reconcile
+    (only GETs of the pool and of its credential Secrets, which are not cached)."""
+    from kvfabric.operator.controller import Controller
+    from kvfabric.operator.informer import CachedReader
+
+    kube = CountingKube()
+    add_pool(kube)
+    await run(kube)  # the children exist now
+    # The cache-server pods the DaemonSet would create, labelled as its template says.
+    (ds,) = [o for (k, _, _), o in kube.objects.items() if k == "DaemonSet"]
+    for node in ("n1", "n2"):
+        labels = dict(ds["spec"]["template"]["metadata"]["labels"])
+        kube.objects[("Pod", "ns", f"cache-{node}")] = {
+            "kind": "Pod",
+            "metadata": {"name": f"cache-{node}", "namespace": "ns", "labels": labels},
+            "spec": {"nodeName": node},
+            "status": {"phase": "Running", "podIP": "10.0.0.1"},
+        }
+    # The leader's informers, exactly as the controller declares them, filled from the same objects.
+    controller = Controller(lambda: kube, injection_enabled=True)  # type: ignore[arg-type,return-value]
+    informers = controller.informers(kube)  # type: ignore[arg-type]
+    for informer in informers:
+        for obj in await FakeKube.list(kube, informer.kind, None):
+            labels = obj.get("metadata", {}).get("labels") or {}
+            parsed = informer.label_selector.split(",")
+            if all(
+                ("=" in p and labels.get(p.split("=")[0]) == p.split("=")[1]) or p in labels for p in parsed
+            ):
+                informer._put(obj)
+        informer.synced.set()
+    reader = CachedReader(kube, informers)  # type: ignore[arg-type]
+    kube.reads.clear()
+    result = await reconcile.reconcile_pool(kube, "ns", "p", injection_enabled=True, reader=reader)  # type: ignore[arg-type]
+    assert result is not None
+    assert [r for r in kube.reads if r[0] == "list"] == [], kube.reads
+    assert {kind for _, kind in kube.reads} <= {"KVCachePool", "Secret"}, kube.reads
+    assert reader.fallbacks == 0

@@ -186,3 +186,10 @@ def test_stale_consumers_are_reported() -> None:
         "overTcp": 0,
     }
     assert "StaleConsumers" in [e.reason for e in events]
+
+
+def test_a_hand_edited_injected_annotation_counts_as_injected_not_over_tcp() -> None:
+    odd = pod("h1")
+    odd["metadata"]["annotations"][names.INJECTED_ANNOTATION] = 'not json, "transport":"tcp"'
+    counts = consumer_counts([odd], "h1")
+    assert (counts["injected"], counts["over_tcp"]) == (1, 0)

@@ -204,7 +204,8 @@ class KVFabricPromMetrics(_VllmPromMetrics):  # type: ignore[misc]
 
 
 # kvfabric tier -> vLLM's CacheHitSource value (``prompt_tokens_cached_by_source``): the node's DRAM
-# is host memory; its local disk and the shared volume are disks.
+# is host memory; its local disk and the shared volume are disks. The object tier is a remote store,
+# which vLLM's enum (0.32) leaves to its fallback, EXTERNAL_UNSPECIFIED.
 TIER_SOURCES = {"dram": "host", "local_disk": "disk", "shared": "disk"}
 UNSPECIFIED_SOURCE = "external_unspecified"
 

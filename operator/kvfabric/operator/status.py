@@ -8,6 +8,7 @@ available, and the template still carries the configuration hash this reconcile 
 from __future__ import annotations
 
 import datetime as dt
+import json
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple, TypeVar
 
@@ -108,6 +109,15 @@ def _int(obj: dict[str, Any] | None, key: str) -> int:
     return int(obj.get(key) or 0)
 
 
+def _injected_detail(annotations: dict[str, Any]) -> dict[str, Any]:
+    """The webhook's ``kvfabric.io/injected`` JSON; ``{}`` when absent or not JSON (a hand edit)."""
+    try:
+        detail = json.loads(str(annotations.get(names.INJECTED_ANNOTATION) or "{}"))
+    except ValueError:
+        return {}
+    return detail if isinstance(detail, dict) else {}
+
+
 def consumer_counts(pods: list[dict[str, Any]], current_hash: str | None) -> dict[str, Any]:
     """Count opted-in pods: matched, injected with the current hash, stale (older hash), skipped.
 
@@ -128,7 +138,7 @@ def consumer_counts(pods: list[dict[str, Any]], current_hash: str | None) -> dic
                 injected += 1
             else:
                 stale += 1
-            if '"transport":"tcp"' in str(annotations.get(names.INJECTED_ANNOTATION)):
+            if _injected_detail(annotations).get("transport") == "tcp":
                 over_tcp += 1
         elif names.SKIP_REASON_ANNOTATION in annotations:
             skipped += 1

@@ -145,6 +145,20 @@ def stats_payload(
     return data
 
 
+# Stats keys exported as one counter each (per engine): the key -> (metric name, help text).
+_PLAIN_COUNTERS: dict[str, tuple[str, str]] = {
+    "loaded_tokens": (
+        "vllm:kvfabric_loaded_tokens",
+        "Prompt tokens whose KV kvfabric loaded into the KV cache (failed loads excluded)",
+    ),
+    "loaded_bytes": ("vllm:kvfabric_loaded_bytes", "Payload bytes kvfabric loaded into the KV cache"),
+    "restore_seconds": (
+        "vllm:kvfabric_restore_seconds",
+        "Seconds engine steps spent blocked restoring KV from kvfabric",
+    ),
+}
+
+
 class KVFabricPromMetrics(_VllmPromMetrics):  # type: ignore[misc]
     """kvfabric's counters as Prometheus metrics in vLLM's ``/metrics`` (labelled like vLLM's own)."""
 
@@ -158,25 +172,14 @@ class KVFabricPromMetrics(_VllmPromMetrics):  # type: ignore[misc]
         """Register the metrics with vLLM's metric classes (vLLM chooses the registry)."""
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         labels = list(labelnames)
-        self._loaded = self._counter_cls(
-            name="vllm:kvfabric_loaded_tokens",
-            documentation="Prompt tokens whose KV kvfabric loaded into the KV cache (failed loads excluded)",
-            labelnames=labels,
-        )
+        self._plain = {
+            key: self._counter_cls(name=name, documentation=doc, labelnames=labels)
+            for key, (name, doc) in _PLAIN_COUNTERS.items()
+        }
         self._failed = self._counter_cls(
             name="vllm:kvfabric_load_failed_tokens",
             documentation="Prompt tokens kvfabric promised but could not load (recomputed), by reason",
             labelnames=[*labels, "reason"],
-        )
-        self._bytes = self._counter_cls(
-            name="vllm:kvfabric_loaded_bytes",
-            documentation="Payload bytes kvfabric loaded into the KV cache",
-            labelnames=labels,
-        )
-        self._restore = self._counter_cls(
-            name="vllm:kvfabric_restore_seconds",
-            documentation="Seconds engine steps spent blocked restoring KV from kvfabric",
-            labelnames=labels,
         )
         self._events = self._counter_cls(
             name="vllm:kvfabric_events",
@@ -190,14 +193,10 @@ class KVFabricPromMetrics(_VllmPromMetrics):  # type: ignore[misc]
         for name, value in transfer_stats_data.items():
             if not value or value < 0:
                 continue
-            if name == "loaded_tokens":
-                self._loaded.labels(*values).inc(value)
+            if name in self._plain:
+                self._plain[name].labels(*values).inc(value)
             elif name.startswith("load_failed_tokens."):
                 self._failed.labels(*values, name.removeprefix("load_failed_tokens.")).inc(value)
-            elif name == "loaded_bytes":
-                self._bytes.labels(*values).inc(value)
-            elif name == "restore_seconds":
-                self._restore.labels(*values).inc(value)
             derived = name in ("loaded_tokens", "restore_seconds") or name.startswith("load_failed_tokens.")
             if not derived:
                 self._events.labels(*values, name).inc(value)

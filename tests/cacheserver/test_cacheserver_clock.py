@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import urllib.request
 from pathlib import Path
 
@@ -64,8 +65,14 @@ def test_a_server_two_days_ahead_on_a_client_stamped_volume_expires_nothing_earl
                 prev = lease.stat().st_mtime_ns
                 wait_until(lambda prev=prev: lease.stat().st_mtime_ns != prev, what="a janitor tick")
             assert lease.stat().st_mtime > ok_lease_mtime(shared) + DAY, "the skew is real on the volume"
+            expired = [r for r in ah.log_records() if r.get("message") == "bucket expired"]
             assert len(list((shared / "buckets").rglob("*.blk"))) == 4, (
-                "no bucket younger than the TTL expired"
+                "no bucket younger than the TTL expired",
+                # Which server expired what, and when node-ok last renewed its lease (a peer whose
+                # lease stops changing for lease_seconds counts as dead: its clock no longer counts).
+                expired[:4],
+                [r for r in ok.log_records() if r.get("message") == "bucket expired"][:4],
+                round(time.time() - ok_lease_mtime(shared), 3),
             )
             assert live_tmp.exists(), "another server's live temp file was reaped"
             stats = ca.stats(timeout=5)

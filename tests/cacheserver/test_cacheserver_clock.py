@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfabric.cacheserver.engine.ttl import LocalClock, PeerClocks
+from kvfabric.cacheserver.engine.ttl import LocalClock, PeerClocks, SharedClock, clock_path
 from kvfabric.client import CacheClient
 from kvfabric.testing.serverproc import cache_server, digest, payload_for, wait_until
 
@@ -33,6 +33,36 @@ def test_peer_liveness_and_clocks_come_from_watching_leases_change(tmp_path: Pat
     gone = PeerClocks(leases, "me", lease_seconds=0)
     gone.observe()
     assert gone.live() == [], "unchanged for lease_seconds of our monotonic clock: dead"
+
+
+class _TouchedBetween(LocalClock):
+    """This server's (correct) clock, with a peer touching its clock file between our touch and read."""
+
+    def __init__(self, peer: SharedClock | None = None) -> None:
+        super().__init__()
+        self.peer = peer
+
+    def stamp(self, path: Path) -> None:
+        super().stamp(path)
+        if self.peer is not None:
+            self.peer.sync()
+
+
+def test_a_peer_touching_its_clock_between_our_touch_and_read_does_not_move_our_clock(tmp_path: Path) -> None:
+    """A client-stamped volume, a peer two days ahead whose touch lands between ours and our read.
+
+    With one clock file for every server, that read returned the peer's clock: this server then
+    believed it was two days ahead and expired every bucket (a CI run caught it as a flaky test).
+    """
+    ahead = SharedClock(clock_path(tmp_path, "node-ahead"), LocalClock(skew_seconds=2 * DAY))
+    local = _TouchedBetween()
+    ok = SharedClock(clock_path(tmp_path, "node-ok"), local)
+    local.peer = ahead
+    assert ok.sync()
+    now = ok.now()
+    assert now is not None
+    assert now == pytest.approx(time.time(), abs=60)
+    assert ahead.now() == pytest.approx(time.time() + 2 * DAY, abs=60)
 
 
 @pytest.mark.process

@@ -341,33 +341,70 @@ def test_requests_beyond_the_kv_cache_are_preempted(fabric: Fabric) -> None:
     assert metric_sum(fabric.s1.metrics(), "vllm:num_preemptions") > pre0, "no preemption: no pressure"
 
 
+def _quiescent_stores(srv: ServerProcess) -> None:
+    """Wait until the cache server's store count stops moving (the connector stores in the background)."""
+    seen = [-1.0]
+
+    def settled() -> bool:
+        now = metric_sum(scrape(srv), "kvfabric_cache_stores")
+        done = now == seen[0]
+        seen[0] = now
+        return done
+
+    wait_until(settled, 60, interval=1.0, what="the connector's background stores")
+
+
+def _flush_vllm_prefix_cache(vllm: VllmServer, salt: int) -> None:
+    """Evict every block of vLLM's own prefix cache with other traffic.
+
+    vLLM reuses free blocks least recently freed first; three sequential 1,900-token prompts
+    (15 blocks each) take 45 blocks from a 32-block cache, so every block cached before is reused.
+    """
+    for i in range(3):
+        vllm.complete(workload.tokens(9000 + 10 * salt + i, 1900), 1)
+
+
 def test_chats_beyond_the_kv_cache_reuse_evicted_prefixes(fabric: Fabric) -> None:
     """Four concurrent chats outgrow a 4,096-token KV cache (chunked prefill on): tokens identical.
 
-    vLLM's own prefix cache evicts earlier rounds; the connector is asked only for tokens beyond
-    vLLM's own hits, so every external hit is a prefix vLLM had evicted and kvfabric served.
+    Each round runs the four chats at once (their last round needs more blocks than the KV cache
+    has, so vLLM waits and preempts). Between rounds other traffic evicts vLLM's own prefix cache,
+    deterministically, so each later round's history can only come from kvfabric: every one must
+    be served at least the whole chunks of the chat's previous prompt. (An earlier version relied on
+    the chats' own concurrency to evict; when a loaded machine serialised them nothing was evicted
+    and nothing asked of kvfabric, and the test failed in CI although kvfabric did nothing wrong.)
     """
+    convs = workload.PRESSURE_CONVS
     ext0 = external_hits(fabric.s1)
+    prompts: dict[str, list[int]] = {c["id"]: [] for c in convs}
+    outs: dict[str, list[list[int]]] = {c["id"]: [] for c in convs}
+    # Per chat and later round: (tokens vLLM reported cached, whole-chunk tokens of the previous prompt).
+    served: dict[str, list[tuple[int, int]]] = {c["id"]: [] for c in convs}
 
-    def chat(conv: dict[str, Any]) -> list[list[int]]:
-        outs: list[list[int]] = []
-        prompt: list[int] = []
-        for r, turn in enumerate(conv["turns"]):
-            prompt = list(turn) if r == 0 else next_prompt(prompt, outs[-1], turn)
-            outs.append(fabric.s1.complete(prompt, conv["max_tokens"]).tokens)
-        return outs
+    def turn(conv: dict[str, Any], r: int) -> None:
+        cid, previous = conv["id"], prompts[conv["id"]]
+        prompt = list(conv["turns"][0]) if r == 0 else next_prompt(previous, outs[cid][-1], conv["turns"][r])
+        out = fabric.s1.complete(prompt, conv["max_tokens"])
+        prompts[cid] = prompt
+        outs[cid].append(out.tokens)
+        if r:
+            served[cid].append((out.cached_tokens, num_whole_chunks(len(previous), CHUNK) * CHUNK))
 
-    with ThreadPoolExecutor(len(workload.PRESSURE_CONVS)) as pool:
-        results = dict(
-            zip(
-                [c["id"] for c in workload.PRESSURE_CONVS],
-                pool.map(chat, workload.PRESSURE_CONVS),
-                strict=True,
-            )
-        )
-    for cid, outs in results.items():
-        assert outs == fabric.reference["conversations"][cid], cid
-    assert external_hits(fabric.s1) > ext0, "kvfabric served nothing under pressure"
+    with ThreadPoolExecutor(len(convs)) as pool:
+        for r in range(len(convs[0]["turns"])):
+            if r:
+                _quiescent_stores(fabric.a)
+                _flush_vllm_prefix_cache(fabric.s1, r)
+            list(pool.map(lambda c: turn(c, r), convs))  # noqa: B023 - consumed before r changes
+    print(f"(cached, previous prompt's whole-chunk tokens) per chat and later round: {served}")
+    for cid, got in outs.items():
+        assert got == fabric.reference["conversations"][cid], cid
+    for cid, rounds in served.items():
+        assert all(cached >= chunks for cached, chunks in rounds), (cid, served)
+    # At most the shared system prompt of each request can come from vLLM's own cache (another chat
+    # of the same round computed it); the rest of the previous prompt's chunks came from kvfabric.
+    floor = sum(chunks - len(workload.SYSTEM) for rounds in served.values() for _, chunks in rounds)
+    assert external_hits(fabric.s1) - ext0 >= floor, "vLLM's evicted history was not served by kvfabric"
 
 
 def test_cache_server_killed_and_hung_mid_run(fabric: Fabric) -> None:

@@ -37,11 +37,11 @@ SHARED_CONV: dict[str, Any] = {"id": "shared", "turns": [tokens(7, 900), tokens(
 # 128-token block of answer tokens. Round 2, on a server that never saw round 1, reuses all 896.
 TAIL_CONV: dict[str, Any] = {"id": "tail", "turns": [tokens(11, 650), tokens(12, 200)], "max_tokens": 260}
 # Chats whose total context exceeds a deliberately small KV cache (evictions and preemptions).
-_SYSTEM = tokens(9, 512)
+SYSTEM = tokens(9, 512)
 PRESSURE_CONVS: list[dict[str, Any]] = [
     {
         "id": f"pressure-{u}",
-        "turns": [_SYSTEM + tokens(20 + u, 400), tokens(40 + u, 300), tokens(60 + u, 300)],
+        "turns": [SYSTEM + tokens(20 + u, 400), tokens(40 + u, 300), tokens(60 + u, 300)],
         "max_tokens": 24,
     }
     for u in range(4)

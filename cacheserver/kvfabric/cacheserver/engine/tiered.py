@@ -45,7 +45,7 @@ from kvfabric.cacheserver.engine.ordering import DELETE_MARGIN_S, Generations
 from kvfabric.cacheserver.engine.periodic import start_periodic
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.tiers import TierContext, build_backing_tiers
-from kvfabric.cacheserver.engine.ttl import LocalClock, SharedClock, bucket_of
+from kvfabric.cacheserver.engine.ttl import LocalClock, SharedClock, bucket_of, clock_path
 
 __all__ = ["Payload", "TieredStore"]
 
@@ -86,7 +86,8 @@ class TieredStore:
         # One clock for every expiry decision: the shared volume's when there is one.
         faults = None if t.shared is None else t.shared.faults
         local = LocalClock(0.0 if faults is None else faults.clock_skew_seconds)
-        self.clock = SharedClock(None if t.shared is None else t.shared.path / "clock", local)
+        clock_file = None if t.shared is None else clock_path(t.shared.path, self.server_id)
+        self.clock = SharedClock(clock_file, local)
         self.generations = Generations(self._generation_clock)
         self.dram = DramTier(
             config.shm.dir,

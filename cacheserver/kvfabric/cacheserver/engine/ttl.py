@@ -3,9 +3,12 @@
 One clock for every expiry decision (buckets, leases, temp-file reaping), correct whoever stamps
 the shared volume's timestamps:
 
-* **Volume time.** Every server touches a clock file on the shared volume (``os.utime(path, None)``)
-  and reads its mtime back; the offset to the local monotonic clock gives volume time between
-  touches. On NFS the NFS server stamps it, so every server reads the same clock.
+* **Volume time.** Every server touches its own clock file on the shared volume
+  (``clocks/<server_id>``, ``os.utime(path, None)``) and reads its mtime back; the offset to the
+  local monotonic clock gives volume time between touches. On NFS the NFS server stamps it, so every
+  server reads the same clock. The file is per server because on a client-stamped volume a peer
+  touching a shared one between this server's touch and its read would hand this server the peer's
+  clock (a peer days ahead made a correct server expire everything early).
 * **Client-stamped filesystems** (CephFS, Lustre, FUSE) stamp the *client's* clock, so each server's
   "volume time" is just its own wall clock. Therefore no decision compares a file's mtime with this
   server's clock alone: liveness is decided by *watching* leases change (a lease that has not
@@ -39,6 +42,7 @@ __all__ = [
     "PeerClocks",
     "SharedClock",
     "bucket_of",
+    "clock_path",
     "expired_buckets",
     "live_servers",
     "owner_of",
@@ -58,6 +62,11 @@ def wallclock() -> float:
     The skew exists for tests that prove expiry ignores the local clock (see :class:`LocalClock`).
     """
     return LocalClock().now()
+
+
+def clock_path(shared_root: Path, server_id: str) -> Path:
+    """The clock file only ``server_id`` touches (see the module docstring for why it is its own)."""
+    return shared_root / "clocks" / server_id
 
 
 def bucket_of(t: float, bucket_seconds: int) -> int:

@@ -81,7 +81,11 @@ def test_prometheus_metrics_count_loaded_and_failed_tokens_per_engine() -> None:
     )
     assert isinstance(prom, KVFabricPromMetrics)
     prom.observe(
-        stats_payload({"loaded_chunks": 3, "fallback_chunks.unavailable": 2, "lookups": 5}, 256, 0.1)
+        stats_payload(
+            {"loaded_chunks": 3, "loaded_bytes": 4096, "fallback_chunks.unavailable": 2, "lookups": 5},
+            256,
+            0.1,
+        )
     )
     labels = {"model_name": "tiny", "engine": "0"}
     assert registry.get_sample_value("vllm:kvfabric_loaded_tokens_total", labels) == 768
@@ -93,6 +97,10 @@ def test_prometheus_metrics_count_loaded_and_failed_tokens_per_engine() -> None:
     )
     assert registry.get_sample_value("vllm:kvfabric_restore_seconds_total", labels) == pytest.approx(0.1)
     assert registry.get_sample_value("vllm:kvfabric_events_total", {**labels, "event": "lookups"}) == 5
+    assert registry.get_sample_value("vllm:kvfabric_loaded_bytes_total", labels) == 4096
+    # Each quantity is counted once: what has a metric of its own is not an event too.
+    for own in ("loaded_bytes", "loaded_tokens", "restore_seconds", "load_failed_tokens.unavailable"):
+        assert registry.get_sample_value("vllm:kvfabric_events_total", {**labels, "event": own}) is None, own
 
 
 def test_hit_sources_name_kvfabric_tiers() -> None:

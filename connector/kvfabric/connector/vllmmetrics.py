@@ -197,8 +197,8 @@ class KVFabricPromMetrics(_VllmPromMetrics):  # type: ignore[misc]
                 self._plain[name].labels(*values).inc(value)
             elif name.startswith("load_failed_tokens."):
                 self._failed.labels(*values, name.removeprefix("load_failed_tokens.")).inc(value)
-            derived = name in ("loaded_tokens", "restore_seconds") or name.startswith("load_failed_tokens.")
-            if not derived:
+            else:  # a key with a metric of its own is not repeated as an event (a byte count among
+                # event counts inflated every sum over vllm:kvfabric_events)
                 self._events.labels(*values, name).inc(value)
 
 

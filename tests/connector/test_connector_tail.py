@@ -398,7 +398,7 @@ def test_vllm_adapter_hands_the_half_each_generated_token_once(monkeypatch: pyte
         prompt_embeds=object(),
     )
     for r in (req, embeds):
-        sched._requests[r.request_id] = (r, {})
+        sched._requests[r.request_id] = r
     step = StepInput((ScheduledRequest("r", 0, 3), ScheduledRequest("e", 0, 2)))
     assert sched._with_generated_tokens(step).scheduled == step.scheduled  # nothing generated yet
     req.all_token_ids += [7, 8]
@@ -479,3 +479,73 @@ def test_every_loaded_key_holds_the_kv_of_exactly_the_tokens_it_is_loaded_for(
         assert hit >= best // CHUNK * CHUNK
     else:
         assert hit == best
+
+
+# ------------------------------------------------------------------------------------------ KV events
+
+
+def test_every_stored_block_is_announced_by_the_hash_of_exactly_that_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KV events cover the tail blocks and generated tokens kvfabric stores, not only prompt chunks.
+
+    A request's saves, replayed into the event log with vLLM's per-block hashes, announce exactly
+    the blocks stored: every whole block of prompt and output, each under its own hash (block
+    ``i``'s hash names block ``i``'s tokens). Round 2's lookup then withdraws exactly the announced
+    tail blocks it found gone.
+    """
+    from kvfabric.connector import vllmevents
+
+    monkeypatch.setattr(vllmevents, "BlockStored", lambda **kw: SimpleNamespace(kind="stored", **kw))
+    monkeypatch.setattr(vllmevents, "BlockRemoved", lambda **kw: SimpleNamespace(kind="removed", **kw))
+    store = MemoryTransport()
+    half = _half(store)
+    log = vllmevents.KVEventLog(CHUNK, BLOCK, enabled=True)
+    prompt = list(range(1, CHUNK + 2 * BLOCK + 2))  # a chunk, two whole blocks and 1 token
+    output = list(range(700, 700 + CHUNK))  # generated: completes chunk 1 and fills 2 blocks more
+    tokens = [*prompt, *output]
+    req = SimpleNamespace(
+        block_hashes=[f"h{i}" for i in range(len(tokens) // BLOCK)], all_token_ids=tokens, lora_request=None
+    )
+    info = RequestInfo("r1", tuple(prompt))
+    assert half.num_new_matched_tokens(info, 0) == 0
+    table = list(range(100, 100 + -(-len(tokens) // BLOCK)))
+    half.update_state_after_alloc(info, table, 0)
+    steps = [ScheduledRequest("r1", 0, len(prompt), tuple(table), True)]
+    for i, t in enumerate(output[:-1]):  # decode: each step computes the token generated before it
+        at = len(prompt) + i
+        steps.append(ScheduledRequest("r1", at, 1, None, False, new_token_ids=(t,), token_offset=at))
+    for sr in steps:
+        for save in half.build_plan(StepInput((sr,))).saves:
+            for key, first, blocks in zip(save.keys, save.first_blocks, save.block_ids, strict=True):
+                assert blocks == table[first : first + len(blocks)], "first_blocks names the saved blocks"
+                store.blocks[(half.namespace, key)] = b"x"
+            log.stored(req, save)
+    announced = [e for e in log.take() if e.kind == "stored"]
+    kv_tokens = len(tokens) - 1  # the last output token has no KV yet
+    whole_blocks = kv_tokens // BLOCK
+    covered = sorted({h for e in announced for h in e.block_hashes}, key=lambda h: int(h[1:]))
+    assert covered == [f"h{i}" for i in range(whole_blocks)], "every stored block, generated ones included"
+    for e in announced:
+        first = int(e.block_hashes[0][1:])
+        assert e.token_ids == tokens[first * BLOCK : (first + len(e.block_hashes)) * BLOCK]
+        assert e.parent_block_hash == (f"h{first - 1}" if first else None)
+    half.request_finished("r1")
+    _t0, t1, t2 = tail_keys(NS, tokens, CHUNK, BLOCK, chunk=1, parent=chunk_keys(NS, tokens, CHUNK)[0])
+    # Tail blocks 2 and 3 of chunk 1 leave the cache; chunk 1 (stored whole when the output
+    # completed it) still holds their blocks.
+    for k in (t1, t2):
+        del store.blocks[(half.namespace, k)]
+    r2 = RequestInfo("r2", (*prompt[: CHUNK + 2 * BLOCK], 9999, *range(3000, 3000 + CHUNK)))
+    assert half.num_new_matched_tokens(r2, 0) == CHUNK + BLOCK  # chunk 0 and tail block 1
+    log.found_missing(half.absent_keys("r2"))
+    assert log.take() == [], "block 5 is still held by chunk 1: nothing is withdrawn"
+    # Then chunk 1 goes too: a continuation of round 1 finds it absent, and tail blocks 2 and 3.
+    del store.blocks[(half.namespace, chunk_keys(NS, tokens, CHUNK)[1])]
+    r3 = RequestInfo("r3", (*tokens, *range(4000, 4000 + CHUNK)))
+    assert half.num_new_matched_tokens(r3, 0) == CHUNK + BLOCK
+    log.found_missing(half.absent_keys("r3"))
+    (removed,) = log.take()
+    assert removed.kind == "removed"
+    # Block 4 is still held by tail block 1; blocks 5-7 by nothing kvfabric holds any more.
+    assert sorted(removed.block_hashes) == ["h5", "h6", "h7"]

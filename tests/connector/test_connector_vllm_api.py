@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvfabric.connector import vllm as kvvllm
 from kvfabric.connector import vllmevents
 from kvfabric.connector.resilient import Counters, Reason
-from kvfabric.connector.steps import LoadSpec, StepPlan
+from kvfabric.connector.steps import LoadSpec, SaveSpec, StepPlan
 from kvfabric.connector.vllmmetrics import (
     CounterDeltas,
     KVFabricPromMetrics,
@@ -191,33 +191,37 @@ class _Request:
     prompt_token_ids: list[int] = field(default_factory=list)
 
 
-def test_kv_events_announce_stored_chunks_once_and_withdraw_missing_ones(
+def test_kv_events_announce_stored_chunks_and_tail_blocks_once_and_withdraw_missing_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(vllmevents, "BlockStored", _Stored)
     monkeypatch.setattr(vllmevents, "BlockRemoved", _Removed)
     log = vllmevents.KVEventLog(chunk_tokens=4, block_size=2, enabled=True)
-    req = _Request([b"h0", b"h1", b"h2", b"h3"], list(range(10)))
-    index = {"k0": 0, "k1": 1}
-    log.stored(req, ["k0", "k1"], index)
-    log.stored(req, ["k1"], index)  # already announced
+    req = _Request([b"h0", b"h1", b"h2", b"h3", b"h4"], list(range(10)))
+    # Chunks k0 and k1 (blocks 0-1, 2-3), then a tail block t4 (block 4) of the partial chunk 2.
+    save = SaveSpec("r", ["k0", "k1", "t4"], [[10, 11], [12, 13], [14]], tail=1, first_blocks=[0, 2, 4])
+    log.stored(req, save)
+    log.stored(req, SaveSpec("r", ["k1"], [[12, 13]], first_blocks=[2]))  # already announced
     events = log.take()
-    assert [e.block_hashes for e in events] == [[b"h0", b"h1"], [b"h2", b"h3"]]
-    assert events[0].parent_block_hash is None
-    assert events[1].parent_block_hash == b"h1"
+    assert [e.block_hashes for e in events] == [[b"h0", b"h1"], [b"h2", b"h3"], [b"h4"]]
+    assert [e.parent_block_hash for e in events] == [None, b"h1", b"h3"]
     assert events[1].token_ids == [4, 5, 6, 7]
+    assert events[2].token_ids == [8, 9]
     assert {e.medium for e in events} == {"CPU"}
     assert log.take() == []
-    log.found_missing(["k1", "never-announced"])
+    log.found_missing(["k1", "t4", "never-announced"])
     (removed,) = log.take()
-    assert removed.block_hashes == [b"h2", b"h3"]
+    assert removed.block_hashes == [b"h2", b"h3", b"h4"]
     log.found_missing(["k1"])
+    assert log.take() == []
+    # A block vLLM has not hashed (prefix caching off, or not full yet) is never announced.
+    log.stored(req, SaveSpec("r", ["t5"], [[15]], tail=1, first_blocks=[5]))
     assert log.take() == []
 
 
 def test_kv_events_off_without_vllms_event_config() -> None:
     log = vllmevents.KVEventLog(chunk_tokens=4, block_size=2, enabled=False)
-    log.stored(_Request([b"h0", b"h1"], [1, 2, 3, 4]), ["k0"], {"k0": 0})
+    log.stored(_Request([b"h0", b"h1"], [1, 2, 3, 4]), SaveSpec("r", ["k0"], [[1, 2]], first_blocks=[0]))
     assert log.take() == []
 
 

@@ -75,6 +75,9 @@ class _ReqState:
     saved_tail_chunk: int = -1
     saved_tail: int = 0
     tail_keys: dict[int, list[str]] = field(default_factory=dict)
+    # Keys the last lookup found absent (chunks past the matched ones, tail blocks past the found
+    # tail): what KV events withdraw. Empty when the lookup failed (absence unknown).
+    absent: list[str] = field(default_factory=list)
 
 
 class SchedulerHalf:
@@ -170,7 +173,7 @@ class SchedulerHalf:
         ceiling_tokens = ((n - 1) // self.block_size) * self.block_size if n > 0 else 0
         if not self.settings.tail:
             ceiling_tokens = loadable * self.chunk_tokens
-        st.matched_tail, st.tail_chunk, st.tail_tiers = 0, -1, []
+        st.matched_tail, st.tail_chunk, st.tail_tiers, st.absent = 0, -1, [], []
         if ceiling_tokens == 0 or ceiling_tokens <= num_computed_tokens:
             st.hit_tokens, st.matched_chunks = 0, 0
             return 0
@@ -182,6 +185,7 @@ class SchedulerHalf:
         else:
             outcome = LookupOutcome(0, [], Reason.NOT_FOUND)
         st.matched_chunks, st.tiers, st.last_reason = outcome.matched, outcome.tiers, outcome.reason
+        st.absent = st.keys[outcome.matched : loadable] if outcome.reason in (None, Reason.NOT_FOUND) else []
         if self.costs is not None and outcome.reason is None and outcome.matched:
             plan = self.costs.plan(outcome.tiers[: outcome.matched], computed=num_computed_tokens)
             if plan.chunks < outcome.matched:
@@ -242,6 +246,8 @@ class SchedulerHalf:
             return
         self.counters.add("tail_lookups")
         tail = self.cache.lookup(self.namespace, keys, budget_s)
+        if tail.reason in (None, Reason.NOT_FOUND):
+            st.absent += keys[tail.matched :]
         if tail.reason is None and tail.matched:
             st.tail_chunk, st.matched_tail, st.tail_tiers = m, tail.matched, list(tail.tiers)
             if st.last_reason is Reason.NOT_FOUND:
@@ -340,6 +346,7 @@ class SchedulerHalf:
         todo = [c for c in range(begin, complete) if len(self._chunk_blocks(st, c)) == bpc]
         keys = [st.keys[c] for c in todo]
         blocks = [self._chunk_blocks(st, c) for c in todo]
+        firsts = [c * bpc for c in todo]
         tail: list[int] = []
         if self.settings.tail and done >= st.prompt_len:
             # From the step that completes the prompt on: the partial last chunk, cut to whole
@@ -358,10 +365,11 @@ class SchedulerHalf:
                 tkeys = self._tail_keys(st, q)
                 keys += [tkeys[j] for j in tail]
                 blocks += [[st.block_ids[first_block + j]] for j in tail]
+                firsts += [first_block + j for j in tail]
                 self.counters.add("tail_saved_blocks", len(tail))
             st.saved_tail = max(st.saved_tail, have)
         if keys:
-            plan.saves.append(SaveSpec(req_id, keys, blocks, tail=len(tail)))
+            plan.saves.append(SaveSpec(req_id, keys, blocks, tail=len(tail), first_blocks=firsts))
         st.saved_chunks = max(st.saved_chunks, complete)
         st.progress = done
 
@@ -415,6 +423,11 @@ class SchedulerHalf:
     def request_finished(self, req_id: str) -> None:
         """Forget the request. Saves copy blocks out during the step, so blocks can be freed now."""
         self._reqs.pop(req_id, None)
+
+    def absent_keys(self, req_id: str) -> list[str]:
+        """Keys the request's last lookup found absent (none known if it failed or never ran)."""
+        st = self._reqs.get(req_id)
+        return list(st.absent) if st is not None else []
 
     def hit_tier(self, req_id: str) -> str | None:
         """Return the slowest tier among the request's hit chunks (``None`` without a hit)."""

@@ -103,6 +103,8 @@ class SaveSpec:
     block_ids: list[list[int]]
     tail: int = 0
     """Trailing keys that are single-block tail blocks, not whole chunks."""
+    first_blocks: list[int] = field(default_factory=list)
+    """Per key, the position in the request's sequence of its first block (for KV events)."""
 
     @property
     def whole(self) -> int:

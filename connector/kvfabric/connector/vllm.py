@@ -462,7 +462,7 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
             settings.chunk_tokens, spec.block_size, bool(getattr(events_cfg, "enable_kv_cache_events", False))
         )
         # Scheduler: req_id -> (vLLM's Request, chunk key -> chunk index) for the KV events.
-        self._requests: dict[str, tuple[Any, dict[str, int]]] = {}
+        self._requests: dict[str, Any] = {}  # vLLM's Request objects of the requests in flight
         # Scheduler: req_id -> how many of its token ids the half has been given.
         self._known_tokens: dict[str, int] = {}
         self._lookups = TransitionLog("lookups", log)
@@ -549,9 +549,7 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         """Return external prefix tokens available beyond ``num_computed_tokens`` (synchronous load)."""
         half = self.scheduler_half
         info = request_info_from_vllm(request)
-        if info.req_id not in self._requests:
-            keys = half.chunk_keys(info) if self._events.enabled else []
-            self._requests[info.req_id] = (request, {k: i for i, k in enumerate(keys)})
+        self._requests.setdefault(info.req_id, request)
         lookups = half.counters.get("lookups")
         hit = half.num_new_matched_tokens(info, num_computed_tokens)
         if half.counters.get("lookups") > lookups:  # a lookup really ran (not skipped as too short)
@@ -561,9 +559,7 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
             failed = reason is not None and reason in _FAILURE_REASONS
             self._lookups.note(reason.value if failed and reason is not None else None)
         if self._events.enabled and num_computed_tokens == 0:
-            _request, index = self._requests[info.req_id]
-            matched = hit // half.chunk_tokens
-            self._events.found_missing([k for k, i in index.items() if i >= matched])
+            self._events.found_missing(half.absent_keys(info.req_id))
         return hit, False
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
@@ -591,9 +587,9 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         drop_overwritten_from_zeroing(scheduler_output, plan)
         if self._events.enabled:
             for save in plan.saves:
-                request, index = self._requests.get(save.req_id, (None, {}))
+                request = self._requests.get(save.req_id)
                 if request is not None:
-                    self._events.stored(request, save.keys, index)
+                    self._events.stored(request, save)
         return KVFabricMetadata(loads=plan.loads, saves=plan.saves)
 
     def _with_generated_tokens(self, step: StepInput) -> StepInput:
@@ -608,7 +604,7 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
             return step
         scheduled = []
         for sr in step.scheduled:
-            request, _index = self._requests.get(sr.req_id, (None, {}))
+            request = self._requests.get(sr.req_id)
             ids = getattr(request, "all_token_ids", None)
             prompt = getattr(request, "prompt_token_ids", None)
             if ids is None or prompt is None or getattr(request, "prompt_embeds", None) is not None:

@@ -13,6 +13,15 @@ real cache server, and vLLM's OpenAI server with kvfabric's connector:
 Medians over ``--repeats`` prompts per length, with min and max, and the ratios measured in this run:
 ``kvfabric_vs_vllm_warm`` (goal <= 1.2) and ``speedup_vs_cold``. Both servers run with the same CPU
 thread binding (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``). Not a test: nothing is asserted.
+
+``--chat``: instead, a multi-round chat workload whose total context exceeds vLLM's KV cache
+(``--num-gpu-blocks-override``): ``--sessions`` chats of ``--rounds`` rounds, sent round-robin
+(every session's round r, then every session's round r+1), so between two rounds of a chat the
+others' rounds pass through and vLLM's own prefix cache has evicted its history. Two arms, each a
+fresh vLLM server with the same KV-cache size and CPU binding: vLLM alone (its own prefix cache on)
+and vLLM with kvfabric. TTFT p50/p90/p99 per arm for round 1 (nothing to reuse) and rounds 2+
+(history to reuse), the ratio of the arms' medians, and whether every output of the kvfabric arm
+equals vLLM alone's (greedy, float32).
 """
 
 from __future__ import annotations
@@ -39,6 +48,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--lengths", default=None, help="comma-separated prompt lengths (default 2048,8192,16384)"
     )
     parser.add_argument("--repeats", type=int, default=None, help="prompts per length (default 3; --quick 1)")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="run the multi-round chat workload (context beyond vLLM's KV cache) instead of the length table",
+    )
+    parser.add_argument(
+        "--sessions", type=int, default=6, help="--chat: conversations, sent round-robin (default 6)"
+    )
+    parser.add_argument("--rounds", type=int, default=4, help="--chat: rounds per conversation (default 4)")
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=24,
+        help="--chat: vLLM's KV cache in 128-token blocks (default 24: about one and a half chats)",
+    )
 
 
 def _ttft(server: Any, prompt: list[int]) -> float:
@@ -49,6 +73,18 @@ def _ttft(server: Any, prompt: list[int]) -> float:
     for _ in stream:
         pass
     return ttft
+
+
+def _ttft_tokens(server: Any, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    """Time to the first streamed token, and every generated token id."""
+    t0 = time.perf_counter()
+    out: list[int] = []
+    ttft = 0.0
+    for ids in server.stream(prompt, max_tokens, timeout=600):
+        if not out:
+            ttft = time.perf_counter() - t0
+        out.extend(ids)
+    return ttft, out
 
 
 def _out(args: argparse.Namespace, line: dict[str, Any]) -> None:
@@ -63,8 +99,122 @@ def _summary(values: list[float]) -> dict[str, float]:
     }
 
 
+def _percentiles(values: list[float]) -> dict[str, float]:
+    """p50, p90 and p99 (nearest rank) of ``values``."""
+    xs = sorted(values)
+
+    def rank(q: float) -> float:
+        return round(xs[min(len(xs) - 1, max(0, round(q * len(xs) + 0.5) - 1))], 4)
+
+    return {"n": len(xs), "p50": round(statistics.median(xs), 4), "p90": rank(0.9), "p99": rank(0.99)}
+
+
+CHAT_FIRST, CHAT_TURN, CHAT_OUT = 1024, 256, 32
+
+
+def _chat_turns(sessions: int, rounds: int, vocab: int) -> list[list[list[int]]]:
+    """Every session's user turns (the first one long, like a system prompt and a document)."""
+    rng = random.Random(1)
+    return [
+        [[rng.randrange(3, vocab) for _ in range(CHAT_FIRST if r == 0 else CHAT_TURN)] for r in range(rounds)]
+        for _ in range(sessions)
+    ]
+
+
+def _chat_arm(server: Any, turns: list[list[list[int]]]) -> tuple[list[float], list[float], list[list[int]]]:
+    """Send every session's rounds round-robin; TTFTs of round 1 and of later rounds, and outputs."""
+    prompts: list[list[int]] = [[] for _ in turns]
+    first: list[float] = []
+    later: list[float] = []
+    outputs: list[list[int]] = []
+    for r in range(len(turns[0])):
+        for s, conv in enumerate(turns):
+            prompts[s] = [*prompts[s], *conv[r]]
+            ttft, out = _ttft_tokens(server, prompts[s], CHAT_OUT)
+            (first if r == 0 else later).append(ttft)
+            outputs.append(out)
+            prompts[s] = [*prompts[s], *out]
+    return first, later, outputs
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """``--chat``: the multi-round workload, vLLM alone against vLLM with kvfabric."""
+    from kvfabric.testing.serverproc import cache_server
+    from kvfabric.testing.vllmenv import (
+        BENCH,
+        VllmServer,
+        connector_config,
+        find_env,
+        make_tiny_model,
+        skip_reason,
+    )
+    from kvfabric.testing.vllmenv import metric_sum as msum
+
+    env = find_env()
+    if env is None:
+        print(skip_reason(), file=sys.stderr)
+        return 2
+    turns = _chat_turns(args.sessions, args.rounds, int(BENCH["vocab_size"]))
+    context = CHAT_FIRST + (args.rounds - 1) * CHAT_TURN + args.rounds * CHAT_OUT
+    vllm_args = ["--num-gpu-blocks-override", str(args.kv_blocks)]
+    max_len = min(args.kv_blocks * 128, context + 128)
+    _out(
+        args,
+        {
+            "event": "workload",
+            "sessions": args.sessions,
+            "rounds": args.rounds,
+            "context_per_session_tokens": context,
+            "total_context_tokens": context * args.sessions,
+            "vllm_kv_cache_tokens": args.kv_blocks * 128,
+        },
+    )
+    results: dict[str, tuple[list[float], list[float], list[list[int]]]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvf-bench-chat-") as tmp:
+        work = Path(tmp)
+        model = make_tiny_model(env, work / "model", BENCH)
+        arms: list[tuple[str, bool]] = [("vllm_alone", False), ("vllm_kvfabric", True)]
+        with cache_server(server_id="bench-chat", dram_bytes=1 << 30, local_disk_bytes=None) as srv:
+            kv = connector_config(srv.config.listen.unix_socket, srv.shm_dir, load_deadline_ms=30000)
+            for name, with_cache in arms:
+                s = VllmServer(
+                    env,
+                    model,
+                    work / f"{name}.log",
+                    kv if with_cache else None,
+                    vllm_args,
+                    max_model_len=max_len,
+                )
+                t0 = time.monotonic()
+                s.start()
+                _out(args, {"event": "started", "arm": name, "startup_s": round(time.monotonic() - t0, 1)})
+                try:
+                    results[name] = _chat_arm(s, turns)
+                    if with_cache:
+                        loaded = msum(s.metrics(), "vllm:kvfabric_loaded_tokens")
+                        _out(args, {"event": "kvfabric", "loaded_tokens": loaded})
+                finally:
+                    s.stop()
+    alone, fabric = results["vllm_alone"], results["vllm_kvfabric"]
+    same = sum(a == b for a, b in zip(alone[2], fabric[2], strict=True))
+    for label, a, f in (("round_1", alone[0], fabric[0]), ("rounds_2_plus", alone[1], fabric[1])):
+        _out(
+            args,
+            {
+                "rounds": label,
+                "vllm_alone_ttft_s": _percentiles(a),
+                "vllm_kvfabric_ttft_s": _percentiles(f),
+                "speedup_p50": round(statistics.median(a) / statistics.median(f), 2),
+            },
+        )
+    _out(args, {"event": "outputs", "identical": same, "of": len(alone[2]), "vllm": env.installed_version()})
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print one line per length (and a header of versions)."""
+    if args.chat:
+        return run_chat(args)
     from kvfabric.testing.serverproc import cache_server, wait_until
     from kvfabric.testing.vllmenv import (
         BENCH,

@@ -12,7 +12,7 @@ import importlib
 from typing import Protocol, cast
 
 # Shown by `kvfabric --help`; this module is registered under the kvfabric.commands entry points.
-SUMMARY = "run a benchmark (storage, ttft, operator, vllm) and print ratios"
+SUMMARY = "run a benchmark (storage, ttft, operator, visibility, vllm) and print ratios"
 
 __all__ = ["BENCHMARKS", "configure", "run"]
 
@@ -26,6 +26,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "gpu": ("kvfabric.bench.gpu", "restore bandwidth host->device and TTFT on a GPU (needs CUDA)"),
     # Plug-in point for the operator engineer: module kvfabric.bench.operator.
     "operator": ("kvfabric.bench.operator", "operator reconcile and webhook latency on the local cluster"),
+    # Two real cache servers on one volume: the cross-node visibility delay (issue 11.8).
+    "visibility": (
+        "kvfabric.bench.visibility",
+        "how soon a chunk stored on one node is a hit on another node (shared volume)",
+    ),
     # Real vLLM (CPU) from the pinned environment scripts/vllm-env.sh builds.
     "vllm": (
         "kvfabric.bench.vllm",

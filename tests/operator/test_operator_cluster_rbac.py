@@ -56,6 +56,8 @@ def _install_rbac(cluster: ClusterHandle, ns: str, suffix: str) -> list[dict[str
                     subject["namespace"] = ns
         else:
             doc["metadata"]["namespace"] = ns
+            for subject in doc.get("subjects", []):  # the leader-election RoleBinding
+                subject["namespace"] = ns
         out.append(doc)
     assert renamed == 1, "the shipped ClusterRole no longer names the webhook configuration"
     cluster.kubectl(
@@ -96,9 +98,27 @@ def sa_operator(
     kubeconfig = _token_kubeconfig(cluster, ns, tmp_path / "sa.kubeconfig")
     # The session's operator would do the work too; stop it so only the restricted one acts.
     operator.stop()
-    proc = OperatorProcess(cluster, tmp_path, kubeconfig=kubeconfig, config_name=CONFIG_NAME)
+    # With leader election, as the shipped Deployment runs it: the Lease is granted by the namespaced
+    # Role only, so a pool reconciled at all proves that Role works.
+    proc = OperatorProcess(
+        cluster,
+        tmp_path,
+        kubeconfig=kubeconfig,
+        config_name=CONFIG_NAME,
+        extra_args=["--leader-election", f"--leader-election-namespace={ns}"],
+    )
     try:
         proc.start()
+
+        def holder() -> str | None:
+            got = cluster.kubectl("get", "lease", "kvfabric-operator", "-n", ns, "-o", "json", check=False)
+            return json.loads(got.stdout)["spec"].get("holderIdentity") if got.returncode == 0 else None
+
+        wait_for(
+            holder,
+            timeout=60,
+            message="the operator holds its Lease (granted by the namespaced Role)",
+        )
         yield proc
     finally:
         proc.stop()

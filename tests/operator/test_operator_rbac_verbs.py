@@ -8,10 +8,15 @@ listed here that the role no longer grants (the table must describe the role, no
 
 from __future__ import annotations
 
+import argparse
 import re
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import yaml
+
+from kvfabric.operator.cli import configure
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE = ROOT / "operator/kvfabric/operator"
@@ -106,17 +111,38 @@ USES: dict[tuple[str, str, str], list[tuple[str, str]]] = {
 }
 
 
-def _granted() -> set[tuple[str, str, str]]:
-    role = yaml.safe_load((ROOT / "manifests/rbac/role.yaml").read_text())
-    assert role["kind"] == "ClusterRole"
+# The shipped roles: the ClusterRole (pools and their children live in any namespace) and the Role in
+# the operator's own namespace (what lives only there).
+ROLES = {"manifests/rbac/role.yaml": "ClusterRole", "manifests/rbac/leader_election_role.yaml": "Role"}
+
+
+def _rules(path: str) -> list[dict[str, Any]]:
+    role = yaml.safe_load((ROOT / path).read_text())
+    assert role["kind"] == ROLES[path]
+    return list(role["rules"])
+
+
+def _granted(paths: Iterable[str] = ROLES) -> set[tuple[str, str, str]]:
     out = set()
-    for rule in role["rules"]:
-        for group in rule["apiGroups"]:
-            for resource in rule["resources"]:
-                for verb in rule["verbs"]:
-                    assert verb != "*", "no wildcard verbs"
-                    out.add((group, resource, verb))
+    for path in paths:
+        for rule in _rules(path):
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        assert verb != "*", "no wildcard verbs"
+                        out.add((group, resource, verb))
     return out
+
+
+def test_the_leader_election_lease_is_granted_in_the_operators_namespace_only_and_by_name() -> None:
+    """The Lease lives in the operator's namespace: no cluster-wide lease access, get/update by name."""
+    assert not {p for p in _granted(["manifests/rbac/role.yaml"]) if p[1] == "leases"}
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    lease = parser.get_default("leader_election_id")
+    for rule in _rules("manifests/rbac/leader_election_role.yaml"):
+        assert rule["resources"] == ["leases"]
+        assert rule["verbs"] == ["create"] or rule.get("resourceNames") == [lease], rule
 
 
 def test_every_granted_verb_has_a_use_in_the_code() -> None:
@@ -137,8 +163,7 @@ def test_the_operator_can_never_list_or_watch_secrets() -> None:
 
 
 def test_webhook_configuration_writes_are_limited_by_name() -> None:
-    role = yaml.safe_load((ROOT / "manifests/rbac/role.yaml").read_text())
-    for rule in role["rules"]:
+    for rule in _rules("manifests/rbac/role.yaml"):
         if "mutatingwebhookconfigurations" in rule["resources"]:
             # create cannot be limited by name (RBAC); everything else must be.
             assert rule.get("resourceNames") or rule["verbs"] == ["create"], rule

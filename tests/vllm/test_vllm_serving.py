@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
@@ -25,7 +26,7 @@ import pytest
 from tests.vllm import workload
 
 from kvfabric.connector.keys import num_loadable_chunks, num_whole_chunks
-from kvfabric.testing.serverproc import ServerProcess, cache_server, wait_until
+from kvfabric.testing.serverproc import ServerProcess, cache_server, free_port, wait_until
 from kvfabric.testing.vllmenv import OfflineRun, VllmEnv, VllmServer, connector_config, metric_sum
 from kvfabric.testing.vllmrun import next_prompt
 
@@ -109,6 +110,8 @@ class Fabric:
     s2: VllmServer
     stored: dict[str, Any]
     reference: dict[str, Any]
+    s2_kv_events: str
+    """The ZMQ endpoint where server 2 publishes KV events (``--kv-events-config``)."""
 
 
 def _kv(srv: ServerProcess) -> dict[str, Any]:
@@ -149,16 +152,22 @@ def fabric(
             ],
         }
         storing = OfflineRun(vllm_env, store_spec, vllm_workdir, name="stored").start()
+        events_port = free_port()
+        events_cfg = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events_port}",
+        }
         s1, s2 = (
             VllmServer(
                 vllm_env,
                 tiny_model,
                 vllm_workdir / f"server-{i}.log",
                 _kv(srv),
-                SERVER_ARGS,
+                [*SERVER_ARGS, *args],
                 max_model_len=2048,
             )
-            for i, srv in ((1, a), (2, b))
+            for i, srv, args in ((1, a, []), (2, b, ["--kv-events-config", json.dumps(events_cfg)]))
         )
         try:
             with ThreadPoolExecutor(2) as pool:
@@ -167,7 +176,7 @@ def fabric(
                 reference = reference_run.result()
                 for f in starts:
                     f.result()
-            yield Fabric(a, b, s1, s2, stored, reference)
+            yield Fabric(a, b, s1, s2, stored, reference, f"tcp://127.0.0.1:{events_port}")
         finally:
             s1.stop()
             s2.stop()
@@ -275,6 +284,78 @@ def test_round_two_reuses_round_one_tail(fabric: Fabric) -> None:
         lambda: loaded_tokens(fabric.s1) - loaded0 >= whole_blocks, 60, what="vllm:kvfabric_loaded_tokens"
     )
     assert loaded_tokens(fabric.s1) - loaded0 == whole_blocks
+
+
+# Runs in vLLM's environment (pyzmq, msgspec): prints "ready", then one JSON line per KV event.
+_SUBSCRIBER = """
+import json, sys, msgspec, zmq
+sock = zmq.Context().socket(zmq.SUB)
+sock.connect(sys.argv[1])
+sock.setsockopt(zmq.SUBSCRIBE, b"")
+print("ready", flush=True)
+decode = msgspec.msgpack.Decoder().decode
+while True:
+    _topic, _seq, payload = sock.recv_multipart()
+    for event in decode(payload)[1]:
+        print(json.dumps(event, default=lambda b: b.hex()), flush=True)
+"""
+
+
+def test_vllm_publishes_kvfabrics_kv_events_for_every_block_it_stores(
+    fabric: Fabric, vllm_env: VllmEnv
+) -> None:
+    """vLLM's own KV-event stream (ZMQ, ``--kv-events-config``) carries kvfabric's ``BlockStored``.
+
+    A router that consumes vLLM's KV events (llm-d, Dynamo, AIBrix) learns which node's cache server
+    holds which blocks: medium ``CPU``, vLLM's block hashes, parent links, token ids. A 600-token
+    prompt and a 60-token answer give the KV of 659 tokens: two whole chunks and one tail block of
+    128 tokens, 88 of the prompt and 40 generated; kvfabric must announce exactly those three spans.
+    """
+    sub = subprocess.Popen(
+        [str(vllm_env.python), "-c", _SUBSCRIBER, fabric.s2_kv_events],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[dict[str, Any]] = []
+    try:
+        assert sub.stdout is not None
+        assert sub.stdout.readline().strip() == "ready"
+        reader = threading.Thread(target=lambda: lines.extend(json.loads(line) for line in sub.stdout or ()))
+        reader.daemon = True
+        reader.start()
+        time.sleep(1.0)  # a ZMQ subscription takes effect asynchronously (the "slow joiner")
+        prompt = workload.tokens(13, 600)
+        out = fabric.s2.complete(prompt, 60)
+        tokens = [*prompt, *out.tokens]
+        kv = len(tokens) - 1
+        spans = [tokens[0:CHUNK], tokens[CHUNK : 2 * CHUNK], tokens[2 * CHUNK : 2 * CHUNK + BLOCK]]
+        assert kv // BLOCK * BLOCK == 2 * CHUNK + BLOCK
+
+        def ours() -> list[dict[str, Any]]:
+            return [e for e in list(lines) if e.get("type") == "BlockStored" and e.get("medium") == "CPU"]
+
+        wait_until(lambda: len(ours()) >= len(spans), 30, what="kvfabric's BlockStored events")
+        time.sleep(0.5)  # nothing more may follow
+    finally:
+        sub.kill()
+        sub.wait()
+    events = [e for e in ours() if e["token_ids"] in spans]
+    assert [e["token_ids"] for e in events] == spans, [len(e["token_ids"]) for e in ours()]
+    assert len(ours()) == len(spans), "only what this request stored"
+    assert [len(e["block_hashes"]) for e in events] == [CHUNK // BLOCK, CHUNK // BLOCK, 1]
+    assert all(e["block_size"] == BLOCK for e in events)
+    # Chained like vLLM's own events: each span's parent is the last block of the span before it.
+    assert events[0]["parent_block_hash"] is None
+    assert events[1]["parent_block_hash"] == events[0]["block_hashes"][-1]
+    assert events[2]["parent_block_hash"] == events[1]["block_hashes"][-1]
+    # The same hashes vLLM announced for its own (GPU) blocks of these tokens.
+    own = {
+        h
+        for e in lines
+        if e.get("type") == "BlockStored" and e.get("medium") != "CPU"
+        for h in e["block_hashes"]
+    }
+    assert {h for e in events for h in e["block_hashes"]} <= own
 
 
 def test_load_while_other_requests_decode(fabric: Fabric) -> None:

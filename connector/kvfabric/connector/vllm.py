@@ -461,7 +461,6 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         self._events = KVEventLog(
             settings.chunk_tokens, spec.block_size, bool(getattr(events_cfg, "enable_kv_cache_events", False))
         )
-        # Scheduler: req_id -> (vLLM's Request, chunk key -> chunk index) for the KV events.
         self._requests: dict[str, Any] = {}  # vLLM's Request objects of the requests in flight
         # Scheduler: req_id -> how many of its token ids the half has been given.
         self._known_tokens: dict[str, int] = {}

@@ -301,9 +301,7 @@ while True:
 """
 
 
-def test_vllm_publishes_kvfabrics_kv_events_for_every_block_it_stores(
-    fabric: Fabric, vllm_env: VllmEnv
-) -> None:
+def test_vllm_publishes_kv_events_for_every_block_kvfabric_stores(fabric: Fabric, vllm_env: VllmEnv) -> None:
     """vLLM's own KV-event stream (ZMQ, ``--kv-events-config``) carries kvfabric's ``BlockStored``.
 
     A router that consumes vLLM's KV events (llm-d, Dynamo, AIBrix) learns which node's cache server
@@ -317,11 +315,16 @@ def test_vllm_publishes_kvfabrics_kv_events_for_every_block_it_stores(
         text=True,
     )
     lines: list[dict[str, Any]] = []
+    assert sub.stdout is not None
+    stdout = sub.stdout
+
+    def read() -> None:
+        for line in stdout:
+            lines.append(json.loads(line))
+
+    reader = threading.Thread(target=read, daemon=True)
     try:
-        assert sub.stdout is not None
-        assert sub.stdout.readline().strip() == "ready"
-        reader = threading.Thread(target=lambda: lines.extend(json.loads(line) for line in sub.stdout or ()))
-        reader.daemon = True
+        assert stdout.readline().strip() == "ready"
         reader.start()
         time.sleep(1.0)  # a ZMQ subscription takes effect asynchronously (the "slow joiner")
         prompt = workload.tokens(13, 600)
@@ -339,6 +342,9 @@ def test_vllm_publishes_kvfabrics_kv_events_for_every_block_it_stores(
     finally:
         sub.kill()
         sub.wait()
+        if reader.is_alive():
+            reader.join(timeout=10)
+        stdout.close()
     events = [e for e in ours() if e["token_ids"] in spans]
     assert [e["token_ids"] for e in events] == spans, [len(e["token_ids"]) for e in ours()]
     assert len(ours()) == len(spans), "only what this request stored"

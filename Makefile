@@ -29,8 +29,8 @@ test-fabric: bootstrap ## Only the whole-fabric end-to-end tests
 	$(UV) pytest e2e -m fabric $(PYTEST_ARGS)
 test-kubelet: bootstrap ## Only the tests on real kubelets (the built images as deployed)
 	$(UV) pytest e2e -m kubelet $(PYTEST_ARGS)
-test-vllm: bootstrap ## Only the tests inside real vLLM (CPU; the bootstrap builds its pinned env)
-	$(UV) pytest tests -m vllm $(PYTEST_ARGS)
+test-vllm: bootstrap ## Only the tests inside real vLLM (CPU; the bootstrap builds its pinned env), in the fabric too
+	$(UV) pytest tests e2e -m vllm $(PYTEST_ARGS)
 
 .PHONY: bootstrap bootstrap-demo
 bootstrap-demo: ## Install only what the demo and the local cluster need (.venv, control-plane binaries)

@@ -2,7 +2,8 @@
 
 Four vLLM processes serve the whole module (start-up is one to two minutes each here): the
 session's reference run (no cache at all), an offline ``LLM`` run with the connector that stores
-prompts and exits, and two OpenAI servers, each with the connector on its own cache server; the two
+prompts and exits, and two OpenAI servers, each with the connector on its own cache server (server 2
+with asynchronous loads, ``load_async``); the two
 cache servers share one volume (two nodes and a shared tier). Server 1 has a KV cache of 32 blocks
 of 128 tokens and chunked prefill at 512 tokens per step, so that concurrent chats evict and
 preempt. Every assertion on tokens compares against the reference run, in float32, greedy.
@@ -114,8 +115,8 @@ class Fabric:
     """The ZMQ endpoint where server 2 publishes KV events (``--kv-events-config``)."""
 
 
-def _kv(srv: ServerProcess) -> dict[str, Any]:
-    return connector_config(srv.config.listen.unix_socket, srv.shm_dir, **CONNECTOR)
+def _kv(srv: ServerProcess, **extra: Any) -> dict[str, Any]:
+    return connector_config(srv.config.listen.unix_socket, srv.shm_dir, **{**CONNECTOR, **extra})
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +164,7 @@ def fabric(
                 vllm_env,
                 tiny_model,
                 vllm_workdir / f"server-{i}.log",
-                _kv(srv),
+                _kv(srv, load_async=i == 2),
                 [*SERVER_ARGS, *args],
                 max_model_len=2048,
             )
@@ -256,6 +257,14 @@ def test_round_two_on_another_node_hits_the_shared_tier(fabric: Fabric) -> None:
     assert out.cached_tokens == stored * CHUNK + tail * BLOCK
     assert external_hits(fabric.s2) - ext0 == stored * CHUNK + tail * BLOCK
     assert cache_hits(fabric.b, "shared") - shared0 == stored + tail
+    # Server 2 loads asynchronously (load_async): vLLM kept the request waiting while the worker
+    # loaded it in the background, and the tokens above are still the reference's.
+    wait_until(
+        lambda: metric_sum(fabric.s2.metrics(), "vllm:kvfabric_events", event="background_loads") >= 1,
+        60,
+        what="the background load counted in vLLM's /metrics",
+    )
+    assert metric_sum(fabric.s2.metrics(), "vllm:kvfabric_loaded_tokens") >= stored * CHUNK + tail * BLOCK
 
 
 def test_round_two_reuses_round_one_tail(fabric: Fabric) -> None:

@@ -78,6 +78,7 @@ class _ReqState:
     # Keys the last lookup found absent (chunks past the matched ones, tail blocks past the found
     # tail): what KV events withdraw. Empty when the lookup failed (absence unknown).
     absent: list[str] = field(default_factory=list)
+    background: bool = False  # the engine waits for this request's load (asynchronous load)
 
 
 class SchedulerHalf:
@@ -295,6 +296,15 @@ class SchedulerHalf:
             scheduled[s.req_id] = s.num_scheduled_tokens
         for req_id, computed in progress.items():
             self._plan_request(plan, req_id, self._reqs[req_id], computed, scheduled[req_id])
+        # Asynchronous loads: the engine allocated the blocks and waits for them, unscheduled.
+        for req_id, st in self._reqs.items():
+            if st.background and st.pending_load is not None and req_id not in progress:
+                start, end = st.pending_load
+                st.pending_load = None
+                spec = self._load_spec(req_id, st, start, end)
+                if spec.keys:
+                    spec.background = True
+                    plan.loads.append(spec)
         # The step's work, for the cost model: the worker times the forward and sends both back.
         for s in step.scheduled:
             t = s.num_scheduled_tokens
@@ -423,6 +433,12 @@ class SchedulerHalf:
     def request_finished(self, req_id: str) -> None:
         """Forget the request. Saves copy blocks out during the step, so blocks can be freed now."""
         self._reqs.pop(req_id, None)
+
+    def load_in_background(self, req_id: str, background: bool = True) -> None:
+        """Whether the engine loads this request's hit asynchronously (it waits, unscheduled)."""
+        st = self._reqs.get(req_id)
+        if st is not None:
+            st.background = background
 
     def absent_keys(self, req_id: str) -> list[str]:
         """Keys the request's last lookup found absent (none known if it failed or never ran)."""

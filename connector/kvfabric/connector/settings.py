@@ -119,6 +119,11 @@ class ConnectorSettings(BaseSettings):
     """No lost tail: store each prompt's partial last chunk, cut to whole engine blocks, as tail blocks
     (``keys.tail_keys``) and load the longest stored tail after the whole chunks, so the next round of
     a chat reuses everything the engine's block size allows; false: whole chunks only."""
+    load_async: bool = False
+    """Load hits in the background (vLLM: ``load_async=True``): the request waits for its KV while the
+    engine keeps stepping the others, instead of the whole step waiting for the load; failed chunks
+    are still recomputed. False: loads are synchronous (the step that computes the rest of the
+    prompt waits for them)."""
     local_index: bool = False
     """Same node: answer lookups from the index the cache server publishes in shared memory (no call
     per lookup); remote endpoints always use the RPC."""

@@ -84,6 +84,10 @@ class LoadSpec:
     """How long the load may take (the cost model's expected saving); None: ``load_deadline_ms``."""
     tail: int = 0
     """Trailing keys that are single-block tail blocks, not whole chunks."""
+    background: bool = False
+    """Load in the background (vLLM's asynchronous load): the request is not in this step, and the
+    worker reports it finished (:meth:`~kvfabric.connector.worker.WorkerHalf.take_finished_loads`)
+    only once nothing more is written into its blocks."""
 
     @property
     def whole(self) -> int:

@@ -551,6 +551,10 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         self._requests.setdefault(info.req_id, request)
         lookups = half.counters.get("lookups")
         hit = half.num_new_matched_tokens(info, num_computed_tokens)
+        # Asynchronous loads: vLLM then keeps the request waiting, unscheduled, until get_finished
+        # reports its load over; the other requests keep stepping meanwhile.
+        background = self.settings.load_async and hit > 0
+        half.load_in_background(info.req_id, background)
         if half.counters.get("lookups") > lookups:  # a lookup really ran (not skipped as too short)
             reason = half.lookup_reason(info.req_id)
             # Only faults of the cache count as failing: a miss, or a hit the cost model declined
@@ -559,7 +563,7 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
             self._lookups.note(reason.value if failed and reason is not None else None)
         if self._events.enabled and num_computed_tokens == 0:
             self._events.found_missing(half.absent_keys(info.req_id))
-        return hit, False
+        return hit, background
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
         """Attribute the hit to kvfabric's slowest tier among its chunks (vLLM's "outermost")."""
@@ -680,8 +684,14 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         self.worker_half.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Report nothing pending (loads are synchronous, saves hold no blocks)."""
-        return None, None
+        """Report the requests whose asynchronous load is over (saves hold no blocks).
+
+        A load with failed blocks is reported only after :meth:`get_block_ids_with_load_errors`
+        returned them (vLLM 0.32 asks for the finished ones first, in the same step).
+        """
+        if self._worker is None:
+            return None, None
+        return None, self._worker.take_finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks vLLM must recompute (``kv_load_failure_policy="recompute"``)."""

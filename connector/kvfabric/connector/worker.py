@@ -8,6 +8,10 @@ and moves bytes only through a :class:`~kvfabric.connector.datapath.DataPath`. W
    to place every verified chunk. Chunks that did not arrive intact become load errors
    (:meth:`WorkerHalf.take_load_errors`) so the engine recomputes them; the leading chunks that did
    arrive are still used.
+   Loads the scheduler marked ``background`` (vLLM's asynchronous loads) run on a thread of their
+   own, one at a time, on a data path of their own; :meth:`WorkerHalf.take_finished_loads` reports a
+   request only once its load stopped writing and its failed blocks were handed out by
+   :meth:`WorkerHalf.take_load_errors` (vLLM requires them no later than the finish).
 2. :meth:`WorkerHalf.save_kv_layer` has the data path copy each layer's finished chunks out (so the
    engine may reuse its blocks at once), except for requests whose load failed this step;
    :meth:`WorkerHalf.wait_for_save` submits them only if every layer was copied.
@@ -18,21 +22,24 @@ The hooks never raise into the forward pass: a failure turns the step's loads in
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvfabric.connector import keys as keyslib
 from kvfabric.connector import layout
-from kvfabric.connector.datapath import DataPath
+from kvfabric.connector.datapath import DataPath, LoadResult
 from kvfabric.connector.hostpath import HostStagingPath
 from kvfabric.connector.resilient import Counters, Reason, ResilientCache
 from kvfabric.connector.scheduler import slowest_tier
 from kvfabric.connector.settings import ConnectorSettings
-from kvfabric.connector.steps import RestoreTiming, Role, StepPlan, WorkerFeedback
+from kvfabric.connector.steps import LoadSpec, RestoreTiming, Role, StepPlan, WorkerFeedback
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +68,13 @@ class WorkerHalf:
         *,
         cache: ResilientCache | None = None,
         datapath: DataPath | None = None,
+        background_datapath: Callable[[], DataPath] | None = None,
     ) -> None:
-        """Create the half for this rank's namespace ``spec``; ``datapath`` defaults to host staging."""
+        """Create the half for this rank's namespace ``spec``; ``datapath`` defaults to host staging.
+
+        ``background_datapath`` makes the data path of background loads (default: host staging),
+        created at the first one.
+        """
         if spec.chunk_tokens != settings.chunk_tokens:
             raise ValueError("spec.chunk_tokens must equal settings.chunk_tokens")
         self.settings = settings
@@ -79,16 +91,15 @@ class WorkerHalf:
             # The server exports what the namespace stands for (pool status: namespaces in use).
             cache.describe(self.namespace, spec.canonical().decode())
         self.counters = cache.counters if cache is not None else Counters()
-        self.datapath: DataPath = datapath or HostStagingPath(
-            cache,
-            namespace=self.namespace,
-            chunk_tokens=self.chunk_tokens,
-            block_size=self.block_size,
-            store_deadline_s=settings.store_deadline_ms / 1000,
-            store_queue_bytes=settings.store_queue_bytes,
-            counters=self.counters,
-            mac_key=settings.mac_key,
-        )
+        self.datapath: DataPath = datapath or self._host_path()
+        self._background_factory = background_datapath or self._host_path
+        self._background: DataPath | None = None
+        self._background_pool: cf.ThreadPoolExecutor | None = None
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        # Guards what background loads hand to the engine thread: errors, reports, finished ids.
+        self._results_lock = threading.Lock()
+        self._background_errors: dict[str, set[int]] = {}  # req -> failed blocks not yet taken
+        self._background_done: set[str] = set()  # finished, not yet reported
         self._plan: StepPlan | None = None
         self._layer_index: dict[str, int] = {}
         self._loads_pending = False
@@ -106,6 +117,19 @@ class WorkerHalf:
         self._step_loads: list[tuple[str | None, int, bool]] = []  # (tier, chunks loaded, all intact)
         self._feedback: WorkerFeedback | None = None
 
+    def _host_path(self) -> DataPath:
+        """Host staging (the default data path): bytes through host memory buffers."""
+        return HostStagingPath(
+            self.cache,
+            namespace=self.namespace,
+            chunk_tokens=self.chunk_tokens,
+            block_size=self.block_size,
+            store_deadline_s=self.settings.store_deadline_ms / 1000,
+            store_queue_bytes=self.settings.store_queue_bytes,
+            counters=self.counters,
+            mac_key=self.settings.mac_key,
+        )
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Remember the per-layer KV tensors (forward order) and check them against the namespace.
 
@@ -114,7 +138,10 @@ class WorkerHalf:
         disabled (every load a recompute, nothing stored).
         """
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self._kv_caches = dict(kv_caches)
         self.datapath.register_kv_caches(kv_caches)
+        if self._background is not None:
+            self._background.register_kv_caches(kv_caches)
         devices = {t.device.type for t in kv_caches.values()}
         if self.spec.device_type and devices and devices != {self.spec.device_type}:
             self.disable(f"the KV cache is on {sorted(devices)}, the namespace says {self.spec.device_type}")
@@ -145,12 +172,10 @@ class WorkerHalf:
     def _fail_step(self, what: str) -> None:
         log.exception("kvfabric %s failed; the engine recomputes", what)
         self.counters.add(f"internal_error.{what}")
-        plan = self._plan
-        if plan is not None:
-            for spec in plan.loads:
-                self._failed_reqs.add(spec.req_id)
-                for blocks in spec.block_ids:
-                    self._load_errors.update(blocks)
+        for spec in self._sync_loads():  # background loads report their own outcome
+            self._failed_reqs.add(spec.req_id)
+            for blocks in spec.block_ids:
+                self._load_errors.update(blocks)
         self.datapath.abandon_loads()
         self.datapath.abandon_saves()
         self._loads_pending = False
@@ -171,27 +196,96 @@ class WorkerHalf:
         self._loads_pending, self._failed_reqs = False, set()
         self.restore_s = 0.0
         plan = self._plan
-        if plan is None or not plan.loads or not self.datapath.num_layers:
+        if plan is None or not plan.loads:
+            return
+        background = [spec for spec in plan.loads if spec.background]
+        for spec in background:
+            self._start_background(spec)
+        loads = self._sync_loads()
+        if not loads or not self.datapath.num_layers:
             return
         if self.disabled is not None:
-            for spec in plan.loads:
+            for spec in loads:
                 self._failed_reqs.add(spec.req_id)
-                self.counters.fallback(Reason.NAMESPACE_MISMATCH, spec.whole)
-                if spec.tail:
-                    self.counters.add(f"fallback_tail_blocks.{Reason.NAMESPACE_MISMATCH.value}", spec.tail)
-                for blocks in spec.block_ids:
-                    self._load_errors.update(blocks)
+                self._load_errors.update(self._refuse(spec))
             return
-        # The cost model bounds each load by the prefill it is expected to save (a hung server then
-        # costs at most about that); the setting is the ceiling.
-        budget = self.settings.load_deadline_ms / 1000
-        planned = [s.deadline_s for s in plan.loads if s.deadline_s is not None]
-        if planned and len(planned) == len(plan.loads):
-            budget = min(budget, max(planned))
-        deadline = time.monotonic() + budget
-        self.datapath.start_loads(plan.loads, deadline)
+        self.datapath.start_loads(loads, time.monotonic() + self._budget(loads))
         self._loads_pending = True
         self.restore_s += time.perf_counter() - t0
+
+    def _sync_loads(self) -> list[LoadSpec]:
+        plan = self._plan
+        return [] if plan is None else [spec for spec in plan.loads if not spec.background]
+
+    def _budget(self, loads: list[LoadSpec]) -> float:
+        """Seconds the loads may take (``load_deadline_ms``, or less by the cost model).
+
+        The cost model bounds each load by the prefill it is expected to save (a hung server then
+        costs at most about that); the setting is the ceiling.
+        """
+        budget = self.settings.load_deadline_ms / 1000
+        planned = [s.deadline_s for s in loads if s.deadline_s is not None]
+        if planned and len(planned) == len(loads):
+            budget = min(budget, max(planned))
+        return budget
+
+    def _refuse(self, spec: LoadSpec) -> set[int]:
+        """Count a load this worker will not do (namespace mismatch); return its blocks."""
+        self.counters.fallback(Reason.NAMESPACE_MISMATCH, spec.whole)
+        if spec.tail:
+            self.counters.add(f"fallback_tail_blocks.{Reason.NAMESPACE_MISMATCH.value}", spec.tail)
+        return {b for blocks in spec.block_ids for b in blocks}
+
+    # ------------------------------------------------------------ background loads
+
+    def _start_background(self, spec: LoadSpec) -> None:
+        """Queue one asynchronous load (its own deadline starts now; loads run one at a time)."""
+        if self._background_pool is None:
+            self._background_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvfabric-load")
+        deadline = time.monotonic() + self._budget([spec])
+        self.counters.add("background_loads")
+        self._background_pool.submit(self._run_background, spec, deadline)
+
+    def _run_background(self, spec: LoadSpec, deadline: float) -> None:
+        """Load, verify and place one request's chunks off the engine thread; then report it done."""
+        errors: set[int] = set()
+        report: LoadReport | None = None
+        try:
+            if self.disabled is not None or not self._kv_caches:
+                errors = self._refuse(spec)
+            else:
+                if self._background is None:
+                    self._background = self._background_factory()
+                    self._background.register_kv_caches(self._kv_caches)
+                path = self._background
+                path.start_loads([spec], deadline)
+                try:
+                    (res,) = path.finish_loads()
+                finally:
+                    path.abandon_loads()
+                errors, report, _ = self._account(spec, res)
+        except Exception:
+            log.exception("kvfabric background load of request %s failed; the engine recomputes", spec.req_id)
+            self.counters.add("internal_error.background_load")
+            errors = {b for blocks in spec.block_ids for b in blocks}
+        with self._results_lock:
+            if errors:
+                self._background_errors[spec.req_id] = errors
+            if report is not None:
+                self._reports.append(report)
+            self._background_done.add(spec.req_id)
+
+    def take_finished_loads(self) -> set[str]:
+        """Return (and forget) the requests whose background load is over.
+
+        Over means nothing more is written into their blocks, and their failed blocks were already
+        returned by :meth:`take_load_errors` (vLLM: finished receives, which must not precede the
+        errors).
+        """
+        with self._results_lock:
+            done = {r for r in self._background_done if r not in self._background_errors}
+            self._background_done -= done
+            return done
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until the step's KV is in place or known missing (the first call does the work)."""
@@ -208,37 +302,43 @@ class WorkerHalf:
         self.restore_s += time.perf_counter() - t0
 
     def _finish_loads(self) -> None:
-        plan = self._plan
-        assert plan is not None
         results = self.datapath.finish_loads()
         self._loads_pending = False
-        for spec, res in zip(plan.loads, results, strict=True):
-            failed = len(spec.keys) - res.loaded
-            # Whole chunks and tail blocks are counted apart: vLLM's metrics turn them into tokens.
-            whole_loaded = min(res.loaded, spec.whole)
-            tail_loaded = res.loaded - whole_loaded
-            if failed:
+        for spec, res in zip(self._sync_loads(), results, strict=True):
+            errors, report, intact = self._account(spec, res)
+            if not intact:
                 self._failed_reqs.add(spec.req_id)
-                reason = res.reason or Reason.NOT_FOUND
-                self.counters.fallback(reason, spec.whole - whole_loaded)
-                if spec.tail - tail_loaded:
-                    self.counters.add(f"fallback_tail_blocks.{reason.value}", spec.tail - tail_loaded)
-                for blocks in spec.block_ids[res.loaded :]:
-                    self._load_errors.update(blocks)
-            self.counters.add("loaded_chunks", whole_loaded)
-            if tail_loaded:
-                self.counters.add("loaded_tail_blocks", tail_loaded)
-            self._step_loads.append((slowest_tier(spec.tiers[: res.loaded]), whole_loaded, not failed))
-            self._reports.append(
-                LoadReport(
-                    spec.req_id,
-                    len(spec.keys),
-                    res.loaded,
-                    slowest_tier(spec.tiers[: res.loaded]),
-                    res.reason if failed else None,
-                    res.wait_s,
-                )
-            )
+            self._load_errors.update(errors)
+            with self._results_lock:
+                self._reports.append(report)
+
+    def _account(self, spec: LoadSpec, res: LoadResult) -> tuple[set[int], LoadReport, bool]:
+        """Count one finished load; return its failed blocks, its report and whether it was whole.
+
+        Thread-safe (the counters are): background loads account on their own thread.
+        """
+        errors: set[int] = set()
+        failed = len(spec.keys) - res.loaded
+        # Whole chunks and tail blocks are counted apart: vLLM's metrics turn them into tokens.
+        whole_loaded = min(res.loaded, spec.whole)
+        tail_loaded = res.loaded - whole_loaded
+        if failed:
+            reason = res.reason or Reason.NOT_FOUND
+            self.counters.fallback(reason, spec.whole - whole_loaded)
+            if spec.tail - tail_loaded:
+                self.counters.add(f"fallback_tail_blocks.{reason.value}", spec.tail - tail_loaded)
+            for blocks in spec.block_ids[res.loaded :]:
+                errors.update(blocks)
+        self.counters.add("loaded_chunks", whole_loaded)
+        if tail_loaded:
+            self.counters.add("loaded_tail_blocks", tail_loaded)
+        tier = slowest_tier(spec.tiers[: res.loaded])
+        if not spec.background:  # the step's restore timing covers the loads the step waited for
+            self._step_loads.append((tier, whole_loaded, not failed))
+        report = LoadReport(
+            spec.req_id, len(spec.keys), res.loaded, tier, res.reason if failed else None, res.wait_s
+        )
+        return errors, report, not failed
 
     # ------------------------------------------------------------------ saves
 
@@ -324,17 +424,30 @@ class WorkerHalf:
         return fb
 
     def take_load_errors(self) -> set[int]:
-        """Return (and forget) the blocks whose load failed since the last call."""
+        """Return (and forget) the blocks whose load failed since the last call.
+
+        Background loads' included: their requests become reportable by
+        :meth:`take_finished_loads` only after this.
+        """
         errors, self._load_errors = self._load_errors, set()
+        with self._results_lock:
+            for blocks in self._background_errors.values():
+                errors |= blocks
+            self._background_errors.clear()
         return errors
 
     def take_load_reports(self) -> list[LoadReport]:
         """Return (and forget) the load reports since the last call."""
-        reports, self._reports = self._reports, []
+        with self._results_lock:
+            reports, self._reports = self._reports, []
         return reports
 
     def shutdown(self) -> None:
         """Stop background threads (pending stores finish first, bounded by their deadline)."""
+        if self._background_pool is not None:
+            self._background_pool.shutdown(wait=True)  # each load is bounded by its deadline
+        if self._background is not None:
+            self._background.close()
         self.datapath.close()
         if self.cache is not None:
             self.cache.close()

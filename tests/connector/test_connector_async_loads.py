@@ -1,0 +1,152 @@
+"""Asynchronous loads (``load_async``, vLLM's ``load_async=True``): the step never waits for them.
+
+The scheduler half plans a background load for a request the engine keeps waiting, unscheduled;
+the worker half runs it on a thread of its own and reports the request finished only once nothing
+more is written into its blocks and its failed blocks were handed out first (vLLM requires the
+errors no later than the finish, and 0.32 asks for the finished ones first in a step). A hung
+server costs the waiting request its deadline, never the other requests' steps, and a load given up
+at its deadline writes nothing afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvfabric.connector.keys import NamespaceSpec
+from kvfabric.connector.resilient import CircuitBreaker, Endpoint, ResilientCache
+from kvfabric.connector.scheduler import SchedulerHalf
+from kvfabric.connector.settings import ConnectorSettings
+from kvfabric.connector.steps import RequestInfo, ScheduledRequest, StepInput, StepPlan
+from kvfabric.connector.worker import WorkerHalf
+from kvfabric.testing.memtransport import MemoryTransport
+from kvfabric.testing.serverproc import wait_until
+
+BLOCK, CHUNK = 4, 16
+SPEC = NamespaceSpec("m", "r", "float32", 2, 1, 4, BLOCK, CHUNK)
+PROMPT = tuple(range(1, 3 * CHUNK + 1))  # three whole chunks
+SRC = tuple(range(0, 12))
+DST = tuple(range(12, 24))
+
+
+class Rig:
+    """A worker with a real host data path over a fake transport, and the round-1 bytes it saved."""
+
+    def __init__(self, load_deadline_ms: int = 30000) -> None:
+        self.store = MemoryTransport()
+        cache = ResilientCache([Endpoint("m", lambda: self.store, CircuitBreaker(100, 60.0))])
+        settings = ConnectorSettings(
+            chunk_tokens=CHUNK, lookup_deadline_ms=30000, load_deadline_ms=load_deadline_ms, load_async=True
+        )
+        self.worker = WorkerHalf(settings, SPEC, cache=cache)
+        gen = torch.Generator().manual_seed(0)
+        self.kv = {f"l{i}": torch.randn(32, 1, BLOCK, 8, generator=gen) for i in range(2)}
+        self.worker.register_kv_caches(self.kv)
+        self.sched = SchedulerHalf(settings, SPEC, cache=cache)
+        # Round 1 computes the prompt in blocks SRC and stores its chunks.
+        first = RequestInfo("r1", PROMPT)
+        self.sched.num_new_matched_tokens(first, 0)
+        self.sched.update_state_after_alloc(first, SRC, 0)
+        self._step(self.sched.build_plan(StepInput((ScheduledRequest("r1", 0, len(PROMPT), SRC, True),))))
+        assert self.worker.wait_for_stores(30)
+        self.sched.request_finished("r1")
+        self.saved = {name: t[list(SRC)].clone() for name, t in self.kv.items()}
+        for t in self.kv.values():
+            t[list(DST)] = -1.0
+
+    def _step(self, plan: StepPlan) -> float:
+        """Run one engine step with ``plan``; return how long the step's forward hooks waited."""
+        self.worker.bind_plan(plan)
+        t0 = time.monotonic()
+        self.worker.start_load()
+        for name, t in self.kv.items():
+            self.worker.wait_for_layer_load(name)
+            self.worker.save_kv_layer(name, t)
+        self.worker.wait_for_save()
+        waited = time.monotonic() - t0
+        self.worker.clear_plan()
+        return waited
+
+    def request_background_load(self) -> StepPlan:
+        """Round 2 hits; the engine allocates DST and waits: the step's plan carries the load."""
+        req = RequestInfo("r2", (*PROMPT, 99))
+        hit = self.sched.num_new_matched_tokens(req, 0)
+        assert hit == 3 * CHUNK
+        self.sched.load_in_background("r2")
+        self.sched.update_state_after_alloc(req, DST, hit)
+        plan = self.sched.build_plan(StepInput(()))  # r2 is not scheduled while it waits
+        (load,) = plan.loads
+        assert load.background
+        return plan
+
+    def loaded(self, blocks: range) -> bool:
+        dst = [DST[b] for b in blocks]
+        return all(torch.equal(t[dst], self.saved[name][list(blocks)]) for name, t in self.kv.items())
+
+    def untouched(self, blocks: range) -> bool:
+        return all(bool((t[[DST[b] for b in blocks]] == -1.0).all()) for t in self.kv.values())
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.sched.shutdown()
+
+
+def test_a_background_load_never_holds_the_step_and_is_finished_only_when_placed() -> None:
+    rig = Rig()
+    try:
+        plan = rig.request_background_load()
+        rig.store.hang.set()  # the server stops answering: the load is in flight
+        waited = rig._step(plan)
+        assert waited < 5, "the step waited for a background load"
+        assert rig.worker.take_finished_loads() == set()
+        assert rig.untouched(range(12))
+        rig.store.release.set()
+        done = wait_until(rig.worker.take_finished_loads, 30, what="the background load")
+        assert done == {"r2"}
+        assert rig.worker.take_load_errors() == set()
+        assert rig.loaded(range(12)), "all three chunks placed"
+        # Scheduled at last, with the loaded tokens computed: nothing is loaded again.
+        again = rig.sched.build_plan(StepInput((ScheduledRequest("r2", 3 * CHUNK, 1, DST, True),)))
+        assert again.loads == []
+    finally:
+        rig.store.release.set()
+        rig.close()
+
+
+def test_a_failed_background_load_hands_out_its_blocks_before_its_finish() -> None:
+    rig = Rig()
+    try:
+        plan = rig.request_background_load()
+        (load,) = plan.loads
+        rig.store.corrupt_keys.add(load.keys[1])  # chunk 1 arrives damaged
+        rig._step(plan)
+        wait_until(rig.worker.take_load_reports, 30, what="the background load to end")
+        # Over, but not yet reportable: vLLM asks for finished loads before the step's errors.
+        assert rig.worker.take_finished_loads() == set()
+        errors = rig.worker.take_load_errors()
+        assert errors == set(DST[4:12]), "chunk 1 failed, and chunk 2 after it"
+        assert rig.worker.take_finished_loads() == {"r2"}
+        assert rig.loaded(range(4)), "chunk 0 arrived intact and is used"
+        assert rig.untouched(range(4, 12)), "no damaged byte reached the KV cache"
+    finally:
+        rig.close()
+
+
+def test_a_background_load_given_up_at_its_deadline_writes_nothing_afterwards() -> None:
+    rig = Rig(load_deadline_ms=300)
+    try:
+        plan = rig.request_background_load()
+        rig.store.hang.set()
+        rig._step(plan)
+        wait_until(rig.worker.take_load_reports, 30, what="the deadline")
+        assert rig.worker.take_load_errors() == set(DST)
+        assert rig.worker.take_finished_loads() == {"r2"}
+        # vLLM may now hand the blocks to another request; the hung call coming back must not
+        # write into them.
+        rig.store.release.set()
+        time.sleep(1.0)
+        assert rig.untouched(range(12))
+    finally:
+        rig.store.release.set()
+        rig.close()

@@ -24,9 +24,17 @@ from typing import Any
 import pytest
 
 from kvfabric.demo.fabric import Fabric, wait_pool_ready
-from kvfabric.demo.workloads import pool_manifest, ready_pods
+from kvfabric.demo.workloads import one_per_gpu_node, pool_manifest, ready_pods
 from kvfabric.localcluster.testing import wait_for
-from kvfabric.testing.vllmenv import VllmEnv, find_env, make_tiny_model, metric_sum, skip_reason
+from kvfabric.testing.vllmenv import (
+    OPENAI_SERVER_MODULE,
+    VllmEnv,
+    find_env,
+    make_tiny_model,
+    metric_sum,
+    openai_server_args,
+    skip_reason,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -66,41 +74,13 @@ def vllm_deployment(env: VllmEnv, model: Path) -> dict[str, Any]:
                 },
                 "spec": {
                     "terminationGracePeriodSeconds": 10,
-                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                    "affinity": {
-                        "podAntiAffinity": {
-                            "requiredDuringSchedulingIgnoredDuringExecution": [
-                                {
-                                    "labelSelector": {"matchLabels": labels},
-                                    "topologyKey": "kubernetes.io/hostname",
-                                }
-                            ]
-                        }
-                    },
+                    **one_per_gpu_node(labels),
                     "containers": [
                         {
                             "name": "vllm",
                             "image": "vllm/vllm-openai-cpu:v0.32.0",
-                            "command": [str(env.python), "-m", "vllm.entrypoints.openai.api_server"],
-                            "args": [
-                                "--model",
-                                str(model),
-                                "--served-model-name",
-                                "tiny",
-                                "--host",
-                                "127.0.0.1",
-                                "--port",
-                                str(PORT),
-                                "--dtype",
-                                "float32",
-                                "--enforce-eager",
-                                "--seed",
-                                "0",
-                                "--max-model-len",
-                                "2048",
-                                "--enable-prompt-tokens-details",
-                                "--disable-uvicorn-access-log",
-                            ],
+                            "command": [str(env.python), "-m", OPENAI_SERVER_MODULE],
+                            "args": openai_server_args(model, PORT, 2048),
                             "env": [{"name": k, "value": environ[k]} for k in wanted if k in environ],
                             "ports": [{"name": "http", "containerPort": PORT}],
                             "readinessProbe": {

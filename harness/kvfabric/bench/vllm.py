@@ -22,11 +22,19 @@ fresh vLLM server with the same KV-cache size and CPU binding: vLLM alone (its o
 and vLLM with kvfabric. TTFT p50/p90/p99 per arm for round 1 (nothing to reuse) and rounds 2+
 (history to reuse), the ratio of the arms' medians, and whether every output of the kvfabric arm
 equals vLLM alone's (greedy, float32).
+
+``--co-running``: instead, what a load costs the requests decoding beside it, with synchronous and
+with asynchronous loads (``load_async``, issue 11.6). A first vLLM server stores ``--repeats``
+long prompts (8k tokens); then, per mode, a fresh server on the same cache server streams two long
+decodes while those prompts arrive one by one as kvfabric hits. Printed per mode: the decoders'
+gaps between streamed tokens while the loads ran (p50/p99/max) against their gaps before, and the
+hits' TTFT.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -52,6 +60,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--chat",
         action="store_true",
         help="run the multi-round chat workload (context beyond vLLM's KV cache) instead of the length table",
+    )
+    parser.add_argument(
+        "--co-running",
+        action="store_true",
+        help="decode latency of co-running requests while hits load, synchronous against asynchronous loads",
     )
     parser.add_argument(
         "--sessions", type=int, default=6, help="--chat: conversations, sent round-robin (default 6)"
@@ -85,6 +98,16 @@ def _ttft_tokens(server: Any, prompt: list[int], max_tokens: int) -> tuple[float
             ttft = time.perf_counter() - t0
         out.extend(ids)
     return ttft, out
+
+
+def _vllm_env() -> Any:
+    """The pinned vLLM environment, or None after saying why it is missing (the caller exits 2)."""
+    from kvfabric.testing.vllmenv import find_env, skip_reason
+
+    env = find_env()
+    if env is None:
+        print(skip_reason(), file=sys.stderr)
+    return env
 
 
 def _out(args: argparse.Namespace, line: dict[str, Any]) -> None:
@@ -140,19 +163,11 @@ def _chat_arm(server: Any, turns: list[list[list[int]]]) -> tuple[list[float], l
 def run_chat(args: argparse.Namespace) -> int:
     """``--chat``: the multi-round workload, vLLM alone against vLLM with kvfabric."""
     from kvfabric.testing.serverproc import cache_server
-    from kvfabric.testing.vllmenv import (
-        BENCH,
-        VllmServer,
-        connector_config,
-        find_env,
-        make_tiny_model,
-        skip_reason,
-    )
+    from kvfabric.testing.vllmenv import BENCH, VllmServer, connector_config, make_tiny_model
     from kvfabric.testing.vllmenv import metric_sum as msum
 
-    env = find_env()
+    env = _vllm_env()
     if env is None:
-        print(skip_reason(), file=sys.stderr)
         return 2
     turns = _chat_turns(args.sessions, args.rounds, int(BENCH["vocab_size"]))
     context = CHAT_FIRST + (args.rounds - 1) * CHAT_TURN + args.rounds * CHAT_OUT
@@ -211,24 +226,141 @@ def run_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gaps(stamps: list[float], start: float, end: float) -> list[float]:
+    """Gaps between consecutive stamps whose later stamp lies in ``[start, end]``."""
+    return [b - a for a, b in itertools.pairwise(stamps) if start <= b <= end]
+
+
+def _gap_summary(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"n": 0}
+    xs = sorted(values)
+    p99 = xs[min(len(xs) - 1, max(0, round(0.99 * len(xs) + 0.5) - 1))]
+    return {
+        "n": len(xs),
+        "p50_ms": round(statistics.median(xs) * 1000, 1),
+        "p99_ms": round(p99 * 1000, 1),
+        "max_ms": round(xs[-1] * 1000, 1),
+    }
+
+
+def run_co_running(args: argparse.Namespace) -> int:
+    """``--co-running``: decoders' token gaps while hits load, synchronous against asynchronous loads."""
+    import threading
+
+    from kvfabric.testing.serverproc import cache_server, wait_until
+    from kvfabric.testing.vllmenv import BENCH, VllmServer, connector_config, make_tiny_model
+    from kvfabric.testing.vllmenv import metric_sum as msum
+
+    env = _vllm_env()
+    if env is None:
+        return 2
+    n_loads = args.repeats or 4
+    length, decode_tokens = 8192, 600
+    rng = random.Random(2)
+    vocab = int(BENCH["vocab_size"])
+    hits = [[rng.randrange(3, vocab) for _ in range(length + SUFFIX)] for _ in range(n_loads)]
+    decoders = [[rng.randrange(3, vocab) for _ in range(256)] for _ in range(2)]
+    per_token = 2 * int(BENCH["num_hidden_layers"]) * int(BENCH["num_key_value_heads"]) * 64 * 4
+    dram = max(512 << 20, int(n_loads * (length + SUFFIX) * per_token * 1.5))
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kvf-bench-corun-") as tmp:
+        work = Path(tmp)
+        model = make_tiny_model(env, work / "model", BENCH)
+        with cache_server(server_id="bench-corun", dram_bytes=dram, local_disk_bytes=None) as srv:
+
+            def server(name: str, **extra: Any) -> VllmServer:
+                kv = connector_config(
+                    srv.config.listen.unix_socket, srv.shm_dir, load_deadline_ms=30000, **extra
+                )
+                s = VllmServer(env, model, work / f"{name}.log", kv, max_model_len=length + SUFFIX + 64)
+                t0 = time.monotonic()
+                s.start()
+                _out(args, {"event": "started", "server": name, "startup_s": round(time.monotonic() - t0, 1)})
+                return s
+
+            store = server("storing")
+            try:
+                for p in hits:
+                    store.complete(p, 1)
+            finally:
+                store.stop()
+
+            def stored() -> float:
+                with urllib.request.urlopen(srv.metrics_url + "/metrics", timeout=10) as r:  # noqa: S310
+                    return msum(r.read().decode(), "kvfabric_cache_stores")
+
+            wait_until(lambda: stored() >= n_loads * (length // 256), 120, what="the stores to land")
+            for mode, load_async in (("sync", False), ("async", True)):
+                s = server(mode, load_async=load_async)
+                try:
+                    stamps: list[list[float]] = [[] for _ in decoders]
+                    started = threading.Barrier(len(decoders) + 1)
+
+                    def decode(
+                        i: int,
+                        s: VllmServer = s,
+                        stamps: list[list[float]] = stamps,
+                        started: threading.Barrier = started,
+                    ) -> None:
+                        first = True
+                        for _ids in s.stream(decoders[i], decode_tokens, timeout=600):
+                            stamps[i].append(time.perf_counter())
+                            if first:
+                                first = False
+                                started.wait(60)
+
+                    threads = [threading.Thread(target=decode, args=(i,)) for i in range(len(decoders))]
+                    for t in threads:
+                        t.start()
+                    started.wait(120)
+                    time.sleep(1.0)  # steady decoding first: the "before" gaps
+                    window_start = time.perf_counter()
+                    ttfts = [_ttft(s, p) for p in hits]
+                    window_end = time.perf_counter()
+                    for t in threads:
+                        t.join()
+                    during = [g for st in stamps for g in _gaps(st, window_start, window_end)]
+                    before = [g for st in stamps for g in _gaps(st, st[0], window_start)]
+                    loaded = msum(s.metrics(), "vllm:kvfabric_loaded_tokens")
+                    out[mode] = {
+                        "decoder_gaps_before": _gap_summary(before),
+                        "decoder_gaps_while_loading": _gap_summary(during),
+                        "hit_ttft_s": _summary(ttfts),
+                        "loaded_tokens": loaded,
+                    }
+                    _out(args, {"mode": mode, **out[mode]})
+                finally:
+                    s.stop()
+    sync_max = out["sync"]["decoder_gaps_while_loading"].get("max_ms")
+    async_max = out["async"]["decoder_gaps_while_loading"].get("max_ms")
+    _out(
+        args,
+        {
+            "event": "summary",
+            "vllm": env.installed_version(),
+            "hit_tokens": length + SUFFIX,
+            "decoder_max_gap_sync_ms": sync_max,
+            "decoder_max_gap_async_ms": async_max,
+            "hit_ttft_p50_sync_s": out["sync"]["hit_ttft_s"]["p50"],
+            "hit_ttft_p50_async_s": out["async"]["hit_ttft_s"]["p50"],
+        },
+    )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print one line per length (and a header of versions)."""
     if args.chat:
         return run_chat(args)
+    if args.co_running:
+        return run_co_running(args)
     from kvfabric.testing.serverproc import cache_server, wait_until
-    from kvfabric.testing.vllmenv import (
-        BENCH,
-        VllmServer,
-        connector_config,
-        find_env,
-        make_tiny_model,
-        skip_reason,
-    )
+    from kvfabric.testing.vllmenv import BENCH, VllmServer, connector_config, make_tiny_model
     from kvfabric.testing.vllmenv import metric_sum as msum
 
-    env = find_env()
+    env = _vllm_env()
     if env is None:
-        print(skip_reason(), file=sys.stderr)
         return 2
     lengths = [
         int(x) for x in (args.lengths or ("2048,8192" if args.quick else "2048,8192,16384")).split(",")

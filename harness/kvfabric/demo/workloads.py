@@ -74,6 +74,20 @@ def object_store_secret(s3: S3Server, name: str) -> dict[str, Any]:
     }
 
 
+def one_per_gpu_node(labels: dict[str, str]) -> dict[str, Any]:
+    """Pod-spec fields that put one replica (pods with ``labels``) on each GPU node."""
+    return {
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {
+            "podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [
+                    {"labelSelector": {"matchLabels": labels}, "topologyKey": "kubernetes.io/hostname"}
+                ]
+            }
+        },
+    }
+
+
 def engine_deployment(name: str, pool: str | None, replicas: int = 2, preset: str = "tiny") -> dict[str, Any]:
     """The reference engine as an inference Deployment, one replica per GPU node.
 
@@ -91,17 +105,7 @@ def engine_deployment(name: str, pool: str | None, replicas: int = 2, preset: st
                 "metadata": {"labels": {**labels, **({"kvfabric.io/pool": pool} if pool else {})}},
                 "spec": {
                     "terminationGracePeriodSeconds": 5,
-                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                    "affinity": {
-                        "podAntiAffinity": {
-                            "requiredDuringSchedulingIgnoredDuringExecution": [
-                                {
-                                    "labelSelector": {"matchLabels": labels},
-                                    "topologyKey": "kubernetes.io/hostname",
-                                }
-                            ]
-                        }
-                    },
+                    **one_per_gpu_node(labels),
                     "containers": [
                         {
                             "name": "engine",

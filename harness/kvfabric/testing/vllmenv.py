@@ -223,6 +223,32 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
     return total
 
 
+OPENAI_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def openai_server_args(model: Path, port: int, max_model_len: int) -> list[str]:
+    """The OpenAI server's arguments every test uses: the tiny model as ``tiny``, float32, greedy-safe."""
+    return [
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--max-model-len",
+        str(max_model_len),
+        "--enable-prompt-tokens-details",
+        "--disable-uvicorn-access-log",
+    ]
+
+
 @dataclass
 class VllmServer:
     """vLLM's OpenAI-compatible server, ``python -m vllm.entrypoints.openai.api_server``, on loopback.
@@ -251,24 +277,8 @@ class VllmServer:
         cmd = [
             str(self.env.python),
             "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(self.model),
-            "--served-model-name",
-            "tiny",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--seed",
-            "0",
-            "--max-model-len",
-            str(self.max_model_len),
-            "--enable-prompt-tokens-details",
-            "--disable-uvicorn-access-log",
+            OPENAI_SERVER_MODULE,
+            *openai_server_args(self.model, self.port, self.max_model_len),
         ]
         if self.kv_transfer is not None:
             cmd += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer))]

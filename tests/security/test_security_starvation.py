@@ -91,3 +91,34 @@ def test_the_server_ends_a_trickling_store_that_set_no_deadline() -> None:
         # The slot came back: a store is accepted again.
         with CacheClient(srv.unix_target) as c:
             assert c.store(NS, [digest("after")], [b"x"], timeout=10).accepted == 1
+
+
+def test_the_server_ends_a_load_whose_reader_stopped_reading_and_set_no_deadline() -> None:
+    """A Load read once and then never again, with no client deadline, holds the only load slot.
+
+    Flow control blocks the server's writes; the server-side deadline (here 1 s) ends the stream
+    and frees the slot, so a well-behaved client waiting for it still loads within its deadline.
+    Before the bound covered the writes, the stalled stream held the slot until its client went
+    away, and the well-behaved load failed with "no load slot free before the deadline".
+    """
+    overrides = {"limits.max_call_seconds": 1.0, "limits.max_concurrent_loads": 1}
+    big = digest("stalled-load")
+    with (
+        cache_server(dram_bytes=128 * MiB, overrides=overrides) as srv,
+        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as good,
+    ):
+        assert good.store(NS, [big], [payload_for(big, 32 * MiB)], timeout=60).accepted == 1
+        with grpc.insecure_channel(srv.tcp_target) as channel:
+            stub = pb_grpc.CacheStub(channel)  # type: ignore[no-untyped-call]
+            stalled = stub.Load(pb.LoadRequest(namespace=NS, keys=[big]))  # no client deadline
+            try:
+                next(stalled)  # one piece, then never read again
+                # The only load slot is the stalled stream's until the server ends it.
+                assert good.load(NS, [big], timeout=20) == [payload_for(big, 32 * MiB)]
+                with pytest.raises(grpc.RpcError) as err:
+                    for _ in stalled:  # drain what was buffered: the stream ends in the error
+                        pass
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert "server-side deadline" in (err.value.details() or "")
+            finally:
+                stalled.cancel()

@@ -394,8 +394,9 @@ class LimitsConfig(_Model):
     max_call_seconds: float = Field(
         default=60.0,
         gt=0,
-        description="Server-side bound of a store stream and of any wait for a slot, whatever deadline "
-        "the client asked for (or none): a trickling client cannot hold a slot longer.",
+        description="Server-side bound of a store stream, of a load stream (its writes included) and of "
+        "any wait for a slot, whatever deadline the client asked for (or none): a trickling or stalled "
+        "client cannot hold a slot longer.",
     )
     max_slots_per_peer: int | None = Field(
         default=None,

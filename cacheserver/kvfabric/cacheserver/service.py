@@ -304,11 +304,23 @@ class CacheService(pb_grpc.CacheServicer):
         self.s.metrics.bytes_out.add(nbytes, {"transport": "shm"})
         self.s.metrics.load_duration.record(time.perf_counter() - t0, {"transport": "shm"})
 
-    async def Load(
-        self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[pb.LoadChunk]:
-        """Stream the leading present payloads in pieces."""
+    async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Stream the leading present payloads in pieces (written with ``context.write``).
+
+        The whole stream, its writes included, is bounded by the server-side deadline: a reader
+        that stops reading (flow control then blocks the writes) and set no deadline of its own
+        holds its load slot only until then, as a trickling store does.
+        """
         await _check(request, context)
+        try:
+            async with asyncio.timeout(self._deadline(context)):
+                await self._load(request, context)
+        except TimeoutError:
+            await _abort(
+                context, grpc.StatusCode.DEADLINE_EXCEEDED, "server-side deadline: load not read in time"
+            )
+
+    async def _load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         t0 = time.perf_counter()
         bids = await self._ids(request.namespace, list(request.keys), context)
         piece = request.max_message_bytes or _DEFAULT_PIECE
@@ -329,8 +341,10 @@ class CacheService(pb_grpc.CacheServicer):
                     try:
                         n = len(view)
                         for off in range(0, max(n, 1), piece):
-                            yield pb.LoadChunk(
-                                index=i, total_length=n, offset=off, data=bytes(view[off : off + piece])
+                            await context.write(
+                                pb.LoadChunk(
+                                    index=i, total_length=n, offset=off, data=bytes(view[off : off + piece])
+                                )
                             )
                         nbytes += n
                     finally:

@@ -79,7 +79,12 @@ def test_every_contract_variable_is_a_connector_setting() -> None:
 
 
 def test_injected_variables_are_exactly_the_contract() -> None:
-    env = _injected_env(_pool({"tenant": "t1", "deadlines": {"lookupMs": 50, "loadMs": 900, "storeMs": 7}}))
+    consumers = {
+        "tenant": "t1",
+        "deadlines": {"lookupMs": 50, "loadMs": 900, "storeMs": 7},
+        "loadMode": "Asynchronous",
+    }
+    env = _injected_env(_pool(consumers))
     assert set(env) == {var.value for var in ConsumerVar}
 
 
@@ -91,6 +96,7 @@ def test_injected_variables_are_exactly_the_contract() -> None:
     store=st.none() | st.integers(1, 60000),
     chunk=st.integers(1, 512).map(lambda n: n * 16),
     port=st.integers(1024, 65535),
+    load_mode=st.sampled_from([None, "Synchronous", "Asynchronous"]),
 )
 def test_round_trip_render_inject_parse(
     tenant: str | None,
@@ -99,11 +105,14 @@ def test_round_trip_render_inject_parse(
     store: int | None,
     chunk: int,
     port: int,
+    load_mode: str | None,
 ) -> None:
     deadlines = {k: v for k, v in (("lookupMs", lookup), ("loadMs", load), ("storeMs", store)) if v}
     consumers: dict[str, Any] = {"deadlines": deadlines}
     if tenant is not None:
         consumers["tenant"] = tenant
+    if load_mode is not None:
+        consumers["loadMode"] = load_mode
     body = _pool(consumers, chunk, port)
     env = _injected_env(body)
     target = pool_target(body)
@@ -121,6 +130,8 @@ def test_round_trip_render_inject_parse(
     assert parsed.lookup_deadline_ms == (lookup or defaults["lookup_deadline_ms"].default)
     assert parsed.load_deadline_ms == (load or defaults["load_deadline_ms"].default)
     assert parsed.store_deadline_ms == (store or defaults["store_deadline_ms"].default)
+    assert parsed.load_async is (load_mode == "Asynchronous")
+    assert (ConsumerVar.LOAD_ASYNC.value in env) == (load_mode is not None)
     assert parsed.config_hash == conn.config_hash
     assert parsed.configured
     assert parsed.token == "secret:pool-a-credentials/token"

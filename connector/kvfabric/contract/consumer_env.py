@@ -32,6 +32,7 @@ class ConsumerVar(StrEnum):
     LOOKUP_DEADLINE_MS = "KVFABRIC_LOOKUP_DEADLINE_MS"
     LOAD_DEADLINE_MS = "KVFABRIC_LOAD_DEADLINE_MS"
     STORE_DEADLINE_MS = "KVFABRIC_STORE_DEADLINE_MS"
+    LOAD_ASYNC = "KVFABRIC_LOAD_ASYNC"
     CONFIG_HASH = "KVFABRIC_CONFIG_HASH"
     # Credentials: from the pool's Secret (secretKeyRef) or its Secret volume, never values in the
     # pod spec, and outside the hash (docs/security.md).
@@ -60,6 +61,7 @@ class ConsumerEnvironment:
     lookup_deadline_ms: int | None = None
     load_deadline_ms: int | None = None
     store_deadline_ms: int | None = None
+    load_async: bool | None = None
 
     def to_env(self) -> dict[str, str]:
         """Return the variables without the hash, in a fixed order (the hash is over this mapping)."""
@@ -74,6 +76,7 @@ class ConsumerEnvironment:
             (ConsumerVar.LOOKUP_DEADLINE_MS, self.lookup_deadline_ms),
             (ConsumerVar.LOAD_DEADLINE_MS, self.load_deadline_ms),
             (ConsumerVar.STORE_DEADLINE_MS, self.store_deadline_ms),
+            (ConsumerVar.LOAD_ASYNC, None if self.load_async is None else str(self.load_async).lower()),
         ]
         return {var.value: str(value) for var, value in values if value is not None}
 

@@ -602,6 +602,13 @@ class Deadlines(_Model):
     store_ms: int | None = Field(default=None, ge=1, le=60000, description="Store deadline (ms, 1 to 60000).")
 
 
+class LoadMode(StrEnum):
+    """How consumers load hits: the step waits for the load, or the request alone waits for it."""
+
+    SYNCHRONOUS = "Synchronous"
+    ASYNCHRONOUS = "Asynchronous"
+
+
 class Consumers(_Model):
     """Which pods get the connector injected, and how."""
 
@@ -628,6 +635,13 @@ class Consumers(_Model):
         description="Tenant salt injected as KVFABRIC_TENANT (separates key spaces).",
     )
     deadlines: Deadlines | None = Field(default=None, description="Connector deadlines.")
+    load_mode: LoadMode | None = Field(
+        default=None,
+        description="How hits are loaded (injected as KVFABRIC_LOAD_ASYNC; default: the connector's, "
+        "Synchronous). Synchronous: the engine step that needs the KV waits for it (the hit's fastest "
+        "time to first token). Asynchronous: only the request waits, while the engine keeps stepping "
+        "the others (no decode stall beside a long hit; the hit itself costs about a step more).",
+    )
     connector_image: str | None = Field(
         default=None,
         min_length=3,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvfabric.contract.consumer_env import ConsumerEnvironment, ConsumerVar
-from kvfabric.operator.api.v1alpha1 import KVCachePool
+from kvfabric.operator.api.v1alpha1 import KVCachePool, LoadMode
 from kvfabric.operator.render import names
 
 
@@ -27,6 +27,7 @@ class ConnectionSettings:
     chunk_tokens: int
     tenant: str | None = None
     deadlines: dict[str, int] = field(default_factory=dict)
+    load_async: bool | None = None
     # Not part of the environment (nor of the hash): the payload image only matters at pod creation.
     connector_image: str = ""
     tcp: bool = False
@@ -72,6 +73,7 @@ class ConnectionSettings:
             lookup_deadline_ms=self.deadlines.get("lookup"),
             load_deadline_ms=self.deadlines.get("load"),
             store_deadline_ms=self.deadlines.get("store"),
+            load_async=self.load_async,
         )
 
     @property
@@ -100,6 +102,7 @@ def connection_settings(pool: KVCachePool) -> ConnectionSettings:
         for op, value in (("lookup", d.lookup_ms), ("load", d.load_ms), ("store", d.store_ms)):
             if value is not None:
                 deadlines[op] = value
+    mode = pool.spec.consumers.load_mode
     return ConnectionSettings(
         pool=name,
         namespace=namespace,
@@ -112,6 +115,7 @@ def connection_settings(pool: KVCachePool) -> ConnectionSettings:
         chunk_tokens=pool.spec.chunk_tokens,
         tenant=pool.spec.consumers.tenant,
         deadlines=deadlines,
+        load_async=None if mode is None else mode is LoadMode.ASYNCHRONOUS,
         connector_image=pool.spec.consumers.connector_image or default_connector_image(pool),
         tcp=pool.spec.server.tcp.enabled,
     )

@@ -114,6 +114,11 @@ INVALID_POOLS: list[tuple[str, dict[str, Any], str]] = [
         "spec.consumers.failurePolicy",
     ),
     (
+        "bad-load-mode",
+        with_("spec.consumers", {"loadMode": "Sometimes"}),
+        "spec.consumers.loadMode",
+    ),
+    (
         "memory-limit-below-tier",
         with_("spec.resources", {"limits": {"memory": "512Mi"}}),
         "spec.resources.limits.memory",

@@ -10,6 +10,7 @@ at its deadline writes nothing afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -41,7 +42,7 @@ class Rig:
         )
         self.worker = WorkerHalf(settings, SPEC, cache=cache)
         gen = torch.Generator().manual_seed(0)
-        self.kv = {f"l{i}": torch.randn(32, 1, BLOCK, 8, generator=gen) for i in range(2)}
+        self.kv = {f"l{i}": torch.randn(40, 1, BLOCK, 8, generator=gen) for i in range(2)}
         self.worker.register_kv_caches(self.kv)
         self.sched = SchedulerHalf(settings, SPEC, cache=cache)
         # Round 1 computes the prompt in blocks SRC and stores its chunks.
@@ -147,6 +148,33 @@ def test_a_background_load_given_up_at_its_deadline_writes_nothing_afterwards() 
         rig.store.release.set()
         time.sleep(1.0)
         assert rig.untouched(range(12))
+    finally:
+        rig.store.release.set()
+        rig.close()
+
+
+def test_hits_that_arrive_together_load_side_by_side() -> None:
+    """Two background loads are in flight at once (each on a data path of its own), not in line."""
+    rig = Rig()
+    try:
+        plan = rig.request_background_load()
+        (load,) = plan.loads
+        other = dataclasses.replace(
+            load, req_id="r3", block_ids=[[b + 12 for b in bs] for bs in load.block_ids]
+        )
+        rig.store.hang.set()
+        before = rig.store.calls.count("load_into")
+        rig._step(StepPlan(loads=[load, other]))
+        wait_until(lambda: rig.store.calls.count("load_into") - before >= 2, 10, what="two loads in flight")
+        rig.store.release.set()
+        done: set[str] = set()
+
+        def both() -> bool:
+            done.update(rig.worker.take_finished_loads())
+            return done == {"r2", "r3"}
+
+        wait_until(both, 30, what="both loads finished")
+        assert rig.worker.take_load_errors() == set()
     finally:
         rig.store.release.set()
         rig.close()

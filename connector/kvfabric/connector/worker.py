@@ -8,10 +8,11 @@ and moves bytes only through a :class:`~kvfabric.connector.datapath.DataPath`. W
    to place every verified chunk. Chunks that did not arrive intact become load errors
    (:meth:`WorkerHalf.take_load_errors`) so the engine recomputes them; the leading chunks that did
    arrive are still used.
-   Loads the scheduler marked ``background`` (vLLM's asynchronous loads) run on a thread of their
-   own, one at a time, on a data path of their own; :meth:`WorkerHalf.take_finished_loads` reports a
-   request only once its load stopped writing and its failed blocks were handed out by
-   :meth:`WorkerHalf.take_load_errors` (vLLM requires them no later than the finish).
+   Loads the scheduler marked ``background`` (vLLM's asynchronous loads) run on threads of their
+   own (up to :data:`BACKGROUND_LOADS` at once), each on a data path of its own;
+   :meth:`WorkerHalf.take_finished_loads` reports a request only once its load stopped writing
+   and its failed blocks were handed out by :meth:`WorkerHalf.take_load_errors` (vLLM requires
+   them no later than the finish).
 2. :meth:`WorkerHalf.save_kv_layer` has the data path copy each layer's finished chunks out (so the
    engine may reuse its blocks at once), except for requests whose load failed this step;
    :meth:`WorkerHalf.wait_for_save` submits them only if every layer was copied.
@@ -42,6 +43,10 @@ from kvfabric.connector.settings import ConnectorSettings
 from kvfabric.connector.steps import LoadSpec, RestoreTiming, Role, StepPlan, WorkerFeedback
 
 log = logging.getLogger(__name__)
+
+# Background loads in flight at once per worker: hits that arrive together load side by side (each
+# on a data path of its own), as a synchronous step loads all of its hits at once.
+BACKGROUND_LOADS = 4
 
 
 @dataclass
@@ -93,7 +98,8 @@ class WorkerHalf:
         self.counters = cache.counters if cache is not None else Counters()
         self.datapath: DataPath = datapath or self._host_path()
         self._background_factory = background_datapath or self._host_path
-        self._background: DataPath | None = None
+        # One data path per loader thread (a data path's staging is per load in flight), made lazily.
+        self._background_paths: dict[int, DataPath] = {}
         self._background_pool: cf.ThreadPoolExecutor | None = None
         self._kv_caches: dict[str, torch.Tensor] = {}
         # Guards what background loads hand to the engine thread: errors, reports, finished ids.
@@ -140,8 +146,10 @@ class WorkerHalf:
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._kv_caches = dict(kv_caches)
         self.datapath.register_kv_caches(kv_caches)
-        if self._background is not None:
-            self._background.register_kv_caches(kv_caches)
+        with self._results_lock:
+            paths = list(self._background_paths.values())
+        for path in paths:
+            path.register_kv_caches(kv_caches)
         devices = {t.device.type for t in kv_caches.values()}
         if self.spec.device_type and devices and devices != {self.spec.device_type}:
             self.disable(f"the KV cache is on {sorted(devices)}, the namespace says {self.spec.device_type}")
@@ -239,9 +247,11 @@ class WorkerHalf:
     # ------------------------------------------------------------ background loads
 
     def _start_background(self, spec: LoadSpec) -> None:
-        """Queue one asynchronous load (its own deadline starts now; loads run one at a time)."""
+        """Queue one asynchronous load (its own deadline starts now)."""
         if self._background_pool is None:
-            self._background_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvfabric-load")
+            self._background_pool = cf.ThreadPoolExecutor(
+                BACKGROUND_LOADS, thread_name_prefix="kvfabric-load"
+            )
         deadline = time.monotonic() + self._budget([spec])
         self.counters.add("background_loads")
         self._background_pool.submit(self._run_background, spec, deadline)
@@ -254,10 +264,7 @@ class WorkerHalf:
             if self.disabled is not None or not self._kv_caches:
                 errors = self._refuse(spec)
             else:
-                if self._background is None:
-                    self._background = self._background_factory()
-                    self._background.register_kv_caches(self._kv_caches)
-                path = self._background
+                path = self._background_path()
                 path.start_loads([spec], deadline)
                 try:
                     (res,) = path.finish_loads()
@@ -274,6 +281,18 @@ class WorkerHalf:
             if report is not None:
                 self._reports.append(report)
             self._background_done.add(spec.req_id)
+
+    def _background_path(self) -> DataPath:
+        """This loader thread's data path (made at its first load)."""
+        ident = threading.get_ident()
+        with self._results_lock:
+            path = self._background_paths.get(ident)
+        if path is None:
+            path = self._background_factory()
+            path.register_kv_caches(self._kv_caches)
+            with self._results_lock:
+                self._background_paths[ident] = path
+        return path
 
     def take_finished_loads(self) -> set[str]:
         """Return (and forget) the requests whose background load is over.
@@ -446,8 +465,8 @@ class WorkerHalf:
         """Stop background threads (pending stores finish first, bounded by their deadline)."""
         if self._background_pool is not None:
             self._background_pool.shutdown(wait=True)  # each load is bounded by its deadline
-        if self._background is not None:
-            self._background.close()
+        for path in self._background_paths.values():
+            path.close()
         self.datapath.close()
         if self.cache is not None:
             self.cache.close()

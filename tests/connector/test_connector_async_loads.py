@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from kvfabric.connector.keys import NamespaceSpec
@@ -178,3 +180,57 @@ def test_hits_that_arrive_together_load_side_by_side() -> None:
     finally:
         rig.store.release.set()
         rig.close()
+
+
+def test_after_a_failed_background_load_the_recomputed_chunks_are_saved_again() -> None:
+    """Chunk 1 fails to load: the engine computes from there, and the half saves chunks 1 and 2."""
+    rig = Rig()
+    try:
+        plan = rig.request_background_load()
+        (load,) = plan.loads
+        for key in load.keys[1:]:
+            del rig.store.blocks[(rig.sched.namespace, key)]  # gone since the lookup
+        rig._step(plan)
+        wait_until(rig.worker.take_load_reports, 30, what="the background load to end")
+        assert rig.worker.take_load_errors() == set(DST[4:12])
+        assert rig.worker.take_finished_loads() == {"r2"}
+        # vLLM schedules r2 from the first failed block on: chunk 0 is computed, the rest is not.
+        n = len(PROMPT) + 1
+        again = rig.sched.build_plan(StepInput((ScheduledRequest("r2", CHUNK, n - CHUNK, DST, True),)))
+        assert again.loads == []
+        saved = [key for spec in again.saves for key in spec.keys]
+        assert saved[:2] == load.keys[1:3], "the recomputed chunks are stored again"
+    finally:
+        rig.close()
+
+
+def test_an_empty_background_load_is_finished_at_once() -> None:
+    rig = Rig()
+    try:
+        plan = rig.request_background_load()
+        (load,) = plan.loads
+        rig._step(StepPlan(loads=[dataclasses.replace(load, keys=[], block_ids=[], tiers=[])]))
+        assert rig.worker.take_finished_loads() == {"r2"}, "the engine would wait for it for ever"
+    finally:
+        rig.close()
+
+
+def test_a_request_gets_at_most_one_background_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load that fails from its first block sends the request back to vLLM's lookup; a second
+    asynchronous load of a chunk that keeps failing (a foreign key, a disabled worker) would loop."""
+    from tests.connector.test_connector_vllm import fake_vllm_config
+
+    from kvfabric.connector import vllm as kvvllm
+
+    monkeypatch.delenv("KVFABRIC_SOCKET", raising=False)
+    monkeypatch.delenv("KVFABRIC_REMOTE", raising=False)
+    sched = kvvllm.KVFabricConnector(
+        fake_vllm_config(chunk_tokens=32, load_async=True), SimpleNamespace(name="SCHEDULER")
+    )
+    monkeypatch.setattr(sched.scheduler_half, "num_new_matched_tokens", lambda info, computed: 64)
+    req = SimpleNamespace(request_id="r", prompt_token_ids=list(range(100)), lora_request=None)
+    assert sched.get_num_new_matched_tokens(req, 0) == (64, True)
+    assert sched.get_num_new_matched_tokens(req, 0) == (64, False), "the retry loads synchronously"
+    sched.request_finished(req, [])
+    assert sched.get_num_new_matched_tokens(req, 0) == (64, True), "a new request may load asynchronously"
+    sched.shutdown()

@@ -95,16 +95,33 @@ def test_load_timeout_abandons_buffers(fake: MemoryTransport) -> None:
 def test_a_call_queued_past_its_deadline_never_reaches_the_transport(fake: MemoryTransport) -> None:
     cache = ResilientCache([Endpoint("ep0", _const(fake), CircuitBreaker(100, 60.0))], io_threads=1)
     fake.blocks[(NS, KEYS[0])] = b"z" * 4
-    busy = cache._io.submit(fake.release.wait)  # holds the only I/O thread (queued first: FIFO)
+    busy = cache._io_loads.submit(fake.release.wait)  # holds the only load thread (queued first: FIFO)
     buf = bytearray(4)
     out = cache.load_into(NS, KEYS[:1], [buf], time.monotonic() + 0.05)
     assert (out.count, out.reason, out.inflight) == (0, Reason.TIMEOUT, ())
     fake.release.set()
     busy.result(30)
-    cache._io.submit(lambda: None).result(30)  # everything queued before this has run or was cancelled
+    cache._io_loads.submit(lambda: None).result(30)  # everything queued before this ran or was cancelled
     assert fake.calls == [], "a load that started after its deadline reached the transport"
     assert buf == bytearray(4)
     cache.close()
+
+
+def test_lookups_never_queue_behind_loads(fake: MemoryTransport) -> None:
+    """Every load thread busy (asynchronous loads run while the scheduler looks up): a lookup still
+    answers within its deadline, and the breaker hears of no failure."""
+    breaker = CircuitBreaker(1, 60.0)
+    cache = ResilientCache([Endpoint("ep0", _const(fake), breaker)], io_threads=1)
+    fake.blocks[(NS, KEYS[0])] = b"z" * 4
+    busy = cache._io_loads.submit(fake.release.wait)
+    try:
+        out = cache.lookup(NS, KEYS[:1], 5.0)
+        assert (out.matched, out.reason) == (1, None)
+        assert breaker.state == "closed"
+    finally:
+        fake.release.set()
+        busy.result(30)
+        cache.close()
 
 
 def test_breaker_half_open_probe() -> None:

@@ -318,8 +318,11 @@ class ResilientCache:
         self.endpoints = list(endpoints)
         self.retries = retries
         self.counters = counters or Counters()
-        # Loads and lookups never queue behind stores: separate pools.
+        # Lookups and stores never queue behind loads: loads have a pool of their own. With
+        # asynchronous loads, loads run while the scheduler looks up, and a lookup queued behind
+        # them would time out in the queue (and count against a healthy server's breaker).
         self._io = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-io")
+        self._io_loads = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-load-io")
         self._closed = False
         self._users = 1
         self._users_lock = threading.Lock()
@@ -345,6 +348,7 @@ class ResilientCache:
         deadline: float,
         op: Callable[[Transport, float], T],
         abandoned: list[cf.Future[Any]] | None = None,
+        pool: cf.ThreadPoolExecutor | None = None,
     ) -> tuple[T | None, Reason | None]:
         """Run ``op`` against the endpoints in order until one answers, within ``deadline``.
 
@@ -364,7 +368,7 @@ class ResilientCache:
                 attempts += 1
                 fut: cf.Future[T] | None = None
                 try:
-                    fut = self._io.submit(_invoke, op, ep, deadline)
+                    fut = (pool or self._io).submit(_invoke, op, ep, deadline)
                     result = fut.result(timeout=remaining)
                 except Exception as exc:  # every failure becomes a reason, never an exception
                     if fut is not None and not fut.done() and not fut.cancel() and abandoned is not None:
@@ -450,7 +454,7 @@ class ResilientCache:
         views = [memoryview(b) for b in buffers]
         abandoned: list[cf.Future[Any]] = []
         res, reason = self._call(
-            deadline, lambda c, t: c.load_into(namespace, keys, views, timeout=t), abandoned
+            deadline, lambda c, t: c.load_into(namespace, keys, views, timeout=t), abandoned, self._io_loads
         )
         if abandoned:
             self.counters.add("load_calls_abandoned", len(abandoned))
@@ -489,6 +493,7 @@ class ResilientCache:
         if self._on_close is not None:
             self._on_close()
         self._io.shutdown(wait=False, cancel_futures=True)
+        self._io_loads.shutdown(wait=False, cancel_futures=True)
         for ep in self.endpoints:
             ep.close()
 

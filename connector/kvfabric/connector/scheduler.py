@@ -296,15 +296,18 @@ class SchedulerHalf:
             scheduled[s.req_id] = s.num_scheduled_tokens
         for req_id, computed in progress.items():
             self._plan_request(plan, req_id, self._reqs[req_id], computed, scheduled[req_id])
-        # Asynchronous loads: the engine allocated the blocks and waits for them, unscheduled.
+        # Asynchronous loads: the engine allocated the blocks and waits for them, unscheduled. The
+        # spec goes to the worker even when empty: only the worker's report releases the request.
         for req_id, st in self._reqs.items():
             if st.background and st.pending_load is not None and req_id not in progress:
                 start, end = st.pending_load
                 st.pending_load = None
                 spec = self._load_spec(req_id, st, start, end)
-                if spec.keys:
-                    spec.background = True
-                    plan.loads.append(spec)
+                spec.background = True
+                plan.loads.append(spec)
+                # As if computed: when the engine schedules it with fewer tokens (a failed load),
+                # the roll-back below re-saves what it recomputes.
+                st.progress = end
         # The step's work, for the cost model: the worker times the forward and sends both back.
         for s in step.scheduled:
             t = s.num_scheduled_tokens

@@ -45,8 +45,8 @@ from kvfabric.connector.steps import LoadSpec, RestoreTiming, Role, StepPlan, Wo
 log = logging.getLogger(__name__)
 
 # Background loads in flight at once per worker: hits that arrive together load side by side (each
-# on a data path of its own), as a synchronous step loads all of its hits at once.
-BACKGROUND_LOADS = 4
+# on a data path of its own, whose staging buffers it keeps for reuse: host memory grows with this).
+BACKGROUND_LOADS = 2
 
 
 @dataclass
@@ -206,9 +206,9 @@ class WorkerHalf:
         plan = self._plan
         if plan is None or not plan.loads:
             return
-        background = [spec for spec in plan.loads if spec.background]
-        for spec in background:
-            self._start_background(spec)
+        for spec in plan.loads:
+            if spec.background:
+                self._start_background(spec)
         loads = self._sync_loads()
         if not loads or not self.datapath.num_layers:
             return
@@ -247,14 +247,35 @@ class WorkerHalf:
     # ------------------------------------------------------------ background loads
 
     def _start_background(self, spec: LoadSpec) -> None:
-        """Queue one asynchronous load (its own deadline starts now)."""
-        if self._background_pool is None:
-            self._background_pool = cf.ThreadPoolExecutor(
-                BACKGROUND_LOADS, thread_name_prefix="kvfabric-load"
-            )
-        deadline = time.monotonic() + self._budget([spec])
-        self.counters.add("background_loads")
-        self._background_pool.submit(self._run_background, spec, deadline)
+        """Queue one asynchronous load (its own deadline starts now).
+
+        Never raises, and every spec is reported finished exactly once: the engine keeps the
+        request waiting until then (an empty spec, or one that cannot be queued, at once).
+        """
+        try:
+            if not spec.keys:
+                self._finish_background(spec.req_id, set(), None)
+                return
+            if self._background_pool is None:
+                self._background_pool = cf.ThreadPoolExecutor(
+                    BACKGROUND_LOADS, thread_name_prefix="kvfabric-load"
+                )
+            deadline = time.monotonic() + self._budget([spec])
+            self.counters.add("background_loads")
+            self._background_pool.submit(self._run_background, spec, deadline)
+        except Exception:
+            log.exception("kvfabric could not queue the background load of request %s", spec.req_id)
+            self.counters.add("internal_error.background_load")
+            self._finish_background(spec.req_id, {b for blocks in spec.block_ids for b in blocks}, None)
+
+    def _finish_background(self, req_id: str, errors: set[int], report: LoadReport | None) -> None:
+        """Publish one background load's outcome to the engine thread (errors before the finish)."""
+        with self._results_lock:
+            if errors:
+                self._background_errors[req_id] = errors
+            if report is not None:
+                self._reports.append(report)
+            self._background_done.add(req_id)
 
     def _run_background(self, spec: LoadSpec, deadline: float) -> None:
         """Load, verify and place one request's chunks off the engine thread; then report it done."""
@@ -270,17 +291,24 @@ class WorkerHalf:
                     (res,) = path.finish_loads()
                 finally:
                     path.abandon_loads()
+                self._settle_device()
                 errors, report, _ = self._account(spec, res)
         except Exception:
             log.exception("kvfabric background load of request %s failed; the engine recomputes", spec.req_id)
             self.counters.add("internal_error.background_load")
             errors = {b for blocks in spec.block_ids for b in blocks}
-        with self._results_lock:
-            if errors:
-                self._background_errors[spec.req_id] = errors
-            if report is not None:
-                self._reports.append(report)
-            self._background_done.add(spec.req_id)
+        self._finish_background(spec.req_id, errors, report)
+
+    def _settle_device(self) -> None:
+        """Wait for this thread's copies into a GPU KV cache (they may be asynchronous) to complete.
+
+        The engine reads the blocks on its own stream once the load is reported finished; nothing
+        may still be in flight on this thread's stream then.
+        """
+        for t in self._kv_caches.values():
+            if t.device.type == "cuda":
+                torch.cuda.current_stream(t.device).synchronize()
+                return
 
     def _background_path(self) -> DataPath:
         """This loader thread's data path (made at its first load)."""

@@ -16,7 +16,7 @@ import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
@@ -207,6 +207,19 @@ class CacheService(pb_grpc.CacheServicer):
     async def _in_pool(self, pool: ThreadPoolExecutor, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn)
 
+    async def _opened_in_pool(self, fn: Callable[[], Payload | None]) -> Payload | None:
+        """Open a block on the load pool; if the call is cancelled meanwhile (its deadline), close it.
+
+        A cancelled await leaves the pool's thread running: the block it then opens would keep its
+        file descriptor (and an evicted tmpfs file's memory) for good.
+        """
+        job = self.s.load_pool.submit(fn)
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(_close_result)
+            raise
+
     @contextlib.asynccontextmanager
     async def _load_slot(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
         peer = peer_key(context.peer())
@@ -333,7 +346,7 @@ class CacheService(pb_grpc.CacheServicer):
                 def open_one(b: BlockId = bid) -> Payload | None:
                     return store.open_block(b)
 
-                block = await self._in_pool(self.s.load_pool, open_one)
+                block = await self._opened_in_pool(open_one)
                 if block is None:
                     break
                 with block:
@@ -596,6 +609,14 @@ class _Incoming:
         self.filled += len(data)
         if keep and data:
             self.pieces.append(data)
+
+
+def _close_result(job: Future[Payload | None]) -> None:
+    """Close what a job that nobody awaits any more opened."""
+    if not job.cancelled() and job.exception() is None:
+        block = job.result()
+        if block is not None:
+            block.close()
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode, msg: str) -> NoReturn:

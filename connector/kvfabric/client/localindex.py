@@ -72,6 +72,7 @@ class LocalIndex:
         self._maps: dict[str, _Mapped] = {}
         self._next_fetch: dict[str, float] = {}
         self._fetching: set[str] = set()
+        self._closed = False  # a background fetch that ends after close() closes what it mapped
         self._lock = threading.Lock()
         self.answered = 0
         """Lookups answered from a table (for benchmarks and tests)."""
@@ -170,7 +171,9 @@ class LocalIndex:
                 if m is not None:
                     with self._lock:
                         old = self._maps.get(namespace)
-                        if old is None or old.epoch != m.epoch or old.words[it.W_STATE] != it.LIVE:
+                        if self._closed:
+                            m.close()  # the reader was closed meanwhile: nobody would close it
+                        elif old is None or old.epoch != m.epoch or old.words[it.W_STATE] != it.LIVE:
                             self._maps[namespace] = m
                             if old is not None:
                                 old.conn.close()
@@ -225,8 +228,9 @@ class LocalIndex:
         return _Mapped(mp, words, hdr["epoch"], conn, poll)
 
     def close(self) -> None:
-        """Unmap every table."""
+        """Unmap every table (and any a background fetch still brings)."""
         with self._lock:
+            self._closed = True
             maps = list(self._maps.values())
             self._maps.clear()
         for m in maps:

@@ -141,10 +141,14 @@ def _metrics(fabric: Fabric, pod: dict[str, Any]) -> str:
     return text
 
 
-def _shared_blocks(fabric: Fabric, ns: str) -> int:
-    assert fabric.runner_base is not None
-    root = fabric.runner_base / "shared" / "pvc" / ns
-    return sum(1 for f in root.glob("*/*/buckets/**/*") if f.is_file())
+def _shared_blocks_indexed(fabric: Fabric, ns: str, node: str) -> float:
+    """Blocks of the shared tier that ``node``'s cache server has indexed (its own metrics)."""
+    selector = f"app.kubernetes.io/name=kvfabric-cache,app.kubernetes.io/instance={POOL}"
+    (pod,) = [p for p in ready_pods(fabric.cluster, ns, selector) if p["spec"]["nodeName"] == node]
+    ports = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    status, text = fabric.request(pod, ports["metrics"], "/metrics")
+    assert status == 200, text[:500]
+    return metric_sum(text, "kvfabric_tier_blocks", tier="shared")
 
 
 def test_real_vllm_injected_by_the_webhook_hits_the_shared_tier_on_the_other_node(
@@ -163,14 +167,15 @@ def test_real_vllm_injected_by_the_webhook_hits_the_shared_tier_on_the_other_nod
     cold, cached = _complete(fabric, a, prompt, 16)
     assert cached == 0
     # Round 1 computed the KV of 715 tokens: two chunks and one 128-token tail block, written back to
-    # the shared volume by node a's server; node b's server learns them from a's journal.
-    wait_for(lambda: _shared_blocks(fabric, ns) >= 3, timeout=60, message="3 blocks on the shared volume")
-    loaded0 = metric_sum(_metrics(fabric, b), "vllm:kvfabric_loaded_tokens")
-    warm, cached = wait_for(
-        lambda: (r := _complete(fabric, b, prompt, 16))[1] > 0 and r,
-        timeout=30,
-        message="a hit on node b",
+    # the shared volume by node a's server; node b's server learns them from a's journal. Asked once
+    # only when it has: a retry would be a hit in node b's own vLLM prefix cache, not kvfabric's.
+    wait_for(
+        lambda: _shared_blocks_indexed(fabric, ns, b["spec"]["nodeName"]) >= 3,
+        timeout=60,
+        message="node b's cache server to index the 3 blocks node a wrote",
     )
+    loaded0 = metric_sum(_metrics(fabric, b), "vllm:kvfabric_loaded_tokens")
+    warm, cached = _complete(fabric, b, prompt, 16)
     assert warm == cold, "KV loaded from the other node's store gives the same tokens as computing it"
     hit = 2 * CHUNK + BLOCK  # the last prompt token is always computed: 640 of 700
     assert cached == hit

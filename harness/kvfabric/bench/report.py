@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["Spread", "Target", "judge", "percentile", "spread", "table"]
+__all__ = ["Spread", "Target", "judge", "percentile", "spread", "summary", "table"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +55,28 @@ def percentile(sorted_samples: Sequence[float], q: float) -> float:
         raise ValueError("percentile() of no samples")
     rank = max(1, math.ceil(q * len(sorted_samples)))
     return sorted_samples[min(len(sorted_samples), rank) - 1]
+
+
+def summary(
+    samples: Iterable[float],
+    qs: Sequence[float] = (0.9, 0.99),
+    *,
+    scale: float = 1.0,
+    digits: int = 4,
+    unit: str = "",
+) -> dict[str, float]:
+    """``n``, the median as ``p50``, each ``q`` of ``qs`` (nearest rank) and ``max``, times ``scale``.
+
+    Keys end in ``unit`` (``p99_ms`` with ``scale=1000, unit="_ms"``); no samples: ``{"n": 0}``.
+    """
+    xs = sorted(samples)
+    if not xs:
+        return {"n": 0}
+    out: dict[str, float] = {"n": len(xs), f"p50{unit}": round(statistics.median(xs) * scale, digits)}
+    for q in qs:
+        out[f"p{round(q * 100)}{unit}"] = round(percentile(xs, q) * scale, digits)
+    out[f"max{unit}"] = round(xs[-1] * scale, digits)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from kvfabric.bench.report import summary
 
 MIB = 1 << 20
 
@@ -39,19 +40,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the final JSON line")
 
 
-def _percentiles(values: list[float]) -> dict[str, float]:
-    xs = sorted(values)
-
-    def rank(q: float) -> float:
-        return round(xs[min(len(xs) - 1, max(0, round(q * len(xs) + 0.5) - 1))] * 1000, 1)
-
-    return {
-        "n": len(xs),
-        "p50_ms": round(statistics.median(xs) * 1000, 1),
-        "p90_ms": rank(0.9),
-        "p99_ms": rank(0.99),
-        "max_ms": round(max(xs) * 1000, 1),
-    }
+def _ms(values: list[float]) -> dict[str, float] | None:
+    return summary(values, scale=1000, digits=1, unit="_ms") if values else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
         "journal_poll_seconds": poll,
         "chunk_bytes": size,
         "poll_ms": args.poll_ms,
-        "store_to_hit_on_other_node": _percentiles(visible) if visible else None,
-        "store_to_file_on_volume": _percentiles(on_volume) if on_volume else None,
+        "store_to_hit_on_other_node": _ms(visible),
+        "store_to_file_on_volume": _ms(on_volume),
         "never_visible": args.samples - len(visible),
     }
     if not args.json:

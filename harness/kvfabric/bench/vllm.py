@@ -45,6 +45,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvfabric.bench.report import summary
+
 SUFFIX = 64
 
 
@@ -120,16 +122,6 @@ def _summary(values: list[float]) -> dict[str, float]:
         "min": round(min(values), 4),
         "max": round(max(values), 4),
     }
-
-
-def _percentiles(values: list[float]) -> dict[str, float]:
-    """p50, p90 and p99 (nearest rank) of ``values``."""
-    xs = sorted(values)
-
-    def rank(q: float) -> float:
-        return round(xs[min(len(xs) - 1, max(0, round(q * len(xs) + 0.5) - 1))], 4)
-
-    return {"n": len(xs), "p50": round(statistics.median(xs), 4), "p90": rank(0.9), "p99": rank(0.99)}
 
 
 CHAT_FIRST, CHAT_TURN, CHAT_OUT = 1024, 256, 32
@@ -217,8 +209,8 @@ def run_chat(args: argparse.Namespace) -> int:
             args,
             {
                 "rounds": label,
-                "vllm_alone_ttft_s": _percentiles(a),
-                "vllm_kvfabric_ttft_s": _percentiles(f),
+                "vllm_alone_ttft_s": summary(a),
+                "vllm_kvfabric_ttft_s": summary(f),
                 "speedup_p50": round(statistics.median(a) / statistics.median(f), 2),
             },
         )
@@ -231,17 +223,8 @@ def _gaps(stamps: list[float], start: float, end: float) -> list[float]:
     return [b - a for a, b in itertools.pairwise(stamps) if start <= b <= end]
 
 
-def _gap_summary(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"n": 0}
-    xs = sorted(values)
-    p99 = xs[min(len(xs) - 1, max(0, round(0.99 * len(xs) + 0.5) - 1))]
-    return {
-        "n": len(xs),
-        "p50_ms": round(statistics.median(xs) * 1000, 1),
-        "p99_ms": round(p99 * 1000, 1),
-        "max_ms": round(xs[-1] * 1000, 1),
-    }
+def _gaps_ms(gaps: list[float]) -> dict[str, float]:
+    return summary(gaps, (0.99,), scale=1000, digits=1, unit="_ms")
 
 
 def run_co_running(args: argparse.Namespace) -> int:
@@ -324,8 +307,10 @@ def run_co_running(args: argparse.Namespace) -> int:
                     before = [g for st in stamps for g in _gaps(st, st[0], window_start)]
                     loaded = msum(s.metrics(), "vllm:kvfabric_loaded_tokens")
                     out[mode] = {
-                        "decoder_gaps_before": _gap_summary(before),
-                        "decoder_gaps_while_loading": _gap_summary(during),
+                        "decoder_gaps_before": _gaps_ms(before),
+                        "decoder_gaps_while_loading": summary(
+                            during, (0.99,), scale=1000, digits=1, unit="_ms"
+                        ),
                         "hit_ttft_s": _summary(ttfts),
                         "loaded_tokens": loaded,
                     }

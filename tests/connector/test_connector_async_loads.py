@@ -227,7 +227,13 @@ def test_a_request_gets_at_most_one_background_load(monkeypatch: pytest.MonkeyPa
     sched = kvvllm.KVFabricConnector(
         fake_vllm_config(chunk_tokens=32, load_async=True), SimpleNamespace(name="SCHEDULER")
     )
-    monkeypatch.setattr(sched.scheduler_half, "num_new_matched_tokens", lambda info, computed: 64)
+    half = sched.scheduler_half
+
+    def hit(info: RequestInfo, computed: int) -> int:
+        half._state(info)  # a lookup that found 64 tokens (no server here)
+        return 64
+
+    monkeypatch.setattr(half, "num_new_matched_tokens", hit)
     req = SimpleNamespace(request_id="r", prompt_token_ids=list(range(100)), lora_request=None)
     assert sched.get_num_new_matched_tokens(req, 0) == (64, True)
     assert sched.get_num_new_matched_tokens(req, 0) == (64, False), "the retry loads synchronously"

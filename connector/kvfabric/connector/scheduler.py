@@ -79,6 +79,7 @@ class _ReqState:
     # tail): what KV events withdraw. Empty when the lookup failed (absence unknown).
     absent: list[str] = field(default_factory=list)
     background: bool = False  # the engine waits for this request's load (asynchronous load)
+    had_background: bool = False  # it already had one (a retry loads synchronously)
 
 
 class SchedulerHalf:
@@ -437,11 +438,20 @@ class SchedulerHalf:
         """Forget the request. Saves copy blocks out during the step, so blocks can be freed now."""
         self._reqs.pop(req_id, None)
 
-    def load_in_background(self, req_id: str, background: bool = True) -> None:
-        """Whether the engine loads this request's hit asynchronously (it waits, unscheduled)."""
+    def load_in_background(self, req_id: str, wanted: bool = True) -> bool:
+        """Decide whether the engine loads this request's hit asynchronously (it waits, unscheduled).
+
+        At most once per request: a load that fails from its first block sends the request back to
+        the engine's lookup, and a second asynchronous load of a chunk that keeps failing (another
+        pool's key, a disabled worker) would loop; the retry loads synchronously, and a failed
+        synchronous load is recomputed in the same step.
+        """
         st = self._reqs.get(req_id)
-        if st is not None:
-            st.background = background
+        if st is None:
+            return False
+        st.background = wanted and not st.had_background
+        st.had_background |= st.background
+        return st.background
 
     def absent_keys(self, req_id: str) -> list[str]:
         """Keys the request's last lookup found absent (none known if it failed or never ran)."""

@@ -462,7 +462,6 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
             settings.chunk_tokens, spec.block_size, bool(getattr(events_cfg, "enable_kv_cache_events", False))
         )
         self._requests: dict[str, Any] = {}  # vLLM's Request objects of the requests in flight
-        self._loaded_in_background: set[str] = set()  # requests that had their asynchronous load
         # Scheduler: req_id -> how many of its token ids the half has been given.
         self._known_tokens: dict[str, int] = {}
         self._lookups = TransitionLog("lookups", log)
@@ -554,13 +553,7 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         hit = half.num_new_matched_tokens(info, num_computed_tokens)
         # Asynchronous loads: vLLM then keeps the request waiting, unscheduled, until get_finished
         # reports its load over; the other requests keep stepping meanwhile.
-        # At most one asynchronous load per request: when it fails from its first block vLLM frees
-        # the blocks and asks again; a second asynchronous load of a chunk that keeps failing (a
-        # foreign key, a disabled worker) would loop, while a synchronous one is recomputed once.
-        background = self.settings.load_async and hit > 0 and info.req_id not in self._loaded_in_background
-        if background:
-            self._loaded_in_background.add(info.req_id)
-        half.load_in_background(info.req_id, background)
+        background = half.load_in_background(info.req_id, self.settings.load_async and hit > 0)
         if half.counters.get("lookups") > lookups:  # a lookup really ran (not skipped as too short)
             reason = half.lookup_reason(info.req_id)
             # Only faults of the cache count as failing: a miss, or a hit the cost model declined
@@ -638,7 +631,6 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         self.scheduler_half.request_finished(str(request.request_id))
         self._requests.pop(str(request.request_id), None)
         self._known_tokens.pop(str(request.request_id), None)
-        self._loaded_in_background.discard(str(request.request_id))
         return False, None
 
     # ---------------- worker side ----------------

@@ -211,6 +211,7 @@ def test_an_empty_background_load_is_finished_at_once() -> None:
         (load,) = plan.loads
         rig._step(StepPlan(loads=[dataclasses.replace(load, keys=[], block_ids=[], tiers=[])]))
         assert rig.worker.take_finished_loads() == {"r2"}, "the engine would wait for it for ever"
+        assert rig.worker.counters.get("background_loads") == 0, "finished at once, not queued"
     finally:
         rig.close()
 
@@ -240,3 +241,22 @@ def test_a_request_gets_at_most_one_background_load(monkeypatch: pytest.MonkeyPa
     sched.request_finished(req, [])
     assert sched.get_num_new_matched_tokens(req, 0) == (64, True), "a new request may load asynchronously"
     sched.shutdown()
+
+
+def test_a_background_load_that_cannot_be_queued_is_finished_with_every_block_failed() -> None:
+    """The loader pool refuses the load (it was shut down): the engine still hears of it, recomputes."""
+    rig = Rig()
+    try:
+        plan = rig.request_background_load()
+        (load,) = plan.loads
+        rig._step(plan)  # the first load makes the loader pool
+        wait_until(rig.worker.take_finished_loads, 30, what="the first load")
+        pool = rig.worker._background_pool
+        assert pool is not None
+        pool.shutdown(wait=True)
+        rig._step(StepPlan(loads=[dataclasses.replace(load, req_id="r3")]))
+        assert rig.worker.take_finished_loads() == set(), "its failed blocks come first"
+        assert rig.worker.take_load_errors() == set(DST)
+        assert rig.worker.take_finished_loads() == {"r3"}
+    finally:
+        rig.close()

@@ -500,7 +500,7 @@ def test_every_stored_block_is_announced_by_the_hash_of_exactly_that_block(
     monkeypatch.setattr(vllmevents, "BlockRemoved", lambda **kw: SimpleNamespace(kind="removed", **kw))
     store = MemoryTransport()
     half = _half(store)
-    log = vllmevents.KVEventLog(CHUNK, BLOCK, enabled=True)
+    log = vllmevents.KVEventLog(BLOCK, enabled=True)
     prompt = list(range(1, CHUNK + 2 * BLOCK + 2))  # a chunk, two whole blocks and 1 token
     output = list(range(700, 700 + CHUNK))  # generated: completes chunk 1 and fills 2 blocks more
     tokens = [*prompt, *output]

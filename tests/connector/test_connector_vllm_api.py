@@ -196,7 +196,7 @@ def test_kv_events_announce_stored_chunks_and_tail_blocks_once_and_withdraw_miss
 ) -> None:
     monkeypatch.setattr(vllmevents, "BlockStored", _Stored)
     monkeypatch.setattr(vllmevents, "BlockRemoved", _Removed)
-    log = vllmevents.KVEventLog(chunk_tokens=4, block_size=2, enabled=True)
+    log = vllmevents.KVEventLog(block_size=2, enabled=True)
     req = _Request([b"h0", b"h1", b"h2", b"h3", b"h4"], list(range(10)))
     # Chunks k0 and k1 (blocks 0-1, 2-3), then a tail block t4 (block 4) of the partial chunk 2.
     save = SaveSpec("r", ["k0", "k1", "t4"], [[10, 11], [12, 13], [14]], tail=1, first_blocks=[0, 2, 4])
@@ -220,7 +220,7 @@ def test_kv_events_announce_stored_chunks_and_tail_blocks_once_and_withdraw_miss
 
 
 def test_kv_events_off_without_vllms_event_config() -> None:
-    log = vllmevents.KVEventLog(chunk_tokens=4, block_size=2, enabled=False)
+    log = vllmevents.KVEventLog(block_size=2, enabled=False)
     log.stored(_Request([b"h0", b"h1"], [1, 2, 3, 4]), SaveSpec("r", ["k0"], [[1, 2]], first_blocks=[0]))
     assert log.take() == []
 

@@ -458,9 +458,7 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
             self._half = self._worker = WorkerHalf(settings, spec, cache=cache)
         self._deltas = CounterDeltas.of(self._half.counters)
         events_cfg = getattr(vllm_config, "kv_events_config", None)
-        self._events = KVEventLog(
-            settings.chunk_tokens, spec.block_size, bool(getattr(events_cfg, "enable_kv_cache_events", False))
-        )
+        self._events = KVEventLog(spec.block_size, bool(getattr(events_cfg, "enable_kv_cache_events", False)))
         self._requests: dict[str, Any] = {}  # vLLM's Request objects of the requests in flight
         # Scheduler: req_id -> how many of its token ids the half has been given.
         self._known_tokens: dict[str, int] = {}

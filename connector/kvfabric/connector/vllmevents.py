@@ -41,10 +41,9 @@ _MAX_ANNOUNCED = 200_000
 class KVEventLog:
     """The events of one scheduler between two ``take_events()`` calls, and what was announced."""
 
-    def __init__(self, chunk_tokens: int, block_size: int, enabled: bool) -> None:
-        """Track events for chunks of ``chunk_tokens`` (a multiple of vLLM's ``block_size``)."""
+    def __init__(self, block_size: int, enabled: bool) -> None:
+        """Track events of keys that span whole blocks of vLLM's ``block_size`` tokens."""
         self.enabled = enabled and BlockStored is not None
-        self.chunk_tokens = chunk_tokens
         self.block_size = block_size
         self._events: list[Any] = []
         # key -> the external block hashes announced for it (bounded, oldest forgotten), and per

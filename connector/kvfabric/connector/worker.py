@@ -182,8 +182,7 @@ class WorkerHalf:
         self.counters.add(f"internal_error.{what}")
         for spec in self._sync_loads():  # background loads report their own outcome
             self._failed_reqs.add(spec.req_id)
-            for blocks in spec.block_ids:
-                self._load_errors.update(blocks)
+            self._load_errors.update(_all_blocks(spec))
         self.datapath.abandon_loads()
         self.datapath.abandon_saves()
         self._loads_pending = False
@@ -242,7 +241,7 @@ class WorkerHalf:
         self.counters.fallback(Reason.NAMESPACE_MISMATCH, spec.whole)
         if spec.tail:
             self.counters.add(f"fallback_tail_blocks.{Reason.NAMESPACE_MISMATCH.value}", spec.tail)
-        return {b for blocks in spec.block_ids for b in blocks}
+        return _all_blocks(spec)
 
     # ------------------------------------------------------------ background loads
 
@@ -266,7 +265,7 @@ class WorkerHalf:
         except Exception:
             log.exception("kvfabric could not queue the background load of request %s", spec.req_id)
             self.counters.add("internal_error.background_load")
-            self._finish_background(spec.req_id, {b for blocks in spec.block_ids for b in blocks}, None)
+            self._finish_background(spec.req_id, _all_blocks(spec), None)
 
     def _finish_background(self, req_id: str, errors: set[int], report: LoadReport | None) -> None:
         """Publish one background load's outcome to the engine thread (errors before the finish)."""
@@ -292,11 +291,11 @@ class WorkerHalf:
                 finally:
                     path.abandon_loads()
                 self._settle_device()
-                errors, report, _ = self._account(spec, res)
+                errors, report = self._account(spec, res)
         except Exception:
             log.exception("kvfabric background load of request %s failed; the engine recomputes", spec.req_id)
             self.counters.add("internal_error.background_load")
-            errors = {b for blocks in spec.block_ids for b in blocks}
+            errors = _all_blocks(spec)
         self._finish_background(spec.req_id, errors, report)
 
     def _settle_device(self) -> None:
@@ -352,15 +351,15 @@ class WorkerHalf:
         results = self.datapath.finish_loads()
         self._loads_pending = False
         for spec, res in zip(self._sync_loads(), results, strict=True):
-            errors, report, intact = self._account(spec, res)
-            if not intact:
+            errors, report = self._account(spec, res)
+            if errors:
                 self._failed_reqs.add(spec.req_id)
             self._load_errors.update(errors)
             with self._results_lock:
                 self._reports.append(report)
 
-    def _account(self, spec: LoadSpec, res: LoadResult) -> tuple[set[int], LoadReport, bool]:
-        """Count one finished load; return its failed blocks, its report and whether it was whole.
+    def _account(self, spec: LoadSpec, res: LoadResult) -> tuple[set[int], LoadReport]:
+        """Count one finished load; return its failed blocks (none: it was whole) and its report.
 
         Thread-safe (the counters are): background loads account on their own thread.
         """
@@ -385,7 +384,7 @@ class WorkerHalf:
         report = LoadReport(
             spec.req_id, len(spec.keys), res.loaded, tier, res.reason if failed else None, res.wait_s
         )
-        return errors, report, not failed
+        return errors, report
 
     # ------------------------------------------------------------------ saves
 
@@ -498,3 +497,8 @@ class WorkerHalf:
         self.datapath.close()
         if self.cache is not None:
             self.cache.close()
+
+
+def _all_blocks(spec: LoadSpec) -> set[int]:
+    """Every engine block a load writes (all of them fail when the load does)."""
+    return {b for blocks in spec.block_ids for b in blocks}

@@ -90,14 +90,17 @@ class Rig:
     def untouched(self, blocks: range) -> bool:
         return all(bool((t[[DST[b] for b in blocks]] == -1.0).all()) for t in self.kv.values())
 
-    def close(self) -> None:
+    def __enter__(self) -> Rig:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.store.release.set()  # a hung transport call must not outlive the test
         self.worker.shutdown()
         self.sched.shutdown()
 
 
 def test_a_background_load_never_holds_the_step_and_is_finished_only_when_placed() -> None:
-    rig = Rig()
-    try:
+    with Rig() as rig:
         plan = rig.request_background_load()
         rig.store.hang.set()  # the server stops answering: the load is in flight
         waited = rig._step(plan)
@@ -112,14 +115,10 @@ def test_a_background_load_never_holds_the_step_and_is_finished_only_when_placed
         # Scheduled at last, with the loaded tokens computed: nothing is loaded again.
         again = rig.sched.build_plan(StepInput((ScheduledRequest("r2", 3 * CHUNK, 1, DST, True),)))
         assert again.loads == []
-    finally:
-        rig.store.release.set()
-        rig.close()
 
 
 def test_a_failed_background_load_hands_out_its_blocks_before_its_finish() -> None:
-    rig = Rig()
-    try:
+    with Rig() as rig:
         plan = rig.request_background_load()
         (load,) = plan.loads
         rig.store.corrupt_keys.add(load.keys[1])  # chunk 1 arrives damaged
@@ -132,13 +131,10 @@ def test_a_failed_background_load_hands_out_its_blocks_before_its_finish() -> No
         assert rig.worker.take_finished_loads() == {"r2"}
         assert rig.loaded(range(4)), "chunk 0 arrived intact and is used"
         assert rig.untouched(range(4, 12)), "no damaged byte reached the KV cache"
-    finally:
-        rig.close()
 
 
 def test_a_background_load_given_up_at_its_deadline_writes_nothing_afterwards() -> None:
-    rig = Rig(load_deadline_ms=300)
-    try:
+    with Rig(load_deadline_ms=300) as rig:
         plan = rig.request_background_load()
         rig.store.hang.set()
         rig._step(plan)
@@ -150,15 +146,11 @@ def test_a_background_load_given_up_at_its_deadline_writes_nothing_afterwards() 
         rig.store.release.set()
         time.sleep(1.0)
         assert rig.untouched(range(12))
-    finally:
-        rig.store.release.set()
-        rig.close()
 
 
 def test_hits_that_arrive_together_load_side_by_side() -> None:
     """Two background loads are in flight at once (each on a data path of its own), not in line."""
-    rig = Rig()
-    try:
+    with Rig() as rig:
         plan = rig.request_background_load()
         (load,) = plan.loads
         other = dataclasses.replace(
@@ -177,15 +169,11 @@ def test_hits_that_arrive_together_load_side_by_side() -> None:
 
         wait_until(both, 30, what="both loads finished")
         assert rig.worker.take_load_errors() == set()
-    finally:
-        rig.store.release.set()
-        rig.close()
 
 
 def test_after_a_failed_background_load_the_recomputed_chunks_are_saved_again() -> None:
     """Chunk 1 fails to load: the engine computes from there, and the half saves chunks 1 and 2."""
-    rig = Rig()
-    try:
+    with Rig() as rig:
         plan = rig.request_background_load()
         (load,) = plan.loads
         for key in load.keys[1:]:
@@ -200,20 +188,15 @@ def test_after_a_failed_background_load_the_recomputed_chunks_are_saved_again() 
         assert again.loads == []
         saved = [key for spec in again.saves for key in spec.keys]
         assert saved[:2] == load.keys[1:3], "the recomputed chunks are stored again"
-    finally:
-        rig.close()
 
 
 def test_an_empty_background_load_is_finished_at_once() -> None:
-    rig = Rig()
-    try:
+    with Rig() as rig:
         plan = rig.request_background_load()
         (load,) = plan.loads
         rig._step(StepPlan(loads=[dataclasses.replace(load, keys=[], block_ids=[], tiers=[])]))
         assert rig.worker.take_finished_loads() == {"r2"}, "the engine would wait for it for ever"
         assert rig.worker.counters.get("background_loads") == 0, "finished at once, not queued"
-    finally:
-        rig.close()
 
 
 def test_a_request_gets_at_most_one_background_load(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -245,8 +228,7 @@ def test_a_request_gets_at_most_one_background_load(monkeypatch: pytest.MonkeyPa
 
 def test_a_background_load_that_cannot_be_queued_is_finished_with_every_block_failed() -> None:
     """The loader pool refuses the load (it was shut down): the engine still hears of it, recomputes."""
-    rig = Rig()
-    try:
+    with Rig() as rig:
         plan = rig.request_background_load()
         (load,) = plan.loads
         rig._step(plan)  # the first load makes the loader pool
@@ -258,5 +240,3 @@ def test_a_background_load_that_cannot_be_queued_is_finished_with_every_block_fa
         assert rig.worker.take_finished_loads() == set(), "its failed blocks come first"
         assert rig.worker.take_load_errors() == set(DST)
         assert rig.worker.take_finished_loads() == {"r3"}
-    finally:
-        rig.close()

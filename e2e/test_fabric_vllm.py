@@ -28,7 +28,9 @@ from kvfabric.demo.workloads import one_per_gpu_node, pool_manifest, ready_pods
 from kvfabric.localcluster.testing import wait_for
 from kvfabric.testing.vllmenv import (
     OPENAI_SERVER_MODULE,
+    Completion,
     VllmEnv,
+    completion_request,
     find_env,
     make_tiny_model,
     metric_sum,
@@ -116,23 +118,12 @@ def vllm_fabric(fabric: Fabric, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield fabric, ns
 
 
-def _complete(
-    fabric: Fabric, pod: dict[str, Any], prompt: list[int], max_tokens: int
-) -> tuple[list[int], int]:
-    """A greedy completion through the pod's network namespace: (token ids, cached prompt tokens)."""
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    status, text = fabric.request(pod, PORT, "/v1/completions", data=json.dumps(body), timeout=300)
+def _complete(fabric: Fabric, pod: dict[str, Any], prompt: list[int], max_tokens: int) -> Completion:
+    """A greedy completion through the pod's network namespace."""
+    body = json.dumps(completion_request(prompt, max_tokens))
+    status, text = fabric.request(pod, PORT, "/v1/completions", data=body, timeout=300)
     assert status == 200, f"vLLM on {pod['spec']['nodeName']} answered {status}: {text[:1000]}"
-    data = json.loads(text)
-    details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
-    return list(data["choices"][0]["token_ids"]), int(details.get("cached_tokens") or 0)
+    return Completion.parse(json.loads(text))
 
 
 def _metrics(fabric: Fabric, pod: dict[str, Any]) -> str:
@@ -164,8 +155,8 @@ def test_real_vllm_injected_by_the_webhook_hits_the_shared_tier_on_the_other_nod
         assert env["KVFABRIC_CHUNK_TOKENS"] == str(CHUNK)
     rng = random.Random(11)
     prompt = [rng.randrange(3, 8192) for _ in range(700)]
-    cold, cached = _complete(fabric, a, prompt, 16)
-    assert cached == 0
+    cold = _complete(fabric, a, prompt, 16)
+    assert cold.cached_tokens == 0
     # Round 1 computed the KV of 715 tokens: two chunks and one 128-token tail block, written back to
     # the shared volume by node a's server; node b's server learns them from a's journal. Asked once
     # only when it has: a retry would be a hit in node b's own vLLM prefix cache, not kvfabric's.
@@ -175,10 +166,10 @@ def test_real_vllm_injected_by_the_webhook_hits_the_shared_tier_on_the_other_nod
         message="node b's cache server to index the 3 blocks node a wrote",
     )
     loaded0 = metric_sum(_metrics(fabric, b), "vllm:kvfabric_loaded_tokens")
-    warm, cached = _complete(fabric, b, prompt, 16)
-    assert warm == cold, "KV loaded from the other node's store gives the same tokens as computing it"
+    warm = _complete(fabric, b, prompt, 16)
+    assert warm.tokens == cold.tokens, "KV loaded from the other node gives the tokens computing it gave"
     hit = 2 * CHUNK + BLOCK  # the last prompt token is always computed: 640 of 700
-    assert cached == hit
+    assert warm.cached_tokens == hit
     # vLLM's front end publishes the engine's stats every few seconds.
     text = wait_for(
         lambda: (t := _metrics(fabric, b)) and metric_sum(t, "vllm:kvfabric_loaded_tokens") > loaded0 and t,

@@ -340,42 +340,22 @@ class VllmServer:
 
     def complete(self, prompt: Sequence[int], max_tokens: int, timeout: float = 300.0) -> Completion:
         """A greedy completion of a token-id prompt; returns the generated token ids."""
-        body = {
-            "model": "tiny",
-            "prompt": list(prompt),
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
         req = urllib.request.Request(  # noqa: S310 - loopback
             self.url + "/v1/completions",
-            data=json.dumps(body).encode(),
+            data=json.dumps(completion_request(prompt, max_tokens)).encode(),
             headers={"Content-Type": "application/json"},
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback
-                data = json.loads(resp.read())
+                return Completion.parse(json.loads(resp.read()))
         except urllib.error.HTTPError as exc:
             raise RuntimeError(f"vLLM answered {exc.code}: {exc.read()[:2000]!r}") from exc
-        choice = data["choices"][0]
-        details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
-        return Completion(list(choice["token_ids"]), int(details.get("cached_tokens") or 0))
 
     def stream(self, prompt: Sequence[int], max_tokens: int, timeout: float = 300.0) -> Iterator[list[int]]:
         """A streamed greedy completion: yields the token ids of each chunk as it arrives."""
-        body = {
-            "model": "tiny",
-            "prompt": list(prompt),
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "stream": True,
-        }
         req = urllib.request.Request(  # noqa: S310 - loopback
             self.url + "/v1/completions",
-            data=json.dumps(body).encode(),
+            data=json.dumps(completion_request(prompt, max_tokens, stream=True)).encode(),
             headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback
@@ -389,12 +369,34 @@ class VllmServer:
                     yield ids
 
 
+def completion_request(prompt: Sequence[int], max_tokens: int, *, stream: bool = False) -> dict[str, Any]:
+    """The body of a greedy ``/v1/completions`` request for the tiny model, returning token ids."""
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if stream:
+        body["stream"] = True
+    return body
+
+
 @dataclass
 class Completion:
     """One completion's generated tokens and vLLM's count of cached prompt tokens (local + external)."""
 
     tokens: list[int]
     cached_tokens: int
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any]) -> Completion:
+        """From the JSON answer of a (non-streamed) :func:`completion_request`."""
+        choice = data["choices"][0]
+        details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+        return cls(list(choice["token_ids"]), int(details.get("cached_tokens") or 0))
 
 
 @dataclass

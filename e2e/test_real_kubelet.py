@@ -160,7 +160,7 @@ def test_cache_server_runs_on_every_real_node_as_the_runtime_enforces(
 CLIENT = """
 import hashlib, json, os, secrets
 from kvfabric.client.sync import CacheClient
-client = CacheClient("unix://" + os.environ["KVFABRIC_SOCKET"], shm_dir=os.environ["KVFABRIC_SHM_DIR"])
+client = CacheClient("unix://" + os.environ["KVFABRIC_SOCKET"], shared_memory=True)
 payload = secrets.token_bytes(65536)
 ns, key = hashlib.sha256(b"kubelet-e2e").hexdigest(), hashlib.sha256(payload).hexdigest()
 stored = client.store(ns, [key], [payload], timeout=30)

@@ -94,7 +94,7 @@ def test_bad_keys_and_namespaces_are_invalid_argument(srv: ServerProcess, bad: s
 
 def test_oversized_payloads_are_rejected(srv: ServerProcess) -> None:
     ns, key = digest("ns"), digest("big")
-    with CacheClient(srv.tcp_target) as r, CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+    with CacheClient(srv.tcp_target) as r, CacheClient(srv.unix_target, shared_memory=True) as c:
         from kvfabric.client.errors import InvalidRequest
 
         for client in (r, c):
@@ -211,7 +211,7 @@ def test_fuzz_random_bytes_on_both_listeners(srv: ServerProcess, data: bytes, tc
 
 def test_still_serving_after_the_fuzzing(srv: ServerProcess) -> None:
     ns, key = digest("ns"), digest("after")
-    with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+    with CacheClient(srv.unix_target, shared_memory=True) as c:
         assert c.store(ns, [key], [payload_for(key, 1000)], timeout=10).accepted == 1
         assert c.load(ns, [key], timeout=10) == [payload_for(key, 1000)]
     assert _serving(srv)

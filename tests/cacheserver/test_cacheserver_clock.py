@@ -78,7 +78,7 @@ def test_a_server_two_days_ahead_on_a_client_stamped_volume_expires_nothing_earl
     ahead = {**cfg, "tiers.shared.faults": {"clock_skew_seconds": 2 * DAY}, "tiers.write_back": "none"}
     keys = [digest("client-stamped", i) for i in range(4)]
     with cache_server(server_id="node-ok", shared_dir=shared, local_disk_bytes=None, overrides=cfg) as ok:
-        with CacheClient(ok.unix_target, shm_dir=ok.shm_dir) as c:
+        with CacheClient(ok.unix_target, shared_memory=True) as c:
             assert c.store(ns, keys, [payload_for(k, 64 * 1024) for k in keys], timeout=10).accepted == 4
             wait_until(lambda: len(list((shared / "buckets").rglob("*.blk"))) == 4, what="write-back")
         # A write node-ok has in flight: its temp file, stamped by node-ok's (correct) clock.
@@ -88,7 +88,7 @@ def test_a_server_two_days_ahead_on_a_client_stamped_volume_expires_nothing_earl
             cache_server(
                 server_id="node-ahead", shared_dir=shared, local_disk_bytes=None, overrides=ahead
             ) as ah,
-            CacheClient(ah.unix_target, shm_dir=ah.shm_dir) as ca,
+            CacheClient(ah.unix_target, shared_memory=True) as ca,
         ):
             lease = shared / "leases" / "node-ahead"
             for _ in range(30):  # many janitor ticks of node-ahead (each renews its lease)
@@ -122,7 +122,7 @@ def test_a_server_two_days_ahead_on_a_client_stamped_volume_expires_nothing_earl
             # generations run two days ahead: node-ahead drops its DRAM copy once it reads the journal.
             late = digest("client-stamped", "late")
             assert ca.store(ns, [late], [payload_for(late, 4096)], timeout=10).accepted == 1
-            with CacheClient(ok.unix_target, shm_dir=ok.shm_dir) as c:
+            with CacheClient(ok.unix_target, shared_memory=True) as c:
                 wait_until(
                     lambda: c.stats(timeout=5)["clock_spread_seconds"] > DAY, what="node-ok to see the spread"
                 )

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.tes
 
 BASE: dict[str, Any] = {
     "listen": {"unix_socket": "/run/kvfabric/cache.sock"},
-    "shm": {"dir": "/dev/shm/kvfabric"},
+    "shm": {"arena_bytes": 64 << 20},
     "tiers": {
         "dram": {"capacity_bytes": 1 << 30},
         "local_disk": {"path": "/mnt/nvme/kv", "capacity_bytes": 10 << 30},
@@ -74,7 +74,7 @@ def test_cli_help_documents_every_option_and_overrides_apply(tmp_path: Path) -> 
     for flag in (
         "--config",
         "--tcp-port",
-        "--shm-dir",
+        "--arena-bytes",
         "--dram-bytes",
         "--set",
         "--print-config",

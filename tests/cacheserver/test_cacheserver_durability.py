@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from kvfabric.cacheserver.engine.blockfile import HEADER_SIZE
 from kvfabric.client import CacheClient
+from kvfabric.client.blocks import BlockChannel, close_all
 from kvfabric.client.errors import CacheError
+from kvfabric.rpc.blockproto import block_socket_for
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
@@ -36,7 +38,7 @@ def test_flush_says_which_tiers_hold_a_store_durably(ns: str, tmp_path: Path) ->
     payloads = [payload_for(k, 64 * 1024) for k in keys]
     with (
         cache_server(shared_dir=tmp_path / "shared", dram_bytes=16 * MiB) as srv,
-        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c,
+        CacheClient(srv.unix_target, shared_memory=True) as c,
     ):
         assert c.store(ns, keys, payloads, timeout=10).accepted == 3
         tiers, complete = _flush(srv, ns, [*keys, digest("never stored")], timeout=30)
@@ -45,7 +47,7 @@ def test_flush_says_which_tiers_hold_a_store_durably(ns: str, tmp_path: Path) ->
     # DRAM only: acknowledged, not durable — and Flush says so.
     with (
         cache_server(dram_bytes=16 * MiB, overrides={"tiers.write_back": "none"}) as srv,
-        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c,
+        CacheClient(srv.unix_target, shared_memory=True) as c,
     ):
         assert c.store(ns, keys, payloads, timeout=10).accepted == 3
         assert _flush(srv, ns, keys, timeout=10) == ([[]] * 3, True)
@@ -53,7 +55,7 @@ def test_flush_says_which_tiers_hold_a_store_durably(ns: str, tmp_path: Path) ->
     slow = {"tiers.local_disk.faults": {"write_delay_seconds": 5.0}}
     with (
         cache_server(dram_bytes=16 * MiB, overrides=slow) as srv,
-        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c,
+        CacheClient(srv.unix_target, shared_memory=True) as c,
     ):
         assert c.store(ns, keys[:1], payloads[:1], timeout=10).accepted == 1
         assert _flush(srv, ns, keys[:1], timeout=1) == ([[]], False)
@@ -64,7 +66,7 @@ def test_kill_9_during_store_storm_then_restart(ns: str, tmp_path: Path) -> None
     shared = tmp_path / "shared"
     size = 1 * MiB + 123  # not page-aligned on purpose
     with cache_server(shared_dir=shared, dram_bytes=64 * MiB, local_disk_bytes=256 * MiB) as srv:
-        client = CacheClient(srv.unix_target, shm_dir=srv.shm_dir)
+        client = CacheClient(srv.unix_target, shared_memory=True)
         remote = CacheClient(srv.tcp_target)
         stored: list[str] = []
         stop = threading.Event()
@@ -112,7 +114,7 @@ def test_kill_9_during_store_storm_then_restart(ns: str, tmp_path: Path) -> None
         assert len(stored) >= 20
 
         srv.start()
-        client = CacheClient(srv.unix_target, shm_dir=srv.shm_dir)
+        client = CacheClient(srv.unix_target, shared_memory=True)
         # The index is rebuilt from headers: blocks on disk are found without any load.
         on_disk = {p.name for p in _block_files(local_root)} | {p.name for p in _block_files(shared)}
         assert on_disk
@@ -137,7 +139,6 @@ def test_kill_9_during_store_storm_then_restart(ns: str, tmp_path: Path) -> None
         for p in _block_files(local_root) + _block_files(shared):
             assert p.stat().st_size == HEADER_SIZE + size
         assert not _tmp_files(local_root), "leftover temporary files were not cleaned"
-        assert not [n for n in os.listdir(srv.shm_dir) if n.startswith("s_")], "stale staging files"
         assert not _tmp_files(shared), "leftover temporary files were not cleaned"
         stats = client.stats(timeout=5)
         assert stats["tiers"]["local_disk"]["blocks"] + stats["tiers"]["shared"]["blocks"] >= found
@@ -148,7 +149,7 @@ def test_corrupted_block_is_detected_removed_and_reported_as_miss(ns: str) -> No
     keys = [digest("corrupt", i) for i in range(3)]
     payloads = [payload_for(k, 256 * 1024 + i) for i, k in enumerate(keys)]
     with cache_server(dram_bytes=64 * MiB) as srv:
-        with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+        with CacheClient(srv.unix_target, shared_memory=True) as c:
             assert c.store(ns, keys, payloads, timeout=10).accepted == 3
             root = srv.config.tiers.local_disk.path  # type: ignore[union-attr]
             wait_until(lambda: len(_block_files(root)) == 3, what="write-back")
@@ -162,7 +163,7 @@ def test_corrupted_block_is_detected_removed_and_reported_as_miss(ns: str) -> No
                 f.seek(offset)
                 f.write(bytes([b[0] ^ 0xFF]))
         srv.start()
-        with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+        with CacheClient(srv.unix_target, shared_memory=True) as c:
             # The header-corrupt block is dropped by the start-up scan; the payload-corrupt one is
             # still indexed (headers only are read at start-up) until a load verifies it.
             assert c.lookup(ns, keys, timeout=5).matched == 2
@@ -190,7 +191,7 @@ def test_filling_past_every_budget_stays_under_high_watermarks(ns: str, tmp_path
             shared_bytes=8 * MiB,
             overrides=overrides,
         ) as srv,
-        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c,
+        CacheClient(srv.unix_target, shared_memory=True) as c,
         CacheClient(srv.tcp_target) as r,
     ):
         for i in range(40):
@@ -223,7 +224,7 @@ def test_nearly_full_disk_refuses_writes_without_failing_stores(ns: str) -> None
     # min_free_fraction 0.9999: the filesystem looks full, so every disk write is refused.
     with (
         cache_server(dram_bytes=8 * MiB, overrides={"tiers.local_disk.min_free_fraction": 0.9999}) as srv,
-        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c,
+        CacheClient(srv.unix_target, shared_memory=True) as c,
     ):
         for i in range(10):
             key = digest("full", i)
@@ -255,13 +256,20 @@ def test_client_that_dies_between_begin_and_commit_leaks_nothing(ns: str) -> Non
                 pb.ShmStoreBeginRequest(namespace=ns, keys=keys, lengths=[4096] * 3), timeout=5
             )
             assert all(s.name for s in resp.slots)
-            staged = [srv.shm_dir / s.name for s in resp.slots]
-            assert all(p.exists() for p in staged)
-            # Never commit: the lease expires and the staging files go away.
-            wait_until(lambda: not any(p.exists() for p in staged), what="lease reaping")
+            blocks = BlockChannel(block_socket_for(srv.config.listen.unix_socket))
+            names = [slot.name for slot in resp.slots]
+
+            def staged() -> list[bool]:
+                fds = blocks.fetch(names, deadline=time.monotonic() + 5)
+                close_all(fds)
+                return [fd is not None for fd in fds]
+
+            assert staged() == [True] * 3
+            # Never commit: the lease expires and its staging memfds go away.
+            wait_until(lambda: staged() == [False] * 3, what="lease reaping")
+            blocks.close()
             with pytest.raises(grpc.RpcError) as err:
                 stub.ShmStoreCommit(pb.ShmStoreCommitRequest(lease_id=resp.lease_id), timeout=5)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
-        with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+        with CacheClient(srv.unix_target, shared_memory=True) as c:
             assert c.stats(timeout=5)["arena_used_bytes"] == 0
-            assert [n for n in os.listdir(srv.shm_dir) if n.startswith("s_")] == []

@@ -95,7 +95,7 @@ def test_ids_reject_everything_but_hex_digests() -> None:
 
 
 def test_dram_tier_lru_and_budget(tmp_path: Path) -> None:
-    tier: DramTier = DramTier(tmp_path / "shm", 5 * 4096, high_watermark=1.0, low_watermark=0.6)
+    tier: DramTier = DramTier(5 * 4096, high_watermark=1.0, low_watermark=0.6)
     as_tier: Tier = tier  # both tiers satisfy the one small interface (checked by mypy)
     assert as_tier.name == "dram"
     for i in range(5):
@@ -108,14 +108,12 @@ def test_dram_tier_lru_and_budget(tmp_path: Path) -> None:
     assert not tier.contains(bid(2))
     assert tier.get(bid(5)) == payload_for("5", 4096)
     assert not tier.put(bid(9), b"x" * (6 * 4096)), "larger than the whole budget"
-    # An evicted block's file is gone; a reader that opened it first keeps its bytes.
+    # An evicted block's memfd is closed; a reader that opened it first keeps its bytes.
     handle = tier.open(bid(5))
     assert handle is not None
     assert tier.delete(bid(5))
     assert handle.read() == payload_for("5", 4096)
     handle.close()
-    names = {p.name for p in (tmp_path / "shm").iterdir()}
-    assert len(names) == tier.usage().blocks
 
 
 def test_disk_tier_scan_refresh_evict_expire(tmp_path: Path) -> None:
@@ -231,7 +229,6 @@ def test_tiered_store_writes_back_promotes_and_expires_local_buckets(tmp_path: P
         {
             "server_id": "unit",
             "listen": {"unix_socket": str(tmp_path / "s.sock")},
-            "shm": {"dir": str(tmp_path / "shm")},
             "tiers": {
                 "dram": {"capacity_bytes": 1 << 20},
                 "local_disk": {"path": str(tmp_path / "local"), "capacity_bytes": 1 << 22},

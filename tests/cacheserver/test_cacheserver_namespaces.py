@@ -68,7 +68,7 @@ def stub_of() -> Iterator[Any]:
 def test_a_described_namespace_is_exported_with_its_fields_and_lookups(stub_of: Any) -> None:
     ns = SPEC.digest()
     keys = [digest("k", i) for i in range(4)]
-    with cache_server(dram_bytes=16 * MiB) as srv, CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+    with cache_server(dram_bytes=16 * MiB) as srv, CacheClient(srv.unix_target, shared_memory=True) as c:
         stub = stub_of(srv)
         # Unknown: the server asks for a description in every lookup and store answer.
         assert stub.Lookup(pb.LookupRequest(namespace=ns, keys=keys), timeout=5).describe

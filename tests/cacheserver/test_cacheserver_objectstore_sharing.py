@@ -67,8 +67,8 @@ def test_chunk_stored_on_node_a_is_a_hit_on_node_b_through_the_object_tier(
     payloads = [payload_for(k, 2 * MiB + i) for i, k in enumerate(keys)]
     with (
         nodes(s3, tmp_path, "node-a", "node-b") as (a, b),
-        CacheClient(a.unix_target, shm_dir=a.shm_dir) as ca,
-        CacheClient(b.unix_target, shm_dir=b.shm_dir) as cb,
+        CacheClient(a.unix_target, shared_memory=True) as ca,
+        CacheClient(b.unix_target, shared_memory=True) as cb,
     ):
         assert cb.lookup(ns, keys, timeout=5).matched == 0
         assert ca.store(ns, keys, payloads, timeout=10).accepted == 3
@@ -85,7 +85,7 @@ def test_chunk_stored_on_node_a_is_a_hit_on_node_b_through_the_object_tier(
         assert stats["counters"].get("checksum_failures", {}).get("object", 0) == 0
         # A restarted B rebuilds its index from a listing of the bucket.
         b.restart()
-        with CacheClient(b.unix_target, shm_dir=b.shm_dir) as cb2:
+        with CacheClient(b.unix_target, shared_memory=True) as cb2:
             assert cb2.lookup(ns, keys, timeout=5).tiers == ["object"] * 3
             assert cb2.load(ns, keys, timeout=10) == payloads
 
@@ -99,13 +99,13 @@ def test_a_hung_or_killed_object_store_mid_load_is_a_recompute_never_a_failed_re
     with (
         s3_server() as own,
         nodes(own, tmp_path, "node-a", "node-b") as (a, b),
-        CacheClient(a.unix_target, shm_dir=a.shm_dir) as ca,
+        CacheClient(a.unix_target, shared_memory=True) as ca,
         CacheClient(b.unix_target) as cb,
     ):
         assert ca.store(ns, keys, payloads, timeout=10).accepted == n
         wait_until(lambda: cb.lookup(ns, keys, timeout=5).matched == n, what="B to see every object")
         cache = ResilientCache(
-            [Endpoint("b", transport_factory(b.unix_target, shm_dir=str(b.shm_dir)), CircuitBreaker(3, 1.0))]
+            [Endpoint("b", transport_factory(b.unix_target, shared_memory=True), CircuitBreaker(3, 1.0))]
         )
         outcomes: list[tuple[int, int, str | None]] = []
         errors: list[BaseException] = []

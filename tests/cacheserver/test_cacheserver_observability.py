@@ -30,7 +30,7 @@ def test_metrics_probes_and_json_logs() -> None:
     ns = digest("metrics")
     keys = [digest("m", i) for i in range(3)]
     with cache_server(dram_bytes=16 * MiB) as srv:
-        with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+        with CacheClient(srv.unix_target, shared_memory=True) as c:
             c.store(ns, keys[:2], [payload_for(k, 100_000) for k in keys[:2]], timeout=10)
             c.lookup(ns, keys, timeout=5)
             c.load(ns, keys, timeout=10)
@@ -58,10 +58,11 @@ def test_metrics_probes_and_json_logs() -> None:
         assert srv.proc is not None
         assert srv.proc.returncode == 0
         assert any(r.get("message") == "stopped" for r in srv.log_records())
-        # ...and leaves neither its socket nor its arena directory behind (a deleted pool's node
-        # directories are emptied by its servers' shutdown; e2e/test_real_kubelet.py).
-        assert not srv.config.listen.unix_socket.exists()
-        assert not srv.shm_dir.exists(), sorted(p.name for p in srv.shm_dir.iterdir())
+        # ...and leaves none of its sockets behind (a deleted pool's node directories are emptied by
+        # its servers' shutdown; e2e/test_real_kubelet.py).
+        sock = srv.config.listen.unix_socket
+        assert not sock.exists()
+        assert sorted(p.name for p in sock.parent.iterdir() if p.name.startswith(sock.name)) == []
         assert len(srv.log_records()) == len([ln for ln in srv.logs().splitlines() if ln.strip()])
 
 
@@ -71,7 +72,7 @@ def test_stores_beyond_the_arena_are_dropped_and_counted_not_failed() -> None:
     # The arena holds two 512 KiB payloads at a time: the other two stores of the batch are dropped.
     with (
         cache_server(dram_bytes=16 * MiB, overrides={"shm.arena_bytes": 1 * MiB}) as srv,
-        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c,
+        CacheClient(srv.unix_target, shared_memory=True) as c,
     ):
         res = c.store(ns, keys, [payload_for(k, 512 * 1024) for k in keys], timeout=10)
         assert (res.accepted, res.dropped) == (2, 2)
@@ -88,7 +89,7 @@ def test_loads_do_not_wait_behind_stores_and_busy_stores_are_dropped() -> None:
     hot, slow, extra = digest("hot"), digest("slow"), digest("extra")
     with (
         cache_server(dram_bytes=16 * MiB, overrides={"limits.max_concurrent_stores": 1}) as srv,
-        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c,
+        CacheClient(srv.unix_target, shared_memory=True) as c,
         CacheClient(srv.tcp_target) as r,
         grpc.insecure_channel(srv.tcp_target) as ch,
     ):
@@ -133,7 +134,7 @@ def test_a_load_that_cannot_get_a_slot_before_its_deadline_times_out() -> None:
     big, small = digest("big"), digest("small")
     with (
         cache_server(dram_bytes=96 * MiB, overrides={"limits.max_concurrent_loads": 1}) as srv,
-        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c,
+        CacheClient(srv.unix_target, shared_memory=True) as c,
         grpc.insecure_channel(srv.tcp_target) as ch,
     ):
         c.store(ns, [big, small], [payload_for(big, 64 * MiB), b"s"], timeout=30)

@@ -45,6 +45,26 @@ def test_a_write_never_replaces_a_newer_copy_nor_lands_after_a_delete(tmp_path: 
     assert write(old, gens.next(), bucket=2), "a store after the delete is"
 
 
+def test_a_store_right_after_a_delete_never_outlives_a_later_delete_on_another_server() -> None:
+    # Two servers whose volume clocks read the same (they agree only to within the timestamp
+    # granularity). Server a deletes a key and stores it again at once; server b then deletes it.
+    # A store clock that jumps past a's tombstone would give the store a generation a margin ahead of
+    # volume time, newer than b's later delete: the deleted bytes would survive it. (The two-server
+    # model test in test_cacheserver_ordering_model.py found this once DRAM puts became fast.)
+    a, b = Generations(lambda: 100.0), Generations(lambda: 100.0)
+    key = BlockId(NS, digest("delete-store-delete"))
+    first = a.for_delete(5.0)
+    a.tombstone(key, first)
+    store = a.next()
+    later = b.for_delete(5.0)
+    assert not (a.admits(key, store) and store >= later), "a store survived a later delete"
+    assert not a.admits(key, store), "within the margin a deleted key is not stored again"
+    # Once volume time passes the tombstone, stores are admitted again.
+    c = Generations(lambda: 106.0)
+    c.tombstone(key, first)
+    assert c.admits(key, c.next())
+
+
 def test_a_delete_removes_copies_in_every_bucket_and_scans_honour_it(tmp_path: Path) -> None:
     gens = Generations(lambda: 1.0)
     root = tmp_path / "d"
@@ -80,7 +100,7 @@ def test_delete_racing_a_slow_write_back_never_resurrects_old_bytes(ns: str) -> 
     key = digest("race")
     a, b = payload_for(key, 256 * 1024, salt=b"A"), payload_for(key, 256 * 1024, salt=b"B")
     with cache_server(dram_bytes=16 * MiB, overrides=slow) as srv:
-        with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+        with CacheClient(srv.unix_target, shared_memory=True) as c:
             assert c.store(ns, [key], [a], timeout=10).accepted == 1
             assert c.delete(ns, [key], timeout=5) == 1
             assert c.stats(timeout=5)["writeback_pending_bytes"] > 0, "the delete raced A's write-back"
@@ -92,7 +112,7 @@ def test_delete_racing_a_slow_write_back_never_resurrects_old_bytes(ns: str) -> 
             wait_until(lambda: c.stats(timeout=5)["writeback_pending_bytes"] == 0, what="B's write-back")
             assert c.stats(timeout=5)["counters"]["writes_superseded"]["local_disk"] == 1
         srv.restart()  # DRAM is gone: the load comes from local disk
-        with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+        with CacheClient(srv.unix_target, shared_memory=True) as c:
             assert c.lookup(ns, [key], timeout=5).tiers == ["local_disk"]
             assert c.load(ns, [key], timeout=10) == [b]
 
@@ -113,8 +133,8 @@ def test_a_delete_on_one_server_is_honoured_by_another_sharing_the_volume(ns: st
     k1, k2 = digest("xdel", 1), digest("xdel", 2)
     p1, p2 = payload_for(k1, 128 * 1024), payload_for(k2, 128 * 1024)
     with _pair(shared) as (a, b):
-        ca = CacheClient(a.unix_target, shm_dir=a.shm_dir)
-        cb = CacheClient(b.unix_target, shm_dir=b.shm_dir)
+        ca = CacheClient(a.unix_target, shared_memory=True)
+        cb = CacheClient(b.unix_target, shared_memory=True)
         # B stores both keys: in its DRAM, its local disk and the shared volume.
         assert cb.store(ns, [k1, k2], [p1, p2], timeout=10).accepted == 2
         wait_until(lambda: cb.stats(timeout=5)["writeback_pending_bytes"] == 0, what="B's write-backs")
@@ -129,13 +149,14 @@ def test_a_delete_on_one_server_is_honoured_by_another_sharing_the_volume(ns: st
         b.stop()
         assert ca.delete(ns, [k2], timeout=5) == 1
         b.start()
-        cb = CacheClient(b.unix_target, shm_dir=b.shm_dir)
+        cb = CacheClient(b.unix_target, shared_memory=True)
         assert cb.lookup(ns, [k1, k2], timeout=5).matched == 0
         assert cb.load(ns, [k2], timeout=10) == []
         assert cb.load(ns, [k1], timeout=10) == []
         assert cb.stats(timeout=5)["tiers"]["local_disk"]["blocks"] == 0
-        # A key stored again after the delete is served again, everywhere.
-        assert ca.store(ns, [k2], [p1], timeout=10).accepted == 1
+        # A key stored again after the delete is served again, everywhere, once the delete margin
+        # has passed (within it the key stays deleted: engine/ordering.py).
+        wait_until(lambda: ca.store(ns, [k2], [p1], timeout=10).accepted == 1, what="the margin to pass")
         wait_until(lambda: cb.load(ns, [k2], timeout=10) == [p1], what="B to see the new store")
         ca.close()
         cb.close()

@@ -47,7 +47,6 @@ def _config(root: Path, sid: str) -> ServerConfig:
         {
             "server_id": sid,
             "listen": {"unix_socket": str(root / f"{sid}.sock")},
-            "shm": {"dir": str(root / f"shm-{sid}")},
             "tiers": {
                 # Room for about five 8 KiB blocks: puts and promotions evict each other.
                 "dram": {"capacity_bytes": 5 * 8192, "high_watermark": 1.0, "low_watermark": 0.5},

@@ -37,7 +37,6 @@ class StoreAndTable(RuleBasedStateMachine):
             {
                 "server_id": "unit",
                 "listen": {"unix_socket": str(self.dir / "s.sock")},
-                "shm": {"dir": str(self.dir / "shm")},
                 "tiers": {
                     # Room for ~5 blocks in DRAM and ~10 on disk: both tiers evict during a run.
                     "dram": {"capacity_bytes": 5 * SIZE + 4096},
@@ -126,7 +125,7 @@ def test_a_real_server_answers_lookups_from_its_published_index() -> None:
     keys = [digest("k", i) for i in range(8)]
     with (
         cache_server(server_id="pub", metrics=False) as srv,
-        CacheClient(srv.unix_target, shm_dir=srv.shm_dir, local_index=True) as c,
+        CacheClient(srv.unix_target, shared_memory=True, local_index=True) as c,
     ):
         assert c.local_index is not None
         assert c.lookup(ns, keys, timeout=5).matched == 0
@@ -167,7 +166,7 @@ def test_the_connector_looks_up_on_its_own_thread_and_sees_a_crash_at_once() -> 
     keys = [digest("c", i) for i in range(4)]
     with cache_server(server_id="conn", metrics=False) as srv:
         settings = ConnectorSettings(
-            socket=str(srv.config.listen.unix_socket), shm_dir=str(srv.shm_dir), local_index=True
+            socket=str(srv.config.listen.unix_socket), shared_memory=True, local_index=True
         )
         cache = build_cache(settings)
         assert cache is not None

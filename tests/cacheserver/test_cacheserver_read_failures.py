@@ -21,16 +21,16 @@ pytestmark = [pytest.mark.process, pytest.mark.slow]
 def _resilient(srv: ServerProcess, breaker: CircuitBreaker) -> ResilientCache:
     # One failure would open this breaker: any UNKNOWN from the server would show.
     return ResilientCache(
-        [Endpoint("srv", lambda: CacheClient(srv.unix_target, shm_dir=srv.shm_dir), breaker)], retries=0
+        [Endpoint("srv", lambda: CacheClient(srv.unix_target, shared_memory=True), breaker)], retries=0
     )
 
 
 def _stored_on_local_disk(srv: ServerProcess, ns: str, keys: list[str], payloads: list[bytes]) -> None:
-    with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+    with CacheClient(srv.unix_target, shared_memory=True) as c:
         assert c.store(ns, keys, payloads, timeout=10).accepted == len(keys)
         wait_until(lambda: c.stats(timeout=5)["writeback_pending_bytes"] == 0, what="write-back")
     srv.restart()  # DRAM is gone: loads must read the local disk
-    with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+    with CacheClient(srv.unix_target, shared_memory=True) as c:
         assert c.lookup(ns, keys, timeout=5).tiers == ["local_disk"] * len(keys)
 
 
@@ -45,7 +45,7 @@ def _assert_clean_miss(srv: ServerProcess, ns: str, key: str, size: int, counter
         assert not [k for k in cache.counters.snapshot() if k.startswith("error.")]
     finally:
         cache.close()
-    with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+    with CacheClient(srv.unix_target, shared_memory=True) as c:
         assert c.lookup(ns, [key], timeout=5).matched == 0, "the failing entry is dropped"
         assert c.stats(timeout=5)["counters"][counter]["local_disk"] == 1
         assert c.health(timeout=5)

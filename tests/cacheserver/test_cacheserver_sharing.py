@@ -43,8 +43,8 @@ def test_chunk_stored_through_a_is_a_hit_through_b(ns: str, tmp_path: Path) -> N
     payloads = [payload_for(k, 2 * MiB + i) for i, k in enumerate(keys)]
     with (
         servers(shared, "node-a", "node-b", local_disk_bytes=None) as (a, b),
-        CacheClient(a.unix_target, shm_dir=a.shm_dir) as ca,
-        CacheClient(b.unix_target, shm_dir=b.shm_dir) as cb,
+        CacheClient(a.unix_target, shared_memory=True) as ca,
+        CacheClient(b.unix_target, shared_memory=True) as cb,
     ):
         assert cb.lookup(ns, keys, timeout=5).matched == 0
         assert ca.store(ns, keys, payloads, timeout=10).accepted == 3
@@ -98,7 +98,7 @@ def test_concurrent_stores_of_one_key_leave_one_whole_block(ns: str, tmp_path: P
         # A third server starting on the directory indexes exactly these blocks and serves them.
         with (
             cache_server(server_id="node-c", shared_dir=shared, local_disk_bytes=None) as c3,
-            CacheClient(c3.unix_target, shm_dir=c3.shm_dir) as cc,
+            CacheClient(c3.unix_target, shared_memory=True) as cc,
         ):
             loaded = cc.load(ns, keys, timeout=30)
             assert len(loaded) == len(keys)
@@ -119,7 +119,7 @@ def test_ttl_buckets_expire_once_by_one_server(ns: str, tmp_path: Path) -> None:
     fast_ttl = {"ttl_seconds": 1, "bucket_seconds": 1, "janitor_interval_seconds": 0.1, "lease_seconds": 5}
     keys = [digest("ttl", i) for i in range(6)]
     with servers(shared, "node-a", "node-b", "node-c", local_disk_bytes=None, overrides=fast_ttl) as procs:
-        with CacheClient(procs[0].unix_target, shm_dir=procs[0].shm_dir) as c:
+        with CacheClient(procs[0].unix_target, shared_memory=True) as c:
             for k in keys:  # spread over a few buckets
                 c.store(ns, [k], [payload_for(k, 64 * 1024)], timeout=10)
         wait_until(lambda: _blocks(shared), what="write-back")
@@ -149,7 +149,7 @@ def test_server_with_skewed_clock_never_expires_early(ns: str, tmp_path: Path) -
     keys = [digest("skew", i) for i in range(4)]
     with (
         servers(shared, "node-skewed", env=skew, local_disk_bytes=None, overrides=cfg) as (s,),
-        CacheClient(s.unix_target, shm_dir=s.shm_dir) as c,
+        CacheClient(s.unix_target, shared_memory=True) as c,
     ):
         c.store(ns, keys, [payload_for(k, 64 * 1024) for k in keys], timeout=10)
         wait_until(lambda: len(_blocks(shared)) == 4, what="write-back")
@@ -174,7 +174,7 @@ def test_a_hit_refreshes_the_block_into_the_current_bucket(ns: str, tmp_path: Pa
     key = digest("refresh")
     with (
         servers(shared, "node-a", "node-b", local_disk_bytes=None, overrides=cfg) as (a, b),
-        CacheClient(a.unix_target, shm_dir=a.shm_dir) as ca,
+        CacheClient(a.unix_target, shared_memory=True) as ca,
     ):
         ca.store(ns, [key], [payload_for(key, 8192)], timeout=10)
         (first,) = wait_until(lambda: _blocks(shared), what="write-back")
@@ -187,7 +187,7 @@ def test_a_hit_refreshes_the_block_into_the_current_bucket(ns: str, tmp_path: Pa
         (newer,) = wait_until(moved, what="the block to move into a newer bucket")
         assert len(_blocks(shared)) == 1
         # B learns the move from A's journal and loads the block from its new place.
-        with CacheClient(b.unix_target, shm_dir=b.shm_dir) as cb:
+        with CacheClient(b.unix_target, shared_memory=True) as cb:
             wait_until(lambda: cb.load(ns, [key], timeout=10), what="B to load the refreshed block")
             assert cb.load(ns, [key], timeout=10) == [payload_for(key, 8192)]
         assert newer.exists()

@@ -45,7 +45,6 @@ def _config(tmp_path: Path, **tiers: Any) -> ServerConfig:
         {
             "server_id": "unit",
             "listen": {"unix_socket": str(tmp_path / "s.sock")},
-            "shm": {"dir": str(tmp_path / "shm")},
             "tiers": {"dram": {"capacity_bytes": 1 << 20}, **tiers},
             "janitor_interval_seconds": 3600,
             "limits": {"max_payload_bytes": 1 << 20},
@@ -90,7 +89,7 @@ def test_a_server_process_runs_a_configured_object_tier(ns: str) -> None:
     payloads = [payload_for(k, 64 * 1024 + i) for i, k in enumerate(keys)]
     with (
         cache_server(local_disk_bytes=None, overrides={"tiers.extra": extra}) as srv,
-        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c,
+        CacheClient(srv.unix_target, shared_memory=True) as c,
     ):
         assert c.store(ns, keys, payloads, timeout=10).accepted == 3
         wait_until(lambda: c.stats(timeout=5)["tiers"]["object"]["blocks"] == 3, what="write-back")

@@ -54,7 +54,7 @@ def test_round_trip_over_shm_and_grpc_streams(disk: str, request: pytest.Fixture
     keys = [digest("rt", i) for i in range(4)]
     # 9 MiB + 1 crosses several 4 MiB stream pieces; 0 bytes is a legal (if odd) payload.
     payloads = [payload_for(keys[0], 9 * MiB + 1), b"", payload_for(keys[2], 4096), payload_for(keys[3], 1)]
-    with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as shm, CacheClient(srv.tcp_target) as tcp:
+    with CacheClient(srv.unix_target, shared_memory=True) as shm, CacheClient(srv.tcp_target) as tcp:
         assert shm.uses_shm
         assert not tcp.uses_shm
         assert shm.store(NS, keys[:2], payloads[:2], timeout=10) == StoreResult(accepted=2, dropped=0)
@@ -105,7 +105,7 @@ def test_client_side_validation_is_invalid_request() -> None:
 
 def test_load_into_too_small_buffer(srv: ServerProcess) -> None:
     key = digest("small-buf")
-    with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+    with CacheClient(srv.unix_target, shared_memory=True) as c:
         c.store(NS, [key], [b"x" * 1000], timeout=5)
         with pytest.raises(InvalidRequest):
             c.load_into(NS, [key], [memoryview(bytearray(10))], timeout=5)
@@ -188,7 +188,7 @@ async def test_async_client_round_trip(srv: ServerProcess) -> None:
     keys = [digest("async", i) for i in range(3)]
     payloads = [payload_for(k, 3 * MiB + 7) for k in keys]
     async with (
-        AsyncCacheClient(srv.unix_target, shm_dir=srv.shm_dir) as shm,
+        AsyncCacheClient(srv.unix_target, shared_memory=True) as shm,
         AsyncCacheClient(srv.tcp_target) as tcp,
     ):
         assert await shm.store(NS, keys[:2], payloads[:2], timeout=10) == StoreResult(2, 0)
@@ -218,7 +218,7 @@ def test_flush_says_which_tiers_hold_keys_durably_over_both_transports(disk_srv:
     srv = disk_srv
     keys = [digest("client-flush", i) for i in range(3)]
     absent = digest("client-flush", "never stored")
-    with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as shm, CacheClient(srv.tcp_target) as tcp:
+    with CacheClient(srv.unix_target, shared_memory=True) as shm, CacheClient(srv.tcp_target) as tcp:
         assert (
             shm.store(NS, keys[:2], [payload_for(k, 70 * 1024) for k in keys[:2]], timeout=10).accepted == 2
         )
@@ -248,7 +248,7 @@ def test_load_into_any_contiguous_buffer_shape(srv: ServerProcess) -> None:
 
     key = digest("shapes")
     payload = payload_for(key, 4096)
-    with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as shm, CacheClient(srv.tcp_target) as tcp:
+    with CacheClient(srv.unix_target, shared_memory=True) as shm, CacheClient(srv.tcp_target) as tcp:
         shm.store(NS, [key], [payload], timeout=10)
         for c in (shm, tcp):
             floats = array.array("f", [0.0]) * 1024  # 4096 bytes as float32

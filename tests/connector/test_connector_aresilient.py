@@ -25,8 +25,7 @@ KEYS = ["b" * 64, "c" * 64, "d" * 64]
 
 def make(srv: CacheServerProcess, *, tcp: bool = False) -> AsyncResilientCache:
     target = srv.tcp_target if tcp else srv.unix_target
-    shm = None if tcp else str(srv.shm_dir)
-    ep = Endpoint("ep", transport_factory(target, shm_dir=shm), CircuitBreaker(2, 60.0))
+    ep = Endpoint("ep", transport_factory(target, shared_memory=not tcp), CircuitBreaker(2, 60.0))
     return AsyncResilientCache(ResilientCache([ep], retries=1))
 
 

@@ -27,7 +27,7 @@ def test_lookups_reach_a_restarted_server_after_the_cooldown(local_index: bool) 
     with cache_server(dram_bytes=16 << 20) as srv:
         settings = ConnectorSettings(
             socket=str(srv.config.listen.unix_socket),
-            shm_dir=str(srv.shm_dir),
+            shared_memory=True,
             local_index=local_index,
             breaker_failures=1,
             breaker_cooldown_ms=COOLDOWN_MS,

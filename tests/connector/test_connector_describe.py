@@ -46,7 +46,7 @@ def test_the_connector_describes_each_namespace_once_and_again_after_a_restart(l
     with cache_server(dram_bytes=16 << 20) as srv:
         settings = ConnectorSettings(
             socket=str(srv.config.listen.unix_socket),
-            shm_dir=str(srv.shm_dir),
+            shared_memory=True,
             local_index=local_index,
             chunk_tokens=SPEC.chunk_tokens,
             breaker_failures=1,

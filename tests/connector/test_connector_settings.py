@@ -13,7 +13,7 @@ from kvfabric.connector.settings import ConnectorSettings
 
 def test_reads_injected_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVFABRIC_SOCKET", "unix:///run/kvfabric/cache.sock")
-    monkeypatch.setenv("KVFABRIC_SHM_DIR", "/dev/shm/kvfabric")
+    monkeypatch.setenv("KVFABRIC_SHARED_MEMORY", "false")
     monkeypatch.setenv("KVFABRIC_REMOTE", "cache.kvfabric.svc:7070")
     monkeypatch.setenv("KVFABRIC_CHUNK_TOKENS", "512")
     monkeypatch.setenv("KVFABRIC_TENANT", "acme")
@@ -25,7 +25,7 @@ def test_reads_injected_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVFABRIC_CONFIG_HASH", "abc")
     s = ConnectorSettings.load()
     assert s.socket == "/run/kvfabric/cache.sock"
-    assert s.shm_dir == "/dev/shm/kvfabric"
+    assert s.shared_memory is False
     assert s.remote == "cache.kvfabric.svc:7070"
     assert (s.chunk_tokens, s.tenant, s.min_hit_tokens) == (512, "acme", 1024)
     assert (s.lookup_deadline_ms, s.load_deadline_ms, s.store_deadline_ms) == (20, 300, 900)

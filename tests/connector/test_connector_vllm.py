@@ -325,7 +325,6 @@ def test_adapter_drives_a_real_server_through_the_reference_engine(tmp_path: Pat
         # what this test checks (it failed so once while a benchmark ran beside it).
         extra = {
             "socket": str(srv.socket),
-            "shm_dir": str(srv.shm_dir),
             "chunk_tokens": 32,
             "lookup_deadline_ms": 10000,
             "load_deadline_ms": 30000,

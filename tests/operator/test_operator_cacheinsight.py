@@ -77,10 +77,10 @@ async def test_scraping_real_cache_servers_at_a_bounded_rate() -> None:
     ns = digest("insight")
     keys = [digest("k", i) for i in range(4)]
     with cache_server(dram_bytes=16 * MiB) as one, cache_server(dram_bytes=16 * MiB, server_id="two") as two:
-        with CacheClient(one.unix_target, shm_dir=one.shm_dir) as c:
+        with CacheClient(one.unix_target, shared_memory=True) as c:
             c.store(ns, keys[:3], [payload_for(k, 200_000) for k in keys[:3]], timeout=10)
             assert c.lookup(ns, keys, timeout=5).matched == 3  # 3 hits, then 1 miss
-        with CacheClient(two.unix_target, shm_dir=two.shm_dir) as c:
+        with CacheClient(two.unix_target, shared_memory=True) as c:
             assert c.lookup(ns, keys, timeout=5).matched == 0  # 4 misses: a silent 0 % node
         dead = f"http://127.0.0.1:{free_port()}/metrics"
         targets = {
@@ -242,7 +242,7 @@ async def test_namespaces_described_to_real_servers_reach_the_insight() -> None:
     keys = [digest("k", i) for i in range(2)]
     with cache_server(dram_bytes=16 * MiB) as one, cache_server(dram_bytes=16 * MiB, server_id="two") as two:
         for srv, spec in ((one, r1), (two, r1), (two, r2)):
-            with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+            with CacheClient(srv.unix_target, shared_memory=True) as c:
                 c.announce(spec.digest(), spec.canonical().decode())
                 c.store(spec.digest(), keys[:1], [payload_for(keys[0], 1000)], timeout=10)
                 c.lookup(spec.digest(), keys, timeout=5)

@@ -96,7 +96,7 @@ def test_labelled_deployment_gets_injected_and_counted(
     for p in injected:
         env = env_of(p)
         assert env["KVFABRIC_SOCKET"] == current["socket"]
-        assert env["KVFABRIC_SHM_DIR"] == current["shmDir"]
+        assert "KVFABRIC_SHM_DIR" not in env  # no shared directory: payloads come as memfds
         assert env.get("KVFABRIC_REMOTE", "") == current["remote"]  # "" while TCP is off
         assert env["KVFABRIC_CHUNK_TOKENS"] == "256"
         assert env["KVFABRIC_POOL"] == f"{namespace}/pool-a"

@@ -91,7 +91,7 @@ def test_status_lists_the_namespaces_in_use_from_the_scraped_servers(
     with servers(port) as (one, two):
         # Node one's engine uses rev-1 and finds 2 of 3 chunks; node two runs both revisions.
         for srv, spec, stored in ((one, R1, 2), (two, R1, 0), (two, R2, 0)):
-            with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+            with CacheClient(srv.unix_target, shared_memory=True) as c:
                 c.announce(spec.digest(), spec.canonical().decode())
                 if stored:
                     c.store(

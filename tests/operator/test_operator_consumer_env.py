@@ -123,7 +123,7 @@ def test_round_trip_render_inject_parse(
     defaults = ConnectorSettings.model_fields
     assert parsed.pool == "llm/pool-a"
     assert parsed.socket == conn.socket
-    assert parsed.shm_dir == conn.shm_dir
+    assert parsed.shared_memory is True, "same-node payloads go through the block socket's memfds"
     assert parsed.remote == conn.remote == f"pool-a.llm.svc:{port}"
     assert parsed.chunk_tokens == chunk
     assert parsed.tenant == (tenant or "")
@@ -142,8 +142,8 @@ def test_round_trip_render_inject_parse(
 
 
 def test_hash_is_over_the_environment_only() -> None:
-    a = ConsumerEnvironment(pool="n/p", socket="/s", shm_dir="/m", remote="h:1", chunk_tokens=256)
-    b = ConsumerEnvironment(pool="n/p", socket="/s", shm_dir="/m", remote="h:1", chunk_tokens=256, tenant="")
+    a = ConsumerEnvironment(pool="n/p", socket="/s", remote="h:1", chunk_tokens=256)
+    b = ConsumerEnvironment(pool="n/p", socket="/s", remote="h:1", chunk_tokens=256, tenant="")
     assert a.config_hash == b.config_hash  # an empty tenant is not injected
     assert a.to_env_with_hash()[ConsumerVar.CONFIG_HASH] == a.config_hash
     assert ConsumerEnvironment(**{**a.__dict__, "tenant": "x"}).config_hash != a.config_hash

@@ -108,7 +108,7 @@ def test_vllm_pod_gets_env_volume_args_and_annotations() -> None:
     env = env_of(container)
     target = POOLS[("llm", "pool-a")].connection
     assert env["KVFABRIC_SOCKET"] == "/run/kvfabric/llm.pool-a/cache.sock"
-    assert env["KVFABRIC_SHM_DIR"] == "/run/kvfabric/llm.pool-a/shm"
+    assert "KVFABRIC_SHM_DIR" not in env  # no shared directory: payloads come as sealed memfds
     assert "KVFABRIC_REMOTE" not in env  # the TCP listener is off by default (see the tcp test below)
     assert env["KVFABRIC_CHUNK_TOKENS"] == "256"
     assert env["KVFABRIC_POOL"] == "llm/pool-a"
@@ -130,7 +130,10 @@ def test_vllm_pod_gets_env_volume_args_and_annotations() -> None:
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
     }
-    assert {"name": "kvfabric-run", "mountPath": "/run/kvfabric/llm.pool-a"} in container["volumeMounts"]
+    # Read-only: a consumer can connect to the sockets but not unlink or replace them.
+    assert {"name": "kvfabric-run", "mountPath": "/run/kvfabric/llm.pool-a", "readOnly": True} in container[
+        "volumeMounts"
+    ]
     assert result.pod["spec"]["volumes"] == [
         {
             "name": "kvfabric-run",
@@ -352,7 +355,7 @@ def test_pod_security_namespace_with_tcp_is_wired_to_the_listener_alone(level: s
     names_ = {e["name"] for e in container["env"]}
     assert "KVFABRIC_REMOTE" in names_
     assert "KVFABRIC_TOKEN" in names_
-    assert not names_ & {"KVFABRIC_SOCKET", "KVFABRIC_SHM_DIR"}
+    assert "KVFABRIC_SOCKET" not in names_
     assert all(m["name"] != names.RUN_VOLUME for m in container.get("volumeMounts", []))
     detail = json.loads(result.pod["metadata"]["annotations"][names.INJECTED_ANNOTATION])
     assert (detail["transport"], detail["volumes"]) == ("tcp", [])

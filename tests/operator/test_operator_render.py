@@ -68,7 +68,7 @@ def test_configmap_is_the_cache_servers_own_model(tmp_path: Path) -> None:
     assert config.tiers.local_disk.capacity_bytes == 100 * 2**30
     assert str(config.tiers.local_disk.path).startswith(names.LOCAL_DISK_MOUNT + "/")
     assert str(config.listen.unix_socket) == "/run/kvfabric/llm.pool-a/cache.sock"
-    assert str(config.shm.dir) == "/run/kvfabric/llm.pool-a/shm"
+    assert config.shm.dir is None  # blocks live in the server's memfds, in no shared directory
     assert config.server_id is None  # the server uses $NODE_NAME
     assert config.metrics.port == 9090
 

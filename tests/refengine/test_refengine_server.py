@@ -32,7 +32,7 @@ TOL = 1e-5
 def settings_for(server: CacheServerProcess, **update: object) -> ConnectorSettings:
     base = ConnectorSettings(
         socket=str(server.socket),
-        shm_dir=str(server.shm_dir),
+        shared_memory=True,
         chunk_tokens=CHUNK,
         lookup_deadline_ms=LOOKUP_MS,
         load_deadline_ms=LOAD_MS,
@@ -137,7 +137,7 @@ def test_prefix_stored_by_another_process_loads_through_another_server(
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line["hit_tokens"] == 0
     wait_until(lambda: len(block_files(shared)) >= 9, "write-back of 9 chunks to the shared volume")
-    probe = CacheClient(node_b.unix_target, shm_dir=str(node_b.shm_dir))
+    probe = CacheClient(node_b.unix_target, shared_memory=True)
     try:
         eng = Engine(TINY, num_blocks=64, settings=settings_for(node_b), model=tiny_model)
         assert eng.scheduler_conn is not None
@@ -214,7 +214,7 @@ def test_corrupt_block_on_disk_is_a_miss(tiny_model: RefModel, servers: Callable
     # The server found the damage itself when it read the block (it answers the load as a miss, hence
     # "not-found"; the recompute then stores fresh blocks under the same names).
     assert r.fallback_reason in {"not-found", "corrupt"}
-    with CacheClient(second.unix_target, shm_dir=str(second.shm_dir)) as c:
+    with CacheClient(second.unix_target, shared_memory=True) as c:
         assert c.stats(timeout=5)["counters"]["checksum_failures"]["local_disk"] >= 1
     assert_same(r, run_engine(tiny_model, None, tokens))
 
@@ -235,13 +235,18 @@ def test_corrupt_payload_served_is_detected(
     from kvfabric.connector.keys import chunk_keys
 
     keys = chunk_keys(ns, tokens, CHUNK)
-    c = CacheClient(srv.unix_target, shm_dir=str(srv.shm_dir))
+    c = CacheClient(srv.unix_target, shared_memory=True)
     try:
         good = c.load(ns, keys[2:3], timeout=5)[0]
         bad = bytearray(good)
         bad[-7] ^= 0x55
         c.delete(ns, keys[2:3], timeout=5)
-        assert c.store(ns, keys[2:3], [bytes(bad)], timeout=5).accepted == 1
+        # A deleted key takes no store for the delete margin (engine/ordering.py): wait it out.
+        wait_until(
+            lambda: c.store(ns, keys[2:3], [bytes(bad)], timeout=5).accepted == 1,
+            timeout=60,
+            what="the store after the delete margin",
+        )
         assert c.load(ns, keys[2:3], timeout=5)[0] == bytes(bad)
     finally:
         c.close()

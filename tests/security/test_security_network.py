@@ -258,7 +258,6 @@ def test_rotated_certificates_and_token_apply_without_restart(pki: tuple[Pki, di
 def test_a_listener_beyond_loopback_requires_mutual_tls_and_a_token(listen: dict[str, object]) -> None:
     base = {
         "listen": {"unix_socket": "/run/kvfabric/cache.sock", **listen},
-        "shm": {"dir": "/dev/shm/kvfabric"},
         "tiers": {"dram": {"capacity_bytes": 1 << 30}},
     }
     with pytest.raises(ValidationError, match=r"requires listen\.tls with client_ca_file"):

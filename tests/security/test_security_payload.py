@@ -19,7 +19,7 @@ from kvfabric.connector.settings import ConnectorSettings
 from kvfabric.refengine.engine import Engine
 from kvfabric.refengine.model import RefModel
 from kvfabric.refengine.testing import TINY, prompt
-from kvfabric.testing.serverproc import MiB, cache_server
+from kvfabric.testing.serverproc import MiB, cache_server, wait_until
 
 NS, KEY = "1" * 64, "2" * 64
 POOL_KEY = ConnectorSettings(payload_key="pool-secret-from-the-operator").mac_key
@@ -83,7 +83,7 @@ def test_forged_chunks_stored_through_a_real_server_are_recomputed_not_loaded() 
     with cache_server(dram_bytes=64 * MiB, tcp=False) as srv:
 
         def engine(s: ConnectorSettings) -> Engine:
-            factory = transport_factory(srv.unix_target, shm_dir=str(srv.shm_dir))
+            factory = transport_factory(srv.unix_target, shared_memory=True)
             cache = ResilientCache([Endpoint("srv", factory, CircuitBreaker(3, 60.0))])
             return Engine(TINY, num_blocks=64, settings=s, cache=cache, model=model)
 
@@ -108,7 +108,12 @@ def test_forged_chunks_stored_through_a_real_server_are_recomputed_not_loaded() 
                 buf[layout.HEADER_SIZE :] = os.urandom(len(buf) - layout.HEADER_SIZE)
                 layout.seal(buf, namespace=ns, key=key, num_tokens=32, num_layers=TINY.num_layers)
                 forged.append(bytes(buf))
-            assert attacker.store(ns, chunk_keys, forged, timeout=10).accepted == 3
+            # A deleted key takes no store for the delete margin (engine/ordering.py): wait it out.
+            wait_until(
+                lambda: attacker.store(ns, chunk_keys, forged, timeout=10).accepted == 3,
+                timeout=60,
+                what="the forged store after the delete margin",
+            )
         victim = engine(pool)
         r = victim.generate(tokens, 1)
         # The lookup finds the keys; every load fails verification and the engine recomputes.

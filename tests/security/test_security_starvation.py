@@ -28,7 +28,7 @@ def test_a_slow_loris_client_does_not_make_a_well_behaved_client_miss_its_deadli
     big = digest("big")
     with (
         cache_server(dram_bytes=128 * MiB, overrides=limits) as srv,
-        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as seed,
+        CacheClient(srv.unix_target, shared_memory=True) as seed,
     ):
         assert seed.store(NS, [big], [payload_for(big, 64 * MiB)], timeout=60).accepted == 1
         release = threading.Event()
@@ -105,7 +105,7 @@ def test_the_server_ends_a_load_whose_reader_stopped_reading_and_set_no_deadline
     big = digest("stalled-load")
     with (
         cache_server(dram_bytes=128 * MiB, overrides=overrides) as srv,
-        CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as good,
+        CacheClient(srv.unix_target, shared_memory=True) as good,
     ):
         assert good.store(NS, [big], [payload_for(big, 32 * MiB)], timeout=60).accepted == 1
         with grpc.insecure_channel(srv.tcp_target) as channel:

@@ -116,7 +116,7 @@ class Fabric:
 
 
 def _kv(srv: ServerProcess, **extra: Any) -> dict[str, Any]:
-    return connector_config(srv.config.listen.unix_socket, srv.shm_dir, **{**CONNECTOR, **extra})
+    return connector_config(srv.config.listen.unix_socket, **{**CONNECTOR, **extra})
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ _OVERRIDES: dict[str, tuple[str, str, type]] = {
     "unix_socket": ("listen.unix_socket", "Unix socket path for same-node engines", str),
     "tcp_host": ("listen.tcp_host", "TCP bind address for peers and tools", str),
     "tcp_port": ("listen.tcp_port", "TCP port (0 = any free port)", int),
-    "shm_dir": ("shm.dir", "tmpfs directory of the shared-memory arena", str),
     "arena_bytes": ("shm.arena_bytes", "byte budget of store staging slots", int),
     "metrics_port": ("metrics.port", "port of GET /metrics, /healthz, /readyz", int),
     "dram_bytes": ("tiers.dram.capacity_bytes", "DRAM tier budget in bytes", int),

@@ -63,7 +63,8 @@ class ListenConfig(_Model):
 
     unix_socket: Path = Field(
         description="Path of the Unix-domain socket that engines on this node connect to "
-        "(the client target is 'unix://<this path>'). Same-node bulk bytes go through the shm arena."
+        "(the client target is 'unix://<this path>'). Same-node bulk bytes travel as memfd descriptors "
+        "handed out on '<this path>.blocks'; the published index is served on '<this path>.index'."
     )
     tcp_host: str = Field(
         default="127.0.0.1",
@@ -100,12 +101,13 @@ class ListenConfig(_Model):
 
 
 class ShmConfig(_Model):
-    """The shared-memory arena: files on a tmpfs directory shared with the engine pods of the node."""
+    """Shared memory with same-node clients: sealed memfds handed out over the block socket."""
 
-    dir: Path = Field(
-        description="tmpfs directory shared with engine pods (e.g. a hostPath under /dev/shm). The server "
-        "owns it: the DRAM tier's blocks and the store staging slots live here as files with "
-        "unguessable names in a directory clients can traverse but not list."
+    dir: Path | None = Field(
+        default=None,
+        description="Deprecated and ignored: DRAM blocks and staging now live in memfds the server owns "
+        "(no directory is shared with engine pods). Accepted so an older operator's configuration "
+        "still starts.",
     )
     arena_bytes: int = Field(
         default=1 * GiB,
@@ -426,7 +428,9 @@ class ServerConfig(_Model):
         "Default: $NODE_NAME, else the hostname.",
     )
     listen: ListenConfig = Field(description="Listeners.")
-    shm: ShmConfig = Field(description="Shared-memory arena for same-node clients.")
+    shm: ShmConfig = Field(
+        default_factory=ShmConfig, description="Shared memory (store staging budget) for same-node clients."
+    )
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Metrics and probes.")
     tiers: TiersConfig = Field(description="Storage tiers.")
     ttl_seconds: int = Field(

@@ -26,8 +26,10 @@ from kvfabric.cacheserver.config import ServerConfig, TLSConfig
 from kvfabric.cacheserver.engine.tiered import TieredStore
 from kvfabric.cacheserver.metrics import Metrics, ProbeServer
 from kvfabric.cacheserver.service import CacheService, SharedState, add_to_server
-from kvfabric.cacheserver.transport.arena import StagingArena
+from kvfabric.cacheserver.transport.arena import STAGING_PREFIX, StagingArena
+from kvfabric.cacheserver.transport.blocksock import BlockSocket
 from kvfabric.cacheserver.transport.indexpub import IndexPublisher, IndexSocket
+from kvfabric.rpc.blockproto import block_socket_for
 from kvfabric.rpc.indextable import index_socket_for
 
 __all__ = ["serve"]
@@ -170,14 +172,11 @@ def _server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
 def check_directories(config: ServerConfig) -> None:
     """Refuse to start on a directory that is a symbolic link or not a directory at all.
 
-    The block, arena and socket directories are where the server writes; a symlink planted there
+    The block and socket directories are where the server writes; a symlink planted there
     (by whoever else can write the host path) would redirect those writes anywhere on the node.
     Missing directories are fine: the server creates them.
     """
-    paths = [
-        ("shm.dir", config.shm.dir),
-        ("listen.unix_socket's directory", config.listen.unix_socket.parent),
-    ]
+    paths = [("listen.unix_socket's directory", config.listen.unix_socket.parent)]
     tiers = config.tiers
     if tiers.local_disk is not None:
         paths.append(("tiers.local_disk.path", tiers.local_disk.path))
@@ -224,9 +223,7 @@ async def serve(
     await loop.run_in_executor(None, store.start)  # header scan: keep the loop free meanwhile
     if publisher is not None:
         publisher.start()
-    arena = StagingArena(
-        config.shm.dir, config.shm.arena_bytes, config.shm.slot_lease_seconds, store.counters
-    )
+    arena = StagingArena(config.shm.arena_bytes, config.shm.slot_lease_seconds, store.counters)
     metrics = Metrics(store, max_namespaces=config.limits.max_described_namespaces)
     state = SharedState(store, arena, metrics, config.limits)
     health = HealthServicer()
@@ -249,6 +246,14 @@ async def serve(
     if publisher is not None:
         index_socket = IndexSocket(index_socket_for(sock.absolute()), publisher)
         index_socket.start()
+    # Same-node clients trade the handle names of their loads and stores for memfd descriptors here.
+    block_socket = BlockSocket(
+        block_socket_for(sock.absolute()),
+        lambda name: (
+            arena.dup_by_name(name) if name.startswith(STAGING_PREFIX) else store.dram.dup_by_name(name)
+        ),
+    )
+    block_socket.start()
     # Engine pods may run as another user: the socket is guarded by its directory's permissions.
     os.chmod(sock, 0o666)  # noqa: S103
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -263,7 +268,6 @@ async def serve(
             "unix_socket": str(sock),
             "tcp_port": tcp_port,
             "metrics_port": probes.port if probes else None,
-            "shm_dir": str(config.shm.dir),
             "server_id": store.server_id,
             "tiers": store.stats()["tiers"],
         },
@@ -278,6 +282,7 @@ async def serve(
         # Retire the published tables first: engines stop answering from them and ask over RPC.
         if index_socket is not None:
             index_socket.close()
+        block_socket.close()
         if publisher is not None:
             publisher.close()
         reaper.cancel()
@@ -290,10 +295,6 @@ async def serve(
             probes.stop()
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
-        # The arena directory is ours too: a stopped server leaves nothing in the node's run directory
-        # (rmdir only when empty, so a file someone else put there stays).
-        with contextlib.suppress(OSError):
-            arena.dir.rmdir()
         log.info("stopped")
 
 

@@ -3,7 +3,7 @@
 A clean transport: deadlines on every call and typed errors (:mod:`kvfabric.client.errors`), no retries
 and no circuit breaker (the connector's resilience layer adds those).
 
->>> c = CacheClient("unix:///run/kvfabric/cache.sock", shm_dir="/dev/shm/kvfabric")  # doctest: +SKIP
+>>> c = CacheClient("unix:///run/kvfabric/cache.sock", shared_memory=True)  # doctest: +SKIP
 >>> c.lookup(ns, keys, timeout=0.05).matched                                          # doctest: +SKIP
 """
 

@@ -42,7 +42,7 @@ class AsyncCacheClient:
         self,
         target: str,
         *,
-        shm_dir: str | os.PathLike[str] | None = None,
+        shared_memory: bool = False,
         token: str | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
         tls_cert: str | os.PathLike[str] | None = None,
@@ -52,7 +52,7 @@ class AsyncCacheClient:
     ) -> None:
         self._client = CacheClient(
             target,
-            shm_dir=shm_dir,
+            shared_memory=shared_memory,
             token=token,
             tls_ca=tls_ca,
             tls_cert=tls_cert,
@@ -64,7 +64,7 @@ class AsyncCacheClient:
 
     @property
     def uses_shm(self) -> bool:
-        """True when bulk bytes go through the shared-memory arena."""
+        """True when bulk bytes go through shared memory (memfds from the block socket)."""
         return self._client.uses_shm
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

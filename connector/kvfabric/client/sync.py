@@ -9,7 +9,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -33,19 +32,19 @@ class CacheClient:
     """A transport to one cache server: deadlines on every call, typed errors, no retries.
 
     ``target`` is ``unix:///abs/path.sock`` (same node) or ``host:port`` (remote). With a Unix target and
-    ``shm_dir`` (the server's arena directory as mounted in this process), payloads move through shared
-    memory; otherwise they are streamed in gRPC messages. ``token`` is sent as a bearer token, ``tls_ca``
-    (a PEM file) turns on TLS for TCP targets; ``tls_cert``/``tls_key`` add a client certificate
-    (mutual TLS); ``tls_server_name`` verifies the server's certificate against that name instead of
-    the target's host (e.g. the pool's Service name through a port-forward). Thread-safe; reuse one
-    client per process.
+    ``shared_memory``, payloads move through memfds the server hands out on its block socket (one copy,
+    no shared directory); otherwise they are streamed in gRPC messages. ``token`` is sent as a bearer
+    token, ``tls_ca`` (a PEM file) turns on TLS for TCP targets; ``tls_cert``/``tls_key`` add a client
+    certificate (mutual TLS); ``tls_server_name`` verifies the server's certificate against that name
+    instead of the target's host (e.g. the pool's Service name through a port-forward). Thread-safe;
+    reuse one client per process.
     """
 
     def __init__(
         self,
         target: str,
         *,
-        shm_dir: str | os.PathLike[str] | None = None,
+        shared_memory: bool = False,
         token: str | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
         tls_cert: str | os.PathLike[str] | None = None,
@@ -56,7 +55,7 @@ class CacheClient:
         self._target = c.parse_target(target)
         # Same node: answer lookups from the table the server publishes (no call per lookup).
         self._index = c.local_index_for(self._target) if local_index else None
-        self._shm_dir = Path(shm_dir) if shm_dir is not None and self._target.is_unix else None
+        self._blocks = c.block_channel_for(self._target) if shared_memory else None
         self._md = c.metadata(token)
         creds = c.credentials(tls_ca, tls_cert, tls_key)
         if creds is not None and not self._target.is_unix:
@@ -85,8 +84,8 @@ class CacheClient:
 
     @property
     def uses_shm(self) -> bool:
-        """True when bulk bytes go through the shared-memory arena."""
-        return self._shm_dir is not None
+        """True when bulk bytes go through shared memory (memfds from the block socket)."""
+        return self._blocks is not None
 
     def _call(self, fn: Callable[[], T]) -> T:
         try:
@@ -201,14 +200,15 @@ class CacheClient:
         c.check_timeout(timeout)
         c.check_ids(namespace, keys)
         req = pb.LoadRequest(namespace=namespace, keys=keys)
-        if self._shm_dir is not None:
-            shm_dir = self._shm_dir
+        if self._blocks is not None:
+            blocks = self._blocks
+            deadline = time.monotonic() + timeout
             out: list[bytes] = []
 
             def read_all() -> None:
                 call = self._stub.ShmLoad(req, timeout=timeout, metadata=self._md)
                 for slot in call:
-                    data = c.shm_read_one(shm_dir, slot)
+                    data = c.shm_read_one(blocks, slot, deadline)
                     if data is None:
                         call.cancel()
                         break
@@ -229,8 +229,9 @@ class CacheClient:
         if len(buffers) < len(keys):
             raise InvalidRequest(f"{len(keys)} keys but only {len(buffers)} buffers")
         req = pb.LoadRequest(namespace=namespace, keys=keys)
-        if self._shm_dir is not None:
-            shm_dir = self._shm_dir
+        if self._blocks is not None:
+            blocks = self._blocks
+            deadline = time.monotonic() + timeout
             count = 0
 
             def read_into() -> None:
@@ -238,7 +239,9 @@ class CacheClient:
                 call = self._stub.ShmLoad(req, timeout=timeout, metadata=self._md)
                 # Copy each block as soon as it is named, while the server promotes the next one.
                 for slot in call:
-                    if count >= len(keys) or not c.shm_read_one_into(shm_dir, slot, buffers[count], count):
+                    if count >= len(keys) or not c.shm_read_one_into(
+                        blocks, slot, buffers[count], count, deadline
+                    ):
                         call.cancel()
                         break
                     count += 1
@@ -268,8 +271,8 @@ class CacheClient:
             return StoreResult(0, 0)
         deadline = time.monotonic() + timeout
         self._describe_due(deadline)
-        if self._shm_dir is not None:
-            shm_dir = self._shm_dir
+        if self._blocks is not None:
+            blocks = self._blocks
             begin = pb.ShmStoreBeginRequest(
                 namespace=namespace, keys=keys, lengths=[memoryview(p).nbytes for p in payloads]
             )
@@ -277,7 +280,7 @@ class CacheClient:
             resp = self._call(lambda: self._stub.ShmStoreBegin(begin, timeout=left, metadata=self._md))
             self._asked_to_describe(namespace, resp)
             try:
-                c.shm_write(shm_dir, resp.slots, payloads)
+                c.shm_write(blocks, resp.slots, payloads, deadline)
             except BaseException:
                 commit = pb.ShmStoreCommitRequest(lease_id=resp.lease_id, abort=True)
                 # The lease expires on its own if this fails.
@@ -285,7 +288,7 @@ class CacheClient:
                     self._stub.ShmStoreCommit(commit, timeout=1.0, metadata=self._md)
                 raise
             commit = pb.ShmStoreCommitRequest(lease_id=resp.lease_id)
-            left = _remaining(deadline, "while writing to the shared-memory arena")
+            left = _remaining(deadline, "while writing to shared memory")
             done = self._call(lambda: self._stub.ShmStoreCommit(commit, timeout=left, metadata=self._md))
             return StoreResult(done.accepted, done.dropped)
         chunks = c.store_chunks(namespace, keys, payloads)
@@ -330,10 +333,12 @@ class CacheClient:
             return False
 
     def close(self) -> None:
-        """Close the channel (and unmap the published index)."""
+        """Close the channel (and unmap the published index, and close the block socket)."""
         self._channel.close()
         if self._index is not None:
             self._index.close()
+        if self._blocks is not None:
+            self._blocks.close()
 
     def __enter__(self) -> CacheClient:
         return self

@@ -508,7 +508,7 @@ def _endpoint_key(settings: ConnectorSettings) -> tuple[object, ...]:
     return (
         os.getpid(),
         settings.socket,
-        settings.shm_dir,
+        settings.shared_memory,
         settings.remote,
         settings.token,
         settings.tls_ca,
@@ -531,7 +531,9 @@ def _new_cache(settings: ConnectorSettings, counters: Counters | None) -> Resili
             Endpoint(
                 "local",
                 transport_factory(
-                    f"unix://{settings.socket}", shm_dir=settings.shm_dir, local_index=settings.local_index
+                    f"unix://{settings.socket}",
+                    shared_memory=settings.shared_memory,
+                    local_index=settings.local_index,
                 ),
                 CircuitBreaker(settings.breaker_failures, cooldown, max_cooldown_s=longest),
             )
@@ -628,7 +630,7 @@ class AsyncResilientCache:
 def transport_factory(
     target: str,
     *,
-    shm_dir: str | None = None,
+    shared_memory: bool = False,
     token: str | None = None,
     tls_ca: str | None = None,
     tls_cert: str | None = None,
@@ -645,7 +647,7 @@ def transport_factory(
 
         client: Transport = CacheClient(
             target,
-            shm_dir=shm_dir,
+            shared_memory=shared_memory,
             token=token,
             tls_ca=tls_ca,
             tls_cert=tls_cert,

@@ -77,10 +77,10 @@ class ConnectorSettings(BaseSettings):
 
     socket: str | None = None
     """Unix socket of the node-local cache server (``/run/kvfabric/cache.sock`` or ``unix:///...``).
-    Bulk bytes then travel through the shared-memory arena in ``shm_dir``."""
-    shm_dir: str | None = None
-    """Directory of the shared-memory arena shared with the node-local server (a tmpfs). Used only
-    with ``socket``; without it payloads are streamed over the socket."""
+    Bulk bytes then travel through shared memory (see ``shared_memory``)."""
+    shared_memory: bool = True
+    """With ``socket``: payloads move as sealed memfds the server hands out on its block socket
+    (``<socket>.blocks``), one copy and no shared directory; False streams them over the socket."""
     remote: str | None = None
     """Optional ``host:port`` of a cache server reached over TCP when the socket is unusable."""
     token: str | None = None

@@ -25,7 +25,6 @@ class ConsumerVar(StrEnum):
 
     POOL = "KVFABRIC_POOL"
     SOCKET = "KVFABRIC_SOCKET"
-    SHM_DIR = "KVFABRIC_SHM_DIR"
     REMOTE = "KVFABRIC_REMOTE"
     CHUNK_TOKENS = "KVFABRIC_CHUNK_TOKENS"
     TENANT = "KVFABRIC_TENANT"
@@ -44,7 +43,7 @@ class ConsumerVar(StrEnum):
 
     @property
     def field(self) -> str:
-        """The settings field this variable sets (``KVFABRIC_SHM_DIR`` -> ``shm_dir``)."""
+        """The settings field this variable sets (``KVFABRIC_LOAD_ASYNC`` -> ``load_async``)."""
         return self.value[len(ENV_PREFIX) :].lower()
 
 
@@ -54,7 +53,6 @@ class ConsumerEnvironment:
 
     pool: str
     socket: str
-    shm_dir: str
     remote: str | None
     chunk_tokens: int
     tenant: str | None = None
@@ -68,7 +66,6 @@ class ConsumerEnvironment:
         values: list[tuple[ConsumerVar, str | int | None]] = [
             (ConsumerVar.POOL, self.pool),
             (ConsumerVar.SOCKET, self.socket),
-            (ConsumerVar.SHM_DIR, self.shm_dir),
             (ConsumerVar.REMOTE, self.remote),
             (ConsumerVar.CHUNK_TOKENS, self.chunk_tokens),
             # An empty tenant is the default tenant: not injected, so it does not change the hash.

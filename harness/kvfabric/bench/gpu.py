@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         srv.start()
         try:
             st = ConnectorSettings(
-                socket=str(srv.socket), shm_dir=str(srv.shm_dir), chunk_tokens=chunk,
+                socket=str(srv.socket), shared_memory=True, chunk_tokens=chunk,
                 lookup_deadline_ms=1000, load_deadline_ms=30000, store_deadline_ms=30000,
                 cost_model=False,
             )  # fmt: skip

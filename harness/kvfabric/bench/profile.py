@@ -45,7 +45,7 @@ def lookups_and_shm() -> None:
     overrides = {"limits.max_payload_bytes": 32 * MiB, "shm.arena_bytes": 128 * MiB}
     with (
         cache_server(server_id="prof", metrics=False, dram_bytes=1 << 30, overrides=overrides) as srv,
-        CacheClient(srv.unix_target, shm_dir=srv.shm_dir, local_index=True) as c,
+        CacheClient(srv.unix_target, shared_memory=True, local_index=True) as c,
     ):
         keys = [digest("k", i) for i in range(128)]
         for i in range(0, 128, 32):
@@ -112,7 +112,6 @@ def disk_promotion() -> None:
             {
                 "server_id": "prof",
                 "listen": {"unix_socket": str(tmp / "s.sock")},
-                "shm": {"dir": str(shm / "arena")},
                 "tiers": {
                     "dram": {"capacity_bytes": 1 << 30},
                     "local_disk": {"path": str(tmp / "local"), "capacity_bytes": 2 << 30},

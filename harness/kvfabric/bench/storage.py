@@ -275,7 +275,7 @@ def _object_tier(
                 "log_level": "WARNING",
             },
         ) as srv:
-            with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as c:
+            with CacheClient(srv.unix_target, shared_memory=True) as c:
                 for k, p in zip(keys, payloads, strict=True):
                     if c.store(ns, [k], [p], timeout=60).accepted != 1:
                         raise RuntimeError("store dropped during the benchmark")
@@ -312,7 +312,7 @@ def _object_tier(
             raw_parallel()
             for _ in range(rounds):
                 srv.restart()  # DRAM empty; the index is rebuilt from a listing of the bucket
-                with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as cold:
+                with CacheClient(srv.unix_target, shared_memory=True) as cold:
                     tiers = cold.lookup(ns, keys, timeout=10).tiers
                     if tiers != ["object"] * n:
                         raise RuntimeError(
@@ -357,7 +357,7 @@ def _object_ttft(srv: Any, say: Any, tokens_n: int = 16384) -> dict[str, Any]:
     tokens = prompt(tokens_n + suffix, tokens_n, cfg.vocab_size)
     blocks = (tokens_n + suffix) // 16 + 4
     settings = ConnectorSettings(
-        socket=str(srv.config.listen.unix_socket), shm_dir=str(srv.shm_dir), chunk_tokens=256,
+        socket=str(srv.config.listen.unix_socket), shared_memory=True, chunk_tokens=256,
         lookup_deadline_ms=1000, load_deadline_ms=60000, store_deadline_ms=60000,
         tail=False,  # whole chunks only: the object tier's restore of a fixed 1024-token prefix
     )  # fmt: skip
@@ -412,9 +412,9 @@ def _object_blocks(srv: Any) -> int:
         return int(c.stats(timeout=10)["tiers"].get("object", {}).get("blocks", 0))
 
 
-# One job of a lookup worker process: (path, target, shm_dir, namespace, keys, clients, lookups per
+# One job of a lookup worker process: (path, target, namespace, keys, clients, lookups per
 # client, interval between a client's lookups (0 = closed loop)).
-_LookupJob = tuple[str, str, str, str, list[str], int, int, float]
+_LookupJob = tuple[str, str, str, list[str], int, int, float]
 
 
 def _lookup_worker(job: _LookupJob) -> list[float]:
@@ -429,7 +429,7 @@ def _lookup_worker(job: _LookupJob) -> list[float]:
     lookup never waits for another client, only for a CPU; threads would measure the GIL's 5 ms
     switch interval instead).
     """
-    path, target, shm_dir, ns, keys, clients, count, interval = job
+    path, target, ns, keys, clients, count, interval = job
     warmup = 20 if not interval else 2
 
     def check(matched: int) -> None:
@@ -440,7 +440,7 @@ def _lookup_worker(job: _LookupJob) -> list[float]:
         from kvfabric.client import CacheClient
         from kvfabric.client.errors import CacheUnavailable
 
-        with CacheClient(target, shm_dir=shm_dir, local_index=True) as c:
+        with CacheClient(target, shared_memory=True, local_index=True) as c:
             index = c.local_index
             assert index is not None
             # Warm up until the table is mapped (its fetch may have been refused under load).
@@ -506,7 +506,7 @@ def _local_supported(unix_target: str) -> bool:
 
 
 def _lookup_round(
-    pool: Any, job: tuple[str, str, str, str, list[str]], clients: int, count: int, interval: float
+    pool: Any, job: tuple[str, str, str, list[str]], clients: int, count: int, interval: float
 ) -> dict[str, float]:
     """One round: ``clients`` over the pool's processes; p50/p99/p99.9 in ms."""
     from kvfabric.bench.report import percentile
@@ -597,7 +597,7 @@ def run(args: argparse.Namespace) -> int:
             metrics=False,
             overrides=overrides,
         ) as srv:
-            shm = CacheClient(srv.unix_target, shm_dir=srv.shm_dir)
+            shm = CacheClient(srv.unix_target, shared_memory=True)
             tcp = CacheClient(srv.tcp_target)
             # Store through the arena (one key per call, as an engine stores chunk by chunk).
             t0 = time.perf_counter()
@@ -647,7 +647,7 @@ def run(args: argparse.Namespace) -> int:
             ctx = multiprocessing.get_context("spawn")
             with ctx.Pool(max(1, min(4, max(client_counts)))) as pool:
                 for path in paths:
-                    job = (path, srv.unix_target, str(srv.shm_dir), ns, lk)
+                    job = (path, srv.unix_target, ns, lk)
                     configs: list[tuple[str, int, float]] = [(f"c{c}", c, 0.0) for c in client_counts]
                     if args.lookup_rate > 0:
                         configs.append(("paced", max(client_counts), 1.0 / args.lookup_rate))
@@ -689,7 +689,7 @@ def run(args: argparse.Namespace) -> int:
             tier_r: list[float] = []
             for _ in range(max(2, rounds - 2)):
                 srv.restart()
-                with CacheClient(srv.unix_target, shm_dir=srv.shm_dir) as cold:
+                with CacheClient(srv.unix_target, shared_memory=True) as cold:
                     tiers = cold.lookup(ns, keys, timeout=10).tiers
                     if tiers != ["local_disk"] * n:
                         raise RuntimeError(f"expected every chunk on local disk after restart, got {tiers}")

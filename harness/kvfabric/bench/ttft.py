@@ -140,7 +140,7 @@ def _hung_server(
     from kvfabric.refengine.testing import prompt
 
     srv = fresh("h")
-    st = ConnectorSettings(socket=str(srv.socket), shm_dir=str(srv.shm_dir), chunk_tokens=chunk)
+    st = ConnectorSettings(socket=str(srv.socket), shared_memory=True, chunk_tokens=chunk)
     e = Engine(cfg, num_blocks=blocks, settings=st, model=model)
     added: list[float] = []
     try:
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         # The per-tier cases measure each tier's restore, so they load whatever they find
         # (cost_model off); the hit / recompute rounds run the connector as deployed (decide).
         return ConnectorSettings(
-            socket=str(srv.socket), shm_dir=str(srv.shm_dir), chunk_tokens=chunk,
+            socket=str(srv.socket), shared_memory=True, chunk_tokens=chunk,
             lookup_deadline_ms=1000, load_deadline_ms=30000, store_deadline_ms=30000,
             cost_model=decide,
             # Whole chunks only: bytes moved and the raw tier bandwidth are counted in chunks (a tail
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         return Engine(cfg, num_blocks=blocks, settings=st, model=model)
 
     def raw_bw(srv: CacheServerProcess, ns: str, keys: list[str], payload: int) -> float:
-        c = CacheClient(srv.unix_target, shm_dir=str(srv.shm_dir))
+        c = CacheClient(srv.unix_target, shared_memory=True)
         try:
             bufs = [memoryview(bytearray(payload)) for _ in keys]
             t0 = time.perf_counter()
@@ -267,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         def visible(srv: CacheServerProcess, ns: str, keys: list[str]) -> CacheServerProcess:
             # A fresh node B learns node A's shared blocks by tailing its journal: wait for it.
             deadline = time.monotonic() + 60
-            probe = CacheClient(srv.unix_target, shm_dir=str(srv.shm_dir))
+            probe = CacheClient(srv.unix_target, shared_memory=True)
             try:
                 while probe.lookup(ns, keys, timeout=5).matched < len(keys):
                     if time.monotonic() > deadline:

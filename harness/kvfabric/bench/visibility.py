@@ -73,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
         with (
             cache_server(server_id="node-a", **common) as a,
             cache_server(server_id="node-b", **common) as b,
-            CacheClient(a.unix_target, shm_dir=a.shm_dir) as ca,
-            CacheClient(b.unix_target, shm_dir=b.shm_dir) as cb,
+            CacheClient(a.unix_target, shared_memory=True) as ca,
+            CacheClient(b.unix_target, shared_memory=True) as cb,
         ):
             buckets = shared / "buckets"
             for i in range(args.samples):

@@ -182,7 +182,7 @@ def run_chat(args: argparse.Namespace) -> int:
         model = make_tiny_model(env, work / "model", BENCH)
         arms: list[tuple[str, bool]] = [("vllm_alone", False), ("vllm_kvfabric", True)]
         with cache_server(server_id="bench-chat", dram_bytes=1 << 30, local_disk_bytes=None) as srv:
-            kv = connector_config(srv.config.listen.unix_socket, srv.shm_dir, load_deadline_ms=30000)
+            kv = connector_config(srv.config.listen.unix_socket, load_deadline_ms=30000)
             for name, with_cache in arms:
                 s = VllmServer(
                     env,
@@ -253,9 +253,7 @@ def run_co_running(args: argparse.Namespace) -> int:
         with cache_server(server_id="bench-corun", dram_bytes=dram, local_disk_bytes=None) as srv:
 
             def server(name: str, **extra: Any) -> VllmServer:
-                kv = connector_config(
-                    srv.config.listen.unix_socket, srv.shm_dir, load_deadline_ms=30000, **extra
-                )
+                kv = connector_config(srv.config.listen.unix_socket, load_deadline_ms=30000, **extra)
                 s = VllmServer(env, model, work / f"{name}.log", kv, max_model_len=length + SUFFIX + 64)
                 t0 = time.monotonic()
                 s.start()
@@ -364,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
         mib = 1 << 20
         dram = max(256 * mib, int(need * 1.5))
         with cache_server(server_id="bench", dram_bytes=dram, local_disk_bytes=2 * dram) as srv:
-            kv = connector_config(srv.config.listen.unix_socket, srv.shm_dir, load_deadline_ms=30000)
+            kv = connector_config(srv.config.listen.unix_socket, load_deadline_ms=30000)
             max_len = max(lengths) + SUFFIX + 64
 
             def server(name: str) -> VllmServer:

@@ -75,7 +75,7 @@ def cacheserver_round_trip(eng: DockerEngine, image: Image, timeout: float = 120
         config = {
             "server_id": "smoke",
             "listen": {"unix_socket": "/run/kvfabric/cache.sock", "tcp_host": "127.0.0.1", "tcp_port": 7070},
-            "shm": {"dir": "/shm/arena", "arena_bytes": 64 * 2**20},
+            "shm": {"arena_bytes": 64 * 2**20},
             "metrics": {"host": "127.0.0.1", "port": 9090},
             "tiers": {"dram": {"capacity_bytes": 64 * 2**20}, "local_disk": None, "shared": None},
             "limits": {"max_payload_bytes": 16 * 2**20},
@@ -102,7 +102,7 @@ def cacheserver_round_trip(eng: DockerEngine, image: Image, timeout: float = 120
             raise SmokeError(f"docker run {image.ref} failed:\n{started.stderr}")
         try:
             sock = run / "cache.sock"
-            client = CacheClient(f"unix://{sock}", shm_dir=shm / "arena")
+            client = CacheClient(f"unix://{sock}", shared_memory=True)
             deadline = time.monotonic() + timeout
             while not (sock.exists() and client.health(timeout=1.0)):
                 state = eng.docker("inspect", "--format", "{{.State.Status}}", name).stdout.strip()

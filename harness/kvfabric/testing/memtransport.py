@@ -129,7 +129,6 @@ class CacheServerProcess:
         )
         self.process = ServerProcess(config, root)
         self.socket = config.listen.unix_socket
-        self.shm_dir = config.shm.dir
         self.local_disk = config.tiers.local_disk.path if config.tiers.local_disk else None
         self.shared = shared
 
@@ -154,7 +153,7 @@ class CacheServerProcess:
 
     def settings_env(self) -> dict[str, str]:
         """The ``KVFABRIC_*`` variables an engine on this "node" gets (as the operator injects them)."""
-        return {"KVFABRIC_SOCKET": str(self.socket), "KVFABRIC_SHM_DIR": str(self.shm_dir)}
+        return {"KVFABRIC_SOCKET": str(self.socket)}
 
     def freeze(self) -> None:
         """SIGSTOP: the server keeps its sockets but answers nothing (a hung server)."""

@@ -1,7 +1,7 @@
 """Test helpers: run a real cache-server process on temporary directories and free ports.
 
 >>> with cache_server() as srv:                                  # doctest: +SKIP
-...     c = CacheClient(srv.unix_target, shm_dir=srv.shm_dir)
+...     c = CacheClient(srv.unix_target, shared_memory=True)
 ...     c.store(ns, keys, payloads, timeout=5)
 
 The process is ``python -m kvfabric.cacheserver --config <file>``, exactly what the DaemonSet runs;
@@ -84,11 +84,6 @@ class ServerProcess:
     def tcp_target(self) -> str:
         """Client target of the TCP listener."""
         return f"127.0.0.1:{self.config.listen.tcp_port}"
-
-    @property
-    def shm_dir(self) -> Path:
-        """The arena directory (pass as ``shm_dir`` to same-node clients)."""
-        return self.config.shm.dir
 
     @property
     def metrics_url(self) -> str:
@@ -188,7 +183,7 @@ def make_config(
             "tcp_host": "127.0.0.1",
             "tcp_port": free_port() if tcp else None,
         },
-        "shm": {"dir": str(shm_root / server_id), "arena_bytes": max(dram_bytes, 64 * MiB)},
+        "shm": {"arena_bytes": max(dram_bytes, 64 * MiB)},
         "metrics": {"host": "127.0.0.1", "port": free_port() if metrics else None},
         "tiers": {
             "dram": {"capacity_bytes": dram_bytes},

@@ -196,13 +196,11 @@ def make_tiny_model(env: VllmEnv, out: Path, config: Mapping[str, Any] = TINY, s
     return out
 
 
-def connector_config(socket: str | Path | None, shm_dir: str | Path | None, **extra: Any) -> dict[str, Any]:
+def connector_config(socket: str | Path | None, **extra: Any) -> dict[str, Any]:
     """VLLM's ``kv_transfer_config`` for kvfabric's connector on a node-local cache server."""
     cfg: dict[str, Any] = {"chunk_tokens": 256, **extra}
     if socket is not None:
         cfg["socket"] = str(socket)
-    if shm_dir is not None:
-        cfg["shm_dir"] = str(shm_dir)
     return {
         "kv_connector": "KVFabricConnector",
         "kv_connector_module_path": "kvfabric.connector.vllm",

@@ -245,8 +245,7 @@ def inject(
                 f"node's cache socket; enable spec.server.tcp on {pool_ns}/{pool_name} to serve pods "
                 "here over mutual TLS",
             )
-        local_vars = {ConsumerVar.SOCKET.value, ConsumerVar.SHM_DIR.value}
-        env = {k: v for k, v in env.items() if k not in local_vars}
+        env = {k: v for k, v in env.items() if k != ConsumerVar.SOCKET.value}
     notes: list[str] = []
     for container in targets:
         existing = container.get("env") or []
@@ -257,7 +256,10 @@ def inject(
         container["env"] = existing
         mounts = container.get("volumeMounts") or []
         if node_local and not any(m.get("name") == names.RUN_VOLUME for m in mounts):
-            mounts.append({"name": names.RUN_VOLUME, "mountPath": conn.host_dir})
+            # Read-only: the directory holds only the server's sockets (blocks live in memfds the
+            # server owns), and a read-only mount lets no consumer, root or not, unlink or replace
+            # them; connecting to a socket needs no write access to the mount.
+            mounts.append({"name": names.RUN_VOLUME, "mountPath": conn.host_dir, "readOnly": True})
         if conn.tcp and credentials and not any(m.get("name") == names.CLIENT_TLS_VOLUME for m in mounts):
             mounts.append(
                 {"name": names.CLIENT_TLS_VOLUME, "mountPath": names.CLIENT_TLS_MOUNT, "readOnly": True}

@@ -319,7 +319,6 @@ def _connection(observed: Observed) -> Connection:
         return _lenient(Connection, observed.previous_status.get("connection"))
     return Connection(
         socket=conn.socket,
-        shm_dir=conn.shm_dir,
         host_dir=conn.host_dir,
         remote=conn.remote,
         service=names.service_name(conn.pool),

@@ -1,16 +1,22 @@
-"""The DRAM tier: one tmpfs file per block in the shared-memory arena directory, evicted LRU.
+"""The DRAM tier: one sealed memfd per block, owned by the server, evicted LRU.
 
-Keeping DRAM blocks as files on the tmpfs that same-node engines mount is what makes a same-node load
-one copy: the server names the file, the client ``preadv``s it straight into its own buffer. Names are
-128-bit random tokens in a directory that clients may traverse but not list (mode 0711), so a client
-reaches only the blocks the server named to it. Files are read-only to clients and never rewritten:
-a block's file is unlinked on eviction or deletion, and a client that already opened it keeps reading
-the same, complete bytes.
+Blocks live in anonymous memory files (``memfd_create``) that only this process holds: no directory
+shared with engine pods contains them, so no other process on the node can list, read, change,
+truncate or replace a block. A same-node load is still one copy: the server hands the client a
+descriptor of the requested block over its Unix socket (``SCM_RIGHTS``, see
+:mod:`kvfabric.cacheserver.transport.blocksock`) and the client copies it straight into its own
+buffer. Each block is sealed once written (``F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW |
+F_SEAL_SEAL``), so no holder of a descriptor, the server included, can write, truncate (the SIGBUS of
+a shrunk mapping), punch holes in or map it writable. A block's handle name is a 128-bit random token
+that the server gives only to callers of its load RPC; eviction or deletion closes the tier's
+descriptor, and a client that already received one keeps reading the same, complete bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -19,7 +25,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvfabric.cacheserver.engine.base import TierName, TierUsage
 from kvfabric.cacheserver.engine.blockfile import ALIGN
@@ -27,11 +32,29 @@ from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.ordering import Generations
 from kvfabric.cacheserver.engine.stats import Counters
 
-__all__ = ["BytesBlock", "DramBlock", "DramTier", "OpenBlock"]
+__all__ = ["BLOCK_SEALS", "BytesBlock", "DramBlock", "DramTier", "OpenBlock", "new_memfd", "seal"]
 
 log = logging.getLogger(__name__)
 
 DRAM_PREFIX = "d_"
+BLOCK_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+"""Seals of a committed block: its bytes and size are fixed for good, whoever holds a descriptor."""
+
+
+def new_memfd(label: str, length: int) -> int:
+    """A fresh sealable memfd of ``length`` bytes (close-on-exec). Raises OSError (EMFILE, ENOMEM)."""
+    fd = os.memfd_create(f"kvfabric-{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, length)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def seal(fd: int) -> None:
+    """Seal ``fd`` against any change (EBUSY while someone still maps it writable)."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, BLOCK_SEALS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +62,13 @@ class DramBlock:
     """Where a DRAM block lives."""
 
     name: str
-    """File name inside the arena directory."""
+    """Handle name: the token a client trades for a descriptor on the block socket."""
+    fd: int
+    """The tier's own descriptor of the sealed memfd (closed on eviction or deletion)."""
     length: int
     """Payload bytes."""
     size: int
-    """Bytes charged to the budget (the file, rounded up to a page)."""
+    """Bytes charged to the budget (the memfd, rounded up to a page)."""
     gen: int = 0
     """Generation of the stored copy (see ordering.py)."""
 
@@ -117,7 +142,7 @@ class BytesBlock:
 
 
 class DramTier:
-    """LRU tier of tmpfs files with a byte budget and high/low watermarks.
+    """LRU tier of sealed memfds with a byte budget and high/low watermarks.
 
     With ``generations`` (the tiered store passes its own) a block older than its key's latest
     delete is never admitted, and a newer resident copy is never replaced by an older one.
@@ -127,7 +152,6 @@ class DramTier:
 
     def __init__(
         self,
-        directory: Path,
         capacity_bytes: int,
         *,
         high_watermark: float = 1.0,
@@ -136,7 +160,6 @@ class DramTier:
         generations: Generations | None = None,
     ) -> None:
         self.generations = generations
-        self.dir = directory
         self.capacity = capacity_bytes
         self.high = high_watermark
         self.low = low_watermark
@@ -152,29 +175,18 @@ class DramTier:
         self._used = 0
         # Bytes promised to puts in flight; counted so concurrent puts cannot overshoot the budget.
         self._reserved = 0
-        self.dir.mkdir(parents=True, exist_ok=True)
-        # Traversable but not listable: clients open only the names the server gives them.
-        try:
-            os.chmod(self.dir, 0o711)  # noqa: S103
-        except PermissionError:
-            # A directory provisioned by someone else (e.g. a hostPath owned by root): keep going,
-            # but say that the arena's names are then listable if its mode allows it.
-            log.warning("cannot set arena directory mode 0711", extra={"dir": str(self.dir)})
-        self._clean_leftovers()
+        self._by_name: dict[str, BlockId] = {}
+        self._fd_warned = False
 
     def discard_all(self) -> None:
-        """Forget every block and unlink its file (a stopping server; readers' open maps stay valid)."""
+        """Forget every block and close its memfd (a stopping server; readers' descriptors stay valid)."""
         with self._lock:
+            blocks = list(self._index.values())
             self._index.clear()
+            self._by_name.clear()
             self._used = 0
-        self._clean_leftovers()
-
-    def _clean_leftovers(self) -> None:
-        # A previous server process's DRAM does not survive it: its files are stale memory.
-        for entry in os.scandir(self.dir):
-            if entry.name.startswith(DRAM_PREFIX) and entry.is_file(follow_symlinks=False):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+        for blk in blocks:
+            os.close(blk.fd)
 
     # --- Tier interface ------------------------------------------------------------------------------
 
@@ -209,8 +221,9 @@ class DramTier:
             if blk is None or (gen is not None and blk.gen >= gen):
                 return False
             del self._index[bid]
+            del self._by_name[blk.name]
             self._used -= blk.size
-        self._unlink(blk.name)
+        os.close(blk.fd)
         if self.on_change is not None:
             self.on_change([bid])
         return True
@@ -226,10 +239,11 @@ class DramTier:
         with self._lock:
             while self._index and self._used + self._reserved > target_bytes:
                 bid, blk = self._index.popitem(last=False)
+                del self._by_name[blk.name]
                 self._used -= blk.size
                 gone.append((bid, blk))
         for _, blk in gone:
-            self._unlink(blk.name)
+            os.close(blk.fd)
         if gone:
             self.counters.inc("evictions", self.name, len(gone))
             if self.on_change is not None:
@@ -247,15 +261,27 @@ class DramTier:
             return blk
 
     def open(self, bid: BlockId) -> OpenBlock | None:
-        """Open a resident block for reading, or None (also None if it was evicted meanwhile)."""
-        blk = self.slot(bid)
-        if blk is None:
-            return None
-        try:
-            fd = os.open(self.dir / blk.name, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
+        """Open a resident block for reading (and mark it recently used), or None."""
+        with self._lock:
+            blk = self._index.get(bid)
+            if blk is None:
+                return None
+            self._index.move_to_end(bid)
+            # Duplicated under the lock: an eviction closes the tier's descriptor only after it.
+            fd = os.dup(blk.fd)
         return OpenBlock(fd, blk.length, blk.gen)
+
+    def dup_by_name(self, name: str) -> tuple[int, int] | None:
+        """``(descriptor, length)`` of the block a load named ``name``, or None if it is gone.
+
+        The descriptor is a duplicate the caller closes (the block socket sends it to the client).
+        """
+        with self._lock:
+            bid = self._by_name.get(name)
+            if bid is None:
+                return None
+            blk = self._index[bid]
+            return os.dup(blk.fd), blk.length
 
     def generation(self, bid: BlockId) -> int | None:
         """Generation of the resident copy, or None."""
@@ -283,17 +309,23 @@ class DramTier:
         if not self._reserve(size):
             return False
         name = f"{DRAM_PREFIX}{secrets.token_hex(16)}"
-        path = self.dir / name
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                os.fchmod(fd, 0o644)
-                os.ftruncate(fd, length)
-                fill(fd)
-            finally:
-                os.close(fd)
+            fd = new_memfd("block", length)
+        except OSError as exc:
+            with self._lock:
+                self._reserved -= size
+            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                raise
+            # Out of descriptors or memory: a full tier, not an error (the store is dropped).
+            if not self._fd_warned:
+                self._fd_warned = True
+                log.warning("cannot create a DRAM block", extra={"error": str(exc)})
+            return False
+        try:
+            fill(fd)
+            seal(fd)
         except BaseException:
-            self._unlink(name)
+            os.close(fd)
             with self._lock:
                 self._reserved -= size
             raise
@@ -311,14 +343,16 @@ class DramTier:
             if admitted:
                 old = self._index.pop(bid, None)
                 if old is not None:
+                    del self._by_name[old.name]
                     self._used -= old.size
-                self._index[bid] = DramBlock(name, length, size, g)
+                self._index[bid] = DramBlock(name, fd, length, size, g)
+                self._by_name[name] = bid
                 self._used += size
         if not admitted:
-            self._unlink(name)
+            os.close(fd)
             return cur is not None and cur.gen > g  # a newer copy is resident: the key is stored
         if old is not None:
-            self._unlink(old.name)
+            os.close(old.fd)
         if self.on_change is not None:
             self.on_change([bid])
         return True
@@ -338,7 +372,3 @@ class DramTier:
                 self._reserved += size
                 return True
         return False
-
-    def _unlink(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.dir / name)

@@ -13,6 +13,14 @@ it, its generation is taken a margin ahead of now (:meth:`Generations.for_delete
 one second plus a janitor interval, the same on every server): a store on another server within
 that margin which had not yet learned of the delete is superseded too — a miss, never old bytes.
 The margin must be the same everywhere: deletes whose margins differ could order against each other.
+
+Stores never inherit a delete's margin: the store clock (:meth:`Generations.next`) follows volume
+time and the stores it has seen, not tombstones. If a store right after a delete took the delete's
+generation plus one (what a plain hybrid logical clock does), it would sit a margin ahead of volume
+time, and a delete of the same key on another server a moment later (its clock within the timestamp
+granularity of this one's) would come out *older* than that store: deleted bytes would survive the
+delete. So a key stays deleted for the margin: stores of it are refused (a miss) until volume time
+passes its tombstone, everywhere alike.
 """
 
 from __future__ import annotations
@@ -44,15 +52,14 @@ class Generations:
             return self._last
 
     def for_delete(self, margin_s: float = DELETE_MARGIN_S) -> int:
-        """A delete's generation, ``margin_s`` ahead of now.
+        """A delete's generation, ``margin_s`` ahead of now (and of every store issued here).
 
         It is ahead of every store acknowledged so far on any server whose generation clock is less
-        than ``margin_s`` ahead of this one's.
+        than ``margin_s`` ahead of this one's. It does not advance the store clock (see above).
         """
         t = int((self._now() + margin_s) * 1e9)
         with self._lock:
-            self._last = max(self._last + 1, t)
-            return self._last
+            return max(self._last + 1, t)
 
     def observe(self, gen: int) -> None:
         """Note a generation seen elsewhere, so later ones issued here are greater."""
@@ -60,9 +67,12 @@ class Generations:
             self._last = max(self._last, gen)
 
     def tombstone(self, bid: BlockId, gen: int) -> bool:
-        """Record a delete of ``bid`` at ``gen``; True if it is newer than the one already known."""
+        """Record a delete of ``bid`` at ``gen``; True if it is newer than the one already known.
+
+        The store clock is left alone: a store after a delete stays behind it until volume time
+        passes it (see above).
+        """
         with self._lock:
-            self._last = max(self._last, gen)
             if self._tombs.get(bid, 0) >= gen:
                 return False
             self._tombs[bid] = gen

@@ -7,7 +7,7 @@
 * A put lands in DRAM at once with a fresh generation; write-back to every backing tier happens on a
   separate thread pool, bounded by ``store_queue_bytes`` (beyond it the copy is dropped and counted —
   the block stays in DRAM).
-* A hit in a backing tier is promoted into DRAM (one verified read straight into the tmpfs file),
+* A hit in a backing tier is promoted into DRAM (one verified read straight into the block's memfd),
   refreshed into the current TTL bucket, and copied into the faster backing tiers that lack it.
 * A delete records a tombstone first, then removes older copies from every tier; a tier that learns
   of a delete made on another server reports it (``on_delete``) and the store applies it everywhere.
@@ -90,7 +90,6 @@ class TieredStore:
         self.clock = SharedClock(clock_file, local)
         self.generations = Generations(self._generation_clock)
         self.dram = DramTier(
-            config.shm.dir,
             t.dram.capacity_bytes,
             high_watermark=t.dram.high_watermark,
             low_watermark=t.dram.low_watermark,
@@ -186,8 +185,7 @@ class TieredStore:
             th.join(timeout=5)
         for tier in self.backing:
             tier.close()
-        # DRAM never survives its server (the next one discards leftovers): free the node's memory now
-        # rather than at a restart that may never come (a deleted pool).
+        # DRAM never survives its server: free the memory now, not when the process exits.
         self.dram.discard_all()
 
     # --- reads ---------------------------------------------------------------------------------------
@@ -242,7 +240,7 @@ class TieredStore:
         got: list[int] = []
 
         def fill(fd: int) -> None:
-            # Read straight into the tmpfs file (page-aligned mapping: O_DIRECT-friendly), verified.
+            # Read straight into the block's memfd (page-aligned mapping: O_DIRECT-friendly), verified.
             # Pages are allocated by the read itself: pre-allocating them (fallocate + MAP_POPULATE)
             # measured slower, because zeroing then happens twice as visibly on the critical path.
             os.ftruncate(fd, padded)

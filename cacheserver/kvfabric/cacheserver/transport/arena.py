@@ -1,28 +1,32 @@
-"""Store staging in the shared-memory arena: the handshake for same-node stores.
+"""Store staging for same-node clients: the handshake, through memfds the server owns.
 
-1. ``ShmStoreBegin`` — the server creates one staging file per key it can take (``s_<128-bit token>``
-   in the arena directory, which clients can traverse but not list) and returns the names under a
-   lease. Keys already stored, or that do not fit in ``arena_bytes``, get no file (present / dropped).
-2. The client writes each payload into its file (one copy).
-3. ``ShmStoreCommit`` — the server copies each staging file into a fresh DRAM block (in-kernel
-   ``copy_file_range``), then deletes the staging files. Copying rather than adopting the file means a
-   client can never modify bytes that other clients read: it only ever holds write access to its own
-   staging files, which are gone once committed.
+1. ``ShmStoreBegin`` — the server creates one staging memfd per key it can take and returns a
+   128-bit random name for each under a lease. Keys already stored, or that do not fit in
+   ``arena_bytes``, get no name (present / dropped).
+2. The client trades the names for writable descriptors on the block socket
+   (:mod:`kvfabric.cacheserver.transport.blocksock`) and writes each payload into its memfd (one copy).
+3. ``ShmStoreCommit`` — the server *seals* each staging memfd (no write, resize or writable mapping
+   is possible afterwards, by anyone), checks its size, and copies it into a fresh DRAM block
+   (in-kernel ``copy_file_range``). A client still mapping its memfd writable, or one that resized it,
+   has that key refused (``invalid_staging``), never a torn block. The copy, rather than adopting the
+   memfd, keeps the cached block's memory charged to the cache server's cgroup, not to the engine pod
+   that wrote it (which would otherwise pay for the cache in its own memory limit).
 
+No file exists anywhere: a client can reach only the memfds named to it, and only until the commit.
 A lease not committed in ``slot_lease_seconds`` (client died, hung, or lost the reply) is reclaimed by
-:meth:`StagingArena.reap`; staging files of a previous server process are removed at start-up.
+:meth:`StagingArena.reap`.
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import os
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from kvfabric.cacheserver.engine.dram import new_memfd, seal
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.tiered import TieredStore
@@ -41,6 +45,7 @@ class _Slot:
     bid: BlockId
     name: str
     length: int
+    fd: int
 
 
 @dataclass(slots=True)
@@ -66,30 +71,25 @@ class BeginResult:
 
 
 class StagingArena:
-    """Hands out staging files under leases, within a byte budget."""
+    """Hands out staging memfds under leases, within a byte budget."""
 
-    def __init__(self, directory: Path, budget_bytes: int, lease_seconds: float, counters: Counters) -> None:
-        self.dir = directory
+    def __init__(self, budget_bytes: int, lease_seconds: float, counters: Counters) -> None:
         self.budget = budget_bytes
         self.lease_seconds = lease_seconds
         self.counters = counters
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
         self._used = 0
-        directory.mkdir(parents=True, exist_ok=True)
-        for e in os.scandir(directory):
-            if e.name.startswith(STAGING_PREFIX):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(e.path)
+        self._by_name: dict[str, _Slot] = {}
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of staging files currently leased."""
+        """Bytes of staging memfds currently leased."""
         with self._lock:
             return self._used
 
     def begin(self, bids: list[BlockId], lengths: list[int], present: list[bool]) -> BeginResult:
-        """Create staging files for the keys that are not present and fit in the budget."""
+        """Create staging memfds for the keys that are not present and fit in the budget."""
         names: list[str] = []
         slots: list[_Slot] = []
         dropped = n_present = 0
@@ -109,24 +109,22 @@ class StagingArena:
                 continue
             name = f"{STAGING_PREFIX}{secrets.token_hex(16)}"
             try:
-                fd = os.open(self.dir / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                try:
-                    # The engine pod may run as another user; the unguessable name is the capability.
-                    os.fchmod(fd, 0o666)
-                    os.ftruncate(fd, length)
-                finally:
-                    os.close(fd)
-            except OSError:
+                fd = new_memfd("staging", length)
+            except OSError as exc:
                 with self._lock:
                     self._used -= length
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                    raise
                 dropped += 1
                 names.append("")
                 continue
             nbytes += length
             names.append(name)
-            slots.append(_Slot(bid, name, length))
+            slots.append(_Slot(bid, name, length, fd))
         lease_id = secrets.token_hex(16)
         with self._lock:
+            for slot in slots:
+                self._by_name[slot.name] = slot
             self._leases[lease_id] = _Lease(
                 slots, time.monotonic() + self.lease_seconds, nbytes, dropped, n_present
             )
@@ -134,15 +132,27 @@ class StagingArena:
             self.counters.inc("dropped_stores", "arena", dropped)
         return BeginResult(lease_id, names, lengths, dropped, n_present)
 
+    def dup_by_name(self, name: str) -> tuple[int, int] | None:
+        """``(writable descriptor, length)`` of a leased staging memfd, or None once committed or gone."""
+        with self._lock:
+            slot = self._by_name.get(name)
+            if slot is None:
+                return None
+            return os.dup(slot.fd), slot.length
+
     def _take(self, lease_id: str) -> _Lease:
         with self._lock:
             lease = self._leases.pop(lease_id, None)
+            if lease is not None:
+                # From here on no client can get a descriptor of these memfds.
+                for slot in lease.slots:
+                    self._by_name.pop(slot.name, None)
         if lease is None:
             raise UnknownLease(lease_id)
         return lease
 
     def commit(self, lease_id: str, store: TieredStore) -> tuple[int, int, int]:
-        """Copy staged payloads into DRAM blocks; returns ``(accepted, dropped, bytes stored)``."""
+        """Seal and copy staged payloads into DRAM blocks; returns ``(accepted, dropped, bytes stored)``."""
         lease = self._take(lease_id)
         accepted, dropped, nbytes = lease.present, lease.dropped, 0
         try:
@@ -157,30 +167,33 @@ class StagingArena:
         return accepted, dropped, nbytes
 
     def _commit_one(self, slot: _Slot, store: TieredStore) -> bool:
+        src = slot.fd
         try:
-            src = os.open(self.dir / slot.name, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+            # Sealed first: the client keeps its descriptor, and must not change a byte from here on.
+            seal(src)
+        except OSError as exc:
+            if exc.errno not in (errno.EBUSY, errno.EPERM):
+                raise
+            # EBUSY: the client still maps it writable; EPERM: it sealed it itself (F_SEAL_SEAL).
+            self.counters.inc("invalid_staging")
             return False
-        try:
-            if os.fstat(src).st_size != slot.length:
-                # The client truncated or grew its staging file: refuse rather than store garbage.
-                self.counters.inc("invalid_staging")
-                return False
+        if os.fstat(src).st_size != slot.length:
+            # The client truncated or grew its staging memfd: refuse rather than store garbage.
+            self.counters.inc("invalid_staging")
+            return False
 
-            def fill(dst: int) -> None:
-                done = 0
-                while done < slot.length:
-                    n = _copy(src, dst, slot.length - done, done)
-                    if n <= 0:
-                        raise OSError("staging file shorter than announced")
-                    done += n
+        def fill(dst: int) -> None:
+            done = 0
+            while done < slot.length:
+                n = _copy(src, dst, slot.length - done, done)
+                if n <= 0:
+                    raise OSError("staging memfd shorter than announced")
+                done += n
 
-            return store.put_with(slot.bid, slot.length, fill)
-        finally:
-            os.close(src)
+        return store.put_with(slot.bid, slot.length, fill)
 
     def abort(self, lease_id: str) -> tuple[int, int]:
-        """Discard a lease's staging files; returns ``(accepted, dropped)`` as a commit would report.
+        """Discard a lease's staging memfds; returns ``(accepted, dropped)`` as a commit would report.
 
         Keys that were already stored count as accepted; every staged key counts as dropped.
         """
@@ -190,8 +203,7 @@ class StagingArena:
 
     def _release(self, lease: _Lease) -> None:
         for slot in lease.slots:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.dir / slot.name)
+            os.close(slot.fd)
         with self._lock:
             self._used -= lease.nbytes
 
@@ -201,6 +213,9 @@ class StagingArena:
         with self._lock:
             dead = [k for k, v in self._leases.items() if v.expires < now]
             leases = [self._leases.pop(k) for k in dead]
+            for lease in leases:
+                for slot in lease.slots:
+                    self._by_name.pop(slot.name, None)
         for lease in leases:
             self._release(lease)
         if leases:
@@ -212,6 +227,7 @@ class StagingArena:
         with self._lock:
             leases = list(self._leases.values())
             self._leases.clear()
+            self._by_name.clear()
         for lease in leases:
             self._release(lease)
 
@@ -220,6 +236,6 @@ def _copy(src: int, dst: int, count: int, offset: int) -> int:
     try:
         return os.copy_file_range(src, dst, count, offset, offset)
     except OSError:
-        # Kernels or filesystems without copy_file_range between these files: copy through memory.
+        # Kernels without copy_file_range between memfds: copy through memory.
         data = os.pread(src, min(count, 8 << 20), offset)
         return os.pwrite(dst, data, offset) if data else 0

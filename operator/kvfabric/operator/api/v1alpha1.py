@@ -900,8 +900,9 @@ class Connection(_Model):
     """What consumers use to reach the pool (also injected into their pods)."""
 
     socket: str = Field(default="", description="Node-local Unix socket path.")
-    shm_dir: str = Field(default="", description="Node-local shared-memory directory.")
-    host_dir: str = Field(default="", description="hostPath directory holding the socket and shm dir.")
+    host_dir: str = Field(
+        default="", description="hostPath directory holding the node's cache sockets (mounted read-only)."
+    )
     remote: str = Field(default="", description="host:port of the node-local Service.")
     service: str = Field(default="", description="Node-local Service name.")
     metrics_service: str = Field(default="", description="Metrics Service name.")

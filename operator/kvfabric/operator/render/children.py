@@ -92,8 +92,8 @@ def build_server_config(pool: KVCachePool) -> server_config.ServerConfig:
         return server_config.ServerConfig.model_validate(
             {
                 "listen": _listen(pool, f"{base}/{names.SOCKET_NAME}"),
-                # The staging arena is a slice of the DRAM budget, never more than 1 GiB.
-                "shm": {"dir": f"{base}/{names.SHM_NAME}", "arena_bytes": max(1, min(_GiB, dram_bytes // 4))},
+                # Store staging is a slice of the DRAM budget, never more than 1 GiB.
+                "shm": {"arena_bytes": max(1, min(_GiB, dram_bytes // 4))},
                 "metrics": {"host": "0.0.0.0", "port": spec.metrics.port},
                 "tiers": tiers,
                 "ttl_seconds": spec.ttl_seconds,

@@ -22,7 +22,6 @@ class ConnectionSettings:
     namespace: str
     host_dir: str
     socket: str
-    shm_dir: str
     remote: str
     chunk_tokens: int
     tenant: str | None = None
@@ -66,7 +65,6 @@ class ConnectionSettings:
         return ConsumerEnvironment(
             pool=f"{self.namespace}/{self.pool}",
             socket=self.socket,
-            shm_dir=self.shm_dir,
             remote=self.remote or None,
             chunk_tokens=self.chunk_tokens,
             tenant=self.tenant,
@@ -108,7 +106,6 @@ def connection_settings(pool: KVCachePool) -> ConnectionSettings:
         namespace=namespace,
         host_dir=base,
         socket=f"{base}/{names.SOCKET_NAME}",
-        shm_dir=f"{base}/{names.SHM_NAME}",
         remote=f"{names.service_name(name)}.{namespace}.svc:{pool.spec.server.port}"
         if pool.spec.server.tcp.enabled
         else "",

@@ -36,7 +36,6 @@ SECRETS_MOUNT_ROOT: Final = "/var/run/secrets/kvfabric.io"
 OBJECT_STORE_SECRET_MOUNT: Final = f"{SECRETS_MOUNT_ROOT}/object-store"
 OBJECT_STORE_CA_MOUNT: Final = f"{SECRETS_MOUNT_ROOT}/object-store-ca"
 SOCKET_NAME: Final = "cache.sock"
-SHM_NAME: Final = "shm"
 CACHE_CONTAINER: Final = "cache"
 PAYLOAD_VOLUME: Final = "kvfabric-connector"
 PAYLOAD_MOUNT: Final = "/opt/kvfabric"
@@ -142,7 +141,7 @@ def shared_claim_name(pool: str) -> str:
 
 
 def host_dir(namespace: str, pool: str) -> str:
-    """Return the per-pool directory on each node holding the socket and the shm directory.
+    """Return the per-pool directory on each node holding the cache server's sockets.
 
     Namespace and pool name are both DNS labels (no '/' or '..'), so the join cannot escape the root,
     and :func:`pool_dir_name` keeps pools apart.

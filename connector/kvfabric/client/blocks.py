@@ -1,0 +1,158 @@
+"""The client half of the block socket: trade handle names for memfd descriptors, copy through them.
+
+The server names blocks and staging memfds on its gRPC socket (``ShmLoad``, ``ShmStoreBegin``); a
+:class:`BlockChannel` sends the names on the block socket (:mod:`kvfabric.rpc.blockproto`) and gets
+descriptors back. A load's descriptor is a sealed memfd: it cannot be written, resized or mapped
+writable by this process, so a copy straight out of a read-only mapping is safe (never SIGBUS).
+One connection per client, opened on first use and again after the server restarted; requests are
+tiny and serialized under a lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvfabric.client import errors
+from kvfabric.rpc import blockproto as bp
+
+__all__ = ["BlockChannel", "close_all", "copy_into", "read_all", "write_all"]
+
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+class BlockChannel:
+    """A connection to a server's block socket (thread-safe, reconnects after a hang-up)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+
+    def fetch(self, names: Sequence[str], *, deadline: float) -> list[int | None]:
+        """One descriptor per name (None: gone), in order; the caller closes every descriptor.
+
+        Raises :class:`~kvfabric.client.errors.CacheUnavailable` when the socket cannot be reached
+        and :class:`~kvfabric.client.errors.CacheTimeout` past ``deadline`` (``time.monotonic()``).
+        """
+        out: list[int | None] = []
+        for start in range(0, len(names), bp.MAX_NAMES):
+            out.extend(self._fetch_batch(names[start : start + bp.MAX_NAMES], deadline))
+        return out
+
+    def _fetch_batch(self, names: Sequence[str], deadline: float) -> list[int | None]:
+        left = deadline - time.monotonic()
+        if left <= 0 or not self._lock.acquire(timeout=left):
+            raise errors.CacheTimeout("block socket: deadline passed")
+        try:
+            for attempt in (0, 1):
+                sock = self._connected(deadline)
+                try:
+                    sock.settimeout(max(1e-3, deadline - time.monotonic()))
+                    sock.send(bp.encode_request(names))
+                    msg, fds, _, _ = socket.recv_fds(sock, len(names), len(names))
+                except TimeoutError as exc:
+                    self._drop()
+                    raise errors.CacheTimeout("block socket: no answer before the deadline") from exc
+                except OSError as exc:
+                    self._drop()
+                    if attempt:
+                        raise errors.CacheUnavailable(f"block socket {self.path}: {exc}") from exc
+                    continue  # the server restarted since the last request: reconnect once
+                if not msg:
+                    self._drop()
+                    if attempt:
+                        raise errors.CacheUnavailable(f"block socket {self.path} hung up")
+                    continue
+                return _assign(names, msg, fds)
+            raise AssertionError("unreachable")
+        finally:
+            self._lock.release()
+
+    def _connected(self, deadline: float) -> socket.socket:
+        if self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            sock.settimeout(max(1e-3, deadline - time.monotonic()))
+            try:
+                sock.connect(str(self.path))
+            except OSError as exc:
+                sock.close()
+                raise errors.CacheUnavailable(f"block socket {self.path}: {exc}") from exc
+            self._sock = sock
+        return self._sock
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        """Close the connection (a later fetch reopens it)."""
+        with self._lock:
+            self._drop()
+
+    def __enter__(self) -> BlockChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _assign(names: Sequence[str], msg: bytes, fds: list[int]) -> list[int | None]:
+    found = msg.count(bytes([bp.FOUND]))
+    if msg[:1] == bytes([bp.BAD_REQUEST]) or len(msg) != len(names) or found != len(fds):
+        for fd in fds:
+            os.close(fd)
+        raise errors.CacheCorrupt(f"block socket answered {msg[:80]!r} to {len(names)} names")
+    it = iter(fds)
+    return [next(it) if status == bp.FOUND else None for status in msg]
+
+
+def copy_into(fd: int, length: int, target: memoryview, name: str) -> None:
+    """Copy a sealed block's ``length`` bytes into ``target`` (one copy) and close ``fd``."""
+    try:
+        if not length:
+            return
+        if os.fstat(fd).st_size < length:
+            raise errors.CacheCorrupt(f"block {name} is shorter than {length}")
+        # A pre-populated mapping plus one user-space copy beats preadv's per-page kernel copy
+        # (measured ~8.4 vs ~4.6 GB/s for 32 MiB on tmpfs). A sealed memfd can never shrink.
+        with mmap.mmap(fd, length, prot=mmap.PROT_READ, flags=_MAP_FLAGS) as m:
+            target[:length] = m
+    finally:
+        os.close(fd)
+
+
+def read_all(fd: int, length: int, name: str) -> bytes:
+    """A sealed block's ``length`` bytes, and close ``fd``."""
+    try:
+        data = os.pread(fd, length, 0)
+    finally:
+        os.close(fd)
+    if len(data) != length:
+        raise errors.CacheCorrupt(f"block {name} is {len(data)} bytes, expected {length}")
+    return data
+
+
+def write_all(fd: int, payload: memoryview) -> None:
+    """Write ``payload`` at the start of a staging memfd, and close ``fd``."""
+    try:
+        put = 0
+        while put < len(payload):
+            put += os.pwritev(fd, [payload[put:]], put)
+    finally:
+        os.close(fd)
+
+
+def close_all(fds: Sequence[int | None]) -> None:
+    """Close the descriptors a fetch returned that were not used."""
+    for fd in fds:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)

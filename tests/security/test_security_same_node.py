@@ -1,0 +1,267 @@
+"""Same-node isolation: an engine process on the node gets exactly the blocks it asked for, read-only.
+
+Against a real cache-server process and real clients (docs/security.md, "Same node"). The server
+keeps every DRAM block and every store staging area in memfds only it holds; clients receive sealed
+descriptors over the block socket. These tests play the hostile engine: they try to write, shrink,
+map writable and punch holes in what they received, keep writing their staging memfd after the
+commit, trade names they were never given, read the server's descriptors as another uid, and unlink
+the socket through the read-only mount consumers get.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvfabric.client import CacheClient
+from kvfabric.client.blocks import BlockChannel, close_all
+from kvfabric.rpc import blockproto as bp
+from kvfabric.rpc.v1 import cache_pb2 as pb
+from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
+from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for
+
+pytestmark = pytest.mark.process
+
+NS = digest("same-node")
+FALLOC_FL_PUNCH_HOLE_KEEP_SIZE = 0x02 | 0x01
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[ServerProcess]:
+    with cache_server(dram_bytes=64 * MiB) as s:
+        yield s
+
+
+def _blocks(srv: ServerProcess) -> BlockChannel:
+    return BlockChannel(bp.block_socket_for(srv.config.listen.unix_socket))
+
+
+def _stub(ch: grpc.Channel) -> pb_grpc.CacheStub:
+    return pb_grpc.CacheStub(ch)  # type: ignore[no-untyped-call]
+
+
+def _store(srv: ServerProcess, key: str, payload: bytes) -> None:
+    with CacheClient(srv.unix_target, shared_memory=True) as c:
+        assert c.store(NS, [key], [payload], timeout=10).accepted == 1
+
+
+def _load_fd(srv: ServerProcess, key: str) -> tuple[int, int]:
+    """What an engine receives for a load: the block's descriptor and its length."""
+    with grpc.insecure_channel(srv.unix_target) as ch:
+        slots = list(_stub(ch).ShmLoad(pb.LoadRequest(namespace=NS, keys=[key]), timeout=10))
+    assert len(slots) == 1
+    with _blocks(srv) as chan:
+        fd = chan.fetch([slots[0].name], deadline=time.monotonic() + 10)[0]
+    assert fd is not None
+    return fd, slots[0].length
+
+
+def _punch_hole(fd: int, length: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE_KEEP_SIZE, 0, length) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def test_a_loaded_block_cannot_be_written_shrunk_mapped_writable_or_punched(srv: ServerProcess) -> None:
+    key = digest("sealed")
+    payload = payload_for(key, 1 * MiB)
+    _store(srv, key, payload)
+    fd, length = _load_fd(srv, key)
+    try:
+        assert length == len(payload)
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"poison", 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 10)  # a shrunk file would SIGBUS every mapping of it
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        assert _punch_hole(fd, 4096) == 1  # EPERM
+        # Reopening the descriptor through /proc for writing gets no further.
+        rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                os.pwrite(rw, b"poison", 0)
+        finally:
+            os.close(rw)
+    finally:
+        os.close(fd)
+    # Every other engine still loads the exact bytes that were stored.
+    with CacheClient(srv.unix_target, shared_memory=True) as c:
+        assert c.load(NS, [key], timeout=10) == [payload]
+
+
+def test_staging_written_after_the_commit_or_mapped_through_it_never_reaches_a_block(
+    srv: ServerProcess,
+) -> None:
+    keys = [digest("stage", i) for i in range(3)]
+    size = 256 * 1024
+    with grpc.insecure_channel(srv.unix_target) as ch:
+        stub = _stub(ch)
+        before = _counter(srv, "invalid_staging")
+        resp = stub.ShmStoreBegin(
+            pb.ShmStoreBeginRequest(namespace=NS, keys=keys, lengths=[size] * 3), timeout=10
+        )
+        with _blocks(srv) as chan:
+            fds = chan.fetch([s.name for s in resp.slots], deadline=time.monotonic() + 10)
+        assert all(fd is not None for fd in fds)
+        kept, mapped, shrunk = (fd for fd in fds if fd is not None)
+        for fd, key in zip((kept, mapped, shrunk), keys, strict=True):
+            os.pwrite(fd, payload_for(key, size), 0)
+        # The hostile client keeps a writable mapping of one memfd and truncates another.
+        mapping = mmap.mmap(mapped, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        os.ftruncate(shrunk, size // 2)
+        done = stub.ShmStoreCommit(pb.ShmStoreCommitRequest(lease_id=resp.lease_id), timeout=10)
+        assert (done.accepted, done.dropped) == (1, 2)
+        assert _counter(srv, "invalid_staging") - before == 2
+        # The committed one was sealed first: the descriptor the client kept writes nothing more.
+        with pytest.raises(PermissionError):
+            os.pwrite(kept, b"poison", 0)
+        mapping[:6] = b"poison"  # the refused memfd is the client's own memory, no block's
+        mapping.close()
+        close_all([kept, mapped, shrunk])
+    with CacheClient(srv.unix_target, shared_memory=True) as c:
+        assert c.load(NS, keys[:1], timeout=10) == [payload_for(keys[0], size)]
+        assert c.lookup(NS, keys[1:2], timeout=10).matched == 0
+        assert c.lookup(NS, keys[2:3], timeout=10).matched == 0
+        assert c.health(timeout=5), "the server keeps serving"
+
+
+def _counter(srv: ServerProcess, name: str) -> int:
+    with CacheClient(srv.unix_target) as c:
+        counters = c.stats(timeout=5)["counters"]
+    return sum(v for k, v in counters.items() if k == name or k.startswith(name + "."))
+
+
+def test_names_never_handed_out_and_malformed_requests_get_nothing(srv: ServerProcess) -> None:
+    key = digest("guess")
+    _store(srv, key, payload_for(key, 4096))
+    # Well-formed names nobody issued: gone, not a descriptor of some block.
+    forged = [f"d_{os.urandom(16).hex()}", f"s_{os.urandom(16).hex()}"]
+    with _blocks(srv) as chan:
+        assert chan.fetch(forged, deadline=time.monotonic() + 5) == [None, None]
+    # Anything else is refused and the connection closed; the server keeps serving.
+    for bad in (b"KVBK1 ../../etc/passwd", b"GET d_" + b"0" * 32, b"KVBK1", b"KVBK1 " + b"d_0 " * 200):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.settimeout(5)
+            s.connect(str(bp.block_socket_for(srv.config.listen.unix_socket)))
+            s.send(bad)
+            msg, fds, _, _ = socket.recv_fds(s, 64, 4)
+            assert fds == []
+            assert msg[:1] == bytes([bp.BAD_REQUEST]), bad
+            assert s.recv(16) == b"", "the connection is closed after a bad request"
+    with CacheClient(srv.unix_target, shared_memory=True) as c:
+        assert c.load(NS, [key], timeout=10) == [payload_for(key, 4096)]
+
+
+def test_no_block_is_a_file_and_another_uid_cannot_take_the_servers_descriptors(
+    srv: ServerProcess,
+) -> None:
+    key = digest("no-files")
+    _store(srv, key, payload_for(key, 64 * 1024))
+    sock = srv.config.listen.unix_socket
+    # The directory consumers mount holds the server's three sockets and nothing else.
+    here = {p.name for p in sock.parent.iterdir() if p.name.startswith(sock.name)}
+    assert here == {sock.name, sock.name + ".index", sock.name + ".blocks"}
+    assert all(stat_is_socket(sock.parent / n) for n in here)
+    assert srv.proc is not None
+    pid = srv.proc.pid
+    fd_dir = f"/proc/{pid}/fd"
+    memfds = [fd for fd in os.listdir(fd_dir) if os.readlink(f"{fd_dir}/{fd}").startswith("/memfd:")]
+    assert memfds, "DRAM blocks are memfds of the server process"
+    # A process of another user cannot open them through /proc (ptrace access is denied).
+    probe = textwrap.dedent(
+        f"""
+        import os, sys
+        os.setgid(65534); os.setuid(65534)
+        for fd in {memfds!r}:
+            try:
+                os.close(os.open("/proc/{pid}/fd/" + fd, os.O_RDONLY))
+            except PermissionError:
+                continue
+            sys.exit("opened the server's descriptor " + fd)
+        print("denied", len({memfds!r}))
+        """
+    )
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the probe as another uid")
+    cmd = [sys.executable, "-c", probe]
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("denied")
+
+
+def stat_is_socket(path: Path) -> bool:
+    import stat
+
+    return stat.S_ISSOCK(path.lstat().st_mode)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+def test_through_the_read_only_mount_consumers_get_a_root_client_loads_but_cannot_replace_the_socket(
+    srv: ServerProcess, tmp_path: Path
+) -> None:
+    key = digest("ro-mount")
+    payload = payload_for(key, 128 * 1024)
+    _store(srv, key, payload)
+    host_dir = srv.config.listen.unix_socket.parent
+    mnt = tmp_path / "run"
+    mnt.mkdir()
+    sock = mnt / srv.config.listen.unix_socket.name
+    # As the webhook mounts it: the pool's host directory, read-only, in the consumer's namespace.
+    client = textwrap.dedent(
+        f"""
+        import os, socket, sys
+        from kvfabric.client import CacheClient
+        with CacheClient("unix://{sock}", shared_memory=True) as c:
+            assert c.load({NS!r}, [{key!r}], timeout=10) == [{payload!r}], "load through the mount"
+        for victim in ("{sock}", "{sock}.blocks", "{sock}.index"):
+            try:
+                os.unlink(victim)
+            except OSError as exc:
+                assert exc.errno == 30, exc  # EROFS, even for root
+            else:
+                sys.exit("unlinked " + victim)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            s.bind("{mnt}/impostor.sock")
+        except OSError as exc:
+            assert exc.errno == 30, exc
+        else:
+            sys.exit("bound an impostor socket")
+        print("ok")
+        """
+    )
+    script = tmp_path / "client.py"
+    script.write_text(client)
+    cmd = f"mount --bind {host_dir} {mnt} && mount -o remount,bind,ro {mnt} && exec {sys.executable} {script}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    if out.returncode != 0 and "unshare failed" in out.stderr:
+        pytest.skip(f"no mount namespaces here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip() == "ok"
+    with contextlib.suppress(OSError):
+        mnt.rmdir()
+    assert srv.config.listen.unix_socket.is_socket()

@@ -203,7 +203,10 @@ def test_injected_client_pod_stores_and_loads_through_the_node_socket(
     created = real.handle.get_json("pod", "client", "-n", ns)
     assert names.INJECTED_ANNOTATION in created["metadata"]["annotations"], "the webhook injected it"
     env = {e["name"] for e in created["spec"]["containers"][0]["env"]}
-    assert {"KVFABRIC_SOCKET", "KVFABRIC_SHM_DIR"} <= env
+    assert "KVFABRIC_SOCKET" in env
+    assert "KVFABRIC_SHM_DIR" not in env, "no shared directory: payloads come as sealed memfds"
+    mount = next(m for m in created["spec"]["containers"][0]["volumeMounts"] if m["name"] == names.RUN_VOLUME)
+    assert mount.get("readOnly") is True, "consumers cannot unlink or replace the sockets"
 
     def finished() -> dict[str, Any] | None:
         p = real.handle.get_json("pod", "client", "-n", ns)
@@ -216,7 +219,7 @@ def test_injected_client_pod_stores_and_loads_through_the_node_socket(
     assert result["accepted"] == 1
     assert result["same"] is True
     assert result["uid"] == UID
-    assert result["shm"] is True, "same node: payload through the shared-memory arena"
+    assert result["shm"] is True, "same node: payload through the server's sealed memfds"
     # The chunk is in that node's server, which the host can ask through the same socket.
     from kvfabric.client.sync import CacheClient
 

@@ -38,7 +38,7 @@ class CacheTimeout(CacheError):
 
 
 class CacheCorrupt(CacheError):
-    """The server or the shared-memory arena returned data that failed an integrity check."""
+    """The server or its shared memory returned data that failed an integrity check."""
 
 
 class InvalidRequest(CacheError):

@@ -3,7 +3,7 @@
 The worker half (:mod:`kvfabric.connector.worker`) decides *what* moves: which chunks to load into
 which blocks, which requests' chunks to save, what a failure means for the engine. A data path
 decides *how* the bytes move and checks them. Today there is one, :mod:`kvfabric.connector.hostpath`
-(host staging buffers filled from the cache server's shared-memory arena or its gRPC stream, then
+(host staging buffers filled from the cache server's shared memory or its gRPC stream, then
 scattered into the KV tensors). A CUDA-IPC or GPUDirect path, where the server writes straight into
 device memory, is one new module implementing :class:`DataPath`; the halves do not change.
 

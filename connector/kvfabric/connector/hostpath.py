@@ -1,7 +1,7 @@
 """The host-staging data path: payloads pass through host buffers between the cache and the KV cache.
 
 Loads: one loader thread fetches each request's chunks (through the resilient cache: the server's
-shared-memory arena on the node, or its gRPC stream) into a private staging buffer and verifies
+shared memory on the node (sealed memfds), or its gRPC stream) into a private staging buffer and verifies
 every payload there; the engine thread then scatters the verified chunks of each layer with one
 indexed copy per layer. Saves: each layer's chunks are gathered into a staging payload during the
 step; a background thread seals (header + xxh3) and stores them, bounded by ``store_queue_bytes``.

@@ -5,7 +5,7 @@ With 32 MiB chunks (one chunk of Llama-8B KV at 256 tokens), it measures:
 * ``memcpy_gbps`` — copying a chunk between two warm buffers in this process (the ceiling for any
   same-node load, which must land bytes in the caller's buffer);
 * ``shm_store_gbps`` / ``shm_load_gbps`` — store and ``load_into`` through a real server process over
-  its Unix socket and shared-memory arena;
+  its Unix socket and shared memory (sealed memfds);
 * ``disk_raw_read_gbps`` — O_DIRECT sequential reads of the very block files the server wrote;
 * ``disk_tier_load_gbps`` — loads after a server restart (DRAM empty, index rebuilt), so every byte
   comes from the local-disk tier through O_DIRECT (cold: not from the page cache), checksummed,

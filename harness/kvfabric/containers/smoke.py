@@ -3,7 +3,7 @@
 - operator, engine: ``--help`` of the image's command, as the image's entrypoint runs it;
 - cache server: the image's default entrypoint serving a real configuration, as the DaemonSet runs
   it (uid 65532, read-only root file system, every capability dropped, no network), until the host
-  stores and loads a chunk through the Unix socket and the shared-memory arena on bind mounts;
+  stores and loads a chunk through the Unix socket and the server's sealed memfds on bind mounts;
 - connector: the payload copied by the image's default command into a directory, then imported by
   the Python image the way an inference pod imports it (``PYTHONPATH``).
 """

@@ -94,7 +94,7 @@ class CacheServerProcess:
     A thin layer over :class:`kvfabric.testing.serverproc.ServerProcess` (the cache server's own
     test helper) that adds what the connector's fault tests need: a chosen local-disk directory (to
     restart a "node" with its disk but empty DRAM), a shared volume used by several servers, and
-    SIGSTOP/SIGCONT. The shared-memory arena lives on ``/dev/shm`` when it exists (a real tmpfs).
+    SIGSTOP/SIGCONT. Same-node payloads travel as the server's sealed memfds.
     """
 
     def __init__(

@@ -122,7 +122,7 @@ class PodWorker(threading.Thread):
             if "hostPath" in vol:
                 host_path = vol["hostPath"]["path"]
                 # /run and /dev/shm are tmpfs on a real node; keep them in memory here too, so a
-                # shared-memory arena in a hostPath directory behaves as it would in production.
+                # hostPath directory there behaves as it would in production.
                 root = (
                     self.runner.tmpfs_base
                     if host_path.startswith(("/run/", "/dev/shm/"))

@@ -196,7 +196,7 @@ class Placement(_Model):
 
 
 class MemoryTier(_Model):
-    """The DRAM tier (and the shared-memory arena consumers map)."""
+    """The DRAM tier (sealed memfds the cache server hands to same-node consumers)."""
 
     size: MemorySize = Field(
         description=f"DRAM capacity of each node's cache server, e.g. 64Gi (whole bytes, "

@@ -41,9 +41,19 @@ BLOCK_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcn
 """Seals of a committed block: its bytes and size are fixed for good, whoever holds a descriptor."""
 
 
-def new_memfd(label: str, length: int) -> int:
-    """A fresh sealable memfd of ``length`` bytes (close-on-exec). Raises OSError (EMFILE, ENOMEM)."""
-    fd = os.memfd_create(f"kvfabric-{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+def new_memfd(label: str, length: int) -> int | None:
+    """A fresh sealable memfd of ``length`` bytes (close-on-exec), or None when out of room.
+
+    Out of descriptors or memory (``EMFILE``, ``ENFILE``, ``ENOMEM``) is a full tier, not an error;
+    other errors raise.
+    """
+    try:
+        fd = os.memfd_create(f"kvfabric-{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+            log.warning("cannot create a memfd", extra={"label": label, "error": str(exc)})
+            return None
+        raise
     try:
         os.ftruncate(fd, length)
     except BaseException:
@@ -176,7 +186,6 @@ class DramTier:
         # Bytes promised to puts in flight; counted so concurrent puts cannot overshoot the budget.
         self._reserved = 0
         self._by_name: dict[str, BlockId] = {}
-        self._fd_warned = False
 
     def discard_all(self) -> None:
         """Forget every block and close its memfd (a stopping server; readers' descriptors stay valid)."""
@@ -309,18 +318,11 @@ class DramTier:
         if not self._reserve(size):
             return False
         name = f"{DRAM_PREFIX}{secrets.token_hex(16)}"
-        try:
-            fd = new_memfd("block", length)
-        except OSError as exc:
+        fd = new_memfd("block", length)
+        if fd is None:
             with self._lock:
                 self._reserved -= size
-            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
-                raise
-            # Out of descriptors or memory: a full tier, not an error (the store is dropped).
-            if not self._fd_warned:
-                self._fd_warned = True
-                log.warning("cannot create a DRAM block", extra={"error": str(exc)})
-            return False
+            return False  # out of descriptors or memory: the store is dropped
         try:
             fill(fd)
             seal(fd)

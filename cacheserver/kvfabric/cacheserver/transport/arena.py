@@ -108,13 +108,10 @@ class StagingArena:
                 names.append("")
                 continue
             name = f"{STAGING_PREFIX}{secrets.token_hex(16)}"
-            try:
-                fd = new_memfd("staging", length)
-            except OSError as exc:
+            fd = new_memfd("staging", length)
+            if fd is None:
                 with self._lock:
                     self._used -= length
-                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
-                    raise
                 dropped += 1
                 names.append("")
                 continue

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from kvfabric.cacheserver.transport.indexpub import MAX_CONNECTIONS, Peer
+from kvfabric.cacheserver.transport.indexpub import MAX_CONNECTIONS, Peer, listen_unix
 from kvfabric.rpc import blockproto as bp
 
 __all__ = ["BlockSocket", "Resolver"]
@@ -44,16 +44,7 @@ class BlockSocket:
 
     def start(self) -> None:
         """Bind (replacing a stale socket file) and accept in a daemon thread."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        sock.bind(str(self.path))
-        # Engine pods may run as another user: the directory (server-owned, mounted read-only by
-        # consumers) guards the socket file; the names are the capabilities.
-        os.chmod(self.path, 0o666)  # noqa: S103
-        sock.listen(64)
-        self._sock = sock
+        self._sock = listen_unix(self.path, socket.SOCK_SEQPACKET)
         self._thread = threading.Thread(target=self._accept_loop, name="block-socket", daemon=True)
         self._thread.start()
 

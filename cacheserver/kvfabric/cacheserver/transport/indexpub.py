@@ -40,7 +40,7 @@ from pathlib import Path
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.rpc import indextable as it
 
-__all__ = ["IndexPublisher", "IndexSocket", "Peer"]
+__all__ = ["IndexPublisher", "IndexSocket", "Peer", "listen_unix"]
 
 log = logging.getLogger(__name__)
 
@@ -232,14 +232,7 @@ class IndexSocket:
 
     def start(self) -> None:
         """Bind (replacing a stale socket file) and serve in a daemon thread."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.bind(str(self.path))
-        # Engine pods may run as another user; the directory's permissions guard the socket.
-        os.chmod(self.path, 0o666)  # noqa: S103
-        sock.listen(64)
+        sock = listen_unix(self.path, socket.SOCK_STREAM)
         sock.setblocking(False)
         self._sock = sock
         self._thread = threading.Thread(target=self._serve, name="index-socket", daemon=True)
@@ -325,6 +318,26 @@ class IndexSocket:
         self._conns = []
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+
+
+def listen_unix(path: Path, kind: int) -> socket.socket:
+    """A listening Unix socket of ``kind`` at ``path``, replacing a stale socket file there.
+
+    Mode 0666: engine pods may run as another user. The directory guards the socket (server-owned,
+    mounted read-only by consumers, so none can unlink or replace it).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, kind | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, 0o666)  # noqa: S103
+        sock.listen(64)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _parse_request(data: bytes) -> str | None:

@@ -14,9 +14,10 @@ import grpc
 import pytest
 
 from kvfabric.client import CacheClient
+from kvfabric.client.errors import CacheError
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
-from kvfabric.testing.serverproc import MiB, cache_server, digest, payload_for
+from kvfabric.testing.serverproc import MiB, cache_server, digest, payload_for, wait_until
 
 pytestmark = pytest.mark.process
 
@@ -122,3 +123,48 @@ def test_the_server_ends_a_load_whose_reader_stopped_reading_and_set_no_deadline
                 assert "server-side deadline" in (err.value.details() or "")
             finally:
                 stalled.cancel()
+
+
+def test_the_server_ends_a_shared_memory_load_stuck_on_a_hung_disk_and_frees_its_slot() -> None:
+    """A ShmLoad whose promotion hangs on the disk, with no client deadline, holds the only load slot.
+
+    The local disk is made to hang for 6 s per block read (its configured fault hook); the
+    server-side deadline (1 s) ends the stuck stream with DEADLINE_EXCEEDED and frees the slot, so a
+    well-behaved same-node load of a DRAM block still succeeds within its 4 s deadline. Without the
+    bound the stuck stream kept the slot until the read returned, and that load failed with "no load
+    slot free before the deadline".
+    """
+    overrides = {
+        "limits.max_call_seconds": 1.0,
+        "limits.max_concurrent_loads": 1,
+        "tiers.local_disk.faults": {"read_delay_seconds": 6.0},
+    }
+    on_disk, in_dram = digest("hung-disk"), digest("in-dram")
+    with cache_server(dram_bytes=64 * MiB, local_disk_bytes=256 * MiB, overrides=overrides) as srv:
+        with CacheClient(srv.unix_target, shared_memory=True) as c:
+            assert c.store(NS, [on_disk], [payload_for(on_disk, 1 * MiB)], timeout=30).accepted == 1
+            assert c.flush(NS, [on_disk], timeout=30).complete
+        srv.restart()  # DRAM is gone; the block is on the (now hanging) local disk only
+        with CacheClient(srv.unix_target, shared_memory=True) as good:
+            assert good.store(NS, [in_dram], [payload_for(in_dram, 1 * MiB)], timeout=30).accepted == 1
+            with grpc.insecure_channel(srv.unix_target) as channel:
+                stub = pb_grpc.CacheStub(channel)  # type: ignore[no-untyped-call]
+                stuck = stub.ShmLoad(pb.LoadRequest(namespace=NS, keys=[on_disk]))  # no client deadline
+                try:
+
+                    def slot_taken() -> bool:
+                        try:
+                            good.load(NS, [in_dram], timeout=0.2)
+                        except CacheError:
+                            return True
+                        return False
+
+                    # Precondition: the stuck stream holds the only slot (a short load cannot get it).
+                    wait_until(slot_taken, timeout=5, interval=0.01, what="the stuck load to hold the slot")
+                    assert good.load(NS, [in_dram], timeout=4) == [payload_for(in_dram, 1 * MiB)]
+                    with pytest.raises(grpc.RpcError) as err:
+                        list(stuck)
+                    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                    assert "server-side deadline" in (err.value.details() or "")
+                finally:
+                    stuck.cancel()

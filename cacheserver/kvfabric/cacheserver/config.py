@@ -168,6 +168,9 @@ class IoFaultsConfig(_Model):
     read_error: Literal["ESTALE", "EIO", "ENOSPC"] | None = Field(
         default=None, description="Errno every block read of the tier raises."
     )
+    read_delay_seconds: float = Field(
+        default=0.0, ge=0, le=60, description="Sleep before each block read (a hung network filesystem)."
+    )
     clock_skew_seconds: float = Field(
         default=0.0,
         ge=-1e9,

@@ -264,10 +264,12 @@ class CacheService(pb_grpc.CacheServicer):
             matched=len(tiers), tiers=[_TIER_ENUM[t] for t in tiers], describe=not described
         )
 
-    async def ShmLoad(
-        self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[pb.ShmSlot]:
-        """Stream the arena files of the leading present payloads, promoting from disk as needed."""
+    async def ShmLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Stream the handle names of the leading present payloads, promoting from disk as needed.
+
+        Bounded by the server-side deadline like ``Load``: a promotion stuck on a hung disk or
+        network filesystem, with no client deadline, holds its load slot only until then.
+        """
         await _check(request, context)
         if not self.allow_shm:
             await _abort(
@@ -275,6 +277,15 @@ class CacheService(pb_grpc.CacheServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "shared memory is only served on the Unix socket",
             )
+        try:
+            async with asyncio.timeout(self._deadline(context)):
+                await self._shm_load(request, context)
+        except TimeoutError:
+            await _abort(
+                context, grpc.StatusCode.DEADLINE_EXCEEDED, "server-side deadline: load not served in time"
+            )
+
+    async def _shm_load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         t0 = time.perf_counter()
         bids = await self._ids(request.namespace, list(request.keys), context)
         store = self.s.store
@@ -287,7 +298,7 @@ class CacheService(pb_grpc.CacheServicer):
                     if blk is None:
                         break
                     nbytes += blk.length
-                    yield pb.ShmSlot(name=blk.name, length=blk.length)
+                    await context.write(pb.ShmSlot(name=blk.name, length=blk.length))
             else:
                 # Promote a small window of keys at once, in key order, and name each block as soon as
                 # it is in DRAM: the client copies one while the disk reads the next, and the checksum
@@ -310,7 +321,7 @@ class CacheService(pb_grpc.CacheServicer):
                             break
                         submit()
                         nbytes += blk.length
-                        yield pb.ShmSlot(name=blk.name, length=blk.length)
+                        await context.write(pb.ShmSlot(name=blk.name, length=blk.length))
                 finally:
                     for fut in pending:
                         fut.cancel()

@@ -25,6 +25,8 @@ class IoFaults:
     """Errno name (``ESTALE``, ``EIO``, ...) every block read raises."""
     rename_delay_seconds: float = 0.0
     """Sleep inside each block write's commit, after its rename (a slow rename: deletes wait for it)."""
+    read_delay_seconds: float = 0.0
+    """Sleep before each block read (a hung network filesystem)."""
 
     def before_commit(self) -> None:
         """Run before a block write commits."""
@@ -37,7 +39,9 @@ class IoFaults:
             time.sleep(self.rename_delay_seconds)
 
     def before_read(self) -> None:
-        """Run before a block read; raises the configured error."""
+        """Run before a block read; sleeps and raises as configured."""
+        if self.read_delay_seconds > 0:
+            time.sleep(self.read_delay_seconds)
         if self.read_error is not None:
             code = getattr(errno, self.read_error)
             raise OSError(code, os.strerror(code))

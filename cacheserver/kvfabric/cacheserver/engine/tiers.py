@@ -53,7 +53,11 @@ TierFactory = Callable[[TierContext, ExtraTierConfig], BackingTier]
 
 def _faults(cfg: DiskTierConfig) -> IoFaults | None:
     f = cfg.faults
-    return None if f is None else IoFaults(f.write_delay_seconds, f.read_error, f.rename_delay_seconds)
+    return (
+        None
+        if f is None
+        else IoFaults(f.write_delay_seconds, f.read_error, f.rename_delay_seconds, f.read_delay_seconds)
+    )
 
 
 def _disk_tier(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,11 +25,17 @@ SHIPPED_CONFIG_NAME = "kvfabric-pod-injector"
 CONFIG_NAME = f"kvfabric-pod-injector-{uuid.uuid4().hex[:6]}"
 
 
-def _install_rbac(cluster: ClusterHandle, ns: str, suffix: str) -> list[dict[str, Any]]:
-    """Apply the default install's RBAC (and namespace), moved to ``ns`` and renamed so it is private."""
+def _install_rbac(
+    cluster: ClusterHandle, ns: str, suffix: str, *, overlay: str = "default", watched: str | None = None
+) -> list[dict[str, Any]]:
+    """Apply an install's RBAC (and namespace), moved to ``ns`` and renamed so it is private.
+
+    ``overlay`` is the kustomization under manifests/; the namespaced one's per-namespace RoleBinding
+    is moved to ``watched``.
+    """
     docs = [
         d
-        for d in yaml.safe_load_all(cluster.kubectl("kustomize", str(ROOT / "manifests" / "default")).stdout)
+        for d in yaml.safe_load_all(cluster.kubectl("kustomize", str(ROOT / "manifests" / overlay)).stdout)
         if d
     ]
     out = []
@@ -44,6 +51,13 @@ def _install_rbac(cluster: ClusterHandle, ns: str, suffix: str) -> list[dict[str
             continue
         if kind == "Namespace":
             doc["metadata"]["name"] = ns
+        elif kind == "RoleBinding" and doc["roleRef"]["kind"] == "ClusterRole":
+            # The namespaced install's grant of the operator's ClusterRole in a watched namespace.
+            assert watched is not None
+            doc["metadata"]["namespace"] = watched
+            doc["roleRef"]["name"] += f"-{suffix}"
+            for subject in doc["subjects"]:
+                subject["namespace"] = ns
         elif kind in ("ClusterRole", "ClusterRoleBinding"):
             doc["metadata"]["name"] += f"-{suffix}"
             for rule in doc.get("rules", []):
@@ -59,7 +73,7 @@ def _install_rbac(cluster: ClusterHandle, ns: str, suffix: str) -> list[dict[str
             for subject in doc.get("subjects", []):  # the leader-election RoleBinding
                 subject["namespace"] = ns
         out.append(doc)
-    assert renamed == 1, "the shipped ClusterRole no longer names the webhook configuration"
+    assert renamed >= 1, "the shipped ClusterRole no longer names the webhook configuration"
     cluster.kubectl(
         "apply", "--server-side", "--field-manager=kvfabric-tests", "-f", "-", input=yaml.safe_dump_all(out)
     )
@@ -139,6 +153,134 @@ def sa_operator(
         # An RBAC denial reads 'is forbidden: User "system:serviceaccount:..." cannot ...' (a 403 for
         # a terminating namespace of another test is not one).
         assert "cannot" not in log or "system:serviceaccount" not in log, log
+
+
+CLUSTER_SCOPED = {"namespaces", "customresourcedefinitions", "mutatingwebhookconfigurations"}
+
+
+def _grants(rules: list[dict[str, Any]]) -> set[tuple[str, str, str, tuple[str, ...]]]:
+    """Every (group, resource, verb, resourceNames) a list of rules grants."""
+    return {
+        (group, resource, verb, tuple(rule.get("resourceNames", [])))
+        for rule in rules
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_the_namespaced_installs_cluster_role_is_exactly_the_cluster_scoped_part_of_the_operators() -> None:
+    role = yaml.safe_load((ROOT / "manifests" / "rbac" / "role.yaml").read_text())
+    docs = list(yaml.safe_load_all((ROOT / "manifests/overlays/namespaced/cluster_role.yaml").read_text()))
+    cluster_role = next(d for d in docs if d["kind"] == "ClusterRole")
+    operator = _grants(role["rules"])
+    assert _grants(cluster_role["rules"]) == {g for g in operator if g[1] in CLUSTER_SCOPED}
+
+
+@pytest.fixture
+def namespaced_operator(
+    cluster: ClusterHandle, crd: None, tmp_path: Path, operator: OperatorProcess, namespace: str
+) -> Iterator[tuple[OperatorProcess, str]]:
+    """An operator installed by manifests/overlays/namespaced, watching only ``namespace``."""
+    suffix = uuid.uuid4().hex[:6]
+    ns = f"kvfabric-rbac-{suffix}"
+    docs = _install_rbac(cluster, ns, suffix, overlay="overlays/namespaced", watched=namespace)
+    assert not any(
+        d["kind"] == "ClusterRoleBinding" and d["roleRef"]["name"] == f"kvfabric-operator-{suffix}"
+        for d in docs
+    ), "the namespaced install binds the operator's ClusterRole cluster-wide"
+    kubeconfig = _token_kubeconfig(cluster, ns, tmp_path / "sa.kubeconfig")
+    operator.stop()
+    proc = OperatorProcess(
+        cluster,
+        tmp_path,
+        kubeconfig=kubeconfig,
+        config_name=CONFIG_NAME,
+        extra_args=[f"--namespace={namespace}", "--leader-election", f"--leader-election-namespace={ns}"],
+    )
+    try:
+        proc.start()
+        yield proc, ns
+    finally:
+        proc.stop()
+        log = proc.tail(200)
+        cluster.kubectl(
+            "delete", "mutatingwebhookconfiguration", CONFIG_NAME, "--ignore-not-found", check=False
+        )
+        cluster.kubectl(
+            "delete",
+            "--ignore-not-found",
+            "--wait=false",
+            "-f",
+            "-",
+            input=yaml.safe_dump_all(docs),
+            check=False,
+        )
+        operator.start()
+        assert "cannot" not in log or "system:serviceaccount" not in log, log
+
+
+def _exists(cluster: ClusterHandle, kind: str, name: str, namespace: str) -> bool:
+    return cluster.kubectl("get", kind, name, "-n", namespace, check=False).returncode == 0
+
+
+def _pool(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvfabric.io/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": name},
+        "spec": {"image": {"tag": "v0.1.0"}, "tiers": {"memory": {"size": "1Gi"}}},
+    }
+
+
+def test_a_namespaced_install_reconciles_its_namespaces_and_can_write_nowhere_else(
+    cluster: ClusterHandle, namespace: str, namespaced_operator: tuple[OperatorProcess, str]
+) -> None:
+    _, sa_ns = namespaced_operator
+    sa = f"system:serviceaccount:{sa_ns}:kvfabric-operator"
+    with cluster.namespace() as other:
+        # A pool outside the watched namespaces is created first, and is never reconciled.
+        cluster.apply(_pool("elsewhere"), namespace=other)
+        cluster.apply(_pool("pool-a"), namespace=namespace)
+        wait_for(
+            lambda: (
+                get_pool(cluster, namespace, "pool-a").get("status", {}).get("nodes", {}).get("desired")
+                == len(cluster.gpu_nodes)
+            ),
+            timeout=90,
+            message="the watched namespace's pool reconciled",
+        )
+        assert _exists(cluster, "daemonset", "pool-a-cache", namespace)
+        # Consumers in the watched namespace are injected through the webhook it registered.
+        cluster.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "consumer", "labels": {"kvfabric.io/pool": "pool-a"}},
+                "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]},
+            },
+            namespace=namespace,
+        )
+        pod = cluster.get_json("pod", "consumer", "-n", namespace)
+        assert "kvfabric.io/injected" in pod["metadata"]["annotations"], json.dumps(pod["metadata"])
+        # Two resync periods later the other namespace's pool is still untouched.
+        time.sleep(10)
+        assert "status" not in get_pool(cluster, other, "elsewhere")
+        assert not _exists(cluster, "daemonset", "elsewhere-cache", other)
+
+        def can(verb: str, resource: str, ns: str, *extra: str) -> bool:
+            args = ("auth", "can-i", verb, resource, *extra, "-n", ns, f"--as={sa}")
+            got = cluster.kubectl(*args, check=False)
+            return got.stdout.strip() == "yes"
+
+        # What the API server's RBAC actually grants the ServiceAccount.
+        assert can("create", "daemonsets.apps", namespace)
+        assert can("patch", "kvcachepools.kvfabric.io", namespace, "--subresource=status")
+        for verb, resource in (("create", "daemonsets.apps"), ("create", "configmaps"), ("get", "secrets")):
+            assert not can(verb, resource, other), f"{verb} {resource} outside the watched namespaces"
+            assert not can(verb, resource, "kube-system"), f"{verb} {resource} in kube-system"
+        assert not can("list", "secrets", namespace), "listing Secrets would read every one of them"
+        assert can("list", "namespaces", "default")  # cluster-scoped: Pod Security labels
 
 
 def test_operator_works_with_the_shipped_least_privilege_rbac(

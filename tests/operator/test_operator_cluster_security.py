@@ -58,7 +58,7 @@ def test_tcp_pool_gets_credentials_and_a_network_policy(
     assert secrets
     policy = cluster.get_json("networkpolicy", "sec-cache", "-n", namespace)["spec"]
     assert [r["ports"][0]["port"] for r in policy["ingress"]] == [7070, 9090]
-    # Consumer pods in the pool's namespace get the token through secretKeyRef (checked by the API
+    # Consumer pods in the pool's namespace get the token as a projected Secret file (checked by the API
     # server's own validation of the mutated pod).
     server_tls = _files(cluster, namespace, "sec-server-tls", tmp_path / "server")
     creds = _files(cluster, namespace, "sec-credentials", tmp_path / "creds")

@@ -134,7 +134,8 @@ def test_round_trip_render_inject_parse(
     assert (ConsumerVar.LOAD_ASYNC.value in env) == (load_mode is not None)
     assert parsed.config_hash == conn.config_hash
     assert parsed.configured
-    assert parsed.token == "secret:pool-a-credentials/token"
+    assert parsed.token is None
+    assert parsed.token_file == "/var/run/secrets/kvfabric.io/tls/token"
     assert parsed.payload_key == "secret:pool-a-credentials/payload-key"
     assert parsed.tls_ca is not None
     assert parsed.tls_cert is not None

@@ -72,18 +72,28 @@ def test_tcp_pool_wires_its_credentials_into_same_namespace_consumers() -> None:
     assert env["KVFABRIC_TLS_CA"] == "/var/run/secrets/kvfabric.io/tls/ca.crt"
     assert env["KVFABRIC_TLS_CERT"] == "/var/run/secrets/kvfabric.io/tls/tls.crt"
     assert env["KVFABRIC_TLS_KEY"] == "/var/run/secrets/kvfabric.io/tls/tls.key"
-    # The token is a reference to the pool's Secret, never a value in the pod spec.
-    token = next(e for e in container["env"] if e["name"] == "KVFABRIC_TOKEN")
-    assert token == {
-        "name": "KVFABRIC_TOKEN",
-        "valueFrom": {"secretKeyRef": {"name": "pool-a-credentials", "key": "token", "optional": True}},
-    }
+    # The token is a file of the pool's Secret (projected with the client certificate, kept current
+    # by the kubelet and re-read by the connector), never a value in the pod spec nor an env var
+    # that a rotation could not change.
+    assert env["KVFABRIC_TOKEN_FILE"] == "/var/run/secrets/kvfabric.io/tls/token"
+    assert not any(e["name"] == "KVFABRIC_TOKEN" for e in container["env"])
     mac = next(e for e in container["env"] if e["name"] == "KVFABRIC_PAYLOAD_KEY")
     assert mac["valueFrom"]["secretKeyRef"]["name"] == "pool-a-credentials"
     assert "pool-a-credentials" not in json.dumps(result.pod["metadata"])
     assert {
         "name": names.CLIENT_TLS_VOLUME,
-        "secret": {"secretName": "pool-a-client-tls", "optional": True},
+        "projected": {
+            "sources": [
+                {"secret": {"name": "pool-a-client-tls", "optional": True}},
+                {
+                    "secret": {
+                        "name": "pool-a-credentials",
+                        "items": [{"key": "token", "path": "token"}],
+                        "optional": True,
+                    }
+                },
+            ]
+        },
     } in result.pod["spec"]["volumes"]
     assert inject(result.pod, pools(tcp), {}).pod == result.pod  # idempotent
     # A consumer in another namespace cannot reference the Secret: no TCP wiring, the socket only.
@@ -95,7 +105,7 @@ def test_tcp_pool_wires_its_credentials_into_same_namespace_consumers() -> None:
     )
     assert other.injected
     other_env = [e["name"] for e in other.pod["spec"]["containers"][0]["env"]]
-    assert "KVFABRIC_TOKEN" not in other_env
+    assert "KVFABRIC_TOKEN_FILE" not in other_env
     assert "KVFABRIC_PAYLOAD_KEY" not in other_env
     assert "KVFABRIC_REMOTE" not in other_env
     assert "KVFABRIC_SOCKET" in other_env
@@ -354,7 +364,7 @@ def test_pod_security_namespace_with_tcp_is_wired_to_the_listener_alone(level: s
     container = spec["containers"][0]
     names_ = {e["name"] for e in container["env"]}
     assert "KVFABRIC_REMOTE" in names_
-    assert "KVFABRIC_TOKEN" in names_
+    assert "KVFABRIC_TOKEN_FILE" in names_
     assert "KVFABRIC_SOCKET" not in names_
     assert all(m["name"] != names.RUN_VOLUME for m in container.get("volumeMounts", []))
     detail = json.loads(result.pod["metadata"]["annotations"][names.INJECTED_ANNOTATION])

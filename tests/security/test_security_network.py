@@ -20,7 +20,7 @@ from kvfabric.client import CacheClient
 from kvfabric.client.errors import CacheUnavailable, PermissionDenied
 from kvfabric.operator.certs import make_ca, make_leaf
 from kvfabric.rpc.v1 import cache_pb2 as pb
-from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest
+from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, wait_until
 
 pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.testing.levels)
 
@@ -240,6 +240,61 @@ def test_rotated_certificates_and_token_apply_without_restart(pki: tuple[Pki, di
         assert s.proc is not None
         assert s.proc.poll() is None
         assert s.starts == 1
+
+
+def test_a_consumer_follows_rotated_certificates_and_token_without_a_restart(
+    pki: tuple[Pki, dict[str, Path]],
+) -> None:
+    """One long-lived client, its credentials in a Secret volume the "kubelet" rotates under it.
+
+    The webhook injects the token and the client certificate as files of one projected Secret
+    volume; the connector keeps one client per process for its whole life. After the operator
+    rotates the CA, the certificates and the token, the same client object must keep working: it
+    notices the changed files and builds a new channel. A client that read its credentials once
+    (what the connector did with the token in an environment variable) is refused from then on.
+    """
+    p, files = pki
+    work = p.dir / "consumer-rotation"
+    server = {**files, "secret": work / "server", "token_dir": work / "server-token"}
+    consumer = work / "consumer"
+    ca1 = make_ca("rot-ca-1", days=1)
+    ca2 = make_ca("rot-ca-2", days=1)
+    leaf = {"dns_names": ("localhost",), "ip_addresses": ("127.0.0.1",), "server": True}
+
+    def rotate(ca: tuple[bytes, bytes], token: bytes) -> None:
+        cert, key = make_leaf(*ca, common_name="server", days=1, **leaf)  # type: ignore[arg-type]
+        _secret_volume(server["secret"], {"tls.crt": cert, "tls.key": key, "ca.crt": ca[0]})
+        _secret_volume(server["token_dir"], {"token": token})
+        c_cert, c_key = make_leaf(*ca, common_name="consumer", days=1, client=True)
+        _secret_volume(
+            consumer, {"tls.crt": c_cert, "tls.key": c_key, "ca.crt": ca[0], "token": token + b"\n"}
+        )
+
+    rotate(ca1, b"token-one")
+    ns = digest("consumer-rotation")
+    with cache_server(dram_bytes=16 * MiB, overrides=_overrides(server)) as s:
+        target = f"localhost:{s.config.listen.tcp_port}"
+        ca, cert, key = consumer / "ca.crt", consumer / "tls.crt", consumer / "tls.key"
+        with (
+            CacheClient(
+                target, token_file=consumer / "token", tls_ca=ca, tls_cert=cert, tls_key=key
+            ) as watching,
+            # The token read once, as from an environment variable (its TLS files are watched too).
+            CacheClient(target, token="token-one", tls_ca=ca, tls_cert=cert, tls_key=key) as read_once,
+        ):
+            assert watching.lookup(ns, [digest(1)], timeout=10).matched == 0
+            assert read_once.lookup(ns, [digest(1)], timeout=10).matched == 0
+            rotate(ca2, b"token-two")
+
+            def works() -> bool:
+                try:
+                    return watching.lookup(ns, [digest(1)], timeout=10).matched == 0
+                except (CacheUnavailable, PermissionDenied):
+                    return False
+
+            wait_until(works, timeout=30, interval=0.2, what="the same client to use the rotated credentials")
+            with pytest.raises(PermissionDenied):  # its token is the old one
+                read_once.lookup(ns, [digest(1)], timeout=10)
 
 
 @pytest.mark.parametrize(

@@ -107,6 +107,38 @@ def check_ids(namespace: str, keys: Sequence[str]) -> bytes:
     raise errors.InvalidRequest("keys must be 64 lower-case hex characters")
 
 
+CREDENTIAL_CHECK_SECONDS = 1.0
+"""How often a client looks at its credential files for a rotation."""
+RETIRED_CHANNEL_GRACE_SECONDS = 60.0
+"""How long a channel replaced by a credential rotation stays open for the calls still on it."""
+
+
+def file_stamps(paths: Sequence[Path]) -> tuple[tuple[int, int, int] | None, ...]:
+    """What identifies each file's current content: inode, size and modification time (None: missing).
+
+    The kubelet updates a Secret volume by swapping a symlink to a new directory, so every changed
+    file has a new inode.
+    """
+    out: list[tuple[int, int, int] | None] = []
+    for path in paths:
+        try:
+            st = path.stat()
+        except OSError:
+            out.append(None)
+        else:
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def read_token(path: Path) -> str | None:
+    """The bearer token in ``path`` (surrounding whitespace stripped), or None if missing or empty."""
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    return token or None
+
+
 def metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     """Per-call metadata carrying the bearer token, if any."""
     return (("authorization", f"Bearer {token}"),) if token else None

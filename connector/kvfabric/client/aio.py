@@ -49,6 +49,7 @@ class AsyncCacheClient:
         tls_key: str | os.PathLike[str] | None = None,
         tls_server_name: str | None = None,
         local_index: bool = False,
+        token_file: str | os.PathLike[str] | None = None,
     ) -> None:
         self._client = CacheClient(
             target,
@@ -59,6 +60,7 @@ class AsyncCacheClient:
             tls_key=tls_key,
             tls_server_name=tls_server_name,
             local_index=local_index,
+            token_file=token_file,
         )
         self._pool = cf.ThreadPoolExecutor(_THREADS, thread_name_prefix="kvfabric-aio")
 

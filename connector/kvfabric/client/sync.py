@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -36,8 +37,10 @@ class CacheClient:
     no shared directory); otherwise they are streamed in gRPC messages. ``token`` is sent as a bearer
     token, ``tls_ca`` (a PEM file) turns on TLS for TCP targets; ``tls_cert``/``tls_key`` add a client
     certificate (mutual TLS); ``tls_server_name`` verifies the server's certificate against that name
-    instead of the target's host (e.g. the pool's Service name through a port-forward). Thread-safe;
-    reuse one client per process.
+    instead of the target's host (e.g. the pool's Service name through a port-forward). ``token_file``
+    holds the token instead. The TLS and token files are watched: when one changes (the kubelet updates
+    a Secret volume in place), the next call runs on a channel built from the new ones, so rotated
+    credentials apply without a restart. Thread-safe; reuse one client per process.
     """
 
     def __init__(
@@ -51,25 +54,23 @@ class CacheClient:
         tls_key: str | os.PathLike[str] | None = None,
         tls_server_name: str | None = None,
         local_index: bool = False,
+        token_file: str | os.PathLike[str] | None = None,
     ) -> None:
         self._target = c.parse_target(target)
         # Same node: answer lookups from the table the server publishes (no call per lookup).
         self._index = c.local_index_for(self._target) if local_index else None
         self._blocks = c.block_channel_for(self._target) if shared_memory else None
-        self._md = c.metadata(token)
-        creds = c.credentials(tls_ca, tls_cert, tls_key)
-        if creds is not None and not self._target.is_unix:
-            options = c.CHANNEL_OPTIONS + c.server_name_option(tls_server_name)
-            self._channel = grpc.secure_channel(self._target.address, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(self._target.address, options=c.CHANNEL_OPTIONS)
-        # The generated stub is untyped; the request/response messages are typed by cache_pb2.pyi.
-        self._stub: Any = pb_grpc.CacheStub(self._channel)  # type: ignore[no-untyped-call]
-        self._health_check: Any = self._channel.unary_unary(
-            "/grpc.health.v1.Health/Check",
-            request_serializer=_health_request,
-            response_deserializer=_health_status,
-        )
+        self._token = token
+        self._token_file = Path(token_file) if token_file is not None else None
+        self._tls = (tls_ca, tls_cert, tls_key)
+        self._tls_server_name = tls_server_name
+        # Credential files (a Secret volume the kubelet updates in place) are watched: when one
+        # changes, the next call runs on a channel built from the new ones (no restart to rotate).
+        self._watched = [Path(f) for f in (*self._tls, token_file) if f is not None]
+        self._stamp = c.file_stamps(self._watched)
+        self._next_check = 0.0
+        self._reload_lock = threading.Lock()
+        self._connect()
         # Namespaces announced by the caller (namespace -> description) and those the server does
         # not know yet: described before this client's next call (see announce()).
         self._specs: dict[str, str] = {}
@@ -87,7 +88,51 @@ class CacheClient:
         """True when bulk bytes go through shared memory (memfds from the block socket)."""
         return self._blocks is not None
 
+    def _connect(self) -> None:
+        token = c.read_token(self._token_file) if self._token_file is not None else self._token
+        md = c.metadata(token)
+        creds = c.credentials(*self._tls)
+        if creds is not None and not self._target.is_unix:
+            options = c.CHANNEL_OPTIONS + c.server_name_option(self._tls_server_name)
+            channel = grpc.secure_channel(self._target.address, creds, options=options)
+        else:
+            channel = grpc.insecure_channel(self._target.address, options=c.CHANNEL_OPTIONS)
+        # The generated stub is untyped; the request/response messages are typed by cache_pb2.pyi.
+        stub: Any = pb_grpc.CacheStub(channel)  # type: ignore[no-untyped-call]
+        health: Any = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=_health_request,
+            response_deserializer=_health_status,
+        )
+        self._channel, self._stub, self._health_check, self._md = channel, stub, health, md
+
+    def _refresh_credentials(self) -> None:
+        """Rebuild the channel when a credential file changed (checked at most once a second)."""
+        if not self._watched or time.monotonic() < self._next_check:
+            return
+        with self._reload_lock:
+            if time.monotonic() < self._next_check:
+                return
+            self._next_check = time.monotonic() + c.CREDENTIAL_CHECK_SECONDS
+            stamp = c.file_stamps(self._watched)
+            if stamp == self._stamp:
+                return
+            old = self._channel
+            try:
+                self._connect()
+            except (OSError, ValueError) as exc:
+                # A rotation caught half-way (or a file removed): keep the old channel, retry later.
+                log.warning("cannot reload the cache credentials", extra={"error": str(exc)})
+                return
+            self._stamp = stamp
+            log.info("cache credentials reloaded", extra={"target": self._target.address})
+            # Calls in flight on the old channel finish there; it is closed once they are long over.
+            timer = threading.Timer(c.RETIRED_CHANNEL_GRACE_SECONDS, old.close)
+            timer.daemon = True
+            timer.start()
+
     def _call(self, fn: Callable[[], T]) -> T:
+        self._refresh_credentials()
         try:
             return fn()
         except grpc.RpcError as exc:
@@ -327,6 +372,7 @@ class CacheClient:
     def health(self, *, timeout: float) -> bool:
         """Return True when the server's gRPC health service says SERVING, False on any failure."""
         c.check_timeout(timeout)
+        self._refresh_credentials()
         try:
             return bool(self._health_check(b"", timeout=timeout, metadata=self._md))
         except grpc.RpcError:

@@ -85,6 +85,9 @@ class ConnectorSettings(BaseSettings):
     """Optional ``host:port`` of a cache server reached over TCP when the socket is unusable."""
     token: str | None = None
     """Bearer token for the TCP listener (the Unix socket needs none)."""
+    token_file: str | None = None
+    """A file holding the bearer token instead (what the webhook injects: a projected Secret volume).
+    Re-read when it changes, like the TLS files, so a rotated token applies without a restart."""
     tls_ca: str | None = None
     """CA bundle (path) to verify the TCP listener's certificate; plaintext when unset."""
     payload_key: str | None = Field(default=None, repr=False)

@@ -36,7 +36,7 @@ class ConsumerVar(StrEnum):
     # Credentials: from the pool's Secret (secretKeyRef) or its Secret volume, never values in the
     # pod spec, and outside the hash (docs/security.md).
     PAYLOAD_KEY = "KVFABRIC_PAYLOAD_KEY"
-    TOKEN = "KVFABRIC_TOKEN"  # noqa: S105 - a variable name, not a secret
+    TOKEN_FILE = "KVFABRIC_TOKEN_FILE"  # noqa: S105 - a variable name, not a secret
     TLS_CA = "KVFABRIC_TLS_CA"
     TLS_CERT = "KVFABRIC_TLS_CERT"
     TLS_KEY = "KVFABRIC_TLS_KEY"

@@ -276,10 +276,23 @@ def inject(
             {"name": names.RUN_VOLUME, "hostPath": {"path": conn.host_dir, "type": "DirectoryOrCreate"}}
         )
     if conn.tcp and credentials and not any(v.get("name") == names.CLIENT_TLS_VOLUME for v in volumes):
+        # One projected volume: the client certificate and the token, both kept current by the
+        # kubelet, so rotating either needs no restart (the connector watches the files).
         volumes.append(
             {
                 "name": names.CLIENT_TLS_VOLUME,
-                "secret": {"secretName": names.client_tls_secret_name(conn.pool), "optional": True},
+                "projected": {
+                    "sources": [
+                        {"secret": {"name": names.client_tls_secret_name(conn.pool), "optional": True}},
+                        {
+                            "secret": {
+                                "name": names.credentials_secret_name(conn.pool),
+                                "items": [{"key": names.TOKEN_KEY, "path": names.TOKEN_KEY}],
+                                "optional": True,
+                            }
+                        },
+                    ]
+                },
             }
         )
     out["spec"]["volumes"] = volumes

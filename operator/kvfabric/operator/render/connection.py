@@ -36,8 +36,10 @@ class ConnectionSettings:
     def credential_env(self) -> list[dict[str, object]]:
         """Environment entries wiring the pool's credentials into a consumer in the pool's namespace.
 
-        Secrets come through ``secretKeyRef``: they never appear in the pod spec. The payload key
-        (the MAC that makes forged chunks fail) always; the TCP token and certificate when TCP is on.
+        Secrets never appear in the pod spec. The payload key (the MAC that makes forged chunks fail)
+        always, through ``secretKeyRef``; when TCP is on, the token and the client certificate as
+        files of one projected Secret volume, which the kubelet updates in place when the operator
+        rotates them and the connector re-reads (no restart).
         """
         secret = names.credentials_secret_name(self.pool)
         # optional: a pod created before its pool's Secret exists still starts (the cache must never
@@ -50,10 +52,9 @@ class ConnectionSettings:
         if not self.tcp:
             return [mac]
         tls = names.CLIENT_TLS_MOUNT
-        ref: dict[str, object] = {"name": secret, "key": names.TOKEN_KEY, "optional": True}
         return [
             mac,
-            {"name": ConsumerVar.TOKEN.value, "valueFrom": {"secretKeyRef": ref}},
+            {"name": ConsumerVar.TOKEN_FILE.value, "value": f"{tls}/{names.TOKEN_KEY}"},
             {"name": ConsumerVar.TLS_CA.value, "value": f"{tls}/{names.CA_KEY}"},
             {"name": ConsumerVar.TLS_CERT.value, "value": f"{tls}/tls.crt"},
             {"name": ConsumerVar.TLS_KEY.value, "value": f"{tls}/tls.key"},

@@ -80,6 +80,22 @@ def _install_rbac(
     return out
 
 
+def _uninstall(
+    cluster: ClusterHandle, proc: OperatorProcess, docs: list[dict[str, Any]], operator: OperatorProcess
+) -> None:
+    """Stop the restricted operator, remove what _install_rbac applied, restart the session's one."""
+    proc.stop()
+    log = proc.tail(200)
+    cluster.kubectl("delete", "mutatingwebhookconfiguration", CONFIG_NAME, "--ignore-not-found", check=False)
+    cluster.kubectl(
+        "delete", "--ignore-not-found", "--wait=false", "-f", "-", input=yaml.safe_dump_all(docs), check=False
+    )
+    operator.start()
+    # An RBAC denial reads 'is forbidden: User "system:serviceaccount:..." cannot ...' (a 403 for
+    # a terminating namespace of another test is not one).
+    assert "cannot" not in log or "system:serviceaccount" not in log, log
+
+
 def _token_kubeconfig(cluster: ClusterHandle, ns: str, path: Path) -> Path:
     token = cluster.kubectl("create", "token", "kvfabric-operator", "-n", ns, "--duration=1h").stdout.strip()
     admin = yaml.safe_load(cluster.kubeconfig.read_text())
@@ -135,24 +151,7 @@ def sa_operator(
         )
         yield proc
     finally:
-        proc.stop()
-        log = proc.tail(200)
-        cluster.kubectl(
-            "delete", "mutatingwebhookconfiguration", CONFIG_NAME, "--ignore-not-found", check=False
-        )
-        cluster.kubectl(
-            "delete",
-            "--ignore-not-found",
-            "--wait=false",
-            "-f",
-            "-",
-            input=yaml.safe_dump_all(docs),
-            check=False,
-        )
-        operator.start()
-        # An RBAC denial reads 'is forbidden: User "system:serviceaccount:..." cannot ...' (a 403 for
-        # a terminating namespace of another test is not one).
-        assert "cannot" not in log or "system:serviceaccount" not in log, log
+        _uninstall(cluster, proc, docs, operator)
 
 
 CLUSTER_SCOPED = {"namespaces", "customresourcedefinitions", "mutatingwebhookconfigurations"}
@@ -202,22 +201,22 @@ def namespaced_operator(
         proc.start()
         yield proc, ns
     finally:
-        proc.stop()
-        log = proc.tail(200)
-        cluster.kubectl(
-            "delete", "mutatingwebhookconfiguration", CONFIG_NAME, "--ignore-not-found", check=False
-        )
-        cluster.kubectl(
-            "delete",
-            "--ignore-not-found",
-            "--wait=false",
-            "-f",
-            "-",
-            input=yaml.safe_dump_all(docs),
-            check=False,
-        )
-        operator.start()
-        assert "cannot" not in log or "system:serviceaccount" not in log, log
+        _uninstall(cluster, proc, docs, operator)
+
+
+def _assert_consumer_injected(cluster: ClusterHandle, namespace: str) -> None:
+    """A pod opting in to pool-a is mutated by the webhook the restricted operator registered."""
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "consumer", "labels": {"kvfabric.io/pool": "pool-a"}},
+            "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]},
+        },
+        namespace=namespace,
+    )
+    pod = cluster.get_json("pod", "consumer", "-n", namespace)
+    assert "kvfabric.io/injected" in pod["metadata"]["annotations"], json.dumps(pod["metadata"])
 
 
 def _exists(cluster: ClusterHandle, kind: str, name: str, namespace: str) -> bool:
@@ -252,17 +251,7 @@ def test_a_namespaced_install_reconciles_its_namespaces_and_can_write_nowhere_el
         )
         assert _exists(cluster, "daemonset", "pool-a-cache", namespace)
         # Consumers in the watched namespace are injected through the webhook it registered.
-        cluster.apply(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": "consumer", "labels": {"kvfabric.io/pool": "pool-a"}},
-                "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]},
-            },
-            namespace=namespace,
-        )
-        pod = cluster.get_json("pod", "consumer", "-n", namespace)
-        assert "kvfabric.io/injected" in pod["metadata"]["annotations"], json.dumps(pod["metadata"])
+        _assert_consumer_injected(cluster, namespace)
         # Two resync periods later the other namespace's pool is still untouched.
         time.sleep(10)
         assert "status" not in get_pool(cluster, other, "elsewhere")
@@ -321,17 +310,7 @@ def test_operator_works_with_the_shipped_least_privilege_rbac(
         cluster.get_json("mutatingwebhookconfiguration", CONFIG_NAME)["webhooks"][0]["failurePolicy"]
         == "Ignore"
     )
-    cluster.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "consumer", "labels": {"kvfabric.io/pool": "pool-a"}},
-            "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]},
-        },
-        namespace=namespace,
-    )
-    pod = cluster.get_json("pod", "consumer", "-n", namespace)
-    assert "kvfabric.io/injected" in pod["metadata"]["annotations"], json.dumps(pod["metadata"])
+    _assert_consumer_injected(cluster, namespace)
     wait_for(
         lambda: get_pool(cluster, namespace, "pool-a")["status"]["consumers"]["injected"] == 1,
         timeout=30,

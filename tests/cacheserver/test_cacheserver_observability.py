@@ -108,10 +108,21 @@ def test_loads_do_not_wait_behind_stores_and_busy_stores_are_dropped() -> None:
             # store may still be accepted, so wait for the first drop rather than assume it.
             # (Probe with another key: a probe accepted before the slot was taken must not store `extra`.)
             probe = digest("probe")
-            wait_until(
-                lambda: r.store(ns, [probe], [b"x"], timeout=10).dropped == 1,
-                what="the store slot to be busy",
-            )
+            probes: list[tuple[int, int]] = []
+
+            def busy() -> bool:
+                # The holder must still be streaming; if it ended, say how (a CI run once timed out
+                # here with no clue whether the holder had ever reached the server).
+                assert not holder.done(), f"the slot holder ended early: {holder.exception()!r}"
+                res = r.store(ns, [probe], [b"x"], timeout=10)
+                probes.append((res.accepted, res.dropped))
+                return res.dropped == 1
+
+            try:
+                wait_until(busy, what="the store slot to be busy")
+            except TimeoutError:
+                stats = c.stats(timeout=5)
+                raise AssertionError(f"probes {probes[-5:]} of {len(probes)}; server {stats}") from None
             assert r.store(ns, [extra], [b"x"], timeout=10).dropped == 1
             # Stores over both transports are dropped, not queued; loads and lookups are served.
             assert c.store(ns, [extra], [b"x"], timeout=10).dropped == 1

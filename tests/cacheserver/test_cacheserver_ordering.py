@@ -65,6 +65,15 @@ def test_a_store_right_after_a_delete_never_outlives_a_later_delete_on_another_s
     assert c.admits(key, c.next())
 
 
+def test_a_delete_never_shares_its_generation_with_a_store_when_the_clock_ran_ahead() -> None:
+    # The store clock observed a peer's generation beyond the delete margin: the delete's
+    # generation comes from the store clock, and a store issued right after gets a greater one.
+    g = Generations(lambda: 1.0)
+    g.observe(int(1e12))
+    delete = g.for_delete(5.0)
+    assert g.next() > delete
+
+
 def test_a_delete_removes_copies_in_every_bucket_and_scans_honour_it(tmp_path: Path) -> None:
     gens = Generations(lambda: 1.0)
     root = tmp_path / "d"

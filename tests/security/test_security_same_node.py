@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ import pytest
 
 from kvfabric.client import CacheClient
 from kvfabric.client.blocks import BlockChannel, close_all
+from kvfabric.client.errors import CacheTimeout
 from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
@@ -265,3 +267,64 @@ def test_through_the_read_only_mount_consumers_get_a_root_client_loads_but_canno
     with contextlib.suppress(OSError):
         mnt.rmdir()
     assert srv.config.listen.unix_socket.is_socket()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_fetch_that_fails_half_way_closes_every_descriptor_it_already_received(tmp_path: Path) -> None:
+    # A block socket that answers the first batch of 64 names with 64 descriptors and then hangs.
+    path = tmp_path / "b.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    listener.listen(1)
+    spare = os.memfd_create("spare")
+    names = [f"d_{i:032x}" for i in range(bp.MAX_NAMES + 1)]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(bp.MAX_MESSAGE)
+            socket.send_fds(conn, [bytes([bp.FOUND]) * bp.MAX_NAMES], [spare] * bp.MAX_NAMES)
+            conn.recv(bp.MAX_MESSAGE)  # the second batch is never answered
+            time.sleep(1)
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    before = _open_fds()
+    try:
+        with BlockChannel(path) as chan, pytest.raises(CacheTimeout):
+            chan.fetch(names, deadline=time.monotonic() + 0.5)
+        th.join(5)  # the fake server's end of the connection is closed too
+        assert _open_fds() == before, "descriptors of the first batch leaked"
+    finally:
+        listener.close()
+        os.close(spare)
+
+
+def test_many_tiny_blocks_or_stagings_cannot_take_every_descriptor() -> None:
+    from kvfabric.cacheserver.engine.dram import DramTier
+    from kvfabric.cacheserver.engine.ids import BlockId
+    from kvfabric.cacheserver.engine.stats import Counters
+    from kvfabric.cacheserver.transport.arena import StagingArena
+
+    tier = DramTier(1 << 30)
+    tier.max_blocks = 3  # as if the process could spare only 3 descriptors for blocks
+    bids = [BlockId(NS, digest("tiny", i)) for i in range(5)]
+    for b in bids:
+        assert tier.put(b, b"x")
+    assert tier.usage().blocks == 3, "more blocks (descriptors) than the tier may hold"
+    assert [tier.contains(b) for b in bids] == [False, False, True, True, True], "LRU first"
+    tier.discard_all()
+    # Staging: each slot costs at least a page of the budget, and their number is capped.
+    arena = StagingArena(64 * 4096, 30.0, Counters())
+    res = arena.begin(bids * 40, [1] * 200, [False] * 200)
+    assert sum(1 for n in res.names if n) == 64
+    assert res.dropped == 136
+    arena.abort(res.lease_id)
+    arena.max_slots = 10
+    res = arena.begin(bids * 4, [1] * 20, [False] * 20)
+    assert sum(1 for n in res.names if n) == 10
+    arena.close()
+    assert arena.used_bytes == 0

@@ -376,48 +376,48 @@ def test_vllm_publishes_kv_events_for_every_block_kvfabric_stores(fabric: Fabric
 def test_load_while_other_requests_decode(fabric: Fabric) -> None:
     """A request that loads from kvfabric joins a batch of decoding requests: all tokens identical.
 
-    The loading request is sent once vLLM itself reports both decoders running
-    (``vllm:num_requests_running``), and when it has finished vLLM still reports them running, so its
-    load ran in steps that also decoded them. Both checks read the server's gauge, not when the
-    client's threads happened to read the streamed chunks: on a busy machine a stream's chunks can
-    pile up unread and arrive in one burst after the request finished (CI saw all 960 arrive within
-    23 ms), which made a client-side check fail although vLLM had done the right thing.
+    The loading request is sent once both decoders have streamed tokens, and the overlap is checked
+    on vLLM's own gauge: when the loader has finished, vLLM still reports both decoders running, so
+    the load ran in steps that also decoded them. Whether a try overlaps depends on the machine's
+    scheduling (on a busy CI machine streamed chunks have arrived in one late burst, and the whole
+    decode takes about 3 s), so up to three fresh loader prompts are tried; every try must produce
+    the reference tokens and count exactly its loaded tokens, and one must overlap.
     """
-    streamed: dict[str, list[int]] = {rid: [] for rid in workload.DECODERS}
-    stamps: dict[str, list[float]] = {rid: [] for rid in workload.DECODERS}
+    overlapped: list[str] = []
+    for rid_loader, prompt in workload.LOADER.items():
+        streamed: dict[str, list[int]] = {rid: [] for rid in workload.DECODERS}
+        started = {rid: threading.Event() for rid in workload.DECODERS}
 
-    def decode(rid: str) -> None:
-        for ids in fabric.s1.stream(workload.DECODERS[rid], workload.DECODE_TOKENS):
-            streamed[rid].extend(ids)
-            stamps[rid].append(time.monotonic())
+        def decode(
+            rid: str,
+            streamed: dict[str, list[int]] = streamed,
+            started: dict[str, threading.Event] = started,
+        ) -> None:
+            for ids in fabric.s1.stream(workload.DECODERS[rid], workload.DECODE_TOKENS):
+                streamed[rid].extend(ids)
+                started[rid].set()
 
-    def running() -> float:
-        return metric_sum(fabric.s1.metrics(), "vllm:num_requests_running")
-
-    ext0 = external_hits(fabric.s1)
-    with ThreadPoolExecutor(len(workload.DECODERS)) as pool:
-        futures = [pool.submit(decode, rid) for rid in workload.DECODERS]
-        wait_until(
-            lambda: running() >= len(workload.DECODERS), 300, interval=0.02, what="both decoders running"
-        )
-        prompt = workload.LOADER["loader"]
-        sent = time.monotonic()
-        out = fabric.s1.complete(prompt, workload.MAX_TOKENS)
-        took = time.monotonic() - sent
-        still = running()
-        for f in futures:
-            f.result()
-    timeline = {
-        rid: {"first": round(t[0] - sent, 3), "last": round(t[-1] - sent, 3), "chunks": len(t)}
-        for rid, t in stamps.items()
-    }
-    print(f"decoders relative to the loader's send: {timeline}, loader took {took:.3f} s; {still} running")
-    assert still >= len(workload.DECODERS), ("the decoders finished before the loader", timeline, took)
-    assert out.tokens == fabric.reference["outputs"]["loader"]
-    assert out.cached_tokens == loadable(prompt)
-    assert external_hits(fabric.s1) - ext0 == loadable(prompt)
-    for rid, ids in streamed.items():
-        assert ids == fabric.reference["outputs"][rid], rid
+        ext0 = external_hits(fabric.s1)
+        with ThreadPoolExecutor(len(workload.DECODERS)) as pool:
+            futures = [pool.submit(decode, rid) for rid in workload.DECODERS]
+            for rid, ev in started.items():
+                assert ev.wait(300), f"{rid} never streamed"
+            sent = time.monotonic()
+            out = fabric.s1.complete(prompt, workload.MAX_TOKENS)
+            took = time.monotonic() - sent
+            running = metric_sum(fabric.s1.metrics(), "vllm:num_requests_running")
+            for f in futures:
+                f.result()
+        print(f"{rid_loader}: took {took:.3f} s; vLLM then reported {running} running")
+        assert out.tokens == fabric.reference["outputs"][rid_loader]
+        assert out.cached_tokens == loadable(prompt)
+        assert external_hits(fabric.s1) - ext0 == loadable(prompt)
+        for rid, ids in streamed.items():
+            assert ids == fabric.reference["outputs"][rid], rid
+        if running >= len(workload.DECODERS):
+            overlapped.append(rid_loader)
+            break
+    assert overlapped, "no loader finished while both decoders were still running (3 tries)"
 
 
 def test_requests_beyond_the_kv_cache_are_preempted(fabric: Fabric) -> None:

@@ -20,8 +20,10 @@ def tokens(seed: int, n: int) -> list[int]:
 
 # A hit after a vLLM restart: stored by an offline LLM run, hit by the server started after it.
 RESTART = {"restart-a": tokens(1, 700), "restart-b": tokens(2, 1300)}
-# Stored by the same offline run, first asked for while two other requests decode.
-LOADER = {"loader": tokens(3, 1100)}
+# Stored by the same offline run, first asked for while two other requests decode. Three of them:
+# whether a loader overlaps the decoders is up to the machine's scheduling (the whole decode takes
+# about 3 s), so the test tries a fresh one (never in vLLM's own cache) until one does.
+LOADER = {"loader": tokens(3, 1100), "loader-2": tokens(3101, 1100), "loader-3": tokens(3102, 1100)}
 DECODERS = {"decoder-0": tokens(4, 200), "decoder-1": tokens(5, 220)}
 # Long enough that a request sent after their first tokens finishes well before them, even on a
 # loaded 2-core machine (160, then 480, were not: both decoders finished first in one CI run each;

@@ -291,21 +291,25 @@ class CacheService(pb_grpc.CacheServicer):
         store = self.s.store
         nbytes = 0
         async with self._load_slot(context):
+            # Resident blocks are named inline: index work only, no I/O on the event loop. The first
+            # one that is not (never was, or was evicted meanwhile) and every key after it go to the
+            # promotion path on the load pool.
+            start = 0
             if store.resident(bids):
-                # DRAM only: index work, no I/O, answered inline.
                 for bid in bids:
-                    blk = store.ensure_dram(bid)
+                    blk = store.dram_hit(bid)
                     if blk is None:
                         break
+                    start += 1
                     nbytes += blk.length
                     await context.write(pb.ShmSlot(name=blk.name, length=blk.length))
-            else:
+            if start < len(bids):
                 # Promote a small window of keys at once, in key order, and name each block as soon as
                 # it is in DRAM: the client copies one while the disk reads the next, and the checksum
                 # of one overlaps the read of another.
                 loop = asyncio.get_running_loop()
                 pending: deque[asyncio.Future[DramBlock | None]] = deque()
-                todo = iter(bids)
+                todo = iter(bids[start:])
 
                 def submit() -> None:
                     bid = next(todo, None)

@@ -15,7 +15,7 @@ from kvfabric.client import errors
 from kvfabric.client.blocks import BlockChannel, close_all, copy_into, read_all, write_all
 from kvfabric.client.localindex import LocalIndex
 from kvfabric.client.results import FlushResult, LookupResult
-from kvfabric.rpc.blockproto import block_socket_for
+from kvfabric.rpc.blockproto import MAX_NAMES, block_socket_for
 from kvfabric.rpc.indextable import index_socket_for
 from kvfabric.rpc.v1 import cache_pb2 as pb
 
@@ -335,15 +335,16 @@ def shm_write(
 ) -> None:
     """Write each payload into its staging memfd (skipping slots the server left empty)."""
     todo = [(slot, p) for slot, p in zip(slots, payloads, strict=True) if slot.name]
-    if not todo:
-        return
-    fds = blocks.fetch([slot.name for slot, _ in todo], deadline=deadline)
-    try:
-        if any(fd is None for fd in fds):
-            raise errors.NotFound("the store's staging lease expired before it was written")
-        for i, ((_, payload), fd) in enumerate(zip(todo, fds, strict=True)):
-            assert fd is not None
-            fds[i] = None  # write_all closes it
-            write_all(fd, memoryview(payload).cast("B"))
-    finally:
-        close_all(fds)
+    # A batch at a time: a store of thousands of keys never holds thousands of descriptors.
+    for start in range(0, len(todo), MAX_NAMES):
+        batch = todo[start : start + MAX_NAMES]
+        fds = blocks.fetch([slot.name for slot, _ in batch], deadline=deadline)
+        try:
+            if any(fd is None for fd in fds):
+                raise errors.NotFound("the store's staging lease expired before it was written")
+            for i, ((_, payload), fd) in enumerate(zip(batch, fds, strict=True)):
+                assert fd is not None
+                fds[i] = None  # write_all closes it
+                write_all(fd, memoryview(payload).cast("B"))
+        finally:
+            close_all(fds)

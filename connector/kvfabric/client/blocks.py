@@ -42,8 +42,12 @@ class BlockChannel:
         and :class:`~kvfabric.client.errors.CacheTimeout` past ``deadline`` (``time.monotonic()``).
         """
         out: list[int | None] = []
-        for start in range(0, len(names), bp.MAX_NAMES):
-            out.extend(self._fetch_batch(names[start : start + bp.MAX_NAMES], deadline))
+        try:
+            for start in range(0, len(names), bp.MAX_NAMES):
+                out.extend(self._fetch_batch(names[start : start + bp.MAX_NAMES], deadline))
+        except BaseException:
+            close_all(out)
+            raise
         return out
 
     def _fetch_batch(self, names: Sequence[str], deadline: float) -> list[int | None]:
@@ -56,7 +60,10 @@ class BlockChannel:
                 try:
                     sock.settimeout(max(1e-3, deadline - time.monotonic()))
                     sock.send(bp.encode_request(names))
-                    msg, fds, _, _ = socket.recv_fds(sock, len(names), len(names))
+                    # Close-on-exec from the start: another thread of the engine may fork meanwhile.
+                    msg, fds, flags, _ = socket.recv_fds(
+                        sock, len(names), len(names), socket.MSG_CMSG_CLOEXEC
+                    )
                 except TimeoutError as exc:
                     self._drop()
                     raise errors.CacheTimeout("block socket: no answer before the deadline") from exc
@@ -65,6 +72,11 @@ class BlockChannel:
                     if attempt:
                         raise errors.CacheUnavailable(f"block socket {self.path}: {exc}") from exc
                     continue  # the server restarted since the last request: reconnect once
+                if flags & socket.MSG_CTRUNC:
+                    # Out of descriptors here: the kernel dropped some. Not the server's fault.
+                    close_all(fds)
+                    self._drop()
+                    raise errors.CacheUnavailable("block socket: no descriptors left in this process")
                 if not msg:
                     self._drop()
                     if attempt:

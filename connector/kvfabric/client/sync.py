@@ -70,6 +70,8 @@ class CacheClient:
         self._stamp = c.file_stamps(self._watched)
         self._next_check = 0.0
         self._reload_lock = threading.Lock()
+        self._retired: list[tuple[grpc.Channel, threading.Timer]] = []
+        self._closed = False
         self._connect()
         # Namespaces announced by the caller (namespace -> description) and those the server does
         # not know yet: described before this client's next call (see announce()).
@@ -111,7 +113,7 @@ class CacheClient:
         if not self._watched or time.monotonic() < self._next_check:
             return
         with self._reload_lock:
-            if time.monotonic() < self._next_check:
+            if self._closed or time.monotonic() < self._next_check:
                 return
             self._next_check = time.monotonic() + c.CREDENTIAL_CHECK_SECONDS
             stamp = c.file_stamps(self._watched)
@@ -126,10 +128,12 @@ class CacheClient:
                 return
             self._stamp = stamp
             log.info("cache credentials reloaded", extra={"target": self._target.address})
-            # Calls in flight on the old channel finish there; it is closed once they are long over.
+            # Calls in flight on the old channel finish there; it is closed once they are long over
+            # (every call has a deadline, and the connector's are seconds).
             timer = threading.Timer(c.RETIRED_CHANNEL_GRACE_SECONDS, old.close)
             timer.daemon = True
             timer.start()
+            self._retired = [(ch, t) for ch, t in self._retired if t.is_alive()] + [(old, timer)]
 
     def _call(self, fn: Callable[[], T]) -> T:
         self._refresh_credentials()
@@ -380,6 +384,12 @@ class CacheClient:
 
     def close(self) -> None:
         """Close the channel (and unmap the published index, and close the block socket)."""
+        with self._reload_lock:
+            self._closed = True
+            retired, self._retired = self._retired, []
+        for channel, timer in retired:
+            timer.cancel()
+            channel.close()
         self._channel.close()
         if self._index is not None:
             self._index.close()

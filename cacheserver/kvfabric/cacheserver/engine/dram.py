@@ -20,6 +20,7 @@ import fcntl
 import logging
 import mmap
 import os
+import resource
 import secrets
 import threading
 from collections import OrderedDict
@@ -39,6 +40,22 @@ log = logging.getLogger(__name__)
 DRAM_PREFIX = "d_"
 BLOCK_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 """Seals of a committed block: its bytes and size are fixed for good, whoever holds a descriptor."""
+
+
+def descriptor_budget(share: float) -> int:
+    """``share`` of this process's descriptor limit (raised to its hard limit first, once).
+
+    Every DRAM block and staging area holds a descriptor; container runtimes often start processes
+    with a soft limit of 1024, which would cap the tier at about a thousand blocks and starve the
+    server's sockets and disk I/O of descriptors.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft and (hard == resource.RLIM_INFINITY or hard > soft):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    limit = soft if soft != resource.RLIM_INFINITY else 1 << 20
+    return max(64, int(limit * share))
 
 
 def new_memfd(label: str, length: int) -> int | None:
@@ -183,6 +200,8 @@ class DramTier:
         # worst, which a lookup tolerates (the load that follows re-checks under the lock).
         self.has: Callable[[BlockId], bool] = self._index.__contains__
         self._used = 0
+        # Half the descriptor limit at most: the rest is for staging, sockets and disk I/O.
+        self.max_blocks = descriptor_budget(0.5)
         # Bytes promised to puts in flight; counted so concurrent puts cannot overshoot the budget.
         self._reserved = 0
         self._by_name: dict[str, BlockId] = {}
@@ -242,11 +261,14 @@ class DramTier:
         with self._lock:
             return TierUsage(self.name, self._used, self.capacity, len(self._index), self.high, self.low)
 
-    def evict(self, target_bytes: int) -> list[BlockId]:
-        """Evict least-recently-used blocks until usage is at most ``target_bytes``."""
+    def _evict_oldest(self, count: int) -> None:
+        self._evict_while(lambda evicted: evicted < count)
+
+    def _evict_while(self, more: Callable[[int], bool]) -> list[BlockId]:
+        """Evict least-recently-used blocks while ``more(evicted so far)`` holds (under the lock)."""
         gone: list[tuple[BlockId, DramBlock]] = []
         with self._lock:
-            while self._index and self._used + self._reserved > target_bytes:
+            while self._index and more(len(gone)):
                 bid, blk = self._index.popitem(last=False)
                 del self._by_name[blk.name]
                 self._used -= blk.size
@@ -258,6 +280,10 @@ class DramTier:
             if self.on_change is not None:
                 self.on_change([bid for bid, _ in gone])
         return [bid for bid, _ in gone]
+
+    def evict(self, target_bytes: int) -> list[BlockId]:
+        """Evict least-recently-used blocks until usage is at most ``target_bytes``."""
+        return self._evict_while(lambda _: self._used + self._reserved > target_bytes)
 
     # --- DRAM-specific -------------------------------------------------------------------------------
 
@@ -363,6 +389,9 @@ class DramTier:
         high = int(self.capacity * self.high)
         if size > high:
             return False
+        if len(self._index) >= self.max_blocks:
+            # Out of descriptors before bytes (many tiny blocks): the least recently used go first.
+            self._evict_oldest(len(self._index) - self.max_blocks + 1)
         with self._lock:
             if self._used + self._reserved + size <= high:
                 self._reserved += size

@@ -59,7 +59,12 @@ class Generations:
         """
         t = int((self._now() + margin_s) * 1e9)
         with self._lock:
-            return max(self._last + 1, t)
+            if self._last + 1 <= t:
+                return t
+            # The store clock is already past the margin (it observed a peer skewed beyond it):
+            # reserve the value, so no store issued meanwhile gets the same generation.
+            self._last += 1
+            return self._last
 
     def observe(self, gen: int) -> None:
         """Note a generation seen elsewhere, so later ones issued here are greater."""

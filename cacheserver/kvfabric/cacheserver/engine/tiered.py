@@ -212,12 +212,18 @@ class TieredStore:
         """Whether every block is in DRAM now (a load of them needs no I/O)."""
         return all(self.dram.contains(b) for b in bids)
 
-    def ensure_dram(self, bid: BlockId) -> DramBlock | None:
-        """Return the DRAM block for ``bid``, promoting it from a backing tier if needed; None on a miss."""
+    def dram_hit(self, bid: BlockId) -> DramBlock | None:
+        """The DRAM block for ``bid`` if it is resident (a hit, counted), else None; never any I/O."""
         blk = self.dram.slot(bid)
         if blk is not None:
             self.counters.inc("hits", TierName.DRAM)
             self._refresh_later(bid)
+        return blk
+
+    def ensure_dram(self, bid: BlockId) -> DramBlock | None:
+        """Return the DRAM block for ``bid``, promoting it from a backing tier if needed; None on a miss."""
+        blk = self.dram_hit(bid)
+        if blk is not None:
             return blk
         for i, tier in enumerate(self.backing):
             length = tier.length(bid)

@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvfabric.cacheserver.engine.dram import new_memfd, seal
+from kvfabric.cacheserver.engine.dram import descriptor_budget, new_memfd, seal
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.tiered import TieredStore
@@ -34,6 +34,7 @@ from kvfabric.cacheserver.engine.tiered import TieredStore
 __all__ = ["BeginResult", "StagingArena", "UnknownLease"]
 
 STAGING_PREFIX = "s_"
+_PAGE = 4096
 
 
 class UnknownLease(KeyError):  # noqa: N818 - mirrors NOT_FOUND
@@ -80,6 +81,9 @@ class StagingArena:
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
         self._used = 0
+        self._slots = 0
+        # A quarter of the descriptor limit (the DRAM tier takes half).
+        self.max_slots = descriptor_budget(0.25)
         self._by_name: dict[str, _Slot] = {}
 
     @property
@@ -94,30 +98,39 @@ class StagingArena:
         slots: list[_Slot] = []
         dropped = n_present = 0
         nbytes = 0
-        for bid, length, is_present in zip(bids, lengths, present, strict=True):
-            if is_present:
-                n_present += 1
-                names.append("")
-                continue
-            with self._lock:
-                fits = self._used + length <= self.budget
-                if fits:
-                    self._used += length
-            if not fits:
-                dropped += 1
-                names.append("")
-                continue
-            name = f"{STAGING_PREFIX}{secrets.token_hex(16)}"
-            fd = new_memfd("staging", length)
-            if fd is None:
+        try:
+            for bid, length, is_present in zip(bids, lengths, present, strict=True):
+                if is_present:
+                    n_present += 1
+                    names.append("")
+                    continue
+                # At least a page each, and a bounded count: a flood of tiny stores cannot take
+                # every descriptor of the server.
+                charge = max(length, _PAGE)
                 with self._lock:
-                    self._used -= length
-                dropped += 1
-                names.append("")
-                continue
-            nbytes += length
-            names.append(name)
-            slots.append(_Slot(bid, name, length, fd))
+                    fits = self._used + charge <= self.budget and self._slots < self.max_slots
+                    if fits:
+                        self._used += charge
+                        self._slots += 1
+                if not fits:
+                    dropped += 1
+                    names.append("")
+                    continue
+                fd = new_memfd("staging", length)
+                if fd is None:
+                    with self._lock:
+                        self._used -= charge
+                        self._slots -= 1
+                    dropped += 1
+                    names.append("")
+                    continue
+                nbytes += charge
+                name = f"{STAGING_PREFIX}{secrets.token_hex(16)}"
+                names.append(name)
+                slots.append(_Slot(bid, name, length, fd))
+        except BaseException:
+            self._release(_Lease(slots, 0.0, nbytes, dropped, n_present))
+            raise
         lease_id = secrets.token_hex(16)
         with self._lock:
             for slot in slots:
@@ -203,6 +216,7 @@ class StagingArena:
             os.close(slot.fd)
         with self._lock:
             self._used -= lease.nbytes
+            self._slots -= len(lease.slots)
 
     def reap(self) -> int:
         """Reclaim expired leases (their clients died or gave up); returns how many."""

@@ -16,6 +16,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from kvfabric.rpc import blockproto as bp
 __all__ = ["BlockSocket", "Resolver"]
 
 log = logging.getLogger(__name__)
+
+SEND_TIMEOUT_SECONDS = 5
 
 Resolver = Callable[[str], tuple[int, int] | None]
 """name -> (a descriptor the socket closes after sending, payload length), or None if gone."""
@@ -59,10 +62,13 @@ class BlockSocket:
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                if not self._stop.is_set():
-                    log.exception("block socket accept failed")
-                return
+            except OSError as exc:
+                if self._stop.is_set():
+                    return
+                # EMFILE, ENOBUFS, ECONNABORTED...: transient; never stop serving same-node clients.
+                log.warning("block socket accept failed", extra={"error": str(exc)})
+                time.sleep(0.1)
+                continue
             with self._lock:
                 full = len(self._conns) >= MAX_CONNECTIONS
                 if not full:
@@ -78,6 +84,9 @@ class BlockSocket:
         try:
             pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             peer = Peer(pid, uid, gid)
+            # A client that sends requests but never reads the answers cannot hold this thread (and
+            # the descriptors in flight) for longer than this: the send fails, the connection closes.
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_SECONDS, 0))
             while not self._stop.is_set():
                 data = conn.recv(bp.MAX_MESSAGE + 1)
                 if not data:

@@ -182,21 +182,24 @@ def test_no_block_is_a_file_and_another_uid_cannot_take_the_servers_descriptors(
     assert all(stat_is_socket(sock.parent / n) for n in here)
     assert srv.proc is not None
     pid = srv.proc.pid
-    fd_dir = f"/proc/{pid}/fd"
-    memfds = [fd for fd in os.listdir(fd_dir) if os.readlink(f"{fd_dir}/{fd}").startswith("/memfd:")]
+    memfds = _memfds_of(pid)
     assert memfds, "DRAM blocks are memfds of the server process"
     # A process of another user cannot open them through /proc (ptrace access is denied).
     probe = textwrap.dedent(
         f"""
         import os, sys
         os.setgid(65534); os.setuid(65534)
+        denied = 0
         for fd in {memfds!r}:
             try:
                 os.close(os.open("/proc/{pid}/fd/" + fd, os.O_RDONLY))
             except PermissionError:
+                denied += 1
                 continue
+            except FileNotFoundError:
+                continue  # evicted meanwhile
             sys.exit("opened the server's descriptor " + fd)
-        print("denied", len({memfds!r}))
+        print("denied", denied)
         """
     )
     if os.geteuid() != 0:
@@ -205,6 +208,21 @@ def test_no_block_is_a_file_and_another_uid_cannot_take_the_servers_descriptors(
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("denied")
+    assert int(out.stdout.split()[1]) >= 1, "no descriptor was even tried"
+
+
+def _memfds_of(pid: int) -> list[str]:
+    """The descriptor numbers of ``pid`` that are memfds (the server opens and closes others meanwhile)."""
+    fd_dir = f"/proc/{pid}/fd"
+    out = []
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(f"{fd_dir}/{fd}")
+        except FileNotFoundError:
+            continue  # closed between the listing and the readlink (a socket, a disk read)
+        if target.startswith("/memfd:"):
+            out.append(fd)
+    return out
 
 
 def stat_is_socket(path: Path) -> bool:

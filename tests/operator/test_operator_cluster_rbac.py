@@ -80,6 +80,26 @@ def _install_rbac(
     return out
 
 
+def _restricted_operator(
+    cluster: ClusterHandle, tmp_path: Path, operator: OperatorProcess, ns: str, *extra_args: str
+) -> OperatorProcess:
+    """An operator authenticated as the installed ServiceAccount of ``ns`` (not started yet).
+
+    The session's operator would do the work too; it is stopped so only the restricted one acts.
+    With leader election, as the shipped Deployment runs it: the Lease is granted by the namespaced
+    Role only, so a pool reconciled at all proves that Role works.
+    """
+    kubeconfig = _token_kubeconfig(cluster, ns, tmp_path / "sa.kubeconfig")
+    operator.stop()
+    return OperatorProcess(
+        cluster,
+        tmp_path,
+        kubeconfig=kubeconfig,
+        config_name=CONFIG_NAME,
+        extra_args=[*extra_args, "--leader-election", f"--leader-election-namespace={ns}"],
+    )
+
+
 def _uninstall(
     cluster: ClusterHandle, proc: OperatorProcess, docs: list[dict[str, Any]], operator: OperatorProcess
 ) -> None:
@@ -125,18 +145,7 @@ def sa_operator(
     suffix = uuid.uuid4().hex[:6]
     ns = f"kvfabric-rbac-{suffix}"
     docs = _install_rbac(cluster, ns, suffix)
-    kubeconfig = _token_kubeconfig(cluster, ns, tmp_path / "sa.kubeconfig")
-    # The session's operator would do the work too; stop it so only the restricted one acts.
-    operator.stop()
-    # With leader election, as the shipped Deployment runs it: the Lease is granted by the namespaced
-    # Role only, so a pool reconciled at all proves that Role works.
-    proc = OperatorProcess(
-        cluster,
-        tmp_path,
-        kubeconfig=kubeconfig,
-        config_name=CONFIG_NAME,
-        extra_args=["--leader-election", f"--leader-election-namespace={ns}"],
-    )
+    proc = _restricted_operator(cluster, tmp_path, operator, ns)
     try:
         proc.start()
 
@@ -188,15 +197,7 @@ def namespaced_operator(
         d["kind"] == "ClusterRoleBinding" and d["roleRef"]["name"] == f"kvfabric-operator-{suffix}"
         for d in docs
     ), "the namespaced install binds the operator's ClusterRole cluster-wide"
-    kubeconfig = _token_kubeconfig(cluster, ns, tmp_path / "sa.kubeconfig")
-    operator.stop()
-    proc = OperatorProcess(
-        cluster,
-        tmp_path,
-        kubeconfig=kubeconfig,
-        config_name=CONFIG_NAME,
-        extra_args=[f"--namespace={namespace}", "--leader-election", f"--leader-election-namespace={ns}"],
-    )
+    proc = _restricted_operator(cluster, tmp_path, operator, ns, f"--namespace={namespace}")
     try:
         proc.start()
         yield proc, ns

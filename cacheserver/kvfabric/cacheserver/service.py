@@ -15,7 +15,7 @@ import json
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar, cast
 
@@ -220,6 +220,24 @@ class CacheService(pb_grpc.CacheServicer):
             job.add_done_callback(_close_result)
             raise
 
+    async def _require_shm(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        if not self.allow_shm:
+            await _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "shared memory is only served on the Unix socket",
+            )
+
+    async def _bounded(
+        self, context: grpc.aio.ServicerContext[Any, Any], work: Awaitable[None], what: str
+    ) -> None:
+        """Run a streaming call's ``work`` within the server-side deadline; DEADLINE_EXCEEDED past it."""
+        try:
+            async with asyncio.timeout(self._deadline(context)):
+                await work
+        except TimeoutError:
+            await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"server-side deadline: {what}")
+
     @contextlib.asynccontextmanager
     async def _load_slot(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
         peer = peer_key(context.peer())
@@ -271,19 +289,8 @@ class CacheService(pb_grpc.CacheServicer):
         network filesystem, with no client deadline, holds its load slot only until then.
         """
         await _check(request, context)
-        if not self.allow_shm:
-            await _abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "shared memory is only served on the Unix socket",
-            )
-        try:
-            async with asyncio.timeout(self._deadline(context)):
-                await self._shm_load(request, context)
-        except TimeoutError:
-            await _abort(
-                context, grpc.StatusCode.DEADLINE_EXCEEDED, "server-side deadline: load not served in time"
-            )
+        await self._require_shm(context)
+        await self._bounded(context, self._shm_load(request, context), "load not served in time")
 
     async def _shm_load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         t0 = time.perf_counter()
@@ -340,13 +347,7 @@ class CacheService(pb_grpc.CacheServicer):
         holds its load slot only until then, as a trickling store does.
         """
         await _check(request, context)
-        try:
-            async with asyncio.timeout(self._deadline(context)):
-                await self._load(request, context)
-        except TimeoutError:
-            await _abort(
-                context, grpc.StatusCode.DEADLINE_EXCEEDED, "server-side deadline: load not read in time"
-            )
+        await self._bounded(context, self._load(request, context), "load not read in time")
 
     async def _load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         t0 = time.perf_counter()
@@ -489,12 +490,7 @@ class CacheService(pb_grpc.CacheServicer):
     ) -> pb.ShmStoreBeginResponse:
         """Hand out staging files for the keys the server can take now."""
         await _check(request, context)
-        if not self.allow_shm:
-            await _abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "shared memory is only served on the Unix socket",
-            )
+        await self._require_shm(context)
         bids = await self._ids(request.namespace, list(request.keys), context)
         lengths = list(request.lengths)
         if len(lengths) != len(bids):
@@ -525,12 +521,7 @@ class CacheService(pb_grpc.CacheServicer):
     ) -> pb.StoreResponse:
         """Copy a lease's staging files into DRAM (or abort it)."""
         await _check(request, context)
-        if not self.allow_shm:
-            await _abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "shared memory is only served on the Unix socket",
-            )
+        await self._require_shm(context)
         t0 = time.perf_counter()
         arena = self.s.arena
         try:

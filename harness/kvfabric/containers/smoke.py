@@ -52,16 +52,11 @@ def help_of(eng: DockerEngine, image: Image, *command: str) -> str:
 
 
 @contextlib.contextmanager
-def _shared_dirs() -> Iterator[tuple[Path, Path]]:
-    """A run directory and a tmpfs arena directory that uid 65532 can write (bind-mounted)."""
-    shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-    with (
-        tempfile.TemporaryDirectory(prefix="kvf-smoke-") as run,
-        tempfile.TemporaryDirectory(prefix="kvf-smoke-shm-", dir=shm_base) as shm,
-    ):
-        for d in (run, shm):
-            os.chmod(d, 0o777)  # noqa: S103 - a throw-away directory shared with the container's uid
-        yield Path(run), Path(shm)
+def _shared_dir() -> Iterator[Path]:
+    """A directory that uid 65532 can write (bind-mounted into the container)."""
+    with tempfile.TemporaryDirectory(prefix="kvf-smoke-") as run:
+        os.chmod(run, 0o777)  # noqa: S103 - a throw-away directory shared with the container's uid
+        yield Path(run)
 
 
 def cacheserver_round_trip(eng: DockerEngine, image: Image, timeout: float = 120.0) -> ProcessFacts:
@@ -71,7 +66,7 @@ def cacheserver_round_trip(eng: DockerEngine, image: Image, timeout: float = 120
     """
     from kvfabric.client.sync import CacheClient
 
-    with _shared_dirs() as (run, shm):
+    with _shared_dir() as run:
         config = {
             "server_id": "smoke",
             "listen": {"unix_socket": "/run/kvfabric/cache.sock", "tcp_host": "127.0.0.1", "tcp_port": 7070},
@@ -90,8 +85,6 @@ def cacheserver_round_trip(eng: DockerEngine, image: Image, timeout: float = 120
             *LOCKED_DOWN,
             "-v",
             f"{run}:/run/kvfabric",
-            "-v",
-            f"{shm}:/shm",
             image.ref,
             "cacheserver",
             "--config",
@@ -162,7 +155,7 @@ def process_facts(pid: int) -> ProcessFacts:
 
 def connector_payload(eng: DockerEngine, image: Image) -> list[str]:
     """Copy the payload with the image's default command; import it from the Python image."""
-    with _shared_dirs() as (dest, _shm):
+    with _shared_dir() as dest:
         out = eng.docker("run", "--rm", *LOCKED_DOWN, "-v", f"{dest}:/opt/kvfabric", image.ref, check=False)
         if out.returncode != 0:
             raise SmokeError(f"{image.ref} default command failed:\n{out.stdout}{out.stderr}")

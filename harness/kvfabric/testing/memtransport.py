@@ -6,9 +6,7 @@ connector's logic and of the resilience layer (it can hang, refuse or corrupt on
 
 from __future__ import annotations
 
-import shutil
 import signal
-import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -110,14 +108,11 @@ class CacheServerProcess:
         from kvfabric.testing.serverproc import ServerProcess, make_config
 
         root.mkdir(parents=True, exist_ok=True)
-        shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else root
-        self._shm_root = Path(tempfile.mkdtemp(prefix="kvf-conn-", dir=shm_base))
         overrides: dict[str, object] = {}
         if isinstance(local_disk, Path):
             overrides["tiers.local_disk.path"] = str(local_disk)
         config = make_config(
             root,
-            self._shm_root,
             server_id=name,
             shared_dir=shared,
             dram_bytes=dram_bytes,
@@ -175,9 +170,8 @@ class CacheServerProcess:
         self.process.stop()
 
     def close(self) -> None:
-        """Stop and remove the arena directory."""
+        """Stop the process."""
         self.stop()
-        shutil.rmtree(self._shm_root, ignore_errors=True)
 
     def __enter__(self) -> CacheServerProcess:
         return self.start()

@@ -164,7 +164,6 @@ class ServerProcess:
 
 def make_config(
     workdir: Path,
-    shm_root: Path,
     *,
     server_id: str = "srv",
     shared_dir: Path | None = None,
@@ -175,7 +174,7 @@ def make_config(
     metrics: bool = True,
     overrides: Mapping[str, Any] | None = None,
 ) -> ServerConfig:
-    """A server configuration rooted in ``workdir`` (disk) and ``shm_root`` (tmpfs)."""
+    """A server configuration rooted in ``workdir`` (its sockets and disk tiers)."""
     data: dict[str, Any] = {
         "server_id": server_id,
         "listen": {
@@ -203,16 +202,13 @@ def make_config(
 
 
 @contextlib.contextmanager
-def temp_dirs() -> Iterator[tuple[Path, Path]]:
-    """A short-named work directory (Unix socket paths are limited to 107 bytes) and a tmpfs one."""
+def temp_dir() -> Iterator[Path]:
+    """A short-named work directory (Unix socket paths are limited to 107 bytes)."""
     work = Path(tempfile.mkdtemp(prefix="kvf-"))
-    shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
-    shm = Path(tempfile.mkdtemp(prefix="kvf-", dir=shm_base))
     try:
-        yield work, shm
+        yield work
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -229,8 +225,8 @@ def cache_server(
     Keyword arguments go to :func:`make_config` (``dram_bytes``, ``local_disk_bytes``, ``shared_bytes``,
     ``tcp``, ``metrics``, ``overrides={"dotted.path": value}``).
     """
-    with temp_dirs() as (work, shm):
-        config = make_config(work, shm, server_id=server_id, shared_dir=shared_dir, **config_kwargs)
+    with temp_dir() as work:
+        config = make_config(work, server_id=server_id, shared_dir=shared_dir, **config_kwargs)
         srv = ServerProcess(config, work, env)
         try:
             if start:

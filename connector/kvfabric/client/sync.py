@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,6 +28,16 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 _DESCRIBE_TIMEOUT_S = 2.0
 """Longest a description may take (it is for status only; the call it precedes has its own deadline)."""
+
+
+@dataclass(frozen=True)
+class _Conn:
+    """A channel, its stubs and the token its calls carry: replaced as one on a rotation."""
+
+    channel: grpc.Channel
+    stub: Any  # the generated stub is untyped; its messages are typed by cache_pb2.pyi
+    health: Any
+    md: tuple[tuple[str, str], ...] | None
 
 
 class CacheClient:
@@ -106,7 +117,9 @@ class CacheClient:
             request_serializer=_health_request,
             response_deserializer=_health_status,
         )
-        self._channel, self._stub, self._health_check, self._md = channel, stub, health, md
+        # One object swapped whole: a call made during a rotation uses the new channel with the new
+        # token, or the old with the old, never a mix (the token is checked per call).
+        self._conn = _Conn(channel, stub, health, md)
 
     def _refresh_credentials(self) -> None:
         """Rebuild the channel when a credential file changed (checked at most once a second)."""
@@ -119,7 +132,7 @@ class CacheClient:
             stamp = c.file_stamps(self._watched)
             if stamp == self._stamp:
                 return
-            old = self._channel
+            old = self._conn.channel
             try:
                 self._connect()
             except (OSError, ValueError) as exc:
@@ -135,10 +148,11 @@ class CacheClient:
             timer.start()
             self._retired = [(ch, t) for ch, t in self._retired if t.is_alive()] + [(old, timer)]
 
-    def _call(self, fn: Callable[[], T]) -> T:
+    def _call(self, fn: Callable[[_Conn], T]) -> T:
         self._refresh_credentials()
+        conn = self._conn
         try:
-            return fn()
+            return fn(conn)
         except grpc.RpcError as exc:
             raise c.map_rpc_error(exc) from exc
 
@@ -151,7 +165,7 @@ class CacheClient:
         c.check_timeout(timeout)
         c.check_ids(namespace, [])
         req = pb.DescribeRequest(namespace=namespace, spec_json=spec_json)
-        self._call(lambda: self._stub.Describe(req, timeout=timeout, metadata=self._md))
+        self._call(lambda r: r.stub.Describe(req, timeout=timeout, metadata=r.md))
 
     def announce(self, namespace: str, spec_json: str) -> None:
         """Describe ``namespace`` to the server before this client's next call, and again when it asks.
@@ -220,7 +234,7 @@ class CacheClient:
                 return local
         req = pb.LookupRequest(namespace=namespace, keys=keys)
         left = _remaining(deadline)
-        resp = self._call(lambda: self._stub.Lookup(req, timeout=left, metadata=self._md))
+        resp = self._call(lambda r: r.stub.Lookup(req, timeout=left, metadata=r.md))
         self._asked_to_describe(namespace, resp)
         return c.lookup_result(resp)
 
@@ -254,8 +268,8 @@ class CacheClient:
             deadline = time.monotonic() + timeout
             out: list[bytes] = []
 
-            def read_all() -> None:
-                call = self._stub.ShmLoad(req, timeout=timeout, metadata=self._md)
+            def read_all(r: _Conn) -> None:
+                call = r.stub.ShmLoad(req, timeout=timeout, metadata=r.md)
                 for slot in call:
                     data = c.shm_read_one(blocks, slot, deadline)
                     if data is None:
@@ -283,9 +297,9 @@ class CacheClient:
             deadline = time.monotonic() + timeout
             count = 0
 
-            def read_into() -> None:
+            def read_into(r: _Conn) -> None:
                 nonlocal count
-                call = self._stub.ShmLoad(req, timeout=timeout, metadata=self._md)
+                call = r.stub.ShmLoad(req, timeout=timeout, metadata=r.md)
                 # Copy each block as soon as it is named, while the server promotes the next one.
                 for slot in call:
                     if count >= len(keys) or not c.shm_read_one_into(
@@ -302,8 +316,8 @@ class CacheClient:
         return asm.count
 
     def _stream_load(self, req: pb.LoadRequest, timeout: float, asm: c.LoadAssembler) -> None:
-        def run() -> None:
-            for chunk in self._stub.Load(req, timeout=timeout, metadata=self._md):
+        def run(r: _Conn) -> None:
+            for chunk in r.stub.Load(req, timeout=timeout, metadata=r.md):
                 asm.feed(chunk)
             asm.done()
 
@@ -326,7 +340,7 @@ class CacheClient:
                 namespace=namespace, keys=keys, lengths=[memoryview(p).nbytes for p in payloads]
             )
             left = _remaining(deadline)
-            resp = self._call(lambda: self._stub.ShmStoreBegin(begin, timeout=left, metadata=self._md))
+            resp = self._call(lambda r: r.stub.ShmStoreBegin(begin, timeout=left, metadata=r.md))
             self._asked_to_describe(namespace, resp)
             try:
                 c.shm_write(blocks, resp.slots, payloads, deadline)
@@ -334,15 +348,16 @@ class CacheClient:
                 commit = pb.ShmStoreCommitRequest(lease_id=resp.lease_id, abort=True)
                 # The lease expires on its own if this fails.
                 with contextlib.suppress(grpc.RpcError):
-                    self._stub.ShmStoreCommit(commit, timeout=1.0, metadata=self._md)
+                    conn = self._conn
+                    conn.stub.ShmStoreCommit(commit, timeout=1.0, metadata=conn.md)
                 raise
             commit = pb.ShmStoreCommitRequest(lease_id=resp.lease_id)
             left = _remaining(deadline, "while writing to shared memory")
-            done = self._call(lambda: self._stub.ShmStoreCommit(commit, timeout=left, metadata=self._md))
+            done = self._call(lambda r: r.stub.ShmStoreCommit(commit, timeout=left, metadata=r.md))
             return StoreResult(done.accepted, done.dropped)
         chunks = c.store_chunks(namespace, keys, payloads)
         left = _remaining(deadline)
-        done = self._call(lambda: self._stub.Store(chunks, timeout=left, metadata=self._md))
+        done = self._call(lambda r: r.stub.Store(chunks, timeout=left, metadata=r.md))
         self._asked_to_describe(namespace, done)
         return StoreResult(done.accepted, done.dropped)
 
@@ -351,7 +366,7 @@ class CacheClient:
         c.check_timeout(timeout)
         c.check_ids(namespace, keys)
         req = pb.DeleteRequest(namespace=namespace, keys=keys)
-        resp = self._call(lambda: self._stub.Delete(req, timeout=timeout, metadata=self._md))
+        resp = self._call(lambda r: r.stub.Delete(req, timeout=timeout, metadata=r.md))
         return int(resp.deleted)
 
     def flush(self, namespace: str, keys: Sequence[str], *, timeout: float) -> FlushResult:
@@ -364,12 +379,12 @@ class CacheClient:
         c.check_timeout(timeout)
         c.check_ids(namespace, keys)
         req = pb.FlushRequest(namespace=namespace, keys=keys)
-        return c.flush_result(self._call(lambda: self._stub.Flush(req, timeout=timeout, metadata=self._md)))
+        return c.flush_result(self._call(lambda r: r.stub.Flush(req, timeout=timeout, metadata=r.md)))
 
     def stats(self, *, timeout: float) -> dict[str, Any]:
         """Return the server's statistics (tiers' usage, counters) as a dict."""
         c.check_timeout(timeout)
-        resp = self._call(lambda: self._stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=self._md))
+        resp = self._call(lambda r: r.stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=r.md))
         out: dict[str, Any] = json.loads(resp.json)
         return out
 
@@ -378,7 +393,8 @@ class CacheClient:
         c.check_timeout(timeout)
         self._refresh_credentials()
         try:
-            return bool(self._health_check(b"", timeout=timeout, metadata=self._md))
+            conn = self._conn
+            return bool(conn.health(b"", timeout=timeout, metadata=conn.md))
         except grpc.RpcError:
             return False
 
@@ -390,7 +406,7 @@ class CacheClient:
         for channel, timer in retired:
             timer.cancel()
             channel.close()
-        self._channel.close()
+        self._conn.channel.close()
         if self._index is not None:
             self._index.close()
         if self._blocks is not None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from kvfabric.client import errors
 from kvfabric.rpc import blockproto as bp
+from kvfabric.rpc import fdpass
 
 __all__ = ["BlockChannel", "close_all", "copy_into", "read_all", "write_all"]
 
@@ -61,9 +62,7 @@ class BlockChannel:
                     sock.settimeout(max(1e-3, deadline - time.monotonic()))
                     sock.send(bp.encode_request(names))
                     # Close-on-exec from the start: another thread of the engine may fork meanwhile.
-                    msg, fds, flags, _ = socket.recv_fds(
-                        sock, len(names), len(names), socket.MSG_CMSG_CLOEXEC
-                    )
+                    msg, fds, flags = fdpass.recv_fds(sock, len(names), len(names))
                 except TimeoutError as exc:
                     self._drop()
                     raise errors.CacheTimeout("block socket: no answer before the deadline") from exc

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from kvfabric.client.errors import CacheUnavailable
 from kvfabric.client.results import LookupResult
+from kvfabric.rpc import fdpass
 from kvfabric.rpc import indextable as it
 
 __all__ = ["LocalIndex"]
@@ -192,7 +193,7 @@ class LocalIndex:
             s.settimeout(self.fetch_timeout)
             s.connect(str(self.path))
             s.sendall(it.REQUEST_PREFIX + namespace.encode("ascii") + b"\n")
-            msg, fds, _flags, _addr = socket.recv_fds(s, 128, 1)
+            msg, fds, _flags = fdpass.recv_fds(s, 128, 1)
         except OSError:
             s.close()
             return None

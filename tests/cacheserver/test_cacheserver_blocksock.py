@@ -1,0 +1,191 @@
+"""The block socket's descriptor handling under real faults (see docs/cacheserver.md, "Same node").
+
+A client that stops reading its answers, a server out of descriptors, a client process that forks
+while descriptors arrive, and a container runtime's low descriptor limit: each would otherwise hold
+a server thread forever, stop the accept loop, leak blocks into child processes, or cap the DRAM
+tier at about a thousand blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvfabric.cacheserver.transport import blocksock
+from kvfabric.client.blocks import BlockChannel
+from kvfabric.rpc import blockproto as bp
+from kvfabric.rpc import fdpass
+from kvfabric.testing.serverproc import MiB, cache_server, wait_until
+
+NAME = "d_" + "ab" * 16
+PAYLOAD = b"block bytes" * 100
+
+
+def _memfd() -> int:
+    fd = os.memfd_create("test-block", os.MFD_CLOEXEC)
+    os.write(fd, PAYLOAD)
+    return fd
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[blocksock.BlockSocket]:
+    block = _memfd()
+    # The socket closes the descriptor it is given after sending it: hand it a duplicate each time.
+    sock = blocksock.BlockSocket(tmp_path / "b.sock", lambda name: (os.dup(block), len(PAYLOAD)))
+    sock.start()
+    try:
+        yield sock
+    finally:
+        sock.close()
+        os.close(block)
+
+
+def test_a_client_that_stops_reading_its_answers_is_disconnected_and_others_are_served(
+    served: blocksock.BlockSocket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(blocksock, "SEND_TIMEOUT_SECONDS", 1)
+    greedy = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    greedy.connect(str(served.path))
+    greedy.setblocking(False)
+    request = bp.encode_request([NAME])
+    sent = 0
+    started = time.monotonic()
+    blocked_since: float | None = None
+    # Requests and never a read: the answers pile up in greedy's queue until the server's send
+    # blocks (its send buffer is full), and then greedy's own requests stop being read. Greedy's
+    # send buffer fills first and frees as the server reads, so "blocked" is half a second of it.
+    while time.monotonic() - started < 20:
+        try:
+            greedy.send(request)
+            sent += 1
+            blocked_since = None
+        except BlockingIOError:
+            blocked_since = blocked_since or time.monotonic()
+            if time.monotonic() - blocked_since > 0.5:
+                break
+            time.sleep(0.01)
+    assert sent > 0
+    assert served.connections == 1, "still connected while the server waits to send"
+    # The server gives up on that send after its timeout and drops the connection (the descriptors
+    # queued for greedy are freed with it). Without the timeout its thread waits forever.
+    wait_until(lambda: served.connections == 0, 15, what="the greedy client to be disconnected")
+    with BlockChannel(served.path) as polite:
+        (fd,) = polite.fetch([NAME], deadline=time.monotonic() + 5)
+    assert fd is not None
+    os.close(fd)
+    greedy.close()
+
+
+def test_received_descriptors_are_close_on_exec(served: blocksock.BlockSocket) -> None:
+    with BlockChannel(served.path) as channel:
+        (fd,) = channel.fetch([NAME], deadline=time.monotonic() + 5)
+    assert fd is not None
+    try:
+        # A subprocess the engine starts (a compiler, a tokenizer server) must not inherit blocks.
+        assert os.get_inheritable(fd) is False
+        assert os.pread(fd, len(PAYLOAD), 0) == PAYLOAD
+    finally:
+        os.close(fd)
+
+
+def test_fdpass_receives_every_descriptor_close_on_exec() -> None:
+    # The helper both the block channel and the published-index reader use (the standard library's
+    # recv_fds ignores MSG_CMSG_CLOEXEC before Python 3.13).
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sent = [_memfd(), _memfd()]
+    try:
+        socket.send_fds(a, [b"xy"], sent)
+        msg, fds, flags = fdpass.recv_fds(b, 16, 4)
+        assert (msg, len(fds), flags & socket.MSG_CTRUNC) == (b"xy", 2, 0)
+        assert [os.get_inheritable(fd) for fd in fds] == [False, False]
+        for fd in fds:
+            os.close(fd)
+    finally:
+        for fd in sent:
+            os.close(fd)
+        a.close()
+        b.close()
+
+
+EMFILE_SCRIPT = textwrap.dedent(
+    """
+    import logging, os, resource, socket, sys, time
+    from pathlib import Path
+    from kvfabric.cacheserver.transport import blocksock
+    from kvfabric.client.blocks import BlockChannel
+
+    failures = []
+    class Count(logging.Handler):
+        def emit(self, record):
+            if record.getMessage() == "block socket accept failed":
+                failures.append(record)
+    logging.getLogger(blocksock.__name__).addHandler(Count())
+
+    block = os.memfd_create("b", os.MFD_CLOEXEC)
+    os.write(block, b"x" * 10)
+    path = Path(sys.argv[1])
+    server = blocksock.BlockSocket(path, lambda name: (os.dup(block), 10))
+    server.start()
+    client = BlockChannel(path)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    # Every descriptor taken, save none: the server's accept fails with EMFILE.
+    client_sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fillers = []
+    while True:
+        try:
+            fillers.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            break
+    client_sock.connect(str(path))   # queued in the backlog; accept() cannot take it
+    time.sleep(0.5)
+    for fd in fillers:
+        os.close(fd)
+    client_sock.close()
+    # The accept loop survived: a fresh client is served.
+    (fd,) = client.fetch(["d_" + "cd" * 16], deadline=time.monotonic() + 5)
+    print(len(failures), os.pread(fd, 10, 0) == b"x" * 10)
+    """
+)
+
+
+@pytest.mark.process
+def test_the_accept_loop_survives_running_out_of_descriptors(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", EMFILE_SCRIPT, str(tmp_path / "b.sock")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    failures, served = out.stdout.split()
+    assert int(failures) >= 1, "the fault was real: accept failed while descriptors ran out"
+    assert served == "True"
+
+
+@pytest.mark.process
+def test_the_server_raises_its_descriptor_limit_to_the_hard_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 1024:
+        pytest.skip(f"the hard limit here is {hard}: nothing to raise to")
+    # What a container runtime often gives: soft 1024. The server inherits it from this process.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        with cache_server(dram_bytes=16 * MiB, start=False) as srv:
+            srv.start()
+            assert srv.proc is not None
+            limits = Path(f"/proc/{srv.proc.pid}/limits").read_text()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    line = next(ln for ln in limits.splitlines() if ln.startswith("Max open files"))
+    got_soft, got_hard = line.split()[3:5]
+    assert got_soft == got_hard, line

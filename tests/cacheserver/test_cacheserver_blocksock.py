@@ -99,7 +99,7 @@ def test_received_descriptors_are_close_on_exec(served: blocksock.BlockSocket) -
 
 def test_fdpass_receives_every_descriptor_close_on_exec() -> None:
     # The helper both the block channel and the published-index reader use (the standard library's
-    # recv_fds ignores MSG_CMSG_CLOEXEC before Python 3.13).
+    # recv_fds ignores MSG_CMSG_CLOEXEC in Python 3.11).
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sent = [_memfd(), _memfd()]
     try:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvfabric.client import CacheClient
-from kvfabric.client import sync as sync_mod
+from kvfabric.rpc.v1 import cache_pb2_grpc
 
 
 class _Reply:
@@ -59,7 +59,7 @@ def test_a_call_during_a_rotation_carries_the_token_of_its_own_channel(
 
             return call
 
-    monkeypatch.setattr(sync_mod.pb_grpc, "CacheStub", FakeStub)
+    monkeypatch.setattr(cache_pb2_grpc, "CacheStub", FakeStub)  # the module sync.py calls
     client = CacheClient("unix:///nonexistent/cache.sock", token_file=token_file, shared_memory=False)
     try:
         client.stats(timeout=1.0)  # rotates while looking up Stats on the old stub

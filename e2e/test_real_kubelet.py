@@ -1,10 +1,13 @@
 """kvfabric on real kubelets (level ``kubelet``): the built images, run by the runtime, as deployed.
 
 A local control plane with two real GPU nodes (``kvfabric cluster up --kubelets 2``: kubelet v1.36.3
-and containerd, each node in its own network and mount namespace) and no fake node; the operator
-runs as a process with its webhook on loopback, as in the other e2e tests. The cache-server pods run
-``ghcr.io/kvfabric/kvfabric:v0.1.0`` exactly as ``images/cacheserver/Dockerfile`` built it
-(``imagePullPolicy: Never``: the images were loaded from the harness's engine, never pulled).
+and containerd, each node in its own network and mount namespace) and no fake node. The operator is
+installed as ``manifests/default`` deploys it (``e2e/kubelet``, which says what the local cluster
+changes: the node's network, no pull, the GPU toleration): a Deployment whose pod a real kubelet
+runs from ``ghcr.io/kvfabric/operator:v0.1.0``, with its own ServiceAccount token and RBAC, its
+webhook reached through its Service. The cache-server pods run ``ghcr.io/kvfabric/kvfabric:v0.1.0``
+exactly as ``images/cacheserver/Dockerfile`` built it (``imagePullPolicy: Never``: the images were
+loaded from the harness's engine, never pulled).
 
 What the kubelet and the runtime enforce is read from the kernel (``/proc/<pid>/status`` and
 ``mounts`` of the container's process, found through the node's cgroup subtree), not from the pod
@@ -23,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kvfabric.containers.smoke import process_facts
-from kvfabric.demo.fabric import _operator_process, install, repo_root, wait_pool_ready
+from kvfabric.demo.fabric import repo_root, wait_pool_ready
 from kvfabric.localcluster.cluster import LocalCluster
 from kvfabric.localcluster.realnodes import CGROUP_PARENT, CGROUP_ROOT, RealNode, node_ready
 from kvfabric.localcluster.testing import ClusterHandle, wait_for
@@ -38,15 +42,83 @@ IMAGE = {"repository": "ghcr.io/kvfabric/kvfabric", "tag": "v0.1.0", "pullPolicy
 NODES = 2
 UID = 65532
 CAP_NET_RAW = 1 << 13
+OPERATOR_NS = "kvfabric-system"
+OPERATOR_SELECTOR = "app.kubernetes.io/name=kvfabric-operator"
+WEBHOOK_CONFIG = "kvfabric-pod-injector"
+SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+SA_MOUNTS = {SA_MOUNT, SA_MOUNT.removeprefix("/var")}  # /var/run is a symlink to /run in Debian
 
 
 @dataclass
 class RealCluster:
-    """The cluster handle, its real nodes and the operator's log."""
+    """The cluster handle and its real nodes."""
 
     handle: ClusterHandle
     nodes: list[RealNode]
-    operator_log: Path
+
+
+def _install_operator(handle: ClusterHandle, api_port: int) -> None:
+    """``e2e/kubelet`` (the default install, adapted to the local cluster), applied as rendered.
+
+    The one value kustomize cannot know is the cluster's API port, which the node relay serves at
+    127.0.0.1 in the node's namespace; it becomes ``KUBERNETES_SERVICE_PORT``, as a kubelet would set
+    it from the ``kubernetes`` Service.
+    """
+    rendered = handle.kubectl("kustomize", str(repo_root() / "e2e" / "kubelet")).stdout
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    for doc in docs:
+        if doc["kind"] == "Deployment":
+            env = doc["spec"]["template"]["spec"]["containers"][0]["env"]
+            env.append({"name": "KUBERNETES_SERVICE_PORT", "value": str(api_port)})
+    crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+    handle.apply(*crds)
+    handle.wait_crd_established("kvcachepools.kvfabric.io")
+    handle.apply(*(d for d in docs if d["kind"] != "CustomResourceDefinition"))
+
+
+def _operator_diagnostics(handle: ClusterHandle, nodes: list[RealNode]) -> str:
+    """The operator's pods, the namespace's events and the container logs the nodes kept."""
+    pods = handle.kubectl("get", "pods", "-n", OPERATOR_NS, "-o", "wide", check=False).stdout
+    events = handle.kubectl("get", "events", "-n", OPERATOR_NS, check=False).stdout
+    logs = []
+    for node in nodes:
+        for log in sorted((node.dir / "pod-logs").glob(f"{OPERATOR_NS}_*/*/*.log")):
+            logs.append(f"--- {log}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
+    return "\n".join([pods, events[-3000:], *logs])
+
+
+def _operator_up(handle: ClusterHandle, nodes: list[RealNode]) -> dict[str, Any]:
+    """Until the kubelet reports the operator Ready, its webhook is registered and has an endpoint."""
+
+    def ready_pod() -> dict[str, Any] | None:
+        pods = handle.get_json("pods", "-n", OPERATOR_NS, "-l", OPERATOR_SELECTOR)["items"]
+        return next((p for p in pods if _pod_ready(p)), None)
+
+    try:
+        pod: dict[str, Any] = wait_for(
+            ready_pod, timeout=240, interval=1.0, message="the operator's pod to be Ready"
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_operator_diagnostics(handle, nodes)}") from None
+
+    def registered() -> bool:
+        out = handle.kubectl("get", "mutatingwebhookconfiguration", WEBHOOK_CONFIG, check=False)
+        slices = handle.get_json(
+            "endpointslices", "-n", OPERATOR_NS, "-l", "kubernetes.io/service-name=kvfabric-webhook"
+        )["items"]
+        ready = [
+            e
+            for s in slices
+            for e in s.get("endpoints") or []
+            if (e.get("conditions") or {}).get("ready") and pod["status"]["podIP"] in e["addresses"]
+        ]
+        return out.returncode == 0 and bool(ready)
+
+    try:
+        wait_for(registered, timeout=120, interval=1.0, message="the webhook's registration and endpoint")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_operator_diagnostics(handle, nodes)}") from None
+    return pod
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +136,9 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
         local_dir=cluster.dir,
     )
     try:
-        install(handle, repo_root())
-        with _operator_process(handle, base / "operator", lambda _m: None) as log:
-            yield RealCluster(handle, cluster.real_nodes(), log)
+        _install_operator(handle, state.ports.apiserver)
+        _operator_up(handle, cluster.real_nodes())
+        yield RealCluster(handle, cluster.real_nodes())
     finally:
         cluster.down(progress=lambda _m: None)
 
@@ -133,6 +205,43 @@ def test_real_nodes_look_like_the_fake_gpu_nodes(real: RealCluster) -> None:
         assert "kwok.x-k8s.io/node" not in obj["metadata"].get("annotations", {})
 
 
+def _mount_points(pid: int) -> set[str]:
+    return {line.split()[1] for line in Path(f"/proc/{pid}/mounts").read_text().splitlines()}
+
+
+def test_the_operator_runs_from_its_image_as_the_manifests_deploy_it(real: RealCluster) -> None:
+    pods = real.handle.get_json("pods", "-n", OPERATOR_NS, "-l", OPERATOR_SELECTOR)["items"]
+    (pod,) = pods
+    assert _pod_ready(pod), "Ready by the kubelet's readiness probe of /healthz"
+    (status,) = pod["status"]["containerStatuses"]
+    assert status["image"].endswith("ghcr.io/kvfabric/operator:v0.1.0")
+    node = _node(real, pod["spec"]["nodeName"])
+    pid = _container_pid(node, status["containerID"])
+    facts = process_facts(pid)
+    assert facts["uids"] == [UID] * 4, "runAsUser 65532, enforced by the runtime"
+    assert facts["cap_eff"] == 0, "capabilities: drop ALL"
+    assert facts["no_new_privs"] is True, "allowPrivilegeEscalation: false"
+    assert facts["root_read_only"] is True, "readOnlyRootFilesystem"
+    # Its credentials are its ServiceAccount's projected token (added by the API server's
+    # ServiceAccount admission, rotated by the kubelet): no kubeconfig exists in the image.
+    assert SA_MOUNTS & _mount_points(pid), sorted(_mount_points(pid))
+    assert pod["spec"]["serviceAccountName"] == "kvfabric-operator"
+    # It holds the leader-election Lease through its namespaced Role...
+    lease = real.handle.get_json("lease", "kvfabric-operator", "-n", OPERATOR_NS)
+    assert lease["spec"]["holderIdentity"].startswith(pod["metadata"]["name"])
+    # ...and registered its webhook behind its Service, which the API server reaches at the pod.
+    webhook = real.handle.get_json("mutatingwebhookconfiguration", WEBHOOK_CONFIG)
+    (hook,) = webhook["webhooks"]
+    assert hook["clientConfig"]["service"] == {
+        "namespace": OPERATOR_NS,
+        "name": "kvfabric-webhook",
+        "path": "/mutate-pods",
+        "port": 443,
+    }
+    assert "url" not in hook["clientConfig"]
+    assert hook["clientConfig"]["caBundle"]
+
+
 def test_cache_server_runs_on_every_real_node_as_the_runtime_enforces(
     real: RealCluster, ready_pool: tuple[str, str]
 ) -> None:
@@ -151,6 +260,9 @@ def test_cache_server_runs_on_every_real_node_as_the_runtime_enforces(
         assert facts["cap_bnd"] & CAP_NET_RAW == 0, "not even in the bounding set"
         assert facts["no_new_privs"] is True, "allowPrivilegeEscalation: false"
         assert facts["root_read_only"] is True, "readOnlyRootFilesystem"
+        # The ServiceAccount admission plugin runs here, so this is the rendered
+        # automountServiceAccountToken: false at work, not a token nobody added.
+        assert not SA_MOUNTS & _mount_points(_container_pid(node, status["containerID"]))
         # The hostPath run directory is the node's own (its mount namespace), not the machine's.
         socket = node.host_dir(names.HOST_RUN_ROOT) / names.pool_dir_name(ns, pool) / names.SOCKET_NAME
         assert socket.is_socket(), f"no socket at {socket}"

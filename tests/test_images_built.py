@@ -139,6 +139,24 @@ def test_engine_image_runs_its_command(engine: DockerEngine) -> None:
 
 
 @pytest.mark.images
+@pytest.mark.parametrize("name", ["operator", "cacheserver", "engine"])
+def test_images_know_their_runtime_user(engine: DockerEngine, name: str) -> None:
+    # Without a passwd entry for 65532, kopf's start-up (getpass.getuser()) raised KeyError: the
+    # operator image crashed on its first start under a real kubelet (e2e/test_real_kubelet.py).
+    out = engine.docker(
+        "run",
+        "--rm",
+        *smoke.LOCKED_DOWN,
+        "--entrypoint",
+        "python",
+        _image(name).ref,
+        "-c",
+        "import getpass, os; print(os.getuid(), getpass.getuser())",
+    )
+    assert out.stdout.split() == ["65532", "nonroot"]
+
+
+@pytest.mark.images
 def test_cacheserver_image_serves_a_chunk_locked_down(engine: DockerEngine) -> None:
     facts = smoke.cacheserver_round_trip(engine, _image("cacheserver"))
     assert facts["uids"] == [65532] * 4, "non-root (the image's USER)"

@@ -11,9 +11,11 @@ from kvfabric.localcluster.nodes import GPU_RESOURCE
 
 def test_nodes_get_distinct_namespaces_addresses_pod_ranges_and_short_socket_paths(tmp_path: Path) -> None:
     nodes = realnodes.plan(tmp_path / "cluster", Path("/run/kvfabric-0/nodes"), 3)
-    for attr in ("name", "netns", "address", "pod_subnet", "run", "cgroup"):
+    for attr in ("name", "netns", "address", "host_address", "host_link", "pod_subnet", "run", "cgroup"):
         assert len({getattr(n, attr) for n in nodes}) == 3, attr
     for n in nodes:
+        assert len(n.host_link) <= 15, "the kernel's limit for an interface name"
+        assert n.host_address.rsplit(".", 1)[0] == n.address.rsplit(".", 1)[0], "one /24 per node"
         assert len(str(n.containerd_socket)) < 100
         # The cache server's socket lives in the node's run directory: clients on the host need < 108.
         sock = n.host_dir("/run/kvfabric") / "kd-12345678-pool-name" / "cache.sock"  # as the tests name them
@@ -21,6 +23,7 @@ def test_nodes_get_distinct_namespaces_addresses_pod_ranges_and_short_socket_pat
     # Another cluster directory, other namespaces (two clusters can run side by side).
     other = realnodes.plan(tmp_path / "other", Path("/run/kvfabric-0/nodes"), 1)
     assert other[0].netns != nodes[0].netns
+    assert other[0].host_link != nodes[0].host_link
 
 
 def test_kubelet_config_has_what_this_machine_kind_needs(tmp_path: Path) -> None:

@@ -211,7 +211,7 @@ class LocalCluster:
 
         gpu_names, cpu_names = nodes.node_names(gpu_nodes, cpu_nodes)
         state = ClusterState(ports=ports, bin_dir=str(bin_dir), gpu_nodes=gpu_names, cpu_nodes=cpu_names)
-        procs = components.commands(bin_dir, self.dir, ports, certs, self.kubeconfig)
+        procs = components.commands(bin_dir, self.dir, ports, certs, self.kubeconfig, real_nodes=kubelets > 0)
         try:
             for comp in procs:
                 progress(f"starting {comp.name}")

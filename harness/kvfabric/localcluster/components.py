@@ -32,8 +32,18 @@ class Component:
     argv: list[str]
 
 
-def commands(bin_dir: Path, state_dir: Path, ports: Ports, pki: Pki, kubeconfig: Path) -> list[Component]:
-    """The control plane's processes in start order."""
+def commands(
+    bin_dir: Path, state_dir: Path, ports: Ports, pki: Pki, kubeconfig: Path, *, real_nodes: bool = False
+) -> list[Component]:
+    """The control plane's processes in start order.
+
+    ``real_nodes``: the cluster gets real kubelets, so pods run. Their service-account tokens then
+    have a consumer (the ``ServiceAccount`` admission plugin adds the projected token volume, and
+    ``automountServiceAccountToken: false`` means something), and webhooks and aggregated APIs
+    behind a Service are reached at the Service's endpoints (``--enable-aggregator-routing``): there
+    is no kube-proxy, so a ClusterIP leads nowhere, while a node's address is routed to its network
+    namespace (:mod:`kvfabric.localcluster.realnodes`).
+    """
     etcd_url = f"http://127.0.0.1:{ports.etcd_client}"
     peer_url = f"http://127.0.0.1:{ports.etcd_peer}"
     probe_paths = "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics"
@@ -72,9 +82,14 @@ def commands(bin_dir: Path, state_dir: Path, ports: Ports, pki: Pki, kubeconfig:
                 f"--service-account-signing-key-file={pki.sa_key}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--allow-privileged=true",
-                # No kube-proxy and no kubelet: the endpoint reconciler and token volumes have no consumer.
+                # No kube-proxy: the endpoint reconciler has no consumer; without a kubelet, token
+                # volumes have none either.
                 "--endpoint-reconciler-type=none",
-                "--disable-admission-plugins=ServiceAccount",
+                *(
+                    ["--enable-aggregator-routing=true"]
+                    if real_nodes
+                    else ["--disable-admission-plugins=ServiceAccount"]
+                ),
                 # One developer's cluster: rate limits only slow the tests down.
                 "--max-requests-inflight=0",
                 "--max-mutating-requests-inflight=0",

@@ -3,8 +3,9 @@
 Each real node is a kubelet (built at the pinned Kubernetes version, see ``build-kubelet.sh``) with
 its own containerd (Debian's), started next to the kwok nodes:
 
-- its own **network namespace** (``ip netns``, made here and deleted at ``down``): a veth
-  with the node's address, a CNI bridge for its pods (Debian's containernetworking-plugins), and a
+- its own **network namespace** (``ip netns``, made here and deleted at ``down``): a veth pair
+  with the node's address inside and a host-only address outside (how the API server reaches a
+  webhook on the node), a CNI bridge for its pods (Debian's containernetworking-plugins), and a
   relay (:mod:`kvfabric.localcluster.nsrelay`) that makes the host-loopback API server reachable at
   127.0.0.1 inside the namespace;
 - its own **mount namespace**, in which ``/run/kvfabric`` and ``/var/lib/kvfabric`` are bind mounts
@@ -75,8 +76,18 @@ class RealNode:
 
     @property
     def address(self) -> str:
-        """The node's InternalIP (on a veth inside its namespace)."""
+        """The node's InternalIP (its end of a veth pair whose other end is the host's)."""
         return f"10.201.{self.index}.2"
+
+    @property
+    def host_address(self) -> str:
+        """The host's end of that veth pair: the node's gateway, and how the host reaches it."""
+        return f"10.201.{self.index}.1"
+
+    @property
+    def host_link(self) -> str:
+        """The name of the host's end (unique per node; at most 15 bytes, the kernel's limit)."""
+        return self.netns.replace("-", "")[:15]
 
     @property
     def pod_subnet(self) -> str:
@@ -306,15 +317,21 @@ def _setup_netns(node: RealNode) -> None:
     ns = node.netns
     with contextlib.suppress(subprocess.CalledProcessError):
         _run("ip", "netns", "delete", ns)
+    with contextlib.suppress(subprocess.CalledProcessError):
+        _run("ip", "link", "delete", node.host_link)  # left by a run that was killed
     _run("ip", "netns", "add", ns)
     _run("ip", "-n", ns, "link", "set", "lo", "up")
-    # The node's address on one end of a veth pair that stays inside the namespace (this kernel has
-    # no dummy interfaces); a default route, so that the kubelet finds a usable interface.
-    _run("ip", "-n", ns, "link", "add", "kvf0", "type", "veth", "peer", "name", "kvf1")
+    # The node's address on its end of a veth pair whose other end is the host's (this kernel has no
+    # dummy interfaces): a route for the kubelet to find a usable interface, and a way for the API
+    # server to reach what listens on the node's address (a webhook in a hostNetwork pod). The link
+    # is host-only: nothing routes it further, and the host's own services listen on loopback only.
+    # Deleting the namespace deletes the pair.
+    _run("ip", "link", "add", node.host_link, "type", "veth", "peer", "name", "kvf0", "netns", ns)
+    _run("ip", "addr", "add", f"{node.host_address}/24", "dev", node.host_link)
+    _run("ip", "link", "set", node.host_link, "up")
     _run("ip", "-n", ns, "addr", "add", f"{node.address}/24", "dev", "kvf0")
-    _run("ip", "-n", ns, "link", "set", "kvf1", "up")
     _run("ip", "-n", ns, "link", "set", "kvf0", "up")
-    _run("ip", "-n", ns, "route", "add", "default", "dev", "kvf0")
+    _run("ip", "-n", ns, "route", "add", "default", "via", node.host_address, "dev", "kvf0")
 
 
 def node_kubeconfig(api_port: int, ca_crt: bytes, crt: bytes, key: bytes) -> dict[str, Any]:

@@ -165,16 +165,18 @@ def run(args: argparse.Namespace) -> int:
                 )
 
             registration = handlers.WebhookRegistration(render=render, namespaces=namespaces or None)
+    import socket
+    import uuid
+
+    # Ours, for the Lease and for kopf: left to itself kopf derives one from getpass.getuser(),
+    # which raises KeyError in a container whose uid has no /etc/passwd entry.
+    identity = args.identity or (
+        f"{os.environ.get('POD_NAME') or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+    )
     election = None
     if args.leader_election:
-        import socket
-        import uuid
-
         from kvfabric.operator.controller import Election
 
-        identity = args.identity or (
-            f"{os.environ.get('POD_NAME') or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-        )
         election = Election(
             namespace=args.leader_election_namespace, name=args.leader_election_id, identity=identity
         )
@@ -197,5 +199,7 @@ def run(args: argparse.Namespace) -> int:
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=args.liveness,
+        # kopf types it as its own NewType of str, which it does not export.
+        identity=identity,  # type: ignore[arg-type]
     )
     return 0

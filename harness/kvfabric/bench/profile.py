@@ -5,7 +5,10 @@ cProfile summaries (top functions by own time) of
 1. a same-node lookup of 128 keys answered from the published index, with its wall time against
    its own CPU time per call (p50/p99/p99.9): the difference is waiting for a CPU;
 2. a same-node shared-memory load of 8 x 32 MiB (client side), next to memcpy of the same bytes;
-3. cold disk-tier promotions of 8 x 32 MiB in-process (server side: O_DIRECT read, checksum).
+3. cold disk-tier promotions of 8 x 32 MiB in-process (server side: O_DIRECT read, checksum);
+4. the ways a client can copy a 32 MiB sealed memfd into a warm buffer, against memcpy in the same
+   run: mapping it for one load (what a load does today, with and without ``MAP_POPULATE``),
+   ``preadv``, and a mapping kept from an earlier load (the ceiling of a client-side mapping cache).
 
 Not a benchmark (no targets, nothing judged): the evidence behind docs/performance.md.
 """
@@ -146,6 +149,53 @@ def disk_promotion() -> None:
         shutil.rmtree(shm, ignore_errors=True)
 
 
+def copy_paths(rounds: int = 15) -> None:
+    """Part 4: GB/s per way of copying one sealed 32 MiB block, median (min-max) of ``rounds``."""
+    import mmap
+    import statistics
+
+    from kvfabric.cacheserver.engine.dram import new_memfd, seal
+
+    n = 32 * MiB
+    src = bytearray(os.urandom(MiB) * 32)
+    fd = new_memfd("profile", n)
+    assert fd is not None
+    os.pwrite(fd, src, 0)
+    seal(fd)
+    dst = memoryview(bytearray(n))
+    kept = mmap.mmap(fd, n, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+
+    def mapped(flags: int) -> None:
+        with mmap.mmap(fd, n, prot=mmap.PROT_READ, flags=flags) as m:
+            dst[:] = m
+
+    def memcpy() -> None:
+        dst[:] = src
+
+    ways = {
+        "memcpy (baseline)": memcpy,
+        "map per load, MAP_POPULATE (today)": lambda: mapped(mmap.MAP_SHARED | mmap.MAP_POPULATE),
+        "map per load, faulting": lambda: mapped(mmap.MAP_SHARED),
+        "preadv": lambda: os.preadv(fd, [dst], 0),
+        "mapping kept across loads": lambda: dst.__setitem__(slice(None), kept),
+    }
+    memcpy()  # fault the destination in: an engine's KV buffers are long-lived
+    rates: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(rounds):  # interleaved, so that a noisy moment hits every way alike
+        for name, fn in ways.items():
+            t0 = time.perf_counter()
+            fn()
+            rates[name].append(n / (time.perf_counter() - t0) / 1e9)
+    base = statistics.median(rates["memcpy (baseline)"])
+    print("== copying one sealed 32 MiB memfd into a warm buffer")
+    for name, got in rates.items():
+        med = statistics.median(got)
+        print(f"{name:38s} {med:6.2f} GB/s ({min(got):.2f}-{max(got):.2f}), {med / base:.2f} of memcpy")
+    kept.close()
+    os.close(fd)
+
+
 if __name__ == "__main__":
     lookups_and_shm()
     disk_promotion()
+    copy_paths()

@@ -52,37 +52,42 @@ def served(tmp_path: Path) -> Iterator[blocksock.BlockSocket]:
 def test_a_client_that_stops_reading_its_answers_is_disconnected_and_others_are_served(
     served: blocksock.BlockSocket, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(blocksock, "SEND_TIMEOUT_SECONDS", 1)
+    # Long enough that the checks while greedy is stuck have seconds of margin on a loaded machine.
+    monkeypatch.setattr(blocksock, "SEND_TIMEOUT_SECONDS", 4)
     greedy = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    greedy.connect(str(served.path))
-    greedy.setblocking(False)
-    request = bp.encode_request([NAME])
-    sent = 0
-    started = time.monotonic()
-    blocked_since: float | None = None
-    # Requests and never a read: the answers pile up in greedy's queue until the server's send
-    # blocks (its send buffer is full), and then greedy's own requests stop being read. Greedy's
-    # send buffer fills first and frees as the server reads, so "blocked" is half a second of it.
-    while time.monotonic() - started < 20:
-        try:
-            greedy.send(request)
-            sent += 1
-            blocked_since = None
-        except BlockingIOError:
-            blocked_since = blocked_since or time.monotonic()
-            if time.monotonic() - blocked_since > 0.5:
-                break
-            time.sleep(0.01)
-    assert sent > 0
-    assert served.connections == 1, "still connected while the server waits to send"
-    # The server gives up on that send after its timeout and drops the connection (the descriptors
-    # queued for greedy are freed with it). Without the timeout its thread waits forever.
-    wait_until(lambda: served.connections == 0, 15, what="the greedy client to be disconnected")
-    with BlockChannel(served.path) as polite:
-        (fd,) = polite.fetch([NAME], deadline=time.monotonic() + 5)
-    assert fd is not None
-    os.close(fd)
-    greedy.close()
+    try:
+        greedy.connect(str(served.path))
+        greedy.setblocking(False)
+        request = bp.encode_request([NAME])
+        sent = 0
+        started = time.monotonic()
+        blocked_since: float | None = None
+        # Requests and never a read: the answers pile up in greedy's queue until the server's send
+        # blocks (its send buffer is full), and then greedy's own requests stop being read.
+        # Greedy's send buffer fills first and frees as the server reads, so "blocked" is a
+        # quarter of a second of it.
+        while time.monotonic() - started < 20:
+            try:
+                greedy.send(request)
+                sent += 1
+                blocked_since = None
+            except BlockingIOError:
+                blocked_since = blocked_since or time.monotonic()
+                if time.monotonic() - blocked_since > 0.25:
+                    break
+                time.sleep(0.01)
+        assert sent > 0
+        assert served.connections == 1, "still connected while the server waits to send"
+        # Meanwhile another client is served (its own connection and thread).
+        with BlockChannel(served.path) as polite:
+            (fd,) = polite.fetch([NAME], deadline=time.monotonic() + 5)
+        assert fd is not None
+        os.close(fd)
+        # The server gives up on that send after its timeout and drops the connection, which frees
+        # its thread. Without the timeout the thread waits forever.
+        wait_until(lambda: served.connections == 0, 20, what="the greedy client to be disconnected")
+    finally:
+        greedy.close()
 
 
 def test_received_descriptors_are_close_on_exec(served: blocksock.BlockSocket) -> None:
@@ -99,7 +104,7 @@ def test_received_descriptors_are_close_on_exec(served: blocksock.BlockSocket) -
 
 def test_fdpass_receives_every_descriptor_close_on_exec() -> None:
     # The helper both the block channel and the published-index reader use (the standard library's
-    # recv_fds ignores MSG_CMSG_CLOEXEC in Python 3.11).
+    # recv_fds ignores MSG_CMSG_CLOEXEC in Python 3.11 and 3.12).
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sent = [_memfd(), _memfd()]
     try:

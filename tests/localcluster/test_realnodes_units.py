@@ -20,7 +20,8 @@ def test_nodes_get_distinct_namespaces_addresses_pod_ranges_and_short_socket_pat
         # The cache server's socket lives in the node's run directory: clients on the host need < 108.
         sock = n.host_dir("/run/kvfabric") / "kd-12345678-pool-name" / "cache.sock"  # as the tests name them
         assert len(str(sock)) < 108
-    # Another cluster directory, other namespaces (two clusters can run side by side).
+    # Another cluster directory, other names (the addresses and cgroups are the same: one cluster
+    # with real nodes per machine at a time; `up` removes what a killed one left).
     other = realnodes.plan(tmp_path / "other", Path("/run/kvfabric-0/nodes"), 1)
     assert other[0].netns != nodes[0].netns
     assert other[0].host_link != nodes[0].host_link

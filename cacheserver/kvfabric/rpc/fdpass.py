@@ -1,10 +1,11 @@
 """Receiving descriptors over a Unix socket, close-on-exec from the moment they arrive.
 
-The standard library's ``socket.recv_fds`` drops its ``flags`` argument (in Python 3.11, which this
-project runs, it never reaches ``recvmsg``), so ``MSG_CMSG_CLOEXEC`` passed to it is silently
-ignored and every received descriptor is inheritable: a process the engine starts (a compiler, a
-tokenizer server) would inherit the cache's blocks. Setting ``FD_CLOEXEC`` afterwards is not
-enough either, since another thread may fork in between.
+The standard library's ``socket.recv_fds`` drops its ``flags`` argument: in Python 3.11 (which
+this project's tests run) and 3.12 (which its images run) it never reaches ``recvmsg``. So
+``MSG_CMSG_CLOEXEC`` passed to it is silently ignored and every received descriptor is
+inheritable: a process the engine starts (a compiler, a tokenizer server) would inherit the
+cache's blocks. Setting ``FD_CLOEXEC`` afterwards is not enough either, since another thread may
+fork in between.
 """
 
 from __future__ import annotations

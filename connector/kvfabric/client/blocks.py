@@ -132,8 +132,9 @@ def copy_into(fd: int, length: int, target: memoryview, name: str) -> None:
             return
         if os.fstat(fd).st_size < length:
             raise errors.CacheCorrupt(f"block {name} is shorter than {length}")
-        # A pre-populated mapping plus one user-space copy beats preadv's per-page kernel copy
-        # (measured ~8.4 vs ~4.6 GB/s for 32 MiB on tmpfs). A sealed memfd can never shrink.
+        # A mapping per load costs more than the copy; preadv and faulting the pages in measure
+        # within 25 % of this, and none of them near memcpy (kvfabric.bench.profile.copy_paths,
+        # docs/performance.md). A sealed memfd can never shrink, so the mapping cannot SIGBUS.
         with mmap.mmap(fd, length, prot=mmap.PROT_READ, flags=_MAP_FLAGS) as m:
             target[:length] = m
     finally:

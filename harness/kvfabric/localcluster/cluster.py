@@ -211,7 +211,15 @@ class LocalCluster:
 
         gpu_names, cpu_names = nodes.node_names(gpu_nodes, cpu_nodes)
         state = ClusterState(ports=ports, bin_dir=str(bin_dir), gpu_nodes=gpu_names, cpu_nodes=cpu_names)
-        procs = components.commands(bin_dir, self.dir, ports, certs, self.kubeconfig, real_nodes=kubelets > 0)
+        procs = components.commands(
+            bin_dir,
+            self.dir,
+            ports,
+            certs,
+            self.kubeconfig,
+            endpoint_routing=kubelets > 0,
+            service_account_tokens=kubelets > 0 and not (gpu_nodes or cpu_nodes),
+        )
         try:
             for comp in procs:
                 progress(f"starting {comp.name}")

@@ -33,16 +33,26 @@ class Component:
 
 
 def commands(
-    bin_dir: Path, state_dir: Path, ports: Ports, pki: Pki, kubeconfig: Path, *, real_nodes: bool = False
+    bin_dir: Path,
+    state_dir: Path,
+    ports: Ports,
+    pki: Pki,
+    kubeconfig: Path,
+    *,
+    endpoint_routing: bool = False,
+    service_account_tokens: bool = False,
 ) -> list[Component]:
     """The control plane's processes in start order.
 
-    ``real_nodes``: the cluster gets real kubelets, so pods run. Their service-account tokens then
-    have a consumer (the ``ServiceAccount`` admission plugin adds the projected token volume, and
-    ``automountServiceAccountToken: false`` means something), and webhooks and aggregated APIs
-    behind a Service are reached at the Service's endpoints (``--enable-aggregator-routing``): there
-    is no kube-proxy, so a ClusterIP leads nowhere, while a node's address is routed to its network
-    namespace (:mod:`kvfabric.localcluster.realnodes`).
+    ``endpoint_routing`` (real kubelets): webhooks and aggregated APIs behind a Service are reached
+    at the Service's endpoints (``--enable-aggregator-routing``): there is no kube-proxy, so a
+    ClusterIP leads nowhere, while a node's address is routed to its network namespace
+    (:mod:`kvfabric.localcluster.realnodes`).
+
+    ``service_account_tokens`` (real kubelets and no fake node): the ``ServiceAccount`` admission
+    plugin adds the projected token volume to pods, so ``automountServiceAccountToken: false``
+    means something. Off otherwise: kwok's pods have no consumer for a token, and the pod runner
+    that executes them has no projected volumes.
     """
     etcd_url = f"http://127.0.0.1:{ports.etcd_client}"
     peer_url = f"http://127.0.0.1:{ports.etcd_peer}"
@@ -85,11 +95,8 @@ def commands(
                 # No kube-proxy: the endpoint reconciler has no consumer; without a kubelet, token
                 # volumes have none either.
                 "--endpoint-reconciler-type=none",
-                *(
-                    ["--enable-aggregator-routing=true"]
-                    if real_nodes
-                    else ["--disable-admission-plugins=ServiceAccount"]
-                ),
+                *(["--enable-aggregator-routing=true"] if endpoint_routing else []),
+                *([] if service_account_tokens else ["--disable-admission-plugins=ServiceAccount"]),
                 # One developer's cluster: rate limits only slow the tests down.
                 "--max-requests-inflight=0",
                 "--max-mutating-requests-inflight=0",

@@ -11,7 +11,8 @@ go_build_progress() {
   start=$SECONDS
   printf '[build %s] %s: compiling up to %d packages\n' "$(date +%H:%M:%S)" "$name" "$total"
   (
-    while sleep 15; do
+    # Ends with the script that sourced this (a Ctrl-C does not reach a background job).
+    while sleep 15 && kill -0 $$ 2>/dev/null; do
       n=$(wc -l <"$counted"); el=$((SECONDS - start)); left=""
       if [ "$n" -gt 0 ] && [ "$n" -lt "$total" ]; then
         eta=$((el * (total - n) / n)); left=", at most ~$((eta / 60))m$(printf %02d $((eta % 60)))s left"
@@ -21,11 +22,12 @@ go_build_progress() {
     done
   ) &
   ticker=$!
-  # -v prints each package as it is compiled; compiler diagnostics pass through.
+  # -v prints each package's import path (no spaces) as it is compiled; everything else
+  # (compiler and linker diagnostics, `go:` errors) passes through.
   set +e
   go build -v -trimpath -ldflags "${GO_LDFLAGS:--s -w}" -o "$out" "$@" 2>&1 | while IFS= read -r line; do
     case $line in
-      *.go:*|"# "*) printf '%s\n' "$line" ;;
+      ""|*" "*|*.go:*) printf '%s\n' "$line" ;;
       *) printf '%s\n' "$line" >>"$counted" ;;
     esac
   done

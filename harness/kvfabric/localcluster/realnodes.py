@@ -317,21 +317,38 @@ def _setup_netns(node: RealNode) -> None:
     ns = node.netns
     with contextlib.suppress(subprocess.CalledProcessError):
         _run("ip", "netns", "delete", ns)
-    with contextlib.suppress(subprocess.CalledProcessError):
-        _run("ip", "link", "delete", node.host_link)  # left by a run that was killed
+    # Links a killed run left behind: this node's by name, and any other holding its address (a
+    # cluster in another directory has other names but the same addresses; a second route to the
+    # same /24 would send the API server's calls into a dead namespace).
+    for link in {node.host_link, *_links_with_address(node.host_address)}:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _run("ip", "link", "delete", link)
     _run("ip", "netns", "add", ns)
     _run("ip", "-n", ns, "link", "set", "lo", "up")
     # The node's address on its end of a veth pair whose other end is the host's (this kernel has no
     # dummy interfaces): a route for the kubelet to find a usable interface, and a way for the API
     # server to reach what listens on the node's address (a webhook in a hostNetwork pod). The link
-    # is host-only: nothing routes it further, and the host's own services listen on loopback only.
+    # is host-only: the host never forwards what arrives from the node (forwarding off on that link,
+    # whatever the host's ip_forward), and the host's own services listen on loopback only.
     # Deleting the namespace deletes the pair.
     _run("ip", "link", "add", node.host_link, "type", "veth", "peer", "name", "kvf0", "netns", ns)
+    Path(f"/proc/sys/net/ipv4/conf/{node.host_link}/forwarding").write_text("0")
     _run("ip", "addr", "add", f"{node.host_address}/24", "dev", node.host_link)
     _run("ip", "link", "set", node.host_link, "up")
     _run("ip", "-n", ns, "addr", "add", f"{node.address}/24", "dev", "kvf0")
     _run("ip", "-n", ns, "link", "set", "kvf0", "up")
     _run("ip", "-n", ns, "route", "add", "default", "via", node.host_address, "dev", "kvf0")
+
+
+def _links_with_address(address: str) -> list[str]:
+    """Names of the host's links that carry ``address`` (``ip -o -4 addr show`` parsed)."""
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=False)
+    found = []
+    for line in out.stdout.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[3].split("/")[0] == address:
+            found.append(fields[1].split("@")[0])
+    return found
 
 
 def node_kubeconfig(api_port: int, ca_crt: bytes, crt: bytes, key: bytes) -> dict[str, Any]:

@@ -56,6 +56,7 @@ __all__ = [
 SEAWEEDFS_VERSION: Final = "v0.0.0-20261109003541-7506e5f91cd6"
 PINS: Final[dict[str, str]] = {"seaweedfs": SEAWEEDFS_VERSION}
 _SCRIPT: Final = Path(__file__).with_name("build-seaweedfs.sh")
+_PROGRESS: Final = Path(__file__).parents[1] / "localcluster" / "go-progress.sh"  # sourced by it
 
 
 class S3BuildError(RuntimeError):
@@ -64,7 +65,8 @@ class S3BuildError(RuntimeError):
 
 def weed_path() -> Path:
     """Where the pinned ``weed`` binary lives (it may not be built yet)."""
-    digest = hashlib.sha256(json.dumps(PINS, sort_keys=True).encode() + _SCRIPT.read_bytes()).hexdigest()[:10]
+    scripts = _SCRIPT.read_bytes() + _PROGRESS.read_bytes()
+    digest = hashlib.sha256(json.dumps(PINS, sort_keys=True).encode() + scripts).hexdigest()[:10]
     return cache_root() / f"seaweedfs-{digest}" / "bin" / "weed"
 
 

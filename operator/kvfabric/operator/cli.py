@@ -50,7 +50,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ha.add_argument(
         "--identity",
         default=None,
-        help="this replica's name in the Lease (default: $POD_NAME or hostname, plus the process id)",
+        help="this replica's name in the Lease and its kopf peering identity, unique per replica "
+        "(default: $POD_NAME or the hostname, the process id and a random suffix)",
     )
     parser.add_argument(
         "--liveness",

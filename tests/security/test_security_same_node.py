@@ -321,6 +321,26 @@ def test_a_fetch_that_fails_half_way_closes_every_descriptor_it_already_received
         os.close(spare)
 
 
+def test_blocks_and_stagings_get_half_and_a_quarter_of_the_descriptor_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import resource
+
+    from kvfabric.cacheserver.engine.dram import DramTier
+    from kvfabric.cacheserver.engine.stats import Counters
+    from kvfabric.cacheserver.transport.arena import StagingArena
+
+    # A process whose limit is 4096 and cannot be raised: the caps are that limit's shares.
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (4096, 4096))
+    tier = DramTier(1 << 30)
+    arena = StagingArena(64 * 4096, 30.0, Counters())
+    try:
+        assert tier.max_blocks == 2048
+        assert arena.max_slots == 1024
+    finally:
+        arena.close()
+
+
 def test_many_tiny_blocks_or_stagings_cannot_take_every_descriptor() -> None:
     from kvfabric.cacheserver.engine.dram import DramTier
     from kvfabric.cacheserver.engine.ids import BlockId

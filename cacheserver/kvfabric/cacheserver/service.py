@@ -228,13 +228,11 @@ class CacheService(pb_grpc.CacheServicer):
                 "shared memory is only served on the Unix socket",
             )
 
-    async def _bounded(
-        self, context: grpc.aio.ServicerContext[Any, Any], work: Awaitable[None], what: str
-    ) -> None:
+    async def _bounded(self, context: grpc.aio.ServicerContext[Any, Any], work: Awaitable[T], what: str) -> T:
         """Run a streaming call's ``work`` within the server-side deadline; DEADLINE_EXCEEDED past it."""
         try:
             async with asyncio.timeout(self._deadline(context)):
-                await work
+                return await work
         except TimeoutError:
             await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"server-side deadline: {what}")
 
@@ -302,14 +300,13 @@ class CacheService(pb_grpc.CacheServicer):
             # one that is not (never was, or was evicted meanwhile) and every key after it go to the
             # promotion path on the load pool.
             start = 0
-            if store.resident(bids):
-                for bid in bids:
-                    blk = store.dram_hit(bid)
-                    if blk is None:
-                        break
-                    start += 1
-                    nbytes += blk.length
-                    await context.write(pb.ShmSlot(name=blk.name, length=blk.length))
+            for bid in bids:
+                blk = store.dram_hit(bid)
+                if blk is None:
+                    break
+                start += 1
+                nbytes += blk.length
+                await context.write(pb.ShmSlot(name=blk.name, length=blk.length))
             if start < len(bids):
                 # Promote a small window of keys at once, in key order, and name each block as soon as
                 # it is in DRAM: the client copies one while the disk reads the next, and the checksum
@@ -389,11 +386,7 @@ class CacheService(pb_grpc.CacheServicer):
         The whole stream is bounded by the server-side deadline (``limits.max_call_seconds``), and one
         TCP peer holds at most its share of the store slots.
         """
-        try:
-            async with asyncio.timeout(self._deadline(context)):
-                return await self._store(request_iterator, context)
-        except TimeoutError:
-            await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "server-side deadline: store too slow")
+        return await self._bounded(context, self._store(request_iterator, context), "store too slow")
 
     async def _store(
         self, request_iterator: AsyncIterator[pb.StoreChunk], context: grpc.aio.ServicerContext[Any, Any]

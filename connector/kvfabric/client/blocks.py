@@ -75,7 +75,10 @@ class BlockChannel:
                     # Out of descriptors here: the kernel dropped some. Not the server's fault.
                     close_all(fds)
                     self._drop()
-                    raise errors.CacheUnavailable("block socket: no descriptors left in this process")
+                    raise errors.CacheUnavailable(
+                        "block socket: no descriptors left in this process (raise its open-files limit, "
+                        "`ulimit -n` or the container runtime's nofile, or load fewer keys per call)"
+                    )
                 if not msg:
                     self._drop()
                     if attempt:

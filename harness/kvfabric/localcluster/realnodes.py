@@ -341,14 +341,22 @@ def _setup_netns(node: RealNode) -> None:
 
 
 def _links_with_address(address: str) -> list[str]:
-    """Names of the host's links that carry ``address`` (``ip -o -4 addr show`` parsed)."""
-    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=False)
-    found = []
-    for line in out.stdout.splitlines():
-        fields = line.split()
-        if len(fields) >= 4 and fields[3].split("/")[0] == address:
-            found.append(fields[1].split("@")[0])
-    return found
+    """Names of the host's veth links that carry ``address``.
+
+    Only veths, which is what ``up`` makes: another interface that happens to hold the address (a
+    VPN, a bridge) is left alone, and the node's start then fails on the duplicate address instead.
+    """
+
+    def ip(*args: str) -> list[list[str]]:
+        out = subprocess.run(["ip", "-o", *args], capture_output=True, text=True, check=False)
+        return [line.split() for line in out.stdout.splitlines()]
+
+    veths = {f[1].rstrip(":").split("@")[0] for f in ip("link", "show", "type", "veth") if len(f) > 1}
+    return [
+        f[1]
+        for f in ip("-4", "addr", "show")
+        if len(f) >= 4 and f[1] in veths and f[3].split("/")[0] == address
+    ]
 
 
 def node_kubeconfig(api_port: int, ca_crt: bytes, crt: bytes, key: bytes) -> dict[str, Any]:

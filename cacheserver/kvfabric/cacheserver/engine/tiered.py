@@ -208,10 +208,6 @@ class TieredStore:
                 break
         return out
 
-    def resident(self, bids: list[BlockId]) -> bool:
-        """Whether every block is in DRAM now (a load of them needs no I/O)."""
-        return all(self.dram.contains(b) for b in bids)
-
     def dram_hit(self, bid: BlockId) -> DramBlock | None:
         """The DRAM block for ``bid`` if it is resident (a hit, counted), else None; never any I/O."""
         blk = self.dram.slot(bid)

@@ -59,6 +59,7 @@ class BlockSocket:
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
+        failures = 0
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
@@ -66,9 +67,13 @@ class BlockSocket:
                 if self._stop.is_set():
                     return
                 # EMFILE, ENOBUFS, ECONNABORTED...: transient; never stop serving same-node clients.
-                log.warning("block socket accept failed", extra={"error": str(exc)})
+                # Logged once per run of failures (and every 100th), not ten times a second.
+                failures += 1
+                if failures % 100 == 1:
+                    log.warning("block socket accept failed", extra={"error": str(exc), "failures": failures})
                 time.sleep(0.1)
                 continue
+            failures = 0
             with self._lock:
                 full = len(self._conns) >= MAX_CONNECTIONS
                 if not full:

@@ -120,6 +120,16 @@ class ShmConfig(_Model):
         gt=0,
         description="A staging slot not committed within this time (e.g. its client died) is reclaimed.",
     )
+    hold_bytes_per_client: int = Field(
+        default=1 * GiB,
+        ge=0,
+        description="Bytes of loaded blocks one same-node client connection may hold, that is keep mapped "
+        "across loads (a repeated load then copies at memory speed, with no mapping to build). Held "
+        "blocks stay charged to the DRAM budget after an eviction until released, so the server never "
+        "uses memory it does not count; eviction passes over held blocks (evicting one frees nothing) and "
+        "all clients together hold at most half of the DRAM budget. 0: nothing is held (every load maps "
+        "its blocks afresh).",
+    )
 
 
 class MetricsConfig(_Model):

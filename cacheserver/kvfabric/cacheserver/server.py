@@ -252,6 +252,8 @@ async def serve(
         lambda name: (
             arena.dup_by_name(name) if name.startswith(STAGING_PREFIX) else store.dram.dup_by_name(name)
         ),
+        holds=store.dram,
+        hold_budget=config.shm.hold_bytes_per_client,
     )
     block_socket.start()
     # Engine pods may run as another user: the socket is guarded by its directory's permissions.

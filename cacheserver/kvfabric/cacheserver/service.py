@@ -46,6 +46,8 @@ _DEFAULT_PIECE = 1 << 20
 _MIN_PIECE, _MAX_PIECE = 64 << 10, 64 << 20
 # Disk promotions in flight per ShmLoad: two keep the disk busy while the previous block is hashed.
 _PROMOTE_WINDOW = 2
+_SLOTS_PER_MESSAGE = 256
+"""Resident blocks named in one ShmLoad message (about 50 bytes each)."""
 
 
 class SharedState:
@@ -299,14 +301,21 @@ class CacheService(pb_grpc.CacheServicer):
             # Resident blocks are named inline: index work only, no I/O on the event loop. The first
             # one that is not (never was, or was evicted meanwhile) and every key after it go to the
             # promotion path on the load pool.
+            # They go out together, in messages of up to _SLOTS_PER_MESSAGE (one message per block
+            # cost the client more than copying a kept mapping of the block).
             start = 0
+            resident: list[pb.ShmSlot] = []
             for bid in bids:
                 blk = store.dram_hit(bid)
                 if blk is None:
                     break
                 start += 1
                 nbytes += blk.length
-                await context.write(pb.ShmSlot(name=blk.name, length=blk.length))
+                resident.append(pb.ShmSlot(name=blk.name, length=blk.length))
+            for i in range(0, len(resident), _SLOTS_PER_MESSAGE):
+                first, *rest = resident[i : i + _SLOTS_PER_MESSAGE]
+                first.more.extend(rest)
+                await context.write(first)
             if start < len(bids):
                 # Promote a small window of keys at once, in key order, and name each block as soon as
                 # it is in DRAM: the client copies one while the disk reads the next, and the checksum

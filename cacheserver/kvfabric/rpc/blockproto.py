@@ -12,6 +12,14 @@ space. The answer is one message of one status byte per name (:data:`FOUND` or :
 the descriptors of the found names attached in request order. A malformed request is answered
 :data:`BAD_REQUEST` followed by a reason, and the connection is closed. Both halves import this
 module, so they cannot disagree about the format.
+
+A client that keeps its mappings of loaded blocks across loads (``kvfabric.client.mappings``) asks
+with ``KVBH1`` instead: each found block is also *held* for this connection — the server keeps its
+memory charged to the DRAM budget after an eviction or delete until the hold is released, so kept
+mappings never make the server use memory it does not account — and answered :data:`FOUND`, or
+:data:`LENT` when the connection's hold budget is spent (the client copies and unmaps as with
+``KVBK1``). Names preceded by ``-`` release earlier holds first; a request of releases only is
+answered with the single byte :data:`RELEASED`. Closing the connection releases all of its holds.
 """
 
 from __future__ import annotations
@@ -19,27 +27,47 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
     "BAD_REQUEST",
     "FOUND",
     "GONE",
+    "LENT",
     "MAX_MESSAGE",
     "MAX_NAMES",
+    "RELEASED",
+    "Request",
     "block_socket_for",
+    "encode_hold_request",
     "encode_request",
     "parse_request",
 ]
 
 REQUEST_PREFIX = b"KVBK1"
+HOLD_PREFIX = b"KVBH1"
 MAX_NAMES = 64
-"""Names per request (the kernel passes at most 253 descriptors per message)."""
+"""Names per request, and releases per request (the kernel passes at most 253 descriptors per message)."""
 FOUND = 0
 GONE = 1
+LENT = 2
+"""Found, sent, but not held (the connection's hold budget is spent)."""
+RELEASED = 3
+"""The answer to a request of releases only."""
 BAD_REQUEST = 0xFF
 _NAME = re.compile(rb"[ds]_[0-9a-f]{32}")
-MAX_MESSAGE = len(REQUEST_PREFIX) + MAX_NAMES * 35
+_BLOCK_NAME = re.compile(rb"d_[0-9a-f]{32}")
+MAX_MESSAGE = len(REQUEST_PREFIX) + MAX_NAMES * 35 + MAX_NAMES * 36
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A parsed request: the names to send descriptors of, whether to hold them, holds to release."""
+
+    names: list[str]
+    hold: bool = False
+    release: list[str] = field(default_factory=list)
 
 
 def block_socket_for(unix_socket: str | os.PathLike[str]) -> Path:
@@ -55,14 +83,32 @@ def encode_request(names: Sequence[str]) -> bytes:
     return REQUEST_PREFIX + b"".join(b" " + n.encode("ascii") for n in names)
 
 
-def parse_request(data: bytes) -> list[str] | None:
-    """The names of a request message, or None if it is malformed."""
-    if not data.startswith(REQUEST_PREFIX):
+def encode_hold_request(names: Sequence[str], release: Sequence[str] = ()) -> bytes:
+    """One ``KVBH1`` message: send and hold ``names`` (blocks only), after releasing ``release``."""
+    if not len(names) <= MAX_NAMES or not len(release) <= MAX_NAMES or not (names or release):
+        raise ValueError(f"a hold request names 0 to {MAX_NAMES} blocks and releases 0 to {MAX_NAMES}")
+    return (
+        HOLD_PREFIX
+        + b"".join(b" -" + n.encode("ascii") for n in release)
+        + b"".join(b" " + n.encode("ascii") for n in names)
+    )
+
+
+def parse_request(data: bytes) -> Request | None:
+    """A request message's parts, or None if it is malformed."""
+    hold = data.startswith(HOLD_PREFIX)
+    if not hold and not data.startswith(REQUEST_PREFIX):
         return None
     parts = data[len(REQUEST_PREFIX) :].split(b" ")
-    if parts[0] != b"" or not 0 < len(parts) - 1 <= MAX_NAMES:
+    if parts[0] != b"":
         return None
-    names = parts[1:]
-    if not all(_NAME.fullmatch(n) for n in names):
+    release = [p[1:] for p in parts[1:] if p.startswith(b"-")] if hold else []
+    names = [p for p in parts[1:] if not p.startswith(b"-")] if hold else parts[1:]
+    if len(names) > MAX_NAMES or len(release) > MAX_NAMES or not (names or release):
         return None
-    return [n.decode("ascii") for n in names]
+    # Only loaded blocks are held (a staging memfd is the client's to write, and short-lived).
+    if not all((_BLOCK_NAME if hold else _NAME).fullmatch(n) for n in names):
+        return None
+    if not all(_BLOCK_NAME.fullmatch(n) for n in release):
+        return None
+    return Request([n.decode("ascii") for n in names], hold, [n.decode("ascii") for n in release])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -12,7 +12,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from kvfabric.client import errors
-from kvfabric.client.blocks import BlockChannel, close_all, copy_into, read_all, write_all
+from kvfabric.client.blocks import BlockChannel, close_all, read_all, write_all
 from kvfabric.client.localindex import LocalIndex
 from kvfabric.client.results import FlushResult, LookupResult
 from kvfabric.rpc.blockproto import MAX_NAMES, block_socket_for
@@ -301,11 +301,18 @@ class LoadAssembler:
 # --- shared memory (memfds from the block socket) ------------------------------------------------
 
 
-def block_channel_for(target: Target) -> BlockChannel | None:
+def block_channel_for(target: Target, mapping_budget: int = 0) -> BlockChannel | None:
     """The block-socket channel of a Unix target's server (None for TCP: no shared memory remotely)."""
     if not target.is_unix:
         return None
-    return BlockChannel(block_socket_for(target.address[len("unix://") :]))
+    return BlockChannel(block_socket_for(target.address[len("unix://") :]), mapping_budget=mapping_budget)
+
+
+def shm_slots(messages: Iterable[pb.ShmSlot]) -> Iterator[pb.ShmSlot]:
+    """Every slot of a ShmLoad answer, in key order (a message carries the next ones in ``more``)."""
+    for msg in messages:
+        yield msg
+        yield from msg.more
 
 
 def shm_read_one(blocks: BlockChannel, slot: pb.ShmSlot, deadline: float) -> bytes | None:
@@ -317,17 +324,22 @@ def shm_read_one(blocks: BlockChannel, slot: pb.ShmSlot, deadline: float) -> byt
 
 
 def shm_read_one_into(
-    blocks: BlockChannel, slot: pb.ShmSlot, buf: memoryview, index: int, deadline: float
+    blocks: BlockChannel,
+    slot: pb.ShmSlot,
+    buf: memoryview,
+    index: int,
+    deadline: float,
+    *,
+    key: str | None = None,
 ) -> bool:
-    """Copy one named block into ``buf`` (one copy); False if it is gone."""
+    """Copy one named block into ``buf`` (one copy); False if it is gone.
+
+    ``key`` (namespace and key) lets a kept mapping of the key's older block go at once.
+    """
     target = as_bytes_view(buf)
     if target.nbytes < slot.length:
         raise errors.InvalidRequest(f"buffer {index} holds {target.nbytes} bytes, payload is {slot.length}")
-    fd = blocks.fetch([slot.name], deadline=deadline)[0]
-    if fd is None:
-        return False
-    copy_into(fd, slot.length, target, slot.name)
-    return True
+    return blocks.copy_block(slot.name, slot.length, target, deadline=deadline, key=key)
 
 
 def shm_write(

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from kvfabric.client import _common as c
 from kvfabric.client.localindex import LocalIndex
 from kvfabric.client.results import FlushResult, LookupResult, StoreResult
-from kvfabric.client.sync import CacheClient
+from kvfabric.client.sync import DEFAULT_MAPPING_CACHE_BYTES, CacheClient
 
 __all__ = ["AsyncCacheClient"]
 
@@ -50,6 +50,7 @@ class AsyncCacheClient:
         tls_server_name: str | None = None,
         local_index: bool = False,
         token_file: str | os.PathLike[str] | None = None,
+        mapping_cache_bytes: int = DEFAULT_MAPPING_CACHE_BYTES,
     ) -> None:
         self._client = CacheClient(
             target,
@@ -61,6 +62,7 @@ class AsyncCacheClient:
             tls_server_name=tls_server_name,
             local_index=local_index,
             token_file=token_file,
+            mapping_cache_bytes=mapping_cache_bytes,
         )
         self._pool = cf.ThreadPoolExecutor(_THREADS, thread_name_prefix="kvfabric-aio")
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvfabric.client import errors
+from kvfabric.client.mappings import MappingCache
 from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc import fdpass
 
@@ -29,12 +30,72 @@ _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class BlockChannel:
-    """A connection to a server's block socket (thread-safe, reconnects after a hang-up)."""
+    """A connection to a server's block socket (thread-safe, reconnects after a hang-up).
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    With ``mapping_budget`` bytes, loaded blocks are held and their mappings kept across loads
+    (:mod:`kvfabric.client.mappings`); 0 maps each block afresh per load.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, mapping_budget: int = 0) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self.maps = MappingCache(mapping_budget) if mapping_budget > 0 else None
+
+    def copy_block(
+        self, name: str, length: int, target: memoryview, *, deadline: float, key: str | None = None
+    ) -> bool:
+        """Copy the loaded block ``name`` into ``target`` (one copy); False if it is gone.
+
+        A kept mapping serves it without any request; otherwise the block is fetched (held, when
+        mappings are kept) and copied, and its mapping kept if the server let this client hold it.
+        ``key`` identifies what the block is the payload of (see :meth:`MappingCache.keep`).
+        """
+        maps = self.maps
+        if maps is None or not length:  # an empty block has nothing to map
+            fd = self.fetch([name], deadline=deadline)[0]
+            if fd is None:
+                return False
+            copy_into(fd, length, target, name)
+            return True
+        if maps.copy(name, length, target):
+            return True
+        fd, held, epoch = self._fetch_held(name, deadline)
+        if fd is None:
+            return False
+        if not held:
+            copy_into(fd, length, target, name)
+            return True
+        try:
+            mapping = _map_block(fd, length, name)
+        finally:
+            os.close(fd)
+        kept = False
+        try:
+            target[:length] = memoryview(mapping)[:length]
+            kept = maps.keep(name, mapping, length, key=key, epoch=epoch)
+        finally:
+            if not kept:
+                mapping.close()
+                maps.release_later(name)
+        return True
+
+    def _fetch_held(self, name: str, deadline: float) -> tuple[int | None, bool, int]:
+        """``(descriptor or None, held, epoch)``: one block fetched on a hold request."""
+        assert self.maps is not None
+        left = deadline - time.monotonic()
+        if left <= 0 or not self._lock.acquire(timeout=left):
+            raise errors.CacheTimeout("block socket: deadline passed")
+        try:
+            # Releases ride on the next request: no message of their own on the load path.
+            release = self.maps.take_releases(bp.MAX_NAMES)
+            msg, fds = self._exchange(bp.encode_hold_request([name], release), 1, deadline)
+            # Read after the exchange: a reconnect inside it cleared the mappings and bumped it.
+            epoch = self.maps.epoch
+            ((fd, held),) = _assign_held([name], msg, fds)
+            return fd, held, epoch
+        finally:
+            self._lock.release()
 
     def fetch(self, names: Sequence[str], *, deadline: float) -> list[int | None]:
         """One descriptor per name (None: gone), in order; the caller closes every descriptor.
@@ -51,43 +112,65 @@ class BlockChannel:
             raise
         return out
 
+    def flush_releases(self, *, deadline: float) -> None:
+        """Send every queued release now (they otherwise ride on the next fetch)."""
+        if self.maps is None:
+            return
+        left = deadline - time.monotonic()
+        if left <= 0 or not self._lock.acquire(timeout=left):
+            raise errors.CacheTimeout("block socket: deadline passed")
+        try:
+            while release := self.maps.take_releases(bp.MAX_NAMES):
+                msg, fds = self._exchange(bp.encode_hold_request([], release), 1, deadline)
+                close_all(fds)
+                if msg != bytes([bp.RELEASED]):
+                    self._drop()
+                    raise errors.CacheCorrupt(f"block socket answered {msg[:80]!r} to a release")
+        finally:
+            self._lock.release()
+
     def _fetch_batch(self, names: Sequence[str], deadline: float) -> list[int | None]:
         left = deadline - time.monotonic()
         if left <= 0 or not self._lock.acquire(timeout=left):
             raise errors.CacheTimeout("block socket: deadline passed")
         try:
-            for attempt in (0, 1):
-                sock = self._connected(deadline)
-                try:
-                    sock.settimeout(max(1e-3, deadline - time.monotonic()))
-                    sock.send(bp.encode_request(names))
-                    # Close-on-exec from the start: another thread of the engine may fork meanwhile.
-                    msg, fds, flags = fdpass.recv_fds(sock, len(names), len(names))
-                except TimeoutError as exc:
-                    self._drop()
-                    raise errors.CacheTimeout("block socket: no answer before the deadline") from exc
-                except OSError as exc:
-                    self._drop()
-                    if attempt:
-                        raise errors.CacheUnavailable(f"block socket {self.path}: {exc}") from exc
-                    continue  # the server restarted since the last request: reconnect once
-                if flags & socket.MSG_CTRUNC:
-                    # Out of descriptors here: the kernel dropped some. Not the server's fault.
-                    close_all(fds)
-                    self._drop()
-                    raise errors.CacheUnavailable(
-                        "block socket: no descriptors left in this process (raise its open-files limit, "
-                        "`ulimit -n` or the container runtime's nofile, or load fewer keys per call)"
-                    )
-                if not msg:
-                    self._drop()
-                    if attempt:
-                        raise errors.CacheUnavailable(f"block socket {self.path} hung up")
-                    continue
-                return _assign(names, msg, fds)
-            raise AssertionError("unreachable")
+            msg, fds = self._exchange(bp.encode_request(names), len(names), deadline)
+            return _assign(names, msg, fds)
         finally:
             self._lock.release()
+
+    def _exchange(self, request: bytes, most_fds: int, deadline: float) -> tuple[bytes, list[int]]:
+        """Send one request and receive its answer (under the lock; reconnects once after a hang-up)."""
+        for attempt in (0, 1):
+            sock = self._connected(deadline)
+            try:
+                sock.settimeout(max(1e-3, deadline - time.monotonic()))
+                sock.send(request)
+                # Close-on-exec from the start: another thread of the engine may fork meanwhile.
+                msg, fds, flags = fdpass.recv_fds(sock, bp.MAX_NAMES + 1, most_fds)
+            except TimeoutError as exc:
+                self._drop()
+                raise errors.CacheTimeout("block socket: no answer before the deadline") from exc
+            except OSError as exc:
+                self._drop()
+                if attempt:
+                    raise errors.CacheUnavailable(f"block socket {self.path}: {exc}") from exc
+                continue  # the server restarted since the last request: reconnect once
+            if flags & socket.MSG_CTRUNC:
+                # Out of descriptors here: the kernel dropped some. Not the server's fault.
+                close_all(fds)
+                self._drop()
+                raise errors.CacheUnavailable(
+                    "block socket: no descriptors left in this process (raise its open-files limit, "
+                    "`ulimit -n` or the container runtime's nofile, or load fewer keys per call)"
+                )
+            if not msg:
+                self._drop()
+                if attempt:
+                    raise errors.CacheUnavailable(f"block socket {self.path} hung up")
+                continue
+            return msg, fds
+        raise AssertionError("unreachable")
 
     def _connected(self, deadline: float) -> socket.socket:
         if self._sock is None:
@@ -105,6 +188,9 @@ class BlockChannel:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        # The server released this connection's holds when it closed: nothing kept is accounted now.
+        if self.maps is not None:
+            self.maps.clear()
 
     def close(self) -> None:
         """Close the connection (a later fetch reopens it)."""
@@ -126,6 +212,24 @@ def _assign(names: Sequence[str], msg: bytes, fds: list[int]) -> list[int | None
         raise errors.CacheCorrupt(f"block socket answered {msg[:80]!r} to {len(names)} names")
     it = iter(fds)
     return [next(it) if status == bp.FOUND else None for status in msg]
+
+
+def _assign_held(names: Sequence[str], msg: bytes, fds: list[int]) -> list[tuple[int | None, bool]]:
+    sent = (bp.FOUND, bp.LENT)
+    known = all(b in (*sent, bp.GONE) for b in msg)
+    if not known or len(msg) != len(names) or sum(b in sent for b in msg) != len(fds):
+        for fd in fds:
+            os.close(fd)
+        raise errors.CacheCorrupt(f"block socket answered {msg[:80]!r} to {len(names)} names")
+    it = iter(fds)
+    return [(next(it), b == bp.FOUND) if b in sent else (None, False) for b in msg]
+
+
+def _map_block(fd: int, length: int, name: str) -> mmap.mmap:
+    """A read-only mapping of a sealed block's ``length`` bytes (it can never shrink: no SIGBUS)."""
+    if os.fstat(fd).st_size < length:
+        raise errors.CacheCorrupt(f"block {name} is shorter than {length}")
+    return mmap.mmap(fd, length, prot=mmap.PROT_READ, flags=_MAP_FLAGS)
 
 
 def copy_into(fd: int, length: int, target: memoryview, name: str) -> None:

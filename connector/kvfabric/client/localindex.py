@@ -121,6 +121,19 @@ class LocalIndex:
             return LookupResult(len(codes), list(map(_NAMES.__getitem__, codes)))
         return None
 
+    def alive(self, namespace: str) -> bool | None:
+        """Whether the server publishing ``namespace``'s table still beats (None: no table mapped).
+
+        False once it hung up or its heartbeat is older than ``stale_after_s``. No call and no lock:
+        for a watchdog polling it while a load waits.
+        """
+        m = self._maps.get(namespace)
+        if m is None:
+            return None
+        if m.server_gone():
+            return False
+        return time.monotonic_ns() - m.words[it.W_HEARTBEAT] <= self.stale_ns
+
     # --- fetching tables -----------------------------------------------------------------------------
 
     def _fetch_now(self, namespace: str) -> _Mapped | None:

@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -17,6 +17,7 @@ import grpc
 
 from kvfabric.client import _common as c
 from kvfabric.client.errors import CacheError, CacheTimeout, CacheUnavailable, InvalidRequest
+from kvfabric.client.hangwatch import HangWatch
 from kvfabric.client.localindex import LocalIndex
 from kvfabric.client.results import FlushResult, LookupResult, StoreResult
 from kvfabric.rpc.v1 import cache_pb2 as pb
@@ -26,6 +27,8 @@ __all__ = ["CacheClient"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+DEFAULT_MAPPING_CACHE_BYTES = 1 << 30
+"""Kept block mappings per client by default (the server's per-client hold budget is 1 GiB too)."""
 _DESCRIBE_TIMEOUT_S = 2.0
 """Longest a description may take (it is for status only; the call it precedes has its own deadline)."""
 
@@ -51,7 +54,10 @@ class CacheClient:
     instead of the target's host (e.g. the pool's Service name through a port-forward). ``token_file``
     holds the token instead. The TLS and token files are watched: when one changes (the kubelet updates
     a Secret volume in place), the next call runs on a channel built from the new ones, so rotated
-    credentials apply without a restart. Thread-safe; reuse one client per process.
+    credentials apply without a restart. ``mapping_cache_bytes`` (shared memory only) keeps the mappings
+    of loaded blocks across loads, up to that many bytes, so a repeated load is one memcpy
+    (:mod:`kvfabric.client.mappings`); 0 maps every block afresh. Thread-safe; reuse one client per
+    process.
     """
 
     def __init__(
@@ -66,11 +72,14 @@ class CacheClient:
         tls_server_name: str | None = None,
         local_index: bool = False,
         token_file: str | os.PathLike[str] | None = None,
+        mapping_cache_bytes: int = DEFAULT_MAPPING_CACHE_BYTES,
     ) -> None:
         self._target = c.parse_target(target)
         # Same node: answer lookups from the table the server publishes (no call per lookup).
         self._index = c.local_index_for(self._target) if local_index else None
-        self._blocks = c.block_channel_for(self._target) if shared_memory else None
+        # With the published index, a load waiting on a server that stopped beating is cancelled.
+        self._hangs = HangWatch(self._index) if self._index is not None else None
+        self._blocks = c.block_channel_for(self._target, mapping_cache_bytes) if shared_memory else None
         self._token = token
         self._token_file = Path(token_file) if token_file is not None else None
         self._tls = (tls_ca, tls_cert, tls_key)
@@ -270,12 +279,13 @@ class CacheClient:
 
             def read_all(r: _Conn) -> None:
                 call = r.stub.ShmLoad(req, timeout=timeout, metadata=r.md)
-                for slot in call:
-                    data = c.shm_read_one(blocks, slot, deadline)
-                    if data is None:
-                        call.cancel()
-                        break
-                    out.append(data)
+                with self._watch(namespace, call):
+                    for slot in c.shm_slots(call):
+                        data = c.shm_read_one(blocks, slot, deadline)
+                        if data is None:
+                            call.cancel()
+                            break
+                        out.append(data)
 
             self._call(read_all)
             return out
@@ -301,19 +311,36 @@ class CacheClient:
                 nonlocal count
                 call = r.stub.ShmLoad(req, timeout=timeout, metadata=r.md)
                 # Copy each block as soon as it is named, while the server promotes the next one.
-                for slot in call:
-                    if count >= len(keys) or not c.shm_read_one_into(
-                        blocks, slot, buffers[count], count, deadline
-                    ):
-                        call.cancel()
-                        break
-                    count += 1
+                with self._watch(namespace, call):
+                    for slot in c.shm_slots(call):
+                        if count >= len(keys) or not c.shm_read_one_into(
+                            blocks, slot, buffers[count], count, deadline, key=f"{namespace}/{keys[count]}"
+                        ):
+                            call.cancel()
+                            break
+                        count += 1
 
             self._call(read_into)
             return count
         asm = c.LoadAssembler(buffers)
         self._stream_load(req, timeout, asm)
         return asm.count
+
+    @contextlib.contextmanager
+    def _watch(self, namespace: str, call: Any) -> Iterator[None]:
+        """Run a load's stream under the hang watch: a server that stops beating fails it at once."""
+        if self._hangs is None:
+            yield
+            return
+        with self._hangs.watching(namespace, call) as w:
+            try:
+                yield
+            except grpc.RpcError as exc:
+                if w.hung:
+                    raise CacheUnavailable(
+                        "the cache server stopped beating while this load waited (published index)"
+                    ) from exc
+                raise
 
     def _stream_load(self, req: pb.LoadRequest, timeout: float, asm: c.LoadAssembler) -> None:
         def run(r: _Conn) -> None:
@@ -407,6 +434,8 @@ class CacheClient:
             timer.cancel()
             channel.close()
         self._conn.channel.close()
+        if self._hangs is not None:
+            self._hangs.close()
         if self._index is not None:
             self._index.close()
         if self._blocks is not None:

@@ -520,6 +520,7 @@ def _endpoint_key(settings: ConnectorSettings) -> tuple[object, ...]:
         settings.breaker_cooldown_ms,
         settings.breaker_max_cooldown_ms,
         settings.local_index,
+        settings.shm_mapping_cache_mb,
     )
 
 
@@ -535,6 +536,7 @@ def _new_cache(settings: ConnectorSettings, counters: Counters | None) -> Resili
                     f"unix://{settings.socket}",
                     shared_memory=settings.shared_memory,
                     local_index=settings.local_index,
+                    mapping_cache_bytes=settings.shm_mapping_cache_mb << 20,
                 ),
                 CircuitBreaker(settings.breaker_failures, cooldown, max_cooldown_s=longest),
             )
@@ -639,10 +641,12 @@ def transport_factory(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     local_index: bool = False,
+    mapping_cache_bytes: int = 0,
 ) -> Callable[[], Transport]:
     """Return a factory for the real ``kvfabric.client.CacheClient`` (imported on first use).
 
     ``local_index``: a Unix target answers lookups from the index its server publishes.
+    ``mapping_cache_bytes``: shared memory keeps loaded blocks' mappings up to this many bytes.
     """
 
     def make() -> Transport:
@@ -657,6 +661,7 @@ def transport_factory(
             tls_cert=tls_cert,
             tls_key=tls_key,
             local_index=local_index,
+            mapping_cache_bytes=mapping_cache_bytes,
         )
         return client
 

@@ -38,6 +38,11 @@ __all__ = ["BLOCK_SEALS", "BytesBlock", "DramBlock", "DramTier", "OpenBlock", "n
 log = logging.getLogger(__name__)
 
 DRAM_PREFIX = "d_"
+HELD_SHARE = 0.5
+"""Most of the DRAM budget clients may hold (keep mapped across loads); beyond it blocks are lent.
+
+Eviction passes over held blocks (evicting one would free nothing), so at least this share of the
+budget is always evictable."""
 BLOCK_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 """Seals of a committed block: its bytes and size are fixed for good, whoever holds a descriptor."""
 
@@ -205,13 +210,25 @@ class DramTier:
         # Bytes promised to puts in flight; counted so concurrent puts cannot overshoot the budget.
         self._reserved = 0
         self._by_name: dict[str, BlockId] = {}
+        # Holds: same-node clients that keep a block mapped across loads hold it (block socket,
+        # ``KVBH1``). A held block that is evicted or deleted leaves the index at once (never named
+        # again) but stays *retired*: its descriptor open and its bytes charged to ``_used`` until the
+        # last hold is released, because the client's mapping keeps its pages alive. The budget
+        # therefore counts every byte the blocks really occupy, mapped by clients or not.
+        self.max_held_bytes = int(capacity_bytes * HELD_SHARE)
+        self._holds: dict[str, int] = {}
+        self._held_bytes = 0
+        self._retired: dict[str, DramBlock] = {}
 
     def discard_all(self) -> None:
         """Forget every block and close its memfd (a stopping server; readers' descriptors stay valid)."""
         with self._lock:
-            blocks = list(self._index.values())
+            blocks = [*self._index.values(), *self._retired.values()]
             self._index.clear()
             self._by_name.clear()
+            self._retired.clear()
+            self._holds.clear()
+            self._held_bytes = 0
             self._used = 0
         for blk in blocks:
             os.close(blk.fd)
@@ -249,12 +266,81 @@ class DramTier:
             if blk is None or (gen is not None and blk.gen >= gen):
                 return False
             del self._index[bid]
-            del self._by_name[blk.name]
-            self._used -= blk.size
-        os.close(blk.fd)
+            fd = self._unindex_locked(blk)
+        if fd is not None:
+            os.close(fd)
         if self.on_change is not None:
             self.on_change([bid])
         return True
+
+    def _unindex_locked(self, blk: DramBlock) -> int | None:
+        """Forget a block the caller removed from ``_index``; its descriptor to close, or None if held.
+
+        A held block is retired instead: never named again, still charged until its last release.
+        """
+        del self._by_name[blk.name]
+        if blk.name in self._holds:
+            self._retired[blk.name] = blk
+            return None
+        self._used -= blk.size
+        return blk.fd
+
+    # --- holds (clients that keep a block mapped) ----------------------------------------------------
+
+    def hold_by_name(self, name: str, budget: int) -> tuple[int, int, bool] | None:
+        """Like :meth:`dup_by_name`, and hold the block if it fits ``budget`` and the tier's share.
+
+        Returns ``(descriptor, length, held)``, or None if the block is gone. A block is held at most
+        once per call; a caller holding it already may hold it again (counted, released as often).
+        """
+        with self._lock:
+            bid = self._by_name.get(name)
+            if bid is None:
+                return None
+            blk = self._index[bid]
+            held = name in self._holds or (
+                blk.size <= budget and self._held_bytes + blk.size <= self.max_held_bytes
+            )
+            if held:
+                if name not in self._holds:
+                    self._held_bytes += blk.size
+                self._holds[name] = self._holds.get(name, 0) + 1
+            return os.dup(blk.fd), blk.length, held
+
+    def release(self, name: str) -> int:
+        """Release one hold of ``name`` (unknown names are ignored); the bytes no longer held by it."""
+        fd = None
+        with self._lock:
+            count = self._holds.get(name)
+            if count is None:
+                return 0
+            if count > 1:
+                self._holds[name] = count - 1
+                return 0
+            del self._holds[name]
+            retired = self._retired.pop(name, None)
+            if retired is not None:
+                size = retired.size
+                self._used -= size
+                fd = retired.fd
+            else:
+                size = self._index[self._by_name[name]].size
+            self._held_bytes -= size
+        if fd is not None:
+            os.close(fd)
+        return size
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of blocks that clients hold (resident or retired)."""
+        with self._lock:
+            return self._held_bytes
+
+    @property
+    def retired_bytes(self) -> int:
+        """Bytes of evicted or deleted blocks still charged because a client holds them."""
+        with self._lock:
+            return sum(b.size for b in self._retired.values())
 
     def usage(self) -> TierUsage:
         """Return the current occupancy."""
@@ -267,14 +353,26 @@ class DramTier:
     def _evict_while(self, more: Callable[[int], bool]) -> list[BlockId]:
         """Evict least-recently-used blocks while ``more(evicted so far)`` holds (under the lock)."""
         gone: list[tuple[BlockId, DramBlock]] = []
+        to_close: list[int] = []
+        skipped = 0
         with self._lock:
             while self._index and more(len(gone)):
                 bid, blk = self._index.popitem(last=False)
-                del self._by_name[blk.name]
-                self._used -= blk.size
+                if blk.name in self._holds:
+                    # Held: evicting it would free nothing (a client's mapping keeps its pages), so it
+                    # stays resident and useful; it counts as recently used. Once every held block
+                    # was passed over, only held ones are left.
+                    self._index[bid] = blk
+                    skipped += 1
+                    if skipped > len(self._holds):
+                        break
+                    continue
+                fd = self._unindex_locked(blk)
+                if fd is not None:
+                    to_close.append(fd)
                 gone.append((bid, blk))
-        for _, blk in gone:
-            os.close(blk.fd)
+        for fd in to_close:
+            os.close(fd)
         if gone:
             self.counters.inc("evictions", self.name, len(gone))
             if self.on_change is not None:
@@ -368,19 +466,19 @@ class DramTier:
                 cur is None or cur.gen <= g
             )
             old = None
+            old_fd = None
             if admitted:
                 old = self._index.pop(bid, None)
                 if old is not None:
-                    del self._by_name[old.name]
-                    self._used -= old.size
+                    old_fd = self._unindex_locked(old)
                 self._index[bid] = DramBlock(name, fd, length, size, g)
                 self._by_name[name] = bid
                 self._used += size
         if not admitted:
             os.close(fd)
             return cur is not None and cur.gen > g  # a newer copy is resident: the key is stored
-        if old is not None:
-            os.close(old.fd)
+        if old_fd is not None:
+            os.close(old_fd)
         if self.on_change is not None:
             self.on_change([bid])
         return True
@@ -389,9 +487,10 @@ class DramTier:
         high = int(self.capacity * self.high)
         if size > high:
             return False
-        if len(self._index) >= self.max_blocks:
+        open_blocks = len(self._index) + len(self._retired)
+        if open_blocks >= self.max_blocks:
             # Out of descriptors before bytes (many tiny blocks): the least recently used go first.
-            self._evict_oldest(len(self._index) - self.max_blocks + 1)
+            self._evict_oldest(open_blocks - self.max_blocks + 1)
         with self._lock:
             if self._used + self._reserved + size <= high:
                 self._reserved += size

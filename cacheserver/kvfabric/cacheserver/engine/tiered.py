@@ -502,6 +502,10 @@ class TieredStore:
                 counters[name] = value
         with self._wb_lock:
             pending = self._wb_bytes
+        # Blocks same-node clients keep mapped: all of them counted in the DRAM tier's used bytes,
+        # the retired ones (evicted or deleted, not yet released) too.
+        tiers[str(TierName.DRAM)]["held_bytes"] = self.dram.held_bytes
+        tiers[str(TierName.DRAM)]["retired_held_bytes"] = self.dram.retired_bytes
         return {
             "server_id": self.server_id,
             "tiers": tiers,

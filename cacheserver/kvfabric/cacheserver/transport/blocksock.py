@@ -6,6 +6,12 @@ A name is a capability the gRPC socket handed to a caller of ``ShmLoad``/``ShmSt
 load's name resolves for as long as its block is resident, a staging name until its lease is
 committed, aborted or reaped. The peer's ``SO_PEERCRED`` is read at accept time and logged with any
 refusal.
+
+A connection may *hold* the blocks it loads (``KVBH1``) up to ``hold_budget`` bytes, so its client can
+keep them mapped across loads; the DRAM tier keeps a held block's memory charged until the release.
+The socket remembers each connection's holds and releases them all when the connection closes,
+whatever the client did: a client that dies (or forgets) cannot leave memory the server does not
+count.
 """
 
 from __future__ import annotations
@@ -19,11 +25,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from kvfabric.cacheserver.transport.indexpub import MAX_CONNECTIONS, Peer, listen_unix
 from kvfabric.rpc import blockproto as bp
 
-__all__ = ["BlockSocket", "Resolver"]
+__all__ = ["BlockSocket", "Holds", "Resolver"]
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +40,28 @@ Resolver = Callable[[str], tuple[int, int] | None]
 """name -> (a descriptor the socket closes after sending, payload length), or None if gone."""
 
 
+class Holds(Protocol):
+    """Where held blocks are accounted (the DRAM tier)."""
+
+    def hold_by_name(self, name: str, budget: int) -> tuple[int, int, bool] | None:
+        """``(descriptor, length, held)`` of a block, held if it fits ``budget``; None if gone."""
+        ...
+
+    def release(self, name: str) -> int:
+        """Release one hold; the bytes it freed from the holder's budget (0 if none)."""
+        ...
+
+
 class BlockSocket:
     """Hands out memfd descriptors by handle name on a ``SOCK_SEQPACKET`` Unix socket."""
 
-    def __init__(self, path: Path, resolve: Resolver) -> None:
+    def __init__(
+        self, path: Path, resolve: Resolver, holds: Holds | None = None, hold_budget: int = 0
+    ) -> None:
         self.path = path
         self.resolve = resolve
+        self.holds = holds
+        self.hold_budget = hold_budget if holds is not None else 0
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -86,6 +109,7 @@ class BlockSocket:
             threading.Thread(target=self._serve, args=(conn,), name="block-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        held = _Held()
         try:
             pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             peer = Peer(pid, uid, gid)
@@ -96,12 +120,15 @@ class BlockSocket:
                 data = conn.recv(bp.MAX_MESSAGE + 1)
                 if not data:
                     return
-                names = bp.parse_request(data) if len(data) <= bp.MAX_MESSAGE else None
-                if names is None:
+                req = bp.parse_request(data) if len(data) <= bp.MAX_MESSAGE else None
+                if req is None:
                     log.info("block socket: bad request", extra={"pid": peer.pid, "uid": peer.uid})
                     conn.send(bytes([bp.BAD_REQUEST]) + b"bad request")
                     return
-                self._answer(conn, names)
+                if req.hold:
+                    self._answer_holding(conn, req, held)
+                else:
+                    self._answer(conn, req.names)
         except OSError as exc:
             if not self._stop.is_set():
                 log.info("block socket connection failed", extra={"error": str(exc)})
@@ -109,6 +136,10 @@ class BlockSocket:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+            # A closed connection holds nothing, whatever its client did (died, forgot, misbehaved).
+            if self.holds is not None:
+                for name in held.all():
+                    self.holds.release(name)
 
     def _answer(self, conn: socket.socket, names: list[str]) -> None:
         status = bytearray()
@@ -121,6 +152,35 @@ class BlockSocket:
                 else:
                     status.append(bp.FOUND)
                     fds.append(got[0])
+            socket.send_fds(conn, [bytes(status)], fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _answer_holding(self, conn: socket.socket, req: bp.Request, held: _Held) -> None:
+        for name in req.release:
+            if held.drop(name) and self.holds is not None:
+                self.holds.release(name)  # only this connection's own holds: never another client's
+        if not req.names:
+            conn.send(bytes([bp.RELEASED]))
+            return
+        status = bytearray()
+        fds: list[int] = []
+        try:
+            for name in req.names:
+                if self.holds is None:
+                    lent = self.resolve(name)
+                    got = None if lent is None else (lent[0], lent[1], False)
+                else:
+                    got = self.holds.hold_by_name(name, self.hold_budget - held.bytes)
+                if got is None:
+                    status.append(bp.GONE)
+                    continue
+                fd, length, is_held = got
+                fds.append(fd)
+                if is_held:
+                    held.add(name, length)
+                status.append(bp.FOUND if is_held else bp.LENT)
             socket.send_fds(conn, [bytes(status)], fds)
         finally:
             for fd in fds:
@@ -142,3 +202,34 @@ class BlockSocket:
             self._thread.join(timeout=5)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+
+
+class _Held:
+    """One connection's holds: how often it holds each block, and their bytes (each block once)."""
+
+    def __init__(self) -> None:
+        self._times: dict[str, int] = {}
+        self._length: dict[str, int] = {}
+        self.bytes = 0
+
+    def add(self, name: str, length: int) -> None:
+        if name not in self._times:
+            self._length[name] = length
+            self.bytes += length
+        self._times[name] = self._times.get(name, 0) + 1
+
+    def drop(self, name: str) -> bool:
+        """Forget one hold of ``name``; False if this connection does not hold it."""
+        times = self._times.get(name)
+        if times is None:
+            return False
+        if times > 1:
+            self._times[name] = times - 1
+        else:
+            del self._times[name]
+            self.bytes -= self._length.pop(name)
+        return True
+
+    def all(self) -> list[str]:
+        """Every hold, a name once per time held (what closing the connection releases)."""
+        return [n for n, times in self._times.items() for _ in range(times)]

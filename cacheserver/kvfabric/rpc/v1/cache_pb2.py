@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvfabric/rpc/v1/cache.proto\x12\x0fkvfabric.rpc.v1\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\"Y\n\x0eLookupResponse\x12\x0f\n\x07matched\x18\x01 \x01(\r\x12$\n\x05tiers\x18\x02 \x03(\x0e\x32\x15.kvfabric.rpc.v1.Tier\x12\x10\n\x08\x64\x65scribe\x18\x03 \x01(\x08\"I\n\x0bLoadRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\r\"N\n\tLoadChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x14\n\x0ctotal_length\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"P\n\nStoreChunk\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x14\n\x0ctotal_length\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"D\n\rStoreResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\r\x12\x10\n\x08\x64\x65scribe\x18\x03 \x01(\x08\"\'\n\x07ShmSlot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\"H\n\x14ShmStoreBeginRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x0f\n\x07lengths\x18\x03 \x03(\x04\"\x86\x01\n\x15ShmStoreBeginResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\'\n\x05slots\x18\x02 \x03(\x0b\x32\x18.kvfabric.rpc.v1.ShmSlot\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\r\x12\x0f\n\x07present\x18\x04 \x01(\r\x12\x10\n\x08\x64\x65scribe\x18\x05 \x01(\x08\"8\n\x15ShmStoreCommitRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x61\x62ort\x18\x02 \x01(\x08\"0\n\rDeleteRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"/\n\x0c\x46lushRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\"0\n\x08KeyTiers\x12$\n\x05tiers\x18\x01 \x03(\x0e\x32\x15.kvfabric.rpc.v1.Tier\"J\n\rFlushResponse\x12\'\n\x04keys\x18\x01 \x03(\x0b\x32\x19.kvfabric.rpc.v1.KeyTiers\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\"7\n\x0f\x44\x65scribeRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x11\n\tspec_json\x18\x02 \x01(\t\"\x12\n\x10\x44\x65scribeResponse\"\x0e\n\x0cStatsRequest\"\x1d\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t*b\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_DRAM\x10\x01\x12\x13\n\x0fTIER_LOCAL_DISK\x10\x02\x12\x0f\n\x0bTIER_SHARED\x10\x03\x12\x0f\n\x0bTIER_OBJECT\x10\x04\x32\x89\x06\n\x05\x43\x61\x63he\x12I\n\x06Lookup\x12\x1e.kvfabric.rpc.v1.LookupRequest\x1a\x1f.kvfabric.rpc.v1.LookupResponse\x12\x42\n\x04Load\x12\x1c.kvfabric.rpc.v1.LoadRequest\x1a\x1a.kvfabric.rpc.v1.LoadChunk0\x01\x12\x46\n\x05Store\x12\x1b.kvfabric.rpc.v1.StoreChunk\x1a\x1e.kvfabric.rpc.v1.StoreResponse(\x01\x12\x43\n\x07ShmLoad\x12\x1c.kvfabric.rpc.v1.LoadRequest\x1a\x18.kvfabric.rpc.v1.ShmSlot0\x01\x12^\n\rShmStoreBegin\x12%.kvfabric.rpc.v1.ShmStoreBeginRequest\x1a&.kvfabric.rpc.v1.ShmStoreBeginResponse\x12X\n\x0eShmStoreCommit\x12&.kvfabric.rpc.v1.ShmStoreCommitRequest\x1a\x1e.kvfabric.rpc.v1.StoreResponse\x12I\n\x06\x44\x65lete\x12\x1e.kvfabric.rpc.v1.DeleteRequest\x1a\x1f.kvfabric.rpc.v1.DeleteResponse\x12\x46\n\x05Stats\x12\x1d.kvfabric.rpc.v1.StatsRequest\x1a\x1e.kvfabric.rpc.v1.StatsResponse\x12\x46\n\x05\x46lush\x12\x1d.kvfabric.rpc.v1.FlushRequest\x1a\x1e.kvfabric.rpc.v1.FlushResponse\x12O\n\x08\x44\x65scribe\x12 .kvfabric.rpc.v1.DescribeRequest\x1a!.kvfabric.rpc.v1.DescribeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvfabric/rpc/v1/cache.proto\x12\x0fkvfabric.rpc.v1\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\"Y\n\x0eLookupResponse\x12\x0f\n\x07matched\x18\x01 \x01(\r\x12$\n\x05tiers\x18\x02 \x03(\x0e\x32\x15.kvfabric.rpc.v1.Tier\x12\x10\n\x08\x64\x65scribe\x18\x03 \x01(\x08\"I\n\x0bLoadRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\r\"N\n\tLoadChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x14\n\x0ctotal_length\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"P\n\nStoreChunk\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x14\n\x0ctotal_length\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"D\n\rStoreResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\r\x12\x10\n\x08\x64\x65scribe\x18\x03 \x01(\x08\"O\n\x07ShmSlot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12&\n\x04more\x18\x03 \x03(\x0b\x32\x18.kvfabric.rpc.v1.ShmSlot\"H\n\x14ShmStoreBeginRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x0f\n\x07lengths\x18\x03 \x03(\x04\"\x86\x01\n\x15ShmStoreBeginResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\'\n\x05slots\x18\x02 \x03(\x0b\x32\x18.kvfabric.rpc.v1.ShmSlot\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\r\x12\x0f\n\x07present\x18\x04 \x01(\r\x12\x10\n\x08\x64\x65scribe\x18\x05 \x01(\x08\"8\n\x15ShmStoreCommitRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x61\x62ort\x18\x02 \x01(\x08\"0\n\rDeleteRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"/\n\x0c\x46lushRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\"0\n\x08KeyTiers\x12$\n\x05tiers\x18\x01 \x03(\x0e\x32\x15.kvfabric.rpc.v1.Tier\"J\n\rFlushResponse\x12\'\n\x04keys\x18\x01 \x03(\x0b\x32\x19.kvfabric.rpc.v1.KeyTiers\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\"7\n\x0f\x44\x65scribeRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x11\n\tspec_json\x18\x02 \x01(\t\"\x12\n\x10\x44\x65scribeResponse\"\x0e\n\x0cStatsRequest\"\x1d\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t*b\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_DRAM\x10\x01\x12\x13\n\x0fTIER_LOCAL_DISK\x10\x02\x12\x0f\n\x0bTIER_SHARED\x10\x03\x12\x0f\n\x0bTIER_OBJECT\x10\x04\x32\x89\x06\n\x05\x43\x61\x63he\x12I\n\x06Lookup\x12\x1e.kvfabric.rpc.v1.LookupRequest\x1a\x1f.kvfabric.rpc.v1.LookupResponse\x12\x42\n\x04Load\x12\x1c.kvfabric.rpc.v1.LoadRequest\x1a\x1a.kvfabric.rpc.v1.LoadChunk0\x01\x12\x46\n\x05Store\x12\x1b.kvfabric.rpc.v1.StoreChunk\x1a\x1e.kvfabric.rpc.v1.StoreResponse(\x01\x12\x43\n\x07ShmLoad\x12\x1c.kvfabric.rpc.v1.LoadRequest\x1a\x18.kvfabric.rpc.v1.ShmSlot0\x01\x12^\n\rShmStoreBegin\x12%.kvfabric.rpc.v1.ShmStoreBeginRequest\x1a&.kvfabric.rpc.v1.ShmStoreBeginResponse\x12X\n\x0eShmStoreCommit\x12&.kvfabric.rpc.v1.ShmStoreCommitRequest\x1a\x1e.kvfabric.rpc.v1.StoreResponse\x12I\n\x06\x44\x65lete\x12\x1e.kvfabric.rpc.v1.DeleteRequest\x1a\x1f.kvfabric.rpc.v1.DeleteResponse\x12\x46\n\x05Stats\x12\x1d.kvfabric.rpc.v1.StatsRequest\x1a\x1e.kvfabric.rpc.v1.StatsResponse\x12\x46\n\x05\x46lush\x12\x1d.kvfabric.rpc.v1.FlushRequest\x1a\x1e.kvfabric.rpc.v1.FlushResponse\x12O\n\x08\x44\x65scribe\x12 .kvfabric.rpc.v1.DescribeRequest\x1a!.kvfabric.rpc.v1.DescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvfabric.rpc.v1.cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1190
-  _globals['_TIER']._serialized_end=1288
+  _globals['_TIER']._serialized_start=1230
+  _globals['_TIER']._serialized_end=1328
   _globals['_LOOKUPREQUEST']._serialized_start=48
   _globals['_LOOKUPREQUEST']._serialized_end=96
   _globals['_LOOKUPRESPONSE']._serialized_start=98
@@ -46,31 +46,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STORERESPONSE']._serialized_start=426
   _globals['_STORERESPONSE']._serialized_end=494
   _globals['_SHMSLOT']._serialized_start=496
-  _globals['_SHMSLOT']._serialized_end=535
-  _globals['_SHMSTOREBEGINREQUEST']._serialized_start=537
-  _globals['_SHMSTOREBEGINREQUEST']._serialized_end=609
-  _globals['_SHMSTOREBEGINRESPONSE']._serialized_start=612
-  _globals['_SHMSTOREBEGINRESPONSE']._serialized_end=746
-  _globals['_SHMSTORECOMMITREQUEST']._serialized_start=748
-  _globals['_SHMSTORECOMMITREQUEST']._serialized_end=804
-  _globals['_DELETEREQUEST']._serialized_start=806
-  _globals['_DELETEREQUEST']._serialized_end=854
-  _globals['_DELETERESPONSE']._serialized_start=856
-  _globals['_DELETERESPONSE']._serialized_end=889
-  _globals['_FLUSHREQUEST']._serialized_start=891
-  _globals['_FLUSHREQUEST']._serialized_end=938
-  _globals['_KEYTIERS']._serialized_start=940
-  _globals['_KEYTIERS']._serialized_end=988
-  _globals['_FLUSHRESPONSE']._serialized_start=990
-  _globals['_FLUSHRESPONSE']._serialized_end=1064
-  _globals['_DESCRIBEREQUEST']._serialized_start=1066
-  _globals['_DESCRIBEREQUEST']._serialized_end=1121
-  _globals['_DESCRIBERESPONSE']._serialized_start=1123
-  _globals['_DESCRIBERESPONSE']._serialized_end=1141
-  _globals['_STATSREQUEST']._serialized_start=1143
-  _globals['_STATSREQUEST']._serialized_end=1157
-  _globals['_STATSRESPONSE']._serialized_start=1159
-  _globals['_STATSRESPONSE']._serialized_end=1188
-  _globals['_CACHE']._serialized_start=1291
-  _globals['_CACHE']._serialized_end=2068
+  _globals['_SHMSLOT']._serialized_end=575
+  _globals['_SHMSTOREBEGINREQUEST']._serialized_start=577
+  _globals['_SHMSTOREBEGINREQUEST']._serialized_end=649
+  _globals['_SHMSTOREBEGINRESPONSE']._serialized_start=652
+  _globals['_SHMSTOREBEGINRESPONSE']._serialized_end=786
+  _globals['_SHMSTORECOMMITREQUEST']._serialized_start=788
+  _globals['_SHMSTORECOMMITREQUEST']._serialized_end=844
+  _globals['_DELETEREQUEST']._serialized_start=846
+  _globals['_DELETEREQUEST']._serialized_end=894
+  _globals['_DELETERESPONSE']._serialized_start=896
+  _globals['_DELETERESPONSE']._serialized_end=929
+  _globals['_FLUSHREQUEST']._serialized_start=931
+  _globals['_FLUSHREQUEST']._serialized_end=978
+  _globals['_KEYTIERS']._serialized_start=980
+  _globals['_KEYTIERS']._serialized_end=1028
+  _globals['_FLUSHRESPONSE']._serialized_start=1030
+  _globals['_FLUSHRESPONSE']._serialized_end=1104
+  _globals['_DESCRIBEREQUEST']._serialized_start=1106
+  _globals['_DESCRIBEREQUEST']._serialized_end=1161
+  _globals['_DESCRIBERESPONSE']._serialized_start=1163
+  _globals['_DESCRIBERESPONSE']._serialized_end=1181
+  _globals['_STATSREQUEST']._serialized_start=1183
+  _globals['_STATSREQUEST']._serialized_end=1197
+  _globals['_STATSRESPONSE']._serialized_start=1199
+  _globals['_STATSRESPONSE']._serialized_end=1228
+  _globals['_CACHE']._serialized_start=1331
+  _globals['_CACHE']._serialized_end=2108
 # @@protoc_insertion_point(module_scope)

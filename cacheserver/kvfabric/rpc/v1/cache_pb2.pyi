@@ -83,12 +83,14 @@ class StoreResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., dropped: _Optional[int] = ..., describe: _Optional[bool] = ...) -> None: ...
 
 class ShmSlot(_message.Message):
-    __slots__ = ("name", "length")
+    __slots__ = ("name", "length", "more")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     name: str
     length: int
-    def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+    more: _containers.RepeatedCompositeFieldContainer[ShmSlot]
+    def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ..., more: _Optional[_Iterable[_Union[ShmSlot, _Mapping]]] = ...) -> None: ...
 
 class ShmStoreBeginRequest(_message.Message):
     __slots__ = ("namespace", "keys", "lengths")

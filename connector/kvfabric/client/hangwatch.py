@@ -1,0 +1,95 @@
+"""Loads that notice a hung server: cancelled when its published heartbeat stops, not at the deadline.
+
+A same-node lookup answered from the published index notices a hung server within the heartbeat's
+staleness bound (0.5 s), but a load already waiting on that server's gRPC stream would wait for its
+own deadline — seconds, the prefill it was meant to save. :class:`HangWatch` polls the heartbeat of
+the table each in-flight load's namespace is published in (one thread per client, started on first
+use, asleep while nothing is in flight) and cancels the loads of a server that stopped beating; the
+load then fails as ``CacheUnavailable`` and the connector recomputes, as for any failed load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Protocol
+
+from kvfabric.client.localindex import LocalIndex
+
+__all__ = ["POLL_SECONDS", "HangWatch"]
+
+POLL_SECONDS = 0.02
+"""How often in-flight loads look at their server's heartbeat."""
+
+
+class Cancellable(Protocol):
+    """A call that can be cancelled from another thread (a gRPC call object)."""
+
+    def cancel(self) -> bool:
+        """Cancel the call."""
+        ...
+
+
+class Watched:
+    """One watched call: whether the watch cancelled it."""
+
+    def __init__(self, namespace: str, call: Cancellable) -> None:
+        self.namespace = namespace
+        self.call = call
+        self.hung = False
+
+
+class HangWatch:
+    """Cancels watched calls whose server's published heartbeat stopped."""
+
+    def __init__(self, index: LocalIndex, *, poll_seconds: float = POLL_SECONDS) -> None:
+        self.index = index
+        self.poll = poll_seconds
+        self._lock = threading.Lock()
+        self._calls: set[Watched] = set()
+        self._wake = threading.Event()  # set while calls are in flight
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @contextlib.contextmanager
+    def watching(self, namespace: str, call: Cancellable) -> Iterator[Watched]:
+        """Watch ``call`` (a load of ``namespace``) for as long as the block runs."""
+        w = Watched(namespace, call)
+        with self._lock:
+            self._calls.add(w)
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="kvfabric-hangwatch", daemon=True)
+                self._thread.start()
+        self._wake.set()
+        try:
+            yield w
+        finally:
+            with self._lock:
+                self._calls.discard(w)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                calls = list(self._calls)
+                if not calls:
+                    self._wake.clear()
+            if not calls:
+                self._wake.wait()
+                continue
+            for w in calls:
+                # None (no table mapped): unknown, left to the call's own deadline.
+                if not w.hung and self.index.alive(w.namespace) is False:
+                    w.hung = True
+                    w.call.cancel()
+            self._stop.wait(self.poll)
+
+    def close(self) -> None:
+        """Stop the watch thread."""
+        with self._lock:
+            self._closed = True
+        self._stop.set()
+        self._wake.set()

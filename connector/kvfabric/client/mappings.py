@@ -1,0 +1,173 @@
+"""Kept mappings of loaded blocks: a repeated same-node load copies at memory speed.
+
+Mapping a 32 MiB sealed memfd and unmapping it again costs about three times the copy itself (8,192
+page-table entries to build and tear down; docs/performance.md), so a client that loads the same hot
+prefix again and again keeps the read-only mapping of each block it loaded, by handle name, up to a
+byte budget (least recently used first out).
+
+Why a kept mapping can never serve a wrong byte: a handle name names one sealed block for its whole
+life — names are 128-bit random tokens, never reused, and a sealed memfd can never change or shrink.
+A load copies from a kept mapping only when the server has just named that block for the key asked,
+so the bytes are exactly the ones a fresh fetch would have returned.
+
+Why it never makes the server use memory it does not count: a kept mapping keeps the block's pages
+alive after the server evicts it, so every kept block is *held* on the block socket
+(:mod:`kvfabric.rpc.blockproto`, ``KVBH1``) and the server keeps it charged to its DRAM budget until
+it is released here (or the connection closes). A block the server would not let this client hold
+is copied and unmapped as before.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+__all__ = ["MappingCache"]
+
+
+@dataclass(slots=True)
+class _Kept:
+    mapping: mmap.mmap
+    length: int
+    key: str | None
+    users: int = 0
+    doomed: bool = False
+    view: memoryview = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.view = memoryview(self.mapping)[: self.length]
+
+    def close(self) -> None:
+        self.view.release()
+        self.mapping.close()
+
+
+class MappingCache:
+    """Read-only mappings of held blocks by handle name, at most ``budget_bytes`` of them (LRU).
+
+    Thread-safe. Copies run outside the lock; a mapping evicted while a copy reads it is unmapped by
+    that copy when it ends. Evicted names queue for release (:meth:`take_releases`), sent with the
+    channel's next request.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()
+        self._by_key: dict[str, str] = {}
+        self._bytes = 0
+        self._releases: list[str] = []
+        self.epoch = 0
+        """Bumped by :meth:`clear`: a hold taken on an older connection is not kept."""
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the mappings kept now."""
+        with self._lock:
+            return self._bytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._kept)
+
+    def copy(self, name: str, length: int, target: memoryview) -> bool:
+        """Copy the kept block ``name`` into ``target``; False when it is not kept here."""
+        with self._lock:
+            kept = self._kept.get(name)
+            if kept is None or kept.length != length:
+                return False
+            self._kept.move_to_end(name)
+            kept.users += 1
+        try:
+            target[:length] = kept.view
+        finally:
+            with self._lock:
+                kept.users -= 1
+                last = kept.doomed and kept.users == 0
+            if last:
+                self._close(name, kept)
+        return True
+
+    def keep(self, name: str, mapping: mmap.mmap, length: int, *, key: str | None = None, epoch: int) -> bool:
+        """Keep ``mapping`` of the held block ``name`` (the caller gives it up); False if refused.
+
+        ``key`` (namespace and key, any stable string) drops the mapping the same key had under an
+        older name: that block was evicted or replaced, and its name will never be named again.
+        ``epoch`` is :attr:`epoch` when the hold was taken. Refused (too large for the budget, or
+        the connection that held it closed since): the caller unmaps it and releases the hold.
+        """
+        if length > self.budget:
+            return False
+        kept = _Kept(mapping, length, key)
+        gone: list[tuple[str, _Kept]] = []
+        with self._lock:
+            if epoch != self.epoch:
+                return False  # that connection's holds were released when it closed
+            if name in self._kept:
+                # Another thread kept the same block meanwhile (held twice): drop this one's hold.
+                gone.append((name, kept))
+            else:
+                self._kept[name] = kept
+                self._bytes += length
+                if key is not None:
+                    old = self._by_key.get(key)
+                    self._by_key[key] = name
+                    if old is not None and old in self._kept:
+                        gone.append(self._forget_locked(old))
+                while self._bytes > self.budget:
+                    gone.append(self._forget_locked(next(iter(self._kept))))
+        for n, k in gone:
+            self._close_unless_used(n, k)
+        return True
+
+    def clear(self) -> None:
+        """Unmap everything (the connection that held them is gone: its holds are released).
+
+        Releases still queued are dropped; one queued later for a mapping in use now is harmless (the
+        server ignores a release of a name the connection does not hold).
+        """
+        with self._lock:
+            self.epoch += 1
+            gone = [self._forget_locked(name) for name in list(self._kept)]
+            self._releases.clear()
+        for n, k in gone:
+            self._close_unless_used(n, k)
+        with self._lock:
+            self._releases.clear()
+
+    def take_releases(self, most: int) -> list[str]:
+        """Up to ``most`` names whose mappings are gone, to release on the block socket."""
+        with self._lock:
+            out, self._releases = self._releases[:most], self._releases[most:]
+            return out
+
+    def release_later(self, name: str) -> None:
+        """Queue the release of a hold whose mapping was not kept."""
+        with self._lock:
+            self._releases.append(name)
+
+    def pending_releases(self) -> int:
+        """How many releases wait to be sent."""
+        with self._lock:
+            return len(self._releases)
+
+    def _forget_locked(self, name: str) -> tuple[str, _Kept]:
+        kept = self._kept.pop(name)
+        self._bytes -= kept.length
+        if kept.key is not None and self._by_key.get(kept.key) == name:
+            del self._by_key[kept.key]
+        return name, kept
+
+    def _close_unless_used(self, name: str, kept: _Kept) -> None:
+        with self._lock:
+            if kept.users:
+                kept.doomed = True  # the copy reading it closes it when it ends
+                return
+        self._close(name, kept)
+
+    def _close(self, name: str, kept: _Kept) -> None:
+        kept.close()
+        with self._lock:
+            self._releases.append(name)

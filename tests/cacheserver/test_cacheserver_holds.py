@@ -1,0 +1,264 @@
+"""Held blocks: clients keep mappings across loads, and the DRAM budget still counts every byte.
+
+A client that keeps a block mapped keeps its pages alive after the server evicts or deletes it, so
+the server holds such blocks (docs/performance.md, "Kept mappings"). These tests pin down what that
+promises:
+
+- the DRAM tier's used bytes are always the resident blocks plus the retired held ones (a model of
+  the tier under every sequence of puts, deletes, evictions, holds and releases);
+- a retired block is never named again, and its descriptor stays open until the last release;
+- eviction passes over held blocks while unheld ones remain, and holds never pass their share;
+- through a real server: a connection's holds are released when it closes, kill -9 of the client
+  included, and no connection can release another's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvfabric.cacheserver.engine.dram import HELD_SHARE, DramTier
+from kvfabric.cacheserver.engine.ids import BlockId
+from kvfabric.client import CacheClient
+from kvfabric.client._common import shm_slots
+from kvfabric.rpc import blockproto as bp
+from kvfabric.rpc import fdpass
+from kvfabric.rpc.v1 import cache_pb2 as pb
+from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
+from kvfabric.testing.serverproc import MiB, cache_server, digest, payload_for, wait_until
+
+NS = digest("holds")
+PAGE = 4096
+
+
+def bid(i: object) -> BlockId:
+    return BlockId.parse(NS, digest(i))
+
+
+def _fd_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+class DramHolds(RuleBasedStateMachine):
+    """The DRAM tier against a model: what is resident, what is held how often, what is retired."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tier = DramTier(8 * PAGE, high_watermark=1.0, low_watermark=0.5)
+        self.resident: dict[int, str] = {}  # key -> block name
+        self.sizes: dict[str, int] = {}  # name -> charged bytes
+        self.holds: dict[str, int] = {}  # name -> times held
+        self.retired: dict[str, int] = {}  # name -> its descriptor, kept open by the tier
+        self.names_ever: set[str] = set()
+
+    def _name(self, key: int) -> str | None:
+        blk = self.tier.slot(bid(key))
+        return None if blk is None else blk.name
+
+    def _sync_resident(self) -> None:
+        # Puts may evict (LRU order is the tier's own business); learn what left, and check it.
+        for key, name in list(self.resident.items()):
+            if self._name(key) != name:
+                del self.resident[key]
+                self._left(name)
+
+    def _left(self, name: str) -> None:
+        if name in self.holds:
+            blk_fd = self.tier._retired[name].fd
+            self.retired[name] = blk_fd
+
+    @rule(key=st.integers(0, 5), pages=st.integers(1, 3))
+    def put(self, key: int, pages: int) -> None:
+        old = self.resident.get(key)
+        if self.tier.put(bid(key), b"x" * (pages * PAGE - 1)):
+            name = self._name(key)
+            assert name is not None
+            assert name not in self.names_ever  # names are never reused
+            self.names_ever.add(name)
+            self.sizes[name] = pages * PAGE
+            self.resident[key] = name
+            if old is not None:
+                self._left(old)
+        self._sync_resident()
+
+    @rule(key=st.integers(0, 5))
+    def delete(self, key: int) -> None:
+        name = self.resident.pop(key, None)
+        assert self.tier.delete(bid(key)) == (name is not None)
+        if name is not None:
+            self._left(name)
+
+    @rule(target_pages=st.integers(0, 8))
+    def evict(self, target_pages: int) -> None:
+        unheld_before = {k for k, n in self.resident.items() if n not in self.holds}
+        gone = self.tier.evict(target_pages * PAGE)
+        for b in gone:
+            key = next(k for k in self.resident if bid(k) == b)
+            # Never a held block while an unheld one was resident.
+            assert self.resident[key] not in self.holds or not unheld_before
+        self._sync_resident()
+
+    @rule(key=st.integers(0, 5), budget_pages=st.integers(0, 4))
+    def hold(self, key: int, budget_pages: int) -> None:
+        name = self.resident.get(key)
+        got = self.tier.hold_by_name(name or "d_" + "0" * 32, budget_pages * PAGE)
+        if name is None:
+            assert got is None
+            return
+        assert got is not None
+        fd, _length, held = got
+        os.close(fd)
+        fits = self.sizes[name] <= budget_pages * PAGE and (
+            sum(self.sizes[n] for n in self.holds) + self.sizes[name] <= self.tier.max_held_bytes
+        )
+        assert held == (name in self.holds or fits)
+        if held:
+            self.holds[name] = self.holds.get(name, 0) + 1
+
+    @precondition(lambda self: self.holds)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        name = data.draw(st.sampled_from(sorted(self.holds)))
+        self.tier.release(name)
+        self.holds[name] -= 1
+        if not self.holds[name]:
+            del self.holds[name]
+            fd = self.retired.pop(name, None)
+            if fd is not None:
+                assert not _fd_open(fd) or fd in self._live_fds()  # closed (or the number reused)
+
+    def _live_fds(self) -> set[int]:
+        return {b.fd for b in self.tier._index.values()} | {b.fd for b in self.tier._retired.values()}
+
+    @invariant()
+    def used_bytes_are_resident_plus_retired(self) -> None:
+        resident = sum(self.sizes[n] for n in self.resident.values())
+        retired = sum(self.sizes[n] for n in self.retired)
+        assert self.tier.usage().used_bytes == resident + retired
+        assert self.tier.retired_bytes == retired
+        assert self.tier.held_bytes == sum(self.sizes[n] for n in self.holds)
+        assert self.tier.held_bytes <= self.tier.max_held_bytes == int(8 * PAGE * HELD_SHARE)
+
+    @invariant()
+    def retired_blocks_are_never_named_and_stay_open(self) -> None:
+        for name, fd in self.retired.items():
+            assert self.tier.dup_by_name(name) is None
+            assert self.tier.hold_by_name(name, 1 << 30) is None
+            assert _fd_open(fd)
+
+
+TestDramHolds = DramHolds.TestCase
+TestDramHolds.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# --- through a real server ---------------------------------------------------------------------------
+
+
+def _hold(
+    path: Path, names: list[str], release: Sequence[str] = ()
+) -> tuple[socket.socket, bytes, list[int]]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(str(path))
+    s.send(bp.encode_hold_request(names, list(release)))
+    msg, fds, _ = fdpass.recv_fds(s, 256, max(1, len(names)))
+    return s, msg, fds
+
+
+def _dram(c: CacheClient) -> dict[str, int]:
+    dram: dict[str, int] = c.stats(timeout=10)["tiers"]["dram"]
+    return dram
+
+
+@pytest.mark.process
+def test_holds_end_with_their_connection_even_when_the_client_is_killed(tmp_path: Path) -> None:
+    keys = [digest("hk", i) for i in range(4)]
+    payloads = [payload_for(k, 1 * MiB) for k in keys]
+    with cache_server(dram_bytes=64 * MiB) as srv, CacheClient(srv.unix_target, shared_memory=True) as c:
+        assert c.store(NS, keys, payloads, timeout=30).accepted == 4
+        # A client process loads every block with kept mappings, then dies by SIGKILL.
+        script = textwrap.dedent(
+            f"""
+            import sys, time
+            from kvfabric.client import CacheClient
+            c = CacheClient({srv.unix_target!r}, shared_memory=True)
+            bufs = [memoryview(bytearray({MiB})) for _ in range(4)]
+            assert c.load_into({NS!r}, {keys!r}, bufs, timeout=30) == 4
+            print("loaded", flush=True)
+            time.sleep(600)
+            """
+        )
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "loaded"
+            assert _dram(c)["held_bytes"] == 4 * MiB
+            used = _dram(c)["used_bytes"]
+            # Deleted while held: gone for every client at once, still charged while mapped.
+            assert c.delete(NS, keys[:2], timeout=10) == 2
+            assert c.lookup(NS, keys, timeout=5).matched == 0
+            assert _dram(c)["retired_held_bytes"] == 2 * MiB
+            assert _dram(c)["used_bytes"] == used
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+            # The kernel closed its connection: every hold is released, the retired bytes freed.
+            wait_until(lambda: _dram(c)["held_bytes"] == 0, 10, what="holds released")
+            assert _dram(c)["retired_held_bytes"] == 0
+            assert _dram(c)["used_bytes"] == used - 2 * MiB
+        finally:
+            proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+@pytest.mark.process
+def test_a_connection_cannot_release_another_ones_holds_and_budgets_are_per_connection() -> None:
+    keys = [digest("hb", i) for i in range(3)]
+    payloads = [payload_for(k, 1 * MiB) for k in keys]
+    overrides = {"shm.hold_bytes_per_client": 2 * MiB}
+    with (
+        cache_server(dram_bytes=64 * MiB, overrides=overrides) as srv,
+        CacheClient(srv.unix_target, shared_memory=True) as c,
+    ):
+        assert c.store(NS, keys, payloads, timeout=30).accepted == 3
+        blocks = bp.block_socket_for(srv.unix_target[len("unix://") :])
+        slots = _slot_names(srv.unix_target, keys)
+        owner, msg, fds = _hold(blocks, slots)
+        for fd in fds:
+            os.close(fd)
+        # The budget of 2 MiB: two blocks held, the third lent (sent, not held).
+        assert list(msg) == [bp.FOUND, bp.FOUND, bp.LENT]
+        assert _dram(c)["held_bytes"] == 2 * MiB
+        other, answer, _ = _hold(blocks, [], release=slots)
+        assert answer == bytes([bp.RELEASED])
+        assert _dram(c)["held_bytes"] == 2 * MiB  # not the other connection's to release
+        owner.send(bp.encode_hold_request([], slots[:1]))
+        assert owner.recv(16) == bytes([bp.RELEASED])
+        assert _dram(c)["held_bytes"] == 1 * MiB
+        owner.close()
+        other.close()
+        wait_until(lambda: _dram(c)["held_bytes"] == 0, 10, what="holds released")
+
+
+def _slot_names(target: str, keys: list[str]) -> list[str]:
+    """The handle names a ShmLoad gives for ``keys`` (the raw call: no client, no holds)."""
+    with grpc.insecure_channel(target) as ch:
+        stub = pb_grpc.CacheStub(ch)  # type: ignore[no-untyped-call]
+        call = stub.ShmLoad(pb.LoadRequest(namespace=NS, keys=keys), timeout=10)
+        return [slot.name for slot in shm_slots(call)]

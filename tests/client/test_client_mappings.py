@@ -1,0 +1,204 @@
+"""Kept mappings: a repeated same-node load copies from a kept mapping, and never a wrong byte.
+
+What is promised (kvfabric.client.mappings, docs/performance.md "Kept mappings"):
+
+- a repeated load of resident blocks sends nothing on the block socket (no fetch, no mapping);
+- a kept mapping is used only for the block the server just named: an overwritten key loads the
+  new bytes, a deleted one misses, a restarted server's blocks are new mappings;
+- the client keeps at most its budget, and the server holds exactly what the client keeps plus the
+  releases it has yet to send, under concurrent loads that evict each other's mappings.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvfabric.client import CacheClient
+from kvfabric.client import blocks as blocks_mod
+from kvfabric.client.mappings import MappingCache
+from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
+
+NS = digest("mappings")
+
+
+def _mapping(data: bytes) -> mmap.mmap:
+    fd = os.memfd_create("kept", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, data)
+        return mmap.mmap(fd, len(data), prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.unit
+def test_the_cache_keeps_its_budget_least_recently_used_first_and_queues_releases() -> None:
+    cache = MappingCache(3 * 4096)
+    for i in range(3):
+        assert cache.keep(f"n{i}", _mapping(bytes([i]) * 4096), 4096, key=f"k{i}", epoch=0)
+    out = memoryview(bytearray(4096))
+    assert cache.copy("n0", 4096, out)  # n0 is now the most recently used
+    assert bytes(out) == b"\0" * 4096
+    assert cache.keep("n3", _mapping(b"\3" * 4096), 4096, key="k3", epoch=0)
+    assert cache.kept_bytes == 3 * 4096
+    assert not cache.copy("n1", 4096, out)  # the least recently used went
+    assert cache.take_releases(10) == ["n1"]
+    # A key's block under a new name: the old name is never named again, so it goes at once.
+    assert cache.keep("n0b", _mapping(b"\7" * 4096), 4096, key="k0", epoch=0)
+    assert not cache.copy("n0", 4096, out)
+    assert cache.take_releases(10) == ["n0"]
+    # Too large for the budget, or held on a connection that closed since: refused.
+    assert not cache.keep("big", _mapping(b"b" * 4 * 4096), 4 * 4096, epoch=0)
+    cache.clear()
+    assert cache.take_releases(10) == []  # the closed connection released them all
+    assert not cache.keep("late", _mapping(b"l" * 4096), 4096, epoch=0)
+    assert len(cache) == 0
+
+
+@pytest.mark.unit
+def test_a_mapping_evicted_while_a_copy_reads_it_is_unmapped_when_the_copy_ends() -> None:
+    cache = MappingCache(4096)
+    assert cache.keep("a", _mapping(b"a" * 4096), 4096, epoch=0)
+    kept = cache._kept["a"]
+    reading, evicted = threading.Event(), threading.Event()
+
+    class Target:
+        """A copy destination that waits, mid-copy, until "a" was evicted."""
+
+        def __setitem__(self, _index: slice, view: memoryview) -> None:
+            reading.set()
+            assert evicted.wait(10)
+            assert not kept.mapping.closed  # still mapped while the copy reads it
+            self.got = bytes(view[:4])
+
+    target = Target()
+    copier = threading.Thread(target=cache.copy, args=("a", 4096, target))
+    copier.start()
+    assert reading.wait(10)
+    assert cache.keep("b", _mapping(b"b" * 4096), 4096, epoch=0)  # evicts "a" while it is read
+    assert kept.doomed
+    assert cache.take_releases(10) == []  # not released while still mapped
+    evicted.set()
+    copier.join(10)
+    assert target.got == b"aaaa"
+    assert kept.mapping.closed
+    assert cache.take_releases(10) == ["a"]
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[ServerProcess]:
+    with cache_server(dram_bytes=256 * MiB) as s:
+        yield s
+
+
+def _bufs(n: int, size: int) -> list[memoryview]:
+    return [memoryview(bytearray(size)) for _ in range(n)]
+
+
+@pytest.mark.process
+def test_a_repeated_load_sends_nothing_on_the_block_socket(
+    srv: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = [digest("rep", i) for i in range(4)]
+    payloads = [payload_for(k, 2 * MiB + 17) for k in keys]
+    with CacheClient(srv.unix_target, shared_memory=True) as c:
+        assert c.store(NS, keys, payloads, timeout=30).accepted == 4
+        bufs = _bufs(4, 3 * MiB)
+        assert c.load_into(NS, keys, bufs, timeout=30) == 4
+
+        def no_requests(*_a: object, **_k: object) -> None:
+            raise AssertionError("a repeated load fetched from the block socket")
+
+        monkeypatch.setattr(blocks_mod.BlockChannel, "_exchange", no_requests)
+        for b in bufs:
+            b[:] = b"\0" * len(b)
+        assert c.load_into(NS, keys, bufs, timeout=30) == 4
+        assert [bytes(b[: len(p)]) for b, p in zip(bufs, payloads, strict=True)] == payloads
+
+
+@pytest.mark.process
+def test_kept_mappings_never_serve_an_overwritten_deleted_or_restarted_block() -> None:
+    keys = [digest("ow", i) for i in range(3)]
+    old = [payload_for(k, 1 * MiB) for k in keys]
+    new = [payload_for(k, 1 * MiB, salt=b"new") for k in keys]
+    with (
+        cache_server(dram_bytes=64 * MiB) as srv,
+        CacheClient(srv.unix_target, shared_memory=True) as c,
+        CacheClient(srv.unix_target, shared_memory=True) as writer,
+    ):
+        assert writer.store(NS, keys, old, timeout=30).accepted == 3
+        bufs = _bufs(3, MiB)
+        assert c.load_into(NS, keys, bufs, timeout=30) == 3
+        kept = c._blocks.maps  # type: ignore[union-attr]
+        assert kept is not None
+        assert len(kept) == 3
+        # Replaced by another client (a delete, then a store of other bytes): the new block.
+        assert writer.delete(NS, keys[:1], timeout=10) == 1
+        # A store in the same clock tick as the delete is ordered before it (dropped): retry.
+        wait_until(lambda: writer.store(NS, keys[:1], new[:1], timeout=30).accepted == 1, 10)
+        assert c.load_into(NS, keys, bufs, timeout=30) == 3
+        assert bytes(bufs[0]) == new[0]
+        assert [bytes(b) for b in bufs[1:]] == old[1:]
+        assert len(kept) == 3  # the old block's mapping went when its key named a new one
+        # Deleted: a miss, though its mapping is still kept here.
+        assert writer.delete(NS, keys[1:2], timeout=10) == 1
+        assert c.load_into(NS, keys, bufs, timeout=30) == 1
+        # Restarted: the old mappings go at the reconnect; the blocks come back from disk under new
+        # names (key 1 stored anew), and each load returns what the server now has.
+        expect = [new[0], new[1], old[2]]
+        wait_until(lambda: writer.stats(timeout=10)["writeback_pending_bytes"] == 0, 30)
+        srv.restart()
+        wait_until(lambda: writer.store(NS, keys[1:2], new[1:2], timeout=30).accepted == 1, 10)
+        epoch = kept.epoch
+        for b in bufs:
+            b[:] = bytes(len(b))
+        assert c.load_into(NS, keys, bufs, timeout=30) == 3
+        assert kept.epoch > epoch
+        assert [bytes(b) for b in bufs] == expect
+
+
+@pytest.mark.process
+def test_concurrent_loads_with_a_small_budget_keep_the_server_and_client_books_equal() -> None:
+    keys = [digest("cc", i) for i in range(12)]
+    payloads = [payload_for(k, 256 * 1024 + 4096 * (i % 3)) for i, k in enumerate(keys)]
+    with (
+        cache_server(dram_bytes=64 * MiB) as srv,
+        CacheClient(srv.unix_target, shared_memory=True, mapping_cache_bytes=5 * 256 * 1024) as c,
+    ):
+        assert c.store(NS, keys, payloads, timeout=30).accepted == 12
+        errors: list[BaseException] = []
+
+        def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            bufs = _bufs(4, 300 * 1024)
+            try:
+                for _ in range(60):
+                    start = rng.randrange(0, 9)
+                    got = c.load_into(NS, keys[start : start + 4], bufs, timeout=30)
+                    assert got == 4
+                    for b, p in zip(bufs, payloads[start : start + 4], strict=True):
+                        assert bytes(b[: len(p)]) == p
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        maps = c._blocks.maps  # type: ignore[union-attr]
+        assert maps is not None
+        assert maps.kept_bytes <= maps.budget
+        # Every release the client owes, sent: then the server holds exactly what the client keeps.
+        c._blocks.flush_releases(deadline=time.monotonic() + 10)  # type: ignore[union-attr]
+        held = c.stats(timeout=10)["tiers"]["dram"]["held_bytes"]
+        page = 4096
+        assert held == sum(-(-k.length // page) * page for k in maps._kept.values())
+        assert held > 0

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvfabric.cacheserver.engine import blockfile
 from kvfabric.cacheserver.engine.base import Tier
 from kvfabric.cacheserver.engine.blockfile import (
     HEADER_SIZE,
@@ -17,6 +19,7 @@ from kvfabric.cacheserver.engine.blockfile import (
     aligned_buffer,
     pack_header,
     read_block_into,
+    read_block_to_fd,
     read_header,
     unpack_header,
     write_block,
@@ -80,6 +83,68 @@ def test_block_write_read_and_payload_corruption(tmp_path: Path) -> None:
     with pytest.raises(CorruptBlock):
         read_header(path)
     buf.close()
+
+
+PIECE = blockfile._PIPE_PIECE
+
+
+@pytest.mark.parametrize(
+    "size", [0, 1, 4095, 4096, 4097, PIECE - 1, PIECE, PIECE + 1, 3 * PIECE + 17], ids=lambda n: f"{n}B"
+)
+def test_the_overlapped_read_into_a_memfd_gives_the_verified_bytes_of_every_size(
+    tmp_path: Path, size: int
+) -> None:
+    (tmp_path / "tmp").mkdir()
+    b = bid(("fd", size))
+    data = payload_for(b.key, size)
+    path = tmp_path / "b" / b.filename
+    write_block(tmp_path / "tmp", path, b, data, created_at=5.0, bucket=7)
+    for direct in (True, False):
+        fd = os.memfd_create("t", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            assert read_block_to_fd(path, b, fd, direct=direct).length == size
+            assert os.pread(fd, size + 1, 0) == data
+        finally:
+            os.close(fd)
+
+
+def test_the_overlapped_read_refuses_corrupt_truncated_and_foreign_blocks(tmp_path: Path) -> None:
+    (tmp_path / "tmp").mkdir()
+    b = bid("fd-bad")
+    data = payload_for(b.key, 2 * PIECE + 4096 * 3 + 5)
+    path = tmp_path / "b" / b.filename
+    write_block(tmp_path / "tmp", path, b, data, created_at=5.0, bucket=7)
+    threads = threading.active_count()
+
+    def read() -> None:
+        fd = os.memfd_create("t", os.MFD_CLOEXEC)
+        try:
+            read_block_to_fd(path, b, fd)
+        finally:
+            os.close(fd)
+
+    with pytest.raises(CorruptBlock, match="holds"):
+        read_block_to_fd(path, bid("other"), 0)
+    with open(path, "r+b") as f:  # one byte of the middle piece
+        f.seek(HEADER_SIZE + PIECE + 7)
+        f.write(b"\0" if data[PIECE + 7] else b"\1")
+    with pytest.raises(CorruptBlock, match="checksum"):
+        read()
+    os.truncate(path, HEADER_SIZE + PIECE + 5)
+    with pytest.raises(CorruptBlock, match="truncated"):
+        read()
+    # A write that fails (here: a read-only descriptor) raises, and stops the reading thread.
+    with open(path, "r+b") as f:
+        f.truncate(0)
+    write_block(tmp_path / "tmp", path, b, data, created_at=5.0, bucket=7)
+    ro = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            read_block_to_fd(path, b, ro)
+    finally:
+        os.close(ro)
+    assert threading.active_count() == threads
 
 
 def test_ids_reject_everything_but_hex_digests() -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvfabric.cacheserver.engine.ids import BlockId
 
@@ -205,4 +205,17 @@ class BackingTier(Tier, Protocol):
 
     def purge(self, bid: BlockId, gen: int) -> bool:
         """Apply a delete learned from elsewhere: drop copies older than ``gen``, without announcing it."""
+        ...
+
+
+@runtime_checkable
+class ReadsIntoFiles(Protocol):
+    """A backing tier that can fill a file descriptor directly (the local and shared disk tiers).
+
+    A promotion into DRAM prefers it to :meth:`BackingTier.read_into`: the tier writes the payload
+    into the block's memfd in pieces while it reads the next, instead of reading into a fresh mapping.
+    """
+
+    def read_into_fd(self, bid: BlockId, fd: int) -> ReadResult:
+        """Read and verify ``bid`` into the start of ``fd`` (a memfd of its length); misses as read_into."""
         ...

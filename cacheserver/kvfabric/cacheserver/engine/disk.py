@@ -40,6 +40,7 @@ from kvfabric.cacheserver.engine.blockfile import (
     aligned_buffer,
     payload_checksum,
     read_block_into,
+    read_block_to_fd,
     read_header,
     write_block,
 )
@@ -329,15 +330,32 @@ class DiskTier:
         index or a tombstone allows, ESTALE, or any other I/O error — including a file whose length
         is not the one the index promised.
         """
+
+        def read(path: Path, entry: DiskEntry) -> BlockHeader:
+            if len(dest) < -(-entry.length // ALIGN) * ALIGN:
+                raise ValueError(f"destination holds {len(dest)} bytes, index says {entry.length}")
+            return read_block_into(path, bid, dest, direct=self.direct_io)
+
+        return self._read_verified(bid, read)
+
+    def read_into_fd(self, bid: BlockId, fd: int) -> ReadResult:
+        """Like :meth:`read_into`, into the start of file ``fd`` (a fresh memfd of the block's length).
+
+        Read and write overlap in pieces (:func:`~kvfabric.cacheserver.engine.blockfile.read_block_to_fd`):
+        what a promotion into DRAM uses.
+        """
+        return self._read_verified(
+            bid, lambda path, _entry: read_block_to_fd(path, bid, fd, direct=self.direct_io)
+        )
+
+    def _read_verified(self, bid: BlockId, read: Callable[[Path, DiskEntry], BlockHeader]) -> ReadResult:
         entry = self.entry(bid)
         if entry is None:
             return ReadResult.missed(MissReason.ABSENT)
         path = self._path(bid, entry.bucket)
         try:
             self.faults.before_read()
-            if len(dest) < -(-entry.length // ALIGN) * ALIGN:
-                raise ValueError(f"destination holds {len(dest)} bytes, index says {entry.length}")
-            header = read_block_into(path, bid, dest, direct=self.direct_io)
+            header = read(path, entry)
             if header.length != entry.length:
                 raise ValueError(f"file holds {header.length} bytes, index says {entry.length}")
         except FileNotFoundError:

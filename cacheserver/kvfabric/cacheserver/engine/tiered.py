@@ -33,6 +33,7 @@ from kvfabric.cacheserver.config import ServerConfig
 from kvfabric.cacheserver.engine.base import (
     BackingTier,
     MissReason,
+    ReadsIntoFiles,
     Tier,
     TierName,
     TierUsage,
@@ -242,16 +243,20 @@ class TieredStore:
         got: list[int] = []
 
         def fill(fd: int) -> None:
-            # Read straight into the block's memfd (page-aligned mapping: O_DIRECT-friendly), verified.
-            # Pages are allocated by the read itself: pre-allocating them (fallocate + MAP_POPULATE)
-            # measured slower, because zeroing then happens twice as visibly on the critical path.
-            os.ftruncate(fd, padded)
-            with mmap.mmap(fd, padded) as m:
-                view = memoryview(m)
-                try:
-                    res = tier.read_into(bid, view)
-                finally:
-                    view.release()
+            if isinstance(tier, ReadsIntoFiles):
+                # Disk tiers write the payload into the memfd in pieces while reading the next:
+                # 1.4-1.7x faster than the read into a fresh mapping below (docs/performance.md).
+                res = tier.read_into_fd(bid, fd)
+            else:
+                # Read straight into the block's memfd (page-aligned mapping: O_DIRECT-friendly),
+                # verified. Pre-allocating its pages (fallocate + MAP_POPULATE) measured slower.
+                os.ftruncate(fd, padded)
+                with mmap.mmap(fd, padded) as m:
+                    view = memoryview(m)
+                    try:
+                        res = tier.read_into(bid, view)
+                    finally:
+                        view.release()
             if res.miss is not None:
                 raise _Miss(res.miss)
             if res.length != length:

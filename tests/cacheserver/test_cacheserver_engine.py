@@ -140,11 +140,56 @@ def test_the_overlapped_read_refuses_corrupt_truncated_and_foreign_blocks(tmp_pa
     write_block(tmp_path / "tmp", path, b, data, created_at=5.0, bucket=7)
     ro = os.open(path, os.O_RDONLY)
     try:
-        with pytest.raises(OSError, match="Bad file descriptor"):
+        # Not an OSError: a tier must never take the destination's failure for its own copy's.
+        with pytest.raises(blockfile.DestinationFailed, match="Bad file descriptor"):
             read_block_to_fd(path, b, ro)
     finally:
         os.close(ro)
     assert threading.active_count() == threads
+
+
+def test_a_promotion_whose_dram_side_fails_keeps_the_disk_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from kvfabric.cacheserver.config import ServerConfig
+    from kvfabric.cacheserver.engine.tiered import TieredStore
+
+    cfg = ServerConfig.model_validate(
+        {
+            "server_id": "unit",
+            "listen": {"unix_socket": str(tmp_path / "s.sock")},
+            "tiers": {
+                "dram": {"capacity_bytes": 64 << 20},
+                "local_disk": {"path": str(tmp_path / "local"), "capacity_bytes": 64 << 20},
+            },
+            "limits": {"max_payload_bytes": 16 << 20},
+        }
+    )
+    store = TieredStore(cfg)
+    store.start()
+    try:
+        b = bid("dram-full")
+        data = payload_for(b.key, 2 * PIECE + 5)  # the overlapped path
+        assert store.put(b, data)
+        assert store.flush()
+        assert store.tier("dram").delete(b)
+        real = os.pwrite
+
+        def full(*_a: object) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")  # memory for the memfd ran out
+
+        monkeypatch.setattr(os, "pwrite", full)
+        assert store.ensure_dram(b) is None  # a miss for DRAM...
+        monkeypatch.setattr(os, "pwrite", real)
+        assert store.tier("local_disk").contains(b)  # ...and the disk copy is still there
+        handle = store.open_block(b)
+        assert handle is not None
+        assert handle.read() == data
+        handle.close()
+    finally:
+        store.close()
 
 
 def test_ids_reject_everything_but_hex_digests() -> None:

@@ -124,10 +124,12 @@ class DramHolds(RuleBasedStateMachine):
         assert got is not None
         fd, _length, held = got
         os.close(fd)
+        # The caller's own budget always applies; the tier's share only to a block not held yet.
         fits = self.sizes[name] <= budget_pages * PAGE and (
-            sum(self.sizes[n] for n in self.holds) + self.sizes[name] <= self.tier.max_held_bytes
+            name in self.holds
+            or sum(self.sizes[n] for n in self.holds) + self.sizes[name] <= self.tier.max_held_bytes
         )
-        assert held == (name in self.holds or fits)
+        assert held == (self.sizes[name] if fits else 0)
         if held:
             self.holds[name] = self.holds.get(name, 0) + 1
 
@@ -248,10 +250,29 @@ def test_a_connection_cannot_release_another_ones_holds_and_budgets_are_per_conn
         other, answer, _ = _hold(blocks, [], release=slots)
         assert answer == bytes([bp.RELEASED])
         assert _dram(c)["held_bytes"] == 2 * MiB  # not the other connection's to release
+        # Blocks another connection holds cost this one its own budget all the same.
+        other.send(bp.encode_hold_request(slots))
+        msg, fds, _ = fdpass.recv_fds(other, 256, 3)
+        for fd in fds:
+            os.close(fd)
+        assert list(msg) == [bp.FOUND, bp.FOUND, bp.LENT]
+        other.send(bp.encode_hold_request(slots[:1]))  # held already: costs nothing more
+        msg, fds, _ = fdpass.recv_fds(other, 256, 1)
+        for fd in fds:
+            os.close(fd)
+        assert list(msg) == [bp.FOUND]
+        assert _dram(c)["held_bytes"] == 2 * MiB  # the same two blocks, held by both
         owner.send(bp.encode_hold_request([], slots[:1]))
         assert owner.recv(16) == bytes([bp.RELEASED])
-        assert _dram(c)["held_bytes"] == 1 * MiB
+        assert _dram(c)["held_bytes"] == 2 * MiB  # the other connection still holds both
+        other.send(bp.encode_hold_request([], slots[:1]))
+        assert other.recv(16) == bytes([bp.RELEASED])
+        assert _dram(c)["held_bytes"] == 2 * MiB  # it held slots[0] twice
+        other.send(bp.encode_hold_request([], slots[:1]))
+        assert other.recv(16) == bytes([bp.RELEASED])
+        assert _dram(c)["held_bytes"] == 1 * MiB  # slots[0] is held by nobody now
         owner.close()
+        wait_until(lambda: _dram(c)["held_bytes"] == 1 * MiB, 10, what="owner's holds released")
         other.close()
         wait_until(lambda: _dram(c)["held_bytes"] == 0, 10, what="holds released")
 

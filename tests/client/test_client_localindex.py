@@ -173,3 +173,25 @@ def test_bad_requests_get_an_error_byte(fabric: Fabric) -> None:
             msg, fds, _, _ = socket.recv_fds(s, 128, 1)
         assert msg[:1] == b"\x01"
         assert not fds
+
+
+def test_the_liveness_a_load_watches_is_unknown_not_dead_for_a_grown_table(tmp_path: Path) -> None:
+    # The hang watch cancels loads whose server is not alive(). A table the server replaced by a
+    # bigger one is no longer stamped; it must read "unknown", never "hung", or every load in flight
+    # during a growth would be cancelled on a healthy server.
+    f = Fabric(tmp_path, initial_capacity=8)  # no heartbeat thread: beats are explicit
+    try:
+        reader = LocalIndex(f.sock.path, stale_after_s=0.2)
+        f.pub.beat()
+        assert reader.lookup(NS, _raw([digest("g", 0)])) is not None
+        assert reader.alive(NS) is True
+        for i in range(20):  # past half of 8 slots: the table grows, the mapped one is retired
+            f.put(NS, digest("g", i))
+        time.sleep(0.3)
+        f.pub.beat()  # stamps live tables only: the one this reader mapped is not among them
+        assert reader._maps[NS].words[it.W_STATE] != it.LIVE
+        assert reader.alive(NS) is None
+        assert reader.alive(OTHER) is None  # never mapped: unknown
+        reader.close()
+    finally:
+        f.close()

@@ -17,6 +17,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -89,6 +90,40 @@ def test_a_mapping_evicted_while_a_copy_reads_it_is_unmapped_when_the_copy_ends(
     assert target.got == b"aaaa"
     assert kept.mapping.closed
     assert cache.take_releases(10) == ["a"]
+
+
+@pytest.mark.unit
+def test_releases_belong_to_their_connection_and_a_key_named_anew_drops_its_old_mapping() -> None:
+    cache = MappingCache(4 * 4096)
+    assert cache.keep("a", _mapping(b"a" * 4096), 4096, key="k", epoch=0)
+    cache.named("k", "a")  # the same block named again: kept
+    assert len(cache) == 1
+    cache.named("k", "a2")  # the key's block has a new name: the old one can only pin memory
+    assert len(cache) == 0
+    assert cache.take_releases(10) == ["a"]
+    # A mapping still being copied when its connection closes: its release, queued when the copy
+    # ends, belongs to the closed connection and is never sent on the next one (where the same
+    # block may be held again, by another load).
+    assert cache.keep("b", _mapping(b"b" * 4096), 4096, epoch=0)
+    kept = cache._kept["b"]
+    with cache._lock:
+        kept.users += 1
+    cache.clear()
+    with cache._lock:
+        kept.users -= 1
+    cache._close("b", kept)
+    cache.release_later("c", epoch=0)  # a refused keep of the old connection: not sent either
+    assert cache.take_releases(10) == []
+    assert cache.pending_releases() == 0
+    # Room is made before a hold is asked for, in page-rounded sizes like the server's.
+    assert cache.keep("d", _mapping(b"d" * 4097), 4097, epoch=1)  # charged two pages
+    assert cache.kept_bytes == 2 * 4096
+    assert cache.keep("e", _mapping(b"e" * 4096), 4096, epoch=1)
+    assert cache.make_room(4096)  # 3 pages kept + 1 fits the 4
+    assert len(cache) == 2
+    assert cache.make_room(2 * 4096)  # does not: the least recently used goes first
+    assert cache.take_releases(10) == ["d"]
+    assert not cache.make_room(5 * 4096)
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +237,82 @@ def test_concurrent_loads_with_a_small_budget_keep_the_server_and_client_books_e
         page = 4096
         assert held == sum(-(-k.length // page) * page for k in maps._kept.values())
         assert held > 0
+
+
+@pytest.mark.process
+def test_with_the_budgets_equal_kept_mappings_keep_turning_over() -> None:
+    # A client budget equal to the server's per-client hold budget: the client makes room before
+    # it asks, so the server never refuses it, and blocks loaded late are kept too (not only the
+    # first ones ever loaded).
+    size = 256 * 1024
+    keys = [digest("turn", i) for i in range(16)]
+    payloads = [payload_for(k, size) for k in keys]
+    with (
+        cache_server(dram_bytes=64 * MiB, overrides={"shm.hold_bytes_per_client": 4 * size}) as srv,
+        CacheClient(srv.unix_target, shared_memory=True, mapping_cache_bytes=4 * size) as c,
+    ):
+        assert c.store(NS, keys, payloads, timeout=30).accepted == 16
+        maps = c._blocks.maps  # type: ignore[union-attr]
+        assert maps is not None
+        bufs = _bufs(1, size)
+        for k, p in zip(keys, payloads, strict=True):
+            assert c.load_into(NS, [k], bufs, timeout=30) == 1
+            assert bytes(bufs[0]) == p
+            assert maps._kept
+            assert next(reversed(maps._kept.values())).key == f"{NS}/{k}"  # this one was kept
+        assert len(maps) == 4
+        c._blocks.flush_releases(deadline=time.monotonic() + 10)  # type: ignore[union-attr]
+        assert c.stats(timeout=10)["tiers"]["dram"]["held_bytes"] == maps.kept_bytes == 4 * size
+
+
+@pytest.mark.process
+def test_an_older_client_gets_one_block_per_message() -> None:
+    # Slots batched into one message would be read by a client that ignores ShmSlot.more as the
+    # next key's block: only a request that asks for batching gets it.
+    import grpc
+
+    from kvfabric.rpc.v1 import cache_pb2 as pb
+    from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
+
+    keys = [digest("old", i) for i in range(3)]
+    with cache_server(dram_bytes=64 * MiB) as srv, CacheClient(srv.unix_target, shared_memory=True) as c:
+        assert c.store(NS, keys, [payload_for(k, 8192) for k in keys], timeout=30).accepted == 3
+        with grpc.insecure_channel(srv.unix_target) as ch:
+            stub = pb_grpc.CacheStub(ch)  # type: ignore[no-untyped-call]
+            old = list(stub.ShmLoad(pb.LoadRequest(namespace=NS, keys=keys), timeout=10))
+            new = list(stub.ShmLoad(pb.LoadRequest(namespace=NS, keys=keys, batch_slots=True), timeout=10))
+        assert [len(m.more) for m in old] == [0, 0, 0]
+        assert [len(m.more) for m in new] == [2]
+        assert [m.name for m in old] == [new[0].name, *(m.name for m in new[0].more)]
+
+
+@pytest.mark.unit
+def test_a_server_that_knows_no_holds_is_served_the_plain_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvfabric.cacheserver.transport import blocksock
+    from kvfabric.rpc import blockproto as bp
+
+    data = b"block" * 1000
+    block = os.memfd_create("old-server", os.MFD_CLOEXEC)
+    os.write(block, data)
+    real_parse = bp.parse_request
+
+    def older(raw: bytes) -> bp.Request | None:  # what a server before KVBH1 answered: bad request
+        return None if raw.startswith(bp.HOLD_PREFIX) else real_parse(raw)
+
+    monkeypatch.setattr(bp, "parse_request", older)  # the module the socket calls it in
+    sock = blocksock.BlockSocket(tmp_path / "b.sock", lambda name: (os.dup(block), len(data)))
+    sock.start()
+    try:
+        chan = blocks_mod.BlockChannel(sock.path, mapping_budget=1 << 20)
+        target = memoryview(bytearray(len(data)))
+        name = "d_" + "cd" * 16
+        assert chan.copy_block(name, len(data), target, deadline=time.monotonic() + 10)
+        assert bytes(target) == data
+        assert chan.maps is None  # no more hold requests to this server
+        assert chan.copy_block(name, len(data), target, deadline=time.monotonic() + 10)
+        chan.close()
+    finally:
+        sock.close()
+        os.close(block)

@@ -301,8 +301,8 @@ class CacheService(pb_grpc.CacheServicer):
             # Resident blocks are named inline: index work only, no I/O on the event loop. The first
             # one that is not (never was, or was evicted meanwhile) and every key after it go to the
             # promotion path on the load pool.
-            # They go out together, in messages of up to _SLOTS_PER_MESSAGE (one message per block
-            # cost the client more than copying a kept mapping of the block).
+            # They go out together, in messages of up to _SLOTS_PER_MESSAGE, to a client that reads
+            # ShmSlot.more (one message per block cost more than copying a kept mapping of it).
             start = 0
             resident: list[pb.ShmSlot] = []
             for bid in bids:
@@ -312,8 +312,9 @@ class CacheService(pb_grpc.CacheServicer):
                 start += 1
                 nbytes += blk.length
                 resident.append(pb.ShmSlot(name=blk.name, length=blk.length))
-            for i in range(0, len(resident), _SLOTS_PER_MESSAGE):
-                first, *rest = resident[i : i + _SLOTS_PER_MESSAGE]
+            per_message = _SLOTS_PER_MESSAGE if request.batch_slots else 1
+            for i in range(0, len(resident), per_message):
+                first, *rest = resident[i : i + per_message]
                 first.more.extend(rest)
                 await context.write(first)
             if start < len(bids):

@@ -52,22 +52,47 @@ class BlockChannel:
         ``key`` identifies what the block is the payload of (see :meth:`MappingCache.keep`).
         """
         maps = self.maps
-        if maps is None or not length:  # an empty block has nothing to map
-            fd = self.fetch([name], deadline=deadline)[0]
-            if fd is None:
-                return False
-            copy_into(fd, length, target, name)
-            return True
-        if maps.copy(name, length, target):
-            return True
-        fd, held, epoch = self._fetch_held(name, deadline)
+        if maps is not None and length:
+            if key is not None:
+                maps.named(key, name)
+            if maps.copy(name, length, target):
+                return True
+            # Room first, so the releases ride on the hold request itself (the server applies them
+            # first): the server never refuses a hold this client has room for.
+            if maps.make_room(length):
+                got = self._fetch_held(name, deadline)
+                if got is not None:
+                    return self._copy_held(maps, name, length, target, key=key, fetched=got)
+        fd = self.fetch([name], deadline=deadline)[0]
+        if fd is None:
+            return False
+        copy_into(fd, length, target, name)
+        return True
+
+    def _copy_held(
+        self,
+        maps: MappingCache,
+        name: str,
+        length: int,
+        target: memoryview,
+        *,
+        key: str | None,
+        fetched: tuple[int | None, bool, int],
+    ) -> bool:
+        fd, held, epoch = fetched
         if fd is None:
             return False
         if not held:
+            # Lent, not held: the server's share of held blocks is full. Give one back, so that
+            # holds keep turning over instead of pinning the first blocks ever loaded.
+            maps.give_up_one()
             copy_into(fd, length, target, name)
             return True
         try:
             mapping = _map_block(fd, length, name)
+        except BaseException:
+            maps.release_later(name, epoch)
+            raise
         finally:
             os.close(fd)
         kept = False
@@ -77,21 +102,31 @@ class BlockChannel:
         finally:
             if not kept:
                 mapping.close()
-                maps.release_later(name)
+                maps.release_later(name, epoch)
         return True
 
-    def _fetch_held(self, name: str, deadline: float) -> tuple[int | None, bool, int]:
-        """``(descriptor or None, held, epoch)``: one block fetched on a hold request."""
-        assert self.maps is not None
+    def _fetch_held(self, name: str, deadline: float) -> tuple[int | None, bool, int] | None:
+        """``(descriptor or None, held, epoch)`` of one block fetched on a hold request.
+
+        None: the server does not know hold requests (an older version); mappings are not kept
+        from then on, and the caller fetches the plain way.
+        """
+        maps = self.maps
+        assert maps is not None
         left = deadline - time.monotonic()
         if left <= 0 or not self._lock.acquire(timeout=left):
             raise errors.CacheTimeout("block socket: deadline passed")
         try:
             # Releases ride on the next request: no message of their own on the load path.
-            release = self.maps.take_releases(bp.MAX_NAMES)
+            release = maps.take_releases(bp.MAX_NAMES)
             msg, fds = self._exchange(bp.encode_hold_request([name], release), 1, deadline)
+            if msg[:1] == bytes([bp.BAD_REQUEST]):
+                close_all(fds)
+                self._drop()  # the server closes the connection after a bad request
+                self.maps = None
+                return None
             # Read after the exchange: a reconnect inside it cleared the mappings and bumped it.
-            epoch = self.maps.epoch
+            epoch = maps.epoch
             ((fd, held),) = _assign_held([name], msg, fds)
             return fd, held, epoch
         finally:

@@ -128,9 +128,13 @@ class LocalIndex:
         for a watchdog polling it while a load waits.
         """
         m = self._maps.get(namespace)
-        if m is None:
+        if m is None or m.words[it.W_STATE] != it.LIVE:
+            # No table, or one the server replaced (grown: only live tables are stamped): unknown.
             return None
-        if m.server_gone():
+        events = m.poll.poll(0)
+        if any(ev & select.POLLNVAL for _, ev in events):
+            return None  # that table's connection was closed here (replaced meanwhile): unknown
+        if events:
             return False
         return time.monotonic_ns() - m.words[it.W_HEARTBEAT] <= self.stale_ns
 

@@ -15,6 +15,11 @@ alive after the server evicts it, so every kept block is *held* on the block soc
 (:mod:`kvfabric.rpc.blockproto`, ``KVBH1``) and the server keeps it charged to its DRAM budget until
 it is released here (or the connection closes). A block the server would not let this client hold
 is copied and unmapped as before.
+
+The books stay equal: the cache makes room *before* it asks to hold a block (the releases ride on
+that very request, and the server applies them first), counts page-rounded sizes like the server,
+and tags every release with the connection it belongs to, so a release meant for a closed connection
+never drops a hold of the next one.
 """
 
 from __future__ import annotations
@@ -27,17 +32,30 @@ from dataclasses import dataclass, field
 __all__ = ["MappingCache"]
 
 
+PAGE = 4096
+
+
+def charged(length: int) -> int:
+    """Bytes a block of ``length`` costs a hold budget (the server rounds up to a page)."""
+    return max(PAGE, -(-length // PAGE) * PAGE)
+
+
 @dataclass(slots=True)
 class _Kept:
     mapping: mmap.mmap
     length: int
     key: str | None
+    epoch: int
     users: int = 0
     doomed: bool = False
     view: memoryview = field(init=False)
 
     def __post_init__(self) -> None:
         self.view = memoryview(self.mapping)[: self.length]
+
+    @property
+    def size(self) -> int:
+        return charged(self.length)
 
     def close(self) -> None:
         self.view.release()
@@ -58,13 +76,13 @@ class MappingCache:
         self._kept: OrderedDict[str, _Kept] = OrderedDict()
         self._by_key: dict[str, str] = {}
         self._bytes = 0
-        self._releases: list[str] = []
+        self._releases: list[tuple[str, int]] = []  # (name, epoch of the connection that holds it)
         self.epoch = 0
-        """Bumped by :meth:`clear`: a hold taken on an older connection is not kept."""
+        """Bumped by :meth:`clear`: holds of an older connection are neither kept nor released."""
 
     @property
     def kept_bytes(self) -> int:
-        """Bytes of the mappings kept now."""
+        """Bytes (page-rounded) of the mappings kept now."""
         with self._lock:
             return self._bytes
 
@@ -90,17 +108,49 @@ class MappingCache:
                 self._close(name, kept)
         return True
 
+    def named(self, key: str, name: str) -> None:
+        """The server named ``key``'s block ``name``: a mapping of its older block goes now.
+
+        That older name will never be named again (it was evicted, deleted or replaced), so its
+        hold would only pin memory.
+        """
+        with self._lock:
+            old = self._by_key.get(key)
+            gone = self._forget_locked(old) if old is not None and old != name and old in self._kept else None
+        if gone is not None:
+            self._close_unless_used(*gone)
+
+    def make_room(self, length: int) -> bool:
+        """Evict least recently used mappings until one of ``length`` fits; False if it never can."""
+        size = charged(length)
+        if size > self.budget:
+            return False
+        gone: list[tuple[str, _Kept]] = []
+        with self._lock:
+            while self._kept and self._bytes + size > self.budget:
+                gone.append(self._forget_locked(next(iter(self._kept))))
+        for n, k in gone:
+            self._close_unless_used(n, k)
+        return True
+
+    def give_up_one(self) -> None:
+        """Release the least recently used mapping (the server lent a block: its share is full)."""
+        with self._lock:
+            gone = self._forget_locked(next(iter(self._kept))) if self._kept else None
+        if gone is not None:
+            self._close_unless_used(*gone)
+
     def keep(self, name: str, mapping: mmap.mmap, length: int, *, key: str | None = None, epoch: int) -> bool:
         """Keep ``mapping`` of the held block ``name`` (the caller gives it up); False if refused.
 
-        ``key`` (namespace and key, any stable string) drops the mapping the same key had under an
-        older name: that block was evicted or replaced, and its name will never be named again.
-        ``epoch`` is :attr:`epoch` when the hold was taken. Refused (too large for the budget, or
-        the connection that held it closed since): the caller unmaps it and releases the hold.
+        ``key`` (namespace and key, any stable string) is what the block is the payload of (see
+        :meth:`named`). ``epoch`` is :attr:`epoch` when the hold was taken. Refused (too large for
+        the budget, or the connection that held it closed since): the caller unmaps it and, if the
+        epoch is still current, releases the hold (:meth:`release_later`).
         """
-        if length > self.budget:
+        kept = _Kept(mapping, length, key, epoch)
+        if kept.size > self.budget:
             return False
-        kept = _Kept(mapping, length, key)
         gone: list[tuple[str, _Kept]] = []
         with self._lock:
             if epoch != self.epoch:
@@ -110,7 +160,7 @@ class MappingCache:
                 gone.append((name, kept))
             else:
                 self._kept[name] = kept
-                self._bytes += length
+                self._bytes += kept.size
                 if key is not None:
                     old = self._by_key.get(key)
                     self._by_key[key] = name
@@ -123,10 +173,10 @@ class MappingCache:
         return True
 
     def clear(self) -> None:
-        """Unmap everything (the connection that held them is gone: its holds are released).
+        """Unmap everything: the connection that held them is gone, and with it all of its holds.
 
-        Releases still queued are dropped; one queued later for a mapping in use now is harmless (the
-        server ignores a release of a name the connection does not hold).
+        Releases queued for it are dropped, and those of mappings still in use are never sent (their
+        epoch is old): a release must never drop a hold the next connection took of the same block.
         """
         with self._lock:
             self.epoch += 1
@@ -134,28 +184,28 @@ class MappingCache:
             self._releases.clear()
         for n, k in gone:
             self._close_unless_used(n, k)
-        with self._lock:
-            self._releases.clear()
 
     def take_releases(self, most: int) -> list[str]:
-        """Up to ``most`` names whose mappings are gone, to release on the block socket."""
+        """Up to ``most`` names of the current connection whose mappings are gone, to release."""
         with self._lock:
-            out, self._releases = self._releases[:most], self._releases[most:]
-            return out
+            current = [(n, e) for n, e in self._releases if e == self.epoch]
+            out, rest = current[:most], current[most:]
+            self._releases = rest
+            return [n for n, _ in out]
 
-    def release_later(self, name: str) -> None:
-        """Queue the release of a hold whose mapping was not kept."""
+    def release_later(self, name: str, epoch: int) -> None:
+        """Queue the release of a hold taken at ``epoch`` whose mapping was not kept."""
         with self._lock:
-            self._releases.append(name)
+            self._releases.append((name, epoch))
 
     def pending_releases(self) -> int:
-        """How many releases wait to be sent."""
+        """How many releases of the current connection wait to be sent."""
         with self._lock:
-            return len(self._releases)
+            return sum(e == self.epoch for _, e in self._releases)
 
     def _forget_locked(self, name: str) -> tuple[str, _Kept]:
         kept = self._kept.pop(name)
-        self._bytes -= kept.length
+        self._bytes -= kept.size
         if kept.key is not None and self._by_key.get(kept.key) == name:
             del self._by_key[kept.key]
         return name, kept
@@ -170,4 +220,5 @@ class MappingCache:
     def _close(self, name: str, kept: _Kept) -> None:
         kept.close()
         with self._lock:
-            self._releases.append(name)
+            if kept.epoch == self.epoch:
+                self._releases.append((name, kept.epoch))

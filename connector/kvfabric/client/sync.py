@@ -27,8 +27,9 @@ __all__ = ["CacheClient"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-DEFAULT_MAPPING_CACHE_BYTES = 1 << 30
-"""Kept block mappings per client by default (the server's per-client hold budget is 1 GiB too)."""
+DEFAULT_MAPPING_CACHE_BYTES = 512 << 20
+"""Kept block mappings per client by default: half the server's default hold budget per client
+(``shm.hold_bytes_per_client``, 1 GiB), so the server never refuses a hold this client made room for."""
 _DESCRIBE_TIMEOUT_S = 2.0
 """Longest a description may take (it is for status only; the call it precedes has its own deadline)."""
 
@@ -271,7 +272,7 @@ class CacheClient:
         """Payloads of the leading present keys (stops at the first miss)."""
         c.check_timeout(timeout)
         c.check_ids(namespace, keys)
-        req = pb.LoadRequest(namespace=namespace, keys=keys)
+        req = pb.LoadRequest(namespace=namespace, keys=keys, batch_slots=True)
         if self._blocks is not None:
             blocks = self._blocks
             deadline = time.monotonic() + timeout
@@ -301,7 +302,7 @@ class CacheClient:
         c.check_ids(namespace, keys)
         if len(buffers) < len(keys):
             raise InvalidRequest(f"{len(keys)} keys but only {len(buffers)} buffers")
-        req = pb.LoadRequest(namespace=namespace, keys=keys)
+        req = pb.LoadRequest(namespace=namespace, keys=keys, batch_slots=True)
         if self._blocks is not None:
             blocks = self._blocks
             deadline = time.monotonic() + timeout

@@ -130,11 +130,12 @@ class ConnectorSettings(BaseSettings):
     local_index: bool = False
     """Same node: answer lookups from the index the cache server publishes in shared memory (no call
     per lookup); remote endpoints always use the RPC."""
-    shm_mapping_cache_mb: int = Field(default=1024, ge=0)
+    shm_mapping_cache_mb: int = Field(default=512, ge=0)
     """Same node, shared memory: keep the read-only mappings of loaded blocks across loads, up to this
     many MiB, so a hot prefix loaded again is one memcpy instead of a mapping built and torn down per
     block (about 3x the copy). The server holds those blocks in its DRAM budget until released, so
-    memory use stays counted (docs/performance.md). 0: map every block afresh."""
+    memory use stays counted (docs/performance.md); keep it at most the server's
+    ``shm.hold_bytes_per_client`` (1 GiB by default). 0: map every block afresh."""
     retries: int = Field(default=1, ge=0, le=5)
     """Extra attempts after an ``unavailable`` error, within the same deadline."""
     breaker_failures: int = Field(default=3, ge=1)

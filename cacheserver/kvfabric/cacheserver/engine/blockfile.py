@@ -42,6 +42,7 @@ __all__ = [
     "HEADER_SIZE",
     "BlockHeader",
     "CorruptBlock",
+    "DestinationFailed",
     "pack_header",
     "read_block_into",
     "read_block_to_fd",
@@ -272,7 +273,8 @@ def read_block_to_fd(path: Path, bid: BlockId, fd: int, *, direct: bool = True) 
     (``pwrite``: the memfd's pages are allocated by the write, never zeroed first). Read, checksum
     and page allocation overlap instead of running one after another: 1.4-1.7x faster than reading
     into a fresh mapping (``python -m kvfabric.bench.profile``, part 5; docs/performance.md).
-    Raises like :func:`read_block_into`; ``fd`` then holds an unspecified prefix.
+    Raises like :func:`read_block_into`, and :class:`DestinationFailed` when writing into ``fd``
+    fails; ``fd`` then holds an unspecified prefix.
     """
     src = _open_read(path, direct)
     try:
@@ -281,7 +283,7 @@ def read_block_to_fd(path: Path, bid: BlockId, fd: int, *, direct: bool = True) 
         padded = -(-n // ALIGN) * ALIGN
         hasher = xxhash.xxh3_128()
         if padded <= _PIPE_PIECE:
-            got = _read_piece_sync(src, fd, n, padded, hasher)
+            got = _read_pieces_in_turn(src, fd, n, padded, hasher)
         else:
             got = _read_pieces_overlapped(src, fd, n, padded, hasher)
         if got < n:
@@ -323,18 +325,25 @@ def _give_back(pieces: list[mmap.mmap]) -> None:
             b.close()
 
 
-def _read_piece_sync(src: int, dst: int, n: int, padded: int, hasher: xxhash.xxh3_128) -> int:
+def _read_pieces_in_turn(src: int, dst: int, n: int, padded: int, hasher: xxhash.xxh3_128) -> int:
+    """Read, checksum and write one piece after another (small blocks, or no thread to read)."""
     buf = _piece()
     try:
-        view = memoryview(buf)[:padded]
-        try:
-            r = os.preadv(src, [view], HEADER_SIZE)
-            got = min(max(r, 0), n)
-            hasher.update(view[:got])
-            _pwrite_all(dst, view[:got], 0)
-        finally:
-            view.release()
-        return got
+        got = 0
+        while got < padded:
+            want = min(_PIPE_PIECE, padded - got)
+            view = memoryview(buf)[:want]
+            try:
+                r = max(os.preadv(src, [view], HEADER_SIZE + got), 0)
+                take = max(0, min(r, n - got))
+                hasher.update(view[:take])
+                _write_piece(dst, view[:take], got)
+            finally:
+                view.release()
+            got += take
+            if r < want:
+                break
+        return min(got, n)
     finally:
         _give_back([buf])
 
@@ -365,7 +374,11 @@ def _read_pieces_overlapped(src: int, dst: int, n: int, padded: int, hasher: xxh
             full.put(exc)
 
     t = threading.Thread(target=reader, name="kvfabric-block-read", daemon=True)
-    t.start()
+    try:
+        t.start()
+    except RuntimeError:  # no thread to be had (the process is at its thread limit): one by one
+        _give_back(pieces)
+        return _read_pieces_in_turn(src, dst, n, padded, hasher)
     got = 0
     try:
         while True:
@@ -379,7 +392,7 @@ def _read_pieces_overlapped(src: int, dst: int, n: int, padded: int, hasher: xxh
             view = memoryview(b)[:take]
             try:
                 hasher.update(view)
-                _pwrite_all(dst, view, off)
+                _write_piece(dst, view, off)
             finally:
                 view.release()
             got = off + take
@@ -393,10 +406,20 @@ def _read_pieces_overlapped(src: int, dst: int, n: int, padded: int, hasher: xxh
     return got
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+class DestinationFailed(Exception):  # noqa: N818 - a condition of the destination, not of the block
+    """Writing into the destination failed (e.g. the memfd's memory ran out): the block is fine.
+
+    Not an ``OSError``, so a tier never mistakes it for a failed read of its own copy.
+    """
+
+
+def _write_piece(fd: int, view: memoryview, offset: int) -> None:
     done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
+    try:
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+    except OSError as exc:
+        raise DestinationFailed(str(exc)) from exc
 
 
 def _open_read(path: Path, direct: bool) -> int:

@@ -287,36 +287,38 @@ class DramTier:
 
     # --- holds (clients that keep a block mapped) ----------------------------------------------------
 
-    def hold_by_name(self, name: str, budget: int) -> tuple[int, int, bool] | None:
+    def hold_by_name(self, name: str, budget: int) -> tuple[int, int, int] | None:
         """Like :meth:`dup_by_name`, and hold the block if it fits ``budget`` and the tier's share.
 
-        Returns ``(descriptor, length, held)``, or None if the block is gone. A block is held at most
-        once per call; a caller holding it already may hold it again (counted, released as often).
+        Returns ``(descriptor, length, held_size)``: ``held_size`` is the bytes charged to the caller's
+        budget (the block's page-rounded size), 0 when it was not held; None if the block is gone. The
+        caller's own ``budget`` always applies (a block others hold costs it the same); a block held
+        already costs the tier's share nothing more.
         """
         with self._lock:
             bid = self._by_name.get(name)
             if bid is None:
                 return None
             blk = self._index[bid]
-            held = name in self._holds or (
-                blk.size <= budget and self._held_bytes + blk.size <= self.max_held_bytes
-            )
+            fd = os.dup(blk.fd)  # first: a failed dup (EMFILE) must not leave a hold behind
+            already = name in self._holds
+            held = blk.size <= budget and (already or self._held_bytes + blk.size <= self.max_held_bytes)
             if held:
-                if name not in self._holds:
+                if not already:
                     self._held_bytes += blk.size
                 self._holds[name] = self._holds.get(name, 0) + 1
-            return os.dup(blk.fd), blk.length, held
+            return fd, blk.length, blk.size if held else 0
 
-    def release(self, name: str) -> int:
-        """Release one hold of ``name`` (unknown names are ignored); the bytes no longer held by it."""
+    def release(self, name: str, times: int = 1) -> None:
+        """Release ``times`` holds of ``name`` (unknown names and extra releases are ignored)."""
         fd = None
         with self._lock:
             count = self._holds.get(name)
             if count is None:
-                return 0
-            if count > 1:
-                self._holds[name] = count - 1
-                return 0
+                return
+            if count > times:
+                self._holds[name] = count - times
+                return
             del self._holds[name]
             retired = self._retired.pop(name, None)
             if retired is not None:
@@ -328,7 +330,6 @@ class DramTier:
             self._held_bytes -= size
         if fd is not None:
             os.close(fd)
-        return size
 
     @property
     def held_bytes(self) -> int:
@@ -495,8 +496,14 @@ class DramTier:
             if self._used + self._reserved + size <= high:
                 self._reserved += size
                 return True
-        # Make room down to the low watermark (hysteresis: not one eviction per put).
-        self.evict(max(0, min(int(self.capacity * self.low), high - size)))
+        # Make room down to the low watermark (hysteresis: not one eviction per put) — or, when held
+        # blocks (which eviction passes over) keep usage above it, only the room this put needs:
+        # never every unheld block for one put.
+        goal = min(int(self.capacity * self.low), high - size)
+        with self._lock:
+            if self._held_bytes > goal:
+                goal = high - size
+        self.evict(max(0, goal))
         with self._lock:
             if self._used + self._reserved + size <= high:
                 self._reserved += size

@@ -39,7 +39,7 @@ from kvfabric.cacheserver.engine.base import (
     TierUsage,
     read_miss_counter,
 )
-from kvfabric.cacheserver.engine.blockfile import ALIGN, payload_checksum
+from kvfabric.cacheserver.engine.blockfile import ALIGN, DestinationFailed, payload_checksum
 from kvfabric.cacheserver.engine.dram import BytesBlock, DramBlock, DramTier, OpenBlock
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.ordering import DELETE_MARGIN_S, Generations
@@ -269,8 +269,8 @@ class TieredStore:
                 return None
         except _Miss:
             return None  # counted by the tier, which dropped the entry
-        except OSError as exc:
-            # The DRAM side failed (tmpfs full: ENOSPC/EFAULT while the read fills its pages): a
+        except (OSError, DestinationFailed) as exc:
+            # The DRAM side failed (memory full: ENOSPC/EFAULT while the read fills its pages): a
             # miss with a reason, never an error to the client; the disk copy stays.
             log.warning("promotion failed", extra={"tier": tier.name, "key": bid.key, "reason": str(exc)})
             self.counters.inc(read_miss_counter(MissReason.IO_ERROR), TierName.DRAM)

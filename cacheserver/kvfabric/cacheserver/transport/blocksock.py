@@ -43,12 +43,12 @@ Resolver = Callable[[str], tuple[int, int] | None]
 class Holds(Protocol):
     """Where held blocks are accounted (the DRAM tier)."""
 
-    def hold_by_name(self, name: str, budget: int) -> tuple[int, int, bool] | None:
-        """``(descriptor, length, held)`` of a block, held if it fits ``budget``; None if gone."""
+    def hold_by_name(self, name: str, budget: int) -> tuple[int, int, int] | None:
+        """``(descriptor, length, bytes held)`` of a block (0: not held, over ``budget``); None if gone."""
         ...
 
-    def release(self, name: str) -> int:
-        """Release one hold; the bytes it freed from the holder's budget (0 if none)."""
+    def release(self, name: str, times: int = 1) -> None:
+        """Release ``times`` holds of ``name``."""
         ...
 
 
@@ -138,8 +138,8 @@ class BlockSocket:
             conn.close()
             # A closed connection holds nothing, whatever its client did (died, forgot, misbehaved).
             if self.holds is not None:
-                for name in held.all():
-                    self.holds.release(name)
+                for name, times in held.all():
+                    self.holds.release(name, times)
 
     def _answer(self, conn: socket.socket, names: list[str]) -> None:
         status = bytearray()
@@ -170,17 +170,19 @@ class BlockSocket:
             for name in req.names:
                 if self.holds is None:
                     lent = self.resolve(name)
-                    got = None if lent is None else (lent[0], lent[1], False)
+                    got = None if lent is None else (lent[0], lent[1], 0)
                 else:
-                    got = self.holds.hold_by_name(name, self.hold_budget - held.bytes)
+                    # A block this connection holds already costs its budget nothing more.
+                    left = self.hold_budget - held.bytes + held.size_of(name)
+                    got = self.holds.hold_by_name(name, left)
                 if got is None:
                     status.append(bp.GONE)
                     continue
-                fd, length, is_held = got
+                fd, _length, size = got
                 fds.append(fd)
-                if is_held:
-                    held.add(name, length)
-                status.append(bp.FOUND if is_held else bp.LENT)
+                if size:
+                    held.add(name, size)
+                status.append(bp.FOUND if size else bp.LENT)
             socket.send_fds(conn, [bytes(status)], fds)
         finally:
             for fd in fds:
@@ -209,13 +211,17 @@ class _Held:
 
     def __init__(self) -> None:
         self._times: dict[str, int] = {}
-        self._length: dict[str, int] = {}
+        self._size: dict[str, int] = {}
         self.bytes = 0
 
-    def add(self, name: str, length: int) -> None:
+    def size_of(self, name: str) -> int:
+        """Bytes ``name`` costs this connection's budget now (0 if it does not hold it)."""
+        return self._size.get(name, 0)
+
+    def add(self, name: str, size: int) -> None:
         if name not in self._times:
-            self._length[name] = length
-            self.bytes += length
+            self._size[name] = size
+            self.bytes += size
         self._times[name] = self._times.get(name, 0) + 1
 
     def drop(self, name: str) -> bool:
@@ -227,9 +233,9 @@ class _Held:
             self._times[name] = times - 1
         else:
             del self._times[name]
-            self.bytes -= self._length.pop(name)
+            self.bytes -= self._size.pop(name)
         return True
 
-    def all(self) -> list[str]:
-        """Every hold, a name once per time held (what closing the connection releases)."""
-        return [n for n, times in self._times.items() for _ in range(times)]
+    def all(self) -> list[tuple[str, int]]:
+        """Every held name and how often (what closing the connection releases)."""
+        return list(self._times.items())

@@ -39,14 +39,16 @@ class LookupResponse(_message.Message):
     def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., describe: _Optional[bool] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "max_message_bytes")
+    __slots__ = ("namespace", "keys", "max_message_bytes", "batch_slots")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SLOTS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[str]
     max_message_bytes: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    batch_slots: bool
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., batch_slots: _Optional[bool] = ...) -> None: ...
 
 class LoadChunk(_message.Message):
     __slots__ = ("index", "total_length", "offset", "data")

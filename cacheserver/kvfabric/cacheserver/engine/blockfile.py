@@ -225,15 +225,7 @@ def read_block_into(path: Path, bid: BlockId, dest: memoryview, *, direct: bool 
     """
     fd = _open_read(path, direct)
     try:
-        head = aligned_buffer(HEADER_SIZE)
-        try:
-            if os.preadv(fd, [head], 0) < HEADER_SIZE:
-                raise CorruptBlock("short header")
-            header = unpack_header(memoryview(head))
-        finally:
-            head.close()
-        if header.bid != bid:
-            raise CorruptBlock(f"file holds {header.bid}, expected {bid}")
+        header = _read_header_at(fd, bid)
         n = header.length
         padded = -(-n // ALIGN) * ALIGN
         if len(dest) < padded:

@@ -106,15 +106,17 @@ def test_loads_do_not_wait_behind_stores_and_busy_stores_are_dropped() -> None:
         try:
             # The slot is taken once the server has seen the stream's first message; until then a
             # store may still be accepted, so wait for the first drop rather than assume it.
-            # (Probe with another key: a probe accepted before the slot was taken must not store `extra`.)
-            probe = digest("probe")
+            # (Probe with other keys: a probe accepted before the slot was taken must not store `extra`.)
+            # A fresh key per probe: a key stored by an early probe is "already present" to every
+            # later one, accepted without a slot, so one key could never see the drop (the cause of
+            # this test's old flake: 570 probes, every one accepted).
             probes: list[tuple[int, int]] = []
 
             def busy() -> bool:
                 # The holder must still be streaming; if it ended, say how (a CI run once timed out
                 # here with no clue whether the holder had ever reached the server).
                 assert not holder.done(), f"the slot holder ended early: {holder.exception()!r}"
-                res = r.store(ns, [probe], [b"x"], timeout=10)
+                res = r.store(ns, [digest("probe", len(probes))], [b"x"], timeout=10)
                 probes.append((res.accepted, res.dropped))
                 return res.dropped == 1
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvfabric.cacheserver.config import ServerConfig
 from kvfabric.cacheserver.engine import blockfile
 from kvfabric.cacheserver.engine.base import Tier
 from kvfabric.cacheserver.engine.blockfile import (
@@ -126,6 +127,15 @@ def test_the_overlapped_read_refuses_corrupt_truncated_and_foreign_blocks(tmp_pa
 
     with pytest.raises(CorruptBlock, match="holds"):
         read_block_to_fd(path, bid("other"), 0)
+    # A header whose length is not the index's: refused before a byte is written (the destination
+    # never grows past what its caller sized).
+    fd = os.memfd_create("t", os.MFD_CLOEXEC)
+    try:
+        with pytest.raises(ValueError, match="index says"):
+            read_block_to_fd(path, b, fd, length=len(data) - 1)
+        assert os.fstat(fd).st_size == 0
+    finally:
+        os.close(fd)
     with open(path, "r+b") as f:  # one byte of the middle piece
         f.seek(HEADER_SIZE + PIECE + 7)
         f.write(b"\0" if data[PIECE + 7] else b"\1")
@@ -148,25 +158,30 @@ def test_the_overlapped_read_refuses_corrupt_truncated_and_foreign_blocks(tmp_pa
     assert threading.active_count() == threads
 
 
+def _dram_and_disk(tmp_path: Path, *, dram: int, disk: int, max_payload: int, **more: object) -> ServerConfig:
+    """A server configuration with a DRAM and a local-disk tier under ``tmp_path``."""
+    return ServerConfig.model_validate(
+        {
+            "server_id": "unit",
+            "listen": {"unix_socket": str(tmp_path / "s.sock")},
+            "tiers": {
+                "dram": {"capacity_bytes": dram},
+                "local_disk": {"path": str(tmp_path / "local"), "capacity_bytes": disk},
+            },
+            "limits": {"max_payload_bytes": max_payload},
+            **more,
+        }
+    )
+
+
 def test_a_promotion_whose_dram_side_fails_keeps_the_disk_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import errno
 
-    from kvfabric.cacheserver.config import ServerConfig
     from kvfabric.cacheserver.engine.tiered import TieredStore
 
-    cfg = ServerConfig.model_validate(
-        {
-            "server_id": "unit",
-            "listen": {"unix_socket": str(tmp_path / "s.sock")},
-            "tiers": {
-                "dram": {"capacity_bytes": 64 << 20},
-                "local_disk": {"path": str(tmp_path / "local"), "capacity_bytes": 64 << 20},
-            },
-            "limits": {"max_payload_bytes": 16 << 20},
-        }
-    )
+    cfg = _dram_and_disk(tmp_path, dram=64 << 20, disk=64 << 20, max_payload=16 << 20)
     store = TieredStore(cfg)
     store.start()
     try:
@@ -332,22 +347,16 @@ def test_journal_rotation_keeps_tailers_consistent(tmp_path: Path, monkeypatch: 
 def test_tiered_store_writes_back_promotes_and_expires_local_buckets(tmp_path: Path) -> None:
     import time
 
-    from kvfabric.cacheserver.config import ServerConfig
     from kvfabric.cacheserver.engine.tiered import TieredStore
 
-    cfg = ServerConfig.model_validate(
-        {
-            "server_id": "unit",
-            "listen": {"unix_socket": str(tmp_path / "s.sock")},
-            "tiers": {
-                "dram": {"capacity_bytes": 1 << 20},
-                "local_disk": {"path": str(tmp_path / "local"), "capacity_bytes": 1 << 22},
-            },
-            "ttl_seconds": 1,
-            "bucket_seconds": 1,
-            "janitor_interval_seconds": 3600,  # ticks are driven by the test
-            "limits": {"max_payload_bytes": 1 << 20},
-        }
+    cfg = _dram_and_disk(
+        tmp_path,
+        dram=1 << 20,
+        disk=1 << 22,
+        max_payload=1 << 20,
+        ttl_seconds=1,
+        bucket_seconds=1,
+        janitor_interval_seconds=3600,  # ticks are driven by the test
     )
     store = TieredStore(cfg)
     store.start()

@@ -283,3 +283,37 @@ def _slot_names(target: str, keys: list[str]) -> list[str]:
         stub = pb_grpc.CacheStub(ch)  # type: ignore[no-untyped-call]
         call = stub.ShmLoad(pb.LoadRequest(namespace=NS, keys=keys), timeout=10)
         return [slot.name for slot in shm_slots(call)]
+
+
+def test_holds_above_the_low_watermark_make_a_put_evict_only_the_room_it_needs() -> None:
+    # Low watermark 0.25, holds of 3 pages: eviction can never get down to 2 pages, so a put that
+    # needs one page must evict one block, not every unheld one.
+    tier = DramTier(8 * PAGE, high_watermark=1.0, low_watermark=0.25)
+    for i in range(8):
+        assert tier.put(bid(i), b"x" * PAGE)
+    for i in range(3):
+        blk = tier.slot(bid(i))
+        assert blk is not None
+        got = tier.hold_by_name(blk.name, 1 << 30)
+        assert got is not None
+        os.close(got[0])
+    assert tier.put(bid("new"), b"y" * PAGE)
+    assert tier.usage().blocks == 8  # one unheld block went, not all five
+    assert all(tier.slot(bid(i)) is not None for i in range(3))
+
+
+def test_a_hold_whose_descriptor_cannot_be_duplicated_is_not_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = DramTier(8 * PAGE)
+    assert tier.put(bid("d"), b"x" * PAGE)
+    blk = tier.slot(bid("d"))
+    assert blk is not None
+
+    def emfile(_fd: int) -> int:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(os, "dup", emfile)
+    with pytest.raises(OSError, match="Too many open files"):
+        tier.hold_by_name(blk.name, 1 << 30)
+    monkeypatch.undo()
+    assert tier.held_bytes == 0  # nothing held: the block stays evictable
+    assert tier.evict(0) == [bid("d")]

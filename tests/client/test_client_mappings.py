@@ -316,3 +316,29 @@ def test_a_server_that_knows_no_holds_is_served_the_plain_way(
     finally:
         sock.close()
         os.close(block)
+
+
+@pytest.mark.process
+def test_when_the_server_lends_the_client_gives_holds_back_and_they_keep_turning_over() -> None:
+    # DRAM of 4 MiB: clients together may hold 2 MiB (16 blocks of 128 KiB), this client could keep
+    # 64 MiB. Past 16 blocks the server lends; the client gives its oldest hold back each time, so
+    # later blocks are held and kept too, and the books stay equal.
+    size = 128 * 1024
+    keys = [digest("lent", i) for i in range(24)]
+    payloads = [payload_for(k, size) for k in keys]
+    with (
+        cache_server(dram_bytes=4 * MiB) as srv,
+        CacheClient(srv.unix_target, shared_memory=True, mapping_cache_bytes=64 * MiB) as c,
+    ):
+        assert c.store(NS, keys, payloads, timeout=30).accepted == 24
+        maps = c._blocks.maps  # type: ignore[union-attr]
+        assert maps is not None
+        bufs = _bufs(1, size)
+        for k, p in zip(keys, payloads, strict=True):
+            assert c.load_into(NS, [k], bufs, timeout=30) == 1
+            assert bytes(bufs[0]) == p
+        late = {kept.key for kept in maps._kept.values()} & {f"{NS}/{k}" for k in keys[16:]}
+        assert late, "blocks loaded after the share filled were never kept"
+        c._blocks.flush_releases(deadline=time.monotonic() + 10)  # type: ignore[union-attr]
+        dram = c.stats(timeout=10)["tiers"]["dram"]
+        assert dram["held_bytes"] == maps.kept_bytes <= 2 * MiB

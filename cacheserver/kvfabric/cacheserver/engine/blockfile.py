@@ -241,13 +241,18 @@ def read_block_into(path: Path, bid: BlockId, dest: memoryview, *, direct: bool 
             got += r
             if r < len(chunk):
                 break
-        if got < n:
-            raise CorruptBlock(f"payload truncated: {got} of {n} bytes")
-        if hasher.digest() != header.checksum:
-            raise CorruptBlock("payload checksum mismatch")
+        _check_payload(header, got, hasher)
         return header
     finally:
         os.close(fd)
+
+
+def _check_payload(header: BlockHeader, got: int, hasher: xxhash.xxh3_128) -> None:
+    """Raise :class:`CorruptBlock` unless all ``header.length`` bytes were read and hash right."""
+    if got < header.length:
+        raise CorruptBlock(f"payload truncated: {got} of {header.length} bytes")
+    if hasher.digest() != header.checksum:
+        raise CorruptBlock("payload checksum mismatch")
 
 
 _PIPE_PIECE = 4 << 20
@@ -257,7 +262,9 @@ _SPARE_MAX = 12
 _spare_pieces: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
 
 
-def read_block_to_fd(path: Path, bid: BlockId, fd: int, *, direct: bool = True) -> BlockHeader:
+def read_block_to_fd(
+    path: Path, bid: BlockId, fd: int, *, length: int | None = None, direct: bool = True
+) -> BlockHeader:
     """Read a block's payload into the start of file ``fd`` (a fresh memfd) and verify it.
 
     Like :func:`read_block_into`, but the payload is read in :data:`_PIPE_PIECE` pieces into warm,
@@ -266,22 +273,23 @@ def read_block_to_fd(path: Path, bid: BlockId, fd: int, *, direct: bool = True) 
     and page allocation overlap instead of running one after another: 1.4-1.7x faster than reading
     into a fresh mapping (``python -m kvfabric.bench.profile``, part 5; docs/performance.md).
     Raises like :func:`read_block_into`, and :class:`DestinationFailed` when writing into ``fd``
-    fails; ``fd`` then holds an unspecified prefix.
+    fails; ``fd`` then holds an unspecified prefix. With ``length`` (what the caller's index says),
+    a header that says otherwise is a ``ValueError`` before any payload is read: a file never makes
+    the destination bigger than its caller sized it.
     """
     src = _open_read(path, direct)
     try:
         header = _read_header_at(src, bid)
         n = header.length
+        if length is not None and n != length:
+            raise ValueError(f"file holds {n} bytes, index says {length}")
         padded = -(-n // ALIGN) * ALIGN
         hasher = xxhash.xxh3_128()
         if padded <= _PIPE_PIECE:
             got = _read_pieces_in_turn(src, fd, n, padded, hasher)
         else:
             got = _read_pieces_overlapped(src, fd, n, padded, hasher)
-        if got < n:
-            raise CorruptBlock(f"payload truncated: {got} of {n} bytes")
-        if hasher.digest() != header.checksum:
-            raise CorruptBlock("payload checksum mismatch")
+        _check_payload(header, got, hasher)
         return header
     finally:
         os.close(src)

@@ -345,7 +345,8 @@ class DiskTier:
         what a promotion into DRAM uses.
         """
         return self._read_verified(
-            bid, lambda path, _entry: read_block_to_fd(path, bid, fd, direct=self.direct_io)
+            bid,
+            lambda path, entry: read_block_to_fd(path, bid, fd, length=entry.length, direct=self.direct_io),
         )
 
     def _read_verified(self, bid: BlockId, read: Callable[[Path, DiskEntry], BlockHeader]) -> ReadResult:

@@ -102,14 +102,17 @@ def test_loads_do_not_wait_behind_stores_and_busy_stores_are_dropped() -> None:
             yield pb.StoreChunk(data=b"b")
 
         stub = pb_grpc.CacheStub(ch)  # type: ignore[no-untyped-call]
+        # Connected first: in a failed run the holder's call never reached the server (its stats
+        # said store_inflight 0 after 570 probes, the holder still pending), and a channel still
+        # connecting is one way for that to happen.
+        grpc.channel_ready_future(ch).result(timeout=30)
         holder = stub.Store.future(slow_stream(), timeout=120)
         try:
             # The slot is taken once the server has seen the stream's first message; until then a
             # store may still be accepted, so wait for the first drop rather than assume it.
             # (Probe with other keys: a probe accepted before the slot was taken must not store `extra`.)
             # A fresh key per probe: a key stored by an early probe is "already present" to every
-            # later one, accepted without a slot, so one key could never see the drop (the cause of
-            # this test's old flake: 570 probes, every one accepted).
+            # later one, accepted without a slot, so one key could never see the drop.
             probes: list[tuple[int, int]] = []
 
             def busy() -> bool:
@@ -124,7 +127,10 @@ def test_loads_do_not_wait_behind_stores_and_busy_stores_are_dropped() -> None:
                 wait_until(busy, what="the store slot to be busy")
             except TimeoutError:
                 stats = c.stats(timeout=5)
-                raise AssertionError(f"probes {probes[-5:]} of {len(probes)}; server {stats}") from None
+                raise AssertionError(
+                    f"probes {probes[-5:]} of {len(probes)}; holder done={holder.done()} "
+                    f"running={holder.running()}; server {stats}"
+                ) from None
             assert r.store(ns, [extra], [b"x"], timeout=10).dropped == 1
             # Stores over both transports are dropped, not queued; loads and lookups are served.
             assert c.store(ns, [extra], [b"x"], timeout=10).dropped == 1

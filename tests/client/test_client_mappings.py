@@ -275,15 +275,21 @@ def test_an_older_client_gets_one_block_per_message() -> None:
     from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 
     keys = [digest("old", i) for i in range(3)]
+    many = [digest("many", i) for i in range(257)]  # past one message's 256 slots
     with cache_server(dram_bytes=64 * MiB) as srv, CacheClient(srv.unix_target, shared_memory=True) as c:
         assert c.store(NS, keys, [payload_for(k, 8192) for k in keys], timeout=30).accepted == 3
+        assert c.store(NS, many, [b"m"] * len(many), timeout=30).accepted == len(many)
         with grpc.insecure_channel(srv.unix_target) as ch:
             stub = pb_grpc.CacheStub(ch)  # type: ignore[no-untyped-call]
             old = list(stub.ShmLoad(pb.LoadRequest(namespace=NS, keys=keys), timeout=10))
             new = list(stub.ShmLoad(pb.LoadRequest(namespace=NS, keys=keys, batch_slots=True), timeout=10))
+            split = list(stub.ShmLoad(pb.LoadRequest(namespace=NS, keys=many, batch_slots=True), timeout=10))
+            one_by_one = list(stub.ShmLoad(pb.LoadRequest(namespace=NS, keys=many), timeout=10))
         assert [len(m.more) for m in old] == [0, 0, 0]
         assert [len(m.more) for m in new] == [2]
         assert [m.name for m in old] == [new[0].name, *(m.name for m in new[0].more)]
+        assert [1 + len(m.more) for m in split] == [256, 1]
+        assert [s.name for m in split for s in (m, *m.more)] == [m.name for m in one_by_one]  # key order
 
 
 @pytest.mark.unit
@@ -312,6 +318,11 @@ def test_a_server_that_knows_no_holds_is_served_the_plain_way(
         assert bytes(target) == data
         assert chan.maps is None  # no more hold requests to this server
         assert chan.copy_block(name, len(data), target, deadline=time.monotonic() + 10)
+        # The server upgraded (restarted): after the reconnect, holds are asked for again.
+        monkeypatch.undo()
+        chan.close()
+        assert chan.copy_block(name, len(data), target, deadline=time.monotonic() + 10)
+        assert _kept_by(chan) is not None
         chan.close()
     finally:
         sock.close()
@@ -342,3 +353,46 @@ def test_when_the_server_lends_the_client_gives_holds_back_and_they_keep_turning
         c._blocks.flush_releases(deadline=time.monotonic() + 10)  # type: ignore[union-attr]
         dram = c.stats(timeout=10)["tiers"]["dram"]
         assert dram["held_bytes"] == maps.kept_bytes <= 2 * MiB
+
+
+def _kept_by(chan: blocks_mod.BlockChannel) -> MappingCache | None:
+    """``chan.maps`` read afresh (a property that a reconnect changes; mypy keeps it narrowed)."""
+    return chan.maps
+
+
+@pytest.mark.unit
+def test_a_release_queued_before_a_reconnect_is_not_sent_on_the_next_connection(tmp_path: Path) -> None:
+    import socket
+
+    from kvfabric.rpc import blockproto as bp
+
+    path = tmp_path / "b.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    listener.listen(4)
+    seen: list[bytes] = []
+
+    def serve() -> None:
+        first, _ = listener.accept()
+        seen.append(first.recv(bp.MAX_MESSAGE))
+        first.close()  # the connection breaks before any answer: the client reconnects
+        second, _ = listener.accept()
+        seen.append(second.recv(bp.MAX_MESSAGE))
+        second.send(bytes([bp.GONE]))
+        second.close()
+
+    server = threading.Thread(target=serve)
+    server.start()
+    chan = blocks_mod.BlockChannel(path, mapping_budget=1 << 20)
+    maps = chan.maps
+    assert maps is not None
+    stale = "d_" + "ee" * 16
+    maps.release_later(stale, maps.epoch)
+    wanted = "d_" + "ab" * 16
+    assert not chan.copy_block(wanted, 4096, memoryview(bytearray(4096)), deadline=time.monotonic() + 10)
+    server.join(10)
+    chan.close()
+    listener.close()
+    assert stale.encode() in seen[0]  # it rode on the request to the connection that held it...
+    assert stale.encode() not in seen[1]  # ...and not on the retry to the next one
+    assert wanted.encode() in seen[1]

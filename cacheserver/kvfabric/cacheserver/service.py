@@ -304,19 +304,23 @@ class CacheService(pb_grpc.CacheServicer):
             # They go out together, in messages of up to _SLOTS_PER_MESSAGE, to a client that reads
             # ShmSlot.more (one message per block cost more than copying a kept mapping of it).
             start = 0
-            resident: list[pb.ShmSlot] = []
+            per_message = _SLOTS_PER_MESSAGE if request.batch_slots else 1
+            msg: pb.ShmSlot | None = None
             for bid in bids:
                 blk = store.dram_hit(bid)
                 if blk is None:
                     break
                 start += 1
                 nbytes += blk.length
-                resident.append(pb.ShmSlot(name=blk.name, length=blk.length))
-            per_message = _SLOTS_PER_MESSAGE if request.batch_slots else 1
-            for i in range(0, len(resident), per_message):
-                first, *rest = resident[i : i + per_message]
-                first.more.extend(rest)
-                await context.write(first)
+                if msg is None:
+                    msg = pb.ShmSlot(name=blk.name, length=blk.length)
+                else:
+                    msg.more.add(name=blk.name, length=blk.length)
+                if 1 + len(msg.more) == per_message:
+                    await context.write(msg)
+                    msg = None
+            if msg is not None:
+                await context.write(msg)
             if start < len(bids):
                 # Promote a small window of keys at once, in key order, and name each block as soon as
                 # it is in DRAM: the client copies one while the disk reads the next, and the checksum

@@ -11,12 +11,13 @@ tiny and serialized under a lock.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvfabric.client import errors
@@ -40,7 +41,13 @@ class BlockChannel:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
-        self.maps = MappingCache(mapping_budget) if mapping_budget > 0 else None
+        self._maps = MappingCache(mapping_budget) if mapping_budget > 0 else None
+        self._holds_refused = False  # the server answering now knows no hold requests (older)
+
+    @property
+    def maps(self) -> MappingCache | None:
+        """The kept mappings; None when none are kept (no budget, or a server that knows no holds)."""
+        return None if self._holds_refused else self._maps
 
     def copy_block(
         self, name: str, length: int, target: memoryview, *, deadline: float, key: str | None = None
@@ -117,13 +124,15 @@ class BlockChannel:
         if left <= 0 or not self._lock.acquire(timeout=left):
             raise errors.CacheTimeout("block socket: deadline passed")
         try:
-            # Releases ride on the next request: no message of their own on the load path.
-            release = maps.take_releases(bp.MAX_NAMES)
-            msg, fds = self._exchange(bp.encode_hold_request([name], release), 1, deadline)
+            # Releases ride on the next request: no message of their own on the load path. Taken
+            # per attempt: after a reconnect, the closed connection's releases are gone with it.
+            msg, fds = self._exchange(
+                lambda: bp.encode_hold_request([name], maps.take_releases(bp.MAX_NAMES)), 1, deadline
+            )
             if msg[:1] == bytes([bp.BAD_REQUEST]):
                 close_all(fds)
                 self._drop()  # the server closes the connection after a bad request
-                self.maps = None
+                self._holds_refused = True  # until the next reconnect (that server may be upgraded)
                 return None
             # Read after the exchange: a reconnect inside it cleared the mappings and bumped it.
             epoch = maps.epoch
@@ -156,7 +165,7 @@ class BlockChannel:
             raise errors.CacheTimeout("block socket: deadline passed")
         try:
             while release := self.maps.take_releases(bp.MAX_NAMES):
-                msg, fds = self._exchange(bp.encode_hold_request([], release), 1, deadline)
+                msg, fds = self._exchange(functools.partial(bp.encode_hold_request, [], release), 1, deadline)
                 close_all(fds)
                 if msg != bytes([bp.RELEASED]):
                     self._drop()
@@ -169,18 +178,23 @@ class BlockChannel:
         if left <= 0 or not self._lock.acquire(timeout=left):
             raise errors.CacheTimeout("block socket: deadline passed")
         try:
-            msg, fds = self._exchange(bp.encode_request(names), len(names), deadline)
+            msg, fds = self._exchange(lambda: bp.encode_request(names), len(names), deadline)
             return _assign(names, msg, fds)
         finally:
             self._lock.release()
 
-    def _exchange(self, request: bytes, most_fds: int, deadline: float) -> tuple[bytes, list[int]]:
-        """Send one request and receive its answer (under the lock; reconnects once after a hang-up)."""
+    def _exchange(
+        self, request: Callable[[], bytes], most_fds: int, deadline: float
+    ) -> tuple[bytes, list[int]]:
+        """Send one request and receive its answer (under the lock; reconnects once after a hang-up).
+
+        ``request`` builds the message for each attempt (a reconnect may change what it carries).
+        """
         for attempt in (0, 1):
             sock = self._connected(deadline)
             try:
                 sock.settimeout(max(1e-3, deadline - time.monotonic()))
-                sock.send(request)
+                sock.send(request())
                 # Close-on-exec from the start: another thread of the engine may fork meanwhile.
                 msg, fds, flags = fdpass.recv_fds(sock, bp.MAX_NAMES + 1, most_fds)
             except TimeoutError as exc:
@@ -224,8 +238,9 @@ class BlockChannel:
             self._sock.close()
             self._sock = None
         # The server released this connection's holds when it closed: nothing kept is accounted now.
-        if self.maps is not None:
-            self.maps.clear()
+        if self._maps is not None:
+            self._maps.clear()
+        self._holds_refused = False  # the next server may know holds (an upgrade restarted it)
 
     def close(self) -> None:
         """Close the connection (a later fetch reopens it)."""
@@ -240,13 +255,11 @@ class BlockChannel:
 
 
 def _assign(names: Sequence[str], msg: bytes, fds: list[int]) -> list[int | None]:
-    found = msg.count(bytes([bp.FOUND]))
-    if msg[:1] == bytes([bp.BAD_REQUEST]) or len(msg) != len(names) or found != len(fds):
-        for fd in fds:
-            os.close(fd)
+    # A plain request's answer is a hold request's without LENT (the server never lends to KVBK1).
+    if bytes([bp.LENT]) in msg:
+        close_all(fds)
         raise errors.CacheCorrupt(f"block socket answered {msg[:80]!r} to {len(names)} names")
-    it = iter(fds)
-    return [next(it) if status == bp.FOUND else None for status in msg]
+    return [fd for fd, _ in _assign_held(names, msg, fds)]
 
 
 def _assign_held(names: Sequence[str], msg: bytes, fds: list[int]) -> list[tuple[int | None, bool]]:
@@ -272,12 +285,10 @@ def copy_into(fd: int, length: int, target: memoryview, name: str) -> None:
     try:
         if not length:
             return
-        if os.fstat(fd).st_size < length:
-            raise errors.CacheCorrupt(f"block {name} is shorter than {length}")
         # A mapping per load costs more than the copy; preadv and faulting the pages in measure
         # within 25 % of this, and none of them near memcpy (kvfabric.bench.profile.copy_paths,
-        # docs/performance.md). A sealed memfd can never shrink, so the mapping cannot SIGBUS.
-        with mmap.mmap(fd, length, prot=mmap.PROT_READ, flags=_MAP_FLAGS) as m:
+        # docs/performance.md): kept mappings (kvfabric.client.mappings) avoid it for repeated loads.
+        with _map_block(fd, length, name) as m:
             target[:length] = m
     finally:
         os.close(fd)

@@ -18,8 +18,8 @@ is copied and unmapped as before.
 
 The books stay equal: the cache makes room *before* it asks to hold a block (the releases ride on
 that very request, and the server applies them first), counts page-rounded sizes like the server,
-and tags every release with the connection it belongs to, so a release meant for a closed connection
-never drops a hold of the next one.
+and drops every release that belongs to a closed connection (by its epoch), so a release meant for
+a closed connection never drops a hold of the next one.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class MappingCache:
         self._kept: OrderedDict[str, _Kept] = OrderedDict()
         self._by_key: dict[str, str] = {}
         self._bytes = 0
-        self._releases: list[tuple[str, int]] = []  # (name, epoch of the connection that holds it)
+        self._releases: list[str] = []  # names the current connection holds and no mapping keeps
         self.epoch = 0
         """Bumped by :meth:`clear`: holds of an older connection are neither kept nor released."""
 
@@ -188,20 +188,19 @@ class MappingCache:
     def take_releases(self, most: int) -> list[str]:
         """Up to ``most`` names of the current connection whose mappings are gone, to release."""
         with self._lock:
-            current = [(n, e) for n, e in self._releases if e == self.epoch]
-            out, rest = current[:most], current[most:]
-            self._releases = rest
-            return [n for n, _ in out]
+            out, self._releases = self._releases[:most], self._releases[most:]
+            return out
 
     def release_later(self, name: str, epoch: int) -> None:
         """Queue the release of a hold taken at ``epoch`` whose mapping was not kept."""
         with self._lock:
-            self._releases.append((name, epoch))
+            if epoch == self.epoch:  # an older connection's holds went with it
+                self._releases.append(name)
 
     def pending_releases(self) -> int:
         """How many releases of the current connection wait to be sent."""
         with self._lock:
-            return sum(e == self.epoch for _, e in self._releases)
+            return len(self._releases)
 
     def _forget_locked(self, name: str) -> tuple[str, _Kept]:
         kept = self._kept.pop(name)
@@ -221,4 +220,4 @@ class MappingCache:
         kept.close()
         with self._lock:
             if kept.epoch == self.epoch:
-                self._releases.append((name, kept.epoch))
+                self._releases.append(name)

@@ -345,8 +345,10 @@ class CacheClient:
 
     def _stream_load(self, req: pb.LoadRequest, timeout: float, asm: c.LoadAssembler) -> None:
         def run(r: _Conn) -> None:
-            for chunk in r.stub.Load(req, timeout=timeout, metadata=r.md):
-                asm.feed(chunk)
+            call = r.stub.Load(req, timeout=timeout, metadata=r.md)
+            with self._watch(req.namespace, call):
+                for chunk in call:
+                    asm.feed(chunk)
             asm.done()
 
         self._call(run)

@@ -641,12 +641,13 @@ def transport_factory(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     local_index: bool = False,
-    mapping_cache_bytes: int = 0,
+    mapping_cache_bytes: int = 512 << 20,
 ) -> Callable[[], Transport]:
     """Return a factory for the real ``kvfabric.client.CacheClient`` (imported on first use).
 
     ``local_index``: a Unix target answers lookups from the index its server publishes.
-    ``mapping_cache_bytes``: shared memory keeps loaded blocks' mappings up to this many bytes.
+    ``mapping_cache_bytes``: shared memory keeps loaded blocks' mappings up to this many bytes (the
+    client's default, ``DEFAULT_MAPPING_CACHE_BYTES``; not imported here, which would start grpc).
     """
 
     def make() -> Transport:

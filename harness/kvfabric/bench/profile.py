@@ -203,89 +203,73 @@ def copy_paths(rounds: int = 15) -> None:
 
 
 def promotion_paths(workdir: Path | None = None, rounds: int = 5, blocks: int = 8) -> None:
-    """Part 5: ways of reading cold 32 MiB block files into fresh memfds, against raw O_DIRECT reads.
+    """Part 5: ways of promoting cold 32 MiB block files into fresh memfds, against raw O_DIRECT reads.
 
-    What a disk promotion must do (allocate the DRAM block's pages and fill them from the disk),
-    measured each way on the same files, interleaved: the raw read into one warm buffer (the
-    benchmark's baseline), the read straight into a fresh memfd mapping (today), pre-allocating the
-    memfd first, and a pipeline of 4 MiB pieces read into warm buffers by one thread while another
-    writes them into the memfd.
+    Each way runs the real code on real block files (``blockfile.write_block``; header, checksum and
+    all), interleaved: the raw read of the whole file into one warm buffer (the benchmark's
+    baseline), ``read_block_into`` a fresh memfd mapping (what a promotion did before), the same
+    after ``fallocate`` + ``MAP_POPULATE``, and ``read_block_to_fd`` (what a promotion does now:
+    pieces read while the previous one is checksummed and written).
     """
     import mmap
-    import queue
     import statistics
-    import threading
 
-    n, piece = 32 * MiB, 4 * MiB
+    from kvfabric.cacheserver.engine import blockfile
+    from kvfabric.cacheserver.engine.ids import BlockId
+    from kvfabric.testing.serverproc import digest
+
+    n = 32 * MiB
     direct = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
     with tempfile.TemporaryDirectory(prefix="kvf-prof-", dir=workdir or "/var/tmp") as tmp:
-        files = []
+        (Path(tmp) / "tmp").mkdir()
+        files: list[tuple[Path, BlockId]] = []
         for i in range(blocks):
-            f = Path(tmp) / f"b{i}"
-            f.write_bytes(os.urandom(n))
-            files.append(f)
+            bid = BlockId(digest("prof-ns"), digest("prof", i))
+            path = Path(tmp) / "b" / bid.filename
+            blockfile.write_block(Path(tmp) / "tmp", path, bid, os.urandom(n), created_at=0.0, bucket=0)
+            files.append((path, bid))
         os.sync()
-        warm = mmap.mmap(-1, n)
-        warm[:] = b"\1" * n
-        pieces = [mmap.mmap(-1, piece) for _ in range(3)]
-        for b in pieces:
-            b[:] = b"\1" * piece
+        warm = mmap.mmap(-1, blockfile.HEADER_SIZE + n)
+        warm[:] = b"\1" * len(warm)
 
-        def each(fill: Callable[[int, int], None]) -> None:
+        def each(fill: Callable[[Path, BlockId, int], None]) -> None:
             made = []
-            for f in files:
-                src = os.open(f, direct)
+            for path, bid in files:
                 dst = os.memfd_create("profile", os.MFD_CLOEXEC)
-                try:
-                    fill(src, dst)
-                finally:
-                    os.close(src)
                 made.append(dst)
+                fill(path, bid, dst)
             for fd in made:
                 os.close(fd)
 
         def raw() -> None:
-            for f in files:
-                src = os.open(f, direct)
+            for path, _ in files:
+                src = os.open(path, direct)
                 os.preadv(src, [warm], 0)
                 os.close(src)
 
-        def fresh(src: int, dst: int) -> None:
+        def fresh(path: Path, bid: BlockId, dst: int) -> None:
             os.ftruncate(dst, n)
             with mmap.mmap(dst, n) as m:
-                os.preadv(src, [m], 0)
+                view = memoryview(m)
+                blockfile.read_block_into(path, bid, view)
+                view.release()
 
-        def prealloc(src: int, dst: int) -> None:
+        def prealloc(path: Path, bid: BlockId, dst: int) -> None:
             os.posix_fallocate(dst, 0, n)
             with mmap.mmap(dst, n, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as m:
-                os.preadv(src, [m], 0)
+                view = memoryview(m)
+                blockfile.read_block_into(path, bid, view)
+                view.release()
 
-        def piped(src: int, dst: int) -> None:
-            full: queue.Queue[tuple[int, mmap.mmap] | None] = queue.Queue()
-            free: queue.Queue[mmap.mmap] = queue.Queue()
-            for b in pieces:
-                free.put(b)
-
-            def reader() -> None:
-                for off in range(0, n, piece):
-                    b = free.get()
-                    os.preadv(src, [b], off)
-                    full.put((off, b))
-                full.put(None)
-
-            t = threading.Thread(target=reader)
-            t.start()
-            while (got := full.get()) is not None:
-                off, b = got
-                os.pwrite(dst, b, off)
-                free.put(b)
-            t.join()
+        def overlapped(path: Path, bid: BlockId, dst: int) -> None:
+            os.ftruncate(dst, n)
+            blockfile.read_block_to_fd(path, bid, dst, length=n)
 
         ways: dict[str, Callable[[], None]] = {
             "raw O_DIRECT read (baseline)": raw,
-            "into a fresh memfd mapping (today)": lambda: each(fresh),
-            "fallocate + MAP_POPULATE first": lambda: each(prealloc),
-            "4 MiB pieces, read and write overlapped": lambda: each(piped),
+            "read_block_into a fresh mapping (before)": lambda: each(fresh),
+            "fallocate + MAP_POPULATE, then read": lambda: each(prealloc),
+            "read_block_to_fd, overlapped (now)": lambda: each(overlapped),
         }
         rates: dict[str, list[float]] = {name: [] for name in ways}
         for _ in range(rounds):
@@ -294,10 +278,8 @@ def promotion_paths(workdir: Path | None = None, rounds: int = 5, blocks: int = 
                 fn()
                 rates[name].append(blocks * n / (time.perf_counter() - t0) / 1e9)
         warm.close()
-        for b in pieces:
-            b.close()
     base = statistics.median(rates["raw O_DIRECT read (baseline)"])
-    print(f"== reading {blocks} cold 32 MiB block files into fresh memfds")
+    print(f"== promoting {blocks} cold 32 MiB block files into fresh memfds")
     for name, got in rates.items():
         med = statistics.median(got)
         print(f"{name:42s} {med:6.2f} GB/s ({min(got):.2f}-{max(got):.2f}), {med / base:.2f} of raw")

@@ -215,17 +215,20 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN))
 
 
-def read_block_into(path: Path, bid: BlockId, dest: memoryview, *, direct: bool = True) -> BlockHeader:
+def read_block_into(
+    path: Path, bid: BlockId, dest: memoryview, *, length: int | None = None, direct: bool = True
+) -> BlockHeader:
     """Read a block's payload into ``dest`` and verify header and payload checksums.
 
     ``dest`` must hold the payload rounded up to :data:`ALIGN` bytes and, for O_DIRECT, start on a page
     boundary (an mmap does). With ``direct`` the read bypasses the page cache (large aligned I/O, cold
     reads honest); filesystems without O_DIRECT (tmpfs) fall back to buffered reads.
-    Raises :class:`CorruptBlock` on a mismatch and ``FileNotFoundError`` if the block vanished.
+    Raises :class:`CorruptBlock` on a mismatch and ``FileNotFoundError`` if the block vanished; with
+    ``length`` (what the caller's index says), a header that says otherwise is a ``ValueError``.
     """
     fd = _open_read(path, direct)
     try:
-        header = _read_header_at(fd, bid)
+        header = _read_header_at(fd, bid, length)
         n = header.length
         padded = -(-n // ALIGN) * ALIGN
         if len(dest) < padded:
@@ -270,7 +273,7 @@ def read_block_to_fd(
     Like :func:`read_block_into`, but the payload is read in :data:`_PIPE_PIECE` pieces into warm,
     reused buffers by one thread while this one checksums each piece and writes it into ``fd``
     (``pwrite``: the memfd's pages are allocated by the write, never zeroed first). Read, checksum
-    and page allocation overlap instead of running one after another: 1.4-1.7x faster than reading
+    and page allocation overlap instead of running one after another: 1.3-1.4x faster than reading
     into a fresh mapping (``python -m kvfabric.bench.profile``, part 5; docs/performance.md).
     Raises like :func:`read_block_into`, and :class:`DestinationFailed` when writing into ``fd``
     fails; ``fd`` then holds an unspecified prefix. With ``length`` (what the caller's index says),
@@ -279,10 +282,8 @@ def read_block_to_fd(
     """
     src = _open_read(path, direct)
     try:
-        header = _read_header_at(src, bid)
+        header = _read_header_at(src, bid, length)
         n = header.length
-        if length is not None and n != length:
-            raise ValueError(f"file holds {n} bytes, index says {length}")
         padded = -(-n // ALIGN) * ALIGN
         hasher = xxhash.xxh3_128()
         if padded <= _PIPE_PIECE:
@@ -295,7 +296,8 @@ def read_block_to_fd(
         os.close(src)
 
 
-def _read_header_at(fd: int, bid: BlockId) -> BlockHeader:
+def _read_header_at(fd: int, bid: BlockId, length: int | None) -> BlockHeader:
+    """The verified header of the block file open as ``fd``; it must be ``bid``'s, of ``length`` if given."""
     head = aligned_buffer(HEADER_SIZE)
     try:
         if os.preadv(fd, [head], 0) < HEADER_SIZE:
@@ -305,6 +307,8 @@ def _read_header_at(fd: int, bid: BlockId) -> BlockHeader:
         head.close()
     if header.bid != bid:
         raise CorruptBlock(f"file holds {header.bid}, expected {bid}")
+    if length is not None and header.length != length:
+        raise ValueError(f"file holds {header.length} bytes, index says {length}")
     return header
 
 

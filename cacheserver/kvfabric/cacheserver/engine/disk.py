@@ -334,7 +334,7 @@ class DiskTier:
         def read(path: Path, entry: DiskEntry) -> BlockHeader:
             if len(dest) < -(-entry.length // ALIGN) * ALIGN:
                 raise ValueError(f"destination holds {len(dest)} bytes, index says {entry.length}")
-            return read_block_into(path, bid, dest, direct=self.direct_io)
+            return read_block_into(path, bid, dest, length=entry.length, direct=self.direct_io)
 
         return self._read_verified(bid, read)
 
@@ -356,9 +356,7 @@ class DiskTier:
         path = self._path(bid, entry.bucket)
         try:
             self.faults.before_read()
-            header = read(path, entry)
-            if header.length != entry.length:
-                raise ValueError(f"file holds {header.length} bytes, index says {entry.length}")
+            header = read(path, entry)  # refuses a file whose length is not the index's
         except FileNotFoundError:
             # Deleted or expired by another server before its journal entry reached us.
             return self._miss(bid, entry, MissReason.ABSENT)

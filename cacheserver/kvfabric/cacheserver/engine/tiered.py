@@ -245,7 +245,7 @@ class TieredStore:
         def fill(fd: int) -> None:
             if isinstance(tier, ReadsIntoFiles):
                 # Disk tiers write the payload into the memfd in pieces while reading the next:
-                # 1.4-1.7x faster than the read into a fresh mapping below (docs/performance.md).
+                # 1.3-1.4x faster than the read into a fresh mapping below (docs/performance.md).
                 res = tier.read_into_fd(bid, fd)
             else:
                 # Read straight into the block's memfd (page-aligned mapping: O_DIRECT-friendly),

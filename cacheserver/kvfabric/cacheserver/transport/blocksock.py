@@ -137,9 +137,10 @@ class BlockSocket:
                 self._conns.discard(conn)
             conn.close()
             # A closed connection holds nothing, whatever its client did (died, forgot, misbehaved).
-            if self.holds is not None:
-                for name, times in held.all():
-                    self.holds.release(name, times)
+            # (``held`` only ever fills when there is a tier to hold in.)
+            for name, times in held.all():
+                assert self.holds is not None
+                self.holds.release(name, times)
 
     def _answer(self, conn: socket.socket, names: list[str]) -> None:
         status = bytearray()
@@ -159,7 +160,8 @@ class BlockSocket:
 
     def _answer_holding(self, conn: socket.socket, req: bp.Request, held: _Held) -> None:
         for name in req.release:
-            if held.drop(name) and self.holds is not None:
+            if held.drop(name):
+                assert self.holds is not None  # held only fills when there is a tier to hold in
                 self.holds.release(name)  # only this connection's own holds: never another client's
         if not req.names:
             conn.send(bytes([bp.RELEASED]))

@@ -10,7 +10,7 @@ import yaml
 from kvfabric.cacheserver.config import ServerConfig
 from kvfabric.operator.api.v1alpha1 import KVCachePool
 from kvfabric.operator.render import connection_settings, names, render_children
-from kvfabric.operator.render.children import build_server_config
+from kvfabric.operator.render.children import build_server_config, render_daemonset
 
 
 def pool(**spec_overrides: Any) -> KVCachePool:
@@ -99,7 +99,15 @@ def test_daemonset_fields() -> None:
         template["metadata"]["annotations"][names.CONFIG_HASH_ANNOTATION]
         == render_children(pool()).config_hash
     )
-    assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == 1
+    # Rolled with hand-over: the new server starts beside the old one and takes its DRAM.
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    assert build_server_config(pool()).handover.enabled
+    off = pool(updateStrategy={"handOver": False})
+    assert render_daemonset(off, "r")["spec"]["updateStrategy"]["rollingUpdate"] == {
+        "maxUnavailable": 1,
+        "maxSurge": 0,
+    }
+    assert not build_server_config(off).handover.enabled
     assert ds["spec"]["selector"]["matchLabels"] == names.selector_labels("pool-a")
     # Default resources follow the memory tier.
     assert container["resources"]["requests"]["memory"] == "8704Mi"
@@ -191,3 +199,19 @@ def test_user_resources_win() -> None:
 def test_rendered_yaml_is_plain_data() -> None:
     for obj in render_children(pool()).objects:
         assert yaml.safe_load(yaml.safe_dump(obj)) == obj
+
+
+def test_the_hand_over_socket_lies_in_a_directory_only_cache_servers_mount() -> None:
+    # An engine running as the server's uid could otherwise ask for a hand-over: every tenant's blocks.
+    p = pool()
+    spec = render_daemonset(p, "r")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    handover = volumes[names.HANDOVER_VOLUME]["hostPath"]["path"]
+    run = names.host_dir(p.namespace, p.name)
+    assert not handover.startswith(run.rstrip("/") + "/")
+    assert not run.startswith(handover.rstrip("/") + "/")
+    assert handover != run
+    assert build_server_config(p).handover.socket_dir == Path(handover)
+    # Prepared (owned by the server's uid) like the run directory, and injected into no consumer.
+    assert handover in " ".join(spec["initContainers"][0]["command"])
+    assert connection_settings(p).host_dir == run  # the one directory injection mounts (read-only)

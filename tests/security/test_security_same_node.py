@@ -16,6 +16,7 @@ import mmap
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -180,6 +181,13 @@ def test_no_block_is_a_file_and_another_uid_cannot_take_the_servers_descriptors(
     here = {p.name for p in sock.parent.iterdir() if p.name.startswith(sock.name)}
     assert here == {sock.name, sock.name + ".index", sock.name + ".blocks"}
     assert all(stat_is_socket(sock.parent / n) for n in here)
+    # The hand-over socket (which gives a successor every block) is elsewhere: a directory only the
+    # server's uid may enter, and a socket only it may connect to.
+    handover_dir = srv.config.handover.socket_dir
+    assert handover_dir is not None
+    assert handover_dir.resolve() != sock.parent.resolve()
+    assert stat.S_IMODE(handover_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((handover_dir / f"{sock.name}.handover").stat().st_mode) == 0o600
     assert srv.proc is not None
     pid = srv.proc.pid
     memfds = _memfds_of(pid)

@@ -22,6 +22,7 @@ __all__ = [
     "DiskTierConfig",
     "DramTierConfig",
     "ExtraTierConfig",
+    "HandoverConfig",
     "IoFaultsConfig",
     "LimitsConfig",
     "ListenConfig",
@@ -129,6 +130,37 @@ class ShmConfig(_Model):
         "uses memory it does not count; eviction passes over held blocks (evicting one frees nothing) and "
         "all clients together hold at most half of the DRAM budget. 0: nothing is held (every load maps "
         "its blocks afresh).",
+    )
+
+
+class HandoverConfig(_Model):
+    """Handing DRAM to a successor on the same node (rollouts keep the cache warm)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="At start, take over the DRAM blocks of a server still running on this node's socket "
+        "(a rolling update's old pod), and offer this server's to the next one. Off: every start is cold "
+        "in DRAM (the disk tiers still survive).",
+    )
+    socket_dir: Path | None = Field(
+        default=None,
+        description="Directory of the hand-over socket; only cache servers may reach it, never a consumer "
+        "(the operator uses a host directory it mounts into cache-server pods alone). Default: beside "
+        "listen.unix_socket (for a server whose clients do not share its uid).",
+    )
+    timeout_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        le=600,
+        description="How long a successor waits for each hand-over message (the first waits for the "
+        "predecessor's queued write-backs).",
+    )
+    freeze_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        le=600,
+        description="How long a predecessor waits for its stores and write-backs in flight before it "
+        "gives up a hand-over (and serves on).",
     )
 
 
@@ -445,6 +477,9 @@ class ServerConfig(_Model):
         default_factory=ShmConfig, description="Shared memory (store staging budget) for same-node clients."
     )
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Metrics and probes.")
+    handover: HandoverConfig = Field(
+        default_factory=HandoverConfig, description="Hand-over of DRAM between a server and its successor."
+    )
     tiers: TiersConfig = Field(description="Storage tiers.")
     ttl_seconds: int = Field(
         default=86400, gt=0, description="Blocks not hit for about this long expire (whole buckets)."

@@ -28,7 +28,8 @@ from kvfabric.cacheserver.metrics import Metrics, ProbeServer
 from kvfabric.cacheserver.service import CacheService, SharedState, add_to_server
 from kvfabric.cacheserver.transport.arena import STAGING_PREFIX, StagingArena
 from kvfabric.cacheserver.transport.blocksock import BlockSocket
-from kvfabric.cacheserver.transport.indexpub import IndexPublisher, IndexSocket
+from kvfabric.cacheserver.transport.handover import HandoverOffer, Inbound, handover_socket_for, receive
+from kvfabric.cacheserver.transport.indexpub import IndexPublisher, IndexSocket, bound_then_renamed
 from kvfabric.rpc.blockproto import block_socket_for
 from kvfabric.rpc.indextable import index_socket_for
 
@@ -182,6 +183,8 @@ def check_directories(config: ServerConfig) -> None:
         paths.append(("tiers.local_disk.path", tiers.local_disk.path))
     if tiers.shared is not None:
         paths.append(("tiers.shared.path", tiers.shared.path))
+    if config.handover.socket_dir is not None:
+        paths.append(("handover.socket_dir", config.handover.socket_dir))
     for field, path in paths:
         try:
             st = path.lstat()
@@ -220,7 +223,27 @@ async def serve(
     if not store.set_listener(publisher.changed if publisher else None):
         log.warning("a tier cannot report index changes: same-node lookups go over RPC")
         publisher = None
-    await loop.run_in_executor(None, store.start)  # header scan: keep the loop free meanwhile
+    sock = config.listen.unix_socket
+    handover_path = _handover_path(config)
+    # A predecessor still serving on this node (a rolling update's old pod) hands over its DRAM
+    # blocks, clock and deletes before we scan the disks; it stops changing them first.
+    inbound: Inbound | None = None
+    if config.handover.enabled:
+        inbound = await loop.run_in_executor(None, receive, handover_path, config.handover.timeout_seconds)
+    try:
+        if inbound is not None:
+            store.learn(inbound.last_gen, inbound.tombstones)
+        await loop.run_in_executor(None, store.start)  # header scan: keep the loop free meanwhile
+        if inbound is not None:
+            blocks, inbound.blocks = inbound.blocks, []
+            adopted = await loop.run_in_executor(None, store.adopt, blocks)
+            log.info(
+                "adopted the predecessor's DRAM blocks", extra={"blocks": adopted, "offered": len(blocks)}
+            )
+    except BaseException:
+        if inbound is not None:
+            inbound.close()  # the predecessor thaws and serves on
+        raise
     if publisher is not None:
         publisher.start()
     arena = StagingArena(config.shm.arena_bytes, config.shm.slot_lease_seconds, store.counters)
@@ -233,15 +256,17 @@ async def serve(
         probes = ProbeServer(config.metrics.host, config.metrics.port, metrics)
         probes.start()
 
-    sock = config.listen.unix_socket
-    servers = [_unix_server(sock, state, health)]
-    tcp_port: int | None = None
-    if config.listen.tcp_port is not None:
-        tcp, tcp_port = _tcp_server(config, state, health, auth, tls_creds)
-        servers.append(tcp)
-
-    for s in servers:
-        await s.start()
+    sock.parent.mkdir(parents=True, exist_ok=True)
+    with bound_then_renamed(sock) as bound:
+        # Bound under a fresh name, renamed onto the socket path once serving: the rename replaces a
+        # killed server's (or the predecessor's) socket in one step.
+        servers = [_unix_server(bound, state, health)]
+        tcp_port: int | None = None
+        if config.listen.tcp_port is not None:
+            tcp, tcp_port = _tcp_server(config, state, health, auth, tls_creds)
+            servers.append(tcp)
+        for s in servers:
+            await s.start()
     index_socket = None
     if publisher is not None:
         index_socket = IndexSocket(index_socket_for(sock.absolute()), publisher)
@@ -258,6 +283,24 @@ async def serve(
     block_socket.start()
     # Engine pods may run as another user: the socket is guarded by its directory's permissions.
     os.chmod(sock, 0o666)  # noqa: S103
+    if inbound is not None:
+        # Every socket path is ours now: the predecessor may close its listeners and connections.
+        with contextlib.suppress(OSError):
+            inbound.finish()
+    handed = asyncio.Event()
+    offer: HandoverOffer | None = None
+    if config.handover.enabled:
+
+        def took_over() -> None:  # on the offer's thread
+            loop.call_soon_threadsafe(handed.set)
+
+        offer = HandoverOffer(
+            handover_path,
+            store,
+            took_over,
+            freeze_timeout=config.handover.freeze_timeout_seconds,
+        )
+        offer.start()
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     if probes is not None:
@@ -274,45 +317,75 @@ async def serve(
             "tiers": store.stats()["tiers"],
         },
     )
+    handed_over = False
     try:
-        await stop.wait()
+        await _first(stop.wait(), handed.wait())
+        handed_over = handed.is_set()
     finally:
-        log.info("shutting down")
+        log.info("handed over: shutting down" if handed_over else "shutting down")
         if probes is not None:
             probes.ready = False
         await health.enter_graceful_shutdown()
+        # After a hand-over every socket path names the successor's socket: leave them be.
+        own = not handed_over
+        if offer is not None:
+            offer.close(unlink=own)
         # Retire the published tables first: engines stop answering from them and ask over RPC.
         if index_socket is not None:
-            index_socket.close()
-        block_socket.close()
+            index_socket.close(unlink=own)
+        block_socket.close(unlink=own)
         if publisher is not None:
             publisher.close()
         reaper.cancel()
+        # Clients of a handed-over server reconnect to the same path: the successor.
         await asyncio.gather(*(s.stop(grace=5) for s in servers))
         state.close()
         arena.close()
-        await loop.run_in_executor(None, store.close)
+        await loop.run_in_executor(None, lambda: store.close(handed_over=handed_over))
+        if own:
+            with contextlib.suppress(FileNotFoundError):
+                sock.unlink()
+        elif not stop.is_set():
+            # Exiting now would make the kubelet restart this container, which would take the node's
+            # cache back; the rollout deletes this pod once its successor is ready. Alive, not ready.
+            log.info("handed over to the successor; idle until terminated")
+            await stop.wait()
         metrics.shutdown()
         if probes is not None:
             probes.stop()
-        with contextlib.suppress(FileNotFoundError):
-            sock.unlink()
         log.info("stopped")
 
 
 def _unix_server(sock: Path, state: SharedState, health: HealthServicer) -> grpc.aio.Server:
     """The same-node listener: every method, shared memory included, on the Unix socket ``sock``.
 
-    Replaces a stale socket left by a killed predecessor. Not started yet.
+    Not started yet.
     """
     uds = grpc.aio.server(options=_SERVER_OPTIONS)
     add_to_server(CacheService(state, allow_shm=True), uds)
     health_pb2_grpc.add_HealthServicer_to_server(health, uds)
-    sock.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        sock.unlink()  # a stale socket from a killed predecessor
     uds.add_insecure_port(f"unix://{sock.absolute()}")
     return uds
+
+
+def _handover_path(config: ServerConfig) -> Path:
+    """The hand-over socket: in ``handover.socket_dir`` (created 0700) if set, else beside the socket."""
+    sock = config.listen.unix_socket.absolute()
+    where = config.handover.socket_dir
+    if where is None:
+        return handover_socket_for(sock)
+    where.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return where / f"{sock.name}.handover"
+
+
+async def _first(*waits: Awaitable[Any]) -> None:
+    """Wait until the first of ``waits`` completes; cancel the others."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def _tcp_server(

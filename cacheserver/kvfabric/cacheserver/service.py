@@ -27,7 +27,7 @@ from kvfabric.cacheserver.config import LimitsConfig
 from kvfabric.cacheserver.engine.base import TierName
 from kvfabric.cacheserver.engine.dram import DramBlock
 from kvfabric.cacheserver.engine.ids import BlockId, InvalidId, parse_ids
-from kvfabric.cacheserver.engine.tiered import Payload, TieredStore
+from kvfabric.cacheserver.engine.tiered import HandingOver, Payload, TieredStore
 from kvfabric.cacheserver.metrics import Metrics
 from kvfabric.cacheserver.transport.arena import StagingArena, UnknownLease
 from kvfabric.contract.namespace import InvalidDescriptionError, parse_description, readable
@@ -561,7 +561,11 @@ class CacheService(pb_grpc.CacheServicer):
         await _check(request, context)
         bids = await self._ids(request.namespace, list(request.keys), context)
         store = self.s.store
-        n = await self._in_pool(self.s.store_pool, lambda: sum(store.delete(b) for b in bids))
+        try:
+            n = await self._in_pool(self.s.store_pool, lambda: sum(store.delete(b) for b in bids))
+        except HandingOver as exc:
+            # Retried in a moment it reaches the successor, which holds this server's blocks by then.
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         return pb.DeleteResponse(deleted=n)
 
     async def Flush(

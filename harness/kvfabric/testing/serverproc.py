@@ -66,12 +66,20 @@ def wait_until(pred: Any, timeout: float = 30.0, interval: float = 0.05, what: s
 class ServerProcess:
     """A cache-server subprocess and everything needed to talk to it."""
 
-    def __init__(self, config: ServerConfig, workdir: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        workdir: Path,
+        env: Mapping[str, str] | None = None,
+        *,
+        name: str | None = None,
+    ) -> None:
         self.config = config
         self.workdir = workdir
         self.env = dict(env or {})
-        self.config_path = workdir / f"{config.resolved_server_id()}.yaml"
-        self.log_path = workdir / f"{config.resolved_server_id()}.log"
+        name = name or config.resolved_server_id()
+        self.config_path = workdir / f"{name}.yaml"
+        self.log_path = workdir / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -92,6 +100,11 @@ class ServerProcess:
 
     def start(self, timeout: float = 60.0) -> None:
         """Start the process and wait until its gRPC health check says SERVING."""
+        self.start_process()
+        self.wait_ready(timeout)
+
+    def start_process(self) -> None:
+        """Start the process; do not wait."""
         self.config_path.write_text(self.config.to_yaml())
         env = {**os.environ, **self.env}
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
@@ -105,7 +118,6 @@ class ServerProcess:
         finally:
             log.close()
         self.starts += 1
-        self.wait_ready(timeout)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until the server answers its health check (raises if the process died)."""
@@ -156,6 +168,37 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.kill()
 
+    def successor(self, name: str = "successor") -> ServerProcess:
+        """A second server on the same socket and disk directories, as a rolling update's new pod.
+
+        It runs beside this one with its own TCP and metrics ports (a pod has its own network namespace).
+        """
+        data = self.config.model_dump(mode="json")
+        if data["listen"]["tcp_port"] is not None:
+            data["listen"]["tcp_port"] = free_port()
+        data["metrics"]["port"] = free_port()
+        return ServerProcess(ServerConfig.model_validate(data), self.workdir, self.env, name=name)
+
+    def start_beside(self, timeout: float = 60.0) -> None:
+        """Start while another server still serves the socket; wait until *this* one says it is ready."""
+        self.start_process()
+        self.wait_own_ready(timeout)
+
+    def wait_own_ready(self, timeout: float = 60.0) -> None:
+        """Block until this server's own readiness probe says ready (raises if the process died)."""
+        import urllib.request
+
+        def ready() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"cache server exited with {self.proc.returncode}:\n{self.logs()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.metrics_url}/readyz", timeout=1) as r:  # noqa: S310
+                    return bool(r.status == 200)
+            except OSError:
+                return False
+
+        wait_until(ready, timeout, what="the successor to be ready")
+
     def restart(self, timeout: float = 60.0) -> None:
         """Stop (if running) and start again on the same directories and ports."""
         self.stop()
@@ -193,6 +236,8 @@ def make_config(
             if shared_dir is None
             else {"path": str(shared_dir), "capacity_bytes": shared_bytes},
         },
+        # As the operator renders it: the hand-over socket apart from the directory consumers reach.
+        "handover": {"socket_dir": str(workdir / f"{server_id}-handover")},
         "journal_poll_seconds": 0.1,
         "janitor_interval_seconds": 0.5,
         "limits": {"max_payload_bytes": min(dram_bytes, 128 * MiB)},

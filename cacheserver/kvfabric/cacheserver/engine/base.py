@@ -219,3 +219,16 @@ class ReadsIntoFiles(Protocol):
     def read_into_fd(self, bid: BlockId, fd: int) -> ReadResult:
         """Read and verify ``bid`` into the start of ``fd`` (a memfd of its length); misses as read_into."""
         ...
+
+
+@runtime_checkable
+class ClosesForSuccessor(Protocol):
+    """A backing tier that must leave something in place when its server hands over to a successor.
+
+    The shared tier keeps its lease (the successor has the same server id and renews it); a tier
+    without this hook is closed with ``close()``.
+    """
+
+    def close_for_successor(self) -> None:
+        """Stop background work and release this process's resources; leave the rest to the successor."""
+        ...

@@ -442,7 +442,6 @@ class DramTier:
         size = max(ALIGN, -(-length // ALIGN) * ALIGN)
         if not self._reserve(size):
             return False
-        name = f"{DRAM_PREFIX}{secrets.token_hex(16)}"
         fd = new_memfd("block", length)
         if fd is None:
             with self._lock:
@@ -457,6 +456,11 @@ class DramTier:
                 self._reserved -= size
             raise
         g = gen() if callable(gen) else gen
+        return self._admit(bid, fd, length, size, g)
+
+    def _admit(self, bid: BlockId, fd: int, length: int, size: int, g: int) -> bool:
+        """Index a filled, sealed block whose ``size`` bytes the caller reserved; the fd is ours now."""
+        name = f"{DRAM_PREFIX}{secrets.token_hex(16)}"
         old: DramBlock | None
         with self._lock:
             # Checked and committed under one lock hold: a delete records its tombstone before it
@@ -483,6 +487,37 @@ class DramTier:
         if self.on_change is not None:
             self.on_change([bid])
         return True
+
+    # --- hand-over to a successor (transport/handover.py) ---------------------------------------------
+
+    def export(self) -> list[tuple[BlockId, int, int, int]]:
+        """Every resident block, least recently used first: ``(bid, fd, length, gen)``.
+
+        Each ``fd`` is a duplicate the caller closes (the hand-over sends it to the successor).
+        """
+        with self._lock:
+            return [(bid, os.dup(blk.fd), blk.length, blk.gen) for bid, blk in self._index.items()]
+
+    def adopt(self, bid: BlockId, fd: int, length: int, gen: int) -> bool:
+        """Index a block a predecessor handed over; the tier owns ``fd`` from now on (closed if refused).
+
+        Only a memfd sealed as committed blocks are (:data:`BLOCK_SEALS`) and exactly ``length`` bytes
+        long is taken: it can never change under a reader. Room is made as for a put (LRU first, so
+        adopting oldest first keeps the most recently used when the budget is smaller than before),
+        and a delete or a newer copy this server already knows wins, as for any put.
+        """
+        try:
+            ok = (
+                fcntl.fcntl(fd, fcntl.F_GET_SEALS) & BLOCK_SEALS == BLOCK_SEALS
+                and os.fstat(fd).st_size == length
+            )
+        except OSError:
+            ok = False  # not a memfd at all
+        size = max(ALIGN, -(-length // ALIGN) * ALIGN)
+        if not ok or not self._reserve(size):
+            os.close(fd)
+            return False
+        return self._admit(bid, fd, length, size, gen)
 
     def _reserve(self, size: int) -> bool:
         high = int(self.capacity * self.high)

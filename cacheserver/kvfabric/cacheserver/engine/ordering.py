@@ -99,3 +99,8 @@ class Generations:
             for b in old:
                 del self._tombs[b]
         return len(old)
+
+    def export(self) -> tuple[int, list[tuple[BlockId, int]]]:
+        """``(last generation, tombstones)``: what a successor must know to order after this server."""
+        with self._lock:
+            return self._last, list(self._tombs.items())

@@ -96,10 +96,14 @@ class SharedTier:
 
     def close(self) -> None:
         """Stop tailing, give up the lease, close the journal."""
+        self.close_for_successor()
+        drop_lease(self.lease_dir, self.server_id)
+
+    def close_for_successor(self) -> None:
+        """Stop tailing and close the journal, keeping the lease: the successor (same server id) holds it."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        drop_lease(self.lease_dir, self.server_id)
         if self.journal is not None:
             self.journal.close()
 

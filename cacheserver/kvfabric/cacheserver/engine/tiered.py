@@ -13,10 +13,15 @@
   of a delete made on another server reports it (``on_delete``) and the store applies it everywhere.
   No tier admits a copy a tombstone superseded, so nothing in flight resurrects a deleted key.
 * The janitor syncs the clock and ticks each backing tier (eviction, expiry, leases).
+* A hand-over to a successor on the same node (:meth:`TieredStore.freeze`, :meth:`export`,
+  :meth:`adopt`) freezes every change to storage first: stores are dropped and deletes refused
+  (:class:`HandingOver`) until the successor took over or gave up, so the successor's disk scan and
+  the DRAM blocks it adopts are one consistent state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -24,7 +29,7 @@ import os
 import threading
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +37,7 @@ from typing import Any
 from kvfabric.cacheserver.config import ServerConfig
 from kvfabric.cacheserver.engine.base import (
     BackingTier,
+    ClosesForSuccessor,
     MissReason,
     ReadsIntoFiles,
     Tier,
@@ -48,7 +54,7 @@ from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.tiers import TierContext, build_backing_tiers
 from kvfabric.cacheserver.engine.ttl import LocalClock, SharedClock, bucket_of, clock_path
 
-__all__ = ["Payload", "TieredStore"]
+__all__ = ["HandingOver", "Payload", "Snapshot", "TieredStore"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +67,21 @@ class _Miss(Exception):  # noqa: N818 - control flow inside a fill callback, nev
     def __init__(self, reason: MissReason) -> None:
         super().__init__(reason.value)
         self.reason = reason
+
+
+class HandingOver(RuntimeError):  # noqa: N818 - reads better at the call sites than HandingOverError
+    """The store is frozen for a hand-over to a successor: this change is refused (retry it there)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What a frozen store hands to its successor: its clock, its deletes and its DRAM blocks."""
+
+    last_gen: int
+    """The highest generation issued or seen: the successor issues greater ones."""
+    tombstones: list[tuple[BlockId, int]]
+    blocks: list[tuple[BlockId, int, int, int]]
+    """``(bid, fd, length, gen)``, least recently used first; the receiver owns (closes) the fds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +138,10 @@ class TieredStore:
         self._refreshing: set[tuple[TierName, BlockId]] = set()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        # Changes to storage in progress; a freeze waits for them, then refuses new ones.
+        self._mut = threading.Condition()
+        self._mutating = 0
+        self._frozen = False
 
     def _generation_clock(self) -> float:
         """The clock generations follow: volume time, capped a janitor interval past the earliest live clock.
@@ -178,16 +203,93 @@ class TieredStore:
     def _spawn(self, name: str, fn: Callable[[], None], every: float) -> None:
         self._threads.append(start_periodic(name, fn, every, self._stop, log))
 
-    def close(self) -> None:
-        """Stop background work; pending write-backs finish first."""
+    def close(self, *, handed_over: bool = False) -> None:
+        """Stop background work; pending write-backs finish first.
+
+        ``handed_over``: a successor runs on these tiers now (it has the same server id), so tiers
+        leave what it took over in place (:class:`~kvfabric.cacheserver.engine.base.ClosesForSuccessor`).
+        """
         self._stop.set()
         self._wb_pool.shutdown(wait=True)
         for th in self._threads:
             th.join(timeout=5)
         for tier in self.backing:
-            tier.close()
-        # DRAM never survives its server: free the memory now, not when the process exits.
+            if handed_over and isinstance(tier, ClosesForSuccessor):
+                tier.close_for_successor()
+            else:
+                tier.close()
+        # This process's descriptors of the DRAM blocks: a successor that adopted them holds its own.
         self.dram.discard_all()
+
+    # --- hand-over -----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _mutation(self) -> Iterator[None]:
+        """Mark a change to storage in progress; raises :class:`HandingOver` while frozen."""
+        with self._mut:
+            if self._frozen:
+                raise HandingOver("the cache server is handing over to its successor")
+            self._mutating += 1
+        try:
+            yield
+        finally:
+            with self._mut:
+                self._mutating -= 1
+                self._mut.notify_all()
+
+    @property
+    def frozen(self) -> bool:
+        """Whether a hand-over froze the store."""
+        return self._frozen
+
+    def freeze(self, timeout: float) -> bool:
+        """Refuse changes from now on, and wait for those in progress and every queued write-back.
+
+        Returns True once storage is still: nothing of this server writes to any tier until
+        :meth:`thaw`, except eviction inside DRAM. False (and thawed again) if that took longer than
+        ``timeout``: the hand-over is off and this server goes on as before.
+        """
+        end = time.monotonic() + timeout
+        with self._mut:
+            self._frozen = True
+            still = self._mut.wait_for(lambda: self._mutating == 0, timeout)
+        if still:
+            still = self.flush(max(0.0, end - time.monotonic()))
+        if not still:
+            self.thaw()
+        return still
+
+    def thaw(self) -> None:
+        """Accept changes again (the successor gave up)."""
+        with self._mut:
+            self._frozen = False
+
+    def export(self) -> Snapshot:
+        """The frozen store's state for its successor (fds duplicated: the caller closes them)."""
+        if not self._frozen:
+            raise RuntimeError("export() needs a frozen store")
+        last, tombs = self.generations.export()
+        return Snapshot(last, tombs, self.dram.export())
+
+    def learn(self, last_gen: int, tombstones: Sequence[tuple[BlockId, int]]) -> None:
+        """Take a predecessor's clock and deletes (before :meth:`start`: the scans honour them)."""
+        self.generations.observe(last_gen)
+        for bid, gen in tombstones:
+            self.generations.tombstone(bid, gen)
+
+    def adopt(self, blocks: Sequence[tuple[BlockId, int, int, int]]) -> int:
+        """Adopt a predecessor's DRAM blocks, oldest first; the store owns every fd. Returns how many.
+
+        After :meth:`start`: a delete any tier learned meanwhile refuses the copy it superseded.
+        """
+        n = 0
+        for bid, fd, length, gen in blocks:
+            self.generations.observe(gen)
+            if self.dram.adopt(bid, fd, length, gen):
+                n += 1
+                self.counters.inc("adopted_bytes", TierName.DRAM, length)
+        self.counters.inc("adopted_blocks", TierName.DRAM, n)
+        return n
 
     # --- reads ---------------------------------------------------------------------------------------
 
@@ -284,7 +386,8 @@ class TieredStore:
     def _refresh(self, tier: BackingTier, bid: BlockId) -> None:
         bucket = self._current_bucket()
         if bucket is not None and tier.wants_refresh(bid, bucket):
-            tier.refresh(bid, bucket)
+            with contextlib.suppress(HandingOver), self._mutation():
+                tier.refresh(bid, bucket)
 
     def _refresh_later(self, bid: BlockId) -> None:
         # A block hot in DRAM must not let its disk copies age out: move them into the current
@@ -336,6 +439,14 @@ class TieredStore:
 
     def put_with(self, bid: BlockId, length: int, fill: Callable[[int], None]) -> bool:
         """Store a block into DRAM via ``fill(fd)``; write-back is queued. False if dropped."""
+        try:
+            with self._mutation():
+                return self._put_with(bid, length, fill)
+        except HandingOver:
+            self.counters.inc("handover_dropped_stores", TierName.DRAM)
+            return False
+
+    def _put_with(self, bid: BlockId, length: int, fill: Callable[[int], None]) -> bool:
         gen = self.generations.next()
         try:
             stored = self.dram.put_with(bid, length, fill, gen=gen)
@@ -348,7 +459,7 @@ class TieredStore:
             return False
         self.counters.inc("stores")
         if self.config.tiers.write_back == "all" and self.backing:
-            self._enqueue_writeback(bid, self.backing)
+            self._queue_writeback(bid, self.backing)
         return True
 
     def put(self, bid: BlockId, payload: bytes | bytearray | memoryview) -> bool:
@@ -363,6 +474,11 @@ class TieredStore:
         return self.put_with(bid, len(view), fill)
 
     def _enqueue_writeback(self, bid: BlockId, targets: tuple[BackingTier, ...]) -> None:
+        """Queue a copy into ``targets`` (a promotion's); nothing while frozen."""
+        with contextlib.suppress(HandingOver), self._mutation():
+            self._queue_writeback(bid, targets)
+
+    def _queue_writeback(self, bid: BlockId, targets: tuple[BackingTier, ...]) -> None:
         handle = self.dram.open(bid)
         if handle is None:
             return
@@ -457,24 +573,33 @@ class TieredStore:
 
         The tombstone is recorded first, so a write-back or promotion of an older copy still in
         flight cannot land afterwards (each tier re-checks it when it commits).
+        Raises :class:`HandingOver` while frozen: a delete must reach the successor, which has this
+        server's blocks (retried there, it is applied).
         """
-        gen = self.generations.for_delete(DELETE_MARGIN_S + self.config.janitor_interval_seconds)
-        self.generations.tombstone(bid, gen)
-        found = self.dram.delete(bid, gen)
-        for tier in self.backing:
-            found = tier.delete(bid, gen) or found
-        return found
+        with self._mutation():
+            gen = self.generations.for_delete(DELETE_MARGIN_S + self.config.janitor_interval_seconds)
+            self.generations.tombstone(bid, gen)
+            found = self.dram.delete(bid, gen)
+            for tier in self.backing:
+                found = tier.delete(bid, gen) or found
+            return found
 
     def _deleted_elsewhere(self, bid: BlockId, gen: int) -> None:
         self.generations.tombstone(bid, gen)
         self.dram.delete(bid, gen)
-        for tier in self.backing:
-            tier.purge(bid, gen)
+        # While frozen the successor applies it to the disks (it reads the same tombstones).
+        with contextlib.suppress(HandingOver), self._mutation():
+            for tier in self.backing:
+                tier.purge(bid, gen)
 
     # --- background ----------------------------------------------------------------------------------
 
     def janitor_tick(self) -> None:
-        """Sync the clock, then each backing tier's janitor work (eviction, expiry, leases)."""
+        """Sync the clock, then each backing tier's janitor work ; nothing while frozen."""
+        with contextlib.suppress(HandingOver), self._mutation():
+            self._janitor_tick()
+
+    def _janitor_tick(self) -> None:
         self.clock.sync()
         for tier in self.backing:
             tier.tick()

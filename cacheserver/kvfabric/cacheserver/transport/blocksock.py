@@ -190,8 +190,11 @@ class BlockSocket:
             for fd in fds:
                 os.close(fd)
 
-    def close(self) -> None:
-        """Stop serving, drop every connection and remove the socket file."""
+    def close(self, *, unlink: bool = True) -> None:
+        """Stop serving, drop every connection and remove the socket file.
+
+        Not after a hand-over (``unlink=False``): the successor's socket has that name by then.
+        """
         self._stop.set()
         if self._sock is not None:
             with contextlib.suppress(OSError):
@@ -204,8 +207,9 @@ class BlockSocket:
                 conn.shutdown(socket.SHUT_RDWR)
         if self._thread is not None:
             self._thread.join(timeout=5)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
 
 
 class _Held:

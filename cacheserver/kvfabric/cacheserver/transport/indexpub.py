@@ -33,14 +33,14 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.rpc import indextable as it
 
-__all__ = ["IndexPublisher", "IndexSocket", "Peer", "listen_unix"]
+__all__ = ["IndexPublisher", "IndexSocket", "Peer", "bound_then_renamed", "listen_unix"]
 
 log = logging.getLogger(__name__)
 
@@ -306,8 +306,8 @@ class IndexSocket:
             os.close(fd)
         return True
 
-    def close(self) -> None:
-        """Stop serving and remove the socket file."""
+    def close(self, *, unlink: bool = True) -> None:
+        """Stop serving and remove the socket file (not after a hand-over: the successor's by then)."""
         self._stop.set()
         if self._sock is not None:
             self._sock.close()
@@ -316,8 +316,9 @@ class IndexSocket:
         for conn in self._conns:
             conn.close()
         self._conns = []
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
 
 
 def listen_unix(path: Path, kind: int) -> socket.socket:
@@ -327,17 +328,35 @@ def listen_unix(path: Path, kind: int) -> socket.socket:
     mounted read-only by consumers, so none can unlink or replace it).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
     sock = socket.socket(socket.AF_UNIX, kind | socket.SOCK_CLOEXEC)
     try:
-        sock.bind(str(path))
-        os.chmod(path, 0o666)  # noqa: S103
-        sock.listen(64)
+        with bound_then_renamed(path) as tmp:
+            sock.bind(str(tmp))
+            os.chmod(tmp, 0o666)  # noqa: S103
+            sock.listen(64)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+@contextlib.contextmanager
+def bound_then_renamed(path: Path) -> Iterator[Path]:
+    """Yield a fresh name beside ``path`` to bind a socket to; rename it onto ``path`` afterwards.
+
+    The rename replaces whatever socket file is there (a killed server's, or a predecessor's during a
+    hand-over) in one step: a client connecting meanwhile reaches the old listener or the new one,
+    never a missing file. And a listener's own clean-up of the name it bound (gRPC unlinks it when it
+    stops) never removes the socket that replaced it.
+    """
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}")
+    try:
+        yield tmp
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
 
 
 def _parse_request(data: bytes) -> str | None:

@@ -680,7 +680,17 @@ class UpdateStrategy(_Model):
     """How a configuration change rolls across nodes."""
 
     max_unavailable: IntOrPercent = Field(
-        default=1, description="Cache servers that may be down at once during a rollout (int or 'N%')."
+        default=1,
+        description="Nodes rolled at once (int or 'N%'). With handOver (the default) no cache server is "
+        "down meanwhile: this many new servers start beside the old ones (the DaemonSet's maxSurge).",
+    )
+    hand_over: bool = Field(
+        default=True,
+        description="Roll a node by starting the new cache server beside the old one, which hands it its "
+        "DRAM blocks over the node's socket directory (no copy; the same memory) and is removed once the "
+        "new one is ready: hit rates and TTFT stay as they were during a rollout. The node needs room "
+        "for both pods' resource requests meanwhile (the memory itself is shared, not doubled). false: "
+        "the old server stops first (maxUnavailable), and the new one starts with its disk tiers only.",
     )
     progress_deadline_seconds: int = Field(
         default=300,

@@ -101,6 +101,10 @@ def build_server_config(pool: KVCachePool) -> server_config.ServerConfig:
                 # A payload larger than the DRAM tier could never be stored; cap it so a small pool is valid.
                 "limits": {"max_payload_bytes": min(128 * _MiB, dram_bytes)},
                 "log_level": spec.server.log_level.upper(),
+                "handover": {
+                    "enabled": spec.update_strategy.hand_over,
+                    "socket_dir": names.handover_dir(pool.namespace, pool.name),
+                },
             }
         )
     except (QuantityError, pydantic.ValidationError) as exc:
@@ -203,6 +207,12 @@ def _volumes(pool: KVCachePool) -> tuple[list[dict[str, Any]], list[dict[str, An
         {"name": "config", "mountPath": names.CONFIG_MOUNT_DIR, "readOnly": True},
         {"name": names.RUN_VOLUME, "mountPath": base},
     ]
+    if spec.update_strategy.hand_over:
+        handover = names.handover_dir(pool.namespace, pool.name)
+        volumes.append(
+            {"name": names.HANDOVER_VOLUME, "hostPath": {"path": handover, "type": "DirectoryOrCreate"}}
+        )
+        mounts.append({"name": names.HANDOVER_VOLUME, "mountPath": handover})
     tcp = spec.server.tcp.enabled
     if tcp:
         # Secret volumes (not env): the kubelet swaps rotated files in place and the server re-reads
@@ -356,6 +366,8 @@ def _prepare_dirs_container(
     the user's disk path, never the path itself (it may be shared with other data).
     """
     owned = [names.host_dir(pool.namespace, pool.name)]
+    if pool.spec.update_strategy.hand_over:
+        owned.append(names.handover_dir(pool.namespace, pool.name))
     if pool.spec.tiers.local_disk is not None:
         owned.append(names.local_disk_dir(pool.namespace, pool.name))
     script = f"mkdir -p {' '.join(owned)} && chown {CACHE_UID}:{CACHE_UID} {' '.join(owned)}"
@@ -411,6 +423,14 @@ def _pod_spec(pool: KVCachePool) -> dict[str, Any]:
     return pod_spec
 
 
+def _rolling_update(pool: KVCachePool) -> dict[str, Any]:
+    """Surge with hand-over (the new server takes the old one's DRAM, then the old goes), else stop first."""
+    strategy = pool.spec.update_strategy
+    if strategy.hand_over:
+        return {"maxUnavailable": 0, "maxSurge": strategy.max_unavailable}
+    return {"maxUnavailable": strategy.max_unavailable, "maxSurge": 0}
+
+
 def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
     """Return the DaemonSet; ``revision`` (the config hash) in the template rolls it on change."""
     return {
@@ -421,7 +441,7 @@ def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
             "selector": {"matchLabels": names.selector_labels(pool.name)},
             "updateStrategy": {
                 "type": "RollingUpdate",
-                "rollingUpdate": {"maxUnavailable": pool.spec.update_strategy.max_unavailable, "maxSurge": 0},
+                "rollingUpdate": _rolling_update(pool),
             },
             "template": {
                 "metadata": {

@@ -26,6 +26,10 @@ CONFIG_KEY: Final = "config.yaml"
 CONFIG_MOUNT_DIR: Final = "/etc/kvfabric"
 CONFIG_PATH: Final = f"{CONFIG_MOUNT_DIR}/{CONFIG_KEY}"
 HOST_RUN_ROOT: Final = "/run/kvfabric"
+# The hand-over socket (old server -> new server during a rollout) lives apart from the run directory
+# consumers mount: an engine running as the server's own uid must never reach it.
+HOST_HANDOVER_ROOT: Final = "/run/kvfabric-handover"
+HANDOVER_VOLUME: Final = "kvfabric-handover"
 LOCAL_DISK_MOUNT: Final = "/var/lib/kvfabric/local"
 SHARED_MOUNT: Final = "/var/lib/kvfabric/shared"
 # Volumes mounted beside the configuration, never inside CONFIG_MOUNT_DIR: that is a read-only
@@ -147,6 +151,11 @@ def host_dir(namespace: str, pool: str) -> str:
     and :func:`pool_dir_name` keeps pools apart.
     """
     return f"{HOST_RUN_ROOT}/{pool_dir_name(namespace, pool)}"
+
+
+def handover_dir(namespace: str, pool: str) -> str:
+    """Return the per-pool directory on each node holding the hand-over socket (cache servers only)."""
+    return f"{HOST_HANDOVER_ROOT}/{pool_dir_name(namespace, pool)}"
 
 
 def selector_labels(pool: str) -> dict[str, str]:

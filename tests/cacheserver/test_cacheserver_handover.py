@@ -1,0 +1,394 @@
+"""Hand-over of DRAM from a running server to its successor on the same node (rollouts stay warm).
+
+Promises (docs/cacheserver.md, "Hand-over"), each tested here against real sockets, and the first
+against two real server processes:
+
+* a successor takes over every DRAM block and every socket path; clients see DRAM hits, never a miss
+  or a wrong byte, and the predecessor's exit removes nothing of the successor's;
+* what the successor serves after a hand-over is exactly what the predecessor would have served:
+  latest stores, no deleted key (a model-based test over random stores, overwrites and deletes,
+  with a successor whose DRAM may be smaller);
+* while frozen the predecessor writes nothing: a store is dropped, a delete refused (UNAVAILABLE over
+  gRPC), and a store in flight when the freeze begins is waited for and handed over;
+* a successor that goes away mid-hand-over leaves the predecessor serving (stores accepted again);
+* only the server's own uid can ask for a hand-over.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvfabric.cacheserver.config import ServerConfig
+from kvfabric.cacheserver.engine.ids import BlockId
+from kvfabric.cacheserver.engine.tiered import HandingOver, TieredStore
+from kvfabric.cacheserver.transport.handover import BEGIN, HandoverOffer, handover_socket_for, receive
+from kvfabric.client import CacheClient
+from kvfabric.client.errors import CacheError, CacheUnavailable
+from kvfabric.rpc.blockproto import block_socket_for
+from kvfabric.rpc.indextable import index_socket_for
+from kvfabric.testing.serverproc import (
+    MiB,
+    cache_server,
+    digest,
+    make_config,
+    payload_for,
+    wait_until,
+)
+
+T = TypeVar("T")
+FREEZING = "a successor asked for a hand-over: freezing"
+NS = digest("handover")
+SIZE = 256 * 1024
+
+
+def _bid(i: int) -> BlockId:
+    return BlockId(NS, digest("key", i))
+
+
+def _config(work: Path, dram_bytes: int = 64 * MiB) -> ServerConfig:
+    return make_config(work, dram_bytes=dram_bytes, tcp=False, metrics=False)
+
+
+@pytest.fixture
+def work(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    # Short: a Unix socket path has at most 107 bytes.
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="kvho-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class _Handover:
+    """A predecessor store offering itself on a real socket, and the successor's side of it."""
+
+    def __init__(self, a: TieredStore, path: Path) -> None:
+        self.done = threading.Event()
+        self.offer = HandoverOffer(path, a, self.done.set, freeze_timeout=10)
+        self.offer.start()
+        self.path = path
+
+    def to(self, b: TieredStore) -> int:
+        inbound = receive(self.path, timeout=10)
+        assert inbound is not None
+        b.learn(inbound.last_gen, inbound.tombstones)
+        b.start()
+        blocks, inbound.blocks = inbound.blocks, []
+        n = b.adopt(blocks)
+        inbound.finish()
+        assert self.done.wait(10)
+        return n
+
+
+# --- model-based: the successor serves what the predecessor would have --------------------------------
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["put", "put", "delete"]), st.integers(0, 7), st.integers(0, 3)),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=ops, small_successor=st.booleans())
+def test_the_successor_serves_exactly_the_latest_stores_and_no_deleted_key(
+    work: Path, ops: list[tuple[str, int, int]], small_successor: bool
+) -> None:
+    case = work / f"c{time.monotonic_ns()}"
+    case.mkdir()
+    a = TieredStore(_config(case))
+    a.start()
+    model: dict[BlockId, bytes] = {}
+    for op, i, v in ops:
+        bid = _bid(i)
+        if op == "put":
+            data = payload_for(f"{i}-{v}", SIZE)
+            if a.put(bid, data):
+                model[bid] = data
+        else:
+            a.delete(bid)
+            model.pop(bid, None)
+    ho = _Handover(a, handover_socket_for(case / "srv.sock"))
+    # A successor with room for 2 blocks adopts the most recent ones; the rest it reads from disk.
+    b = TieredStore(_config(case, dram_bytes=(2 * SIZE) if small_successor else 64 * MiB))
+    try:
+        adopted = ho.to(b)
+        a.close(handed_over=True)
+        ho.offer.close(unlink=False)
+        assert adopted <= len(model)
+        if not small_successor:
+            assert adopted == len(model)  # every DRAM block, nothing re-read
+        for i in range(8):
+            bid = _bid(i)
+            payload = b.open_block(bid)
+            if bid in model:
+                assert payload is not None, f"key {i} was lost in the hand-over"
+                with payload:
+                    assert payload.read() == model[bid]
+            else:
+                assert payload is None, f"key {i} was deleted (or never stored) but is served"
+        # The successor's clock is past the predecessor's: its next store of a key wins over the old copy.
+        if model:
+            bid = next(iter(model))
+            assert b.put(bid, b"newer") or b.generations.deleted_at(bid)
+    finally:
+        b.close()
+
+
+# --- the freeze -----------------------------------------------------------------------------------------
+
+
+def test_a_frozen_store_drops_stores_refuses_deletes_and_waits_for_a_store_in_flight(work: Path) -> None:
+    a = TieredStore(_config(work))
+    a.start()
+    try:
+        in_fill = threading.Event()
+        release = threading.Event()
+
+        def slow_fill(fd: int) -> None:
+            in_fill.set()
+            assert release.wait(10)
+            os.pwrite(fd, b"x" * 4096, 0)
+
+        put = threading.Thread(target=lambda: a.put_with(_bid(1), 4096, slow_fill))
+        put.start()
+        assert in_fill.wait(5)
+        frozen: list[bool] = []
+        freezer = threading.Thread(target=lambda: frozen.append(a.freeze(10)))
+        freezer.start()
+        time.sleep(0.3)
+        assert not frozen, "the freeze returned while a store was still being written"
+        release.set()
+        put.join(5)
+        freezer.join(10)
+        assert frozen == [True]
+        snap = a.export()
+        try:
+            assert [b for b, *_ in snap.blocks] == [_bid(1)], "the store in flight is handed over"
+        finally:
+            for _b, fd, _l, _g in snap.blocks:
+                os.close(fd)
+        assert not a.put(_bid(2), b"y" * 4096), "a store while frozen is dropped"
+        assert a.open_block(_bid(2)) is None
+        with pytest.raises(HandingOver):
+            a.delete(_bid(1))
+        assert a.open_block(_bid(1)) is not None
+        a.thaw()
+        assert a.put(_bid(2), b"y" * 4096)
+        assert a.delete(_bid(1))
+    finally:
+        a.close()
+
+
+def test_a_successor_that_goes_away_mid_hand_over_leaves_the_predecessor_serving(work: Path) -> None:
+    a = TieredStore(_config(work))
+    a.start()
+    path = handover_socket_for(work / "srv.sock")
+    done = threading.Event()
+    offer = HandoverOffer(path, a, done.set, freeze_timeout=5)
+    offer.start()
+    try:
+        for i in range(3):
+            assert a.put(_bid(i), payload_for(str(i), SIZE))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.connect(str(path))
+            s.sendall(BEGIN)
+            s.settimeout(5)
+            assert b'"head"' in s.recv(1 << 16)
+            wait_until(lambda: a.frozen, 5, what="the predecessor to freeze")
+        # Gone without "done": the predecessor thaws and takes stores again.
+        wait_until(lambda: not a.frozen, 5, what="the predecessor to thaw")
+        assert a.put(_bid(9), b"z" * 4096)
+        assert not done.is_set()
+        # And a later successor still gets everything.
+        b = TieredStore(_config(work))
+        try:
+            inbound = receive(path, timeout=10)
+            assert inbound is not None
+            assert {bid for bid, *_ in inbound.blocks} == {_bid(0), _bid(1), _bid(2), _bid(9)}
+            inbound.close()
+        finally:
+            b.close()
+    finally:
+        offer.close()
+        a.close()
+
+
+def test_only_the_servers_own_uid_can_ask_for_a_hand_over(work: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a peer as another uid")
+    work.chmod(0o755)
+    a = TieredStore(_config(work))
+    a.start()
+    path = handover_socket_for(work / "srv.sock")
+    offer = HandoverOffer(path, a, lambda: None, freeze_timeout=5)
+    offer.start()
+    try:
+        assert a.put(_bid(0), b"secret" * 1000)
+        assert path.stat().st_mode & 0o777 == 0o600
+        pid = os.fork()
+        if pid == 0:  # the child: another user asks for the store
+            code = 0
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                    try:
+                        s.connect(str(path))
+                        code = 3  # connected at all: the socket's mode failed to keep it out
+                    except PermissionError:
+                        code = 0
+            except BaseException:
+                code = 4
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        # Even a socket left open by mistake: the peer's uid (SO_PEERCRED) is checked before anything.
+        path.chmod(0o666)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                    s.connect(str(path))
+                    s.settimeout(5)
+                    try:
+                        s.sendall(BEGIN)
+                        code = 0 if s.recv(1 << 16) == b"" else 3  # closed, nothing sent
+                    except (BrokenPipeError, ConnectionResetError):
+                        code = 0  # closed before it could even ask
+            except BaseException:
+                code = 4
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert not a.frozen
+        assert a.put(_bid(1), b"ok" * 1000)
+    finally:
+        offer.close()
+        a.close()
+
+
+# --- two real server processes ----------------------------------------------------------------------------
+
+
+def _ino(path: Path) -> int:
+    return path.stat().st_ino
+
+
+def test_a_successor_process_takes_over_dram_and_the_sockets_and_the_predecessor_exit_leaves_them() -> None:
+    n = 12
+    keys = [digest("proc", i) for i in range(n)]
+    payloads = [payload_for(k, SIZE) for k in keys]
+    with cache_server(dram_bytes=64 * MiB) as a:
+        c = CacheClient(a.unix_target, shared_memory=True)
+        try:
+            assert c.store(NS, keys, payloads, timeout=10).accepted == n
+            assert c.lookup(NS, keys, timeout=5).tiers == ["dram"] * n
+            sock = a.config.listen.unix_socket
+            before = {p: _ino(p) for p in (sock, block_socket_for(sock), index_socket_for(sock))}
+
+            b = a.successor()
+            b.start_beside()
+            try:
+                after = {p: _ino(p) for p in before}
+                assert all(after[p] != before[p] for p in before), "every socket path is the successor's"
+                assert a.proc is not None
+                assert a.proc.poll() is None, "the predecessor idles until terminated"
+                records = [r.get("message") for r in a.log_records()]
+                assert "handed over to the successor" in records
+
+                # The client's connection to A closed; the next calls reach B, and B has A's DRAM.
+                got = wait_until(
+                    lambda: (r := _quiet(lambda: c.lookup(NS, keys, timeout=5))) and r.matched == n and r,
+                    10,
+                    what="lookups answered by the successor",
+                )
+                assert got.tiers == ["dram"] * n, "DRAM blocks survive the hand-over in DRAM"
+                assert c.load(NS, keys, timeout=10) == payloads
+                stats = c.stats(timeout=5)
+                assert stats["counters"]["adopted_blocks"]["dram"] == n
+                assert stats["counters"].get("hits", {}).get("local_disk", 0) == 0, "nothing was re-read"
+
+                # The predecessor's exit (the rollout deletes its pod) removes nothing of B's.
+                a.stop()
+                assert a.proc is not None
+                assert a.proc.returncode == 0
+                assert {p: _ino(p) for p in before} == after
+                assert c.load(NS, keys, timeout=10) == payloads
+                assert c.store(NS, [digest("new")], [b"n" * 4096], timeout=10).accepted == 1
+            finally:
+                b.stop()
+            assert not sock.exists(), "the last server's own stop removes its socket"
+        finally:
+            c.close()
+
+
+def test_deletes_during_the_hand_over_are_refused_with_unavailable_and_work_on_the_successor() -> None:
+    # The predecessor's freeze waits for slow write-backs (2 s each), so the delete lands while frozen.
+    slow = {
+        "tiers.local_disk.faults": {"write_delay_seconds": 2.0},
+        "tiers.local_disk.min_free_fraction": 0.0,
+    }
+    key = digest("to-delete")
+    others = [digest("queued", i) for i in range(6)]
+    with cache_server(dram_bytes=64 * MiB, overrides=slow) as a:
+        c = CacheClient(a.unix_target)
+        try:
+            # Six more write-backs queue behind it on two workers: about 6 s for the freeze to wait.
+            stored = c.store(NS, [key, *others], [b"d" * 4096] * 7, timeout=10)
+            assert stored.accepted == 7
+            b = a.successor()
+            b.start_process()
+            wait_until(
+                lambda: FREEZING in [r.get("message") for r in a.log_records()],
+                20,
+                what="the predecessor to freeze",
+            )
+            with pytest.raises(CacheUnavailable, match="handing over") as err:
+                c.delete(NS, [key], timeout=5)
+            cause = err.value.__cause__
+            assert isinstance(cause, grpc.RpcError)
+            assert cause.code() == grpc.StatusCode.UNAVAILABLE
+            try:
+                b.wait_own_ready(timeout=60)
+                deleted = wait_until(
+                    lambda: _retry_delete(c, key), 20, what="the delete to be accepted by the successor"
+                )
+                assert deleted == 1
+                assert c.load(NS, [key], timeout=5) == []
+            finally:
+                a.kill(signal.SIGTERM)
+                b.stop()
+        finally:
+            c.close()
+
+
+def _quiet(fn: Callable[[], T]) -> T | None:
+    """``fn()``, or None while the client is still reconnecting to the successor."""
+    try:
+        return fn()
+    except CacheError:
+        return None
+
+
+def _retry_delete(c: CacheClient, key: str) -> int | None:
+    try:
+        return c.delete(NS, [key], timeout=5) or None
+    except CacheError:
+        return None

@@ -33,7 +33,14 @@ from hypothesis import strategies as st
 from kvfabric.cacheserver.config import ServerConfig
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.tiered import HandingOver, TieredStore
-from kvfabric.cacheserver.transport.handover import BEGIN, HandoverOffer, handover_socket_for, receive
+from kvfabric.cacheserver.transport.handover import (
+    BEGIN,
+    HandoverFailed,
+    HandoverOffer,
+    handover_socket_for,
+    receive,
+)
+from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.client import CacheClient
 from kvfabric.client.errors import CacheError, CacheUnavailable
 from kvfabric.rpc.blockproto import block_socket_for
@@ -77,9 +84,14 @@ class _Handover:
 
     def __init__(self, a: TieredStore, path: Path) -> None:
         self.done = threading.Event()
-        self.offer = HandoverOffer(path, a, self.done.set, freeze_timeout=10)
+        self.offer = HandoverOffer(path, a, self._retire, freeze_timeout=10)
         self.offer.start()
         self.path = path
+
+    def _retire(self) -> None:
+        # What the server does on "done": stop serving (nothing here), then release.
+        self.done.set()
+        self.offer.release()
 
     def to(self, b: TieredStore) -> int:
         inbound = receive(self.path, timeout=10)
@@ -121,16 +133,22 @@ def test_the_successor_serves_exactly_the_latest_stores_and_no_deleted_key(
         else:
             a.delete(bid)
             model.pop(bid, None)
+    a_tombs = dict(a.generations.export()[1])
     ho = _Handover(a, handover_socket_for(case / "srv.sock"))
     # A successor with room for 2 blocks adopts the most recent ones; the rest it reads from disk.
     b = TieredStore(_config(case, dram_bytes=(2 * SIZE) if small_successor else 64 * MiB))
     try:
         adopted = ho.to(b)
         a.close(handed_over=True)
-        ho.offer.close(unlink=False)
+        ho.offer.close()
         assert adopted <= len(model)
+        # Every delete the predecessor knew, the successor knows (a store inside a delete's margin
+        # is refused there too).
+        for bid, gen in a_tombs.items():
+            assert b.generations.deleted_at(bid) >= gen
         if not small_successor:
             assert adopted == len(model)  # every DRAM block, nothing re-read
+            assert all(b.dram.contains(bid) for bid in model), "served from the adopted DRAM blocks"
         for i in range(8):
             bid = _bid(i)
             payload = b.open_block(bid)
@@ -176,11 +194,7 @@ def test_a_frozen_store_drops_stores_refuses_deletes_and_waits_for_a_store_in_fl
         freezer.join(10)
         assert frozen == [True]
         snap = a.export()
-        try:
-            assert [b for b, *_ in snap.blocks] == [_bid(1)], "the store in flight is handed over"
-        finally:
-            for _b, fd, _l, _g in snap.blocks:
-                os.close(fd)
+        assert [b for b, *_ in snap.blocks] == [_bid(1)], "the store in flight is handed over"
         assert not a.put(_bid(2), b"y" * 4096), "a store while frozen is dropped"
         assert a.open_block(_bid(2)) is None
         with pytest.raises(HandingOver):
@@ -282,6 +296,82 @@ def test_only_the_servers_own_uid_can_ask_for_a_hand_over(work: Path) -> None:
     finally:
         offer.close()
         a.close()
+
+
+def test_a_predecessor_that_cannot_freeze_in_time_makes_the_successor_refuse_to_serve(work: Path) -> None:
+    a = TieredStore(_config(work))
+    a.start()
+    path = handover_socket_for(work / "srv.sock")
+    offer = HandoverOffer(path, a, lambda: None, freeze_timeout=0.3)
+    offer.start()
+    release = threading.Event()
+
+    def stuck_fill(fd: int) -> None:
+        assert release.wait(10)
+        os.pwrite(fd, b"s" * 4096, 0)
+
+    put = threading.Thread(target=lambda: a.put_with(_bid(1), 4096, stuck_fill))
+    put.start()
+    try:
+        with pytest.raises(HandoverFailed, match="aborted"):
+            receive(path, timeout=10)
+        wait_until(lambda: not a.frozen, 5, what="the predecessor to serve on")
+        release.set()
+        put.join(5)
+        assert a.open_block(_bid(1)) is not None
+        assert a.put(_bid(2), b"t" * 4096)
+    finally:
+        release.set()
+        offer.close()
+        a.close()
+
+
+def test_a_successor_too_slow_to_take_over_is_refused_and_the_predecessor_thaws(work: Path) -> None:
+    a = TieredStore(_config(work))
+    a.start()
+    path = handover_socket_for(work / "srv.sock")
+    done = threading.Event()
+    offer = HandoverOffer(path, a, done.set, freeze_timeout=5, successor_timeout=0.5)
+    offer.start()
+    try:
+        assert a.put(_bid(0), payload_for("0", SIZE))
+        inbound = receive(path, timeout=10)
+        assert inbound is not None
+        assert a.frozen
+        wait_until(lambda: not a.frozen, 5, what="the predecessor to give up on its successor")
+        # The successor's "done" comes too late: the predecessor serves on, so the successor must not.
+        with pytest.raises(HandoverFailed, match="still serving"):
+            inbound.finish(timeout=2)
+        inbound.close()
+        assert not done.is_set()
+        assert a.put(_bid(1), b"u" * 4096)
+    finally:
+        offer.close()
+        a.close()
+
+
+def test_a_socket_file_is_removed_only_by_the_listener_that_still_owns_it(work: Path) -> None:
+    path = work / "s.sock"
+    files = []
+    for _ in range(2):
+        f = SocketFile(path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(f.bound))
+        s.listen(1)
+        f.publish()
+        files.append((f, s))
+    (old, old_sock), (new, new_sock) = files
+    old.remove()  # the predecessor's exit
+    assert path.exists(), "the successor's socket survives its predecessor's exit"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+        c.connect(str(path))
+        conn, _ = new_sock.accept()
+        conn.close()
+    new.remove()
+    assert not path.exists()
+    assert sorted(p.name for p in work.iterdir()) == []
+    old_sock.close()
+    new_sock.close()
 
 
 # --- two real server processes ----------------------------------------------------------------------------

@@ -108,6 +108,10 @@ def test_daemonset_fields() -> None:
         "maxSurge": 0,
     }
     assert not build_server_config(off).handover.enabled
+    # Nothing of the hand-over is rendered: the server would try to create a directory never mounted.
+    assert build_server_config(off).handover.socket_dir is None
+    off_volumes = render_daemonset(off, "r")["spec"]["template"]["spec"]["volumes"]
+    assert names.HANDOVER_VOLUME not in {v["name"] for v in off_volumes}
     assert ds["spec"]["selector"]["matchLabels"] == names.selector_labels("pool-a")
     # Default resources follow the memory tier.
     assert container["resources"]["requests"]["memory"] == "8704Mi"

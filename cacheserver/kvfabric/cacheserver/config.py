@@ -155,6 +155,13 @@ class HandoverConfig(_Model):
         description="How long a successor waits for each hand-over message (the first waits for the "
         "predecessor's queued write-backs).",
     )
+    successor_timeout_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        le=3600,
+        description="How long a predecessor stays frozen while its successor scans its disks; past it, it "
+        "thaws and serves on (the successor then exits and its restart tries again).",
+    )
     freeze_timeout_seconds: float = Field(
         default=30.0,
         gt=0,

@@ -28,8 +28,15 @@ from kvfabric.cacheserver.metrics import Metrics, ProbeServer
 from kvfabric.cacheserver.service import CacheService, SharedState, add_to_server
 from kvfabric.cacheserver.transport.arena import STAGING_PREFIX, StagingArena
 from kvfabric.cacheserver.transport.blocksock import BlockSocket
-from kvfabric.cacheserver.transport.handover import HandoverOffer, Inbound, handover_socket_for, receive
-from kvfabric.cacheserver.transport.indexpub import IndexPublisher, IndexSocket, bound_then_renamed
+from kvfabric.cacheserver.transport.handover import (
+    HandoverFailed,
+    HandoverOffer,
+    Inbound,
+    handover_socket_for,
+    receive,
+)
+from kvfabric.cacheserver.transport.indexpub import IndexPublisher, IndexSocket
+from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc.blockproto import block_socket_for
 from kvfabric.rpc.indextable import index_socket_for
 
@@ -224,11 +231,12 @@ async def serve(
         log.warning("a tier cannot report index changes: same-node lookups go over RPC")
         publisher = None
     sock = config.listen.unix_socket
-    handover_path = _handover_path(config)
+    handover_path = _handover_path(config) if config.handover.enabled else None
     # A predecessor still serving on this node (a rolling update's old pod) hands over its DRAM
-    # blocks, clock and deletes before we scan the disks; it stops changing them first.
+    # blocks, clock and deletes before we scan the disks; it stops changing them first. A live one
+    # that does not hand over raises HandoverFailed: we never serve beside it (the restart retries).
     inbound: Inbound | None = None
-    if config.handover.enabled:
+    if handover_path is not None:
         inbound = await loop.run_in_executor(None, receive, handover_path, config.handover.timeout_seconds)
     try:
         if inbound is not None:
@@ -257,20 +265,20 @@ async def serve(
         probes.start()
 
     sock.parent.mkdir(parents=True, exist_ok=True)
-    with bound_then_renamed(sock) as bound:
-        # Bound under a fresh name, renamed onto the socket path once serving: the rename replaces a
-        # killed server's (or the predecessor's) socket in one step.
-        servers = [_unix_server(bound, state, health)]
-        tcp_port: int | None = None
-        if config.listen.tcp_port is not None:
-            tcp, tcp_port = _tcp_server(config, state, health, auth, tls_creds)
-            servers.append(tcp)
-        for s in servers:
-            await s.start()
+    # Every socket is bound under a fresh name and published (renamed onto its path) once all serve:
+    # the rename replaces a killed server's (or the predecessor's) file in one step.
+    grpc_file = SocketFile(sock)
+    servers = [_unix_server(grpc_file.bound, state, health)]
+    tcp_port: int | None = None
+    if config.listen.tcp_port is not None:
+        tcp, tcp_port = _tcp_server(config, state, health, auth, tls_creds)
+        servers.append(tcp)
+    for s in servers:
+        await s.start()
     index_socket = None
     if publisher is not None:
         index_socket = IndexSocket(index_socket_for(sock.absolute()), publisher)
-        index_socket.start()
+        index_socket.start(publish=False)
     # Same-node clients trade the handle names of their loads and stores for memfd descriptors here.
     block_socket = BlockSocket(
         block_socket_for(sock.absolute()),
@@ -280,16 +288,29 @@ async def serve(
         holds=store.dram,
         hold_budget=config.shm.hold_bytes_per_client,
     )
-    block_socket.start()
+    block_socket.start(publish=False)
     # Engine pods may run as another user: the socket is guarded by its directory's permissions.
-    os.chmod(sock, 0o666)  # noqa: S103
+    os.chmod(grpc_file.bound, 0o666)  # noqa: S103
     if inbound is not None:
-        # Every socket path is ours now: the predecessor may close its listeners and connections.
-        with contextlib.suppress(OSError):
-            inbound.finish()
+        # The predecessor retires (closes its listeners and connections) before we publish: no two
+        # servers ever answer on this node at once.
+        try:
+            await loop.run_in_executor(None, inbound.finish)
+        except HandoverFailed:
+            await asyncio.gather(*(s.stop(grace=0) for s in servers))
+            for closing in (index_socket, block_socket):
+                if closing is not None:
+                    closing.close()
+            grpc_file.remove()
+            await loop.run_in_executor(None, store.close)
+            raise
+    grpc_file.publish()
+    if index_socket is not None:
+        index_socket.publish()
+    block_socket.publish()
     handed = asyncio.Event()
     offer: HandoverOffer | None = None
-    if config.handover.enabled:
+    if handover_path is not None:
 
         def took_over() -> None:  # on the offer's thread
             loop.call_soon_threadsafe(handed.set)
@@ -299,6 +320,7 @@ async def serve(
             store,
             took_over,
             freeze_timeout=config.handover.freeze_timeout_seconds,
+            successor_timeout=config.handover.successor_timeout_seconds,
         )
         offer.start()
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -326,26 +348,27 @@ async def serve(
         if probes is not None:
             probes.ready = False
         await health.enter_graceful_shutdown()
-        # After a hand-over every socket path names the successor's socket: leave them be.
-        own = not handed_over
-        if offer is not None:
-            offer.close(unlink=own)
+        # Socket files are removed only while they are still ours: after a hand-over each path names
+        # the successor's socket (or is about to).
         # Retire the published tables first: engines stop answering from them and ask over RPC.
         if index_socket is not None:
-            index_socket.close(unlink=own)
-        block_socket.close(unlink=own)
+            index_socket.close()
+        block_socket.close()
         if publisher is not None:
             publisher.close()
         reaper.cancel()
-        # Clients of a handed-over server reconnect to the same path: the successor.
-        await asyncio.gather(*(s.stop(grace=5) for s in servers))
+        # Listeners close and new calls are refused at once; calls in flight get a grace period.
+        stopping = [asyncio.ensure_future(s.stop(grace=5)) for s in servers]
+        await asyncio.sleep(0.01)
+        if offer is not None:
+            offer.release()  # a successor publishes its sockets now: clients reconnect to it
+            offer.close()
+        await asyncio.gather(*stopping)
         state.close()
         arena.close()
         await loop.run_in_executor(None, lambda: store.close(handed_over=handed_over))
-        if own:
-            with contextlib.suppress(FileNotFoundError):
-                sock.unlink()
-        elif not stop.is_set():
+        grpc_file.remove()
+        if handed_over and not stop.is_set():
             # Exiting now would make the kubelet restart this container, which would take the node's
             # cache back; the rollout deletes this pod once its successor is ready. Alive, not ready.
             log.info("handed over to the successor; idle until terminated")

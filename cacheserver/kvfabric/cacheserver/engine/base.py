@@ -223,11 +223,15 @@ class ReadsIntoFiles(Protocol):
 
 @runtime_checkable
 class ClosesForSuccessor(Protocol):
-    """A backing tier that must leave something in place when its server hands over to a successor.
+    """A backing tier with state shared with a successor of the same server id (the hand-over).
 
     The shared tier keeps its lease (the successor has the same server id and renews it); a tier
     without this hook is closed with ``close()``.
     """
+
+    def resume_after_successor(self) -> None:
+        """A hand-over failed after the successor may have started: take shared state back."""
+        ...
 
     def close_for_successor(self) -> None:
         """Stop background work and release this process's resources; leave the rest to the successor."""

@@ -490,13 +490,14 @@ class DramTier:
 
     # --- hand-over to a successor (transport/handover.py) ---------------------------------------------
 
-    def export(self) -> list[tuple[BlockId, int, int, int]]:
-        """Every resident block, least recently used first: ``(bid, fd, length, gen)``.
+    def export(self) -> list[tuple[BlockId, str, int, int]]:
+        """Every resident block, least recently used first: ``(bid, handle name, length, gen)``.
 
-        Each ``fd`` is a duplicate the caller closes (the hand-over sends it to the successor).
+        The hand-over takes each block's descriptor by name (:meth:`dup_by_name`) batch by batch, so
+        a tier of many blocks never needs all of their duplicates open at once.
         """
         with self._lock:
-            return [(bid, os.dup(blk.fd), blk.length, blk.gen) for bid, blk in self._index.items()]
+            return [(bid, blk.name, blk.length, blk.gen) for bid, blk in self._index.items()]
 
     def adopt(self, bid: BlockId, fd: int, length: int, gen: int) -> bool:
         """Index a block a predecessor handed over; the tier owns ``fd`` from now on (closed if refused).

@@ -99,6 +99,13 @@ class SharedTier:
         self.close_for_successor()
         drop_lease(self.lease_dir, self.server_id)
 
+    def resume_after_successor(self) -> None:
+        """Reopen the journal: a successor that started replaced the file this server appended to."""
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = JournalWriter(self.root / "journals", self.server_id)
+        touch_lease(self.lease_dir, self.server_id, self.expiry.clock.local)
+
     def close_for_successor(self) -> None:
         """Stop tailing and close the journal, keeping the lease: the successor (same server id) holds it."""
         self._stop.set()

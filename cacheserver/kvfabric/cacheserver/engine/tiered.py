@@ -80,8 +80,8 @@ class Snapshot:
     last_gen: int
     """The highest generation issued or seen: the successor issues greater ones."""
     tombstones: list[tuple[BlockId, int]]
-    blocks: list[tuple[BlockId, int, int, int]]
-    """``(bid, fd, length, gen)``, least recently used first; the receiver owns (closes) the fds."""
+    blocks: list[tuple[BlockId, str, int, int]]
+    """``(bid, handle name, length, gen)`` of the DRAM blocks, least recently used first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +142,7 @@ class TieredStore:
         self._mut = threading.Condition()
         self._mutating = 0
         self._frozen = False
+        self._purges_while_frozen: list[tuple[BlockId, int]] = []
 
     def _generation_clock(self) -> float:
         """The clock generations follow: volume time, capped a janitor interval past the earliest live clock.
@@ -260,9 +261,22 @@ class TieredStore:
         return still
 
     def thaw(self) -> None:
-        """Accept changes again (the successor gave up)."""
+        """Accept changes again (the successor gave up), and catch up on what the freeze held back.
+
+        Deletes learned from other servers meanwhile are applied to the disks now, and tiers with
+        shared state reclaim it (the shared tier reopens its journal: a successor that started may
+        have replaced the file).
+        """
         with self._mut:
+            if not self._frozen:
+                return
             self._frozen = False
+            purges, self._purges_while_frozen = self._purges_while_frozen, []
+        for tier in self.backing:
+            if isinstance(tier, ClosesForSuccessor):
+                tier.resume_after_successor()
+        for bid, gen in purges:
+            self._deleted_elsewhere(bid, gen)
 
     def export(self) -> Snapshot:
         """The frozen store's state for its successor (fds duplicated: the caller closes them)."""
@@ -285,7 +299,7 @@ class TieredStore:
         n = 0
         for bid, fd, length, gen in blocks:
             self.generations.observe(gen)
-            if self.dram.adopt(bid, fd, length, gen):
+            if self.dram.adopt(bid, fd, length, gen) and self.dram.generation(bid) == gen:
                 n += 1
                 self.counters.inc("adopted_bytes", TierName.DRAM, length)
         self.counters.inc("adopted_blocks", TierName.DRAM, n)
@@ -587,10 +601,15 @@ class TieredStore:
     def _deleted_elsewhere(self, bid: BlockId, gen: int) -> None:
         self.generations.tombstone(bid, gen)
         self.dram.delete(bid, gen)
-        # While frozen the successor applies it to the disks (it reads the same tombstones).
-        with contextlib.suppress(HandingOver), self._mutation():
-            for tier in self.backing:
-                tier.purge(bid, gen)
+        # While frozen the successor applies it to the disks (it reads the same tombstones); kept for
+        # thaw() in case the hand-over fails.
+        try:
+            with self._mutation():
+                for tier in self.backing:
+                    tier.purge(bid, gen)
+        except HandingOver:
+            with self._mut:
+                self._purges_while_frozen.append((bid, gen))
 
     # --- background ----------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kvfabric.cacheserver.transport.indexpub import MAX_CONNECTIONS, Peer, listen_unix
+from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc import blockproto as bp
 
 __all__ = ["BlockSocket", "Holds", "Resolver"]
@@ -67,10 +68,18 @@ class BlockSocket:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        self._file: SocketFile | None = None
 
-    def start(self) -> None:
-        """Bind (replacing a stale socket file) and accept in a daemon thread."""
-        self._sock = listen_unix(self.path, socket.SOCK_SEQPACKET)
+    def publish(self) -> None:
+        """Rename the bound socket onto the path: clients reach this socket from now on."""
+        assert self._file is not None
+        self._file.publish()
+
+    def start(self, *, publish: bool = True) -> None:
+        """Bind and accept in a daemon thread; ``publish``: at the path at once (else :meth:`publish`)."""
+        self._sock, self._file = listen_unix(self.path, socket.SOCK_SEQPACKET)
+        if publish:
+            self.publish()
         self._thread = threading.Thread(target=self._accept_loop, name="block-socket", daemon=True)
         self._thread.start()
 
@@ -190,11 +199,8 @@ class BlockSocket:
             for fd in fds:
                 os.close(fd)
 
-    def close(self, *, unlink: bool = True) -> None:
-        """Stop serving, drop every connection and remove the socket file.
-
-        Not after a hand-over (``unlink=False``): the successor's socket has that name by then.
-        """
+    def close(self) -> None:
+        """Stop serving, drop every connection and remove the socket file if it is still this one."""
         self._stop.set()
         if self._sock is not None:
             with contextlib.suppress(OSError):
@@ -207,9 +213,8 @@ class BlockSocket:
                 conn.shutdown(socket.SHUT_RDWR)
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+        if self._file is not None:
+            self._file.remove()
 
 
 class _Held:

@@ -12,17 +12,27 @@ in the server-owned socket directory), before it scans its disks:
    ``blocks`` (index entries, each batch with one sealed memfd per entry over ``SCM_RIGHTS``, at most
    :data:`FDS_PER_MESSAGE`), then ``end``.
 2. The successor learns the clock and deletes, scans its disks (nothing of the predecessor writes
-   to them any more), adopts the memfds into its DRAM tier, binds the server's sockets (which
-   replaces the predecessor's socket files: new connections reach the successor) and sends
-   ``done``.
-3. The predecessor then closes its listeners and every connection (clients reconnect to the same
-   paths, now the successor's), leaves the socket files alone, and idles until it is terminated.
+   to them any more), adopts the memfds into its DRAM tier and binds its sockets under fresh names
+   (not reachable at the socket paths yet), then sends ``done``.
+3. The predecessor retires for good: it closes its listeners and every connection (no load or
+   lookup is answered by it from then on, so nothing it still has can contradict a delete the
+   successor takes), never thaws again, and answers ``released``.
+4. The successor renames its sockets onto the paths (replacing the predecessor's files in one
+   step: clients reconnecting reach it) and starts taking changes.
 
-If the successor disconnects before ``done`` (it crashed, or gave up), the predecessor thaws and
-goes on serving. If the predecessor cannot freeze in time, it answers ``abort`` and the successor
-starts as if there were none. A successor that finds no hand-over socket, or nothing listening on
-it (the predecessor was killed), starts from its disks as before. The memfds are the same memory:
-nothing is copied, and the bytes are sealed, so the successor serves exactly what was stored.
+Failures, and why none leaves two servers serving one node's disks:
+
+* the successor goes away, or does not say ``done`` within ``successor_timeout``: the predecessor
+  thaws and serves on (catching up on what the freeze held back);
+* the predecessor cannot freeze in time (it answers ``abort``), the exchange breaks, or after
+  ``done`` the predecessor is still offering (it had timed out and thawed): the successor exits
+  with an error instead of serving beside it, and its restart tries again;
+* the predecessor dies at any point (nothing listens on the hand-over socket any more): the
+  successor starts as if there were none, from its disks.
+
+A successor that finds no hand-over socket, or nothing listening on it, starts from its disks as
+before. The memfds are the same memory: nothing is copied, and the bytes are sealed, so the successor
+serves exactly what was stored.
 """
 
 from __future__ import annotations
@@ -41,14 +51,16 @@ from typing import Any
 
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.tiered import TieredStore
+from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc.fdpass import recv_fds
 
-__all__ = ["FDS_PER_MESSAGE", "HandoverOffer", "Inbound", "handover_socket_for", "receive"]
+__all__ = ["FDS_PER_MESSAGE", "HandoverFailed", "HandoverOffer", "Inbound", "handover_socket_for", "receive"]
 
 log = logging.getLogger(__name__)
 
 BEGIN = b"KVHO1 begin\n"
 DONE = b"KVHO1 done\n"
+RELEASED = b"KVHO1 released\n"
 FDS_PER_MESSAGE = 253
 """The kernel's ``SCM_MAX_FD``: descriptors one message may carry."""
 TOMBS_PER_MESSAGE = 512
@@ -74,10 +86,15 @@ def _send(conn: socket.socket, msg: dict[str, Any], fds: list[int] | None = None
         conn.sendall(data)
 
 
+class HandoverFailed(RuntimeError):  # noqa: N818 - reads better at the call sites
+    """A live predecessor did not hand over: the successor must not serve beside it (exit, retry)."""
+
+
 class HandoverOffer:
     """The predecessor's side: offers the store to one successor at a time.
 
-    ``on_done`` runs (on the offer's thread) once a successor took over; the server then retires.
+    ``on_done`` runs (on the offer's thread) once a successor took over; the server then closes its
+    listeners and connections and calls :meth:`release`.
     """
 
     def __init__(
@@ -87,43 +104,55 @@ class HandoverOffer:
         on_done: Callable[[], None],
         *,
         freeze_timeout: float = 30.0,
+        successor_timeout: float = 600.0,
     ) -> None:
         self.path = path
         self.store = store
         self.on_done = on_done
         self.freeze_timeout = freeze_timeout
+        self.successor_timeout = successor_timeout
         self.handed_over = threading.Event()
+        self._released = threading.Event()
         self._sock: socket.socket | None = None
+        self._file = SocketFile(path)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     def start(self) -> None:
         """Bind (mode 0600: only the server's own uid may connect) and accept in a daemon thread."""
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        old = os.umask(0o177)
         try:
-            sock.bind(str(self.path))
-        finally:
-            os.umask(old)
-        sock.listen(2)
+            old = os.umask(0o177)
+            try:
+                sock.bind(str(self._file.bound))
+            finally:
+                os.umask(old)
+            sock.listen(2)
+            self._file.publish()
+        except BaseException:
+            sock.close()
+            self._file.remove()
+            raise
         self._sock = sock
         self._thread = threading.Thread(target=self._accept_loop, name="handover", daemon=True)
         self._thread.start()
 
-    def close(self, *, unlink: bool = True) -> None:
-        """Stop offering; remove the socket file unless a successor owns that name now."""
+    def release(self) -> None:
+        """Say the listeners and connections are closed: the successor may serve now."""
+        self._released.set()
+
+    def close(self) -> None:
+        """Stop offering; remove the socket file unless a successor's has that name now."""
         self._stop.set()
+        self._released.set()
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        if unlink and not self.handed_over.is_set():
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+        self._file.remove()
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
@@ -136,12 +165,15 @@ class HandoverOffer:
                 try:
                     self._serve(conn)
                 except Exception:
-                    log.exception("hand-over failed; serving on")
-                    self.store.thaw()
+                    log.exception("hand-over failed")
+                finally:
+                    if not self.handed_over.is_set():
+                        self.store.thaw()  # serve on (a no-op if it never froze)
 
     def _serve(self, conn: socket.socket) -> None:
-        if _peer_uid(conn) != os.getuid():
-            log.warning("hand-over refused: the peer runs as another user", extra={"uid": _peer_uid(conn)})
+        uid = _peer_uid(conn)
+        if uid != os.getuid():
+            log.warning("hand-over refused: the peer runs as another user", extra={"uid": uid})
             return
         conn.settimeout(5)
         if conn.recv(64) != BEGIN:
@@ -152,52 +184,82 @@ class HandoverOffer:
             _send(conn, {"t": "abort", "reason": "storage did not settle"})
             return
         snap = self.store.export()
+        conn.settimeout(30)
+        _send(conn, {"t": "head", "last_gen": snap.last_gen, "blocks": len(snap.blocks)})
+        tombs = snap.tombstones
+        for i in range(0, len(tombs), TOMBS_PER_MESSAGE):
+            items = [[b.namespace, b.key, g] for b, g in tombs[i : i + TOMBS_PER_MESSAGE]]
+            _send(conn, {"t": "tombs", "items": items})
         sent = 0
+        for i in range(0, len(snap.blocks), FDS_PER_MESSAGE):
+            # Duplicated per batch, so at most one batch of extra descriptors is ever open. A block
+            # evicted meanwhile (a load's promotion made room) is simply not sent.
+            entries: list[list[Any]] = []
+            fds: list[int] = []
+            try:
+                for bid, name, _length, gen in snap.blocks[i : i + FDS_PER_MESSAGE]:
+                    got = self.store.dram.dup_by_name(name)
+                    if got is not None:
+                        fds.append(got[0])
+                        entries.append([bid.namespace, bid.key, got[1], gen])
+                if fds:
+                    _send(conn, {"t": "blocks", "items": entries}, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            sent += len(fds)
+        _send(conn, {"t": "end"})
+        # The successor scans its disks now (loads are still served here meanwhile), but not forever:
+        # a hung successor must not keep this server frozen.
+        conn.settimeout(self.successor_timeout)
         try:
-            conn.settimeout(30)
-            _send(conn, {"t": "head", "last_gen": snap.last_gen, "blocks": len(snap.blocks)})
-            tombs = snap.tombstones
-            for i in range(0, len(tombs), TOMBS_PER_MESSAGE):
-                items = [[b.namespace, b.key, g] for b, g in tombs[i : i + TOMBS_PER_MESSAGE]]
-                _send(conn, {"t": "tombs", "items": items})
-            blocks = snap.blocks
-            for i in range(0, len(blocks), FDS_PER_MESSAGE):
-                batch = blocks[i : i + FDS_PER_MESSAGE]
-                items = [[b.namespace, b.key, length, gen] for b, _fd, length, gen in batch]
-                _send(conn, {"t": "blocks", "items": items}, [fd for _b, fd, _l, _g in batch])
-                sent += len(batch)
-            _send(conn, {"t": "end"})
-        finally:
-            for _b, fd, _l, _g in snap.blocks:
-                os.close(fd)
-        # The successor scans its disks now; it may take a while, and we keep serving loads meanwhile.
-        conn.settimeout(None)
-        answer = conn.recv(64)
+            answer = conn.recv(64)
+        except TimeoutError:
+            answer = b""
         if answer != DONE:
-            log.warning("the successor went away before taking over: thawing and serving on")
-            self.store.thaw()
+            log.warning("the successor did not take over: thawing and serving on")
             return
-        log.info("handed over to the successor", extra={"blocks": sent})
+        log.info("handing over to the successor", extra={"blocks": sent})
         self.handed_over.set()
         self.on_done()
+        # Retired for good from here (never thawed): answer once nothing of ours serves any more.
+        if self._released.wait(30):
+            with contextlib.suppress(OSError):
+                conn.sendall(RELEASED)
+        log.info("handed over to the successor")
 
 
 @dataclass
 class Inbound:
-    """What a successor received: call :meth:`finish` once it serves, :meth:`close` if it gives up."""
+    """What a successor received: :meth:`finish` once its sockets are bound, or :meth:`close`."""
 
     conn: socket.socket
+    path: Path
     last_gen: int
     tombstones: list[tuple[BlockId, int]] = field(default_factory=list)
     blocks: list[tuple[BlockId, int, int, int]] = field(default_factory=list)
     """``(bid, fd, length, gen)``, least recently used first; ownership passes to whoever adopts them."""
 
-    def finish(self) -> None:
-        """Tell the predecessor this server took over (its sockets are bound)."""
+    def finish(self, timeout: float = 30.0) -> None:
+        """Say ``done`` and wait until the predecessor serves nothing any more.
+
+        Raises :class:`HandoverFailed` if the predecessor did not take it and is still offering (it
+        timed out and thawed): serving now would put two servers on one node's disks. A predecessor
+        that died meanwhile is fine: nothing serves beside us.
+        """
         try:
+            self.conn.settimeout(timeout)
             self.conn.sendall(DONE)
+            answer = self.conn.recv(64)
+        except OSError:
+            answer = b""
         finally:
             self.conn.close()
+        if answer == RELEASED:
+            return
+        if _offering(self.path):
+            raise HandoverFailed("the predecessor is still serving: it did not take the hand-over")
+        log.warning("the predecessor went away during the hand-over; serving")
 
     def close(self) -> None:
         """Give up: the predecessor thaws and serves on. Closes descriptors not adopted yet."""
@@ -208,10 +270,23 @@ class Inbound:
         self.blocks = []
 
 
+def _offering(path: Path) -> bool:
+    """Whether a server still accepts hand-over connections at ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+        return True
+
+
 def receive(path: Path, timeout: float = 60.0) -> Inbound | None:
-    """Ask a predecessor listening at ``path`` for its state; None if there is none (or it refused).
+    """Ask a predecessor listening at ``path`` for its state; None if there is none (or it died).
 
     ``timeout`` bounds each message (the first waits for the predecessor's write-backs to settle).
+    Raises :class:`HandoverFailed` when a predecessor is alive but the hand-over did not happen (it
+    aborted, or the exchange broke): the caller must not serve beside it.
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     sock.settimeout(1.0)
@@ -239,11 +314,9 @@ def receive(path: Path, timeout: float = 60.0) -> Inbound | None:
                 msg = json.loads(data)
                 kind = msg.get("t")
                 if kind == "abort":
-                    log.warning("the predecessor aborted the hand-over", extra={"reason": msg.get("reason")})
-                    sock.close()
-                    return None
+                    raise HandoverFailed(f"the predecessor aborted the hand-over: {msg.get('reason')}")
                 if kind == "head":
-                    inbound = Inbound(sock, int(msg["last_gen"]))
+                    inbound = Inbound(sock, path, int(msg["last_gen"]))
                 elif inbound is None:
                     raise ValueError("hand-over message before its head")
                 elif kind == "tombs":
@@ -268,10 +341,12 @@ def receive(path: Path, timeout: float = 60.0) -> Inbound | None:
             finally:
                 for fd in fds:
                     os.close(fd)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("hand-over failed; starting from the disks", extra={"reason": str(exc)})
+    except (OSError, ValueError, KeyError, TypeError, HandoverFailed) as exc:
         if inbound is not None:
             inbound.close()
         else:
             sock.close()
+        if isinstance(exc, HandoverFailed) or _offering(path):
+            raise HandoverFailed(f"a live predecessor did not hand over: {exc}") from exc
+        log.warning("the predecessor went away during the hand-over; starting from the disks")
         return None

@@ -33,14 +33,15 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvfabric.cacheserver.engine.ids import BlockId
+from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc import indextable as it
 
-__all__ = ["IndexPublisher", "IndexSocket", "Peer", "bound_then_renamed", "listen_unix"]
+__all__ = ["IndexPublisher", "IndexSocket", "Peer", "listen_unix"]
 
 log = logging.getLogger(__name__)
 
@@ -229,12 +230,20 @@ class IndexSocket:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._conns: list[socket.socket] = []
+        self._file: SocketFile | None = None
 
-    def start(self) -> None:
-        """Bind (replacing a stale socket file) and serve in a daemon thread."""
-        sock = listen_unix(self.path, socket.SOCK_STREAM)
+    def publish(self) -> None:
+        """Rename the bound socket onto the path: clients reach this socket from now on."""
+        assert self._file is not None
+        self._file.publish()
+
+    def start(self, *, publish: bool = True) -> None:
+        """Bind and serve in a daemon thread; with ``publish``, at the path at once (else :meth:`publish`)."""
+        sock, self._file = listen_unix(self.path, socket.SOCK_STREAM)
         sock.setblocking(False)
         self._sock = sock
+        if publish:
+            self.publish()
         self._thread = threading.Thread(target=self._serve, name="index-socket", daemon=True)
         self._thread.start()
 
@@ -306,8 +315,8 @@ class IndexSocket:
             os.close(fd)
         return True
 
-    def close(self, *, unlink: bool = True) -> None:
-        """Stop serving and remove the socket file (not after a hand-over: the successor's by then)."""
+    def close(self) -> None:
+        """Stop serving and remove the socket file if it is still this one (not a successor's)."""
         self._stop.set()
         if self._sock is not None:
             self._sock.close()
@@ -316,47 +325,28 @@ class IndexSocket:
         for conn in self._conns:
             conn.close()
         self._conns = []
-        if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+        if self._file is not None:
+            self._file.remove()
 
 
-def listen_unix(path: Path, kind: int) -> socket.socket:
-    """A listening Unix socket of ``kind`` at ``path``, replacing a stale socket file there.
+def listen_unix(path: Path, kind: int) -> tuple[socket.socket, SocketFile]:
+    """A listening Unix socket of ``kind`` for ``path``, bound under a fresh name: publish it to serve.
 
     Mode 0666: engine pods may run as another user. The directory guards the socket (server-owned,
     mounted read-only by consumers, so none can unlink or replace it).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
+    file = SocketFile(path)
     sock = socket.socket(socket.AF_UNIX, kind | socket.SOCK_CLOEXEC)
     try:
-        with bound_then_renamed(path) as tmp:
-            sock.bind(str(tmp))
-            os.chmod(tmp, 0o666)  # noqa: S103
-            sock.listen(64)
+        sock.bind(str(file.bound))
+        os.chmod(file.bound, 0o666)  # noqa: S103
+        sock.listen(64)
     except BaseException:
         sock.close()
+        file.remove()
         raise
-    return sock
-
-
-@contextlib.contextmanager
-def bound_then_renamed(path: Path) -> Iterator[Path]:
-    """Yield a fresh name beside ``path`` to bind a socket to; rename it onto ``path`` afterwards.
-
-    The rename replaces whatever socket file is there (a killed server's, or a predecessor's during a
-    hand-over) in one step: a client connecting meanwhile reaches the old listener or the new one,
-    never a missing file. And a listener's own clean-up of the name it bound (gRPC unlinks it when it
-    stops) never removes the socket that replaced it.
-    """
-    tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}")
-    try:
-        yield tmp
-        os.rename(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
+    return sock, file
 
 
 def _parse_request(data: bytes) -> str | None:

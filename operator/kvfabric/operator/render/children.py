@@ -101,10 +101,11 @@ def build_server_config(pool: KVCachePool) -> server_config.ServerConfig:
                 # A payload larger than the DRAM tier could never be stored; cap it so a small pool is valid.
                 "limits": {"max_payload_bytes": min(128 * _MiB, dram_bytes)},
                 "log_level": spec.server.log_level.upper(),
-                "handover": {
-                    "enabled": spec.update_strategy.hand_over,
-                    "socket_dir": names.handover_dir(pool.namespace, pool.name),
-                },
+                "handover": (
+                    {"enabled": True, "socket_dir": names.handover_dir(pool.namespace, pool.name)}
+                    if spec.update_strategy.hand_over
+                    else {"enabled": False}
+                ),
             }
         )
     except (QuantityError, pydantic.ValidationError) as exc:

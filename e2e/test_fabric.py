@@ -138,6 +138,7 @@ def _steady_traffic(
         for pod in by_node.values():
             try:
                 r = generate(fabric, pod, p)
+                r["node"] = pod["spec"]["nodeName"]
                 done.append((time.monotonic(), r))
                 if r["output_token_ids"] != expected:
                     failures.append(f"wrong output on {pod['spec']['nodeName']}")
@@ -220,10 +221,18 @@ def test_changing_the_pool_rolls_cache_servers_without_failing_requests_or_losin
     assert len(during) >= 4, f"only {len(during)} requests ran during the rollout"
     base, roll = _hit_rate([r for _, r in steady]), _hit_rate(during)
     tiers = Counter(r.get("tier") for r in during if r["hit_tokens"] > 0)
+    misses = Counter(r.get("fallback_reason") or r.get("miss_reason") for r in during if r["hit_tokens"] == 0)
     print(
-        f"\nrollout hit rate {roll:.3f} ({len(during)} requests, hits by tier {dict(tiers)}) "
+        f"\nrollout hit rate {roll:.3f} ({len(during)} requests, hits by tier {dict(tiers)}, misses by "
+        f"reason {dict(misses)}) "
         f"vs {base:.3f} without a rollout ({len(steady)} requests): ratio {roll / max(base, 1e-9):.3f}"
     )
+    timeline = [
+        (round(t - patched_at, 2), r["node"], r.get("fallback_reason"))
+        for t, r in out["done"]
+        if patched_at <= t <= rolled_at and r["hit_tokens"] == 0
+    ]
+    print(f"misses during the rollout (s after the patch, node, reason): {timeline}")
     assert base > 0.9, "the steady workload hits"
     assert roll >= 0.9 * base, f"hit rate {roll:.3f} during the rollout against {base:.3f} without one"
     # The new servers took the old ones' DRAM: hits stay DRAM hits, not disk re-reads.

@@ -100,7 +100,8 @@ class _Handover:
         b.start()
         blocks, inbound.blocks = inbound.blocks, []
         n = b.adopt(blocks)
-        inbound.finish()
+        inbound.commit()
+        inbound.published()
         assert self.done.wait(10)
         return n
 
@@ -341,7 +342,7 @@ def test_a_successor_too_slow_to_take_over_is_refused_and_the_predecessor_thaws(
         wait_until(lambda: not a.frozen, 5, what="the predecessor to give up on its successor")
         # The successor's "done" comes too late: the predecessor serves on, so the successor must not.
         with pytest.raises(HandoverFailed, match="still serving"):
-            inbound.finish(timeout=2)
+            inbound.commit(timeout=2)
         inbound.close()
         assert not done.is_set()
         assert a.put(_bid(1), b"u" * 4096)

@@ -292,10 +292,11 @@ async def serve(
     # Engine pods may run as another user: the socket is guarded by its directory's permissions.
     os.chmod(grpc_file.bound, 0o666)  # noqa: S103
     if inbound is not None:
-        # The predecessor retires (closes its listeners and connections) before we publish: no two
-        # servers ever answer on this node at once.
+        # Frozen until the predecessor answers nothing any more: meanwhile both serve the same loads,
+        # and no delete taken here can be contradicted by what the predecessor still answers.
+        await loop.run_in_executor(None, store.freeze, config.handover.freeze_timeout_seconds)
         try:
-            await loop.run_in_executor(None, inbound.finish)
+            await loop.run_in_executor(None, inbound.commit)
         except HandoverFailed:
             await asyncio.gather(*(s.stop(grace=0) for s in servers))
             for closing in (index_socket, block_socket):
@@ -308,6 +309,9 @@ async def serve(
     if index_socket is not None:
         index_socket.publish()
     block_socket.publish()
+    if inbound is not None:
+        await loop.run_in_executor(None, inbound.published)
+        store.thaw(reclaim=False)
     handed = asyncio.Event()
     offer: HandoverOffer | None = None
     if handover_path is not None:

@@ -260,12 +260,12 @@ class TieredStore:
             self.thaw()
         return still
 
-    def thaw(self) -> None:
-        """Accept changes again (the successor gave up), and catch up on what the freeze held back.
+    def thaw(self, *, reclaim: bool = True) -> None:
+        """Accept changes again, and catch up on what the freeze held back.
 
-        Deletes learned from other servers meanwhile are applied to the disks now, and tiers with
-        shared state reclaim it (the shared tier reopens its journal: a successor that started may
-        have replaced the file).
+        Deletes learned from other servers meanwhile are applied to the disks now. With ``reclaim``
+        (a predecessor whose successor gave up), tiers with shared state take it back: the shared
+        tier reopens its journal, since a successor that started may have replaced the file.
         """
         with self._mut:
             if not self._frozen:
@@ -273,7 +273,7 @@ class TieredStore:
             self._frozen = False
             purges, self._purges_while_frozen = self._purges_while_frozen, []
         for tier in self.backing:
-            if isinstance(tier, ClosesForSuccessor):
+            if reclaim and isinstance(tier, ClosesForSuccessor):
                 tier.resume_after_successor()
         for bid, gen in purges:
             self._deleted_elsewhere(bid, gen)

@@ -12,13 +12,15 @@ in the server-owned socket directory), before it scans its disks:
    ``blocks`` (index entries, each batch with one sealed memfd per entry over ``SCM_RIGHTS``, at most
    :data:`FDS_PER_MESSAGE`), then ``end``.
 2. The successor learns the clock and deletes, scans its disks (nothing of the predecessor writes
-   to them any more), adopts the memfds into its DRAM tier and binds its sockets under fresh names
-   (not reachable at the socket paths yet), then sends ``done``.
-3. The predecessor retires for good: it closes its listeners and every connection (no load or
-   lookup is answered by it from then on, so nothing it still has can contradict a delete the
-   successor takes), never thaws again, and answers ``released``.
-4. The successor renames its sockets onto the paths (replacing the predecessor's files in one
-   step: clients reconnecting reach it) and starts taking changes.
+   to them any more), adopts the memfds into its DRAM tier, binds its sockets under fresh names,
+   freezes its own store and sends ``done``; the predecessor commits (it will never thaw again)
+   and answers ``go``.
+3. The successor renames its sockets onto the paths (replacing the predecessor's files in one
+   step: a client connecting from now on reaches it, none ever finds no socket) and sends
+   ``published``. Meanwhile both serve loads, of the same frozen state.
+4. The predecessor closes its listeners and every connection (clients reconnect to the paths: the
+   successor) and answers ``released``; only then does the successor take changes (thaw), so
+   nothing the old server still answers can contradict a delete the new one takes.
 
 Failures, and why none leaves two servers serving one node's disks:
 
@@ -60,6 +62,8 @@ log = logging.getLogger(__name__)
 
 BEGIN = b"KVHO1 begin\n"
 DONE = b"KVHO1 done\n"
+GO = b"KVHO1 go\n"
+PUBLISHED = b"KVHO1 published\n"
 RELEASED = b"KVHO1 released\n"
 FDS_PER_MESSAGE = 253
 """The kernel's ``SCM_MAX_FD``: descriptors one message may carry."""
@@ -219,10 +223,15 @@ class HandoverOffer:
         if answer != DONE:
             log.warning("the successor did not take over: thawing and serving on")
             return
-        log.info("handing over to the successor", extra={"blocks": sent})
+        # Committed: never thawed from here, whatever the successor does next.
         self.handed_over.set()
+        log.info("handing over to the successor", extra={"blocks": sent})
+        with contextlib.suppress(OSError):
+            conn.settimeout(30)
+            conn.sendall(GO)
+            conn.recv(64)  # "published" (or the successor died: retire all the same)
         self.on_done()
-        # Retired for good from here (never thawed): answer once nothing of ours serves any more.
+        # Answer once nothing of ours serves any more: the successor takes changes from then on.
         if self._released.wait(30):
             with contextlib.suppress(OSError):
                 conn.sendall(RELEASED)
@@ -231,7 +240,7 @@ class HandoverOffer:
 
 @dataclass
 class Inbound:
-    """What a successor received: :meth:`finish` once its sockets are bound, or :meth:`close`."""
+    """What a successor received: :meth:`commit`, publish, :meth:`published`; or :meth:`close`."""
 
     conn: socket.socket
     path: Path
@@ -240,12 +249,12 @@ class Inbound:
     blocks: list[tuple[BlockId, int, int, int]] = field(default_factory=list)
     """``(bid, fd, length, gen)``, least recently used first; ownership passes to whoever adopts them."""
 
-    def finish(self, timeout: float = 30.0) -> None:
-        """Say ``done`` and wait until the predecessor serves nothing any more.
+    def commit(self, timeout: float = 30.0) -> None:
+        """Say ``done``: the predecessor commits to retiring (before our sockets are published).
 
-        Raises :class:`HandoverFailed` if the predecessor did not take it and is still offering (it
-        timed out and thawed): serving now would put two servers on one node's disks. A predecessor
-        that died meanwhile is fine: nothing serves beside us.
+        Raises :class:`HandoverFailed` if it did not and is still offering (it timed out and thawed):
+        serving now would put two servers on one node's disks. A predecessor that died meanwhile is
+        fine: nothing serves beside us.
         """
         try:
             self.conn.settimeout(timeout)
@@ -253,13 +262,23 @@ class Inbound:
             answer = self.conn.recv(64)
         except OSError:
             answer = b""
-        finally:
-            self.conn.close()
-        if answer == RELEASED:
+        if answer == GO:
             return
+        self.conn.close()
         if _offering(self.path):
             raise HandoverFailed("the predecessor is still serving: it did not take the hand-over")
         log.warning("the predecessor went away during the hand-over; serving")
+
+    def published(self, timeout: float = 30.0) -> None:
+        """Say our sockets are published, and wait until the predecessor answers nothing any more."""
+        try:
+            self.conn.settimeout(timeout)
+            self.conn.sendall(PUBLISHED)
+            self.conn.recv(64)  # "released", or the predecessor is gone: either way it serves nothing
+        except OSError:
+            pass
+        finally:
+            self.conn.close()
 
     def close(self) -> None:
         """Give up: the predecessor thaws and serves on. Closes descriptors not adopted yet."""

@@ -219,3 +219,45 @@ def test_the_hand_over_socket_lies_in_a_directory_only_cache_servers_mount() -> 
     # Prepared (owned by the server's uid) like the run directory, and injected into no consumer.
     assert handover in " ".join(spec["initContainers"][0]["command"])
     assert connection_settings(p).host_dir == run  # the one directory injection mounts (read-only)
+
+
+def _existing(
+    *, max_surge: int, annotated: bool, desired: int = 3, updated: int = 3, observed: int = 2
+) -> dict[str, Any]:
+    annotations = {names.HANDOVER_ANNOTATION: "v1"} if annotated else {}
+    return {
+        "metadata": {"generation": 2},
+        "spec": {
+            "updateStrategy": {"rollingUpdate": {"maxSurge": max_surge, "maxUnavailable": 1}},
+            "template": {"metadata": {"annotations": annotations}},
+        },
+        "status": {
+            "observedGeneration": observed,
+            "desiredNumberScheduled": desired,
+            "currentNumberScheduled": desired,
+            "updatedNumberScheduled": updated,
+        },
+    }
+
+
+def test_the_first_rollout_onto_hand_over_stops_first_and_later_ones_surge() -> None:
+    from kvfabric.operator.render.children import surge_is_safe, without_surge
+
+    # A new pool, or one already surging: its pods can all hand over.
+    assert surge_is_safe(None)
+    assert surge_is_safe(_existing(max_surge=1, annotated=True, updated=1))
+    # Pods of a version without hand-over run: a surge would put a new server beside one that goes on
+    # writing the node's disks, so this rollout stops first.
+    assert not surge_is_safe(_existing(max_surge=0, annotated=False))
+    # The stop-first rollout onto hand-over is still going (or not observed yet): keep stopping first.
+    assert not surge_is_safe(_existing(max_surge=0, annotated=True, updated=1))
+    assert not surge_is_safe(_existing(max_surge=0, annotated=True, observed=1))
+    # Done: every pod offers hand-overs, the next rollout surges.
+    assert surge_is_safe(_existing(max_surge=0, annotated=True))
+    p = pool()
+    ds = render_daemonset(p, "r")
+    assert ds["spec"]["template"]["metadata"]["annotations"][names.HANDOVER_ANNOTATION] == "v1"
+    stop_first = without_surge(ds, p)
+    assert stop_first["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    assert stop_first["spec"]["template"] == ds["spec"]["template"]  # no extra rollout

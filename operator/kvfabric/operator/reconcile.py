@@ -33,7 +33,7 @@ from kvfabric.operator.render import (
     names,
     render_children,
 )
-from kvfabric.operator.render.children import RenderedChildren, owner_reference
+from kvfabric.operator.render.children import RenderedChildren, owner_reference, surge_is_safe, without_surge
 from kvfabric.operator.status import Event, Observed, compute_status, strip_times
 
 log = logging.getLogger("kvfabric.operator.reconcile")
@@ -134,6 +134,11 @@ async def _apply_children(
         await apply(obj)
     # Credentials before the DaemonSet too: its pods mount them.
     await _ensure_secrets(client, pool)
+    if pool.spec.update_strategy.hand_over:
+        existing = await reader.get("DaemonSet", namespace, names.daemonset_name(name))
+        if not surge_is_safe(existing):
+            # Pods of a version without hand-over still run: this rollout stops them first.
+            others = [without_surge(o, pool) if o["kind"] == "DaemonSet" else o for o in others]
     pruned, *_ = await asyncio.gather(
         _prune(client, reader, namespace, name, children.objects), *(apply(obj) for obj in others)
     )

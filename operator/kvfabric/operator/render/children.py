@@ -6,6 +6,7 @@ fields it does not care about are absent (so other managers, e.g. an autoscaler,
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Final
@@ -432,6 +433,43 @@ def _rolling_update(pool: KVCachePool) -> dict[str, Any]:
     return {"maxUnavailable": strategy.max_unavailable, "maxSurge": 0}
 
 
+def surge_is_safe(existing: dict[str, Any] | None) -> bool:
+    """Whether a hand-over rollout may surge beside the DaemonSet's pods as they are now.
+
+    A surge starts the new server beside the old one; an old one that cannot hand over (a version
+    from before hand-over) would go on writing the node's disks while the new one scans them. So the
+    first rollout onto hand-over stops first; later ones surge. Safe: no DaemonSet yet, one already
+    surging (it surges only once all its pods can hand over), or one whose every pod runs a template
+    that offers hand-overs.
+    """
+    if existing is None:
+        return True
+    spec = existing.get("spec") or {}
+    rolling = (spec.get("updateStrategy") or {}).get("rollingUpdate") or {}
+    if rolling.get("maxSurge") not in (None, 0, "0", "0%"):
+        return True
+    annotations = ((spec.get("template") or {}).get("metadata") or {}).get("annotations") or {}
+    status = existing.get("status") or {}
+    meta = existing.get("metadata") or {}
+    desired = int(status.get("desiredNumberScheduled") or 0)
+    return (
+        names.HANDOVER_ANNOTATION in annotations
+        and status.get("observedGeneration") == meta.get("generation")
+        and int(status.get("updatedNumberScheduled") or 0) == desired
+        and int(status.get("currentNumberScheduled") or 0) == desired
+    )
+
+
+def without_surge(daemonset: dict[str, Any], pool: KVCachePool) -> dict[str, Any]:
+    """``daemonset`` rolled by stopping first (this rollout only: see :func:`surge_is_safe`)."""
+    out = copy.deepcopy(daemonset)
+    out["spec"]["updateStrategy"]["rollingUpdate"] = {
+        "maxUnavailable": pool.spec.update_strategy.max_unavailable,
+        "maxSurge": 0,
+    }
+    return out
+
+
 def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
     """Return the DaemonSet; ``revision`` (the config hash) in the template rolls it on change."""
     return {
@@ -447,7 +485,10 @@ def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
             "template": {
                 "metadata": {
                     "labels": names.child_labels(pool.name, "cache-server"),
-                    "annotations": {names.CONFIG_HASH_ANNOTATION: revision},
+                    "annotations": {
+                        names.CONFIG_HASH_ANNOTATION: revision,
+                        **({names.HANDOVER_ANNOTATION: "v1"} if pool.spec.update_strategy.hand_over else {}),
+                    },
                 },
                 "spec": _pod_spec(pool),
             },

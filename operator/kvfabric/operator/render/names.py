@@ -17,6 +17,8 @@ COMPONENT_LABEL: Final = "app.kubernetes.io/component"
 OWNER_POOL_LABEL: Final = "kvfabric.io/owner-pool"
 
 CONFIG_HASH_ANNOTATION: Final = "kvfabric.io/config-hash"
+# On the cache pods' template: its servers offer and take hand-overs (a rollout may surge).
+HANDOVER_ANNOTATION: Final = "kvfabric.io/hand-over"
 INJECTED_ANNOTATION: Final = "kvfabric.io/injected"
 SKIP_REASON_ANNOTATION: Final = "kvfabric.io/skip-reason"
 POOL_NAMESPACE_ANNOTATION: Final = "kvfabric.io/pool-namespace"

@@ -89,7 +89,11 @@ def test_directory_preparation_runs_the_operators_image_with_only_chown(
     assert sc["allowPrivilegeEscalation"] is False
     assert sc["readOnlyRootFilesystem"] is True
     # It sees the hostPath directories it prepares, and nothing else (no config, no credentials).
-    assert {m["name"] for m in prepare["volumeMounts"]} == {names.RUN_VOLUME, "local-disk"}
+    assert {m["name"] for m in prepare["volumeMounts"]} == {
+        names.RUN_VOLUME,
+        names.HANDOVER_VOLUME,
+        "local-disk",
+    }
 
 
 @pytest.mark.process

@@ -364,8 +364,9 @@ def _prepare_dirs_container(
     server could not create its socket or blocks. A short root init container with nothing but
     CAP_CHOWN hands them over; the shared volume is best effort (NFS with root_squash refuses
     chown, and there the volume's own permissions must already let the server write).
-    Only directories kvfabric owns are chowned: the run directory and a per-pool directory below
-    the user's disk path, never the path itself (it may be shared with other data).
+    Only directories kvfabric owns are chowned: the run directory, the hand-over directory and a
+    per-pool directory below the user's disk path, never the path itself (it may be shared with
+    other data).
     """
     owned = [names.host_dir(pool.namespace, pool.name)]
     if pool.spec.update_strategy.hand_over:

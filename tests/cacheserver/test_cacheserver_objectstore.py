@@ -424,3 +424,35 @@ def test_a_delete_is_never_undone_by_an_older_copy_even_for_a_server_starting_la
         assert old_path not in listing(cfg)
         # ... and refuses a write-back of a generation the delete superseded.
         assert not c.write(k, memoryview(b"v1" * 1000), gen=old_gen, bucket=0, created_at=0.0, checksum=b"")
+
+
+def test_quiesced_for_a_hand_over_the_tier_lands_its_uploads_and_then_expires_nothing(
+    s3: S3Server, prefix: str, tmp_path: Any
+) -> None:
+    # The successor lists the store while the predecessor is frozen: nothing of the predecessor may
+    # add or remove objects meanwhile, including on the tier's own threads.
+    size = 64 * 1024
+    cfg = tier_config(s3, prefix, tmp_path)
+    with tier(cfg, "a", bucket_seconds=10, ttl_seconds=20) as a:
+        now_bucket = bucket_of(a.clock.now() or 0, a.bucket_seconds)
+        old = bid("expired")
+        assert a.put(old, payload_for(old.key, size), bucket=now_bucket - 10)
+        queued = bid("queued")
+        assert a.write(
+            queued,
+            memoryview(payload_for(queued.key, size)),
+            gen=a.generations.next(),
+            bucket=now_bucket,
+            created_at=0.0,
+            checksum=b"",
+        )
+        assert a.quiesce(30)
+        assert a.contains(queued), "an upload queued before the freeze has landed when it returns"
+        before = listing(cfg)
+        a.janitor_tick()
+        a.journal_tick()
+        assert a.contains(old), "nothing expires while quiesced"
+        assert listing(cfg) == before
+        a.resume()
+        a.janitor_tick()
+        assert not a.contains(old), "expiry resumes with the hand-over called off"

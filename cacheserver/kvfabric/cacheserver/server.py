@@ -402,6 +402,11 @@ def _handover_path(config: ServerConfig) -> Path:
     if where is None:
         return handover_socket_for(sock)
     where.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # The kubelet creates a missing hostPath directory 0755: only this uid may even look inside.
+    try:
+        os.chmod(where, 0o700)
+    except PermissionError:
+        log.warning("cannot make the hand-over directory private", extra={"path": str(where)})
     return where / f"{sock.name}.handover"
 
 

@@ -236,3 +236,20 @@ class ClosesForSuccessor(Protocol):
     def close_for_successor(self) -> None:
         """Stop background work and release this process's resources; leave the rest to the successor."""
         ...
+
+
+@runtime_checkable
+class Quiesces(Protocol):
+    """A backing tier that changes its storage on its own threads (the object store's janitor, uploads).
+
+    A hand-over's freeze quiesces it after the store's own write-backs settled, and resumes it if the
+    hand-over does not happen.
+    """
+
+    def quiesce(self, timeout: float) -> bool:
+        """Stop changing storage; True once nothing is in flight (within ``timeout``)."""
+        ...
+
+    def resume(self) -> None:
+        """Change storage again."""
+        ...

@@ -183,6 +183,9 @@ class ObjectStoreTier:
         )
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        # A hand-over's freeze pauses eviction and expiry (the janitor holds the lock while it runs).
+        self._paused = False
+        self._janitor_lock = threading.Lock()
         self._last_scan = 0.0
         self._scan_recent: set[BlockId] | None = None
 
@@ -790,7 +793,8 @@ class ObjectStoreTier:
             return
         if events:
             self.apply(events)
-        if gap or time.monotonic() - self._last_scan > self.cfg.rescan_seconds:
+        # A rescan also deletes damaged and superseded objects: not while quiesced for a hand-over.
+        if not self._paused and (gap or time.monotonic() - self._last_scan > self.cfg.rescan_seconds):
             with contextlib.suppress(ObjectStoreError):
                 self.scan()
 
@@ -802,12 +806,30 @@ class ObjectStoreTier:
         """
 
     def janitor_tick(self) -> None:
-        """Sync the store's clock, evict above the high watermark, expire old buckets."""
-        self.clock.sync()
-        u = self.usage()
-        if u.used_bytes > u.high_bytes:
-            self.evict(int(u.capacity_bytes * u.low_watermark))
-        self.expire()
+        """Sync the store's clock, evict above the high watermark, expire old buckets (not while quiesced)."""
+        with self._janitor_lock:
+            if self._paused:
+                return
+            self.clock.sync()
+            u = self.usage()
+            if u.used_bytes > u.high_bytes:
+                self.evict(int(u.capacity_bytes * u.low_watermark))
+            self.expire()
+
+    def quiesce(self, timeout: float) -> bool:
+        """Stop changing the store for a hand-over: eviction and expiry pause, queued uploads land.
+
+        The store's own freeze already refuses new writes, deletes and refreshes; this covers what
+        the tier does on its own threads. True once nothing of this server writes the store.
+        """
+        with self._janitor_lock:  # waits for a janitor pass in progress
+            self._paused = True
+        return self.flush(timeout)
+
+    def resume(self) -> None:
+        """Evict and expire again (the hand-over did not happen)."""
+        with self._janitor_lock:
+            self._paused = False
 
     def extra_stats(self) -> dict[str, Any]:
         """Tier-specific numbers for ``stats()``."""

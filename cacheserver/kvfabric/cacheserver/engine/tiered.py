@@ -39,6 +39,7 @@ from kvfabric.cacheserver.engine.base import (
     BackingTier,
     ClosesForSuccessor,
     MissReason,
+    Quiesces,
     ReadsIntoFiles,
     Tier,
     TierName,
@@ -247,7 +248,8 @@ class TieredStore:
         """Refuse changes from now on, and wait for those in progress and every queued write-back.
 
         Returns True once storage is still: nothing of this server writes to any tier until
-        :meth:`thaw`, except eviction inside DRAM. False (and thawed again) if that took longer than
+        :meth:`thaw`, except eviction inside DRAM (tiers that change storage on their own threads,
+        the object store, are quiesced too). False (and thawed again) if that took longer than
         ``timeout``: the hand-over is off and this server goes on as before.
         """
         end = time.monotonic() + timeout
@@ -256,6 +258,9 @@ class TieredStore:
             still = self._mut.wait_for(lambda: self._mutating == 0, timeout)
         if still:
             still = self.flush(max(0.0, end - time.monotonic()))
+        for tier in self.backing:
+            if still and isinstance(tier, Quiesces):
+                still = tier.quiesce(max(0.0, end - time.monotonic()))
         if not still:
             self.thaw()
         return still
@@ -273,6 +278,8 @@ class TieredStore:
             self._frozen = False
             purges, self._purges_while_frozen = self._purges_while_frozen, []
         for tier in self.backing:
+            if isinstance(tier, Quiesces):
+                tier.resume()
             if reclaim and isinstance(tier, ClosesForSuccessor):
                 tier.resume_after_successor()
         for bid, gen in purges:

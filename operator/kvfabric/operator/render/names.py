@@ -29,8 +29,10 @@ CONFIG_MOUNT_DIR: Final = "/etc/kvfabric"
 CONFIG_PATH: Final = f"{CONFIG_MOUNT_DIR}/{CONFIG_KEY}"
 HOST_RUN_ROOT: Final = "/run/kvfabric"
 # The hand-over socket (old server -> new server during a rollout) lives apart from the run directory
-# consumers mount: an engine running as the server's own uid must never reach it.
-HOST_HANDOVER_ROOT: Final = "/run/kvfabric-handover"
+# consumers mount: an engine running as the server's own uid must never reach it. A sibling of the
+# pools' run directories (a namespace never starts with a dot, so no pool directory is called that),
+# on the node's own /run/kvfabric like them.
+HOST_HANDOVER_ROOT: Final = f"{HOST_RUN_ROOT}/.handover"
 HANDOVER_VOLUME: Final = "kvfabric-handover"
 LOCAL_DISK_MOUNT: Final = "/var/lib/kvfabric/local"
 SHARED_MOUNT: Final = "/var/lib/kvfabric/shared"

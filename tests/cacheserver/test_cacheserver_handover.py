@@ -16,6 +16,7 @@ against two real server processes:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -23,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import pytest
@@ -77,6 +78,22 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="kvho-"))
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _offered(work: Path, **offer: Any) -> Iterator[tuple[TieredStore, Path, threading.Event]]:
+    """A started predecessor store offering itself on a real hand-over socket: ``(store, path, done)``."""
+    a = TieredStore(_config(work))
+    a.start()
+    path = handover_socket_for(work / "srv.sock")
+    done = threading.Event()
+    ho = HandoverOffer(path, a, done.set, **offer)
+    ho.start()
+    try:
+        yield a, path, done
+    finally:
+        ho.close()
+        a.close()
 
 
 class _Handover:
@@ -134,7 +151,8 @@ def test_the_successor_serves_exactly_the_latest_stores_and_no_deleted_key(
         else:
             a.delete(bid)
             model.pop(bid, None)
-    a_tombs = dict(a.generations.export()[1])
+    a_last, a_tomb_list = a.generations.export()
+    a_tombs = dict(a_tomb_list)
     ho = _Handover(a, handover_socket_for(case / "srv.sock"))
     # A successor with room for 2 blocks adopts the most recent ones; the rest it reads from disk.
     b = TieredStore(_config(case, dram_bytes=(2 * SIZE) if small_successor else 64 * MiB))
@@ -163,6 +181,9 @@ def test_the_successor_serves_exactly_the_latest_stores_and_no_deleted_key(
         if model:
             bid = next(iter(model))
             assert b.put(bid, b"newer") or b.generations.deleted_at(bid)
+            new_gen = b.dram.generation(bid)
+            assert new_gen is not None
+            assert new_gen > a_last
     finally:
         b.close()
 
@@ -209,13 +230,7 @@ def test_a_frozen_store_drops_stores_refuses_deletes_and_waits_for_a_store_in_fl
 
 
 def test_a_successor_that_goes_away_mid_hand_over_leaves_the_predecessor_serving(work: Path) -> None:
-    a = TieredStore(_config(work))
-    a.start()
-    path = handover_socket_for(work / "srv.sock")
-    done = threading.Event()
-    offer = HandoverOffer(path, a, done.set, freeze_timeout=5)
-    offer.start()
-    try:
+    with _offered(work, freeze_timeout=5) as (a, path, done):
         for i in range(3):
             assert a.put(_bid(i), payload_for(str(i), SIZE))
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
@@ -237,21 +252,13 @@ def test_a_successor_that_goes_away_mid_hand_over_leaves_the_predecessor_serving
             inbound.close()
         finally:
             b.close()
-    finally:
-        offer.close()
-        a.close()
 
 
 def test_only_the_servers_own_uid_can_ask_for_a_hand_over(work: Path) -> None:
     if os.getuid() != 0:
         pytest.skip("needs root to run a peer as another uid")
     work.chmod(0o755)
-    a = TieredStore(_config(work))
-    a.start()
-    path = handover_socket_for(work / "srv.sock")
-    offer = HandoverOffer(path, a, lambda: None, freeze_timeout=5)
-    offer.start()
-    try:
+    with _offered(work, freeze_timeout=5) as (a, path, _done):
         assert a.put(_bid(0), b"secret" * 1000)
         assert path.stat().st_mode & 0o777 == 0o600
         pid = os.fork()
@@ -294,47 +301,31 @@ def test_only_the_servers_own_uid_can_ask_for_a_hand_over(work: Path) -> None:
         assert os.waitstatus_to_exitcode(status) == 0
         assert not a.frozen
         assert a.put(_bid(1), b"ok" * 1000)
-    finally:
-        offer.close()
-        a.close()
 
 
 def test_a_predecessor_that_cannot_freeze_in_time_makes_the_successor_refuse_to_serve(work: Path) -> None:
-    a = TieredStore(_config(work))
-    a.start()
-    path = handover_socket_for(work / "srv.sock")
-    offer = HandoverOffer(path, a, lambda: None, freeze_timeout=0.3)
-    offer.start()
     release = threading.Event()
 
     def stuck_fill(fd: int) -> None:
         assert release.wait(10)
         os.pwrite(fd, b"s" * 4096, 0)
 
-    put = threading.Thread(target=lambda: a.put_with(_bid(1), 4096, stuck_fill))
-    put.start()
-    try:
-        with pytest.raises(HandoverFailed, match="aborted"):
-            receive(path, timeout=10)
-        wait_until(lambda: not a.frozen, 5, what="the predecessor to serve on")
-        release.set()
-        put.join(5)
+    with _offered(work, freeze_timeout=0.3) as (a, path, _done):
+        put = threading.Thread(target=lambda: a.put_with(_bid(1), 4096, stuck_fill))
+        put.start()
+        try:
+            with pytest.raises(HandoverFailed, match="aborted"):
+                receive(path, timeout=10)
+            wait_until(lambda: not a.frozen, 5, what="the predecessor to serve on")
+        finally:
+            release.set()
+            put.join(5)
         assert a.open_block(_bid(1)) is not None
         assert a.put(_bid(2), b"t" * 4096)
-    finally:
-        release.set()
-        offer.close()
-        a.close()
 
 
 def test_a_successor_too_slow_to_take_over_is_refused_and_the_predecessor_thaws(work: Path) -> None:
-    a = TieredStore(_config(work))
-    a.start()
-    path = handover_socket_for(work / "srv.sock")
-    done = threading.Event()
-    offer = HandoverOffer(path, a, done.set, freeze_timeout=5, successor_timeout=0.5)
-    offer.start()
-    try:
+    with _offered(work, freeze_timeout=5, successor_timeout=0.5) as (a, path, done):
         assert a.put(_bid(0), payload_for("0", SIZE))
         inbound = receive(path, timeout=10)
         assert inbound is not None
@@ -346,9 +337,6 @@ def test_a_successor_too_slow_to_take_over_is_refused_and_the_predecessor_thaws(
         inbound.close()
         assert not done.is_set()
         assert a.put(_bid(1), b"u" * 4096)
-    finally:
-        offer.close()
-        a.close()
 
 
 def test_a_socket_file_is_removed_only_by_the_listener_that_still_owns_it(work: Path) -> None:
@@ -394,9 +382,32 @@ def test_a_successor_process_takes_over_dram_and_the_sockets_and_the_predecessor
             sock = a.config.listen.unix_socket
             before = {p: _ino(p) for p in (sock, block_socket_for(sock), index_socket_for(sock))}
 
+            # A client connecting at any moment of the hand-over finds a listening socket on every path.
+            missing: list[str] = []
+            probing = threading.Event()
+            probing.set()
+
+            def probe() -> None:
+                kinds = {sock: socket.SOCK_STREAM, block_socket_for(sock): socket.SOCK_SEQPACKET}
+                while probing.is_set():
+                    for path, kind in kinds.items():
+                        with socket.socket(socket.AF_UNIX, kind) as s:
+                            try:
+                                s.connect(str(path))
+                            except OSError as exc:
+                                missing.append(f"{path.name}: {exc!r}")
+                    time.sleep(0.001)
+
+            prober = threading.Thread(target=probe)
+            prober.start()
             b = a.successor()
-            b.start_beside()
             try:
+                b.start_beside()
+            finally:
+                probing.clear()
+                prober.join(5)
+            try:
+                assert not missing, f"a client found no socket during the hand-over: {missing[:5]}"
                 after = {p: _ino(p) for p in before}
                 assert all(after[p] != before[p] for p in before), "every socket path is the successor's"
                 assert a.proc is not None

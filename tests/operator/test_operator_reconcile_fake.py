@@ -303,3 +303,34 @@ async def test_a_reconcile_from_synced_informers_lists_nothing_from_the_api_serv
     assert [r for r in kube.reads if r[0] == "list"] == [], kube.reads
     assert {kind for _, kind in kube.reads} <= {"KVCachePool", "Secret"}, kube.reads
     assert reader.fallbacks == 0
+
+
+@pytest.mark.asyncio
+async def test_the_first_rollout_onto_hand_over_stops_first_then_the_next_one_surges() -> None:
+    kube = FakeKube()
+    add_pool(kube)
+    # A DaemonSet of a version without hand-over: no annotation on its template, stop-first strategy.
+    kube.objects[("DaemonSet", "ns", names.daemonset_name("p"))] = {
+        "kind": "DaemonSet",
+        "metadata": {"name": names.daemonset_name("p"), "namespace": "ns", "generation": 1},
+        "spec": {
+            "updateStrategy": {"rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}},
+            "template": {"metadata": {"annotations": {}}},
+        },
+        "status": {"observedGeneration": 1, "desiredNumberScheduled": 2, "updatedNumberScheduled": 2},
+    }
+    await run(kube)
+    ds = kube.objects[("DaemonSet", "ns", names.daemonset_name("p"))]
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+    assert names.HANDOVER_ANNOTATION in ds["spec"]["template"]["metadata"]["annotations"]
+    # That rollout done (every pod on the annotated template): the next apply surges.
+    ds["metadata"]["generation"] = 2
+    ds["status"] = {
+        "observedGeneration": 2,
+        "desiredNumberScheduled": 2,
+        "currentNumberScheduled": 2,
+        "updatedNumberScheduled": 2,
+    }
+    await run(kube)
+    ds = kube.objects[("DaemonSet", "ns", names.daemonset_name("p"))]
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}

@@ -361,13 +361,12 @@ async def serve(
         if publisher is not None:
             publisher.close()
         reaper.cancel()
-        # Listeners close and new calls are refused at once; calls in flight get a grace period.
-        stopping = [asyncio.ensure_future(s.stop(grace=5)) for s in servers]
-        await asyncio.sleep(0.01)
+        # Calls in flight get a grace period. Only once none is left may a successor take changes:
+        # until then it refuses them (it has published its sockets already, so clients reconnect to it).
+        await asyncio.gather(*(s.stop(grace=5) for s in servers))
         if offer is not None:
-            offer.release()  # a successor publishes its sockets now: clients reconnect to it
+            offer.release()
             offer.close()
-        await asyncio.gather(*stopping)
         state.close()
         arena.close()
         await loop.run_in_executor(None, lambda: store.close(handed_over=handed_over))

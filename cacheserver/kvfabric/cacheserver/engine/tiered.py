@@ -230,7 +230,9 @@ class TieredStore:
         """Mark a change to storage in progress; raises :class:`HandingOver` while frozen."""
         with self._mut:
             if self._frozen:
-                raise HandingOver("the cache server is handing over to its successor")
+                raise HandingOver(
+                    "the cache server is handing over to its successor on this node; retry in a moment"
+                )
             self._mutating += 1
         try:
             yield
@@ -286,7 +288,7 @@ class TieredStore:
             self._deleted_elsewhere(bid, gen)
 
     def export(self) -> Snapshot:
-        """The frozen store's state for its successor (fds duplicated: the caller closes them)."""
+        """The frozen store's state for its successor (DRAM blocks by handle name, no descriptors)."""
         if not self._frozen:
             raise RuntimeError("export() needs a frozen store")
         last, tombs = self.generations.export()
@@ -621,7 +623,7 @@ class TieredStore:
     # --- background ----------------------------------------------------------------------------------
 
     def janitor_tick(self) -> None:
-        """Sync the clock, then each backing tier's janitor work ; nothing while frozen."""
+        """Sync the clock, then each backing tier's eviction, expiry and leases; not while frozen."""
         with contextlib.suppress(HandingOver), self._mutation():
             self._janitor_tick()
 

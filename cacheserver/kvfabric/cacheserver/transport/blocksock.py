@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from kvfabric.cacheserver.transport.indexpub import MAX_CONNECTIONS, Peer, listen_unix
+from kvfabric.cacheserver.transport.indexpub import MAX_CONNECTIONS, listen_unix, peer_of
 from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc import blockproto as bp
 
@@ -120,8 +120,7 @@ class BlockSocket:
     def _serve(self, conn: socket.socket) -> None:
         held = _Held()
         try:
-            pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            peer = Peer(pid, uid, gid)
+            peer = peer_of(conn)
             # A client that sends requests but never reads the answers cannot hold this thread (and
             # the descriptors in flight) for longer than this: the send fails, the connection closes.
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_SECONDS, 0))

@@ -2,8 +2,9 @@
 
 A DaemonSet rollout with ``maxSurge`` starts the new cache-server pod on a node while the old one
 still serves, and deletes the old pod only once the new one is ready. The new server asks the old
-one for its state over the *hand-over socket* (``<socket>.handover``, ``SOCK_SEQPACKET``, mode 0600,
-in the server-owned socket directory), before it scans its disks:
+one for its state over the *hand-over socket* (``<socket name>.handover``, ``SOCK_SEQPACKET``, mode
+0600, in ``handover.socket_dir``: a directory only cache servers reach, never a consumer), before it
+scans its disks:
 
 1. successor → ``KVHO1 begin``. The predecessor checks the peer runs as its own uid
    (``SO_PEERCRED``), freezes its store (stores dropped, deletes refused, write-backs flushed:
@@ -44,7 +45,6 @@ import json
 import logging
 import os
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +53,7 @@ from typing import Any
 
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.tiered import TieredStore
+from kvfabric.cacheserver.transport.indexpub import peer_of
 from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc.fdpass import recv_fds
 
@@ -75,11 +76,6 @@ def handover_socket_for(unix_socket: str | os.PathLike[str]) -> Path:
     """Where the hand-over socket of the server listening on ``unix_socket`` is (beside it)."""
     p = Path(unix_socket)
     return p.with_name(p.name + ".handover")
-
-
-def _peer_uid(conn: socket.socket) -> int:
-    _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    return int(uid)
 
 
 def _send(conn: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
@@ -175,7 +171,7 @@ class HandoverOffer:
                         self.store.thaw()  # serve on (a no-op if it never froze)
 
     def _serve(self, conn: socket.socket) -> None:
-        uid = _peer_uid(conn)
+        uid = peer_of(conn).uid
         if uid != os.getuid():
             log.warning("hand-over refused: the peer runs as another user", extra={"uid": uid})
             return
@@ -317,7 +313,7 @@ def receive(path: Path, timeout: float = 60.0) -> Inbound | None:
         return None
     inbound: Inbound | None = None
     try:
-        if _peer_uid(sock) != os.getuid():
+        if peer_of(sock).uid != os.getuid():
             log.warning("hand-over socket served by another user: ignored")
             sock.close()
             return None

@@ -41,7 +41,7 @@ from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc import indextable as it
 
-__all__ = ["IndexPublisher", "IndexSocket", "Peer", "listen_unix"]
+__all__ = ["IndexPublisher", "IndexSocket", "Peer", "listen_unix", "peer_of"]
 
 log = logging.getLogger(__name__)
 
@@ -298,8 +298,7 @@ class IndexSocket:
         if namespace is None:
             conn.sendall(b"\x01bad request\n")
             return False
-        pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        if not self.authorize(namespace, Peer(pid, uid, gid)):
+        if not self.authorize(namespace, peer_of(conn)):
             conn.sendall(b"\x02permission denied\n")
             return False
         if len(self._conns) >= MAX_CONNECTIONS:
@@ -327,6 +326,12 @@ class IndexSocket:
         self._conns = []
         if self._file is not None:
             self._file.remove()
+
+
+def peer_of(conn: socket.socket) -> Peer:
+    """The process at the other end of a connected Unix socket (``SO_PEERCRED``, set by the kernel)."""
+    pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return Peer(pid, uid, gid)
 
 
 def listen_unix(path: Path, kind: int) -> tuple[socket.socket, SocketFile]:

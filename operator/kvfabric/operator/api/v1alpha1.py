@@ -687,7 +687,7 @@ class UpdateStrategy(_Model):
     hand_over: bool = Field(
         default=True,
         description="Roll a node by starting the new cache server beside the old one, which hands it its "
-        "DRAM blocks over the node's socket directory (no copy; the same memory) and is removed once the "
+        "DRAM blocks over a node-local socket (no copy; the same memory) and is removed once the "
         "new one is ready: hit rates and TTFT stay as they were during a rollout. The node needs room "
         "for both pods' resource requests meanwhile (the memory itself is shared, not doubled). false: "
         "the old server stops first (maxUnavailable), and the new one starts with its disk tiers only.",

@@ -426,12 +426,10 @@ def _pod_spec(pool: KVCachePool) -> dict[str, Any]:
     return pod_spec
 
 
-def _rolling_update(pool: KVCachePool) -> dict[str, Any]:
-    """Surge with hand-over (the new server takes the old one's DRAM, then the old goes), else stop first."""
-    strategy = pool.spec.update_strategy
-    if strategy.hand_over:
-        return {"maxUnavailable": 0, "maxSurge": strategy.max_unavailable}
-    return {"maxUnavailable": strategy.max_unavailable, "maxSurge": 0}
+def _rolling_update(pool: KVCachePool, *, surge: bool) -> dict[str, Any]:
+    """Surge (the new server takes the old one's DRAM, then the old goes), else stop first."""
+    nodes = pool.spec.update_strategy.max_unavailable
+    return {"maxUnavailable": 0, "maxSurge": nodes} if surge else {"maxUnavailable": nodes, "maxSurge": 0}
 
 
 def surge_is_safe(existing: dict[str, Any] | None) -> bool:
@@ -464,10 +462,7 @@ def surge_is_safe(existing: dict[str, Any] | None) -> bool:
 def without_surge(daemonset: dict[str, Any], pool: KVCachePool) -> dict[str, Any]:
     """``daemonset`` rolled by stopping first (this rollout only: see :func:`surge_is_safe`)."""
     out = copy.deepcopy(daemonset)
-    out["spec"]["updateStrategy"]["rollingUpdate"] = {
-        "maxUnavailable": pool.spec.update_strategy.max_unavailable,
-        "maxSurge": 0,
-    }
+    out["spec"]["updateStrategy"]["rollingUpdate"] = _rolling_update(pool, surge=False)
     return out
 
 
@@ -481,7 +476,7 @@ def render_daemonset(pool: KVCachePool, revision: str) -> dict[str, Any]:
             "selector": {"matchLabels": names.selector_labels(pool.name)},
             "updateStrategy": {
                 "type": "RollingUpdate",
-                "rollingUpdate": _rolling_update(pool),
+                "rollingUpdate": _rolling_update(pool, surge=pool.spec.update_strategy.hand_over),
             },
             "template": {
                 "metadata": {

@@ -10,6 +10,8 @@ against two real server processes:
   with a successor whose DRAM may be smaller);
 * while frozen the predecessor writes nothing: a store is dropped, a delete refused (UNAVAILABLE over
   gRPC), and a store in flight when the freeze begins is waited for and handed over;
+* the freeze quiesces tiers that change storage on their own threads (the object store) once the
+  write-backs landed, and a tier that cannot quiesce calls the hand-over off (resumed, serving);
 * a successor that goes away mid-hand-over leaves the predecessor serving (stores accepted again);
 * only the server's own uid can ask for a hand-over.
 """
@@ -225,6 +227,66 @@ def test_a_frozen_store_drops_stores_refuses_deletes_and_waits_for_a_store_in_fl
         a.thaw()
         assert a.put(_bid(2), b"y" * 4096)
         assert a.delete(_bid(1))
+    finally:
+        a.close()
+
+
+class _Quiescing:
+    """A real backing tier (delegated to) that records the hand-over's quiesce and resume calls."""
+
+    def __init__(self, tier: Any, events: list[tuple[str, Any]], *, refuse: bool) -> None:
+        self._tier = tier
+        self._events = events
+        self._refuse = refuse
+        self.store: TieredStore | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tier, name)
+
+    def quiesce(self, timeout: float) -> bool:
+        assert self.store is not None
+        # What the store promises a quiescing tier: its own write-backs settled first.
+        self._events.append(("quiesce", self.store.flush(0)))
+        return not self._refuse
+
+    def resume(self) -> None:
+        self._events.append(("resume", None))
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["quiesced", "cannot-quiesce"])
+def test_the_freeze_quiesces_tiers_with_threads_of_their_own_and_the_thaw_resumes_them(
+    work: Path, refuse: bool
+) -> None:
+    # The object-store tier changes storage on its own threads (uploads, expiry, rescans): a freeze
+    # that did not quiesce it would let the predecessor write while the successor scans.
+    from kvfabric.cacheserver.engine.tiers import build_backing_tiers
+
+    events: list[tuple[str, Any]] = []
+    wrapped: list[_Quiescing] = []
+
+    def backing(ctx: Any) -> list[Any]:
+        wrapped.extend(_Quiescing(t, events, refuse=refuse) for t in build_backing_tiers(ctx))
+        return list(wrapped)
+
+    a = TieredStore(_config(work), backing=backing)
+    assert wrapped, "the test needs a backing tier to wrap"
+    for w in wrapped:
+        w.store = a
+    a.start()
+    try:
+        for i in range(4):
+            assert a.put(_bid(i), payload_for(str(i), SIZE))  # write-backs queued to the disk tier
+        assert a.freeze(10) is not refuse
+        if refuse:
+            # A tier that cannot quiesce calls the hand-over off: the store thawed and serves on.
+            assert events == [("quiesce", True), ("resume", None)]
+            assert not a.frozen
+            assert a.put(_bid(9), b"z" * 4096)
+            return
+        assert events == [("quiesce", True)] * len(wrapped), "quiesced once the write-backs landed"
+        a.thaw()
+        assert events[len(wrapped) :] == [("resume", None)] * len(wrapped)
+        assert a.put(_bid(9), b"z" * 4096)
     finally:
         a.close()
 

@@ -8,7 +8,11 @@ cProfile summaries (top functions by own time) of
 3. cold disk-tier promotions of 8 x 32 MiB in-process (server side: O_DIRECT read, checksum);
 4. the ways a client can copy a 32 MiB sealed memfd into a warm buffer, against memcpy in the same
    run: mapping it for one load (what a load does today, with and without ``MAP_POPULATE``),
-   ``preadv``, and a mapping kept from an earlier load (the ceiling of a client-side mapping cache).
+   ``preadv``, and a mapping kept from an earlier load (the ceiling of a client-side mapping cache);
+5. cold disk promotions, the ways of filling a fresh memfd from a block file;
+6. a 16k-token restore into the reference engine's KV tensors from kept mappings of sealed blocks
+   (#13.2): through the connector's staging buffer (today: copy, verify, scatter), against verifying
+   and scattering in place from the mappings (no staging copy), with memcpy of the same bytes.
 
 Not a benchmark (no targets, nothing judged): the evidence behind docs/performance.md.
 """
@@ -285,8 +289,123 @@ def promotion_paths(workdir: Path | None = None, rounds: int = 5, blocks: int = 
         print(f"{name:42s} {med:6.2f} GB/s ({min(got):.2f}-{max(got):.2f}), {med / base:.2f} of raw")
 
 
+def restore_paths(
+    rounds: int = 15, tokens: int = 16384, chunk_tokens: int = 256, block_size: int = 16
+) -> None:
+    """Part 6: ms per restore of ``tokens`` from kept mappings, staged or in place, median (min-max)."""
+    import mmap
+    import statistics
+    import warnings
+
+    import torch
+
+    from kvfabric.cacheserver.engine.dram import new_memfd, seal
+    from kvfabric.connector import layout
+
+    # The reference engine's benchmark model (4 layers, 2 KV heads of 32, fp32): 2 KiB per token.
+    kv = {f"layer.{i}": torch.zeros(tokens // block_size + 8, 2, block_size, 64) for i in range(4)}
+    geo = layout.ChunkGeometry.from_kv_caches(kv, block_size=block_size, chunk_tokens=chunk_tokens)
+    n = tokens // chunk_tokens
+    ns, size = "ab" * 32, geo.payload_bytes
+    keys = [f"{i:064x}" for i in range(n)]
+    block_ids = [list(range(i * geo.blocks_per_chunk, (i + 1) * geo.blocks_per_chunk)) for i in range(n)]
+    maps, fds = [], []
+    for key in keys:
+        payload = bytearray(os.urandom(size))
+        layout.seal(payload, namespace=ns, key=key, num_tokens=chunk_tokens, num_layers=4)
+        fd = new_memfd("profile", size)
+        assert fd is not None
+        os.pwrite(fd, payload, 0)
+        seal(fd)
+        fds.append(fd)
+        maps.append(mmap.mmap(fd, size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE))
+    views = [memoryview(m) for m in maps]
+    staging = bytearray(n * size)
+    src = bytearray(os.urandom(n * size))
+
+    def verify(buf: memoryview, key: str) -> None:
+        layout.verify(buf, namespace=ns, key=key, num_tokens=chunk_tokens, num_layers=4)
+
+    def memcpy() -> None:
+        staging[:] = src
+
+    def staged() -> None:
+        for i, v in enumerate(views):
+            staging[i * size : (i + 1) * size] = v
+        for i, key in enumerate(keys):
+            verify(memoryview(staging)[i * size : (i + 1) * size], key)
+        for idx, t in enumerate(kv.values()):
+            layout.scatter_chunks(geo, idx, staging, t, block_ids)
+
+    def in_place() -> None:
+        for v, key in zip(views, keys, strict=True):
+            verify(v, key)
+        for idx, t in enumerate(kv.values()):
+            for v, ids in zip(views, block_ids, strict=True):
+                layout.scatter_layer(geo, idx, v, t, ids)
+
+    def verify_only() -> None:
+        for v, key in zip(views, keys, strict=True):
+            verify(v, key)
+
+    def scatter_only() -> None:
+        for idx, t in enumerate(kv.values()):
+            for v, ids in zip(views, block_ids, strict=True):
+                layout.scatter_layer(geo, idx, v, t, ids)
+
+    def staged_scatter_only() -> None:
+        for idx, t in enumerate(kv.values()):
+            layout.scatter_chunks(geo, idx, staging, t, block_ids)
+
+    # What a lean in-place scatter costs: one tensor per mapping, index tensors made once, one
+    # index_put_ per chunk and layer (scatter_layer builds its view and index on every call).
+    offsets = [layout.HEADER_SIZE + sum(geo.layer_bytes[:i]) for i in range(4)]
+    index = [torch.as_tensor(ids) for ids in block_ids]
+
+    def lean_scatter() -> None:
+        for v, ix in zip(views, index, strict=True):
+            whole = torch.frombuffer(v, dtype=torch.uint8)
+            for idx, t in enumerate(kv.values()):
+                g = geo.layers[idx]
+                part = whole[offsets[idx] : offsets[idx] + geo.layer_bytes[idx]]
+                t.index_put_((ix,), part.view(g.dtype).view(geo.blocks_per_chunk, *g.block_shape))
+
+    def in_place_lean() -> None:
+        verify_only()
+        lean_scatter()
+
+    ways: dict[str, Callable[[], None]] = {
+        "memcpy of the same bytes (baseline)": memcpy,
+        "staged: copy, verify, scatter (today)": staged,
+        "  of which the scatter from staging": staged_scatter_only,
+        "in place: verify, scatter per chunk": in_place,
+        "  of which the keyed MAC (verify)": verify_only,
+        "  of which the scatter per chunk": scatter_only,
+        "in place, lean scatter per chunk": in_place_lean,
+        "  of which the lean scatter": lean_scatter,
+    }
+    memcpy()
+    ms: dict[str, list[float]] = {name: [] for name in ways}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch.frombuffer of a read-only mapping
+        for _ in range(rounds):
+            for name, fn in ways.items():
+                t0 = time.perf_counter()
+                fn()
+                ms[name].append((time.perf_counter() - t0) * 1e3)
+    print(f"== restoring {tokens} tokens ({n} chunks, {n * size / MiB:.0f} MiB) from kept mappings")
+    for name, got in ms.items():
+        med = statistics.median(got)
+        print(f"{name:40s} {med:7.2f} ms ({min(got):.2f}-{max(got):.2f}), {n * size / med / 1e6:.2f} GB/s")
+    for v, m, fd in zip(views, maps, fds, strict=True):
+        v.release()
+        m.close()
+        os.close(fd)
+
+
 if __name__ == "__main__":
     lookups_and_shm()
     disk_promotion()
     copy_paths()
     promotion_paths()
+    restore_paths()

@@ -12,6 +12,8 @@ against two real server processes:
   gRPC), and a store in flight when the freeze begins is waited for and handed over;
 * the freeze quiesces tiers that change storage on their own threads (the object store) once the
   write-backs landed, and a tier that cannot quiesce calls the hand-over off (resumed, serving);
+* the successor takes changes only once the predecessor released (``published`` is answered after
+  the predecessor stopped serving), and a predecessor that handed over never thaws;
 * a successor that goes away mid-hand-over leaves the predecessor serving (stores accepted again);
 * only the server's own uid can ask for a hand-over.
 """
@@ -314,6 +316,46 @@ def test_a_successor_that_goes_away_mid_hand_over_leaves_the_predecessor_serving
             inbound.close()
         finally:
             b.close()
+
+
+def test_the_successor_hears_published_answered_only_once_the_predecessor_released(work: Path) -> None:
+    # The successor thaws (takes deletes) when published() returns: that must not happen while the
+    # predecessor still answers calls, or a delete taken here could be contradicted there.
+    a = TieredStore(_config(work))
+    a.start()
+    path = handover_socket_for(work / "srv.sock")
+    retired = threading.Event()
+    offer = HandoverOffer(path, a, retired.set, freeze_timeout=10)  # released by hand, below
+    offer.start()
+    b = TieredStore(_config(work / "b"))
+    try:
+        assert a.put(_bid(1), payload_for("1", SIZE))
+        inbound = receive(path, timeout=10)
+        assert inbound is not None
+        b.learn(inbound.last_gen, inbound.tombstones)
+        b.start()
+        blocks, inbound.blocks = inbound.blocks, []
+        assert b.adopt(blocks) == 1
+        inbound.commit()
+        answered = threading.Event()
+
+        def publish() -> None:
+            inbound.published(timeout=10)
+            answered.set()
+
+        waiter = threading.Thread(target=publish)
+        waiter.start()
+        assert retired.wait(5), "the predecessor retires on 'published'"
+        time.sleep(0.5)
+        assert not answered.is_set(), "published() returned while the predecessor still serves"
+        offer.release()
+        waiter.join(5)
+        assert answered.is_set(), "published() returns once the predecessor released"
+        assert a.frozen, "a predecessor that handed over never thaws"
+    finally:
+        offer.close()
+        b.close()
+        a.close()
 
 
 def test_only_the_servers_own_uid_can_ask_for_a_hand_over(work: Path) -> None:

@@ -396,3 +396,81 @@ def test_a_release_queued_before_a_reconnect_is_not_sent_on_the_next_connection(
     assert stale.encode() in seen[0]  # it rode on the request to the connection that held it...
     assert stale.encode() not in seen[1]  # ...and not on the retry to the next one
     assert wanted.encode() in seen[1]
+
+
+# --- lent loads: the caller reads the kept mapping itself (no copy) -----------------------------------
+
+
+@pytest.mark.unit
+def test_a_lent_mapping_is_never_unmapped_while_lent_and_its_release_is_queued_once() -> None:
+    cache = MappingCache(2 * 4096)
+    lease = cache.keep_lent("n0", _mapping(b"\1" * 4096), 4096, key="k0", epoch=0)
+    assert lease is not None
+    again = cache.borrow("n0", 4096)
+    assert again is not None
+    # Evicted while lent (two more blocks in a budget of two): the bytes stay readable.
+    assert cache.keep("n1", _mapping(b"\2" * 4096), 4096, key="k1", epoch=0)
+    assert cache.keep("n2", _mapping(b"\3" * 4096), 4096, key="k2", epoch=0)
+    assert cache.borrow("n0", 4096) is None, "an evicted block is lent no more"
+    assert bytes(lease.view) == b"\1" * 4096
+    lease.release()
+    lease.release()  # idempotent: a second release must not unmap under the other lease
+    assert bytes(again.view) == b"\1" * 4096
+    assert cache.take_releases(10) == [], "released to the server only once nobody reads it"
+    again.release()
+    assert cache.take_releases(10) == ["n0"]
+    # Lent at once on keep: the same block kept twice lends the mapping already kept.
+    dup = cache.keep_lent("n2", _mapping(b"\x09" * 4096), 4096, key="k2", epoch=0)
+    assert dup is not None
+    assert bytes(dup.view) == b"\3" * 4096
+    dup.release()
+    # A connection that closed since the hold: refused, nothing lent.
+    assert cache.keep_lent("n4", _mapping(b"\4" * 4096), 4096, epoch=-1) is None
+
+
+@pytest.mark.process
+def test_concurrent_lent_loads_read_exactly_the_stored_bytes_and_leave_nothing_pinned() -> None:
+    keys = [digest("lent", i) for i in range(12)]
+    payloads = [payload_for(k, 256 * 1024 + 4096 * (i % 3)) for i, k in enumerate(keys)]
+    with (
+        cache_server(dram_bytes=64 * MiB) as srv,
+        CacheClient(srv.unix_target, shared_memory=True, mapping_cache_bytes=5 * 256 * 1024) as c,
+    ):
+        assert c.lends
+        assert c.store(NS, keys, payloads, timeout=30).accepted == 12
+        errors: list[BaseException] = []
+
+        def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            try:
+                for _ in range(60):
+                    start = rng.randrange(0, 9)
+                    leases = c.load_views(NS, keys[start : start + 4], timeout=30)
+                    try:
+                        assert len(leases) == 4
+                        for lease, p in zip(leases, payloads[start : start + 4], strict=True):
+                            assert bytes(lease.view) == p
+                    finally:
+                        for lease in leases:
+                            lease.release()
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        maps = c._blocks.maps  # type: ignore[union-attr]
+        assert maps is not None
+        assert all(k.users == 0 for k in maps._kept.values()), "a released lease left a mapping pinned"
+        assert maps.kept_bytes <= maps.budget
+        c._blocks.flush_releases(deadline=time.monotonic() + 10)  # type: ignore[union-attr]
+        held = c.stats(timeout=10)["tiers"]["dram"]["held_bytes"]
+        assert held == sum(-(-k.length // 4096) * 4096 for k in maps._kept.values())
+        assert held > 0
+        # A missing key ends the lent prefix; nothing after it is lent.
+        got = c.load_views(NS, [keys[0], digest("absent"), keys[1]], timeout=30)
+        assert [bytes(x.view) for x in got] == [payloads[0]]
+        got[0].release()

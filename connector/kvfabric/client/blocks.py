@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvfabric.client import errors
-from kvfabric.client.mappings import MappingCache
+from kvfabric.client.mappings import Lease, MappingCache
 from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc import fdpass
 
@@ -75,6 +75,67 @@ class BlockChannel:
             return False
         copy_into(fd, length, target, name)
         return True
+
+    def borrow_block(
+        self, name: str, length: int, *, deadline: float, key: str | None = None
+    ) -> Lease | None:
+        """Lend the loaded block ``name``'s bytes, read-only, until the lease is released; None if gone.
+
+        No copy when the block's mapping is (or can be) kept: the lease pins the sealed mapping
+        itself. A block this client cannot hold is copied once into memory the lease owns. A lease
+        must always be released (:func:`~kvfabric.client.mappings.release_all`), or the block stays
+        held and charged to this client.
+        """
+        maps = self.maps
+        if maps is not None and length:
+            if key is not None:
+                maps.named(key, name)
+            lease = maps.borrow(name, length)
+            if lease is not None:
+                return lease
+            if maps.make_room(length):
+                got = self._fetch_held(name, deadline)
+                if got is not None:
+                    return self._lend_held(maps, name, length, key=key, fetched=got)
+        fd = self.fetch([name], deadline=deadline)[0]
+        if fd is None:
+            return None
+        return _private_copy(fd, length, name)
+
+    def _lend_held(
+        self,
+        maps: MappingCache,
+        name: str,
+        length: int,
+        *,
+        key: str | None,
+        fetched: tuple[int | None, bool, int],
+    ) -> Lease | None:
+        fd, held, epoch = fetched
+        if fd is None:
+            return None
+        if not held:
+            maps.give_up_one()  # as in _copy_held: holds keep turning over
+            return _private_copy(fd, length, name)
+        try:
+            mapping = _map_block(fd, length, name)
+        except BaseException:
+            maps.release_later(name, epoch)
+            raise
+        finally:
+            os.close(fd)
+        lease: Lease | None = None
+        try:
+            lease = maps.keep_lent(name, mapping, length, key=key, epoch=epoch)
+            if lease is not None:
+                return lease
+            private = bytearray(length)
+            private[:] = memoryview(mapping)[:length]
+            return Lease(memoryview(private))
+        finally:
+            if lease is None:
+                mapping.close()
+                maps.release_later(name, epoch)
 
     def _copy_held(
         self,
@@ -292,6 +353,13 @@ def copy_into(fd: int, length: int, target: memoryview, name: str) -> None:
             target[:length] = m
     finally:
         os.close(fd)
+
+
+def _private_copy(fd: int, length: int, name: str) -> Lease:
+    """A lease of a private copy of a sealed block (closes ``fd``)."""
+    private = bytearray(length)
+    copy_into(fd, length, memoryview(private), name)
+    return Lease(memoryview(private))
 
 
 def read_all(fd: int, length: int, name: str) -> bytes:

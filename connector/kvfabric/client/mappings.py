@@ -27,9 +27,10 @@ from __future__ import annotations
 import mmap
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["MappingCache"]
+__all__ = ["Lease", "MappingCache"]
 
 
 PAGE = 4096
@@ -58,8 +59,45 @@ class _Kept:
         return charged(self.length)
 
     def close(self) -> None:
-        self.view.release()
-        self.mapping.close()
+        try:
+            self.view.release()
+            self.mapping.close()
+        except BufferError:
+            # A borrower's tensor still refers to the bytes (a traceback keeping a frame alive):
+            # the mapping goes when the last reference does. The hold is released all the same.
+            pass
+
+
+class Lease:
+    """Read-only bytes of one loaded block, lent to the caller until :meth:`release` (idempotent).
+
+    A lease of a kept mapping pins it: eviction does not unmap it while the lease is out (the last
+    user unmaps it). A lease may also own a private copy (a block this client could not hold): then
+    releasing it only drops the reference.
+    """
+
+    __slots__ = ("_done", "_lock", "_on_release", "view")
+
+    def __init__(self, view: memoryview, on_release: Callable[[], None] | None = None) -> None:
+        self.view = view
+        self._on_release = on_release
+        self._lock = threading.Lock()
+        self._done = False
+
+    def release(self) -> None:
+        """Give the bytes back; the view must not be used afterwards."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        if self._on_release is not None:
+            self._on_release()
+
+
+def release_all(leases: Iterable[Lease]) -> None:
+    """Release every lease of ``leases``."""
+    for lease in leases:
+        lease.release()
 
 
 class MappingCache:
@@ -101,12 +139,29 @@ class MappingCache:
         try:
             target[:length] = kept.view
         finally:
-            with self._lock:
-                kept.users -= 1
-                last = kept.doomed and kept.users == 0
-            if last:
-                self._close(name, kept)
+            self._give_back(name, kept)
         return True
+
+    def borrow(self, name: str, length: int) -> Lease | None:
+        """Lend the kept block ``name``'s bytes, pinned until the lease is released; None if not kept.
+
+        The bytes are sealed: they cannot change while lent, so what the borrower verified is what
+        it reads afterwards.
+        """
+        with self._lock:
+            kept = self._kept.get(name)
+            if kept is None or kept.length != length:
+                return None
+            self._kept.move_to_end(name)
+            kept.users += 1
+        return Lease(kept.view, lambda: self._give_back(name, kept))
+
+    def _give_back(self, name: str, kept: _Kept) -> None:
+        with self._lock:
+            kept.users -= 1
+            last = kept.doomed and kept.users == 0
+        if last:
+            self._close(name, kept)
 
     def named(self, key: str, name: str) -> None:
         """The server named ``key``'s block ``name``: a mapping of its older block goes now.
@@ -148,16 +203,32 @@ class MappingCache:
         the budget, or the connection that held it closed since): the caller unmaps it and, if the
         epoch is still current, releases the hold (:meth:`release_later`).
         """
+        return self._keep(name, mapping, length, key, epoch, lend=False) is not None
+
+    def keep_lent(
+        self, name: str, mapping: mmap.mmap, length: int, *, key: str | None = None, epoch: int
+    ) -> Lease | None:
+        """:meth:`keep`, and lend the kept bytes at once (no eviction can come between); None if refused."""
+        got = self._keep(name, mapping, length, key, epoch, lend=True)
+        if got is None:
+            return None
+        kname, kept = got
+        return Lease(kept.view, lambda: self._give_back(kname, kept))
+
+    def _keep(
+        self, name: str, mapping: mmap.mmap, length: int, key: str | None, epoch: int, *, lend: bool
+    ) -> tuple[str, _Kept] | None:
         kept = _Kept(mapping, length, key, epoch)
         if kept.size > self.budget:
-            return False
+            return None
         gone: list[tuple[str, _Kept]] = []
         with self._lock:
             if epoch != self.epoch:
-                return False  # that connection's holds were released when it closed
+                return None  # that connection's holds were released when it closed
             if name in self._kept:
                 # Another thread kept the same block meanwhile (held twice): drop this one's hold.
                 gone.append((name, kept))
+                kept = self._kept[name]
             else:
                 self._kept[name] = kept
                 self._bytes += kept.size
@@ -166,11 +237,13 @@ class MappingCache:
                     self._by_key[key] = name
                     if old is not None and old in self._kept:
                         gone.append(self._forget_locked(old))
-                while self._bytes > self.budget:
-                    gone.append(self._forget_locked(next(iter(self._kept))))
+            if lend:
+                kept.users += 1  # before any eviction below: a lent mapping is never unmapped
+            while self._bytes > self.budget:
+                gone.append(self._forget_locked(next(iter(self._kept))))
         for n, k in gone:
             self._close_unless_used(n, k)
-        return True
+        return name, kept
 
     def clear(self) -> None:
         """Unmap everything: the connection that held them is gone, and with it all of its holds.

@@ -19,6 +19,7 @@ from kvfabric.client import _common as c
 from kvfabric.client.errors import CacheError, CacheTimeout, CacheUnavailable, InvalidRequest
 from kvfabric.client.hangwatch import HangWatch
 from kvfabric.client.localindex import LocalIndex
+from kvfabric.client.mappings import Lease, release_all
 from kvfabric.client.results import FlushResult, LookupResult, StoreResult
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
@@ -326,6 +327,48 @@ class CacheClient:
         asm = c.LoadAssembler(buffers)
         self._stream_load(req, timeout, asm)
         return asm.count
+
+    @property
+    def lends(self) -> bool:
+        """Whether :meth:`load_views` lends blocks without copying (same node, kept mappings)."""
+        return self._blocks is not None and self._blocks.maps is not None
+
+    def load_views(self, namespace: str, keys: Sequence[str], *, timeout: float) -> list[Lease]:
+        """Lend the leading present payloads, read-only and in order, without copying them.
+
+        Same node only (shared memory). Each :class:`~kvfabric.client.mappings.Lease` pins a kept
+        mapping of a sealed block (or owns a private copy of a block this client could not hold);
+        the caller releases every lease it got. On an error nothing stays lent.
+        """
+        c.check_timeout(timeout)
+        c.check_ids(namespace, keys)
+        if self._blocks is None:
+            raise InvalidRequest("load_views needs shared memory (a Unix target with shared_memory=True)")
+        blocks = self._blocks
+        req = pb.LoadRequest(namespace=namespace, keys=keys, batch_slots=True)
+        deadline = time.monotonic() + timeout
+        out: list[Lease] = []
+
+        def lend(r: _Conn) -> None:
+            call = r.stub.ShmLoad(req, timeout=timeout, metadata=r.md)
+            with self._watch(namespace, call):
+                for slot in c.shm_slots(call):
+                    lease = None
+                    if len(out) < len(keys):
+                        lease = blocks.borrow_block(
+                            slot.name, slot.length, deadline=deadline, key=f"{namespace}/{keys[len(out)]}"
+                        )
+                    if lease is None:
+                        call.cancel()
+                        break
+                    out.append(lease)
+
+        try:
+            self._call(lend)
+        except BaseException:
+            release_all(out)
+            raise
+        return out
 
     @contextlib.contextmanager
     def _watch(self, namespace: str, call: Any) -> Iterator[None]:

@@ -1,10 +1,14 @@
 """The host-staging data path: payloads pass through host buffers between the cache and the KV cache.
 
-Loads: one loader thread fetches each request's chunks (through the resilient cache: the server's
-shared memory on the node (sealed memfds), or its gRPC stream) into a private staging buffer and verifies
-every payload there; the engine thread then scatters the verified chunks of each layer with one
-indexed copy per layer. Saves: each layer's chunks are gathered into a staging payload during the
-step; a background thread seals (header + xxh3) and stores them, bounded by ``store_queue_bytes``.
+Loads: one loader thread fetches each request's chunks through the resilient cache. From a
+same-node server whose blocks this client keeps mapped, they are *lent*, not copied: each payload
+is verified in the sealed mapping itself (it cannot change afterwards) and the engine thread
+scatters it from there, one payload at a time, then lets the lease go. Otherwise (the gRPC stream,
+or no kept mappings) they land in a private staging buffer, are verified there, and the engine
+thread scatters the verified chunks of each layer with one indexed copy per layer.
+
+Saves: each layer's chunks are gathered into a staging payload during the step; a background
+thread seals (header + keyed MAC) and stores them, bounded by ``store_queue_bytes``.
 
 This is the only data path today; see :mod:`kvfabric.connector.datapath` for the contract.
 """
@@ -13,14 +17,17 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvfabric.client.mappings import Lease, release_all
 from kvfabric.connector import layout
 from kvfabric.connector.datapath import LoadResult
 from kvfabric.connector.resilient import Counters, LoadOutcome, Reason, ResilientCache
@@ -42,11 +49,19 @@ _QUARANTINE = 16
 @dataclass
 class _PendingLoad:
     spec: LoadSpec
-    staging: bytearray
+    staging: bytearray | None
+    """The load's private buffer; None for a lent load (its payloads are the leases in ``lent``)."""
     buffers: list[memoryview]
     futures: list[cf.Future[LoadOutcome]]
     tail_offset: int = 0
     """Where the tail blocks' payloads start in ``staging`` (after the whole chunks')."""
+    lent: dict[int, list[Lease]] = dataclasses.field(default_factory=dict)
+    """A lent load: per group, the leases of its verified leading payloads (set by its loader task)."""
+
+    def release(self) -> None:
+        """Let go of every lease this load holds (idempotent)."""
+        for leases in list(self.lent.values()):
+            release_all(leases)
 
     def settled(self) -> bool:
         """True when nothing can write into ``staging`` any more.
@@ -62,6 +77,10 @@ class _PendingLoad:
             if not fut.result().settled:
                 return False
         return True
+
+
+def _release_when_done(pl: _PendingLoad, _fut: cf.Future[LoadOutcome]) -> None:
+    pl.release()
 
 
 class HostStagingPath:
@@ -147,7 +166,12 @@ class HostStagingPath:
         # until that call ended (issue 9: another key's bytes in this step's buffer).
         waiting: list[_PendingLoad] = []
         for pl in (*self._quarantine, *self._loads):
-            if pl.settled():
+            if pl.staging is None:
+                # Lent: nothing can write anywhere; let go of the leases, now or when its task ends.
+                pl.release()
+                for fut in pl.futures:
+                    fut.add_done_callback(functools.partial(_release_when_done, pl))
+            elif pl.settled():
                 self._staging_pool.append(pl.staging)
             else:
                 waiting.append(pl)
@@ -176,8 +200,24 @@ class HostStagingPath:
             return
         self._load_deadline = deadline
         pool = self._loader()
+        lend = self.cache is not None and self.cache.lends
         for spec in loads:
             sizes, tokens = self._sizes(spec.whole, spec.tail)
+            if lend:
+                pl = _PendingLoad(spec, None, [], [])
+                pl.futures = [
+                    pool.submit(
+                        self._lend_group,
+                        pl,
+                        g,
+                        spec.keys[g : g + GROUP_CHUNKS],
+                        sizes[g : g + GROUP_CHUNKS],
+                        tokens[g : g + GROUP_CHUNKS],
+                    )
+                    for g in range(0, len(spec.keys), GROUP_CHUNKS)
+                ]
+                self._loads.append(pl)
+                continue
             staging = self._take_staging(sum(sizes))
             buffers, offset = [], 0
             for size in sizes:
@@ -193,6 +233,35 @@ class HostStagingPath:
                 for g in range(0, len(spec.keys), GROUP_CHUNKS)
             ]
             self._loads.append(_PendingLoad(spec, staging, buffers, futures, spec.whole * geo.payload_bytes))
+
+    def _lend_group(
+        self, pl: _PendingLoad, first: int, keys: list[str], sizes: list[int], tokens: list[int]
+    ) -> LoadOutcome:
+        """Borrow and verify one group of chunks in place (loader thread); keeps the intact leading ones."""
+        geo, cache = self.geometry, self.cache
+        if cache is None or geo is None:
+            return LoadOutcome(0, Reason.UNAVAILABLE)
+        if time.monotonic() >= self._load_deadline:
+            return LoadOutcome(0, Reason.TIMEOUT)
+        got = cache.load_views(self.namespace, keys, sizes, self._load_deadline)
+        leases = got.leases
+        for i, lease in enumerate(leases):
+            try:
+                layout.verify(
+                    lease.view,
+                    namespace=self.namespace,
+                    key=keys[i],
+                    num_tokens=tokens[i],
+                    num_layers=len(geo.layers),
+                    mac_key=self.mac_key,
+                )
+            except layout.PayloadError as exc:
+                log.warning("chunk %s: %s", keys[i][:12], exc)
+                release_all(leases[i:])
+                pl.lent[first] = leases[:i]
+                return LoadOutcome(i, Reason(exc.reason))
+        pl.lent[first] = leases
+        return LoadOutcome(len(leases), got.reason)
 
     def _load_group(self, keys: list[str], buffers: list[memoryview], tokens: list[int]) -> LoadOutcome:
         """Load and verify one group of chunks (loader thread); the count is of *intact* chunks."""
@@ -240,7 +309,10 @@ class HostStagingPath:
                     outcome = LoadOutcome(0, Reason.TIMEOUT)
                     self.counters.add("load_abandoned")
                 first = g * GROUP_CHUNKS
-                self._scatter(pl, first, first + outcome.count)
+                if pl.staging is None:
+                    self._scatter_lent(pl, first, outcome.count)
+                else:
+                    self._scatter(pl, first, first + outcome.count)
                 valid += outcome.count
                 if outcome.reason is not None or outcome.count < len(
                     pl.spec.keys[first : first + GROUP_CHUNKS]
@@ -249,7 +321,12 @@ class HostStagingPath:
                     for later in pl.futures[g + 1 :]:
                         later.cancel()
                     break
-            self.counters.add("loaded_bytes", sum(len(b) for b in pl.buffers[:valid]))
+            if pl.staging is None:
+                self.counters.add("loaded_bytes", sum(len(x.view) for ls in pl.lent.values() for x in ls))
+                self.counters.add("loads_lent")
+                pl.release()
+            else:
+                self.counters.add("loaded_bytes", sum(len(b) for b in pl.buffers[:valid]))
             failed = len(pl.spec.keys) - valid
             results.append(LoadResult(valid, reason if failed else None, time.monotonic() - t0))
         return results
@@ -259,6 +336,7 @@ class HostStagingPath:
         geo, bgeo = self.geometry, self.block_geometry
         assert geo is not None
         assert bgeo is not None
+        assert pl.staging is not None
         whole = pl.spec.whole
         if begin >= end:
             return
@@ -288,6 +366,29 @@ class HostStagingPath:
                     kv,
                     pl.spec.block_ids[t_first:end],
                 )
+
+    def _scatter_lent(self, pl: _PendingLoad, first: int, count: int) -> None:
+        """Scatter the ``count`` verified leased payloads of the group starting at chunk ``first``."""
+        geo, bgeo = self.geometry, self.block_geometry
+        assert geo is not None
+        assert bgeo is not None
+        leases = pl.lent.get(first, [])[:count]
+        kvs = list(self._kv.values())
+        with warnings.catch_warnings():
+            # torch.frombuffer of a read-only mapping warns that tensors cannot be read-only; the
+            # payload is only ever read here.
+            warnings.filterwarnings(
+                "ignore", message="The given buffer is not writable", category=UserWarning
+            )
+            for j, lease in enumerate(leases):
+                i = first + j
+                ids = pl.spec.block_ids[i]
+                if i < pl.spec.whole:
+                    skip = pl.spec.skip_blocks if i == 0 else 0
+                    # block_ids[0] already leaves out the blocks the engine's own prefix cache has.
+                    layout.scatter_payload(geo, kvs, lease.view, ids, first_block=skip)
+                else:
+                    layout.scatter_payload(bgeo, kvs, lease.view, ids)
 
     def abandon_loads(self) -> None:
         """Forget the started loads (their staging is reused only if their calls finished)."""

@@ -268,6 +268,43 @@ def scatter_chunks(
     kv_layer.index_put_((index,), src.to(kv_layer.device, non_blocking=True))
 
 
+def scatter_payload(
+    geometry: ChunkGeometry,
+    kv_layers: Sequence[torch.Tensor],
+    payload: bytearray | memoryview,
+    block_ids: Sequence[int],
+    *,
+    first_block: int = 0,
+) -> None:
+    """Copy every layer of one payload (blocks ``first_block..``) into ``block_ids`` of its KV tensor.
+
+    For a payload that is not in a staging buffer with others (a lent mapping): one tensor over the
+    payload and one index tensor for all layers, since building them per layer (as
+    :func:`scatter_layer` does) costs about as much as the copy it saves (docs/performance.md).
+    ``payload`` may be read-only: it is only read.
+    """
+    if len(block_ids) != geometry.blocks_per_chunk - first_block:
+        raise ValueError("block_ids do not match the chunk's remaining blocks")
+    if not block_ids:
+        return
+    whole = torch.frombuffer(payload, dtype=torch.uint8)
+    index: torch.Tensor | None = None
+    offset = HEADER_SIZE
+    for layer, (g, kv, size) in enumerate(zip(geometry.layers, kv_layers, geometry.layer_bytes, strict=True)):
+        start = offset + first_block * g.block_bytes
+        offset += size
+        if start % g.dtype.itemsize:
+            scatter_layer(geometry, layer, payload, kv, block_ids, first_block=first_block)
+            continue
+        if index is None or index.device != kv.device:
+            index = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv.device)
+        src = whole[start:offset].view(g.dtype).view(-1, *g.block_shape).to(kv.device, non_blocking=True)
+        if g.block_dim == 0:
+            kv.index_put_((index,), src)
+        else:
+            kv.index_copy_(g.block_dim, index, src.movedim(0, g.block_dim))
+
+
 def _mac(fields: bytes, body: memoryview, mac_key: bytes) -> bytes:
     if len(mac_key) != MAC_KEY_SIZE:
         raise ValueError(f"the payload MAC key must be {MAC_KEY_SIZE} bytes")

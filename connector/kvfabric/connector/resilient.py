@@ -43,6 +43,7 @@ from kvfabric.client.errors import (
     CacheUnavailable,
     NotFound,
 )
+from kvfabric.client.mappings import Lease, release_all
 from kvfabric.client.results import LookupResult, StoreResult
 from kvfabric.connector.settings import ConnectorSettings
 
@@ -282,6 +283,24 @@ class LoadOutcome:
         return all(f.done() for f in self.inflight)
 
 
+@dataclass(frozen=True)
+class ViewsOutcome:
+    """Result of :meth:`ResilientCache.load_views`: leases of the leading payloads, in key order."""
+
+    leases: list[Lease]
+    reason: Reason | None = None
+    """Why fewer payloads than asked were lent (``None`` when all were)."""
+
+
+def _release_leases(fut: cf.Future[Any]) -> None:
+    # A load_views call given up at its deadline: nobody will read what it lent.
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    result = fut.result()
+    if isinstance(result, list):
+        release_all(x for x in result if isinstance(x, Lease))
+
+
 def classify(exc: BaseException) -> Reason:
     """Map an exception from a transport call to a miss reason."""
     if isinstance(exc, CacheTimeout | cf.TimeoutError | TimeoutError):
@@ -371,7 +390,9 @@ class ResilientCache:
                     fut = (pool or self._io).submit(_invoke, op, ep, deadline)
                     result = fut.result(timeout=remaining)
                 except Exception as exc:  # every failure becomes a reason, never an exception
-                    if fut is not None and not fut.done() and not fut.cancel() and abandoned is not None:
+                    # Also one that finished just after the wait gave up: what it returns (a load's
+                    # leases) is nobody's, and the caller must let go of it.
+                    if fut is not None and not fut.cancel() and abandoned is not None:
                         abandoned.append(fut)
                     reason = classify(exc)
                     if reason in (Reason.TIMEOUT, Reason.UNAVAILABLE):
@@ -462,6 +483,51 @@ class ResilientCache:
             return LoadOutcome(0, reason or Reason.UNAVAILABLE, tuple(abandoned))
         count = max(0, min(int(res), len(keys)))
         return LoadOutcome(count, None if count == len(keys) else Reason.NOT_FOUND, tuple(abandoned))
+
+    @property
+    def lends(self) -> bool:
+        """Whether the preferred endpoint lends loaded blocks without a copy (:meth:`load_views`).
+
+        False until it connected (the first load connects it), and for remote endpoints.
+        """
+        ep = self.endpoints[0] if self.endpoints else None
+        client = ep._client if ep is not None else None
+        return bool(getattr(client, "lends", False))
+
+    def load_views(
+        self, namespace: str, keys: Sequence[str], sizes: Sequence[int], deadline: float
+    ) -> ViewsOutcome:
+        """Borrow the payloads of the leading ``keys`` before ``deadline`` (monotonic), uncopied.
+
+        From an endpoint that lends (same node, kept mappings) the leases pin the sealed blocks;
+        from any other (the remote one, after the local one failed) each payload is loaded into
+        a fresh buffer of ``sizes[i]`` bytes that only its lease owns. Either way nothing is ever
+        written into memory another load uses, and leases of calls given up at the deadline are
+        released when those calls end. The caller releases every lease it got.
+        """
+        if not keys:
+            return ViewsOutcome([])
+
+        def op(client: Transport, timeout: float) -> list[Lease]:
+            lend = getattr(client, "load_views", None)
+            if lend is not None and getattr(client, "lends", False):
+                leases: list[Lease] = lend(namespace, keys, timeout=timeout)
+                return leases
+            buffers = [bytearray(n) for n in sizes[: len(keys)]]
+            got = client.load_into(namespace, keys, [memoryview(b) for b in buffers], timeout=timeout)
+            return [Lease(memoryview(b)) for b in buffers[: max(0, min(int(got), len(keys)))]]
+
+        abandoned: list[cf.Future[Any]] = []
+        res, reason = self._call(deadline, op, abandoned, self._io_loads)
+        for fut in abandoned:
+            fut.add_done_callback(_release_leases)
+        if abandoned:
+            self.counters.add("load_calls_abandoned", len(abandoned))
+        if res is None:
+            return ViewsOutcome([], reason or Reason.UNAVAILABLE)
+        leases, extra = res[: len(keys)], res[len(keys) :]
+        release_all(extra)
+        return ViewsOutcome(leases, None if len(leases) == len(keys) else Reason.NOT_FOUND)
 
     def store(
         self,

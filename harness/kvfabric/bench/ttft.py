@@ -74,6 +74,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="paired rounds for hit/recompute and the hung server (default 3/5)",
     )
     parser.add_argument("--skip-hung", action="store_true", help="skip the hung-server measurement")
+    parser.add_argument(
+        "--staged",
+        action="store_true",
+        help="restore through the connector's staging buffer (kept mappings off), as before lent restores",
+    )
 
 
 @dataclass
@@ -236,6 +241,9 @@ def run(args: argparse.Namespace) -> int:
             # Whole chunks only: bytes moved and the raw tier bandwidth are counted in chunks (a tail
             # would add one small block of the 32-token suffix to every hit).
             tail=False,
+        ).model_copy(
+            # Lent restores need kept mappings; without them every load is staged (--staged).
+            update={"shm_mapping_cache_mb": 0} if args.staged else {}
         )  # fmt: skip
 
     def engine(srv: CacheServerProcess | None, *, decide: bool = False) -> Any:

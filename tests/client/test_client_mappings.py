@@ -474,3 +474,40 @@ def test_concurrent_lent_loads_read_exactly_the_stored_bytes_and_leave_nothing_p
         got = c.load_views(NS, [keys[0], digest("absent"), keys[1]], timeout=30)
         assert [bytes(x.view) for x in got] == [payloads[0]]
         got[0].release()
+
+
+@pytest.mark.unit
+def test_a_tensor_over_a_lease_outlives_the_release_and_eviction_without_reading_unmapped_memory() -> None:
+    # torch.frombuffer holds a reference to the view, not a buffer export: unmapping the block when
+    # its lease is released would leave the tensor pointing at unmapped memory (a segfault here).
+    import torch
+
+    cache = MappingCache(4096)
+    lease = cache.keep_lent("n0", _mapping(b"\1" * 4096), 4096, epoch=0)
+    assert lease is not None
+    t = torch.frombuffer(lease.view, dtype=torch.uint8)
+    assert cache.keep("n1", _mapping(b"\2" * 4096), 4096, epoch=0)  # evicts n0 while lent
+    lease.release()
+    assert cache.take_releases(10) == ["n0"], "the server's hold is released all the same"
+    assert int(t.sum()) == 4096, "the tensor still reads the block's bytes"
+
+
+@pytest.mark.unit
+def test_an_unsealed_block_is_never_read_in_place(tmp_path: Path) -> None:
+    # Lent bytes are verified first and scattered later: a block that could still be written in
+    # between (a server that did not seal it) is copied privately instead.
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, b"\1" * 4096)
+    channel = blocks_mod.BlockChannel(tmp_path / "none.sock", mapping_budget=1 << 20)
+    maps = channel.maps
+    assert maps is not None
+    writer = os.dup(fd)
+    try:
+        lease = channel._lend_held(maps, "n0", 4096, key=None, fetched=(fd, True, maps.epoch))
+        assert lease is not None
+        os.pwrite(writer, b"\2" * 4096, 0)
+        assert bytes(lease.view) == b"\1" * 4096, "the lent bytes changed after they were read"
+        assert len(maps) == 0, "an unsealed block is not kept"
+        lease.release()
+    finally:
+        os.close(writer)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -71,12 +72,16 @@ class Lender:
         with self.lock:
             self.out += 1
             self.lent += 1
+        lent = bytearray(data)
 
         def give_back() -> None:
+            # What the bytes of a released lease may become (the block evicted, its memory reused):
+            # a scatter after the release would place this garbage.
+            lent[:] = b"\xee" * len(lent)
             with self.lock:
                 self.out -= 1
 
-        return Lease(memoryview(data), give_back)  # bytes: read-only, like a sealed mapping
+        return Lease(memoryview(lent).toreadonly(), give_back)
 
     def load_views(self, namespace: str, keys: Sequence[str], *, timeout: float) -> list[Lease]:
         if keys[0] == KEY_A:
@@ -190,6 +195,7 @@ class Copier(Lender):
     def load_into(
         self, namespace: str, keys: Sequence[str], buffers: Sequence[memoryview], *, timeout: float
     ) -> int:
+        self.copied += 1
         n = 0
         for key, buf in zip(keys, buffers, strict=False):
             if key not in self.blocks:
@@ -243,3 +249,42 @@ def test_lent_and_staged_loads_place_the_same_bytes_with_a_partial_first_chunk_a
         assert torch.equal(lent[name], staged[name]), f"{name}: the lent load placed other bytes"
         assert torch.equal(lent[name][0], torch.zeros_like(lent[name][0])), "the skipped block was written"
         assert lent[name][1].abs().sum() > 0
+
+
+def test_a_lent_payload_of_another_size_is_a_miss_and_its_lease_let_go() -> None:
+    kv = kv_caches()
+    geo = layout.ChunkGeometry.from_kv_caches(kv, block_size=BLOCK, chunk_tokens=CHUNK)
+    transport = Lender({KEY_B: payload(geo, KEY_B, 2.0) + b"\0" * 64})
+    cache = ResilientCache(
+        [Endpoint("t", functools.partial(_same, transport), CircuitBreaker(100, 60.0))], retries=0
+    )
+    cache.endpoints[0].client()
+    w = WorkerHalf(ConnectorSettings(chunk_tokens=CHUNK, load_deadline_ms=5000), SPEC, cache=cache)
+    try:
+        w.register_kv_caches(kv)
+        assert step(w, KEY_B, [4, 5]) == {4, 5}
+        assert w.counters.get("fallback_chunks.corrupt") == 1
+        assert transport.out == 0
+        for layer in kv.values():
+            assert torch.equal(layer, torch.zeros_like(layer))
+    finally:
+        w.shutdown()
+
+
+def test_from_an_endpoint_that_does_not_lend_load_views_loads_into_buffers_of_its_own() -> None:
+    # The remote endpoint, after the local one failed: each payload lands in a fresh buffer that
+    # only its lease owns, never in memory another load uses.
+    geo = layout.ChunkGeometry.from_kv_caches(kv_caches(), block_size=BLOCK, chunk_tokens=CHUNK)
+    blocks = {KEY_A: payload(geo, KEY_A, 1.0), KEY_B: payload(geo, KEY_B, 2.0)}
+    transport = Copier(blocks)
+    cache = ResilientCache(
+        [Endpoint("t", functools.partial(_same, transport), CircuitBreaker(100, 60.0))], retries=0
+    )
+    size = geo.payload_bytes
+    first = cache.load_views(NS, [KEY_A, KEY_B, KEY_C], [size] * 3, time.monotonic() + 5)
+    second = cache.load_views(NS, [KEY_B], [size], time.monotonic() + 5)
+    assert [bytes(x.view) for x in first.leases] == [blocks[KEY_A], blocks[KEY_B]]
+    assert first.reason is not None  # KEY_C is not there
+    assert [bytes(x.view) for x in second.leases] == [blocks[KEY_B]]
+    assert all(x.view.obj is not y.view.obj for x in first.leases for y in second.leases)
+    assert transport.copied == 2

@@ -11,6 +11,7 @@ tiny and serialized under a lock.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import mmap
 import os
@@ -118,6 +119,7 @@ class BlockChannel:
             maps.give_up_one()  # as in _copy_held: holds keep turning over
             return _private_copy(fd, length, name)
         try:
+            sealed = is_sealed(fd)
             mapping = _map_block(fd, length, name)
         except BaseException:
             maps.release_later(name, epoch)
@@ -126,7 +128,11 @@ class BlockChannel:
             os.close(fd)
         lease: Lease | None = None
         try:
-            lease = maps.keep_lent(name, mapping, length, key=key, epoch=epoch)
+            # Lent bytes are verified first and read later, so they must not be able to change in
+            # between: only a block sealed against writes is read in place (the server seals every
+            # block; one that did not is copied privately, and verified there).
+            if sealed:
+                lease = maps.keep_lent(name, mapping, length, key=key, epoch=epoch)
             if lease is not None:
                 return lease
             private = bytearray(length)
@@ -353,6 +359,18 @@ def copy_into(fd: int, length: int, target: memoryview, name: str) -> None:
             target[:length] = m
     finally:
         os.close(fd)
+
+
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+"""The seals that make a block's bytes immutable for every holder (the server's own block seals)."""
+
+
+def is_sealed(fd: int) -> bool:
+    """Whether no holder of ``fd`` can ever write, shrink or grow it (False for any non-memfd)."""
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+    except OSError:
+        return False
 
 
 def _private_copy(fd: int, length: int, name: str) -> Lease:

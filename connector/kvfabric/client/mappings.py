@@ -49,6 +49,8 @@ class _Kept:
     epoch: int
     users: int = 0
     doomed: bool = False
+    lent: bool = False
+    """Lent at least once: a borrower's tensor may still point into it (see :meth:`close`)."""
     view: memoryview = field(init=False)
 
     def __post_init__(self) -> None:
@@ -59,13 +61,15 @@ class _Kept:
         return charged(self.length)
 
     def close(self) -> None:
-        try:
-            self.view.release()
-            self.mapping.close()
-        except BufferError:
-            # A borrower's tensor still refers to the bytes (a traceback keeping a frame alive):
-            # the mapping goes when the last reference does. The hold is released all the same.
-            pass
+        if self.lent:
+            # A tensor made over a lease (torch.frombuffer) holds a reference to the view, not a
+            # buffer export: closing the mapping under it would leave it pointing at unmapped
+            # memory (a segfault on the next read, e.g. of a traceback's locals after a failed
+            # scatter). So a lent mapping is never unmapped here: it goes with its last reference,
+            # at once on the normal path (the scatter's tensors die when it returns).
+            return
+        self.view.release()
+        self.mapping.close()
 
 
 class Lease:
@@ -154,6 +158,7 @@ class MappingCache:
                 return None
             self._kept.move_to_end(name)
             kept.users += 1
+            kept.lent = True
         return Lease(kept.view, lambda: self._give_back(name, kept))
 
     def _give_back(self, name: str, kept: _Kept) -> None:
@@ -239,6 +244,7 @@ class MappingCache:
                         gone.append(self._forget_locked(old))
             if lend:
                 kept.users += 1  # before any eviction below: a lent mapping is never unmapped
+                kept.lent = True
             while self._bytes > self.budget:
                 gone.append(self._forget_locked(next(iter(self._kept))))
         for n, k in gone:

@@ -21,7 +21,6 @@ import functools
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -167,10 +166,12 @@ class HostStagingPath:
         waiting: list[_PendingLoad] = []
         for pl in (*self._quarantine, *self._loads):
             if pl.staging is None:
-                # Lent: nothing can write anywhere; let go of the leases, now or when its task ends.
+                # Lent: nothing can write anywhere; let go of the leases, now or when its task ends
+                # (a task still queued is cancelled: it would run under the next step's deadline).
                 pl.release()
                 for fut in pl.futures:
-                    fut.add_done_callback(functools.partial(_release_when_done, pl))
+                    if not fut.cancel():
+                        fut.add_done_callback(functools.partial(_release_when_done, pl))
             elif pl.settled():
                 self._staging_pool.append(pl.staging)
             else:
@@ -245,8 +246,13 @@ class HostStagingPath:
             return LoadOutcome(0, Reason.TIMEOUT)
         got = cache.load_views(self.namespace, keys, sizes, self._load_deadline)
         leases = got.leases
-        for i, lease in enumerate(leases):
-            try:
+        kept = 0
+        try:
+            for i, lease in enumerate(leases):
+                if len(lease.view) != sizes[i]:
+                    raise layout.PayloadError(
+                        "corrupt", f"payload is {len(lease.view)} bytes, not {sizes[i]}"
+                    )
                 layout.verify(
                     lease.view,
                     namespace=self.namespace,
@@ -255,11 +261,15 @@ class HostStagingPath:
                     num_layers=len(geo.layers),
                     mac_key=self.mac_key,
                 )
-            except layout.PayloadError as exc:
-                log.warning("chunk %s: %s", keys[i][:12], exc)
-                release_all(leases[i:])
-                pl.lent[first] = leases[:i]
-                return LoadOutcome(i, Reason(exc.reason))
+                kept = i + 1
+        except layout.PayloadError as exc:
+            log.warning("chunk %s: %s", keys[kept][:12], exc)
+            release_all(leases[kept:])
+            pl.lent[first] = leases[:kept]
+            return LoadOutcome(kept, Reason(exc.reason))
+        except BaseException:
+            release_all(leases)  # nothing of this group is used: no lease may stay out
+            raise
         pl.lent[first] = leases
         return LoadOutcome(len(leases), got.reason)
 
@@ -301,7 +311,7 @@ class HostStagingPath:
             return results
         for pl in self._loads:
             t0 = time.monotonic()
-            valid, reason = 0, None
+            valid, reason, lent_bytes = 0, None, 0
             for g, fut in enumerate(pl.futures):
                 try:
                     outcome = fut.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
@@ -310,7 +320,7 @@ class HostStagingPath:
                     self.counters.add("load_abandoned")
                 first = g * GROUP_CHUNKS
                 if pl.staging is None:
-                    self._scatter_lent(pl, first, outcome.count)
+                    lent_bytes += self._scatter_lent(pl, first, outcome.count)
                 else:
                     self._scatter(pl, first, first + outcome.count)
                 valid += outcome.count
@@ -322,7 +332,7 @@ class HostStagingPath:
                         later.cancel()
                     break
             if pl.staging is None:
-                self.counters.add("loaded_bytes", sum(len(x.view) for ls in pl.lent.values() for x in ls))
+                self.counters.add("loaded_bytes", lent_bytes)
                 self.counters.add("loads_lent")
                 pl.release()
             else:
@@ -367,28 +377,23 @@ class HostStagingPath:
                     pl.spec.block_ids[t_first:end],
                 )
 
-    def _scatter_lent(self, pl: _PendingLoad, first: int, count: int) -> None:
-        """Scatter the ``count`` verified leased payloads of the group starting at chunk ``first``."""
+    def _scatter_lent(self, pl: _PendingLoad, first: int, count: int) -> int:
+        """Scatter the ``count`` verified leased payloads of the group at chunk ``first``; their bytes."""
         geo, bgeo = self.geometry, self.block_geometry
         assert geo is not None
         assert bgeo is not None
         leases = pl.lent.get(first, [])[:count]
         kvs = list(self._kv.values())
-        with warnings.catch_warnings():
-            # torch.frombuffer of a read-only mapping warns that tensors cannot be read-only; the
-            # payload is only ever read here.
-            warnings.filterwarnings(
-                "ignore", message="The given buffer is not writable", category=UserWarning
-            )
-            for j, lease in enumerate(leases):
-                i = first + j
-                ids = pl.spec.block_ids[i]
-                if i < pl.spec.whole:
-                    skip = pl.spec.skip_blocks if i == 0 else 0
-                    # block_ids[0] already leaves out the blocks the engine's own prefix cache has.
-                    layout.scatter_payload(geo, kvs, lease.view, ids, first_block=skip)
-                else:
-                    layout.scatter_payload(bgeo, kvs, lease.view, ids)
+        for j, lease in enumerate(leases):
+            i = first + j
+            ids = pl.spec.block_ids[i]
+            if i < pl.spec.whole:
+                skip = pl.spec.skip_blocks if i == 0 else 0
+                # block_ids[0] already leaves out the blocks the engine's own prefix cache has.
+                layout.scatter_payload(geo, kvs, lease.view, ids, first_block=skip)
+            else:
+                layout.scatter_payload(bgeo, kvs, lease.view, ids)
+        return sum(len(x.view) for x in leases)
 
     def abandon_loads(self) -> None:
         """Forget the started loads (their staging is reused only if their calls finished)."""

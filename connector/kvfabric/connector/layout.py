@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hmac
 import struct
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -148,6 +149,12 @@ class ChunkGeometry:
     def new_payload(self) -> bytearray:
         """Allocate a zeroed payload buffer."""
         return bytearray(self.payload_bytes)
+
+
+# torch.frombuffer of a read-only buffer (a lent, sealed mapping) warns that torch has no read-only
+# tensors; those tensors are only ever read. Installed once, at import: catch_warnings() per call is
+# not thread-safe (background loads scatter beside the engine thread).
+warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
 
 
 def _index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -287,7 +294,7 @@ def scatter_payload(
         raise ValueError("block_ids do not match the chunk's remaining blocks")
     if not block_ids:
         return
-    whole = torch.frombuffer(payload, dtype=torch.uint8)
+    whole = torch.frombuffer(payload, dtype=torch.uint8)  # may be read-only: see the filter above
     index: torch.Tensor | None = None
     offset = HEADER_SIZE
     for layer, (g, kv, size) in enumerate(zip(geometry.layers, kv_layers, geometry.layer_bytes, strict=True)):

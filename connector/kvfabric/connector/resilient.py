@@ -390,9 +390,10 @@ class ResilientCache:
                     fut = (pool or self._io).submit(_invoke, op, ep, deadline)
                     result = fut.result(timeout=remaining)
                 except Exception as exc:  # every failure becomes a reason, never an exception
-                    # Also one that finished just after the wait gave up: what it returns (a load's
-                    # leases) is nobody's, and the caller must let go of it.
-                    if fut is not None and not fut.cancel() and abandoned is not None:
+                    # The wait gave up on a call that runs (or finished just after the wait: what it
+                    # returns, a load's leases, is nobody's, and the caller must let go of it).
+                    gave_up = isinstance(exc, cf.TimeoutError) and fut is not None and not fut.cancel()
+                    if gave_up and fut is not None and abandoned is not None:
                         abandoned.append(fut)
                     reason = classify(exc)
                     if reason in (Reason.TIMEOUT, Reason.UNAVAILABLE):

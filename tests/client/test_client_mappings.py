@@ -410,7 +410,7 @@ def test_a_lent_mapping_is_never_unmapped_while_lent_and_its_release_is_queued_o
     assert again is not None
     # Evicted while lent (two more blocks in a budget of two): the bytes stay readable.
     assert cache.keep("n1", _mapping(b"\2" * 4096), 4096, key="k1", epoch=0)
-    assert cache.keep("n2", _mapping(b"\3" * 4096), 4096, key="k2", epoch=0)
+    assert cache.keep("n2", _mapping(b"\3" * 4096), 4096, key="k2", epoch=0, sealed=True)
     assert cache.borrow("n0", 4096) is None, "an evicted block is lent no more"
     assert bytes(lease.view) == b"\1" * 4096
     lease.release()
@@ -509,5 +509,9 @@ def test_an_unsealed_block_is_never_read_in_place(tmp_path: Path) -> None:
         assert bytes(lease.view) == b"\1" * 4096, "the lent bytes changed after they were read"
         assert len(maps) == 0, "an unsealed block is not kept"
         lease.release()
+        # Nor is one kept unsealed by a copying load (load_into) ever lent later.
+        assert maps.keep("n1", _mapping(b"\3" * 4096), 4096, epoch=maps.epoch)
+        assert maps.borrow("n1", 4096) is None
+        assert maps.keep_lent("n1", _mapping(b"\3" * 4096), 4096, epoch=maps.epoch) is None
     finally:
         os.close(writer)

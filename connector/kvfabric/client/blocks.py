@@ -163,6 +163,7 @@ class BlockChannel:
             copy_into(fd, length, target, name)
             return True
         try:
+            sealed = is_sealed(fd)
             mapping = _map_block(fd, length, name)
         except BaseException:
             maps.release_later(name, epoch)
@@ -172,7 +173,7 @@ class BlockChannel:
         kept = False
         try:
             target[:length] = memoryview(mapping)[:length]
-            kept = maps.keep(name, mapping, length, key=key, epoch=epoch)
+            kept = maps.keep(name, mapping, length, key=key, epoch=epoch, sealed=sealed)
         finally:
             if not kept:
                 mapping.close()

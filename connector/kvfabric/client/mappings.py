@@ -49,6 +49,9 @@ class _Kept:
     epoch: int
     users: int = 0
     doomed: bool = False
+    sealed: bool = False
+    """Its memfd was sealed against writes when mapped: only then may its bytes be lent (read in
+    place after they were verified)."""
     lent: bool = False
     """Lent at least once: a borrower's tensor may still point into it (see :meth:`close`)."""
     view: memoryview = field(init=False)
@@ -75,8 +78,9 @@ class _Kept:
 class Lease:
     """Read-only bytes of one loaded block, lent to the caller until :meth:`release` (idempotent).
 
-    A lease of a kept mapping pins it: eviction does not unmap it while the lease is out (the last
-    user unmaps it). A lease may also own a private copy (a block this client could not hold): then
+    A lease of a kept mapping pins it: eviction does not drop it while the lease is out, and a
+    mapping once lent is unmapped only with its last reference (see ``_Kept.close``). A lease may
+    also own a private copy (a block this client could not hold or that was not sealed): then
     releasing it only drops the reference.
     """
 
@@ -149,12 +153,12 @@ class MappingCache:
     def borrow(self, name: str, length: int) -> Lease | None:
         """Lend the kept block ``name``'s bytes, pinned until the lease is released; None if not kept.
 
-        The bytes are sealed: they cannot change while lent, so what the borrower verified is what
-        it reads afterwards.
+        Only a block kept as sealed is lent: its bytes cannot change while lent, so what the
+        borrower verified is what it reads afterwards.
         """
         with self._lock:
             kept = self._kept.get(name)
-            if kept is None or kept.length != length:
+            if kept is None or kept.length != length or not kept.sealed:
                 return None
             self._kept.move_to_end(name)
             kept.users += 1
@@ -200,30 +204,51 @@ class MappingCache:
         if gone is not None:
             self._close_unless_used(*gone)
 
-    def keep(self, name: str, mapping: mmap.mmap, length: int, *, key: str | None = None, epoch: int) -> bool:
+    def keep(
+        self,
+        name: str,
+        mapping: mmap.mmap,
+        length: int,
+        *,
+        key: str | None = None,
+        epoch: int,
+        sealed: bool = False,
+    ) -> bool:
         """Keep ``mapping`` of the held block ``name`` (the caller gives it up); False if refused.
 
         ``key`` (namespace and key, any stable string) is what the block is the payload of (see
         :meth:`named`). ``epoch`` is :attr:`epoch` when the hold was taken. Refused (too large for
         the budget, or the connection that held it closed since): the caller unmaps it and, if the
-        epoch is still current, releases the hold (:meth:`release_later`).
+        epoch is still current, releases the hold (:meth:`release_later`). ``sealed``: the block's
+        memfd was sealed against writes (checked by the caller); only such a block is ever lent.
         """
-        return self._keep(name, mapping, length, key, epoch, lend=False) is not None
+        return self._keep(name, mapping, length, key, epoch, sealed=sealed, lend=False) is not None
 
     def keep_lent(
         self, name: str, mapping: mmap.mmap, length: int, *, key: str | None = None, epoch: int
     ) -> Lease | None:
-        """:meth:`keep`, and lend the kept bytes at once (no eviction can come between); None if refused."""
-        got = self._keep(name, mapping, length, key, epoch, lend=True)
+        """:meth:`keep` a sealed block, and lend it at once (no eviction can come between); None if refused.
+
+        The caller checked the seals. Refused also when the same block is kept already, unsealed.
+        """
+        got = self._keep(name, mapping, length, key, epoch, sealed=True, lend=True)
         if got is None:
             return None
         kname, kept = got
         return Lease(kept.view, lambda: self._give_back(kname, kept))
 
     def _keep(
-        self, name: str, mapping: mmap.mmap, length: int, key: str | None, epoch: int, *, lend: bool
+        self,
+        name: str,
+        mapping: mmap.mmap,
+        length: int,
+        key: str | None,
+        epoch: int,
+        *,
+        sealed: bool,
+        lend: bool,
     ) -> tuple[str, _Kept] | None:
-        kept = _Kept(mapping, length, key, epoch)
+        kept = _Kept(mapping, length, key, epoch, sealed=sealed)
         if kept.size > self.budget:
             return None
         gone: list[tuple[str, _Kept]] = []
@@ -231,6 +256,8 @@ class MappingCache:
             if epoch != self.epoch:
                 return None  # that connection's holds were released when it closed
             if name in self._kept:
+                if lend and not self._kept[name].sealed:
+                    return None  # never lend one kept unsealed; the caller drops this hold
                 # Another thread kept the same block meanwhile (held twice): drop this one's hold.
                 gone.append((name, kept))
                 kept = self._kept[name]

@@ -67,7 +67,7 @@ def _install_operator(handle: ClusterHandle, api_port: int) -> None:
     rendered = handle.kubectl("kustomize", str(repo_root() / "e2e" / "kubelet")).stdout
     docs = [d for d in yaml.safe_load_all(rendered) if d]
     for doc in docs:
-        if doc["kind"] == "Deployment":
+        if doc["kind"] in ("Deployment", "DaemonSet"):  # the operator and the CSI node plugin
             env = doc["spec"]["template"]["spec"]["containers"][0]["env"]
             env.append({"name": "KUBERNETES_SERVICE_PORT", "value": str(api_port)})
     crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
@@ -277,8 +277,13 @@ payload = secrets.token_bytes(65536)
 ns, key = hashlib.sha256(b"kubelet-e2e").hexdigest(), hashlib.sha256(payload).hexdigest()
 stored = client.store(ns, [key], [payload], timeout=30)
 loaded = client.load(ns, [key], timeout=30)
+try:
+    os.unlink(os.environ["KVFABRIC_SOCKET"])
+    unlink = 0
+except OSError as exc:
+    unlink = exc.errno
 print(json.dumps({"accepted": stored.accepted, "same": loaded == [payload], "uid": os.getuid(),
-                  "shm": client.uses_shm, "key": key}))
+                  "shm": client.uses_shm, "key": key, "unlink_errno": unlink}))
 """
 
 
@@ -319,6 +324,10 @@ def test_injected_client_pod_stores_and_loads_through_the_node_socket(
     assert "KVFABRIC_SHM_DIR" not in env, "no shared directory: payloads come as sealed memfds"
     mount = next(m for m in created["spec"]["containers"][0]["volumeMounts"] if m["name"] == names.RUN_VOLUME)
     assert mount.get("readOnly") is True, "consumers cannot unlink or replace the sockets"
+    # The default install has the CSI node plugin: the socket directory is a CSI inline volume.
+    run_volume = next(v for v in created["spec"]["volumes"] if v["name"] == names.RUN_VOLUME)
+    assert run_volume["csi"]["driver"] == "csi.kvfabric.io", run_volume
+    assert not any("hostPath" in v for v in created["spec"]["volumes"])
 
     def finished() -> dict[str, Any] | None:
         p = real.handle.get_json("pod", "client", "-n", ns)
@@ -332,6 +341,7 @@ def test_injected_client_pod_stores_and_loads_through_the_node_socket(
     assert result["same"] is True
     assert result["uid"] == UID
     assert result["shm"] is True, "same node: payload through the server's sealed memfds"
+    assert result["unlink_errno"] == 30, "EROFS: the plugin published the directory read-only"
     # The chunk is in that node's server, which the host can ask through the same socket.
     from kvfabric.client.sync import CacheClient
 
@@ -408,3 +418,147 @@ def test_deleting_the_pool_stops_its_servers_and_frees_the_node_directories(real
                 timeout=60,
                 message=f"the node directories to empty ({shlex.join(left)})",
             )
+
+
+CSI_DRIVER = "csi.kvfabric.io"
+CONSUMER_LABEL = "kvfabric-e2e/consumers"
+
+
+def _restricted_client(name: str, node: RealNode, labels: dict[str, str]) -> dict[str, Any]:
+    """The client pod, compliant with Pod Security restricted (non-root, seccomp, no capabilities)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "nodeName": node.name,
+            "restartPolicy": "Never",
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "securityContext": {
+                "runAsUser": UID,
+                "runAsGroup": UID,
+                "runAsNonRoot": True,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [
+                {
+                    "name": "client",
+                    "image": "ghcr.io/kvfabric/kvfabric:v0.1.0",
+                    "imagePullPolicy": "Never",
+                    "command": ["python", "-c", CLIENT],
+                    "securityContext": {
+                        "readOnlyRootFilesystem": True,
+                        "allowPrivilegeEscalation": False,
+                        "capabilities": {"drop": ["ALL"]},
+                    },
+                }
+            ],
+        },
+    }
+
+
+def test_the_csi_plugin_serves_restricted_namespaces_and_only_those_the_pool_selects(
+    real: RealCluster,
+) -> None:
+    """The pool's own namespace cannot enforce baseline (its DaemonSet needs hostPaths), so engines in
+    a restricted namespace are cross-namespace consumers. Through the node plugin they are admitted
+    by the API server's PodSecurity, and load through the node's socket; a pod of a namespace the
+    pool does not select, which writes the same CSI volume by hand, never gets it."""
+
+    def registered() -> bool:  # the plugin registered itself with every kubelet
+        out = real.handle.kubectl("get", "csinodes", "-o", "json", check=False)
+        if out.returncode:
+            return False
+        on = {i["metadata"]["name"] for i in json.loads(out.stdout)["items"] if CSI_DRIVER in str(i["spec"])}
+        return on >= {n.name for n in real.nodes}
+
+    wait_for(registered, timeout=120, interval=1.0, message=f"{CSI_DRIVER} registered with every kubelet")
+    node = real.nodes[1]
+    with real.handle.namespace("kx") as pool_ns, real.handle.namespace("kc") as consumer_ns:
+        pool = _pool("pool-x")
+        pool["spec"]["consumers"] = {"namespaceSelector": {"matchLabels": {CONSUMER_LABEL: "yes"}}}
+        real.handle.apply(pool, namespace=pool_ns)
+        wait_pool_ready(real.handle, pool_ns, "pool-x", timeout=240)
+        real.handle.kubectl(
+            "label",
+            "namespace",
+            consumer_ns,
+            "pod-security.kubernetes.io/enforce=restricted",
+            f"{CONSUMER_LABEL}=yes",
+        )
+        labels = {"kvfabric.io/pool": "pool-x"}
+        annotations = {names.POOL_NAMESPACE_ANNOTATION: pool_ns}
+
+        def injected() -> dict[str, Any] | None:
+            # The webhook learns namespace labels from a watch: until it has seen these, it skips the
+            # pod (namespace-not-selected); delete and retry.
+            body = _restricted_client("client-x", node, labels)
+            body["metadata"]["annotations"] = annotations
+            real.handle.apply(body, namespace=consumer_ns)
+            created = real.handle.get_json("pod", "client-x", "-n", consumer_ns)
+            if names.INJECTED_ANNOTATION in created["metadata"].get("annotations", {}):
+                return created
+            real.handle.kubectl("delete", "pod", "client-x", "-n", consumer_ns, "--wait=true")
+            return None
+
+        created = wait_for(injected, timeout=60, interval=2.0, message="the webhook to inject the consumer")
+        run_volume = next(v for v in created["spec"]["volumes"] if v["name"] == names.RUN_VOLUME)
+        assert run_volume["csi"] == {
+            "driver": CSI_DRIVER,
+            "readOnly": True,
+            "volumeAttributes": {"pool": "pool-x", "namespace": pool_ns},
+        }
+
+        def finished(ns: str, name: str) -> dict[str, Any] | None:
+            p = real.handle.get_json("pod", name, "-n", ns)
+            return p if p["status"].get("phase") in ("Succeeded", "Failed") else None
+
+        done = wait_for(
+            lambda: finished(consumer_ns, "client-x"), timeout=180, interval=1.0, message="client-x"
+        )
+        log = _pod_log(node, done, "client")
+        assert done["status"]["phase"] == "Succeeded", log
+        result = json.loads(log.strip().splitlines()[-1].split(" ", 3)[-1])
+        assert (result["accepted"], result["same"], result["shm"]) == (1, True, True)
+        assert result["unlink_errno"] == 30
+
+        # The intruder: a namespace the pool does not select, the CSI volume written by hand (no
+        # opt-in label, so the webhook does not look at it). The plugin asks the API server and refuses.
+        with real.handle.namespace("ki") as intruder_ns:
+            real.handle.kubectl(
+                "label", "namespace", intruder_ns, "pod-security.kubernetes.io/enforce=restricted"
+            )
+            intruder = _restricted_client("intruder", node, {})
+            intruder["spec"]["volumes"] = [
+                {
+                    "name": "steal",
+                    "csi": {
+                        "driver": CSI_DRIVER,
+                        "readOnly": True,
+                        "volumeAttributes": {"pool": "pool-x", "namespace": pool_ns},
+                    },
+                }
+            ]
+            intruder["spec"]["containers"][0]["volumeMounts"] = [
+                {"name": "steal", "mountPath": f"/run/kvfabric/{pool_ns}.pool-x", "readOnly": True}
+            ]
+            intruder["spec"]["containers"][0]["env"] = [
+                {"name": "KVFABRIC_SOCKET", "value": f"/run/kvfabric/{pool_ns}.pool-x/{names.SOCKET_NAME}"}
+            ]
+            real.handle.apply(intruder, namespace=intruder_ns)
+
+            def refused() -> str | None:
+                events = real.handle.get_json(
+                    "events", "-n", intruder_ns, "--field-selector", "involvedObject.name=intruder"
+                )["items"]
+                messages = [e.get("message", "") for e in events if e.get("reason") == "FailedMount"]
+                return next(
+                    (m for m in messages if "PermissionDenied" in m or "PERMISSION_DENIED" in m), None
+                )
+
+            message = wait_for(
+                refused, timeout=120, interval=2.0, message="the plugin to refuse the intruder"
+            )
+            assert "does not select namespace" in message, message
+            p = real.handle.get_json("pod", "intruder", "-n", intruder_ns)
+            assert p["status"].get("phase") == "Pending", "never started: no socket, no blocks"

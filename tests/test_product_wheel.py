@@ -20,6 +20,7 @@ PRODUCT = {
     "kvfabric.client",
     "kvfabric.connector",
     "kvfabric.contract",
+    "kvfabric.csi",
 }
 HARNESS = {
     "kvfabric.localcluster",

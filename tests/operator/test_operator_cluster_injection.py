@@ -298,3 +298,60 @@ def test_pod_security_restricted_namespace_admits_consumers_over_tcp_or_skips_th
         timeout=30,
         message="pool-tcp counts the pod served over TCP",
     )
+
+
+def test_with_the_csi_plugin_a_restricted_namespace_admits_node_local_consumers(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess
+) -> None:
+    """Installed with the node plugin, the mutated pod carries a CSI inline volume instead of a hostPath,
+    and the API server's own PodSecurity admission (restricted, the strictest level) admits it."""
+    cluster.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+    operator.stop()
+    operator.extra_args.append("--csi-driver=csi.kvfabric.io")
+    operator.start()
+    try:
+        cluster.apply(pool("pool-csi"), namespace=namespace)
+        wait_pool_known(cluster, namespace, "pool-csi")
+        body = bare_pod("csi-consumer", {"kvfabric.io/pool": "pool-csi"})
+        body["spec"] = {
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": 1000,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [
+                {
+                    "name": "vllm",
+                    "image": "vllm/vllm-openai:v0.11.0",
+                    "args": ["--model", "m"],
+                    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                }
+            ],
+        }
+        cluster.apply(body, namespace=namespace)
+        admitted = cluster.get_json("pod", "csi-consumer", "-n", namespace)
+        detail = json.loads(admitted["metadata"]["annotations"][names.INJECTED_ANNOTATION])
+        assert (detail["transport"], detail["socketVolume"]) == ("unix", "csi")
+        volumes = admitted["spec"]["volumes"]
+        assert not any("hostPath" in v for v in volumes)
+        assert {
+            "name": names.RUN_VOLUME,
+            "csi": {
+                "driver": "csi.kvfabric.io",
+                "readOnly": True,
+                "volumeAttributes": {"pool": "pool-csi", "namespace": namespace},
+            },
+        } in volumes
+        assert env_of(admitted)["KVFABRIC_SOCKET"] == f"/run/kvfabric/{namespace}.pool-csi/cache.sock"
+        wait_for(
+            lambda: (
+                get_pool(cluster, namespace, "pool-csi")["status"]["consumers"]
+                == counts(matched=1, injected=1)
+            ),
+            timeout=30,
+            message="pool-csi counts the injected pod",
+        )
+    finally:
+        operator.stop()
+        operator.extra_args.remove("--csi-driver=csi.kvfabric.io")
+        operator.start()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import time
 import uuid
@@ -12,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from tests.operator.conftest import OperatorProcess, condition, get_pool, is_ready
+from tests.operator.conftest import OperatorProcess, condition, get_pool, is_ready, token_kubeconfig
 
 from kvfabric.localcluster.testing import ClusterHandle, wait_for
 
@@ -89,7 +88,7 @@ def _restricted_operator(
     With leader election, as the shipped Deployment runs it: the Lease is granted by the namespaced
     Role only, so a pool reconciled at all proves that Role works.
     """
-    kubeconfig = _token_kubeconfig(cluster, ns, tmp_path / "sa.kubeconfig")
+    kubeconfig = token_kubeconfig(cluster, ns, tmp_path / "sa.kubeconfig")
     operator.stop()
     return OperatorProcess(
         cluster,
@@ -114,27 +113,6 @@ def _uninstall(
     # An RBAC denial reads 'is forbidden: User "system:serviceaccount:..." cannot ...' (a 403 for
     # a terminating namespace of another test is not one).
     assert "cannot" not in log or "system:serviceaccount" not in log, log
-
-
-def _token_kubeconfig(cluster: ClusterHandle, ns: str, path: Path) -> Path:
-    token = cluster.kubectl("create", "token", "kvfabric-operator", "-n", ns, "--duration=1h").stdout.strip()
-    admin = yaml.safe_load(cluster.kubeconfig.read_text())
-    cluster_entry = admin["clusters"][0]["cluster"]
-    ca = cluster_entry.get("certificate-authority-data")
-    if ca is None:
-        ca = base64.b64encode(Path(cluster_entry["certificate-authority"]).read_bytes()).decode()
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {"name": "c", "cluster": {"server": cluster_entry["server"], "certificate-authority-data": ca}}
-        ],
-        "users": [{"name": "operator", "user": {"token": token}}],
-        "contexts": [{"name": "operator", "context": {"cluster": "c", "user": "operator"}}],
-        "current-context": "operator",
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 @pytest.fixture

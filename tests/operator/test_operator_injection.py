@@ -395,3 +395,49 @@ def test_pod_security_namespace_consuming_another_namespaces_tcp_pool_is_skipped
         {"apps": {"team": "a", injection.PSS_ENFORCE_LABEL: "baseline"}},
     )
     assert result.skip_reason == injection.SKIP_POD_SECURITY
+
+
+CSI = "csi.kvfabric.io"
+
+
+@pytest.mark.parametrize("level", [None, "privileged", "baseline", "restricted"])
+def test_with_the_csi_plugin_consumers_get_a_csi_volume_and_no_host_path(level: str | None) -> None:
+    labels = {"llm": {injection.PSS_ENFORCE_LABEL: level}} if level else {}
+    result = inject(pod(), POOLS, labels, csi_driver=CSI)
+    assert result.injected, result.detail
+    spec = result.pod["spec"]
+    assert not _has_host_path(spec)
+    run = next(v for v in spec["volumes"] if v["name"] == names.RUN_VOLUME)
+    attributes = {"pool": "pool-a", "namespace": "llm"}
+    assert run == {
+        "name": names.RUN_VOLUME,
+        "csi": {"driver": CSI, "readOnly": True, "volumeAttributes": attributes},
+    }
+    container = spec["containers"][0]
+    assert env_of(container)["KVFABRIC_SOCKET"] == "/run/kvfabric/llm.pool-a/cache.sock"
+    mount = next(m for m in container["volumeMounts"] if m["name"] == names.RUN_VOLUME)
+    assert mount == {"name": names.RUN_VOLUME, "mountPath": "/run/kvfabric/llm.pool-a", "readOnly": True}
+    detail = json.loads(result.pod["metadata"]["annotations"][names.INJECTED_ANNOTATION])
+    assert (detail["transport"], detail["socketVolume"]) == ("unix", "csi")
+    assert inject(result.pod, POOLS, labels, csi_driver=CSI).pod == result.pod  # idempotent
+
+
+def test_with_the_csi_plugin_a_baseline_namespace_consumes_another_namespaces_pool() -> None:
+    # The pool's own namespace cannot enforce baseline (its DaemonSet needs hostPaths), so engines in
+    # a baseline namespace are always cross-namespace consumers: the plugin serves them (it checks
+    # the selector itself); without it they are skipped with the reason.
+    cross = pool_body(namespaceSelector={"matchLabels": {"team": "a"}})
+    body = pod(namespace="apps", annotations={names.POOL_NAMESPACE_ANNOTATION: "llm"})
+    strict = {"apps": {"team": "a", injection.PSS_ENFORCE_LABEL: "baseline"}}
+    served = inject(body, pools(cross), strict, csi_driver=CSI)
+    assert served.injected, served.detail
+    assert not _has_host_path(served.pod["spec"])
+    run = next(v for v in served.pod["spec"]["volumes"] if v["name"] == names.RUN_VOLUME)
+    assert run["csi"]["volumeAttributes"] == {"pool": "pool-a", "namespace": "llm"}
+    without = inject(body, pools(cross), strict)
+    assert without.skip_reason == injection.SKIP_POD_SECURITY
+    # The webhook's own selector check still applies first.
+    other = {"apps": {"team": "b", injection.PSS_ENFORCE_LABEL: "baseline"}}
+    assert (
+        inject(body, pools(cross), other, csi_driver=CSI).skip_reason == injection.SKIP_NAMESPACE_NOT_SELECTED
+    )

@@ -52,8 +52,10 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_PARENT = "kvfabric-nodes"
 NODE_PREFIX = "kubelet-gpu"
 RUNC_WRAPPER = Path(__file__).resolve().parents[1] / "containers" / "runc-wrapper"
-# Host paths the cache DaemonSet uses (names.HOST_RUN_ROOT and the local-disk root): per node.
-NODE_LOCAL_DIRS = ("/run/kvfabric", "/var/lib/kvfabric")
+# Host paths the cache DaemonSet uses (names.HOST_RUN_ROOT and the local-disk root) and the kubelet's
+# root directory, which the CSI node plugin mounts at the path a real node has it: per node.
+KUBELET_ROOT = "/var/lib/kubelet"
+NODE_LOCAL_DIRS = ("/run/kvfabric", "/var/lib/kvfabric", KUBELET_ROOT)
 _READY_TIMEOUT = 180.0
 # Processes this interpreter started, so they are reaped (no zombie, no ResourceWarning) when the
 # same process stops them; `down` from another process works from the persisted pids alone.
@@ -241,6 +243,9 @@ echo $$ > "$CGROUP_PROCS_HINT"
 for cg in $CGROUP_DIRS; do echo $$ > "$cg/cgroup.procs"; done
 mount --make-rslave /
 for pair in $BIND_MOUNTS; do mkdir -p "${pair#*=}"; mount --bind "${pair%%=*}" "${pair#*=}"; done
+# As on a systemd host: the kubelet's directory is a shared mount, so a CSI plugin's bind under it
+# (Bidirectional propagation) reaches the node and the consumer's container.
+mount --make-rshared "$KUBELET_ROOT"
 containerd --config "$NODE_DIR/containerd.toml" >>"$NODE_DIR/containerd.log" 2>&1 &
 for _ in $(seq 300); do [ -S "$CONTAINERD_SOCKET" ] && break; sleep 0.1; done
 for img in "$NODE_DIR"/images/*.tar; do
@@ -248,7 +253,7 @@ for img in "$NODE_DIR"/images/*.tar; do
   ctr --address "$CONTAINERD_SOCKET" -n k8s.io images import "$img" >>"$NODE_DIR/images.log" 2>&1
 done
 exec "$KUBELET" --config="$NODE_DIR/kubelet.yaml" --kubeconfig="$NODE_DIR/kubeconfig" \
-  --hostname-override="$NODE_NAME" --node-ip="$NODE_IP" --root-dir="$NODE_DIR/kubelet" \
+  --hostname-override="$NODE_NAME" --node-ip="$NODE_IP" --root-dir="$KUBELET_ROOT" \
   --cert-dir="$NODE_DIR/kubelet-pki" --node-labels="$NODE_LABELS" --v=1 >>"$NODE_DIR/kubelet.log" 2>&1
 """
 
@@ -448,6 +453,7 @@ def start_node(node: RealNode, kubelet: Path, api_port: int) -> NodeProcesses:
         "CGROUP_DIRS": " ".join(str(d) for d in cgroups),
         "CGROUP_PROCS_HINT": str(node.dir / "node.pid"),
         "BIND_MOUNTS": " ".join(f"{node.host_dir(p)}={p}" for p in NODE_LOCAL_DIRS),
+        "KUBELET_ROOT": KUBELET_ROOT,
         "NODE_LABELS": ",".join(f"{k}={v}" for k, v in labels.items()),
     }
     log = (node.dir / "node.log").open("ab")

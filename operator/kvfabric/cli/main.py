@@ -25,6 +25,7 @@ PRODUCT_SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "version": ("kvfabric.cli.version_cmd", "print kvfabric's version and the pinned component versions"),
     "cacheserver": ("kvfabric.cacheserver.cli", "run the per-node KV-chunk cache server"),
     "operator": ("kvfabric.operator.cli", "run the KVCachePool operator (reconciler + injection webhook)"),
+    "csi-node": ("kvfabric.csi.cli", "run the CSI node plugin that publishes a pool's socket to pods"),
 }
 
 PLUGIN_GROUP = "kvfabric.commands"

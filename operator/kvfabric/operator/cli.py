@@ -97,6 +97,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     hook.add_argument(
         "--webhook-config-name", default="kvfabric-pod-injector", help="name of the configuration"
     )
+    hook.add_argument(
+        "--csi-driver",
+        default=os.environ.get("KVFABRIC_CSI_DRIVER") or None,
+        metavar="NAME",
+        help="the CSI node plugin is installed under this driver name (manifests/csi: csi.kvfabric.io): "
+        "consumers in a pool's namespace get the node socket as a CSI inline volume, which Pod Security "
+        "baseline and restricted admit, instead of a hostPath (default: $KVFABRIC_CSI_DRIVER)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -191,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         resync_seconds=args.resync_seconds,
         registration=registration,
         serving=serving,
+        csi_driver=args.csi_driver,
     )
     registry = handlers.build_registry(app, webhook_server=server, namespaces=namespaces or None)
     kopf.run(

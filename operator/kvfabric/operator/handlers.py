@@ -87,6 +87,8 @@ class OperatorApp:
     namespace_labels: dict[str, dict[str, str]] = field(default_factory=dict)
     serving: ServingCertificate | None = None
     """The webhook's serving certificate, refreshed in place on kopf's loop."""
+    csi_driver: str | None = None
+    """The node plugin's driver name when it is installed: consumers get a CSI volume, no hostPath."""
     _serving_task: asyncio.Task[None] | None = None
 
     async def pools_for(self, pod: Mapping[str, Any], namespace: str | None) -> Mapping[PoolKey, PoolTarget]:
@@ -261,7 +263,9 @@ def build_registry(
         async def mutate_pod(*, body: kopf.Body, patch: kopf.Patch, namespace: str | None, **_: Any) -> None:
             try:
                 pools = await app.pools_for(body, namespace)
-                result = inject(body, pools, app.namespace_labels, request_namespace=namespace)
+                result = inject(
+                    body, pools, app.namespace_labels, request_namespace=namespace, csi_driver=app.csi_driver
+                )
             except Exception:
                 # Fail open: a bug here must never block an inference pod.
                 log.exception("injection failed; admitting the pod unchanged")

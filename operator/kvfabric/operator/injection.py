@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kvfabric.contract.consumer_env import ConsumerVar
+from kvfabric.contract.selectors import label_selector_matches
 from kvfabric.operator.api.v1alpha1 import POOL_LABEL, KVCachePool, LabelSelector
 from kvfabric.operator.render import names
 from kvfabric.operator.render.connection import ConnectionSettings, connection_settings
@@ -103,22 +104,8 @@ def pool_key_of(pod: Mapping[str, Any], request_namespace: str | None = None) ->
 
 
 def selector_matches(selector: LabelSelector, labels: Mapping[str, str]) -> bool:
-    """Return whether ``labels`` satisfy a Kubernetes label selector."""
-    for key, value in selector.match_labels.items():
-        if labels.get(key) != value:
-            return False
-    for req in selector.match_expressions:
-        present = req.key in labels
-        op = req.operator.value
-        if op == "In" and (not present or labels[req.key] not in req.values):
-            return False
-        if op == "NotIn" and present and labels[req.key] in req.values:
-            return False
-        if op == "Exists" and not present:
-            return False
-        if op == "DoesNotExist" and present:
-            return False
-    return True
+    """Return whether ``labels`` satisfy a Kubernetes label selector (the CSI plugin's own check too)."""
+    return label_selector_matches(selector.model_dump(by_alias=True, mode="json"), labels)
 
 
 @dataclass(frozen=True)
@@ -173,8 +160,15 @@ def inject(
     namespace_labels: Mapping[str, Mapping[str, str]],
     *,
     request_namespace: str | None = None,
+    csi_driver: str | None = None,
 ) -> InjectionResult:
-    """Return ``pod`` with the connector injected, or annotated with why it was skipped."""
+    """Return ``pod`` with the connector injected, or annotated with why it was skipped.
+
+    With ``csi_driver`` (the operator was installed with the node plugin, ``manifests/csi``), consumers
+    get the node's socket directory as a CSI ephemeral inline volume, which every Pod Security level
+    admits, instead of a hostPath. The plugin checks the pool's namespaceSelector itself before it
+    publishes the directory into a pod of another namespace.
+    """
     out: dict[str, Any] = copy.deepcopy(dict(pod))
     meta = out.setdefault("metadata", {})
     labels: dict[str, str] = meta.get("labels") or {}
@@ -235,7 +229,8 @@ def inject(
     # With the pool's TCP listener (mutual TLS and the token, same namespace only) the pod is wired
     # to it alone; otherwise injecting would get the pod rejected, so it is skipped with the reason.
     level = enforced_pod_security(namespace_labels.get(pod_ns, {}))
-    node_local = level not in _NO_HOSTPATH_LEVELS
+    csi = csi_driver is not None
+    node_local = csi or level not in _NO_HOSTPATH_LEVELS
     if not node_local:
         if not (conn.tcp and same_namespace):
             return _skip(
@@ -272,9 +267,20 @@ def inject(
     if node_local and not any(v.get("name") == names.RUN_VOLUME for v in volumes):
         # DirectoryOrCreate: the pod must start even before (or without) its node's cache server;
         # the connector then falls back to recompute.
-        volumes.append(
-            {"name": names.RUN_VOLUME, "hostPath": {"path": conn.host_dir, "type": "DirectoryOrCreate"}}
-        )
+        if csi:
+            # Published read-only by the node plugin, which learns the pod's namespace from the kubelet
+            # and checks it against the pool named here.
+            attributes = {"pool": conn.pool, "namespace": conn.namespace}
+            volumes.append(
+                {
+                    "name": names.RUN_VOLUME,
+                    "csi": {"driver": csi_driver, "readOnly": True, "volumeAttributes": attributes},
+                }
+            )
+        else:
+            volumes.append(
+                {"name": names.RUN_VOLUME, "hostPath": {"path": conn.host_dir, "type": "DirectoryOrCreate"}}
+            )
     if conn.tcp and credentials and not any(v.get("name") == names.CLIENT_TLS_VOLUME for v in volumes):
         # One projected volume: the client certificate and the token, both kept current by the
         # kubelet, so rotating either needs no restart (the connector watches the files).
@@ -308,6 +314,8 @@ def inject(
         "transport": "unix" if node_local else "tcp",
         "kvTransferConfig": [n for n in notes if n],
     }
+    if node_local:
+        detail["socketVolume"] = "csi" if csi else "hostPath"
     if payload:
         detail["payload"] = conn.connector_image
     _annotate(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Final
 
+from kvfabric.contract import node_paths
+
 FIELD_MANAGER: Final = "kvfabric-operator"
 MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 MANAGED_BY_VALUE: Final = "kvfabric-operator"
@@ -27,7 +29,11 @@ TARGET_CONTAINERS_ANNOTATION: Final = "kvfabric.io/target-containers"
 CONFIG_KEY: Final = "config.yaml"
 CONFIG_MOUNT_DIR: Final = "/etc/kvfabric"
 CONFIG_PATH: Final = f"{CONFIG_MOUNT_DIR}/{CONFIG_KEY}"
-HOST_RUN_ROOT: Final = "/run/kvfabric"
+# The node paths are shared with the CSI node plugin (kvfabric.contract.node_paths); render, status
+# and the tests name them through this module.
+HOST_RUN_ROOT: Final = node_paths.HOST_RUN_ROOT
+pool_dir_name = node_paths.pool_dir_name
+host_dir = node_paths.host_dir
 # The hand-over socket (old server -> new server during a rollout) lives apart from the run directory
 # consumers mount: an engine running as the server's own uid must never reach it. A sibling of the
 # pools' run directories (a namespace never starts with a dot, so no pool directory is called that),
@@ -106,18 +112,6 @@ def operator_namespace() -> str:
     return os.environ.get("POD_NAMESPACE") or "kvfabric-system"
 
 
-def pool_dir_name(namespace: str, pool: str) -> str:
-    """Return the one path segment naming a pool on a node or a shared volume: ``<namespace>.<pool>``.
-
-    Injective: namespaces and pool names are DNS labels, which never contain '.', so the first '.'
-    separates them (``a``/``b-x`` and ``a-b``/``x`` get different directories; with '-' they collided).
-    """
-    for label in (namespace, pool):
-        if not label or "." in label or "/" in label:
-            raise ValueError(f"{label!r} is not a DNS label")
-    return f"{namespace}.{pool}"
-
-
 def local_disk_dir(namespace: str, pool: str) -> str:
     """Return the pool's directory below the local-disk mount (so pools may share one disk path)."""
     return f"{LOCAL_DISK_MOUNT}/{pool_dir_name(namespace, pool)}"
@@ -146,15 +140,6 @@ def metrics_service_name(pool: str) -> str:
 def shared_claim_name(pool: str) -> str:
     """Return the PersistentVolumeClaim a pool with a claim template owns."""
     return f"{pool}-shared"
-
-
-def host_dir(namespace: str, pool: str) -> str:
-    """Return the per-pool directory on each node holding the cache server's sockets.
-
-    Namespace and pool name are both DNS labels (no '/' or '..'), so the join cannot escape the root,
-    and :func:`pool_dir_name` keeps pools apart.
-    """
-    return f"{HOST_RUN_ROOT}/{pool_dir_name(namespace, pool)}"
 
 
 def handover_dir(namespace: str, pool: str) -> str:

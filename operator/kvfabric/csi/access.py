@@ -1,0 +1,56 @@
+"""Cross-namespace access: the pool's namespaceSelector, read from the API server at publish time.
+
+Only a pod of another namespace than the pool's needs this; the plugin's ServiceAccount may get
+KVCachePools and Namespaces and nothing else (``manifests/csi/rbac.yaml``). A decision holds for the
+pod's lifetime: a selector changed later stops new pods, not running ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+from kvfabric.csi.publish import Code, Publication, Refused, cross_namespace_refusal
+
+GROUP = "kvfabric.io"
+VERSION = "v1alpha1"
+PLURAL = "kvcachepools"
+
+
+@dataclass
+class ApiAuthorizer:
+    """Asks the API server whether a cross-namespace publication is allowed."""
+
+    api_client: Any
+    timeout: float = 5.0
+
+    @classmethod
+    def from_environment(cls, kubeconfig: str | None = None) -> ApiAuthorizer:
+        """In-cluster credentials (the plugin's ServiceAccount token), or a kubeconfig for tests."""
+        from kubernetes import client, config
+
+        if kubeconfig:
+            return cls(config.new_client_from_config(config_file=kubeconfig))  # type: ignore[no-untyped-call]
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+        return cls(client.ApiClient())
+
+    def __call__(self, p: Publication) -> str | None:
+        """Why the pod's namespace may not consume the pool, or None when it may."""
+        from kubernetes.client import CoreV1Api, CustomObjectsApi
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            try:
+                found = CustomObjectsApi(self.api_client).get_namespaced_custom_object(
+                    GROUP, VERSION, p.namespace, PLURAL, p.pool, _request_timeout=self.timeout
+                )
+                pool: dict[str, Any] | None = cast(dict[str, Any], found)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                pool = None
+            ns = CoreV1Api(self.api_client).read_namespace(p.pod_namespace, _request_timeout=self.timeout)
+        except Exception as exc:  # the kubelet retries NodePublishVolume: say so, do not guess
+            raise Refused(Code.UNAVAILABLE, f"cannot read KVCachePool {p.namespace}/{p.pool}: {exc}") from exc
+        labels = dict((ns.metadata.labels if ns.metadata else None) or {})
+        return cross_namespace_refusal(pool, p.pod_namespace, labels)

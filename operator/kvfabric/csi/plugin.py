@@ -1,0 +1,299 @@
+"""The node plugin's gRPC services: CSI Identity and Node, and the kubelet's plugin registration.
+
+The kubelet finds the plugin through a registration socket in its ``plugins_registry`` directory
+(GetInfo names the driver and its CSI endpoint), then calls NodePublishVolume for every pod with a
+``csi.kvfabric.io`` inline volume and NodeUnpublishVolume when the pod goes. Publishing is a
+read-only bind of the pool's run directory (:mod:`kvfabric.csi.publish` decides which); there is no
+controller service, no staging, nothing to attach.
+"""
+
+# ruff: noqa: N802
+# (the gRPC method names are the protocol's)
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final, TypeVar
+
+import grpc
+from google.protobuf import wrappers_pb2
+
+from kvfabric.contract.node_paths import HOST_RUN_ROOT
+from kvfabric.csi import mounts
+from kvfabric.csi.publish import DRIVER_NAME, Code, Publication, Refused, checked_target, plan_publish
+from kvfabric.csi.v1 import csi_pb2, csi_pb2_grpc, pluginregistration_pb2, pluginregistration_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+CSI_VERSIONS: Final = ["1.0.0"]
+_GRPC_CODES: Final = {
+    Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Code.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    Code.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+_T = TypeVar("_T")
+
+
+@dataclass
+class Mounter:
+    """The node's side effects, swappable in tests that run without CAP_SYS_ADMIN."""
+
+    bind_read_only: Callable[[str, str], None] = mounts.bind_read_only
+    unmount: Callable[[str], None] = mounts.unmount
+    is_mounted: Callable[[str], bool] = mounts.is_mounted
+    ensure_directory: Callable[[str], None] = mounts.ensure_directory
+
+
+@dataclass
+class NodePlugin:
+    """State shared by the three services: who we are, where the node's directories are."""
+
+    node_name: str
+    kubelet_root: str
+    run_root: str = HOST_RUN_ROOT
+    driver_name: str = DRIVER_NAME
+    version: str = "0.1.0"
+    mounter: Mounter = field(default_factory=Mounter)
+    authorizer: Callable[[Publication], str | None] | None = None
+    """Decides cross-namespace publications (:class:`kvfabric.csi.access.ApiAuthorizer`); without
+    one, a pod gets only the pools of its own namespace."""
+    published: dict[str, Publication] = field(default_factory=dict)
+    registered: threading.Event = field(default_factory=threading.Event)
+    _locks: dict[str, threading.Lock] = field(default_factory=dict)
+    _guard: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def endpoint(self) -> str:
+        """The CSI socket, as the kubelet sees it (the plugin mounts the kubelet's root at its path)."""
+        return f"{self.kubelet_root}/plugins/{self.driver_name}/csi.sock"
+
+    @property
+    def registration_socket(self) -> str:
+        """The socket the kubelet's plugin watcher discovers."""
+        return f"{self.kubelet_root}/plugins_registry/{self.driver_name}-reg.sock"
+
+    @contextmanager
+    def target_lock(self, target: str) -> Iterator[None]:
+        """Serialize calls for one target path (the kubelet retries; calls must be idempotent)."""
+        with self._guard:
+            lock = self._locks.setdefault(target, threading.Lock())
+        with lock:
+            yield
+
+    def authorize(self, p: Publication) -> None:
+        """Raise :class:`Refused` unless the pod's namespace may consume the pool."""
+        if not p.cross_namespace:
+            return
+        if self.authorizer is None:
+            raise Refused(
+                Code.PERMISSION_DENIED,
+                f"volumeAttributes.namespace {p.namespace!r}: this plugin publishes only pools of the pod's "
+                f"own namespace {p.pod_namespace!r} (started without API access)",
+            )
+        reason = self.authorizer(p)
+        if reason is not None:
+            raise Refused(
+                Code.PERMISSION_DENIED,
+                f"a pod of namespace {p.pod_namespace!r} may not use KVCachePool "
+                f"{p.namespace}/{p.pool}: {reason}",
+            )
+
+    def publish(self, p: Publication) -> None:
+        """Bind the pool's run directory at the target, read-only, if the pod may have it; idempotent."""
+        self.authorize(p)
+        with self.target_lock(p.target):
+            if self.mounter.is_mounted(p.target):
+                previous = self.published.get(p.target)
+                if previous is not None and previous.source != p.source:
+                    raise Refused(
+                        Code.FAILED_PRECONDITION, f"{p.target} is already published from {previous.source}"
+                    )
+                return
+            # The pod may start before its node's cache server: the directory then exists, empty,
+            # and the server's init container makes it the server's; the connector recomputes until
+            # the socket appears in it.
+            self.mounter.ensure_directory(self.run_root)
+            self.mounter.ensure_directory(p.source)
+            self.mounter.bind_read_only(p.source, p.target)
+            self.published[p.target] = p
+        log.info(
+            "published",
+            extra={
+                "pool": f"{p.namespace}/{p.pool}",
+                "pod": f"{p.pod_namespace}/{p.pod}",
+                "target": p.target,
+                "source": p.source,
+            },
+        )
+
+    def unpublish(self, target: str) -> None:
+        """Unmount and remove the target; a target never published (or already gone) is success."""
+        with self.target_lock(target):
+            self.mounter.unmount(target)
+            gone = self.published.pop(target, None)
+        log.info("unpublished", extra={"target": target, "pod": gone.pod if gone else None})
+
+
+def _refusing(context: grpc.ServicerContext, call: Callable[[], _T]) -> _T:
+    try:
+        return call()
+    except Refused as exc:
+        log.warning("refused", extra={"reason": exc.message, "code": exc.code.value})
+        context.abort(_GRPC_CODES[exc.code], exc.message)
+    except OSError as exc:
+        log.error("mount failed", extra={"error": str(exc)})
+        context.abort(grpc.StatusCode.INTERNAL, str(exc))
+
+
+class IdentityService(csi_pb2_grpc.IdentityServicer):
+    """CSI Identity: the driver's name and version; no controller service to advertise."""
+
+    def __init__(self, plugin: NodePlugin) -> None:
+        self.plugin = plugin
+
+    def GetPluginInfo(
+        self, request: csi_pb2.GetPluginInfoRequest, context: grpc.ServicerContext
+    ) -> csi_pb2.GetPluginInfoResponse:
+        """The driver name the kubelet registered and its version."""
+        return csi_pb2.GetPluginInfoResponse(name=self.plugin.driver_name, vendor_version=self.plugin.version)
+
+    def GetPluginCapabilities(
+        self, request: csi_pb2.GetPluginCapabilitiesRequest, context: grpc.ServicerContext
+    ) -> csi_pb2.GetPluginCapabilitiesResponse:
+        """None: no controller service (inline volumes need no provisioning)."""
+        return csi_pb2.GetPluginCapabilitiesResponse(capabilities=[])
+
+    def Probe(self, request: csi_pb2.ProbeRequest, context: grpc.ServicerContext) -> csi_pb2.ProbeResponse:
+        """Ready whenever it answers: the plugin holds no state it must load first."""
+        return csi_pb2.ProbeResponse(ready=wrappers_pb2.BoolValue(value=True))
+
+
+class NodeService(csi_pb2_grpc.NodeServicer):
+    """CSI Node: publish and unpublish; staging, stats and expansion stay UNIMPLEMENTED."""
+
+    def __init__(self, plugin: NodePlugin) -> None:
+        self.plugin = plugin
+
+    def NodeGetCapabilities(
+        self, request: csi_pb2.NodeGetCapabilitiesRequest, context: grpc.ServicerContext
+    ) -> csi_pb2.NodeGetCapabilitiesResponse:
+        """None: no staging, no stats, no expansion."""
+        return csi_pb2.NodeGetCapabilitiesResponse(capabilities=[])
+
+    def NodeGetInfo(
+        self, request: csi_pb2.NodeGetInfoRequest, context: grpc.ServicerContext
+    ) -> csi_pb2.NodeGetInfoResponse:
+        """The node id: the node's name."""
+        return csi_pb2.NodeGetInfoResponse(node_id=self.plugin.node_name)
+
+    def NodePublishVolume(
+        self, request: csi_pb2.NodePublishVolumeRequest, context: grpc.ServicerContext
+    ) -> csi_pb2.NodePublishVolumeResponse:
+        """Check the request, then bind the pool's run directory read-only at the target."""
+
+        def publish() -> csi_pb2.NodePublishVolumeResponse:
+            p = plan_publish(
+                volume_id=request.volume_id,
+                target_path=request.target_path,
+                volume_context=dict(request.volume_context),
+                block=request.volume_capability.HasField("block"),
+                kubelet_root=self.plugin.kubelet_root,
+                run_root=self.plugin.run_root,
+            )
+            self.plugin.publish(p)
+            return csi_pb2.NodePublishVolumeResponse()
+
+        return _refusing(context, publish)
+
+    def NodeUnpublishVolume(
+        self, request: csi_pb2.NodeUnpublishVolumeRequest, context: grpc.ServicerContext
+    ) -> csi_pb2.NodeUnpublishVolumeResponse:
+        """Unmount and remove the target; idempotent."""
+
+        def unpublish() -> csi_pb2.NodeUnpublishVolumeResponse:
+            if not request.volume_id:
+                raise Refused(Code.INVALID_ARGUMENT, "volume_id is empty")
+            self.plugin.unpublish(checked_target(request.target_path, self.plugin.kubelet_root))
+            return csi_pb2.NodeUnpublishVolumeResponse()
+
+        return _refusing(context, unpublish)
+
+
+class RegistrationService(pluginregistration_pb2_grpc.RegistrationServicer):
+    """The kubelet's plugin watcher: who we are and where our CSI endpoint is."""
+
+    def __init__(self, plugin: NodePlugin) -> None:
+        self.plugin = plugin
+
+    def GetInfo(
+        self, request: pluginregistration_pb2.InfoRequest, context: grpc.ServicerContext
+    ) -> pluginregistration_pb2.PluginInfo:
+        """Tell the kubelet the driver name, the CSI endpoint and the CSI versions served."""
+        return pluginregistration_pb2.PluginInfo(
+            type="CSIPlugin",
+            name=self.plugin.driver_name,
+            endpoint=self.plugin.endpoint,
+            supported_versions=CSI_VERSIONS,
+        )
+
+    def NotifyRegistrationStatus(
+        self, request: pluginregistration_pb2.RegistrationStatus, context: grpc.ServicerContext
+    ) -> pluginregistration_pb2.RegistrationStatusResponse:
+        """Record the kubelet's verdict on the registration."""
+        if request.plugin_registered:
+            self.plugin.registered.set()
+            log.info("registered with the kubelet", extra={"driver": self.plugin.driver_name})
+        else:
+            self.plugin.registered.clear()
+            log.error("the kubelet refused the registration", extra={"error": request.error})
+        return pluginregistration_pb2.RegistrationStatusResponse()
+
+
+def _listen(path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+    with suppress(FileNotFoundError):
+        os.unlink(path)  # a previous run's socket (killed without cleaning up)
+
+
+@dataclass
+class RunningPlugin:
+    """The two servers of a started plugin; :meth:`stop` removes the registration socket first."""
+
+    plugin: NodePlugin
+    csi: grpc.Server
+    registration: grpc.Server
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Stop: deregister (the watcher sees the socket go), then drain the CSI calls in flight."""
+        for path in (self.plugin.registration_socket, self.plugin.endpoint):
+            with suppress(FileNotFoundError):
+                os.unlink(path)
+        self.registration.stop(grace).wait()
+        self.csi.stop(grace).wait()
+
+
+def start(plugin: NodePlugin) -> RunningPlugin:
+    """Serve the CSI socket, then the registration socket (the kubelet calls the CSI one right away)."""
+    csi = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="csi"))
+    csi_pb2_grpc.add_IdentityServicer_to_server(IdentityService(plugin), csi)  # type: ignore[no-untyped-call]
+    csi_pb2_grpc.add_NodeServicer_to_server(NodeService(plugin), csi)  # type: ignore[no-untyped-call]
+    _listen(plugin.endpoint)
+    csi.add_insecure_port(f"unix://{plugin.endpoint}")  # root-only directory; the kubelet is the client
+    csi.start()
+    registration = grpc.server(futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="csi-reg"))
+    pluginregistration_pb2_grpc.add_RegistrationServicer_to_server(RegistrationService(plugin), registration)  # type: ignore[no-untyped-call]
+    _listen(plugin.registration_socket)
+    registration.add_insecure_port(f"unix://{plugin.registration_socket}")
+    registration.start()
+    log.info(
+        "serving",
+        extra={"driver": plugin.driver_name, "endpoint": plugin.endpoint, "node": plugin.node_name},
+    )
+    return RunningPlugin(plugin, csi, registration)

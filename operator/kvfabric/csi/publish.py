@@ -1,0 +1,168 @@
+"""What a NodePublishVolume request may publish: a pure decision, checked before any mount.
+
+The kubelet is trusted (its socket is root-only), the pod's author is not: the volume attributes
+come from the pod spec, so anyone who may create a pod in a namespace chooses them. The kubelet
+adds the pod's namespace (``podInfoOnMount`` on the CSIDriver). A pod of the pool's own namespace
+may always have it; a pod of another namespace only if the pool's ``spec.consumers.namespaceSelector``
+selects its namespace, which :func:`cross_namespace_refusal` checks against the live objects (the
+plugin reads them from the API server; the webhook's decision is not trusted, the pod may not have
+passed through it).
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Final
+
+from kvfabric.contract.node_paths import HOST_RUN_ROOT, host_dir
+from kvfabric.contract.selectors import label_selector_matches
+
+DRIVER_NAME: Final = "csi.kvfabric.io"
+POOL_ATTRIBUTE: Final = "pool"
+# Optional: the pool's namespace (default: the pod's own).
+NAMESPACE_ATTRIBUTE: Final = "namespace"
+# Set by the kubelet (podInfoOnMount and inline ephemeral volumes), never by the pod's author.
+POD_NAMESPACE_KEY: Final = "csi.storage.k8s.io/pod.namespace"
+POD_NAME_KEY: Final = "csi.storage.k8s.io/pod.name"
+POD_UID_KEY: Final = "csi.storage.k8s.io/pod.uid"
+EPHEMERAL_KEY: Final = "csi.storage.k8s.io/ephemeral"
+_KUBELET_KEYS: Final = frozenset(
+    {
+        POD_NAMESPACE_KEY,
+        POD_NAME_KEY,
+        POD_UID_KEY,
+        EPHEMERAL_KEY,
+        "csi.storage.k8s.io/serviceAccount.name",
+    }
+)
+_DNS_LABEL: Final = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+class Code(Enum):
+    """The gRPC status a refusal maps to (the CSI spec's error table for NodePublishVolume)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+class Refused(Exception):  # noqa: N818 (a refusal, not an error of the plugin)
+    """The request is refused; the message names the field at fault."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Publication:
+    """A checked request: bind ``source`` (a pool's run directory) read-only at ``target``."""
+
+    source: str
+    target: str
+    namespace: str
+    """The pool's namespace."""
+    pool: str
+    pod_namespace: str
+    pod: str
+
+    @property
+    def cross_namespace(self) -> bool:
+        """Whether the pod is of another namespace than the pool (the API must be asked)."""
+        return self.namespace != self.pod_namespace
+
+
+def checked_target(target_path: str, kubelet_root: str) -> str:
+    """Return ``target_path`` if it is a normalized absolute path below the kubelet's pods directory.
+
+    Defence in depth: only the kubelet can call, but a mount at any other path (``/etc``) would be a
+    way to hide a node's own files.
+    """
+    pods = posixpath.join(kubelet_root, "pods") + "/"
+    if not target_path or not target_path.startswith("/") or posixpath.normpath(target_path) != target_path:
+        raise Refused(Code.INVALID_ARGUMENT, f"target_path {target_path!r} is not a normalized absolute path")
+    if not target_path.startswith(pods):
+        raise Refused(Code.INVALID_ARGUMENT, f"target_path {target_path!r} is not below {pods}")
+    return target_path
+
+
+def plan_publish(
+    *,
+    volume_id: str,
+    target_path: str,
+    volume_context: Mapping[str, str],
+    block: bool,
+    kubelet_root: str,
+    run_root: str = HOST_RUN_ROOT,
+) -> Publication:
+    """Check a NodePublishVolume request; return what to publish or raise :class:`Refused`."""
+    if not volume_id:
+        raise Refused(Code.INVALID_ARGUMENT, "volume_id is empty")
+    target = checked_target(target_path, kubelet_root)
+    if block:
+        raise Refused(Code.INVALID_ARGUMENT, "volume_capability: only mount volumes are served, not block")
+    if volume_context.get(EPHEMERAL_KEY) != "true":
+        raise Refused(
+            Code.FAILED_PRECONDITION,
+            f"{DRIVER_NAME} serves only CSI ephemeral inline volumes (volume_context[{EPHEMERAL_KEY!r}] "
+            "is not 'true')",
+        )
+    namespace = volume_context.get(POD_NAMESPACE_KEY, "")
+    if not _DNS_LABEL.match(namespace):
+        raise Refused(
+            Code.FAILED_PRECONDITION,
+            f"volume_context[{POD_NAMESPACE_KEY!r}] is missing: the CSIDriver must set podInfoOnMount",
+        )
+    unknown = sorted(set(volume_context) - _KUBELET_KEYS - {POOL_ATTRIBUTE, NAMESPACE_ATTRIBUTE})
+    if unknown:
+        raise Refused(
+            Code.INVALID_ARGUMENT,
+            f"volumeAttributes {unknown} are not known; {DRIVER_NAME} takes {POOL_ATTRIBUTE!r} and "
+            f"optionally {NAMESPACE_ATTRIBUTE!r}",
+        )
+    pool = volume_context.get(POOL_ATTRIBUTE, "")
+    if not _DNS_LABEL.match(pool):
+        raise Refused(
+            Code.INVALID_ARGUMENT,
+            f"volumeAttributes.{POOL_ATTRIBUTE} {pool!r} must name a KVCachePool (a DNS label)",
+        )
+    pool_namespace = volume_context.get(NAMESPACE_ATTRIBUTE, namespace)
+    if not _DNS_LABEL.match(pool_namespace):
+        raise Refused(
+            Code.INVALID_ARGUMENT,
+            f"volumeAttributes.{NAMESPACE_ATTRIBUTE} {pool_namespace!r} must name a namespace (a DNS label)",
+        )
+    return Publication(
+        source=host_dir(pool_namespace, pool, run_root),
+        target=target,
+        namespace=pool_namespace,
+        pool=pool,
+        pod_namespace=namespace,
+        pod=volume_context.get(POD_NAME_KEY, ""),
+    )
+
+
+def cross_namespace_refusal(
+    pool_body: Mapping[str, Any] | None, pod_namespace: str, namespace_labels: Mapping[str, str]
+) -> str | None:
+    """Why a pod of ``pod_namespace`` may not consume the pool (None: it may).
+
+    ``pool_body`` is the KVCachePool as the API server has it (None: there is none). Only the pool's
+    own ``spec.consumers.namespaceSelector`` grants another namespace access, as for the webhook.
+    """
+    if pool_body is None:
+        return "no such KVCachePool"
+    meta = pool_body.get("metadata") or {}
+    name = f"{meta.get('namespace')}/{meta.get('name')}"
+    selector = ((pool_body.get("spec") or {}).get("consumers") or {}).get("namespaceSelector")
+    if selector is None:
+        return f"{name} has no spec.consumers.namespaceSelector: only pods of its own namespace may use it"
+    if not label_selector_matches(selector, namespace_labels):
+        return f"spec.consumers.namespaceSelector of {name} does not select namespace {pod_namespace}"
+    return None

@@ -1,0 +1,95 @@
+"""The CSI node plugin's cross-namespace check against the real API server, with its shipped RBAC.
+
+A pod of another namespace than the pool's gets the pool's socket only when the pool's
+``spec.consumers.namespaceSelector`` selects the pod's namespace; the plugin reads both objects as
+its own ServiceAccount, which may do that and nothing else (``manifests/csi/rbac.yaml``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from tests.operator.conftest import token_kubeconfig
+
+from kvfabric.csi.access import ApiAuthorizer
+from kvfabric.csi.publish import Publication
+from kvfabric.localcluster.testing import ClusterHandle
+
+pytestmark = [pytest.mark.cluster]
+
+ROOT = Path(__file__).resolve().parents[2]
+SA = "system:serviceaccount:kvfabric-system:kvfabric-csi-node"
+
+
+@pytest.fixture
+def plugin_kubeconfig(cluster: ClusterHandle, crd: None, tmp_path: Path) -> Path:
+    if cluster.kubectl("get", "namespace", "kvfabric-system", check=False).returncode:
+        cluster.kubectl("create", "namespace", "kvfabric-system")
+    docs = [d for d in yaml.safe_load_all((ROOT / "manifests" / "csi" / "rbac.yaml").read_text()) if d]
+    for d in docs:
+        if d["kind"] == "ServiceAccount":
+            d["metadata"]["namespace"] = "kvfabric-system"
+    cluster.apply(*docs)
+    return token_kubeconfig(
+        cluster, "kvfabric-system", tmp_path / "csi.kubeconfig", account="kvfabric-csi-node"
+    )
+
+
+def _publication(pool_ns: str, pod_ns: str, pool: str = "pool-a") -> Publication:
+    return Publication(
+        source=f"/run/kvfabric/{pool_ns}.{pool}",
+        target="/var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/v/mount",
+        namespace=pool_ns,
+        pool=pool,
+        pod_namespace=pod_ns,
+        pod="engine",
+    )
+
+
+def test_only_namespaces_the_pools_selector_selects_are_granted(
+    cluster: ClusterHandle, namespace: str, plugin_kubeconfig: Path
+) -> None:
+    pool = {
+        "apiVersion": "kvfabric.io/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": "pool-a"},
+        "spec": {
+            "image": {"tag": "v0.1.0"},
+            "tiers": {"memory": {"size": "1Gi"}},
+            "consumers": {"namespaceSelector": {"matchLabels": {"kvfabric-test/consumer": "yes"}}},
+        },
+    }
+    cluster.apply(pool, namespace=namespace)
+    authorize = ApiAuthorizer.from_environment(str(plugin_kubeconfig))
+    with cluster.namespace("sel") as selected, cluster.namespace("other") as other:
+        cluster.kubectl("label", "namespace", selected, "kvfabric-test/consumer=yes")
+        assert authorize(_publication(namespace, selected)) is None
+        refusal = authorize(_publication(namespace, other))
+        assert refusal is not None
+        assert f"does not select namespace {other}" in refusal
+        assert authorize(_publication(namespace, selected, pool="absent")) == "no such KVCachePool"
+        # Relabelled: the next publication sees it (each is decided on the live objects).
+        cluster.kubectl("label", "namespace", selected, "kvfabric-test/consumer-")
+        assert authorize(_publication(namespace, selected)) is not None
+
+
+@pytest.mark.parametrize(
+    ("verb", "resource", "allowed"),
+    [
+        ("get", "kvcachepools.kvfabric.io", True),
+        ("get", "namespaces", True),
+        ("list", "kvcachepools.kvfabric.io", False),
+        ("update", "kvcachepools.kvfabric.io", False),
+        ("get", "secrets", False),
+        ("list", "pods", False),
+        ("create", "pods", False),
+        ("patch", "namespaces", False),
+    ],
+)
+def test_the_plugins_service_account_may_read_pools_and_namespaces_and_nothing_else(
+    cluster: ClusterHandle, plugin_kubeconfig: Path, verb: str, resource: str, allowed: bool
+) -> None:
+    out = cluster.kubectl("auth", "can-i", verb, resource, "-A", f"--as={SA}", check=False)
+    assert out.stdout.strip() == ("yes" if allowed else "no"), (verb, resource, out.stdout, out.stderr)

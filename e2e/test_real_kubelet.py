@@ -522,6 +522,34 @@ def test_the_csi_plugin_serves_restricted_namespaces_and_only_those_the_pool_sel
         assert (result["accepted"], result["same"], result["shm"]) == (1, True, True)
         assert result["unlink_errno"] == 30
 
+        def failed_mount(ns: str, name: str, *words: str) -> str | None:
+            events = real.handle.get_json(
+                "events", "-n", ns, "--field-selector", f"involvedObject.name={name}"
+            )
+            messages = [e.get("message", "") for e in events["items"] if e.get("reason") == "FailedMount"]
+            return next((m for m in messages if all(w in m for w in words)), None)
+
+        # A selected namespace's pod that writes the volume by hand without readOnly: refused, so no
+        # container ever gets the socket directory writable (it could replace the socket).
+        writer = _restricted_client("writer", node, {})
+        writer["spec"]["volumes"] = [
+            {
+                "name": "w",
+                "csi": {"driver": CSI_DRIVER, "volumeAttributes": {"pool": "pool-x", "namespace": pool_ns}},
+            }
+        ]
+        writer["spec"]["containers"][0]["volumeMounts"] = [{"name": "w", "mountPath": "/run/kvfabric/w"}]
+        real.handle.apply(writer, namespace=consumer_ns)
+        message = wait_for(
+            lambda: failed_mount(consumer_ns, "writer", "readOnly: true"),
+            timeout=120,
+            interval=2.0,
+            message="the plugin to refuse a writable volume",
+        )
+        assert real.handle.get_json("pod", "writer", "-n", consumer_ns)["status"].get("phase") == "Pending", (
+            message
+        )
+
         # The intruder: a namespace the pool does not select, the CSI volume written by hand (no
         # opt-in label, so the webhook does not look at it). The plugin asks the API server and refuses.
         with real.handle.namespace("ki") as intruder_ns:
@@ -547,17 +575,11 @@ def test_the_csi_plugin_serves_restricted_namespaces_and_only_those_the_pool_sel
             ]
             real.handle.apply(intruder, namespace=intruder_ns)
 
-            def refused() -> str | None:
-                events = real.handle.get_json(
-                    "events", "-n", intruder_ns, "--field-selector", "involvedObject.name=intruder"
-                )["items"]
-                messages = [e.get("message", "") for e in events if e.get("reason") == "FailedMount"]
-                return next(
-                    (m for m in messages if "PermissionDenied" in m or "PERMISSION_DENIED" in m), None
-                )
-
             message = wait_for(
-                refused, timeout=120, interval=2.0, message="the plugin to refuse the intruder"
+                lambda: failed_mount(intruder_ns, "intruder", "does not select namespace"),
+                timeout=120,
+                interval=2.0,
+                message="the plugin to refuse the intruder",
             )
             assert "does not select namespace" in message, message
             p = real.handle.get_json("pod", "intruder", "-n", intruder_ns)

@@ -34,23 +34,34 @@ class ApiAuthorizer:
         config.load_incluster_config()  # type: ignore[no-untyped-call]
         return cls(client.ApiClient())
 
-    def __call__(self, p: Publication) -> str | None:
-        """Why the pod's namespace may not consume the pool, or None when it may."""
-        from kubernetes.client import CoreV1Api, CustomObjectsApi
+    def pool_exists(self, namespace: str, pool: str) -> bool:
+        """Whether the KVCachePool exists (the plugin then may create its run directory)."""
+        return self._pool(namespace, pool) is not None
+
+    def _pool(self, namespace: str, pool: str) -> dict[str, Any] | None:
+        from kubernetes.client import CustomObjectsApi
         from kubernetes.client.exceptions import ApiException
 
         try:
-            try:
-                found = CustomObjectsApi(self.api_client).get_namespaced_custom_object(
-                    GROUP, VERSION, p.namespace, PLURAL, p.pool, _request_timeout=self.timeout
-                )
-                pool: dict[str, Any] | None = cast(dict[str, Any], found)
-            except ApiException as exc:
-                if exc.status != 404:
-                    raise
-                pool = None
-            ns = CoreV1Api(self.api_client).read_namespace(p.pod_namespace, _request_timeout=self.timeout)
+            found = CustomObjectsApi(self.api_client).get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, pool, _request_timeout=self.timeout
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise Refused(Code.UNAVAILABLE, f"cannot read KVCachePool {namespace}/{pool}: {exc}") from exc
         except Exception as exc:  # the kubelet retries NodePublishVolume: say so, do not guess
-            raise Refused(Code.UNAVAILABLE, f"cannot read KVCachePool {p.namespace}/{p.pool}: {exc}") from exc
+            raise Refused(Code.UNAVAILABLE, f"cannot read KVCachePool {namespace}/{pool}: {exc}") from exc
+        return cast(dict[str, Any], found)
+
+    def __call__(self, p: Publication) -> str | None:
+        """Why the pod's namespace may not consume the pool, or None when it may."""
+        from kubernetes.client import CoreV1Api
+
+        pool = self._pool(p.namespace, p.pool)
+        try:
+            ns = CoreV1Api(self.api_client).read_namespace(p.pod_namespace, _request_timeout=self.timeout)
+        except Exception as exc:
+            raise Refused(Code.UNAVAILABLE, f"cannot read namespace {p.pod_namespace}: {exc}") from exc
         labels = dict((ns.metadata.labels if ns.metadata else None) or {})
         return cross_namespace_refusal(pool, p.pod_namespace, labels)

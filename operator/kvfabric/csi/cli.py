@@ -43,6 +43,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kubeconfig", default=None, help="kubeconfig (default: the in-cluster ServiceAccount token)"
     )
+    parser.add_argument(
+        "--staging-dir",
+        default="/run/kvfabric-csi",
+        help="a writable directory private to the plugin's mount namespace (an emptyDir), where each "
+        "bind is made read-only before it is attached (default /run/kvfabric-csi)",
+    )
     parser.add_argument("--log-level", default="INFO", help="log level (JSON logs on stderr)")
 
 
@@ -65,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         kubelet_root=args.kubelet_root,
         run_root=args.run_root,
         version=__version__,
+        staging_root=args.staging_dir,
         authorizer=authorizer,
     )
     running = start(plugin)

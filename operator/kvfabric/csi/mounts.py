@@ -13,6 +13,7 @@ import errno
 import os
 import re
 import stat
+import tempfile
 from typing import Final
 
 MS_RDONLY: Final = 0x1
@@ -23,19 +24,28 @@ MS_REMOUNT: Final = 0x20
 MS_BIND: Final = 0x1000
 # A published socket directory needs none of these: nothing in it is a device or a program.
 READ_ONLY_FLAGS: Final = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+READ_ONLY_OPTIONS: Final = frozenset({"ro", "nosuid", "nodev", "noexec"})
+MNT_DETACH: Final = 0x2
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _OCTAL: Final = re.compile(r"\\([0-7]{3})")
 
 
+def _mountinfo(text: str) -> list[list[str]]:
+    """The fields of every line of a mountinfo text, with the paths (fields 3 and 4) unescaped."""
+    out = []
+    for line in text.splitlines():
+        fields = line.split(" ")
+        if len(fields) > 5:
+            for i in (3, 4):
+                fields[i] = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[i])
+            out.append(fields)
+    return out
+
+
 def mount_points(mountinfo: str) -> list[str]:
     """Return the mount points listed in a ``/proc/<pid>/mountinfo`` text, in order, unescaped."""
-    points = []
-    for line in mountinfo.splitlines():
-        fields = line.split(" ")
-        if len(fields) > 4:
-            points.append(_OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4]))
-    return points
+    return [fields[4] for fields in _mountinfo(mountinfo)]
 
 
 def is_mounted(path: str) -> bool:
@@ -44,13 +54,13 @@ def is_mounted(path: str) -> bool:
     From mountinfo, not ``os.path.ismount``: a bind mount from the same file system has the same
     st_dev as its parent, which ismount cannot tell from a plain directory.
     """
-    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         return path in mount_points(f.read())
 
 
 def _mount(source: str | None, target: str, flags: int) -> None:
-    src = source.encode() if source is not None else None
-    if _libc.mount(src, target.encode(), None, ctypes.c_ulong(flags), None) != 0:
+    src = os.fsencode(source) if source is not None else None
+    if _libc.mount(src, os.fsencode(target), None, ctypes.c_ulong(flags), None) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
 
@@ -64,25 +74,50 @@ def ensure_directory(path: str, mode: int = 0o755) -> None:
         raise NotADirectoryError(errno.ENOTDIR, f"{path} is not a directory (a symlink is refused)")
 
 
-def bind_read_only(source: str, target: str) -> None:
-    """Bind ``source`` at ``target`` read-only, nosuid, nodev, noexec; never leave a writable bind.
+def bind_read_only(source: str, target: str, staging_root: str) -> None:
+    """Bind ``source`` at ``target`` read-only, nosuid, nodev, noexec; never expose a writable bind.
 
-    A bind mount takes the source's flags, so read-only needs a second, remounting call; if that
-    fails the first is undone.
+    A bind mount takes its source's flags, and a remount changes only the mount it is made on: under
+    a shared target (the kubelet's pods directory, Bidirectional) a plain bind propagates to the node
+    at once, writable, and remounting the plugin's copy read-only would leave the node's copy (the
+    one containers get) writable. So the bind is made and made read-only in ``staging_root``, a
+    private directory of the plugin's own mount namespace, and only that read-only mount is bound at
+    the target (a bind of a read-only mount is read-only wherever it propagates).
     """
-    ensure_directory(target, 0o750)
-    _mount(source, target, MS_BIND)
+    stage = tempfile.mkdtemp(prefix="publish-", dir=staging_root)
     try:
-        _mount(None, target, READ_ONLY_FLAGS)
-    except OSError:
+        _mount(source, stage, MS_BIND)
+        try:
+            _mount(None, stage, READ_ONLY_FLAGS)
+            ensure_directory(target, 0o750)
+            _mount(stage, target, MS_BIND)
+        finally:
+            _umount(stage, MNT_DETACH)
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(stage)
+    if not mount_options(target) >= READ_ONLY_OPTIONS:
         unmount(target, remove=False)
-        raise
+        raise OSError(errno.EPERM, f"{target} did not come out read-only; unmounted")
+
+
+def mount_options(path: str) -> set[str]:
+    """The per-mount options of the topmost mount at ``path`` (empty when it is no mount point)."""
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        found = [fields for fields in _mountinfo(f.read()) if fields[4] == path]
+    return set(found[-1][5].split(",")) if found else set()
+
+
+def _umount(target: str, flags: int = 0) -> None:
+    if _libc.umount2(os.fsencode(target), flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"umount {target}: {os.strerror(err)}")
 
 
 def unmount(target: str, *, remove: bool = True) -> None:
     """Unmount everything stacked at ``target`` (retries may have stacked binds), then remove it."""
     while is_mounted(target):
-        if _libc.umount2(target.encode(), 0) != 0:
+        if _libc.umount2(os.fsencode(target), 0) != 0:
             err = ctypes.get_errno()
             if err == errno.EINVAL:  # not a mount point after all (raced): done
                 break

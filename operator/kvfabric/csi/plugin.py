@@ -19,7 +19,7 @@ from concurrent import futures
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, TypeVar
+from typing import Final, Protocol, TypeVar
 
 import grpc
 from google.protobuf import wrappers_pb2
@@ -36,16 +36,27 @@ _GRPC_CODES: Final = {
     Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     Code.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     Code.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    Code.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
     Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
 _T = TypeVar("_T")
+
+
+class Authorizer(Protocol):
+    """What the plugin asks the API server (:class:`kvfabric.csi.access.ApiAuthorizer`)."""
+
+    def __call__(self, p: Publication) -> str | None:
+        """Why the pod's namespace may not consume another namespace's pool (None: it may)."""
+
+    def pool_exists(self, namespace: str, pool: str) -> bool:
+        """Whether the KVCachePool exists (before the plugin creates its run directory)."""
 
 
 @dataclass
 class Mounter:
     """The node's side effects, swappable in tests that run without CAP_SYS_ADMIN."""
 
-    bind_read_only: Callable[[str, str], None] = mounts.bind_read_only
+    bind_read_only: Callable[[str, str, str], None] = mounts.bind_read_only
     unmount: Callable[[str], None] = mounts.unmount
     is_mounted: Callable[[str], bool] = mounts.is_mounted
     ensure_directory: Callable[[str], None] = mounts.ensure_directory
@@ -60,10 +71,13 @@ class NodePlugin:
     run_root: str = HOST_RUN_ROOT
     driver_name: str = DRIVER_NAME
     version: str = "0.1.0"
+    staging_root: str = "/run/kvfabric-csi"
+    """A directory private to the plugin's mount namespace (an emptyDir) where binds are made
+    read-only before they are attached (:func:`kvfabric.csi.mounts.bind_read_only`)."""
     mounter: Mounter = field(default_factory=Mounter)
-    authorizer: Callable[[Publication], str | None] | None = None
-    """Decides cross-namespace publications (:class:`kvfabric.csi.access.ApiAuthorizer`); without
-    one, a pod gets only the pools of its own namespace."""
+    authorizer: Authorizer | None = None
+    """Decides cross-namespace publications and confirms pools exist; without one, a pod gets only
+    the pools of its own namespace whose run directory the cache server already made."""
     published: dict[str, Publication] = field(default_factory=dict)
     registered: threading.Event = field(default_factory=threading.Event)
     _locks: dict[str, threading.Lock] = field(default_factory=dict)
@@ -107,21 +121,28 @@ class NodePlugin:
 
     def publish(self, p: Publication) -> None:
         """Bind the pool's run directory at the target, read-only, if the pod may have it; idempotent."""
-        self.authorize(p)
         with self.target_lock(p.target):
             if self.mounter.is_mounted(p.target):
                 previous = self.published.get(p.target)
                 if previous is not None and previous.source != p.source:
                     raise Refused(
-                        Code.FAILED_PRECONDITION, f"{p.target} is already published from {previous.source}"
+                        Code.ALREADY_EXISTS, f"{p.target} is already published from {previous.source}"
                     )
-                return
-            # The pod may start before its node's cache server: the directory then exists, empty,
-            # and the server's init container makes it the server's; the connector recomputes until
-            # the socket appears in it.
+                return  # the kubelet retried: nothing to do, nothing to ask the API again
+            self.authorize(p)
             self.mounter.ensure_directory(self.run_root)
-            self.mounter.ensure_directory(p.source)
-            self.mounter.bind_read_only(p.source, p.target)
+            if not os.path.isdir(p.source):
+                # The pod may start before its node's cache server: the directory then is made here,
+                # empty (the server's init container makes it the server's), and the connector
+                # recomputes until the socket appears. Only for a pool that exists: names a pod
+                # makes up must not become directories on every node.
+                if self.authorizer is None or not self.authorizer.pool_exists(p.namespace, p.pool):
+                    raise Refused(
+                        Code.FAILED_PRECONDITION,
+                        f"no KVCachePool {p.namespace}/{p.pool} serves this node (volumeAttributes.pool)",
+                    )
+                self.mounter.ensure_directory(p.source)
+            self.mounter.bind_read_only(p.source, p.target, self.staging_root)
             self.published[p.target] = p
         log.info(
             "published",
@@ -199,11 +220,14 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         """Check the request, then bind the pool's run directory read-only at the target."""
 
         def publish() -> csi_pb2.NodePublishVolumeResponse:
+            if not request.HasField("volume_capability"):
+                raise Refused(Code.INVALID_ARGUMENT, "volume_capability is missing")
             p = plan_publish(
                 volume_id=request.volume_id,
                 target_path=request.target_path,
                 volume_context=dict(request.volume_context),
                 block=request.volume_capability.HasField("block"),
+                readonly=request.readonly,
                 kubelet_root=self.plugin.kubelet_root,
                 run_root=self.plugin.run_root,
             )

@@ -37,9 +37,12 @@ _KUBELET_KEYS: Final = frozenset(
         POD_UID_KEY,
         EPHEMERAL_KEY,
         "csi.storage.k8s.io/serviceAccount.name",
+        "csi.storage.k8s.io/serviceAccount.tokens",  # only if an admin adds tokenRequests
     }
 )
-_DNS_LABEL: Final = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# fullmatch, never match with "$": that also accepts a trailing newline.
+_DNS_LABEL: Final = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_UID: Final = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[-0-9a-zA-Z]{1,64}")
 
 
 class Code(Enum):
@@ -48,6 +51,7 @@ class Code(Enum):
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
     PERMISSION_DENIED = "PERMISSION_DENIED"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
     UNAVAILABLE = "UNAVAILABLE"
 
 
@@ -99,6 +103,7 @@ def plan_publish(
     volume_context: Mapping[str, str],
     block: bool,
     kubelet_root: str,
+    readonly: bool = True,
     run_root: str = HOST_RUN_ROOT,
 ) -> Publication:
     """Check a NodePublishVolume request; return what to publish or raise :class:`Refused`."""
@@ -107,6 +112,9 @@ def plan_publish(
     target = checked_target(target_path, kubelet_root)
     if block:
         raise Refused(Code.INVALID_ARGUMENT, "volume_capability: only mount volumes are served, not block")
+    if not readonly:
+        # The kubelet then mounts the volume read-only into every container of the pod as well.
+        raise Refused(Code.INVALID_ARGUMENT, f"{DRIVER_NAME} volumes must be readOnly: true (csi.readOnly)")
     if volume_context.get(EPHEMERAL_KEY) != "true":
         raise Refused(
             Code.FAILED_PRECONDITION,
@@ -114,10 +122,19 @@ def plan_publish(
             "is not 'true')",
         )
     namespace = volume_context.get(POD_NAMESPACE_KEY, "")
-    if not _DNS_LABEL.match(namespace):
+    if not _DNS_LABEL.fullmatch(namespace):
         raise Refused(
             Code.FAILED_PRECONDITION,
             f"volume_context[{POD_NAMESPACE_KEY!r}] is missing: the CSIDriver must set podInfoOnMount",
+        )
+    # podInfoOnMount passes the pod's uid too, and the kubelet's target lies in that pod's directory:
+    # a context without it (the CSIDriver edited) would let the attributes name the namespace.
+    uid = volume_context.get(POD_UID_KEY, "")
+    if not _UID.fullmatch(uid) or not target.startswith(posixpath.join(kubelet_root, "pods", uid) + "/"):
+        raise Refused(
+            Code.FAILED_PRECONDITION,
+            f"volume_context[{POD_UID_KEY!r}] {uid!r} is missing or not the target's pod: the CSIDriver "
+            "must set podInfoOnMount",
         )
     unknown = sorted(set(volume_context) - _KUBELET_KEYS - {POOL_ATTRIBUTE, NAMESPACE_ATTRIBUTE})
     if unknown:
@@ -127,13 +144,13 @@ def plan_publish(
             f"optionally {NAMESPACE_ATTRIBUTE!r}",
         )
     pool = volume_context.get(POOL_ATTRIBUTE, "")
-    if not _DNS_LABEL.match(pool):
+    if not _DNS_LABEL.fullmatch(pool):
         raise Refused(
             Code.INVALID_ARGUMENT,
             f"volumeAttributes.{POOL_ATTRIBUTE} {pool!r} must name a KVCachePool (a DNS label)",
         )
     pool_namespace = volume_context.get(NAMESPACE_ATTRIBUTE, namespace)
-    if not _DNS_LABEL.match(pool_namespace):
+    if not _DNS_LABEL.fullmatch(pool_namespace):
         raise Refused(
             Code.INVALID_ARGUMENT,
             f"volumeAttributes.{NAMESPACE_ATTRIBUTE} {pool_namespace!r} must name a namespace (a DNS label)",

@@ -167,3 +167,32 @@ def test_webhook_configuration_writes_are_limited_by_name() -> None:
         if "mutatingwebhookconfigurations" in rule["resources"]:
             # create cannot be limited by name (RBAC); everything else must be.
             assert rule.get("resourceNames") or rule["verbs"] == ["create"], rule
+
+
+# The CSI node plugin's ClusterRole (manifests/csi/rbac.yaml): its one reason to ask the API server.
+CSI_CODE = ROOT / "operator/kvfabric/csi"
+CSI_USES: dict[tuple[str, str, str], list[tuple[str, str]]] = {
+    ("kvfabric.io", "kvcachepools", "get"): [("access.py", r"get_namespaced_custom_object\(")],
+    ("", "namespaces", "get"): [("access.py", r"read_namespace\(")],
+}
+
+
+def test_every_verb_the_csi_plugin_holds_has_a_use_in_its_code() -> None:
+    docs = [d for d in yaml.safe_load_all((ROOT / "manifests/csi/rbac.yaml").read_text()) if d]
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert granted == set(CSI_USES), f"granted {sorted(granted)}, used {sorted(CSI_USES)}"
+    for permission, evidence in CSI_USES.items():
+        for file, pattern in evidence:
+            assert re.search(pattern, (CSI_CODE / file).read_text()), (
+                f"{permission}: {pattern!r} not in {file}"
+            )
+    # No Role or binding beyond that one ClusterRole's binding to its own ServiceAccount.
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ServiceAccount"], kinds

@@ -398,14 +398,56 @@ def test_pool_is_ready_only_when_the_kubelet_says_so(real: RealCluster) -> None:
         assert all(_pod_ready(p) for p in pods)
 
 
-def test_deleting_the_pool_stops_its_servers_and_frees_the_node_directories(real: RealCluster) -> None:
+def test_deleting_the_pool_stops_its_servers_and_wipes_its_blocks_from_the_node_disks(
+    real: RealCluster,
+) -> None:
+    """Blocks on a pool's local disk are prompts at rest: when the pool is deleted, the operator waits
+    for its servers to stop (they write DRAM back as they go) and then empties the pool's directory
+    on every node, with a pod of its own image as the server's uid; other pools' blocks stay."""
+    disk = "/var/lib/kvfabric/disk"
     with real.handle.namespace("kd") as ns:
-        real.handle.apply(_pool("pool-d"), namespace=ns)
+        pool = _pool("pool-d")
+        pool["spec"]["tiers"]["localDisk"] = {"hostPath": {"path": disk}, "capacity": "64Mi"}
+        real.handle.apply(pool, namespace=ns)
         wait_pool_ready(real.handle, ns, "pool-d", timeout=240)
         runs = [n.host_dir(names.HOST_RUN_ROOT) / names.pool_dir_name(ns, "pool-d") for n in real.nodes]
         assert all((r / names.SOCKET_NAME).is_socket() for r in runs)
+        from kvfabric.client.sync import CacheClient
+
+        # A chunk in each node's server (written back to its disk as it stops), and blocks already on
+        # the disks (as the server's uid); a sibling pool's directory that must survive.
+        blocks = [
+            n.host_dir("/var/lib/kvfabric") / "disk" / names.pool_dir_name(ns, "pool-d") for n in real.nodes
+        ]
+        others = [
+            n.host_dir("/var/lib/kvfabric") / "disk" / names.pool_dir_name(ns, "other") for n in real.nodes
+        ]
+        payload = os.urandom(65536)
+        chunk_ns, key = hashlib.sha256(b"wipe").hexdigest(), hashlib.sha256(payload).hexdigest()
+        for run, block_dir, other in zip(runs, blocks, others, strict=True):
+            with CacheClient(f"unix://{run / names.SOCKET_NAME}") as c:
+                assert c.store(chunk_ns, [key], [payload], timeout=30).accepted == 1
+            for d in (block_dir / "old", other):
+                d.mkdir(parents=True, exist_ok=True)
+                (d / "block").write_bytes(payload)
+                for path in (d, d / "block"):
+                    os.chown(path, UID, UID)
         real.handle.kubectl("delete", "kvcachepool", "pool-d", "-n", ns, "--wait=true", "--timeout=120s")
         wait_for(lambda: not _pods(real, ns, _selector("pool-d")), timeout=180, message="the pods to go")
+
+        def wiped() -> bool:
+            return all(d.is_dir() and not any(d.iterdir()) for d in blocks)
+
+        wait_for(wiped, timeout=180, interval=1.0, message="the deleted pool's local-disk blocks to be wiped")
+        assert all((o / "block").read_bytes() == payload for o in others), "another pool's blocks stay"
+
+        def no_wipe_pods() -> bool:
+            pods = real.handle.get_json(
+                "pods", "-n", OPERATOR_NS, "-l", "app.kubernetes.io/name=kvfabric-wipe"
+            )
+            return not pods["items"]
+
+        wait_for(no_wipe_pods, timeout=60, interval=1.0, message="the wipe pods to be deleted")
 
         def cleaned() -> list[str]:
             return [str(p) for r in runs if r.exists() for p in r.iterdir()]

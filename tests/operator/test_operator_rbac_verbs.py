@@ -89,6 +89,9 @@ USES: dict[tuple[str, str, str], list[tuple[str, str]]] = {
     ("apps", "daemonsets", "create"): [("render/children.py", r'"kind": "DaemonSet"'), _APPLY],
     ("apps", "daemonsets", "patch"): [("render/children.py", r'"kind": "DaemonSet"'), _APPLY],
     ("", "pods", "list"): [("reconcile.py", r'list\("Pod"')],
+    # Wipe pods, in the operator's namespace only (node_cleanup_role.yaml).
+    ("", "pods", "create"): [("wipe.py", r"client\.create\(pod\)")],
+    ("", "pods", "delete"): [("wipe.py", r'client\.delete\("Pod", operator_namespace')],
     ("", "pods", "watch"): [("controller.py", r'OWNED_KINDS = \(.*"Pod"'), _KOPF_WATCH],
     ("", "namespaces", "list"): [("handlers.py", r'kopf\.on\.event\("", "v1", "namespaces"')],
     ("", "namespaces", "watch"): [("handlers.py", r'kopf\.on\.event\("", "v1", "namespaces"')],
@@ -113,11 +116,18 @@ USES: dict[tuple[str, str, str], list[tuple[str, str]]] = {
 
 # The shipped roles: the ClusterRole (pools and their children live in any namespace) and the Role in
 # the operator's own namespace (what lives only there).
-ROLES = {"manifests/rbac/role.yaml": "ClusterRole", "manifests/rbac/leader_election_role.yaml": "Role"}
+ROLES = {
+    "manifests/rbac/role.yaml": "ClusterRole",
+    "manifests/rbac/leader_election_role.yaml": "Role",
+    "manifests/rbac/node_cleanup_role.yaml": "Role",
+}
 
 
 def _rules(path: str) -> list[dict[str, Any]]:
-    role = yaml.safe_load((ROOT / path).read_text())
+    roles = [
+        d for d in yaml.safe_load_all((ROOT / path).read_text()) if d and d["kind"] in ("Role", "ClusterRole")
+    ]
+    (role,) = roles
     assert role["kind"] == ROLES[path]
     return list(role["rules"])
 
@@ -196,3 +206,9 @@ def test_every_verb_the_csi_plugin_holds_has_a_use_in_its_code() -> None:
     # No Role or binding beyond that one ClusterRole's binding to its own ServiceAccount.
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "ServiceAccount"], kinds
+
+
+def test_the_operator_creates_and_deletes_pods_only_in_its_own_namespace() -> None:
+    # Wipe pods run in the operator's namespace; cluster-wide pod create would be a way onto any node.
+    cluster_wide = {(g, r, v) for g, r, v in _granted(["manifests/rbac/role.yaml"]) if r == "pods"}
+    assert cluster_wide == {("", "pods", "list"), ("", "pods", "watch")}

@@ -28,6 +28,8 @@ from kvfabric.operator.kube import KubeClient
 from kvfabric.operator.leader import LeaseElector
 from kvfabric.operator.reconcile import PoolKey, ReconcileQueue, reconcile_pool
 from kvfabric.operator.render import names
+from kvfabric.operator.render.wipe import wipe_dir
+from kvfabric.operator.wipe import wipe_deleted_pool
 
 log = logging.getLogger("kvfabric.operator.controller")
 
@@ -85,6 +87,8 @@ class Controller:
         self._main: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
+        self._client: KubeClient | None = None
+        self._wipes: set[asyncio.Task[None]] = set()
 
     @property
     def leading(self) -> bool:
@@ -104,11 +108,11 @@ class Controller:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._trigger, key)
 
-    def forget(self, key: PoolKey) -> None:
-        """The pool is gone (thread-safe)."""
+    def forget(self, key: PoolKey, last: dict[str, Any] | None = None) -> None:
+        """The pool is gone (thread-safe); ``last`` is its final state, whose disks a leader wipes."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._forget, key)
+            loop.call_soon_threadsafe(self._forget, key, last)
 
     def stop(self, timeout: float = 20.0) -> None:
         """Cancel everything (releasing the Lease) and join the thread."""
@@ -134,10 +138,31 @@ class Controller:
         if self._queue is not None:
             self._queue.trigger(key)
 
-    def _forget(self, key: PoolKey) -> None:
+    def _forget(self, key: PoolKey, last: dict[str, Any] | None = None) -> None:
         self._known.discard(key)
         if self._queue is not None:
             self._queue.forget(key)
+            if last is not None and wipe_dir(last) is not None and self._loop is not None:
+                task = self._loop.create_task(self._wipe(last))
+                self._wipes.add(task)
+                task.add_done_callback(self._wipes.discard)
+
+    async def _wipe(self, last: dict[str, Any]) -> None:
+        """Wipe a deleted pool's local-disk blocks on the nodes its servers ran on (docs/security.md)."""
+        client, reader = self._client, self.reader
+        if client is None or reader is None:
+            return
+        ns, name = str(last["metadata"]["namespace"]), str(last["metadata"]["name"])
+        try:
+            # From the informer's cache: it still holds the pods, which the garbage collector deletes
+            # only after the pool's DaemonSet.
+            pods = await reader.list("Pod", ns, label_selector=names.owned_pod_selector(name))
+            nodes = {str(p["spec"]["nodeName"]) for p in pods if (p.get("spec") or {}).get("nodeName")}
+            await wipe_deleted_pool(client, last, nodes, operator_namespace=names.operator_namespace())
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a wipe never takes the controller down; the log says what was left
+            log.exception("wiping the local disks of deleted pool %s/%s failed", ns, name)
 
     def _child_changed(self, obj: dict[str, Any]) -> None:
         meta = obj.get("metadata") or {}
@@ -201,6 +226,7 @@ class Controller:
         return out
 
     async def _lead(self, client: KubeClient) -> None:
+        self._client = client
         informers = self.informers(client)
         reader = CachedReader(client, informers)
         self.reader = reader
@@ -239,9 +265,10 @@ class Controller:
                 await queue.close()
                 await scraper.close()
         finally:
-            for task in tasks:
+            self._client = None
+            for task in [*tasks, *self._wipes]:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, *self._wipes, return_exceptions=True)
 
     async def _resync_forever(self, client: KubeClient, queue: ReconcileQueue) -> None:
         """Trigger every pool periodically: the safety net behind the watches."""

@@ -225,7 +225,7 @@ def build_registry(
         key = (namespace or "", name)
         if event.get("type") == "DELETED":
             gone = app.pools.pop(key, None)
-            app.controller.forget(key)
+            app.controller.forget(key, dict(body))
             if app.registration is not None and gone is not None and gone.injection_required:
                 try:
                     await app.registration.sync(app.client)

@@ -182,15 +182,9 @@ async def _observe(
     scraper: Scraper | None = None,
 ) -> Observed:
     namespace, name = raw["metadata"]["namespace"], raw["metadata"]["name"]
-    # The cache-server pods by their ownership labels too: that is what the informer of owned pods
-    # indexes, so the read is served from its cache (the selector labels alone cannot be, and each
-    # reconcile would LIST the namespace's pods from the API server: the webhook's p99 paid for it).
-    owned = {
-        **names.selector_labels(name),
-        names.MANAGED_BY: names.MANAGED_BY_VALUE,
-        names.OWNER_POOL_LABEL: name,
-    }
-    selector = ",".join(f"{k}={v}" for k, v in owned.items())
+    # The cache-server pods by their ownership labels too, served from the informer's cache (by the
+    # selector labels alone each reconcile would LIST the namespace's pods: the webhook's p99 paid).
+    selector = names.owned_pod_selector(name)
     daemonset, claim, consumers, servers = await asyncio.gather(
         reader.get("DaemonSet", namespace, names.daemonset_name(name)),
         reader.get("PersistentVolumeClaim", namespace, plan.claim_name) if plan.claim_name else _none(),

@@ -152,6 +152,16 @@ def selector_labels(pool: str) -> dict[str, str]:
     return {NAME_LABEL: NAME_VALUE, INSTANCE_LABEL: pool}
 
 
+def owned_pod_selector(pool: str) -> str:
+    """The label selector of a pool's cache-server pods: its selector labels and ownership labels.
+
+    The ownership labels are what the operator's informer of owned pods indexes, so a read with this
+    selector is served from its cache (the selector labels alone cannot be).
+    """
+    owned = {**selector_labels(pool), MANAGED_BY: MANAGED_BY_VALUE, OWNER_POOL_LABEL: pool}
+    return ",".join(f"{k}={v}" for k, v in owned.items())
+
+
 def child_labels(pool: str, component: str) -> dict[str, str]:
     """Return the labels on every child: selector labels plus ownership for the child watches."""
     return {

@@ -432,8 +432,19 @@ def test_deleting_the_pool_stops_its_servers_and_wipes_its_blocks_from_the_node_
                 (d / "block").write_bytes(payload)
                 for path in (d, d / "block"):
                     os.chown(path, UID, UID)
-        real.handle.kubectl("delete", "kvcachepool", "pool-d", "-n", ns, "--wait=true", "--timeout=120s")
-        wait_for(lambda: not _pods(real, ns, _selector("pool-d")), timeout=180, message="the pods to go")
+        # Foreground, as GitOps tools prune: the pods (and the informer's cache of them) are gone
+        # before the pool's DELETED event, so the operator must have remembered the nodes.
+        real.handle.kubectl(
+            "delete",
+            "kvcachepool",
+            "pool-d",
+            "-n",
+            ns,
+            "--cascade=foreground",
+            "--wait=true",
+            "--timeout=180s",
+        )
+        assert not _pods(real, ns, _selector("pool-d"))
 
         def wiped() -> bool:
             return all(d.is_dir() and not any(d.iterdir()) for d in blocks)

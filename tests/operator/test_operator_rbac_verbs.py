@@ -91,7 +91,7 @@ USES: dict[tuple[str, str, str], list[tuple[str, str]]] = {
     ("", "pods", "list"): [("reconcile.py", r'list\("Pod"')],
     # Wipe pods, in the operator's namespace only (node_cleanup_role.yaml).
     ("", "pods", "create"): [("wipe.py", r"client\.create\(pod\)")],
-    ("", "pods", "delete"): [("wipe.py", r'client\.delete\("Pod", operator_namespace')],
+    ("", "pods", "delete"): [("wipe.py", r'client\.delete\("Pod", namespace, name\)')],
     ("", "pods", "watch"): [("controller.py", r'OWNED_KINDS = \(.*"Pod"'), _KOPF_WATCH],
     ("", "namespaces", "list"): [("handlers.py", r'kopf\.on\.event\("", "v1", "namespaces"')],
     ("", "namespaces", "watch"): [("handlers.py", r'kopf\.on\.event\("", "v1", "namespaces"')],

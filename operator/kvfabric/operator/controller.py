@@ -29,7 +29,7 @@ from kvfabric.operator.leader import LeaseElector
 from kvfabric.operator.reconcile import PoolKey, ReconcileQueue, reconcile_pool
 from kvfabric.operator.render import names
 from kvfabric.operator.render.wipe import wipe_dir
-from kvfabric.operator.wipe import wipe_deleted_pool
+from kvfabric.operator.wipe import sweep_finished_wipe_pods, wipe_deleted_pool
 
 log = logging.getLogger("kvfabric.operator.controller")
 
@@ -53,6 +53,16 @@ class Election:
 
 async def _all_synced(informers: list[Informer]) -> None:
     await asyncio.gather(*(i.synced.wait() for i in informers))
+
+
+def _log_sweep(task: asyncio.Future[int]) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        log.warning("could not sweep finished wipe pods: %s", exc)
+    elif task.result():
+        log.info("deleted %d finished wipe pods a previous leader left", task.result())
 
 
 class Controller:
@@ -89,6 +99,9 @@ class Controller:
         self._started = threading.Event()
         self._client: KubeClient | None = None
         self._wipes: set[asyncio.Task[None]] = set()
+        # Every node a pool's cache servers were seen on while this replica led: with foreground
+        # deletion the pods are gone before the pool's DELETED event, and the cache with them.
+        self._pool_nodes: dict[PoolKey, set[str]] = {}
 
     @property
     def leading(self) -> bool:
@@ -140,24 +153,28 @@ class Controller:
 
     def _forget(self, key: PoolKey, last: dict[str, Any] | None = None) -> None:
         self._known.discard(key)
+        seen = self._pool_nodes.pop(key, set())
         if self._queue is not None:
             self._queue.forget(key)
             if last is not None and wipe_dir(last) is not None and self._loop is not None:
-                task = self._loop.create_task(self._wipe(last))
+                task = self._loop.create_task(self._wipe(last, seen))
                 self._wipes.add(task)
                 task.add_done_callback(self._wipes.discard)
 
-    async def _wipe(self, last: dict[str, Any]) -> None:
+    async def _wipe(self, last: dict[str, Any], seen: set[str]) -> None:
         """Wipe a deleted pool's local-disk blocks on the nodes its servers ran on (docs/security.md)."""
         client, reader = self._client, self.reader
         if client is None or reader is None:
             return
         ns, name = str(last["metadata"]["namespace"]), str(last["metadata"]["name"])
         try:
-            # From the informer's cache: it still holds the pods, which the garbage collector deletes
-            # only after the pool's DaemonSet.
             pods = await reader.list("Pod", ns, label_selector=names.owned_pod_selector(name))
-            nodes = {str(p["spec"]["nodeName"]) for p in pods if (p.get("spec") or {}).get("nodeName")}
+            nodes = seen | {str(p["spec"]["nodeName"]) for p in pods if (p.get("spec") or {}).get("nodeName")}
+            if not nodes:
+                log.warning(
+                    "deleted pool %s/%s has a local disk but no node known to hold it: not wiped", ns, name
+                )
+                return
             await wipe_deleted_pool(client, last, nodes, operator_namespace=names.operator_namespace())
         except asyncio.CancelledError:
             raise
@@ -167,8 +184,14 @@ class Controller:
     def _child_changed(self, obj: dict[str, Any]) -> None:
         meta = obj.get("metadata") or {}
         owner = (meta.get("labels") or {}).get(names.OWNER_POOL_LABEL)
-        if owner and self._queue is not None:
-            self._queue.trigger((str(meta.get("namespace") or ""), owner))
+        if not owner:
+            return
+        key = (str(meta.get("namespace") or ""), owner)
+        node = (obj.get("spec") or {}).get("nodeName")
+        if node:  # a cache-server pod: remember every node the pool ran on, for its wipe
+            self._pool_nodes.setdefault(key, set()).add(str(node))
+        if self._queue is not None:
+            self._queue.trigger(key)
 
     def _consumer_changed(self, obj: dict[str, Any]) -> None:
         meta = obj.get("metadata") or {}
@@ -256,6 +279,8 @@ class Controller:
                     task.result()  # an informer crashed: re-raise
             queue = ReconcileQueue(work)
             self._queue = queue
+            sweep = asyncio.ensure_future(sweep_finished_wipe_pods(client, names.operator_namespace()))
+            sweep.add_done_callback(_log_sweep)
             try:
                 for key in list(self._known):
                     queue.trigger(key)

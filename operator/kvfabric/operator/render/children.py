@@ -373,7 +373,9 @@ def _prepare_dirs_container(
         owned.append(names.handover_dir(pool.namespace, pool.name))
     if pool.spec.tiers.local_disk is not None:
         owned.append(names.local_disk_dir(pool.namespace, pool.name))
-    script = f"mkdir -p {' '.join(owned)} && chown {CACHE_UID}:{CACHE_UID} {' '.join(owned)}"
+    # -h: never through a symlink (a server sharing a disk path could plant one where a directory
+    # of another pool goes; the server itself then refuses the symlinked path).
+    script = f"mkdir -p {' '.join(owned)} && chown -h {CACHE_UID}:{CACHE_UID} {' '.join(owned)}"
     if pool.spec.tiers.shared is not None:
         script += f" && (chown {CACHE_UID}:{CACHE_UID} {names.SHARED_MOUNT} || true)"
     return {

@@ -292,30 +292,7 @@ def test_injected_client_pod_stores_and_loads_through_the_node_socket(
 ) -> None:
     ns, pool = ready_pool
     node = real.nodes[0]
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "client", "labels": {"kvfabric.io/pool": pool}},
-        "spec": {
-            "nodeName": node.name,
-            "restartPolicy": "Never",
-            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-            "securityContext": {"runAsUser": UID, "runAsGroup": UID, "runAsNonRoot": True},
-            "containers": [
-                {
-                    "name": "client",
-                    "image": "ghcr.io/kvfabric/kvfabric:v0.1.0",
-                    "imagePullPolicy": "Never",
-                    "command": ["python", "-c", CLIENT],
-                    "securityContext": {
-                        "readOnlyRootFilesystem": True,
-                        "allowPrivilegeEscalation": False,
-                        "capabilities": {"drop": ["ALL"]},
-                    },
-                }
-            ],
-        },
-    }
+    pod = _client_pod("client", node, {"kvfabric.io/pool": pool})
     real.handle.apply(pod, namespace=ns)
     created = real.handle.get_json("pod", "client", "-n", ns)
     assert names.INJECTED_ANNOTATION in created["metadata"]["annotations"], "the webhook injected it"
@@ -477,8 +454,13 @@ CSI_DRIVER = "csi.kvfabric.io"
 CONSUMER_LABEL = "kvfabric-e2e/consumers"
 
 
-def _restricted_client(name: str, node: RealNode, labels: dict[str, str]) -> dict[str, Any]:
-    """The client pod, compliant with Pod Security restricted (non-root, seccomp, no capabilities)."""
+def _client_pod(
+    name: str, node: RealNode, labels: dict[str, str], *, restricted: bool = False
+) -> dict[str, Any]:
+    """The client pod: uid 65532, read-only root, no capabilities (seccomp too for restricted)."""
+    security: dict[str, Any] = {"runAsUser": UID, "runAsGroup": UID, "runAsNonRoot": True}
+    if restricted:
+        security["seccompProfile"] = {"type": "RuntimeDefault"}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -487,12 +469,7 @@ def _restricted_client(name: str, node: RealNode, labels: dict[str, str]) -> dic
             "nodeName": node.name,
             "restartPolicy": "Never",
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-            "securityContext": {
-                "runAsUser": UID,
-                "runAsGroup": UID,
-                "runAsNonRoot": True,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
+            "securityContext": security,
             "containers": [
                 {
                     "name": "client",
@@ -508,6 +485,10 @@ def _restricted_client(name: str, node: RealNode, labels: dict[str, str]) -> dic
             ],
         },
     }
+
+
+def _restricted_client(name: str, node: RealNode, labels: dict[str, str]) -> dict[str, Any]:
+    return _client_pod(name, node, labels, restricted=True)
 
 
 def test_the_csi_plugin_serves_restricted_namespaces_and_only_those_the_pool_selects(

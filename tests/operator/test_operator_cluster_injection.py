@@ -57,6 +57,27 @@ def bare_pod(name: str, labels: dict[str, str]) -> dict[str, Any]:
     }
 
 
+def restricted_pod(name: str, pool_name: str) -> dict[str, Any]:
+    """A vLLM consumer that Pod Security restricted admits as written (non-root, seccomp, no caps)."""
+    body = bare_pod(name, {"kvfabric.io/pool": pool_name})
+    body["spec"] = {
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [
+            {
+                "name": "vllm",
+                "image": "vllm/vllm-openai:v0.11.0",
+                "args": ["--model", "m"],
+                "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+            }
+        ],
+    }
+    return body
+
+
 def pods(cluster: ClusterHandle, ns: str, selector: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = cluster.get_json("pods", "-n", ns, "-l", selector)["items"]
     return items
@@ -250,25 +271,6 @@ def test_pod_security_restricted_namespace_admits_consumers_over_tcp_or_skips_th
     wait_pool_known(cluster, namespace, "pool-unix")
     wait_pool_known(cluster, namespace, "pool-tcp")
 
-    def restricted_pod(name: str, pool_name: str) -> dict[str, Any]:
-        body = bare_pod(name, {"kvfabric.io/pool": pool_name})
-        body["spec"] = {
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": 1000,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
-            "containers": [
-                {
-                    "name": "vllm",
-                    "image": "vllm/vllm-openai:v0.11.0",
-                    "args": ["--model", "m"],
-                    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-                }
-            ],
-        }
-        return body
-
     # Without TCP the node socket (a hostPath) is the only way in: skipped, and the pod is admitted.
     cluster.apply(restricted_pod("unix-consumer", "pool-unix"), namespace=namespace)
     skipped = cluster.get_json("pod", "unix-consumer", "-n", namespace)
@@ -312,22 +314,7 @@ def test_with_the_csi_plugin_a_restricted_namespace_admits_node_local_consumers(
     try:
         cluster.apply(pool("pool-csi"), namespace=namespace)
         wait_pool_known(cluster, namespace, "pool-csi")
-        body = bare_pod("csi-consumer", {"kvfabric.io/pool": "pool-csi"})
-        body["spec"] = {
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": 1000,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
-            "containers": [
-                {
-                    "name": "vllm",
-                    "image": "vllm/vllm-openai:v0.11.0",
-                    "args": ["--model", "m"],
-                    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-                }
-            ],
-        }
+        body = restricted_pod("csi-consumer", "pool-csi")
         cluster.apply(body, namespace=namespace)
         admitted = cluster.get_json("pod", "csi-consumer", "-n", namespace)
         detail = json.loads(admitted["metadata"]["annotations"][names.INJECTED_ANNOTATION])

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -37,6 +36,7 @@ from kvfabric.csi.publish import (
     plan_publish,
 )
 from kvfabric.csi.v1 import csi_pb2, csi_pb2_grpc, pluginregistration_pb2, pluginregistration_pb2_grpc
+from kvfabric.testing.mountns import run_in_private_mount_namespace
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for
 
 KUBELET = "/var/lib/kubelet"
@@ -440,17 +440,7 @@ def test_a_published_volume_is_read_only_on_the_node_and_goes_with_unpublish(
         f"&& mount --bind {srv.config.listen.unix_socket.parent} {pool_dir} "
         f"&& exec {sys.executable} {tmp_path / 'node.py'} {' '.join(map(str, args))} {tmp_path / 'payload'}"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    if proc.returncode != 0 and "unshare failed" in proc.stderr:
-        pytest.skip(f"no mount namespaces here: {proc.stderr.strip()}")
+    proc = run_in_private_mount_namespace(cmd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["publish"] == "OK", proc.stderr

@@ -34,6 +34,7 @@ from kvfabric.client.errors import CacheTimeout
 from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
+from kvfabric.testing.mountns import run_in_private_mount_namespace
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for
 
 pytestmark = pytest.mark.process
@@ -277,17 +278,7 @@ def test_through_the_read_only_mount_consumers_get_a_root_client_loads_but_canno
     script = tmp_path / "client.py"
     script.write_text(client)
     cmd = f"mount --bind {host_dir} {mnt} && mount -o remount,bind,ro {mnt} && exec {sys.executable} {script}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    if out.returncode != 0 and "unshare failed" in out.stderr:
-        pytest.skip(f"no mount namespaces here: {out.stderr.strip()}")
+    out = run_in_private_mount_namespace(cmd)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip() == "ok"
     with contextlib.suppress(OSError):

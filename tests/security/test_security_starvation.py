@@ -71,6 +71,39 @@ def test_a_slow_loris_client_does_not_make_a_well_behaved_client_miss_its_deadli
             channel.close()
 
 
+def test_on_the_unix_socket_one_stuck_client_holds_only_its_share_of_the_load_slots() -> None:
+    """gRPC shows every Unix-socket peer alike, so kvfabric's client names itself (``kvfabric-client``
+    metadata, one id per client object) and the per-client cap applies there too: a client whose
+    loads stall holds a quarter of the slots, and another client on the same socket is served."""
+    limits = {"limits.max_concurrent_loads": 4, "limits.max_concurrent_stores": 4}
+    big = digest("big-unix")
+    with (
+        cache_server(dram_bytes=128 * MiB, overrides=limits) as srv,
+        CacheClient(srv.unix_target) as good,
+    ):
+        assert good.store(NS, [big], [payload_for(big, 64 * MiB)], timeout=60).accepted == 1
+        channel = grpc.insecure_channel(srv.unix_target)
+        stub = pb_grpc.CacheStub(channel)  # type: ignore[no-untyped-call]
+        stuck = (("kvfabric-client", "stuck-engine"),)
+        loads = [stub.Load(pb.LoadRequest(namespace=NS, keys=[big]), metadata=stuck) for _ in range(6)]
+        try:
+            codes = []
+            for stalled in loads:
+                try:
+                    next(stalled)  # one piece, then never read again
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as exc:
+                    codes.append(exc.code())
+            assert sorted(c.name for c in codes) == ["OK"] + ["RESOURCE_EXHAUSTED"] * 5
+            # Another client object on the same socket has its own share and is served in full.
+            assert good.load(NS, [big], timeout=30) == [payload_for(big, 64 * MiB)]
+            assert good.lookup(NS, [big], timeout=5).matched == 1
+        finally:
+            for stalled in loads:
+                stalled.cancel()
+            channel.close()
+
+
 def test_the_server_ends_a_trickling_store_that_set_no_deadline() -> None:
     with cache_server(dram_bytes=16 * MiB, overrides={"limits.max_call_seconds": 1.0}) as srv:
         release = threading.Event()

@@ -13,9 +13,10 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar, cast
 
@@ -31,6 +32,7 @@ from kvfabric.cacheserver.engine.tiered import HandingOver, Payload, TieredStore
 from kvfabric.cacheserver.metrics import Metrics
 from kvfabric.cacheserver.transport.arena import StagingArena, UnknownLease
 from kvfabric.contract.namespace import InvalidDescriptionError, parse_description, readable
+from kvfabric.rpc import CLIENT_ID_HEADER
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 
@@ -136,10 +138,25 @@ def _decoder(cls: type[Message]) -> Callable[[bytes], Any]:
     return decode
 
 
-def peer_key(peer: str) -> str | None:
-    """The accounting key of a gRPC peer: its address without the port; None on the Unix socket."""
+_CLIENT_ID = re.compile(r"[A-Za-z0-9-]{1,64}")
+
+
+def peer_key(peer: str, metadata: Iterable[Any] | None = ()) -> str | None:
+    """The accounting key of a gRPC peer (None: not capped per client).
+
+    A TCP peer's address without the port; on the Unix socket the client's own id (``kvfabric-client``
+    metadata).
+
+    On the Unix socket gRPC shows every peer as the same ``unix:`` (Python exposes no SO_PEERCRED),
+    so kvfabric's client names itself, once per client object. The id is declared, not proven: it
+    keeps one stuck or runaway engine from taking every slot, not a hostile consumer (which can
+    leave it out; the server's global caps and deadlines still bound it).
+    """
     if peer.startswith(("ipv4:", "ipv6:")):
         return peer.rsplit(":", 1)[0]
+    for key, value in metadata or ():
+        if key == CLIENT_ID_HEADER and isinstance(value, str) and _CLIENT_ID.fullmatch(value):
+            return f"unix:{value}"
     return None
 
 
@@ -240,7 +257,7 @@ class CacheService(pb_grpc.CacheServicer):
 
     @contextlib.asynccontextmanager
     async def _load_slot(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
-        peer = peer_key(context.peer())
+        peer = peer_key(context.peer(), context.invocation_metadata())
         if not self.s.enter_peer(peer, "load"):
             await _abort(
                 context,
@@ -407,7 +424,7 @@ class CacheService(pb_grpc.CacheServicer):
     ) -> pb.StoreResponse:
         t0 = time.perf_counter()
         limits = self.s.limits
-        peer = peer_key(context.peer())
+        peer = peer_key(context.peer(), context.invocation_metadata())
         have_slot = self.s.try_store_slot(peer)
         accepted = dropped = 0
         namespace: str | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from kvfabric.client import errors
 from kvfabric.client.blocks import BlockChannel, close_all, read_all, write_all
 from kvfabric.client.localindex import LocalIndex
 from kvfabric.client.results import FlushResult, LookupResult
+from kvfabric.rpc import CLIENT_ID_HEADER
 from kvfabric.rpc.blockproto import MAX_NAMES, block_socket_for
 from kvfabric.rpc.indextable import index_socket_for
 from kvfabric.rpc.v1 import cache_pb2 as pb
@@ -139,9 +141,19 @@ def read_token(path: Path) -> str | None:
     return token or None
 
 
-def metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
-    """Per-call metadata carrying the bearer token, if any."""
-    return (("authorization", f"Bearer {token}"),) if token else None
+def new_client_id() -> str:
+    """A name for one client object, which the server's per-client slot cap counts on the Unix socket."""
+    return f"{os.getpid():x}-{secrets.token_hex(6)}"
+
+
+def metadata(token: str | None, client_id: str | None = None) -> tuple[tuple[str, str], ...] | None:
+    """Per-call metadata: the bearer token, if any, and the client's id, if any."""
+    md = []
+    if token:
+        md.append(("authorization", f"Bearer {token}"))
+    if client_id:
+        md.append((CLIENT_ID_HEADER, client_id))
+    return tuple(md) or None
 
 
 def credentials(

@@ -84,6 +84,8 @@ class CacheClient:
         self._blocks = c.block_channel_for(self._target, mapping_cache_bytes) if shared_memory else None
         self._token = token
         self._token_file = Path(token_file) if token_file is not None else None
+        # Named once per client object: the server caps slots per client on the Unix socket too.
+        self._client_id = c.new_client_id()
         self._tls = (tls_ca, tls_cert, tls_key)
         self._tls_server_name = tls_server_name
         # Credential files (a Secret volume the kubelet updates in place) are watched: when one
@@ -114,7 +116,7 @@ class CacheClient:
 
     def _connect(self) -> None:
         token = c.read_token(self._token_file) if self._token_file is not None else self._token
-        md = c.metadata(token)
+        md = c.metadata(token, self._client_id)
         creds = c.credentials(*self._tls)
         if creds is not None and not self._target.is_unix:
             options = c.CHANNEL_OPTIONS + c.server_name_option(self._tls_server_name)

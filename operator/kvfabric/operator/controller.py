@@ -88,6 +88,9 @@ class Controller:
         self.namespaces = namespaces
         self.resync_seconds = resync_seconds
         self.election = election
+        # The operator's own namespace, where wipe pods run: the Lease's (both default to
+        # $POD_NAMESPACE), so a namespaced install's Role there covers them.
+        self.operator_namespace = election.namespace if election is not None else names.operator_namespace()
         self.reconciles = 0
         self.elector: LeaseElector | None = None
         self.reader: CachedReader | None = None
@@ -175,7 +178,7 @@ class Controller:
                     "deleted pool %s/%s has a local disk but no node known to hold it: not wiped", ns, name
                 )
                 return
-            await wipe_deleted_pool(client, last, nodes, operator_namespace=names.operator_namespace())
+            await wipe_deleted_pool(client, last, nodes, operator_namespace=self.operator_namespace)
         except asyncio.CancelledError:
             raise
         except Exception:  # a wipe never takes the controller down; the log says what was left
@@ -279,7 +282,7 @@ class Controller:
                     task.result()  # an informer crashed: re-raise
             queue = ReconcileQueue(work)
             self._queue = queue
-            sweep = asyncio.ensure_future(sweep_finished_wipe_pods(client, names.operator_namespace()))
+            sweep = asyncio.ensure_future(sweep_finished_wipe_pods(client, self.operator_namespace))
             sweep.add_done_callback(_log_sweep)
             try:
                 for key in list(self._known):

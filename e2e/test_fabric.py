@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -63,6 +64,19 @@ def test_cache_servers_run_on_every_gpu_node_and_engines_are_injected(deployed: 
         assert env["KVFABRIC_SOCKET"].endswith("/cache.sock")
         assert env["KVFABRIC_CHUNK_TOKENS"] == str(CHUNK)
         assert "kvfabric.io/injected" in " ".join(pod["metadata"].get("annotations", {}))
+    # The pod runner runs containers as their pods' users: every cache server's process is uid 65532
+    # (the rendered runAsUser), as the kernel reports it, not root.
+    uids = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            cmdline = (status.parent / "cmdline").read_bytes().split(b"\0")
+            text = status.read_text()
+        except OSError:
+            continue  # the process went
+        if b"cacheserver" in cmdline and any(a.endswith(b"kvfabric") or a == b"-m" for a in cmdline):
+            uids.append(int(next(line for line in text.splitlines() if line.startswith("Uid:")).split()[1]))
+    assert len(uids) >= len(fabric.gpu_nodes), uids
+    assert set(uids) == {65532}, uids
 
 
 def test_a_prefix_stored_on_node_a_is_a_hit_on_node_b(deployed: tuple[Fabric, str]) -> None:

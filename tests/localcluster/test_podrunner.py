@@ -276,6 +276,7 @@ def test_containers_run_as_the_pods_user_and_groups(
         "    out['root_only'] = 'denied'\n"
         "pathlib.Path('/scratch/ok').write_text('ok'); out['empty_dir'] = 'written'\n"
         "out['secret'] = pathlib.Path('/secret/token').read_text()\n"
+        "out['root'] = sorted(os.listdir('/root'))\n"
         "pathlib.Path('/data/ids.json').write_text(json.dumps(out))\n"
         "import time; time.sleep(3600)\n"
     )
@@ -306,8 +307,9 @@ def test_containers_run_as_the_pods_user_and_groups(
                     {
                         "name": "app",
                         "image": "python:3.11",
-                        # The runner's own Python lives under a 0700 /root here; uid 1234 cannot run it.
-                        "command": ["/usr/bin/python3", "-c", script],
+                        # The runner's own Python, under this machine's 0700 /root: the runner shadows
+                        # /root and binds back only the interpreter and the caches, read-only.
+                        "command": [sys.executable, "-c", script],
                         "volumeMounts": [
                             {"name": "data", "mountPath": "/data"},
                             {"name": "scratch", "mountPath": "/scratch"},
@@ -336,6 +338,8 @@ def test_containers_run_as_the_pods_user_and_groups(
     assert ids["root_only"] == "denied"  # a root-owned 0755 directory is not the pod's to write
     assert ids["empty_dir"] == "written"
     assert ids["secret"] == "t0k"  # mode 0440, readable through fsGroup only
+    # Of root's home the pod's user sees the interpreter and the caches, nothing else.
+    assert set(ids["root"]) <= {".pyenv", ".cache"}, ids["root"]
 
 
 def test_read_only_root_filesystem_leaves_only_the_volumes_writable(

@@ -198,7 +198,10 @@ def _running_fabric(base: Path, gpu_nodes: int, progress: Progress, s3: S3Server
     try:
         progress(f"starting the pod runner for nodes {', '.join(names)}")
         relay = (s3.ports["s3"],) if s3 is not None else ()
-        with pod_runner(handle, base / "nodes", [f"{n}:8" for n in names], relay_ports=relay) as runner_base:
+        # Containers run as their pods' users (runAsUser, runAsGroup, fsGroup), as a kubelet runs them.
+        nodes = [f"{n}:8" for n in names]
+        runner = pod_runner(handle, base / "nodes", nodes, run_as_pod_user=True, relay_ports=relay)
+        with runner as runner_base:
             handle.gpu_nodes = names
             progress("installing the CRDs from crds/")
             install(handle, root)

@@ -223,6 +223,7 @@ class PodWorker(threading.Thread):
                     group=group,
                     groups=groups,
                     read_only_root=bool((c.get("securityContext") or {}).get("readOnlyRootFilesystem")),
+                    home_shadow=self.dir / f"{c['name']}.root",
                 )
             )
         return plans

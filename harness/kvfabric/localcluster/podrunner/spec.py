@@ -53,6 +53,8 @@ class ContainerPlan:
     groups: tuple[int, ...] = ()
     """Supplementary groups: the pod's ``supplementalGroups`` and ``fsGroup``."""
     read_only_root: bool = False
+    home_shadow: Path | None = None
+    """Where a non-root container's script parks the real /root while it shadows it (see HOME_PATHS)."""
     """``securityContext.readOnlyRootFilesystem``: only the volumes (and the kernel's own
     filesystems: /proc, /dev, /run...) stay writable."""
 
@@ -211,6 +213,11 @@ def identity(
     )
 
 
+# What a non-root container may see of this machine's /root: the interpreter (pyenv) and the caches
+# holding the vLLM environment and the built binaries; never the rest (kubeconfigs, keys).
+HOME_PATHS: tuple[str, ...] = (".pyenv", ".cache/kvfabric", ".cache/uv")
+
+
 def launch_script(plan: ContainerPlan) -> str:
     """A bash script that sets up the mounts inside the private mount namespace and execs argv."""
     q = shlex.quote
@@ -227,6 +234,19 @@ def launch_script(plan: ContainerPlan) -> str:
         lines.append(f"mount --bind {q(str(m.source))} {q(m.target)}")
         if m.read_only:
             lines.append(f"mount -o remount,bind,ro {q(m.target)}")
+    if plan.user not in (None, 0) and plan.home_shadow is not None:
+        # This machine's /root is 0700 and holds the harness's Python and caches, which a container
+        # image would carry in its own rootfs: hide /root behind an empty tmpfs and bind back only
+        # those, read-only, so the pod's user can run them and sees nothing else of root's.
+        orig = q(str(plan.home_shadow))
+        lines.append(f"mkdir -p {orig} && mount --bind /root {orig}")
+        lines.append("mount -t tmpfs -o mode=0755,size=1m kvfabric-home /root")
+        for sub in HOME_PATHS:
+            lines.append(
+                f"if [ -d {orig}/{sub} ]; then mkdir -p /root/{sub} && mount --bind {orig}/{sub} /root/{sub} "
+                f"&& mount -o remount,bind,ro /root/{sub}; fi"
+            )
+        lines.append(f"umount -l {orig}")
     if plan.read_only_root:
         # The root mount of this private mount namespace only (a per-mount flag, not the
         # filesystem's): the host stays writable, the volumes mounted above keep their own flags.

@@ -43,19 +43,20 @@ def _mountinfo(text: str) -> list[list[str]]:
     return out
 
 
-def mount_points(mountinfo: str) -> list[str]:
-    """Return the mount points listed in a ``/proc/<pid>/mountinfo`` text, in order, unescaped."""
-    return [fields[4] for fields in _mountinfo(mountinfo)]
-
-
-def is_mounted(path: str) -> bool:
-    """Whether ``path`` is a mount point in this process's mount namespace.
+def mount_options(path: str) -> set[str]:
+    """The per-mount options of the topmost mount at ``path`` (empty when it is no mount point).
 
     From mountinfo, not ``os.path.ismount``: a bind mount from the same file system has the same
     st_dev as its parent, which ismount cannot tell from a plain directory.
     """
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        return path in mount_points(f.read())
+        found = [fields for fields in _mountinfo(f.read()) if fields[4] == path]
+    return set(found[-1][5].split(",")) if found else set()
+
+
+def is_mounted(path: str) -> bool:
+    """Whether ``path`` is a mount point in this process's mount namespace (every mount has options)."""
+    return bool(mount_options(path))
 
 
 def _mount(source: str | None, target: str, flags: int) -> None:
@@ -101,13 +102,6 @@ def bind_read_only(source: str, target: str, staging_root: str) -> None:
         raise OSError(errno.EPERM, f"{target} did not come out read-only; unmounted")
 
 
-def mount_options(path: str) -> set[str]:
-    """The per-mount options of the topmost mount at ``path`` (empty when it is no mount point)."""
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        found = [fields for fields in _mountinfo(f.read()) if fields[4] == path]
-    return set(found[-1][5].split(",")) if found else set()
-
-
 def _umount(target: str, flags: int = 0) -> None:
     if _libc.umount2(os.fsencode(target), flags) != 0:
         err = ctypes.get_errno()
@@ -117,11 +111,12 @@ def _umount(target: str, flags: int = 0) -> None:
 def unmount(target: str, *, remove: bool = True) -> None:
     """Unmount everything stacked at ``target`` (retries may have stacked binds), then remove it."""
     while is_mounted(target):
-        if _libc.umount2(os.fsencode(target), 0) != 0:
-            err = ctypes.get_errno()
-            if err == errno.EINVAL:  # not a mount point after all (raced): done
+        try:
+            _umount(target)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # not a mount point after all (raced): done
                 break
-            raise OSError(err, f"umount {target}: {os.strerror(err)}")
+            raise
     if remove:
         with contextlib.suppress(FileNotFoundError):
             os.rmdir(target)

@@ -61,6 +61,7 @@ def test_key_commits_to_whole_prefix() -> None:
         {"tenant": "acme"},
         {"layout": "other"},
         {"payload_key_id": "0123456789abcdef"},
+        {"key_scope": "team-b"},
     ],
 )
 def test_namespace_changes_with_every_field(change: dict[str, object]) -> None:

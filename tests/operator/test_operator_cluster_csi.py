@@ -2,19 +2,24 @@
 
 A pod of another namespace than the pool's gets the pool's socket only when the pool's
 ``spec.consumers.namespaceSelector`` selects the pod's namespace; the plugin reads both objects as
-its own ServiceAccount, which may do that and nothing else (``manifests/csi/rbac.yaml``).
+its own ServiceAccount, which may do that, and get the consumer-keys Secret of its own namespace,
+and nothing else (``manifests/csi/rbac.yaml``).
 """
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from tests.operator.conftest import token_kubeconfig
 
+from kvfabric.contract.consumer_env import CONSUMER_KEYS_SECRET, consumer_keys_entry
+from kvfabric.contract.consumer_keys import consumer_root, encode_key
 from kvfabric.csi.access import ApiAuthorizer
-from kvfabric.csi.publish import Publication
+from kvfabric.csi.publish import Code, Publication, Refused
 from kvfabric.localcluster.testing import ClusterHandle
 
 pytestmark = [pytest.mark.cluster]
@@ -29,7 +34,7 @@ def plugin_kubeconfig(cluster: ClusterHandle, crd: None, tmp_path: Path) -> Path
         cluster.kubectl("create", "namespace", "kvfabric-system")
     docs = [d for d in yaml.safe_load_all((ROOT / "manifests" / "csi" / "rbac.yaml").read_text()) if d]
     for d in docs:
-        if d["kind"] == "ServiceAccount":
+        if d["kind"] in ("ServiceAccount", "Role", "RoleBinding"):
             d["metadata"]["namespace"] = "kvfabric-system"
     cluster.apply(*docs)
     return token_kubeconfig(
@@ -75,6 +80,52 @@ def test_only_namespaces_the_pools_selector_selects_are_granted(
         assert authorize(_publication(namespace, selected)) is not None
 
 
+def _pool(consumers: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvfabric.io/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": "pool-a"},
+        "spec": {"image": {"tag": "v0.1.0"}, "tiers": {"memory": {"size": "1Gi"}}, "consumers": consumers},
+    }
+
+
+def test_the_plugin_reads_the_consumer_root_from_its_own_namespaces_secret_and_nothing_else(
+    cluster: ClusterHandle, namespace: str, plugin_kubeconfig: Path
+) -> None:
+    cluster.apply(_pool({}), namespace=namespace)
+    authorize = ApiAuthorizer.from_environment(str(plugin_kubeconfig), namespace="kvfabric-system")
+    forget = ("delete", "secret", CONSUMER_KEYS_SECRET, "-n", "kvfabric-system", "--ignore-not-found")
+    cluster.kubectl(*forget)
+    with pytest.raises(Refused) as missing:
+        authorize.consumer_key(namespace, "pool-a")
+    assert missing.value.code is Code.UNAVAILABLE
+    assert f"Secret {CONSUMER_KEYS_SECRET}" in missing.value.message
+    root = consumer_root("the pool's payload secret")
+    entry = consumer_keys_entry(namespace, "pool-a")
+
+    def keys_secret(data: dict[str, str]) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": CONSUMER_KEYS_SECRET},
+            "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
+        }
+
+    try:
+        cluster.apply(keys_secret({"other.pool": encode_key(bytes(32))}), namespace="kvfabric-system")
+        with pytest.raises(Refused) as no_entry:
+            authorize.consumer_key(namespace, "pool-a")
+        assert (no_entry.value.code, entry in no_entry.value.message) == (Code.UNAVAILABLE, True)
+        cluster.apply(keys_secret({entry: encode_key(root)}), namespace="kvfabric-system")
+        key = authorize.consumer_key(namespace, "pool-a")
+        assert (key.root, key.shared) == (root, False)  # no keySpace: a key space per namespace
+        with pytest.raises(Refused) as absent:
+            authorize.consumer_key(namespace, "absent")
+        assert absent.value.code is Code.FAILED_PRECONDITION
+    finally:
+        cluster.kubectl(*forget)
+
+
 @pytest.mark.parametrize(
     ("verb", "resource", "allowed"),
     [
@@ -92,4 +143,22 @@ def test_the_plugins_service_account_may_read_pools_and_namespaces_and_nothing_e
     cluster: ClusterHandle, plugin_kubeconfig: Path, verb: str, resource: str, allowed: bool
 ) -> None:
     out = cluster.kubectl("auth", "can-i", verb, resource, "-A", f"--as={SA}", check=False)
+    assert out.stdout.strip() == ("yes" if allowed else "no"), (verb, resource, out.stdout, out.stderr)
+
+
+@pytest.mark.parametrize(
+    ("verb", "resource", "namespace", "allowed"),
+    [
+        ("get", f"secrets/{CONSUMER_KEYS_SECRET}", "kvfabric-system", True),
+        ("get", "secrets/kvfabric-ca", "kvfabric-system", False),
+        ("list", "secrets", "kvfabric-system", False),
+        ("watch", "secrets", "kvfabric-system", False),
+        ("update", f"secrets/{CONSUMER_KEYS_SECRET}", "kvfabric-system", False),
+        ("get", f"secrets/{CONSUMER_KEYS_SECRET}", "default", False),
+    ],
+)
+def test_the_plugins_one_secret_is_the_consumer_keys_of_its_own_namespace(
+    cluster: ClusterHandle, plugin_kubeconfig: Path, verb: str, resource: str, namespace: str, allowed: bool
+) -> None:
+    out = cluster.kubectl("auth", "can-i", verb, resource, "-n", namespace, f"--as={SA}", check=False)
     assert out.stdout.strip() == ("yes" if allowed else "no"), (verb, resource, out.stdout, out.stderr)

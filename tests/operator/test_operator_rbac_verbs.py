@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from kvfabric.contract.consumer_env import CONSUMER_KEYS_SECRET
 from kvfabric.operator.cli import configure
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,33 +180,45 @@ def test_webhook_configuration_writes_are_limited_by_name() -> None:
             assert rule.get("resourceNames") or rule["verbs"] == ["create"], rule
 
 
-# The CSI node plugin's ClusterRole (manifests/csi/rbac.yaml): its one reason to ask the API server.
+# The CSI node plugin's ClusterRole and Role (manifests/csi/rbac.yaml): its reasons to ask the API server.
 CSI_CODE = ROOT / "operator/kvfabric/csi"
 CSI_USES: dict[tuple[str, str, str], list[tuple[str, str]]] = {
     ("kvfabric.io", "kvcachepools", "get"): [("access.py", r"get_namespaced_custom_object\(")],
     ("", "namespaces", "get"): [("access.py", r"read_namespace\(")],
 }
+CSI_NAMESPACED_USES: dict[tuple[str, str, str], list[tuple[str, str]]] = {
+    ("", "secrets", "get"): [("access.py", r"read_namespaced_secret\(\s*CONSUMER_KEYS_SECRET")],
+}
 
 
-def test_every_verb_the_csi_plugin_holds_has_a_use_in_its_code() -> None:
-    docs = [d for d in yaml.safe_load_all((ROOT / "manifests/csi/rbac.yaml").read_text()) if d]
-    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
-    granted = {
+def _csi_granted(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {
         (group, resource, verb)
         for rule in role["rules"]
         for group in rule["apiGroups"]
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
-    assert granted == set(CSI_USES), f"granted {sorted(granted)}, used {sorted(CSI_USES)}"
-    for permission, evidence in CSI_USES.items():
-        for file, pattern in evidence:
-            assert re.search(pattern, (CSI_CODE / file).read_text()), (
-                f"{permission}: {pattern!r} not in {file}"
-            )
-    # No Role or binding beyond that one ClusterRole's binding to its own ServiceAccount.
+
+
+def test_every_verb_the_csi_plugin_holds_has_a_use_in_its_code() -> None:
+    docs = [d for d in yaml.safe_load_all((ROOT / "manifests/csi/rbac.yaml").read_text()) if d]
+    (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    for held, uses in ((_csi_granted(cluster_role), CSI_USES), (_csi_granted(role), CSI_NAMESPACED_USES)):
+        assert held == set(uses), f"granted {sorted(held)}, used {sorted(uses)}"
+        for permission, evidence in uses.items():
+            for file, pattern in evidence:
+                assert re.search(pattern, (CSI_CODE / file).read_text()), (
+                    f"{permission}: {pattern!r} not in {file}"
+                )
+    # The Secret it may get is the consumer-keys Secret, by name (a Role cannot list or watch it).
+    assert [rule.get("resourceNames") for rule in role["rules"]] == [[CONSUMER_KEYS_SECRET]]
+    # No Role or binding beyond those two, each bound to its own ServiceAccount only.
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ServiceAccount"], kinds
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ServiceAccount"], kinds
+    for binding in (d for d in docs if d["kind"].endswith("Binding")):
+        assert [s["name"] for s in binding["subjects"]] == ["kvfabric-csi-node"], binding
 
 
 def test_the_operator_creates_and_deletes_pods_only_in_its_own_namespace() -> None:

@@ -8,11 +8,14 @@ published directory (docs/security.md, "Same node without a hostPath").
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
 import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvfabric.contract.consumer_env import consumer_keys_entry
+from kvfabric.contract.consumer_keys import KEY_FILE_NAME, consumer_root, encode_key, scope_key
 from kvfabric.contract.node_paths import host_dir
 from kvfabric.csi.plugin import Mounter, NodePlugin, start
 from kvfabric.csi.publish import (
@@ -30,8 +35,10 @@ from kvfabric.csi.publish import (
     POD_NAMESPACE_KEY,
     POD_UID_KEY,
     Code,
+    ConsumerKey,
     Publication,
     Refused,
+    consumer_root_from_secret,
     cross_namespace_refusal,
     plan_publish,
 )
@@ -136,6 +143,16 @@ def test_only_the_pools_namespace_selector_grants_another_namespace() -> None:
         ({"volume_context": context(pool="a.b")}, Code.INVALID_ARGUMENT, "volumeAttributes.pool"),
         ({"volume_context": context(pool="pool-a", path="/etc")}, Code.INVALID_ARGUMENT, "'path'"),
         (
+            {"volume_context": context(pool="pool-a", content="pool-secret")},
+            Code.INVALID_ARGUMENT,
+            "volumeAttributes.content",
+        ),
+        (
+            {"volume_context": context(pool="pool-a", content="")},
+            Code.INVALID_ARGUMENT,
+            "volumeAttributes.content",
+        ),
+        (
             {"volume_context": {POD_NAMESPACE_KEY: "team-a", POD_UID_KEY: UID, "pool": "pool-a"}},
             Code.FAILED_PRECONDITION,
             "ephemeral",
@@ -170,12 +187,15 @@ def test_a_request_outside_the_contract_is_refused_naming_the_field(
 
 
 class FakeApi:
-    """The API server's answers: which pools exist, which cross-namespace uses their selectors grant."""
+    """The API server's answers: which pools exist, which cross-namespace uses their selectors grant,
+    which pools share one key space, and the consumer-keys Secret's data (None: no Secret)."""
 
     def __init__(self, pools: set[tuple[str, str]]) -> None:
         self.pools = pools
         self.grants: set[tuple[str, str, str]] = set()
         self.asked: list[tuple[str, str, str]] = []
+        self.shared: set[tuple[str, str]] = set()
+        self.consumer_keys: dict[str, str] | None = None
 
     def __call__(self, p: Publication) -> str | None:
         self.asked.append((p.namespace, p.pool, p.pod_namespace))
@@ -183,6 +203,19 @@ class FakeApi:
 
     def pool_exists(self, namespace: str, pool: str) -> bool:
         return (namespace, pool) in self.pools
+
+    def consumer_key(self, namespace: str, pool: str) -> ConsumerKey:
+        # The real parsing of the Secret's data (kvfabric.csi.access.ApiAuthorizer does the same).
+        if (namespace, pool) not in self.pools:
+            raise Refused(Code.FAILED_PRECONDITION, f"no KVCachePool {namespace}/{pool}")
+        root = consumer_root_from_secret(self.consumer_keys, namespace, pool)
+        return ConsumerKey(root, (namespace, pool) in self.shared)
+
+    def set_root(self, namespace: str, pool: str, root: bytes) -> None:
+        """The operator's side: write the pool's consumer root into the Secret."""
+        data = dict(self.consumer_keys or {})
+        data[consumer_keys_entry(namespace, pool)] = base64.b64encode(encode_key(root).encode()).decode()
+        self.consumer_keys = data
 
 
 class FakeMounts(Mounter):
@@ -289,6 +322,160 @@ def test_the_kubelets_calls_over_the_real_sockets(short_dir: Path) -> None:
         running.stop()
     # Stopping deregisters: the watcher sees the registration socket go.
     assert not os.path.exists(plugin.registration_socket)
+
+
+ROOT = consumer_root("the pool's payload-key Secret")
+
+
+def _publish_request(path: str, pod_namespace: str, **attributes: str) -> csi_pb2.NodePublishVolumeRequest:
+    uid = path.split("/pods/", 1)[1].split("/", 1)[0]
+    return csi_pb2.NodePublishVolumeRequest(
+        volume_id="csi-key",
+        target_path=path,
+        volume_capability=csi_pb2.VolumeCapability(mount=csi_pb2.VolumeCapability.MountVolume()),
+        readonly=True,
+        volume_context=context(pod_namespace, uid=uid, **attributes),
+    )
+
+
+def test_a_key_volume_holds_the_scope_key_of_the_namespace_the_kubelet_names(short_dir: Path) -> None:
+    """Over the plugin's real sockets: a pod of namespace B gets B's scope key, whatever its volume's
+    attributes say; C's gets C's; a pool that shares its key space gives both the same; without the
+    operator's Secret or the pool's entry nothing is published; nothing is left behind."""
+    mounts = FakeMounts()
+    kubelet, key_root = str(short_dir / "kubelet"), str(short_dir / "keys")
+    api = FakeApi(pools={("llm", "pool-a"), ("llm", "pool-s")})
+    api.grants |= {(pool_ns, pool, ns) for pool_ns, pool in api.pools for ns in ("team-b", "team-c")}
+    plugin = NodePlugin(
+        node_name="gpu-0", kubelet_root=kubelet, key_root=key_root, mounter=mounts, authorizer=api
+    )
+    running = start(plugin)
+
+    def target(uid: str) -> str:
+        return f"{kubelet}/pods/{uid}/volumes/kubernetes.io~csi/kvfabric-key/mount"
+
+    def key_of(path: str) -> str:
+        # What the pod reads at /var/run/kvfabric/key/payload.key: the file in the bound directory.
+        return (Path(mounts.mounted[path]) / KEY_FILE_NAME).read_text()
+
+    try:
+        with grpc.insecure_channel(f"unix://{plugin.endpoint}") as ch:
+            node = csi_pb2_grpc.NodeStub(ch)  # type: ignore[no-untyped-call]
+
+            def publish(path: str, pod_ns: str, **attributes: str) -> grpc.StatusCode:
+                try:
+                    node.NodePublishVolume(_publish_request(path, pod_ns, **attributes), timeout=5)
+                except grpc.RpcError as exc:
+                    code: grpc.StatusCode = exc.code()
+                    return code
+                return grpc.StatusCode.OK
+
+            def unpublish(path: str) -> None:
+                node.NodeUnpublishVolume(
+                    csi_pb2.NodeUnpublishVolumeRequest(volume_id="csi-key", target_path=path), timeout=5
+                )
+
+            key = {"pool": "pool-a", "namespace": "llm", "content": "payload-key"}
+            # No Secret yet, then a Secret without the pool's entry: refused, retried by the kubelet.
+            for _ in range(2):
+                with pytest.raises(grpc.RpcError) as missing:
+                    node.NodePublishVolume(_publish_request(target("b0"), "team-b", **key), timeout=5)
+                assert missing.value.code() is grpc.StatusCode.UNAVAILABLE
+                assert "kvfabric-consumer-keys" in str(missing.value.details())
+                assert mounts.mounted == {}
+                assert not os.path.exists(key_root) or os.listdir(key_root) == []
+                api.set_root("other", "pool-a", bytes(32))
+            api.set_root("llm", "pool-a", ROOT)
+            api.set_root("llm", "pool-s", ROOT)
+            # A pod of B: B's scope key, even when its attributes name the pool's namespace (the
+            # webhook's volume does) or when the pod asks twice (the kubelet retries).
+            assert publish(target("b1"), "team-b", **key) == grpc.StatusCode.OK
+            assert publish(target("b1"), "team-b", **key) == grpc.StatusCode.OK
+            want_b = encode_key(scope_key(ROOT, "team-b")) + "\n"
+            assert key_of(target("b1")) == want_b
+            assert key_of(target("b1")) != encode_key(scope_key(ROOT, "llm")) + "\n"
+            source = Path(mounts.mounted[target("b1")])
+            assert (source.stat().st_mode & 0o777, (source / KEY_FILE_NAME).stat().st_mode & 0o777) == (
+                0o755,
+                0o444,
+            )
+            assert source.parent == Path(key_root)
+            # A pod of C: C's key. Nothing a pod's author writes picks another scope (unknown
+            # attributes, such as a "scope", are refused; content must be known).
+            assert publish(target("c1"), "team-c", **key) == grpc.StatusCode.OK
+            assert key_of(target("c1")) == encode_key(scope_key(ROOT, "team-c")) + "\n" != want_b
+            assert publish(target("c2"), "team-c", **key, scope="team-b") == grpc.StatusCode.INVALID_ARGUMENT
+            assert (
+                publish(target("c3"), "team-c", **{**key, "content": "root"})
+                == grpc.StatusCode.INVALID_ARGUMENT
+            )
+            # Authorized like the socket: a namespace the pool's selector does not select gets nothing.
+            assert publish(target("d1"), "team-d", **key) == grpc.StatusCode.PERMISSION_DENIED
+            # A pool that shares its key space: both namespaces get the one shared key.
+            api.shared.add(("llm", "pool-s"))
+            shared = {**key, "pool": "pool-s"}
+            assert publish(target("b2"), "team-b", **shared) == grpc.StatusCode.OK
+            assert publish(target("c4"), "team-c", **shared) == grpc.StatusCode.OK
+            assert key_of(target("b2")) == key_of(target("c4")) == encode_key(scope_key(ROOT, "*")) + "\n"
+            # The operator's entry gone: new pods wait, running ones keep theirs.
+            api.consumer_keys = {}
+            assert publish(target("b3"), "team-b", **key) == grpc.StatusCode.UNAVAILABLE
+            assert target("b3") not in mounts.mounted
+            published = [target(u) for u in ("b1", "c1", "b2", "c4")]
+            assert sorted(os.listdir(key_root)) == sorted(Path(mounts.mounted[t]).name for t in published)
+            for path in [*published, *published]:  # idempotent
+                unpublish(path)
+            assert mounts.mounted == {}
+            assert os.listdir(key_root) == []
+    finally:
+        running.stop()
+    assert plugin._locks == {}, "every target's lock entry goes with its call"
+
+
+def test_the_per_target_lock_map_does_not_grow(short_dir: Path) -> None:
+    mounts = FakeMounts()
+    plugin = NodePlugin(node_name="n", kubelet_root=KUBELET, run_root=str(short_dir), mounter=mounts)
+    (short_dir / "team-a.pool-a").mkdir()
+    for i in range(200):
+        target = TARGET.replace(UID, f"pod-{i}")
+        p = plan_publish(
+            volume_id="v",
+            target_path=target,
+            volume_context=context("team-a", uid=f"pod-{i}", pool="pool-a"),
+            block=False,
+            kubelet_root=KUBELET,
+            run_root=str(short_dir),
+        )
+        plugin.publish(p)
+        plugin.unpublish(target)
+        with pytest.raises(Refused):  # a refused call leaves no entry either
+            plugin.publish(dataclasses.replace(p, namespace="team-b"))
+    assert plugin._locks == {}
+    # While one call holds a target, a second waits on the same lock; the entry goes after both.
+    entered, release, order = threading.Event(), threading.Event(), []
+
+    def first() -> None:
+        with plugin.target_lock(TARGET):
+            entered.set()
+            release.wait(10)
+            order.append("first")
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert entered.wait(10)
+
+    def second_call() -> None:
+        plugin.unpublish(TARGET)
+        order.append("second")
+
+    second = threading.Thread(target=second_call)
+    second.start()
+    assert len(plugin._locks) == 1
+    release.set()
+    t.join(10)
+    second.join(10)
+    assert order == ["first", "second"]
+    assert plugin._locks == {}
 
 
 def test_without_api_access_a_pod_gets_only_its_own_namespaces_pools_that_are_up(tmp_path: Path) -> None:

@@ -84,6 +84,10 @@ class NamespaceSpec:
     payload_key_id: str = ""
     """Fingerprint of the payload MAC key (``layout.key_id``): chunks sealed under another key,
     e.g. before a rotation, are never even looked up, so they cannot shadow fresh stores."""
+    key_scope: str = ""
+    """The payload key's scope (``kvfabric.contract.consumer_keys``): the consumer's Kubernetes
+    namespace, ``*`` for a pool whose consumer namespaces share one key space, empty without one. The
+    key (so ``payload_key_id``) already differs per scope; this names the scope in the clear."""
     device_type: str = ""
     """Device type of the KV cache as the engine reports it (vLLM: ``cuda``, ``cpu``, ``xpu``...)."""
     attn_backend: str = ""

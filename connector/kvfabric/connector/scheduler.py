@@ -82,6 +82,33 @@ class _ReqState:
     had_background: bool = False  # it already had one (a retry loads synchronously)
 
 
+def keyed_spec(spec: keyslib.NamespaceSpec, settings: ConnectorSettings) -> keyslib.NamespaceSpec:
+    """Return ``spec`` naming the payload key: its fingerprint and its scope.
+
+    The fingerprint is ``layout.key_id`` (keyed: nobody without the key computes it, and it gives
+    nothing of the key away); with the scope, each consumer namespace of a pool has namespaces of
+    its own.
+    """
+    key = settings.key
+    return dataclasses.replace(spec, payload_key_id=layout.key_id(key.mac_key), key_scope=key.scope)
+
+
+def usable_cache(
+    cache: ResilientCache | None, settings: ConnectorSettings, counters: Counters
+) -> ResilientCache | None:
+    """Return ``cache``, or None (closed) when the configured payload key is unusable.
+
+    Every request then recomputes: nothing is sealed or trusted under a key another consumer could
+    have (a key file that failed never means the public key).
+    """
+    if settings.key.usable:
+        return cache
+    counters.add("payload_key_unusable")
+    if cache is not None:
+        cache.close()
+    return None
+
+
 class SchedulerHalf:
     """Plans each step's loads and saves from lookups in the cache (one instance per scheduler)."""
 
@@ -102,17 +129,16 @@ class SchedulerHalf:
         if spec.chunk_tokens != settings.chunk_tokens:
             raise ValueError("spec.chunk_tokens must equal settings.chunk_tokens")
         self.settings = settings
-        # The payload key's fingerprint is part of the namespace (NamespaceSpec.payload_key_id).
-        spec = dataclasses.replace(spec, payload_key_id=layout.key_id(settings.mac_key))
+        spec = keyed_spec(spec, settings)
         self.spec = spec
         self.namespace = spec.digest()
         self.chunk_tokens = spec.chunk_tokens
         self.block_size = spec.block_size
-        self.cache = cache
-        if cache is not None:
-            # The server exports what the namespace stands for (pool status: namespaces in use).
-            cache.describe(self.namespace, spec.canonical().decode())
         self.counters = cache.counters if cache is not None else Counters()
+        self.cache = usable_cache(cache, settings, self.counters)
+        if self.cache is not None:
+            # The server exports what the namespace stands for (pool status: namespaces in use).
+            self.cache.describe(self.namespace, spec.canonical().decode())
         self._reqs: dict[str, _ReqState] = {}
         self.costs: CostModel | None = (
             CostModel(chunk_tokens=self.chunk_tokens) if settings.cost_model else None

@@ -10,14 +10,14 @@ Sources, highest priority first:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -25,9 +25,13 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from kvfabric.connector import payloadkey
+from kvfabric.connector.payloadkey import PayloadKey
 from kvfabric.contract.consumer_env import ENV_PREFIX
+from kvfabric.contract.consumer_keys import SHARED_SCOPE
 
 SETTINGS_FILE_ENV = f"{ENV_PREFIX}SETTINGS_FILE"
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 class _FileSource(PydanticBaseSettingsSource):
@@ -91,9 +95,19 @@ class ConnectorSettings(BaseSettings):
     tls_ca: str | None = None
     """CA bundle (path) to verify the TCP listener's certificate; plaintext when unset."""
     payload_key: str | None = Field(default=None, repr=False)
-    """The pool's payload secret (the operator injects it from the pool's Secret): chunks are sealed
-    and verified with a keyed MAC derived from it. Without it the MAC key is public, which detects
-    corruption but not forgery."""
+    """The pool's payload secret (the operator injects it from the pool's Secret into consumers of
+    the pool's own namespace): chunks are sealed and verified with a keyed MAC whose key is derived
+    from it and ``key_scope`` (``kvfabric.connector.payloadkey``). Without any key the MAC key is
+    public, which detects corruption but not forgery."""
+    payload_key_file: str | None = None
+    """A file holding this consumer's scope key (64 hex characters), which the CSI node plugin
+    publishes for pods of another namespace than the pool's. Read once; wins over ``payload_key``.
+    A file that is missing, unreadable or malformed turns the cache off for the process (every
+    request recomputes, one error logged), never the public key."""
+    key_scope: str | None = None
+    """This consumer's key scope: its Kubernetes namespace, or ``*`` when the pool's consumer
+    namespaces share one key space. Part of the namespace digest; with ``payload_key`` it selects the
+    scope key. Unset with ``payload_key``: the old, unscoped key (pods injected before scopes)."""
     tls_cert: str | None = None
     """Client certificate (PEM path) for a TCP listener that requires mutual TLS."""
     tls_key: str | None = None
@@ -155,6 +169,8 @@ class ConnectorSettings(BaseSettings):
     config_hash: str = ""
     """Hash of the injected configuration (informational; lets the pool count stale pods)."""
 
+    _key: tuple[tuple[str | None, str | None, str | None], PayloadKey] | None = PrivateAttr(default=None)
+
     @field_validator("socket")
     @classmethod
     def _strip_scheme(cls, value: str | None) -> str | None:
@@ -162,6 +178,13 @@ class ConnectorSettings(BaseSettings):
             value = value[len("unix://") :]
         if value and not value.startswith("/"):
             raise ValueError("socket must be an absolute path")
+        return value or None
+
+    @field_validator("key_scope")
+    @classmethod
+    def _check_key_scope(cls, value: str | None) -> str | None:
+        if value and value != SHARED_SCOPE and not _DNS_LABEL.fullmatch(value):
+            raise ValueError(f"key_scope must be a namespace name (a DNS label) or {SHARED_SCOPE!r}")
         return value or None
 
     @field_validator("remote")
@@ -201,13 +224,25 @@ class ConnectorSettings(BaseSettings):
         return cls(**clean)
 
     @property
+    def key(self) -> PayloadKey:
+        """The payload key (:func:`kvfabric.connector.payloadkey.resolve`), resolved once per object.
+
+        A key file is read once.
+        """
+        source = (self.payload_key, self.payload_key_file, self.key_scope)
+        if self._key is None or self._key[0] != source:  # (a model_copy may have changed them)
+            self._key = (source, payloadkey.resolve(*source))
+        return self._key[1]
+
+    @property
     def mac_key(self) -> bytes:
-        """The 32-byte payload MAC key derived from :attr:`payload_key` (or the public key)."""
-        if not self.payload_key:
-            return bytes(32)
-        return hashlib.sha256(b"kvfabric payload mac\0" + self.payload_key.encode()).digest()
+        """The 32-byte payload MAC key (see :attr:`key`).
+
+        Never the public key when a key file is configured, even an unusable one.
+        """
+        return self.key.mac_key
 
     @property
     def configured(self) -> bool:
-        """Whether any cache server is configured at all."""
-        return self.enabled and (self.socket is not None or self.remote is not None)
+        """Whether any cache server is configured, and the configured payload key is usable."""
+        return self.enabled and (self.socket is not None or self.remote is not None) and self.key.usable

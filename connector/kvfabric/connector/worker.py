@@ -24,7 +24,6 @@ The hooks never raise into the forward pass: a failure turns the step's loads in
 from __future__ import annotations
 
 import concurrent.futures as cf
-import dataclasses
 import logging
 import threading
 import time
@@ -38,7 +37,7 @@ from kvfabric.connector import layout
 from kvfabric.connector.datapath import DataPath, LoadResult
 from kvfabric.connector.hostpath import HostStagingPath
 from kvfabric.connector.resilient import Counters, Reason, ResilientCache
-from kvfabric.connector.scheduler import slowest_tier
+from kvfabric.connector.scheduler import keyed_spec, slowest_tier, usable_cache
 from kvfabric.connector.settings import ConnectorSettings
 from kvfabric.connector.steps import LoadSpec, RestoreTiming, Role, StepPlan, WorkerFeedback
 
@@ -83,19 +82,18 @@ class WorkerHalf:
         if spec.chunk_tokens != settings.chunk_tokens:
             raise ValueError("spec.chunk_tokens must equal settings.chunk_tokens")
         self.settings = settings
-        # The payload key's fingerprint is part of the namespace (NamespaceSpec.payload_key_id).
-        spec = dataclasses.replace(spec, payload_key_id=layout.key_id(settings.mac_key))
+        spec = keyed_spec(spec, settings)
         if not spec.payload_key_id and settings.configured:
             log.warning("no payload key (KVFABRIC_PAYLOAD_KEY): chunks are checked for damage, not forgery")
         self.spec = spec
         self.namespace = spec.digest()
         self.chunk_tokens = spec.chunk_tokens
         self.block_size = spec.block_size
-        self.cache = cache
-        if cache is not None:
-            # The server exports what the namespace stands for (pool status: namespaces in use).
-            cache.describe(self.namespace, spec.canonical().decode())
         self.counters = cache.counters if cache is not None else Counters()
+        self.cache = usable_cache(cache, settings, self.counters)
+        if self.cache is not None:
+            # The server exports what the namespace stands for (pool status: namespaces in use).
+            self.cache.describe(self.namespace, spec.canonical().decode())
         self.datapath: DataPath = datapath or self._host_path()
         self._background_factory = background_datapath or self._host_path
         # One data path per loader thread (a data path's staging is per load in flight), made lazily.

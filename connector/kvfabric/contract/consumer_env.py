@@ -6,7 +6,7 @@ environment with :meth:`ConsumerEnvironment.to_env`; ``ConnectorSettings`` reads
 ``ENV_PREFIX + <field name upper-cased>``; ``tests/operator/test_operator_consumer_env.py`` renders a
 pool, injects a pod and parses the pod's environment with ``ConnectorSettings`` again.
 
-Import-linter keeps this module free of every other kvfabric module.
+Import-linter keeps this module free of every other kvfabric module (but the contract's own).
 """
 
 from __future__ import annotations
@@ -17,7 +17,26 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
 
+from kvfabric.contract.consumer_keys import KEY_FILE_NAME, scope_for
+
 ENV_PREFIX: Final = "KVFABRIC_"
+
+KEY_VOLUME_CONTENT: Final = "payload-key"
+"""``volumeAttributes.content`` of the CSI inline volume that carries a consumer's scope key (the
+socket volume has no ``content``); the node plugin writes :data:`KEY_FILE_NAME` into it."""
+KEY_MOUNT_PATH: Final = "/var/run/kvfabric/key"
+"""Where the webhook mounts that volume (read-only) in a consumer's containers."""
+KEY_FILE_PATH: Final = f"{KEY_MOUNT_PATH}/{KEY_FILE_NAME}"
+"""The value of ``KVFABRIC_PAYLOAD_KEY_FILE``: the scope key the plugin published."""
+CONSUMER_KEYS_SECRET: Final = "kvfabric-consumer-keys"  # noqa: S105 - a Secret's name, not a secret
+"""The Secret, in the operator's (and the CSI node plugin's) namespace, holding every pool's consumer
+root (``encode_key(consumer_root(P))``) under :func:`consumer_keys_entry`: the operator writes it,
+the plugin may get it and nothing else."""
+
+
+def consumer_keys_entry(pool_namespace: str, pool: str) -> str:
+    """The data key of a pool's consumer root in :data:`CONSUMER_KEYS_SECRET` (``<namespace>.<pool>``)."""
+    return f"{pool_namespace}.{pool}"
 
 
 class ConsumerVar(StrEnum):
@@ -36,6 +55,13 @@ class ConsumerVar(StrEnum):
     # Credentials: from the pool's Secret (secretKeyRef) or its Secret volume, never values in the
     # pod spec, and outside the hash (docs/security.md).
     PAYLOAD_KEY = "KVFABRIC_PAYLOAD_KEY"
+    # The consumer's key scope (its namespace, or ``*`` for a pool whose consumers share one key
+    # space): a plain value, outside the hash (it differs per consumer namespace, the hash is the
+    # pool's). With PAYLOAD_KEY the connector derives its scope key itself.
+    KEY_SCOPE = "KVFABRIC_KEY_SCOPE"
+    # Consumers of another namespace than the pool's: the scope key itself, as a file the CSI node
+    # plugin publishes (KEY_FILE_PATH); outside the hash like the other credentials.
+    PAYLOAD_KEY_FILE = "KVFABRIC_PAYLOAD_KEY_FILE"
     TOKEN_FILE = "KVFABRIC_TOKEN_FILE"  # noqa: S105 - a variable name, not a secret
     TLS_CA = "KVFABRIC_TLS_CA"
     TLS_CERT = "KVFABRIC_TLS_CERT"
@@ -85,3 +111,18 @@ class ConsumerEnvironment:
     def to_env_with_hash(self) -> dict[str, str]:
         """Return :meth:`to_env` plus ``KVFABRIC_CONFIG_HASH``."""
         return {**self.to_env(), ConsumerVar.CONFIG_HASH.value: self.config_hash}
+
+
+def key_env(consumer_namespace: str, pool_namespace: str, *, shared: bool) -> dict[str, str]:
+    """The key variables of a consumer in ``consumer_namespace`` (outside the hash: per namespace).
+
+    Every consumer gets its scope (:func:`~kvfabric.contract.consumer_keys.scope_for`), which the
+    connector names in its namespace digest. A consumer of another namespace than the pool's also
+    gets the path of the key file the CSI node plugin publishes (it cannot read the pool's Secret);
+    one of the pool's own namespace reads the pool secret (``KVFABRIC_PAYLOAD_KEY``, a
+    ``secretKeyRef``) and derives its scope key itself.
+    """
+    env = {ConsumerVar.KEY_SCOPE.value: scope_for(consumer_namespace, shared=shared)}
+    if consumer_namespace != pool_namespace:
+        env[ConsumerVar.PAYLOAD_KEY_FILE.value] = KEY_FILE_PATH
+    return env

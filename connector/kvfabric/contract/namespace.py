@@ -50,6 +50,7 @@ READABLE_FIELDS: Final[dict[str, str]] = {
     "lora": "lora",
     "tenant": "tenant",
     "payload_key_id": "payload_key_id",
+    "key_scope": "key_scope",
     "payload_format": "payload_format",
     "scheme": "scheme",
 }

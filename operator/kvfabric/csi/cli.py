@@ -15,7 +15,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Serve the csi.kvfabric.io node plugin: publish a pool's node-local cache socket directory, "
         "read-only, into pods of the pool's namespace as a CSI ephemeral inline volume, so engines "
-        "in namespaces that enforce Pod Security baseline or restricted need no hostPath. Runs as "
+        "in namespaces that enforce Pod Security baseline or restricted need no hostPath; and, as a "
+        "second volume (content: payload-key), the payload key of the pod's own namespace. Runs as "
         "root with CAP_SYS_ADMIN (it bind-mounts) and registers itself with the kubelet."
     )
     parser.add_argument(
@@ -47,7 +48,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--staging-dir",
         default="/run/kvfabric-csi",
         help="a writable directory private to the plugin's mount namespace (an emptyDir), where each "
-        "bind is made read-only before it is attached (default /run/kvfabric-csi)",
+        "bind is made read-only before it is attached and each key volume's directory is made, in "
+        "keys/ (default /run/kvfabric-csi)",
     )
     parser.add_argument("--log-level", default="INFO", help="log level (JSON logs on stderr)")
 
@@ -72,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         run_root=args.run_root,
         version=__version__,
         staging_root=args.staging_dir,
+        key_root=os.path.join(args.staging_dir, "keys"),
         authorizer=authorizer,
     )
     running = start(plugin)

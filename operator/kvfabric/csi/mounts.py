@@ -75,6 +75,33 @@ def ensure_directory(path: str, mode: int = 0o755) -> None:
         raise NotADirectoryError(errno.ENOTDIR, f"{path} is not a directory (a symlink is refused)")
 
 
+def write_key_directory(directory: str, name: str, text: str) -> None:
+    """Make ``directory`` afresh (0755) holding the file ``name`` (0444) with ``text``.
+
+    Readable by everyone: the consumer's uid is not known here, and the directory reaches only the
+    pod it is published into (read-only). Its parent is made 0700 (the plugin's own). A stale
+    directory of an interrupted publish is replaced; a symlink anywhere on the way is refused.
+    """
+    ensure_directory(os.path.dirname(directory), 0o700)
+    remove_key_directory(directory, name)
+    os.mkdir(directory, 0o755)
+    os.chmod(directory, 0o755)  # noqa: S103 - whatever the umask; it holds one world-readable key
+    fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
+    try:
+        os.write(fd, text.encode())
+        os.fchmod(fd, 0o444)
+    finally:
+        os.close(fd)
+
+
+def remove_key_directory(directory: str, name: str) -> None:
+    """Remove what :func:`write_key_directory` made; a directory already gone is success."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(directory, name))
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(directory)
+
+
 def bind_read_only(source: str, target: str, staging_root: str) -> None:
     """Bind ``source`` at ``target`` read-only, nosuid, nodev, noexec; never expose a writable bind.
 

@@ -2,9 +2,10 @@
 
 The kubelet finds the plugin through a registration socket in its ``plugins_registry`` directory
 (GetInfo names the driver and its CSI endpoint), then calls NodePublishVolume for every pod with a
-``csi.kvfabric.io`` inline volume and NodeUnpublishVolume when the pod goes. Publishing is a
-read-only bind of the pool's run directory (:mod:`kvfabric.csi.publish` decides which); there is no
-controller service, no staging, nothing to attach.
+``csi.kvfabric.io`` inline volume, and NodeUnpublishVolume when the pod goes. Publishing is a
+read-only bind of the pool's run directory, or of a directory of the plugin's own holding the pod's
+payload scope key (:mod:`kvfabric.csi.publish` decides which); there is no controller service, no
+staging, nothing to attach.
 """
 
 # ruff: noqa: N802
@@ -24,9 +25,23 @@ from typing import Final, Protocol, TypeVar
 import grpc
 from google.protobuf import wrappers_pb2
 
+from kvfabric.contract.consumer_env import KEY_VOLUME_CONTENT
+from kvfabric.contract.consumer_keys import KEY_FILE_NAME
 from kvfabric.contract.node_paths import HOST_RUN_ROOT
 from kvfabric.csi import mounts
-from kvfabric.csi.publish import DRIVER_NAME, Code, Publication, Refused, checked_target, plan_publish
+from kvfabric.csi.publish import (
+    CONTENT_ATTRIBUTE,
+    DEFAULT_KEY_ROOT,
+    DRIVER_NAME,
+    Code,
+    ConsumerKey,
+    Publication,
+    Refused,
+    checked_target,
+    key_dir,
+    key_file_text,
+    plan_publish,
+)
 from kvfabric.csi.v1 import csi_pb2, csi_pb2_grpc, pluginregistration_pb2, pluginregistration_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -51,6 +66,9 @@ class Authorizer(Protocol):
     def pool_exists(self, namespace: str, pool: str) -> bool:
         """Whether the KVCachePool exists (before the plugin creates its run directory)."""
 
+    def consumer_key(self, namespace: str, pool: str) -> ConsumerKey:
+        """The pool's consumer root and key space (:class:`Refused` when either cannot be read)."""
+
 
 @dataclass
 class Mounter:
@@ -60,6 +78,16 @@ class Mounter:
     unmount: Callable[[str], None] = mounts.unmount
     is_mounted: Callable[[str], bool] = mounts.is_mounted
     ensure_directory: Callable[[str], None] = mounts.ensure_directory
+    write_key_directory: Callable[[str, str, str], None] = mounts.write_key_directory
+    remove_key_directory: Callable[[str, str], None] = mounts.remove_key_directory
+
+
+@dataclass
+class _TargetLock:
+    """One target's lock and how many calls hold or wait for it (the entry goes when none do)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    users: int = 0
 
 
 @dataclass
@@ -74,13 +102,16 @@ class NodePlugin:
     staging_root: str = "/run/kvfabric-csi"
     """A directory private to the plugin's mount namespace (an emptyDir) where binds are made
     read-only before they are attached (:func:`kvfabric.csi.mounts.bind_read_only`)."""
+    key_root: str = DEFAULT_KEY_ROOT
+    """A directory private to the plugin where each key volume's directory is made (0700; the
+    per-volume directories inside are 0755, their key file 0444)."""
     mounter: Mounter = field(default_factory=Mounter)
     authorizer: Authorizer | None = None
     """Decides cross-namespace publications and confirms pools exist; without one, a pod gets only
     the pools of its own namespace whose run directory the cache server already made."""
     published: dict[str, Publication] = field(default_factory=dict)
     registered: threading.Event = field(default_factory=threading.Event)
-    _locks: dict[str, threading.Lock] = field(default_factory=dict)
+    _locks: dict[str, _TargetLock] = field(default_factory=dict)
     _guard: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -95,11 +126,22 @@ class NodePlugin:
 
     @contextmanager
     def target_lock(self, target: str) -> Iterator[None]:
-        """Serialize calls for one target path (the kubelet retries; calls must be idempotent)."""
+        """Serialize calls for one target path (the kubelet retries; calls must be idempotent).
+
+        The entry is dropped when no call holds or waits for it: every pod's volume has a target of
+        its own, so a map that kept them would grow with every pod the node ever ran.
+        """
         with self._guard:
-            lock = self._locks.setdefault(target, threading.Lock())
-        with lock:
-            yield
+            entry = self._locks.setdefault(target, _TargetLock())
+            entry.users += 1
+        try:
+            with entry.lock:
+                yield
+        finally:
+            with self._guard:
+                entry.users -= 1
+                if not entry.users:
+                    del self._locks[target]
 
     def authorize(self, p: Publication) -> None:
         """Raise :class:`Refused` unless the pod's namespace may consume the pool."""
@@ -120,7 +162,10 @@ class NodePlugin:
             )
 
     def publish(self, p: Publication) -> None:
-        """Bind the pool's run directory at the target, read-only, if the pod may have it; idempotent."""
+        """Bind the pool's run directory (or the pod's key) at the target, read-only; idempotent.
+
+        Only if the pod's namespace may have the pool (:meth:`authorize`).
+        """
         with self.target_lock(p.target):
             if self.mounter.is_mounted(p.target):
                 previous = self.published.get(p.target)
@@ -130,19 +175,10 @@ class NodePlugin:
                     )
                 return  # the kubelet retried: nothing to do, nothing to ask the API again
             self.authorize(p)
-            self.mounter.ensure_directory(self.run_root)
-            if not os.path.isdir(p.source):
-                # The pod may start before its node's cache server: the directory then is made here,
-                # empty (the server's init container makes it the server's), and the connector
-                # recomputes until the socket appears. Only for a pool that exists: names a pod
-                # makes up must not become directories on every node.
-                if self.authorizer is None or not self.authorizer.pool_exists(p.namespace, p.pool):
-                    raise Refused(
-                        Code.FAILED_PRECONDITION,
-                        f"no KVCachePool {p.namespace}/{p.pool} serves this node (volumeAttributes.pool)",
-                    )
-                self.mounter.ensure_directory(p.source)
-            self.mounter.bind_read_only(p.source, p.target, self.staging_root)
+            if p.is_key:
+                self._publish_key(p)
+            else:
+                self._publish_run_directory(p)
             self.published[p.target] = p
         log.info(
             "published",
@@ -151,13 +187,56 @@ class NodePlugin:
                 "pod": f"{p.pod_namespace}/{p.pod}",
                 "target": p.target,
                 "source": p.source,
+                "content": p.content or "run-directory",
             },
         )
 
+    def _publish_key(self, p: Publication) -> None:
+        """Write the pod's scope key into a fresh directory of the plugin's own and bind that.
+
+        The scope is the namespace the kubelet names (or the pool's shared scope), never one the
+        volume's attributes name; without the pool's consumer root nothing is published.
+        """
+        if self.authorizer is None:
+            raise Refused(
+                Code.FAILED_PRECONDITION,
+                f"volumeAttributes.{CONTENT_ATTRIBUTE} {KEY_VOLUME_CONTENT!r}: this plugin was started "
+                "without API access and cannot read consumer keys",
+            )
+        key = self.authorizer.consumer_key(p.namespace, p.pool)
+        text = key_file_text(key.root, p.pod_namespace, shared=key.shared)
+        self.mounter.write_key_directory(p.source, KEY_FILE_NAME, text)
+        try:
+            self.mounter.bind_read_only(p.source, p.target, self.staging_root)
+        except BaseException:
+            self.mounter.remove_key_directory(p.source, KEY_FILE_NAME)
+            raise
+
+    def _publish_run_directory(self, p: Publication) -> None:
+        """Bind the pool's run directory (made first for a pool the API server has)."""
+        self.mounter.ensure_directory(self.run_root)
+        if not os.path.isdir(p.source):
+            # The pod may start before its node's cache server: the directory then is made here,
+            # empty (the server's init container makes it the server's), and the connector
+            # recomputes until the socket appears. Only for a pool that exists: names a pod
+            # makes up must not become directories on every node.
+            if self.authorizer is None or not self.authorizer.pool_exists(p.namespace, p.pool):
+                raise Refused(
+                    Code.FAILED_PRECONDITION,
+                    f"no KVCachePool {p.namespace}/{p.pool} serves this node (volumeAttributes.pool)",
+                )
+            self.mounter.ensure_directory(p.source)
+        self.mounter.bind_read_only(p.source, p.target, self.staging_root)
+
     def unpublish(self, target: str) -> None:
-        """Unmount and remove the target; a target never published (or already gone) is success."""
+        """Unmount and remove the target, and a key volume's directory; idempotent.
+
+        A target never published (or already gone) is success.
+        """
         with self.target_lock(target):
             self.mounter.unmount(target)
+            # Derived from the target, not from `published`: a restarted plugin still cleans up.
+            self.mounter.remove_key_directory(key_dir(target, self.key_root), KEY_FILE_NAME)
             gone = self.published.pop(target, None)
         log.info("unpublished", extra={"target": target, "pod": gone.pod if gone else None})
 
@@ -230,6 +309,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                 readonly=request.readonly,
                 kubelet_root=self.plugin.kubelet_root,
                 run_root=self.plugin.run_root,
+                key_root=self.plugin.key_root,
             )
             self.plugin.publish(p)
             return csi_pb2.NodePublishVolumeResponse()

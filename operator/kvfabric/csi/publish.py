@@ -1,5 +1,10 @@
 """What a NodePublishVolume request may publish: a pure decision, checked before any mount.
 
+Two kinds of volume: the pool's run directory (the cache server's sockets; no ``content``
+attribute), and, with ``content: payload-key``, a directory holding the pod's payload *scope key*
+(``kvfabric.contract.consumer_keys``), which the plugin derives for the namespace the kubelet names,
+whatever the attributes say. Both are authorized alike.
+
 The kubelet is trusted (its socket is root-only), the pod's author is not: the volume attributes
 come from the pod spec, so anyone who may create a pod in a namespace chooses them. The kubelet
 adds the pod's namespace (``podInfoOnMount`` on the CSIDriver). A pod of the pool's own namespace
@@ -11,13 +16,18 @@ passed through it).
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import posixpath
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Final
 
+from kvfabric.contract.consumer_env import CONSUMER_KEYS_SECRET, KEY_VOLUME_CONTENT, consumer_keys_entry
+from kvfabric.contract.consumer_keys import decode_key, encode_key, scope_for, scope_key
 from kvfabric.contract.node_paths import HOST_RUN_ROOT, host_dir
 from kvfabric.contract.selectors import label_selector_matches
 
@@ -25,6 +35,12 @@ DRIVER_NAME: Final = "csi.kvfabric.io"
 POOL_ATTRIBUTE: Final = "pool"
 # Optional: the pool's namespace (default: the pod's own).
 NAMESPACE_ATTRIBUTE: Final = "namespace"
+# Optional: what the volume holds; absent: the pool's run directory.
+CONTENT_ATTRIBUTE: Final = "content"
+CONTENTS: Final = frozenset({KEY_VOLUME_CONTENT})
+DEFAULT_KEY_ROOT: Final = "/run/kvfabric-csi/keys"
+SHARED_KEY_SPACE: Final = "Shared"
+"""``spec.consumers.keySpace`` of a pool whose consumer namespaces share one key space."""
 # Set by the kubelet (podInfoOnMount and inline ephemeral volumes), never by the pod's author.
 POD_NAMESPACE_KEY: Final = "csi.storage.k8s.io/pod.namespace"
 POD_NAME_KEY: Final = "csi.storage.k8s.io/pod.name"
@@ -66,7 +82,11 @@ class Refused(Exception):  # noqa: N818 (a refusal, not an error of the plugin)
 
 @dataclass(frozen=True)
 class Publication:
-    """A checked request: bind ``source`` (a pool's run directory) read-only at ``target``."""
+    """A checked request: bind ``source`` read-only at ``target``.
+
+    ``source`` is the pool's run directory, or for a key volume (``content``) a directory of the
+    plugin's own that it fills with the pod's key first.
+    """
 
     source: str
     target: str
@@ -75,6 +95,13 @@ class Publication:
     pool: str
     pod_namespace: str
     pod: str
+    content: str = ""
+    """``volumeAttributes.content``: empty for the run directory, ``payload-key`` for the key."""
+
+    @property
+    def is_key(self) -> bool:
+        """Whether this volume carries the pod's payload key (not the pool's sockets)."""
+        return self.content == KEY_VOLUME_CONTENT
 
     @property
     def cross_namespace(self) -> bool:
@@ -96,6 +123,15 @@ def checked_target(target_path: str, kubelet_root: str) -> str:
     return target_path
 
 
+def key_dir(target: str, key_root: str = DEFAULT_KEY_ROOT) -> str:
+    """The plugin's own directory behind the key volume at ``target``.
+
+    One per target (a pod's volume); its name is a digest of the kubelet's target path, nothing the
+    pod's author chose.
+    """
+    return posixpath.join(key_root, hashlib.sha256(target.encode()).hexdigest()[:32])
+
+
 def plan_publish(
     *,
     volume_id: str,
@@ -105,6 +141,7 @@ def plan_publish(
     kubelet_root: str,
     readonly: bool = True,
     run_root: str = HOST_RUN_ROOT,
+    key_root: str = DEFAULT_KEY_ROOT,
 ) -> Publication:
     """Check a NodePublishVolume request; return what to publish or raise :class:`Refused`."""
     if not volume_id:
@@ -136,12 +173,21 @@ def plan_publish(
             f"volume_context[{POD_UID_KEY!r}] {uid!r} is missing or not the target's pod: the CSIDriver "
             "must set podInfoOnMount",
         )
-    unknown = sorted(set(volume_context) - _KUBELET_KEYS - {POOL_ATTRIBUTE, NAMESPACE_ATTRIBUTE})
+    unknown = sorted(
+        set(volume_context) - _KUBELET_KEYS - {POOL_ATTRIBUTE, NAMESPACE_ATTRIBUTE, CONTENT_ATTRIBUTE}
+    )
     if unknown:
         raise Refused(
             Code.INVALID_ARGUMENT,
             f"volumeAttributes {unknown} are not known; {DRIVER_NAME} takes {POOL_ATTRIBUTE!r} and "
-            f"optionally {NAMESPACE_ATTRIBUTE!r}",
+            f"optionally {NAMESPACE_ATTRIBUTE!r} and {CONTENT_ATTRIBUTE!r}",
+        )
+    content = volume_context.get(CONTENT_ATTRIBUTE, "")
+    if CONTENT_ATTRIBUTE in volume_context and content not in CONTENTS:
+        raise Refused(
+            Code.INVALID_ARGUMENT,
+            f"volumeAttributes.{CONTENT_ATTRIBUTE} {content[:64]!r} is not known; it may be "
+            f"{sorted(CONTENTS)} (or absent: the pool's socket directory)",
         )
     pool = volume_context.get(POOL_ATTRIBUTE, "")
     if not _DNS_LABEL.fullmatch(pool):
@@ -156,12 +202,13 @@ def plan_publish(
             f"volumeAttributes.{NAMESPACE_ATTRIBUTE} {pool_namespace!r} must name a namespace (a DNS label)",
         )
     return Publication(
-        source=host_dir(pool_namespace, pool, run_root),
+        source=key_dir(target, key_root) if content else host_dir(pool_namespace, pool, run_root),
         target=target,
         namespace=pool_namespace,
         pool=pool,
         pod_namespace=namespace,
         pod=volume_context.get(POD_NAME_KEY, ""),
+        content=content,
     )
 
 
@@ -183,3 +230,55 @@ def cross_namespace_refusal(
     if not label_selector_matches(selector, namespace_labels):
         return f"spec.consumers.namespaceSelector of {name} does not select namespace {pod_namespace}"
     return None
+
+
+@dataclass(frozen=True)
+class ConsumerKey:
+    """What the plugin needs to derive a pod's scope key: the pool's consumer root and key space."""
+
+    root: bytes = field(repr=False)
+    shared: bool
+    """``spec.consumers.keySpace: Shared``: every consumer namespace gets the one shared scope."""
+
+
+def pool_shares_keys(pool_body: Mapping[str, Any]) -> bool:
+    """Whether the pool's consumer namespaces share one key space (``spec.consumers.keySpace``).
+
+    Anything but ``Shared`` (absent, ``PerNamespace``, a value this plugin does not know) is a key
+    space per namespace: the choice that shares nothing.
+    """
+    consumers = (pool_body.get("spec") or {}).get("consumers") or {}
+    return consumers.get("keySpace") == SHARED_KEY_SPACE
+
+
+def consumer_root_from_secret(secret_data: Mapping[str, str] | None, pool_namespace: str, pool: str) -> bytes:
+    """The pool's consumer root from the data (base64, as the API has it) of the consumer-keys Secret.
+
+    :class:`Refused` (``UNAVAILABLE``: the kubelet retries, the operator may not have written it yet)
+    when the Secret or the pool's entry is missing or is not a key: never an empty or a wrong key.
+    """
+    entry = consumer_keys_entry(pool_namespace, pool)
+    if secret_data is None:
+        raise Refused(
+            Code.UNAVAILABLE,
+            f"Secret {CONSUMER_KEYS_SECRET} (in the plugin's namespace) is missing: the operator writes "
+            f"the consumer key of KVCachePool {pool_namespace}/{pool} there",
+        )
+    value = secret_data.get(entry)
+    if not value:
+        raise Refused(
+            Code.UNAVAILABLE,
+            f"Secret {CONSUMER_KEYS_SECRET} has no entry {entry!r}: no consumer key for KVCachePool "
+            f"{pool_namespace}/{pool} yet",
+        )
+    try:
+        return decode_key(base64.b64decode(value, validate=True).decode("ascii"))
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        raise Refused(
+            Code.UNAVAILABLE, f"Secret {CONSUMER_KEYS_SECRET} entry {entry!r} does not hold a key"
+        ) from None
+
+
+def key_file_text(root: bytes, pod_namespace: str, *, shared: bool) -> str:
+    """What the key volume of a pod of ``pod_namespace`` holds: its scope key, hex, one line."""
+    return encode_key(scope_key(root, scope_for(pod_namespace, shared=shared))) + "\n"

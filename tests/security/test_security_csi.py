@@ -527,8 +527,19 @@ def srv() -> Iterator[ServerProcess]:
 PLUGIN = """
 import os, signal, sys, threading
 from kvfabric.csi.plugin import NodePlugin, start
+from kvfabric.csi.publish import Code, ConsumerKey, Refused
 kubelet, run_root, staging = sys.argv[1:4]
-running = start(NodePlugin(node_name="gpu-0", kubelet_root=kubelet, run_root=run_root, staging_root=staging))
+class Api:  # no pool exists for the run directory; one consumer root for the key volume
+    def __call__(self, p):
+        return "not granted"
+    def pool_exists(self, namespace, pool):
+        return False
+    def consumer_key(self, namespace, pool):
+        if (namespace, pool) != ("team-a", "pool-a"):
+            raise Refused(Code.UNAVAILABLE, "no entry")
+        return ConsumerKey(bytes(range(32)), False)
+running = start(NodePlugin(node_name="gpu-0", kubelet_root=kubelet, run_root=run_root, staging_root=staging,
+                           key_root=staging + "/keys", authorizer=Api()))
 stop = threading.Event()
 signal.signal(signal.SIGTERM, lambda *_: stop.set())
 stop.wait()
@@ -585,11 +596,29 @@ try:
     # No API here to confirm a pool exists: a made-up one is refused and no directory appears.
     _, out["made_up"] = publish("uid-2", pool="made-up")
     out["made_up_dir"] = os.path.exists(run_root + "/team-a.made-up")
-    out["staging_left"] = os.listdir(staging)
+    # The key volume: the pod's scope key in a directory of the plugin's own, bound read-only.
+    key_target, out["key_publish"] = publish("uid-3", pool="pool-a", content="payload-key")
+    out["key_options"] = sorted(mounts.mount_options(key_target))
+    key_file = key_target + "/payload.key"
+    out["key"] = open(key_file).read()
+    out["key_modes"] = [oct(os.stat(key_target).st_mode & 0o777), oct(os.stat(key_file).st_mode & 0o777)]
+    errs = []
+    for attempt in (lambda: os.unlink(key_file), lambda: open(key_file, "w"),
+                    lambda: open(key_target + "/other.key", "w")):
+        try:
+            attempt()
+            errs.append(0)
+        except OSError as exc:
+            errs.append(exc.errno)
+    out["key_write_errnos"] = errs
+    out["staging_left"] = sorted(os.listdir(staging))
     with grpc.insecure_channel("unix://" + endpoint) as ch:
-        csi_pb2_grpc.NodeStub(ch).NodeUnpublishVolume(
-            csi_pb2.NodeUnpublishVolumeRequest(volume_id="v", target_path=target), timeout=10)
+        for t in (target, key_target):
+            csi_pb2_grpc.NodeStub(ch).NodeUnpublishVolume(
+                csi_pb2.NodeUnpublishVolumeRequest(volume_id="v", target_path=t), timeout=10)
     out["after_unpublish"] = [mounts.is_mounted(target), os.path.exists(target)]
+    out["key_after_unpublish"] = [mounts.is_mounted(key_target), os.path.exists(key_target),
+                                  os.listdir(staging + "/keys")]
     out["server_socket_intact"] = os.path.exists(run_root + "/team-a.pool-a/" + sock_name)
 finally:
     plugin.terminate()
@@ -636,7 +665,15 @@ def test_a_published_volume_is_read_only_on_the_node_and_goes_with_unpublish(
     assert out["loaded"], "a client loads through the published directory"
     assert out["write_errnos"] == [30, 30, 30]  # EROFS even for root: no unlink, no file, no impostor
     assert (out["made_up"], out["made_up_dir"]) == ("FAILED_PRECONDITION", False)
-    assert out["staging_left"] == []
+    assert out["staging_left"] == ["keys"]  # no bind left in the staging directory
     assert out["after_unpublish"] == [False, False]
+    # The key volume: read-only on the node, the scope key of the kubelet's namespace, world-readable
+    # (the consumer's uid is not known) and gone with the unpublish, its directory too.
+    assert out["key_publish"] == "OK", proc.stderr
+    assert {"ro", "nosuid", "nodev", "noexec"} <= set(out["key_options"]), out["key_options"]
+    assert out["key"] == encode_key(scope_key(bytes(range(32)), "team-a")) + "\n"
+    assert out["key_modes"] == ["0o755", "0o444"]
+    assert out["key_write_errnos"] == [30, 30, 30]
+    assert out["key_after_unpublish"] == [False, False, []]
     assert out["server_socket_intact"]
     assert srv.config.listen.unix_socket.is_socket()

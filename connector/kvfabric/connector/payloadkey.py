@@ -8,7 +8,7 @@ Where the key comes from (``kvfabric.contract.consumer_keys`` has the derivation
    ``scope_key(consumer_root(P), scope)``.
 3. ``payload_key`` alone (a pod injected before key scopes existed, or a hand-written config): the
    old derivation, ``sha256("kvfabric payload mac" NUL P)``, so nothing that works breaks.
-4. nothing: the public all-zero key (damage is detected, forgery is not).
+4. no key: the public all-zero key (damage is detected, forgery is not).
 
 A configured key file that is missing, unreadable or malformed never falls back to the public key
 (a consumer that silently sealed with it would share one key space with every other such consumer
@@ -73,7 +73,9 @@ def derive(payload_key: str | None, key_scope: str | None) -> PayloadKey:
     ``ValueError`` for a scope that is neither a DNS label nor ``*``.
     """
     if not payload_key:
-        return PayloadKey(PUBLIC_KEY)
+        # No key (a consumer of another namespace without the CSI plugin): the public key, which
+        # detects damage, not forgery; the scope still keeps namespaces apart by accident.
+        return PayloadKey(PUBLIC_KEY, scope=key_scope or "")
     if not key_scope:
         return PayloadKey(legacy_mac_key(payload_key))
     return PayloadKey(scope_key(consumer_root(payload_key), key_scope), scope=key_scope)

@@ -21,10 +21,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfabric.client.results import LookupResult, StoreResult
-from kvfabric.connector import layout
+from kvfabric.connector import keys, layout
 from kvfabric.connector.resilient import CircuitBreaker, Endpoint, ResilientCache, build_cache
-from kvfabric.connector.scheduler import keyed_spec
+from kvfabric.connector.scheduler import SchedulerHalf, keyed_spec
 from kvfabric.connector.settings import ConnectorSettings
+from kvfabric.connector.steps import RequestInfo
 from kvfabric.contract.consumer_env import KEY_FILE_PATH, ConsumerVar, key_env
 from kvfabric.contract.consumer_keys import (
     SHARED_SCOPE,
@@ -38,11 +39,12 @@ from kvfabric.refengine.model import RefModel
 from kvfabric.refengine.testing import TINY, prompt
 
 POOL_SECRET = "the pool's payload-key Secret"
+CHUNK = 32
 _NAMESPACE = st.from_regex(r"[a-z0-9]([-a-z0-9]{0,10}[a-z0-9])?", fullmatch=True)
 
 
 def scoped(scope: str, secret: str = POOL_SECRET) -> ConnectorSettings:
-    return ConnectorSettings(payload_key=secret, key_scope=scope)
+    return ConnectorSettings(payload_key=secret, key_scope=scope, chunk_tokens=CHUNK)
 
 
 def spec_of(s: ConnectorSettings) -> str:
@@ -78,7 +80,7 @@ def test_the_key_file_route_and_the_pool_secret_route_give_one_scope_the_same_ke
     text = key_file_text(consumer_root(POOL_SECRET), ns, shared=False)
     assert text == encode_key(scope_key(consumer_root(POOL_SECRET), ns)) + "\n"
     with _key_file(text) as path:
-        from_file = ConnectorSettings(payload_key_file=path, key_scope=ns)
+        from_file = ConnectorSettings(payload_key_file=path, key_scope=ns, chunk_tokens=CHUNK)
         assert from_file.key.usable
         assert from_file.mac_key == scoped(ns).mac_key
         assert spec_of(from_file) == spec_of(scoped(ns))
@@ -94,8 +96,9 @@ def test_a_pod_configured_before_key_scopes_keeps_its_key() -> None:
 
 
 def test_the_namespace_names_the_scope() -> None:
-    a, b = keyed_spec(Engine.namespace_spec(TINY, scoped("team-b"), 16), scoped("team-b")), keyed_spec(
-        Engine.namespace_spec(TINY, scoped("team-c"), 16), scoped("team-c")
+    a, b = (
+        keyed_spec(Engine.namespace_spec(TINY, scoped("team-b"), 16), scoped("team-b")),
+        keyed_spec(Engine.namespace_spec(TINY, scoped("team-c"), 16), scoped("team-c")),
     )
     assert (a.key_scope, b.key_scope) == ("team-b", "team-c")
     assert a.document()["key_scope"] == "team-b"
@@ -105,6 +108,24 @@ def test_the_namespace_names_the_scope() -> None:
     # pool's public facts does not compute it.
     assert a.payload_key_id not in (scoped("team-b").mac_key.hex(), "")
     assert a.payload_key_id != hashlib.sha256(b"team-b").hexdigest()[:16]
+
+
+def test_a_scope_keys_the_chunk_key_chain_and_an_unscoped_consumer_keeps_its_keys() -> None:
+    tokens = prompt(100, 1)
+    spec = Engine.namespace_spec(TINY, ConnectorSettings(chunk_tokens=CHUNK), 16)
+    scheduler_b = SchedulerHalf(scoped("team-b"), spec)
+    plain_ns = keyed_spec(spec, scoped("team-b")).digest()
+    # Keyed: the namespace digest alone (shown in the pool's status) does not give the chunk keys.
+    assert scheduler_b.key_chain != scheduler_b.namespace == plain_ns
+    keys_b = scheduler_b.chunk_keys(RequestInfo("r", tuple(tokens)))
+    assert keys_b == keys.chunk_keys(keys.chain_namespace(plain_ns, scoped("team-b").mac_key), tokens, CHUNK)
+    assert keys_b != keys.chunk_keys(plain_ns, tokens, CHUNK)
+    # The old unscoped key and no key: the chain and the digest are exactly what they were before
+    # key scopes (no `key_scope` member), so their cached chunks stay hits across the upgrade.
+    for secret in (POOL_SECRET, None):
+        half = SchedulerHalf(ConnectorSettings(payload_key=secret, chunk_tokens=CHUNK), spec)
+        assert half.key_chain == half.namespace
+        assert "key_scope" not in half.spec.document()
 
 
 @pytest.mark.parametrize("scope", ["Team-B", "a b", "-x", "x" * 64, "**", "team.b"])

@@ -7,7 +7,8 @@ whose read-only mechanics ``tests/security/test_security_csi.py`` tests for real
 pod's scope key there, for the namespace the kubelet names. The engines are reference engines with
 the real connector, against a real cache-server process.
 
-1. B's cached prefix is no hit for C: C cannot compute B's keys (B's key is in B's namespace).
+1. B's cached prefix is no hit for C: C cannot compute B's keys (B's key is in B's namespace, and
+   B's chunk keys chain from a keyed digest of it: knowing B's namespace digest is not enough).
 2. An attacker in C who is *given* B's namespace and chunk keys, and stores chunks sealed with C's
    own key under them, gets them refused by B (``corrupt``): B recomputes, its logits are exact.
 3. A pool that says its namespaces share one key space (``spec.consumers.keySpace: Shared``): B's
@@ -128,8 +129,10 @@ def engine(srv: ServerProcess, settings: ConnectorSettings, model: RefModel) -> 
     return Engine(TINY, num_blocks=64, settings=settings, cache=cache, model=model)
 
 
-def warm(srv: ServerProcess, settings: ConnectorSettings, model: RefModel, tokens: list[int]) -> str:
-    """Cache ``tokens`` as this consumer; return its namespace."""
+def warm(
+    srv: ServerProcess, settings: ConnectorSettings, model: RefModel, tokens: list[int]
+) -> tuple[str, list[str]]:
+    """Cache ``tokens`` as this consumer; return its namespace and the prompt's chunk keys."""
     e = engine(srv, settings, model)
     assert e.generate(tokens, 1).hit_tokens == 0
     assert e.worker_conn is not None
@@ -137,8 +140,10 @@ def warm(srv: ServerProcess, settings: ConnectorSettings, model: RefModel, token
     again = e.generate(tokens, 1)
     assert again.hit_tokens >= 3 * CHUNK, "the consumer's own prefix is a hit (its key file works)"
     ns = e.worker_conn.namespace
+    assert e.scheduler_conn is not None
+    chunk_keys = keys.chunk_keys(e.scheduler_conn.key_chain, tokens, CHUNK)
     e.close()
-    return ns
+    return ns, chunk_keys
 
 
 def test_a_prefix_of_one_consumer_namespace_is_no_hit_for_another(node: Node, srv: ServerProcess) -> None:
@@ -148,13 +153,19 @@ def test_a_prefix_of_one_consumer_namespace_is_no_hit_for_another(node: Node, sr
     c = consumer(node.key_file("pod-c", "team-c", "pool-a"), "team-c")
     assert b.key.usable
     assert c.key.usable
-    ns_b = warm(srv, b, model, tokens)
+    ns_b, keys_b = warm(srv, b, model, tokens)
     victim = engine(srv, c, model)
     r = victim.generate(tokens, 1)
     assert victim.worker_conn is not None
     assert victim.worker_conn.namespace != ns_b
     assert r.hit_tokens == 0, "C hit B's cached prefix"
     victim.close()
+    # Even knowing B's namespace digest (the pool's status and the server's metrics show it), C
+    # cannot compute B's chunk keys for the prompt: they chain from a keyed digest of it.
+    with CacheClient(srv.unix_target) as c_client:
+        assert c_client.lookup(ns_b, keys_b, timeout=10).matched == len(keys_b) == 3
+        guessed = keys.chunk_keys(ns_b, tokens, CHUNK)
+        assert c_client.lookup(ns_b, guessed, timeout=10).matched == 0
 
 
 def test_a_chunk_forged_in_one_consumer_namespace_is_refused_by_another(
@@ -165,8 +176,7 @@ def test_a_chunk_forged_in_one_consumer_namespace_is_refused_by_another(
     baseline = Engine(TINY, num_blocks=64, model=model).generate(tokens, 1).first_logits
     b = consumer(node.key_file("pod-b", "team-b", "pool-a"), "team-b")
     c = consumer(node.key_file("pod-c", "team-c", "pool-a"), "team-c")
-    ns_b = warm(srv, b, model, tokens)
-    chunk_keys = keys.chunk_keys(ns_b, tokens, CHUNK)
+    ns_b, chunk_keys = warm(srv, b, model, tokens)
     assert len(chunk_keys) == 3
     # The attacker in C is given B's namespace and chunk keys (the worst case: a leaked log) and
     # seals its own bytes as well as C can: with C's key, the only one its pod was given.

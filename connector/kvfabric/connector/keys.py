@@ -5,7 +5,8 @@ every host, so nothing depends on Python's ``hash()``, on ``PYTHONHASHSEED``, on
 platform's byte order: token ids are encoded as fixed-width little-endian integers and the
 namespace is hashed from a canonical JSON document with sorted keys.
 
-- ``key_{-1} = H(namespace)``
+- ``key_{-1} = H(namespace)``, where a consumer with a scope key chains from a keyed digest of the
+  namespace instead (:func:`chain_namespace`)
 - ``key_i = H(key_{i-1} || token_ids_i || extra_i)`` where ``token_ids_i`` is the i-th whole chunk
   and ``extra_i`` the canonical encoding of the request's other inputs that reach chunk ``i``
   (:func:`chunk_extras`: multimodal items, ``cache_salt``, prompt embeddings, the LoRA adapter),
@@ -21,6 +22,7 @@ keyed in their own domain (:func:`tail_keys`).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import re
 import struct
@@ -110,8 +112,15 @@ class NamespaceSpec:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
 
     def document(self) -> dict[str, str | int]:
-        """The description that :meth:`digest` hashes (what the connector tells its cache server)."""
-        return {"scheme": KEY_SCHEME_VERSION, **asdict(self)}
+        """The description that :meth:`digest` hashes (what the connector tells its cache server).
+
+        An empty ``key_scope`` is left out, so an unscoped consumer keeps the digest it had before
+        key scopes existed (and shares its chunks with consumers not yet upgraded).
+        """
+        doc: dict[str, str | int] = {"scheme": KEY_SCHEME_VERSION, **asdict(self)}
+        if not self.key_scope:
+            del doc["key_scope"]
+        return doc
 
     def canonical(self) -> bytes:
         """Return the canonical byte encoding that :meth:`digest` hashes."""
@@ -309,6 +318,24 @@ TAIL_DOMAIN = hashlib.sha256(b"kvfabric tail block v1").digest()
 """Prefix of every tail-block preimage. A whole chunk's preimage starts with its parent key (a
 SHA-256 output), so a tail key could only equal a chunk key if SHA-256 collided or some key were
 this fixed digest: tails and chunks live in separate key domains."""
+
+
+_CHAIN_LABEL = b"kvfabric chain root v1\0"
+
+
+def chain_namespace(namespace: str, chain_key: bytes | None) -> str:
+    """The namespace the chunk keys chain from: ``namespace``, or a keyed digest of it.
+
+    With a consumer's scope key the chain starts at ``HMAC-SHA256(chain_key, label || namespace)``.
+    The namespace digest is shown where operators look (the pool's status, the server's metrics);
+    with a keyed chain, knowing it is not enough to compute a consumer namespace's chunk keys for
+    a guessed prompt, so nobody without the key can look up or load that namespace's prefixes.
+    """
+    if not is_hex64(namespace):
+        raise ValueError("namespace must be 64 lower-case hex characters")
+    if chain_key is None:
+        return namespace
+    return hmac.new(chain_key, _CHAIN_LABEL + bytes.fromhex(namespace), hashlib.sha256).hexdigest()
 
 
 def root_key(namespace: str) -> bytes:

@@ -55,6 +55,15 @@ class PayloadKey:
     ``*`` for a pool whose consumers share one key space, empty for the old derivation and none."""
     error: str | None = None
     """Why the configured key is unusable (the cache must then be off), or None."""
+    keyed_chain: bool = False
+    """Whether the chunk keys chain from a keyed digest of the namespace (``keys.chain_namespace``):
+    for a scope key (from a key file, or the pool secret and a scope), not for the old unscoped key
+    or none, whose chunk keys stay what they were."""
+
+    @property
+    def chain_key(self) -> bytes | None:
+        """The key of the chunk-key chain (:attr:`keyed_chain`), or None for the public chain."""
+        return self.mac_key if self.keyed_chain else None
 
     @property
     def usable(self) -> bool:
@@ -78,7 +87,7 @@ def derive(payload_key: str | None, key_scope: str | None) -> PayloadKey:
         return PayloadKey(PUBLIC_KEY, scope=key_scope or "")
     if not key_scope:
         return PayloadKey(legacy_mac_key(payload_key))
-    return PayloadKey(scope_key(consumer_root(payload_key), key_scope), scope=key_scope)
+    return PayloadKey(scope_key(consumer_root(payload_key), key_scope), scope=key_scope, keyed_chain=True)
 
 
 def read_key_file(path: str) -> bytes:
@@ -106,7 +115,7 @@ def resolve(payload_key: str | None, payload_key_file: str | None, key_scope: st
     """
     if payload_key_file:
         try:
-            return PayloadKey(read_key_file(payload_key_file), scope=key_scope or "")
+            return PayloadKey(read_key_file(payload_key_file), scope=key_scope or "", keyed_chain=True)
         except PayloadKeyError as exc:
             _report(payload_key_file, str(exc))
             return PayloadKey(_PROCESS_KEY, scope=key_scope or "", error=str(exc))

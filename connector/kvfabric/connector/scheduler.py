@@ -132,6 +132,8 @@ class SchedulerHalf:
         spec = keyed_spec(spec, settings)
         self.spec = spec
         self.namespace = spec.digest()
+        self.key_chain = keyslib.chain_namespace(self.namespace, settings.key.chain_key)
+        """What the chunk keys chain from (``keys.chain_namespace``): keyed for a scope key."""
         self.chunk_tokens = spec.chunk_tokens
         self.block_size = spec.block_size
         self.counters = cache.counters if cache is not None else Counters()
@@ -146,7 +148,7 @@ class SchedulerHalf:
 
     def chunk_keys(self, request: RequestInfo) -> list[str]:
         """Return the chained keys of ``request``'s whole chunks under this namespace."""
-        return keyslib.chunk_keys(self.namespace, request.token_ids, self.chunk_tokens, inputs=request.inputs)
+        return keyslib.chunk_keys(self.key_chain, request.token_ids, self.chunk_tokens, inputs=request.inputs)
 
     def _state(self, request: RequestInfo) -> _ReqState:
         st = self._reqs.get(request.req_id)
@@ -162,7 +164,7 @@ class SchedulerHalf:
         keys = st.tail_keys.get(chunk)
         if keys is None:
             keys = keyslib.tail_keys(
-                self.namespace,
+                self.key_chain,
                 st.token_ids,
                 self.chunk_tokens,
                 self.block_size,
@@ -356,7 +358,7 @@ class SchedulerHalf:
         before = len(st.token_ids)
         st.token_ids.extend(s.new_token_ids)
         st.keys = keyslib.extend_chunk_keys(
-            self.namespace, st.token_ids, self.chunk_tokens, st.keys, inputs=st.inputs
+            self.key_chain, st.token_ids, self.chunk_tokens, st.keys, inputs=st.inputs
         )
         # Tail keys computed while the partial chunk had fewer tokens cover fewer blocks.
         st.tail_keys.pop(before // self.chunk_tokens, None)

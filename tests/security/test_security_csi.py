@@ -1,4 +1,4 @@
-"""The CSI node plugin: a pod gets its own namespace's pool socket, read-only, and nothing else.
+"""The CSI node plugin: a pod gets its namespace's pool socket and payload key, read-only, only.
 
 The pure decision (:func:`kvfabric.csi.publish.plan_publish`) is checked against every attribute a
 pod author controls; the plugin itself is then driven as the kubelet drives it, over its real gRPC

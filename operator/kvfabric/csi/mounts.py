@@ -1,4 +1,7 @@
-"""Read-only bind mounts through mount(2): the node plugin's only side effect on the node.
+"""Read-only bind mounts through mount(2): the node plugin's side effects on the node.
+
+Besides the binds, only the key volumes' files, written in a directory private to the plugin
+before they are bound.
 
 ctypes over libc instead of the ``mount`` binary: the operator's image needs no util-linux, and the
 flags are exactly the ones written here.

@@ -432,6 +432,34 @@ def test_a_key_volume_holds_the_scope_key_of_the_namespace_the_kubelet_names(sho
     assert plugin._locks == {}, "every target's lock entry goes with its call"
 
 
+@settings(max_examples=60, deadline=None)
+@given(pod_ns=_LABEL, named_ns=_LABEL, pool=_LABEL, shared=st.booleans())
+def test_the_key_is_always_the_kubelet_namespaces_whatever_the_volume_names(
+    pod_ns: str, named_ns: str, pool: str, shared: bool
+) -> None:
+    with tempfile.TemporaryDirectory(prefix="keys-", dir="/tmp") as d:
+        api = FakeApi(pools={(named_ns, pool)})
+        api.grants.add((named_ns, pool, pod_ns))
+        api.set_root(named_ns, pool, ROOT)
+        if shared:
+            api.shared.add((named_ns, pool))
+        mounts = FakeMounts()
+        plugin = NodePlugin(node_name="n", kubelet_root=KUBELET, key_root=d, mounter=mounts, authorizer=api)
+        p = plan_publish(
+            volume_id="v",
+            target_path=TARGET,
+            volume_context=context(pod_ns, pool=pool, namespace=named_ns, content="payload-key"),
+            block=False,
+            kubelet_root=KUBELET,
+            key_root=d,
+        )
+        plugin.publish(p)
+        got = (Path(mounts.mounted[TARGET]) / KEY_FILE_NAME).read_text()
+        assert got == encode_key(scope_key(ROOT, "*" if shared else pod_ns)) + "\n"
+        plugin.unpublish(TARGET)
+        assert os.listdir(d) == []
+
+
 def test_the_per_target_lock_map_does_not_grow(short_dir: Path) -> None:
     mounts = FakeMounts()
     plugin = NodePlugin(node_name="n", kubelet_root=KUBELET, run_root=str(short_dir), mounter=mounts)

@@ -94,6 +94,8 @@ class ConnectorSettings(BaseSettings):
     """The pool's payload secret (the operator injects it from the pool's Secret): chunks are sealed
     and verified with a keyed MAC derived from it. Without it the MAC key is public, which detects
     corruption but not forgery."""
+    payload_key_file: str | None = None
+    key_scope: str | None = None
     tls_cert: str | None = None
     """Client certificate (PEM path) for a TCP listener that requires mutual TLS."""
     tls_key: str | None = None

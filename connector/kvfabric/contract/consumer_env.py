@@ -36,6 +36,8 @@ class ConsumerVar(StrEnum):
     # Credentials: from the pool's Secret (secretKeyRef) or its Secret volume, never values in the
     # pod spec, and outside the hash (docs/security.md).
     PAYLOAD_KEY = "KVFABRIC_PAYLOAD_KEY"
+    PAYLOAD_KEY_FILE = "KVFABRIC_PAYLOAD_KEY_FILE"
+    KEY_SCOPE = "KVFABRIC_KEY_SCOPE"
     TOKEN_FILE = "KVFABRIC_TOKEN_FILE"  # noqa: S105 - a variable name, not a secret
     TLS_CA = "KVFABRIC_TLS_CA"
     TLS_CERT = "KVFABRIC_TLS_CERT"
@@ -60,6 +62,10 @@ class ConsumerEnvironment:
     load_deadline_ms: int | None = None
     store_deadline_ms: int | None = None
     load_async: bool | None = None
+    shared_key_space: bool = False
+    """The pool's consumer namespaces share one key space (``spec.consumers.keySpace: Shared``). Not a
+    variable of its own (``KVFABRIC_KEY_SCOPE`` is set per pod: its namespace, or the shared scope),
+    but part of the hash: consumers injected before the pool changed its key space are stale."""
 
     def to_env(self) -> dict[str, str]:
         """Return the variables without the hash, in a fixed order (the hash is over this mapping)."""
@@ -79,8 +85,12 @@ class ConsumerEnvironment:
 
     @property
     def config_hash(self) -> str:
-        """A short stable digest of :meth:`to_env`: a consumer with another hash is stale."""
-        return hashlib.sha256(json.dumps(self.to_env(), sort_keys=True).encode()).hexdigest()[:16]
+        """A short stable digest of :meth:`to_env` (and a shared key space): another hash is stale."""
+        hashed = self.to_env()
+        if self.shared_key_space:
+            # Only when shared: the hash of every pool that keeps the default stays what it was.
+            hashed[ConsumerVar.KEY_SCOPE.value] = "shared"
+        return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_env_with_hash(self) -> dict[str, str]:
         """Return :meth:`to_env` plus ``KVFABRIC_CONFIG_HASH``."""

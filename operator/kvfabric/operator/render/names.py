@@ -62,8 +62,23 @@ CREDENTIALS_MOUNT: Final = f"{SECRETS_MOUNT_ROOT}/credentials"
 CLIENT_TLS_VOLUME: Final = "kvfabric-client-tls"
 CLIENT_TLS_MOUNT: Final = "/var/run/secrets/kvfabric.io/tls"
 PAYLOAD_KEY: Final = "payload-key"
+# Consumers outside the pool's namespace get their namespace's payload key as a file, published by the
+# CSI node plugin into a second read-only inline volume (content=payload-key), never a Secret they
+# could read (kvfabric.contract.consumer_keys).
+KEY_VOLUME: Final = "kvfabric-key"
+KEY_MOUNT: Final = "/var/run/kvfabric/key"
+KEY_CONTENT_ATTRIBUTE: Final = "content"
+KEY_CONTENT: Final = "payload-key"
+# The one Secret, in the operator's own namespace, from which the CSI node plugin derives consumers'
+# keys: per pool the root of its consumer keys (never the pool's secret), under consumer_keys_entry.
+CONSUMER_KEYS_SECRET: Final = "kvfabric-consumer-keys"  # noqa: S105 - a name, not a secret
 TOKEN_KEY: Final = "token"  # noqa: S105 - the key name inside the Secret, not a secret
 CA_KEY: Final = "ca.crt"
+
+
+def consumer_keys_entry(namespace: str, pool: str) -> str:
+    """The data key of a pool in :data:`CONSUMER_KEYS_SECRET`: ``<namespace>.<pool>``, its node dir name."""
+    return pool_dir_name(namespace, pool)
 
 
 def credentials_secret_name(pool: str) -> str:

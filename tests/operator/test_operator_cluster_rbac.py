@@ -295,6 +295,18 @@ def test_operator_works_with_the_shipped_least_privilege_rbac(
         timeout=30,
         message="consumer counted",
     )
+    # The consumer-keys Secret in the operator's own namespace, written through the namespaced Role.
+    (operator_ns,) = [
+        a.split("=", 1)[1] for a in sa_operator.extra_args if a.startswith("--leader-election-namespace=")
+    ]
+
+    def published() -> bool:
+        got = cluster.kubectl(
+            "get", "secret", "kvfabric-consumer-keys", "-n", operator_ns, "-o", "json", check=False
+        )
+        return got.returncode == 0 and f"{namespace}.pool-a" in (json.loads(got.stdout).get("data") or {})
+
+    wait_for(published, timeout=30, message="the pool's entry in the consumer-keys Secret")
     # StorageReady is False (no volume provisioner here), so Ready stays False: that is honest.
     pool = get_pool(cluster, namespace, "pool-a")
     assert condition(pool, "StorageReady")["reason"] == "ClaimPending"

@@ -36,19 +36,30 @@ def _pool(consumers: dict[str, Any], chunk_tokens: int = 256, port: int = 7070) 
     }
 
 
-def _pod() -> dict[str, Any]:
+def _pod(namespace: str = "llm") -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": "p", "namespace": "llm", "labels": {"kvfabric.io/pool": "pool-a"}},
+        "metadata": {
+            "name": "p",
+            "namespace": namespace,
+            "labels": {"kvfabric.io/pool": "pool-a"},
+            "annotations": {"kvfabric.io/pool-namespace": "llm"},
+        },
         "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]},
     }
 
 
-def _injected_env(body: dict[str, Any]) -> dict[str, str]:
+def _injected_env(body: dict[str, Any], namespace: str = "llm") -> dict[str, str]:
+    """The variables of a consumer in ``namespace`` (another than the pool's: through the CSI plugin)."""
     target = pool_target(body)
     assert target is not None
-    result = inject(_pod(), {(target.namespace, target.name): target}, {})
+    result = inject(
+        _pod(namespace),
+        {(target.namespace, target.name): target},
+        {namespace: {"team": "a"}},
+        csi_driver="csi.kvfabric.io",
+    )
     assert result.injected
     env = result.pod["spec"]["containers"][0]["env"]
     return {e["name"]: _value(e) for e in env if e["name"].startswith(ENV_PREFIX)}
@@ -84,12 +95,31 @@ def test_injected_variables_are_exactly_the_contract() -> None:
         "deadlines": {"lookupMs": 50, "loadMs": 900, "storeMs": 7},
         "loadMode": "Asynchronous",
     }
-    env = _injected_env(_pool(consumers))
-    # A consumer of the pool's own namespace: every variable but the key file (which only pods of
-    # other namespaces get, from the CSI node plugin); its key scope as the webhook injects it.
-    everything = {var.value for var in ConsumerVar}
-    assert everything - {ConsumerVar.PAYLOAD_KEY_FILE.value, ConsumerVar.KEY_SCOPE.value} <= set(env)
-    assert set(env) <= everything - {ConsumerVar.PAYLOAD_KEY_FILE.value}
+    same = _injected_env(_pool(consumers))
+    other = _injected_env(_pool({**consumers, "namespaceSelector": {"matchLabels": {"team": "a"}}}), "apps")
+    assert set(same) | set(other) == {var.value for var in ConsumerVar}
+    # The key comes one way or the other: the pool's secret and a scope, or a file with the key.
+    assert ConsumerVar.PAYLOAD_KEY_FILE.value not in same
+    assert ConsumerVar.PAYLOAD_KEY.value not in other
+    # Both name their scope (part of their namespace digest, so a Shared pool's consumers agree).
+    assert ConsumerVar.KEY_SCOPE.value in same
+    assert ConsumerVar.KEY_SCOPE.value in other
+
+
+def test_the_key_variables_round_trip() -> None:
+    selector = {"namespaceSelector": {"matchLabels": {"team": "a"}}}
+    with pytest.MonkeyPatch.context() as mp:
+        own = _settings_from(_injected_env(_pool(selector)), mp)
+    assert own.key_scope == "llm"
+    assert own.payload_key_file is None
+    with pytest.MonkeyPatch.context() as mp:
+        shared = _settings_from(_injected_env(_pool({**selector, "keySpace": "Shared"})), mp)
+    assert shared.key_scope == "*"
+    with pytest.MonkeyPatch.context() as mp:
+        other = _settings_from(_injected_env(_pool(selector), "apps"), mp)
+    assert other.payload_key_file == "/var/run/kvfabric/key/payload.key"
+    assert other.payload_key is None
+    assert other.key_scope == "apps"
 
 
 @settings(max_examples=40, deadline=None)
@@ -152,3 +182,9 @@ def test_hash_is_over_the_environment_only() -> None:
     assert a.config_hash == b.config_hash  # an empty tenant is not injected
     assert a.to_env_with_hash()[ConsumerVar.CONFIG_HASH] == a.config_hash
     assert ConsumerEnvironment(**{**a.__dict__, "tenant": "x"}).config_hash != a.config_hash
+
+
+def test_a_shared_key_space_changes_the_hash_and_the_default_keeps_it() -> None:
+    a = ConsumerEnvironment(pool="n/p", socket="/s", remote=None, chunk_tokens=256)
+    assert a.config_hash == ConsumerEnvironment(**{**a.__dict__, "shared_key_space": False}).config_hash
+    assert a.config_hash != ConsumerEnvironment(**{**a.__dict__, "shared_key_space": True}).config_hash

@@ -7,6 +7,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvfabric.operator import injection
 from kvfabric.operator.injection import KV_TRANSFER_FLAG, inject, pool_target
@@ -56,6 +58,7 @@ def pod(
 
 
 POOLS = pools(pool_body())
+CSI = "csi.kvfabric.io"
 
 
 def env_of(container: dict[str, Any]) -> dict[str, str]:
@@ -96,12 +99,14 @@ def test_tcp_pool_wires_its_credentials_into_same_namespace_consumers() -> None:
         },
     } in result.pod["spec"]["volumes"]
     assert inject(result.pod, pools(tcp), {}).pod == result.pod  # idempotent
-    # A consumer in another namespace cannot reference the Secret: no TCP wiring, the socket only.
+    # A consumer in another namespace cannot reference the Secret: no TCP wiring, the socket only
+    # (and its key from the CSI plugin).
     tcp["spec"]["consumers"] = {"namespaceSelector": {"matchLabels": {"team": "a"}}}
     other = inject(
         pod(namespace="apps", annotations={names.POOL_NAMESPACE_ANNOTATION: "llm"}),
         pools(tcp),
         {"apps": {"team": "a"}},
+        csi_driver=CSI,
     )
     assert other.injected
     other_env = [e["name"] for e in other.pod["spec"]["containers"][0]["env"]]
@@ -254,9 +259,9 @@ def test_cross_namespace_needs_the_namespace_selector() -> None:
     result = inject(other, POOLS, {"team-b": {"team": "b"}})
     assert result.skip_reason == injection.SKIP_NAMESPACE_NOT_SELECTED
     selecting = pools(pool_body(namespaceSelector={"matchLabels": {"team": "b"}}))
-    assert inject(other, selecting, {"team-b": {"team": "b"}}).injected
+    assert inject(other, selecting, {"team-b": {"team": "b"}}, csi_driver=CSI).injected
     assert (
-        inject(other, selecting, {"team-b": {"team": "c"}}).skip_reason
+        inject(other, selecting, {"team-b": {"team": "c"}}, csi_driver=CSI).skip_reason
         == injection.SKIP_NAMESPACE_NOT_SELECTED
     )
 
@@ -386,7 +391,7 @@ def test_pod_security_privileged_or_unlabelled_namespace_keeps_the_node_socket()
 
 
 def test_pod_security_namespace_consuming_another_namespaces_tcp_pool_is_skipped() -> None:
-    # Secrets do not cross namespaces: no TCP credentials, and no hostPath either.
+    # Secrets do not cross namespaces: no TCP credentials, no payload key, and no hostPath either.
     tcp = pool_body(namespaceSelector={"matchLabels": {"team": "a"}})
     tcp["spec"]["server"] = {"tcp": {"enabled": True}}
     result = inject(
@@ -394,10 +399,7 @@ def test_pod_security_namespace_consuming_another_namespaces_tcp_pool_is_skipped
         pools(tcp),
         {"apps": {"team": "a", injection.PSS_ENFORCE_LABEL: "baseline"}},
     )
-    assert result.skip_reason == injection.SKIP_POD_SECURITY
-
-
-CSI = "csi.kvfabric.io"
+    assert result.skip_reason == injection.SKIP_NO_PAYLOAD_KEY
 
 
 @pytest.mark.parametrize("level", [None, "privileged", "baseline", "restricted"])
@@ -435,9 +437,197 @@ def test_with_the_csi_plugin_a_baseline_namespace_consumes_another_namespaces_po
     run = next(v for v in served.pod["spec"]["volumes"] if v["name"] == names.RUN_VOLUME)
     assert run["csi"]["volumeAttributes"] == {"pool": "pool-a", "namespace": "llm"}
     without = inject(body, pools(cross), strict)
-    assert without.skip_reason == injection.SKIP_POD_SECURITY
+    assert without.skip_reason == injection.SKIP_NO_PAYLOAD_KEY
     # The webhook's own selector check still applies first.
     other = {"apps": {"team": "b", injection.PSS_ENFORCE_LABEL: "baseline"}}
     assert (
         inject(body, pools(cross), other, csi_driver=CSI).skip_reason == injection.SKIP_NAMESPACE_NOT_SELECTED
     )
+
+
+# --- payload keys per consumer namespace -----------------------------------------------------------
+# Literal names on purpose: they are the contract with the connector and the CSI node plugin.
+KEY_VOLUME = "kvfabric-key"
+KEY_MOUNT = "/var/run/kvfabric/key"
+KEY_FILE = "/var/run/kvfabric/key/payload.key"
+SELECTING = {"matchLabels": {"team": "a"}}
+TEAM_A = {"apps": {"team": "a"}}
+
+
+def _key_vars(container: dict[str, Any]) -> list[dict[str, Any]]:
+    wanted = ("KVFABRIC_PAYLOAD_KEY", "KVFABRIC_PAYLOAD_KEY_FILE", "KVFABRIC_KEY_SCOPE")
+    return [e for e in container.get("env") or [] if e["name"] in wanted]
+
+
+def _cross(**annotations: str) -> dict[str, Any]:
+    return pod(namespace="apps", annotations={names.POOL_NAMESPACE_ANNOTATION: "llm", **annotations})
+
+
+@pytest.mark.parametrize(("key_space", "scope"), [(None, "llm"), ("PerNamespace", "llm"), ("Shared", "*")])
+@pytest.mark.parametrize("csi", [None, CSI])
+def test_a_consumer_in_the_pools_namespace_derives_its_namespaces_key_from_the_pools_secret(
+    key_space: str | None, scope: str, csi: str | None
+) -> None:
+    consumers = {"keySpace": key_space} if key_space else {}
+    result = inject(pod(), pools(pool_body(**consumers)), {}, csi_driver=csi)
+    assert result.injected, result.detail
+    container = result.pod["spec"]["containers"][0]
+    ref = {"name": "pool-a-credentials", "key": "payload-key", "optional": True}
+    assert _key_vars(container) == [
+        {"name": "KVFABRIC_PAYLOAD_KEY", "valueFrom": {"secretKeyRef": ref}},
+        {"name": "KVFABRIC_KEY_SCOPE", "value": scope},
+    ]
+    assert not any(v["name"] == KEY_VOLUME for v in result.pod["spec"]["volumes"])
+    assert inject(result.pod, pools(pool_body(**consumers)), {}, csi_driver=csi).pod == result.pod
+
+
+@pytest.mark.parametrize("level", [None, "baseline", "restricted"])
+@pytest.mark.parametrize("tcp", [False, True])
+def test_a_consumer_in_another_namespace_gets_its_key_as_a_file_from_the_csi_plugin(
+    level: str | None, tcp: bool
+) -> None:
+    body = pool_body(namespaceSelector=SELECTING)
+    if tcp:
+        body["spec"]["server"] = {"tcp": {"enabled": True}}
+    labels = {"apps": {"team": "a", **({injection.PSS_ENFORCE_LABEL: level} if level else {})}}
+    two = [
+        {"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"},
+        {"name": "sidecar", "image": "busybox:1"},
+    ]
+    result = inject(
+        pod(two, namespace="apps", annotations={names.POOL_NAMESPACE_ANNOTATION: "llm"}),
+        pools(body),
+        labels,
+        csi_driver=CSI,
+    )
+    assert result.injected, result.detail
+    spec = result.pod["spec"]
+    key = [v for v in spec["volumes"] if v["name"] == KEY_VOLUME]
+    assert key == [
+        {
+            "name": KEY_VOLUME,
+            "csi": {
+                "driver": CSI,
+                "readOnly": True,
+                "volumeAttributes": {"pool": "pool-a", "namespace": "llm", "content": "payload-key"},
+            },
+        }
+    ]
+    # Beside the socket, in the same containers (the engine), read-only; not in the sidecar.
+    vllm, sidecar = spec["containers"]
+    assert {"name": KEY_VOLUME, "mountPath": KEY_MOUNT, "readOnly": True} in vllm["volumeMounts"]
+    assert any(m["name"] == names.RUN_VOLUME for m in vllm["volumeMounts"])
+    assert not sidecar.get("volumeMounts")
+    assert _key_vars(vllm) == [
+        {"name": "KVFABRIC_PAYLOAD_KEY_FILE", "value": KEY_FILE},
+        {"name": "KVFABRIC_KEY_SCOPE", "value": "apps"},
+    ]
+    # No Secret of the pool's namespace is referenced anywhere (the kubelet could not resolve it).
+    assert "secretKeyRef" not in json.dumps(spec)
+    assert "pool-a-credentials" not in json.dumps(spec)
+    assert not _has_host_path(spec)
+    detail = json.loads(result.pod["metadata"]["annotations"][names.INJECTED_ANNOTATION])
+    assert detail["payloadKey"] == "csi"
+    assert inject(result.pod, pools(body), labels, csi_driver=CSI).pod == result.pod  # idempotent
+
+
+@pytest.mark.parametrize("level", [None, "privileged", "baseline"])
+def test_a_consumer_in_another_namespace_without_the_csi_plugin_is_not_injected(level: str | None) -> None:
+    """A hostPath install cannot hand a key to another namespace: injecting would seal with the public
+    key, which any consumer of the pool can forge. Skipped, counted with the reason."""
+    labels = {"apps": {"team": "a", **({injection.PSS_ENFORCE_LABEL: level} if level else {})}}
+    # Even a pod that claims to be injected already (the annotations written by hand).
+    forged = {names.INJECTED_ANNOTATION: "{}", names.CONFIG_HASH_ANNOTATION: "x"}
+    for body in (_cross(), _cross(**forged)):
+        result = inject(body, pools(pool_body(namespaceSelector=SELECTING)), labels)
+        assert not result.injected
+        assert result.skip_reason == "no-payload-key"
+        assert "CSI" in result.detail
+        assert "llm" in result.detail
+        annotations = result.pod["metadata"]["annotations"]
+        assert annotations[names.SKIP_REASON_ANNOTATION] == "no-payload-key"
+        assert names.INJECTED_ANNOTATION not in annotations
+        assert result.pod["spec"] == body["spec"]
+
+
+def test_the_skip_is_counted_by_reason() -> None:
+    from kvfabric.operator.status import consumer_counts
+
+    skipped = inject(_cross(), pools(pool_body(namespaceSelector=SELECTING)), TEAM_A).pod
+    counts = consumer_counts([skipped], "h")
+    assert counts["skipped_by_reason"] == {"no-payload-key": 1}
+
+
+# What a hostile pod may write before the webhook sees it, to widen the key it gets.
+_TAMPERING: dict[str, Any] = {
+    "scope-env": lambda c, s: c.setdefault("env", []).append({"name": "KVFABRIC_KEY_SCOPE", "value": "*"}),
+    "other-scope-env": lambda c, s: c.setdefault("env", []).insert(
+        0, {"name": "KVFABRIC_KEY_SCOPE", "value": "llm"}
+    ),
+    "key-env": lambda c, s: c.setdefault("env", []).append(
+        {"name": "KVFABRIC_PAYLOAD_KEY", "value": "guess"}
+    ),
+    "key-file-env": lambda c, s: c.setdefault("env", []).append(
+        {"name": "KVFABRIC_PAYLOAD_KEY_FILE", "value": "/tmp/mine.key"}
+    ),
+    "key-volume": lambda c, s: s.setdefault("volumes", []).append(
+        {
+            "name": KEY_VOLUME,
+            "csi": {
+                "driver": CSI,
+                "readOnly": True,
+                "volumeAttributes": {"pool": "pool-a", "namespace": "llm", "content": "root", "scope": "*"},
+            },
+        }
+    ),
+    "key-mount-elsewhere": lambda c, s: (
+        s.setdefault("volumes", []).append({"name": "mine", "emptyDir": {}}),
+        c.setdefault("volumeMounts", []).append({"name": "mine", "mountPath": KEY_MOUNT}),
+    ),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tamper=st.sets(st.sampled_from(sorted(_TAMPERING))),
+    cross=st.booleans(),
+    shared=st.booleans(),
+    forged_annotations=st.booleans(),
+)
+def test_what_a_pod_writes_itself_never_changes_the_key_it_is_given(
+    tamper: set[str], cross: bool, shared: bool, forged_annotations: bool
+) -> None:
+    """The webhook owns the key variables, volume and mount: the result is the same as for an honest
+    pod, whatever the pod wrote (the CSI plugin, not the webhook, decides which key is in the file)."""
+    consumers: dict[str, Any] = {"namespaceSelector": SELECTING}
+    if shared:
+        consumers["keySpace"] = "Shared"
+    targets = pools(pool_body(**consumers))
+    labels = {"apps": {"team": "a"}, "llm": {}}
+    honest = _cross() if cross else pod()
+    expected = inject(honest, targets, labels, csi_driver=CSI)
+    assert expected.injected
+    hostile = copy.deepcopy(honest)
+    container, spec = hostile["spec"]["containers"][0], hostile["spec"]
+    for name in sorted(tamper):
+        _TAMPERING[name](container, spec)
+    if forged_annotations:  # the webhook's reinvocation shortcut
+        hostile["metadata"]["annotations"].update(
+            {
+                names.INJECTED_ANNOTATION: "{}",
+                names.CONFIG_HASH_ANNOTATION: targets[("llm", "pool-a")].connection.config_hash,
+            }
+        )
+    result = inject(hostile, targets, labels, csi_driver=CSI)
+    assert result.injected
+    got = result.pod["spec"]
+    # The same entries (each once), wherever the pod had put its own.
+    key_env = sorted(_key_vars(got["containers"][0]), key=lambda e: str(e["name"]))
+    assert key_env == sorted(_key_vars(expected.pod["spec"]["containers"][0]), key=lambda e: str(e["name"]))
+    assert [v for v in got["volumes"] if v["name"] == KEY_VOLUME] == [
+        v for v in expected.pod["spec"]["volumes"] if v["name"] == KEY_VOLUME
+    ]
+    mounts = got["containers"][0].get("volumeMounts") or []
+    key_mounts = [m for m in mounts if m["name"] == KEY_VOLUME or m["mountPath"] == KEY_MOUNT]
+    assert key_mounts == ([{"name": KEY_VOLUME, "mountPath": KEY_MOUNT, "readOnly": True}] if cross else [])
+    assert inject(result.pod, targets, labels, csi_driver=CSI).pod == result.pod  # idempotent

@@ -69,12 +69,19 @@ USES: dict[tuple[str, str, str], list[tuple[str, str]]] = {
     ("", "secrets", "get"): [
         ("reconcile.py", r'client\.get\("Secret"'),
         ("objectprobe.py", r'get\("Secret"'),
+        # The consumer-keys Secret, by name, in the operator's namespace (consumer_keys_role.yaml).
+        ("consumerkeys.py", r'client\.get\("Secret", operator_namespace, SECRET\)'),
     ],
     ("", "secrets", "create"): [
         ("poolpki.py", r'"kind": "Secret"'),
         ("reconcile.py", r"client\.apply\(body"),
+        ("consumerkeys.py", r"client\.create\(body\)"),
     ],
-    ("", "secrets", "patch"): [("poolpki.py", r'"kind": "Secret"'), ("reconcile.py", r"client\.apply\(body")],
+    ("", "secrets", "patch"): [
+        ("poolpki.py", r'"kind": "Secret"'),
+        ("reconcile.py", r"client\.apply\(body"),
+        ("consumerkeys.py", r'client\.patch\(\s*"Secret", operator_namespace, SECRET'),
+    ],
     ("", "secrets", "delete"): [("reconcile.py", r'client\.delete\("Secret"')],
     ("networking.k8s.io", "networkpolicies", "create"): [
         ("render/children.py", r'"kind": "NetworkPolicy"'),
@@ -121,6 +128,7 @@ ROLES = {
     "manifests/rbac/role.yaml": "ClusterRole",
     "manifests/rbac/leader_election_role.yaml": "Role",
     "manifests/rbac/node_cleanup_role.yaml": "Role",
+    "manifests/rbac/consumer_keys_role.yaml": "Role",
 }
 
 
@@ -225,3 +233,17 @@ def test_the_operator_creates_and_deletes_pods_only_in_its_own_namespace() -> No
     # Wipe pods run in the operator's namespace; cluster-wide pod create would be a way onto any node.
     cluster_wide = {(g, r, v) for g, r, v in _granted(["manifests/rbac/role.yaml"]) if r == "pods"}
     assert cluster_wide == {("", "pods", "list"), ("", "pods", "watch")}
+
+
+def test_the_consumer_keys_secret_is_the_only_secret_granted_in_the_operators_namespace() -> None:
+    """get and patch by its name only; create cannot be limited by name (RBAC); nothing else."""
+    from kvfabric.operator.render import names
+
+    rules = _rules("manifests/rbac/consumer_keys_role.yaml")
+    grants = {(v, tuple(r.get("resourceNames", []))) for r in rules for v in r["verbs"]}
+    assert all(r["resources"] == ["secrets"] and r["apiGroups"] == [""] for r in rules)
+    assert grants == {
+        ("create", ()),
+        ("get", (names.CONSUMER_KEYS_SECRET,)),
+        ("patch", (names.CONSUMER_KEYS_SECRET,)),
+    }

@@ -86,8 +86,46 @@ class FakeKube:
         return self.objects.pop((kind, namespace, name), None) is not None
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
-        self.events.append(obj)
-        return obj
+        if obj["kind"] == "Event":
+            self.events.append(obj)
+            return obj
+        key = (obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"])
+        if key in self.objects:
+            raise ApiError(409, '{"reason":"AlreadyExists"}', method="POST", path=str(key))
+        stored = copy.deepcopy(obj)
+        self._bump(stored)
+        self.objects[key] = stored
+        return stored
+
+    async def patch(
+        self,
+        kind: str,
+        namespace: str | None,
+        name: str,
+        body: Any,
+        *,
+        content_type: str = "application/merge-patch+json",
+    ) -> dict[str, Any]:
+        """A merge patch of ``data`` (set or null), or a JSON patch of test/remove ops."""
+        obj = self.objects.get((kind, namespace, name))
+        if obj is None:
+            raise ApiError(404, '{"reason":"NotFound"}', method="PATCH", path=name)
+        data = obj.setdefault("data", {})
+        if content_type == "application/json-patch+json":
+            for op in body:
+                item = op["path"].removeprefix("/data/")
+                if item not in data or (op["op"] == "test" and data[item] != op["value"]):
+                    raise ApiError(422, '{"reason":"Invalid"}', method="PATCH", path=name)
+                if op["op"] == "remove":
+                    del data[item]
+        else:
+            for item, value in body["data"].items():
+                if value is None:
+                    data.pop(item, None)
+                else:
+                    data[item] = value
+        self._bump(obj)
+        return copy.deepcopy(obj)
 
 
 def add_pool(kube: FakeKube, **spec: Any) -> dict[str, Any]:

@@ -86,6 +86,10 @@ class ConsumerEnvironment:
     load_deadline_ms: int | None = None
     store_deadline_ms: int | None = None
     load_async: bool | None = None
+    shared_key_space: bool = False
+    """The pool's consumer namespaces share one key space (``spec.consumers.keySpace: Shared``). Not a
+    variable of its own (``KVFABRIC_KEY_SCOPE`` is set per pod: its namespace, or the shared scope),
+    but part of the hash: consumers injected before the pool changed its key space are stale."""
 
     def to_env(self) -> dict[str, str]:
         """Return the variables without the hash, in a fixed order (the hash is over this mapping)."""
@@ -105,8 +109,12 @@ class ConsumerEnvironment:
 
     @property
     def config_hash(self) -> str:
-        """A short stable digest of :meth:`to_env`: a consumer with another hash is stale."""
-        return hashlib.sha256(json.dumps(self.to_env(), sort_keys=True).encode()).hexdigest()[:16]
+        """A short stable digest of :meth:`to_env` (and a shared key space): another hash is stale."""
+        hashed = self.to_env()
+        if self.shared_key_space:
+            # Only when shared: the hash of every pool that keeps the default stays what it was.
+            hashed[ConsumerVar.KEY_SCOPE.value] = "shared"
+        return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_env_with_hash(self) -> dict[str, str]:
         """Return :meth:`to_env` plus ``KVFABRIC_CONFIG_HASH``."""

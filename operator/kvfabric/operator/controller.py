@@ -23,8 +23,9 @@ from typing import Any
 
 from kvfabric.operator.api.v1alpha1 import KIND, POOL_LABEL
 from kvfabric.operator.cacheinsight import Scraper
+from kvfabric.operator.consumerkeys import forget_pool, prune_roots, read_roots
 from kvfabric.operator.informer import CachedReader, Informer
-from kvfabric.operator.kube import KubeClient
+from kvfabric.operator.kube import ApiError, KubeClient
 from kvfabric.operator.leader import LeaseElector
 from kvfabric.operator.reconcile import PoolKey, ReconcileQueue, reconcile_pool
 from kvfabric.operator.render import names
@@ -159,6 +160,10 @@ class Controller:
         seen = self._pool_nodes.pop(key, set())
         if self._queue is not None:
             self._queue.forget(key)
+            if self._loop is not None:
+                task = self._loop.create_task(self._forget_root(key))
+                self._wipes.add(task)
+                task.add_done_callback(self._wipes.discard)
             if last is not None and wipe_dir(last) is not None and self._loop is not None:
                 task = self._loop.create_task(self._wipe(last, seen))
                 self._wipes.add(task)
@@ -183,6 +188,19 @@ class Controller:
             raise
         except Exception:  # a wipe never takes the controller down; the log says what was left
             log.exception("wiping the local disks of deleted pool %s/%s failed", ns, name)
+
+    async def _forget_root(self, key: PoolKey) -> None:
+        """Remove a deleted pool's entry from the consumer-keys Secret (the resync retries a failure)."""
+        client = self._client
+        if client is None:
+            return
+        try:
+            if await forget_pool(client, self.operator_namespace, key):
+                log.info("removed the consumer-key root of deleted pool %s/%s", *key)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("could not remove the consumer-key root of deleted pool %s/%s: %s", *key, exc)
 
     def _child_changed(self, obj: dict[str, Any]) -> None:
         meta = obj.get("metadata") or {}
@@ -269,6 +287,7 @@ class Controller:
                 reader=reader,
                 webhook_not_after=self.webhook_not_after(),
                 scraper=scraper if self.scrape_seconds > 0 else None,
+                operator_namespace=self.operator_namespace,
             )
 
         tasks = [asyncio.ensure_future(i.run()) for i in informers]
@@ -298,17 +317,33 @@ class Controller:
                 task.cancel()
             await asyncio.gather(*tasks, *self._wipes, return_exceptions=True)
 
+    async def _read_roots(self, client: KubeClient) -> dict[str, str] | None:
+        """The consumer-keys entries, or None (logged) when they cannot be read: the resync goes on."""
+        try:
+            return await read_roots(client, self.operator_namespace)
+        except (ApiError, OSError, TimeoutError) as exc:
+            log.warning("could not read %s/%s: %s", self.operator_namespace, names.CONSUMER_KEYS_SECRET, exc)
+            return None
+
     async def _resync_forever(self, client: KubeClient, queue: ReconcileQueue) -> None:
         """Trigger every pool periodically: the safety net behind the watches."""
         while True:
             try:
+                # The consumer-keys entries before the pools: an entry a pool created after the list
+                # writes is then not in this snapshot, so it is never taken for a deleted pool's.
+                roots = await self._read_roots(client)
+                live: set[PoolKey] = set()
                 scopes: list[str | None] = list(self.namespaces) if self.namespaces else [None]
                 for ns in scopes:
                     for pool in await client.list(KIND, ns):
                         meta = pool["metadata"]
                         key = (meta["namespace"], meta["name"])
+                        live.add(key)
                         self._known.add(key)
                         queue.trigger(key)
+                if roots is not None:
+                    # Pools deleted while no replica led (or whose removal failed) leave entries behind.
+                    await prune_roots(client, self.operator_namespace, roots, live, self.namespaces)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # keep the loop alive; the next pass retries

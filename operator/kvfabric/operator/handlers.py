@@ -21,7 +21,7 @@ import kopf
 
 from kvfabric.operator.api.v1alpha1 import GROUP, PLURAL, POOL_LABEL, VERSION
 from kvfabric.operator.controller import Controller, Election
-from kvfabric.operator.injection import PoolTarget, inject, pool_key_of, pool_target
+from kvfabric.operator.injection import SKIP_NO_PAYLOAD_KEY, PoolTarget, inject, pool_key_of, pool_target
 from kvfabric.operator.kube import SA_TOKEN, ApiError, KubeClient, bearer_token, load_configuration
 from kvfabric.operator.reconcile import PoolKey
 from kvfabric.operator.render import names
@@ -270,6 +270,9 @@ def build_registry(
                 # Fail open: a bug here must never block an inference pod.
                 log.exception("injection failed; admitting the pod unchanged")
                 return
+            if result.skip_reason == SKIP_NO_PAYLOAD_KEY:
+                # An install without the CSI node plugin: the fix is the cluster admin's, say it.
+                log.warning("pod %s not injected: %s", body.get("metadata", {}).get("name"), result.detail)
             new_pod = result.pod
 
             def replace(raw: kopf.RawBody) -> None:

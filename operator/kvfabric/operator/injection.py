@@ -10,11 +10,11 @@ from __future__ import annotations
 import copy
 import json
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from kvfabric.contract.consumer_env import ConsumerVar
+from kvfabric.contract.consumer_env import ConsumerVar, key_env
 from kvfabric.contract.selectors import label_selector_matches
 from kvfabric.operator.api.v1alpha1 import POOL_LABEL, KVCachePool, LabelSelector
 from kvfabric.operator.render import names
@@ -36,6 +36,12 @@ SKIP_POD_SELECTOR: Final = "pod-selector-mismatch"
 SKIP_NO_CONTAINER: Final = "no-suitable-container"
 SKIP_EXPANDABLE_SEGMENTS: Final = "expandable-segments"
 SKIP_POD_SECURITY: Final = "pod-security"
+SKIP_NO_PAYLOAD_KEY: Final = "no-payload-key"
+
+# The variables that say which payload key a consumer seals with: the webhook owns them (a value the
+# pod set is replaced, or dropped where its placement gets none), unlike the settings, where the user's
+# explicit value wins. Only the key itself decides what a pod can read or forge (docs/security.md).
+KEY_VARS: Final = (ConsumerVar.PAYLOAD_KEY, ConsumerVar.PAYLOAD_KEY_FILE, ConsumerVar.KEY_SCOPE)
 
 PSS_ENFORCE_LABEL: Final = "pod-security.kubernetes.io/enforce"
 # Pod Security levels that forbid hostPath volumes: the node's socket directory cannot be mounted.
@@ -150,7 +156,15 @@ def _annotate(pod: dict[str, Any], values: Mapping[str, str | None]) -> None:
 
 
 def _skip(pod: dict[str, Any], reason: str, detail: str) -> InjectionResult:
-    _annotate(pod, {names.SKIP_REASON_ANNOTATION: reason})
+    # The webhook's own annotations are dropped too: a pod cannot claim to be injected.
+    _annotate(
+        pod,
+        {
+            names.SKIP_REASON_ANNOTATION: reason,
+            names.INJECTED_ANNOTATION: None,
+            names.CONFIG_HASH_ANNOTATION: None,
+        },
+    )
     return InjectionResult(pod=pod, injected=False, skip_reason=reason, detail=detail)
 
 
@@ -189,15 +203,20 @@ def inject(
             )
     if target.pod_selector is not None and not selector_matches(target.pod_selector, labels):
         return _skip(out, SKIP_POD_SELECTOR, "pod labels do not match spec.consumers.podSelector")
+    # Secrets cannot be referenced across namespaces: consumers in the pool's own namespace read the
+    # pool's secret; elsewhere the CSI node plugin is the only way a pod gets its namespace's key (a
+    # file in a volume it publishes). Without the plugin such a pod would seal with a public key,
+    # which lets any other consumer forge what it loads: it is not injected at all.
+    same_namespace = pool_ns == pod_ns
+    if not same_namespace and csi_driver is None:
+        return _skip(
+            out,
+            SKIP_NO_PAYLOAD_KEY,
+            f"pod in namespace {pod_ns} cannot get a payload key for {pool_ns}/{pool_name}: install the "
+            f"CSI node plugin (manifests/default), or run the engine in namespace {pool_ns}",
+        )
 
     conn = target.connection
-    if (
-        annotations.get(names.CONFIG_HASH_ANNOTATION) == conn.config_hash
-        and names.INJECTED_ANNOTATION in annotations
-    ):
-        # Already injected with the current settings (webhook reinvocation): change nothing.
-        return InjectionResult(pod=out, injected=True, detail="already injected")
-
     containers: list[dict[str, Any]] = out.setdefault("spec", {}).get("containers") or []
     wanted = annotations.get(names.TARGET_CONTAINERS_ANNOTATION)
     if wanted:
@@ -216,13 +235,22 @@ def inject(
             SKIP_EXPANDABLE_SEGMENTS,
             "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: vLLM refuses KV connectors with it",
         )
+    key_env = _key_env(conn, pod_ns, same_namespace=same_namespace)
+    key_volume = None if same_namespace else _key_volume(conn, str(csi_driver))
+    if (
+        annotations.get(names.CONFIG_HASH_ANNOTATION) == conn.config_hash
+        and names.INJECTED_ANNOTATION in annotations
+    ):
+        # Already injected with the current settings (webhook reinvocation): change nothing but what
+        # the webhook owns, which a pod that wrote these annotations itself must not set either.
+        _own_key_material(out["spec"], targets, key_env, key_volume)
+        return InjectionResult(pod=out, injected=True, detail="already injected")
 
     env = conn.env_with_hash
-    # Secrets cannot be referenced across namespaces: only consumers in the pool's own namespace get
-    # the payload key and the TCP credentials; others use the node's Unix socket alone, with
-    # unauthenticated payloads in a key space of their own (docs/security.md).
-    same_namespace = pool_ns == pod_ns
-    credentials = conn.credential_env if same_namespace else []
+    # Only consumers in the pool's own namespace get the TCP credentials (Secrets cannot be referenced
+    # across namespaces); others use the node's Unix socket, with their namespace's key from the CSI
+    # node plugin (docs/security.md).
+    credentials = [e for e in conn.credential_env if e["name"] not in KEY_VARS] if same_namespace else []
     if not same_namespace:
         env = {k: v for k, v in env.items() if k != ConsumerVar.REMOTE.value}
     # Pod Security baseline and restricted forbid hostPath: the node's socket cannot be mounted.
@@ -302,6 +330,7 @@ def inject(
             }
         )
     out["spec"]["volumes"] = volumes
+    _own_key_material(out["spec"], targets, key_env, key_volume)
     vllm_targets = [c for c in targets if is_vllm(c)]
     payload = bool(vllm_targets) and annotations.get(names.PAYLOAD_ANNOTATION) != "false"
     if payload:
@@ -309,8 +338,9 @@ def inject(
     detail = {
         "pool": f"{conn.namespace}/{conn.pool}",
         "containers": [c.get("name") for c in targets],
-        "env": sorted(env),
+        "env": sorted([*env, *(str(e["name"]) for e in key_env)]),
         "volumes": [names.RUN_VOLUME] if node_local else [],
+        "payloadKey": "secret" if same_namespace else "csi",
         "transport": "unix" if node_local else "tcp",
         "kvTransferConfig": [n for n in notes if n],
     }
@@ -327,6 +357,91 @@ def inject(
         },
     )
     return InjectionResult(pod=out, injected=True, detail=f"{conn.namespace}/{conn.pool}")
+
+
+def _key_env(conn: ConnectionSettings, pod_namespace: str, *, same_namespace: bool) -> list[dict[str, Any]]:
+    """The variables that give a consumer its payload key (and nothing else: see :data:`KEY_VARS`).
+
+    In the pool's namespace: the pool's secret by ``secretKeyRef`` and the scope to derive the key for
+    (the pod's namespace, which the API server puts in the admission request, or the shared scope).
+    Elsewhere: the file the CSI node plugin publishes, holding that namespace's key alone. Every
+    consumer names its scope (:func:`kvfabric.contract.consumer_env.key_env`): it is in the
+    namespace digest, so a Shared pool's consumers of every namespace agree on it.
+    """
+    contract = key_env(pod_namespace, conn.namespace, shared=conn.shared_key_space)
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(contract.items())]
+    if same_namespace:
+        env.insert(0, next(e for e in conn.credential_env if e["name"] == ConsumerVar.PAYLOAD_KEY.value))
+    return env
+
+
+def _key_volume(conn: ConnectionSettings, driver: str) -> dict[str, Any]:
+    """The CSI inline volume in which the node plugin publishes the pod's payload key (read-only).
+
+    It names the pool only: the plugin learns the pod's namespace from the kubelet, checks it against
+    the pool's namespaceSelector and derives that namespace's key, whatever the pod spec says.
+    """
+    attributes = {
+        "pool": conn.pool,
+        "namespace": conn.namespace,
+        names.KEY_CONTENT_ATTRIBUTE: names.KEY_CONTENT,
+    }
+    return {
+        "name": names.KEY_VOLUME,
+        "csi": {"driver": driver, "readOnly": True, "volumeAttributes": attributes},
+    }
+
+
+def _own_key_material(
+    pod_spec: dict[str, Any],
+    containers: list[dict[str, Any]],
+    key_env: list[dict[str, Any]],
+    key_volume: dict[str, Any] | None,
+) -> None:
+    """Set the key variables, volume and mount to the webhook's, replacing whatever the pod wrote.
+
+    In place (an entry keeps its position), so a second invocation yields the same pod.
+    """
+    mount = (
+        None
+        if key_volume is None
+        else {"name": names.KEY_VOLUME, "mountPath": names.KEY_MOUNT, "readOnly": True}
+    )
+    for container in containers:
+        env = list(container.get("env") or [])
+        for var in KEY_VARS:
+            wanted = next((e for e in key_env if e["name"] == var), None)
+            env = _put_owned(env, _named(var), wanted)
+        container["env"] = env
+        container["volumeMounts"] = _put_owned(
+            list(container.get("volumeMounts") or []),
+            lambda m: m.get("name") == names.KEY_VOLUME or m.get("mountPath") == names.KEY_MOUNT,
+            mount,
+        )
+    pod_spec["volumes"] = _put_owned(
+        list(pod_spec.get("volumes") or []), lambda v: v.get("name") == names.KEY_VOLUME, key_volume
+    )
+
+
+def _named(name: str) -> Callable[[dict[str, Any]], bool]:
+    return lambda entry: entry.get("name") == name
+
+
+def _put_owned(
+    items: list[dict[str, Any]], owned: Callable[[dict[str, Any]], bool], new: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """``items`` with every owned entry dropped and ``new`` (if any) where the first one was, else last."""
+    out: list[dict[str, Any]] = []
+    placed = new is None
+    for item in items:
+        if not owned(item):
+            out.append(item)
+        elif not placed:
+            out.append(new)  # type: ignore[arg-type]
+            placed = True
+    if not placed:
+        out.append(new)  # type: ignore[arg-type]
+    return out
 
 
 def _add_payload(pod_spec: dict[str, Any], containers: list[dict[str, Any]], image: str) -> None:

@@ -288,6 +288,20 @@ class KubeClient:
             content_type="application/merge-patch+json",
         )
 
+    async def patch(
+        self,
+        kind: str,
+        namespace: str | None,
+        name: str,
+        body: Any,
+        *,
+        content_type: str = "application/merge-patch+json",
+    ) -> dict[str, Any]:
+        """Patch one object: a JSON merge patch (a dict), or a JSON patch (a list, with its content type)."""
+        return await self.request(
+            "PATCH", resource_path(kind, namespace, name), body=body, content_type=content_type
+        )
+
     async def delete(self, kind: str, namespace: str | None, name: str) -> bool:
         """Delete one object (background propagation); return False when it was already gone."""
         try:

@@ -22,6 +22,7 @@ import pydantic
 
 from kvfabric.operator.api.v1alpha1 import KIND, POOL_LABEL, KVCachePool
 from kvfabric.operator.cacheinsight import Scraper, scrape_targets
+from kvfabric.operator.consumerkeys import publish_root
 from kvfabric.operator.kube import ApiError, KubeClient
 from kvfabric.operator.objectprobe import probe_object_store
 from kvfabric.operator.podhealth import diagnose
@@ -229,11 +230,13 @@ async def reconcile_pool(
     reader: Reader | None = None,
     webhook_not_after: dt.datetime | None = None,
     scraper: Scraper | None = None,
+    operator_namespace: str | None = None,
 ) -> ReconcileResult | None:
     """Bring one pool's children to the rendered state and write its status; None if the pool is gone.
 
     ``reader`` serves the reads (default: ``client``, i.e. the API server); writes always go to ``client``.
     ``scraper`` (optional) keeps ``status.cache`` current from the cache servers' metrics.
+    ``operator_namespace`` (default: ``$POD_NAMESPACE``) holds the consumer-keys Secret.
     """
     reader = reader or client
     raw = await client.get(KIND, namespace, name)
@@ -244,6 +247,7 @@ async def reconcile_pool(
     apply_error = None
     if plan.children is not None and plan.pool is not None:
         apply_error = await _apply_children(client, reader, plan.pool, plan.children, result)
+        await _publish_consumer_root(client, operator_namespace or names.operator_namespace(), plan.pool)
     observed = await _observe(
         reader,
         raw,
@@ -306,6 +310,27 @@ async def _ensure_secrets(client: KubeClient, pool: KVCachePool) -> frozenset[st
         if secret_name not in plan.wanted and labels.get(names.OWNER_POOL_LABEL) == pool.name:
             await client.delete("Secret", pool.namespace, secret_name)
     return plan.wanted
+
+
+async def _publish_consumer_root(client: KubeClient, operator_namespace: str, pool: KVCachePool) -> None:
+    """Keep the pool's entry in the consumer-keys Secret current (the CSI plugin's only source).
+
+    A failure is logged, never raised: it must not hold the pool's status back, and the periodic
+    resync retries it; meanwhile only consumers outside the pool's namespace lack a key (the plugin
+    then publishes none, and they recompute).
+    """
+    try:
+        if await publish_root(client, operator_namespace, pool):
+            log.info("published the consumer-key root of %s/%s", pool.namespace, pool.name)
+    except (ApiError, OSError, TimeoutError) as exc:
+        log.warning(
+            "could not publish the consumer-key root of %s/%s in %s/%s: %s",
+            pool.namespace,
+            pool.name,
+            operator_namespace,
+            names.CONSUMER_KEYS_SECRET,
+            exc,
+        )
 
 
 async def _none() -> None:

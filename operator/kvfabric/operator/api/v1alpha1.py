@@ -609,6 +609,13 @@ class LoadMode(StrEnum):
     ASYNCHRONOUS = "Asynchronous"
 
 
+class KeySpace(StrEnum):
+    """Whether each consumer namespace of a pool seals and names its KV with a key of its own."""
+
+    PER_NAMESPACE = "PerNamespace"
+    SHARED = "Shared"
+
+
 class Consumers(_Model):
     """Which pods get the connector injected, and how."""
 
@@ -621,6 +628,15 @@ class Consumers(_Model):
         default=None,
         description="Namespaces whose pods may use this pool (default: only the pool's namespace). A pod "
         "in another namespace names the pool with the annotation kvfabric.io/pool-namespace.",
+    )
+    key_space: KeySpace = Field(
+        default=KeySpace.PER_NAMESPACE,
+        description="PerNamespace (default): the consumers of each namespace seal, verify and name their "
+        "KV with a payload key of their own, derived from the pool's secret for that namespace, so a pod "
+        "of one consumer namespace can neither read another's cached prefixes nor plant KV that another "
+        "accepts. Shared: every consumer namespace of the pool uses one key: they share cached prefixes "
+        "and each trusts the KV every other stores, so choose it only for namespaces that trust each "
+        "other (one team's).",
     )
     failure_policy: FailurePolicy = Field(
         default=FailurePolicy.IGNORE,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvfabric.contract.consumer_env import ConsumerEnvironment, ConsumerVar
-from kvfabric.operator.api.v1alpha1 import KVCachePool, LoadMode
+from kvfabric.operator.api.v1alpha1 import KeySpace, KVCachePool, LoadMode
 from kvfabric.operator.render import names
 
 
@@ -31,6 +31,8 @@ class ConnectionSettings:
     connector_image: str = ""
     tcp: bool = False
     """Whether the TCP listener is on (then consumers in the pool's namespace get its credentials)."""
+    shared_key_space: bool = False
+    """``spec.consumers.keySpace: Shared``: every consumer namespace uses the one shared key scope."""
 
     @property
     def credential_env(self) -> list[dict[str, object]]:
@@ -73,6 +75,7 @@ class ConnectionSettings:
             load_deadline_ms=self.deadlines.get("load"),
             store_deadline_ms=self.deadlines.get("store"),
             load_async=self.load_async,
+            shared_key_space=self.shared_key_space,
         )
 
     @property
@@ -116,6 +119,7 @@ def connection_settings(pool: KVCachePool) -> ConnectionSettings:
         load_async=None if mode is None else mode is LoadMode.ASYNCHRONOUS,
         connector_image=pool.spec.consumers.connector_image or default_connector_image(pool),
         tcp=pool.spec.server.tcp.enabled,
+        shared_key_space=pool.spec.consumers.key_space is KeySpace.SHARED,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Final
 
-from kvfabric.contract import node_paths
+from kvfabric.contract import consumer_env, node_paths
 
 FIELD_MANAGER: Final = "kvfabric-operator"
 MANAGED_BY: Final = "app.kubernetes.io/managed-by"
@@ -62,8 +62,20 @@ CREDENTIALS_MOUNT: Final = f"{SECRETS_MOUNT_ROOT}/credentials"
 CLIENT_TLS_VOLUME: Final = "kvfabric-client-tls"
 CLIENT_TLS_MOUNT: Final = "/var/run/secrets/kvfabric.io/tls"
 PAYLOAD_KEY: Final = "payload-key"
+# Consumers outside the pool's namespace get their namespace's payload key as a file, published by the
+# CSI node plugin into a second read-only inline volume (content=payload-key), never a Secret they
+# could read; the CSI plugin derives it from one Secret in the operator's namespace. The names are the
+# consumer contract's (the plugin and the connector read the same ones).
+KEY_VOLUME: Final = "kvfabric-key"
+KEY_MOUNT: Final = consumer_env.KEY_MOUNT_PATH
+KEY_CONTENT_ATTRIBUTE: Final = "content"
+KEY_CONTENT: Final = consumer_env.KEY_VOLUME_CONTENT
+CONSUMER_KEYS_SECRET: Final = consumer_env.CONSUMER_KEYS_SECRET
 TOKEN_KEY: Final = "token"  # noqa: S105 - the key name inside the Secret, not a secret
 CA_KEY: Final = "ca.crt"
+
+
+consumer_keys_entry = consumer_env.consumer_keys_entry
 
 
 def credentials_secret_name(pool: str) -> str:

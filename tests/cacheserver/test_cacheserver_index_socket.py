@@ -77,7 +77,7 @@ def got_table(path: str, namespace: str) -> bool:
 
 
 def describe(c: CacheClient, model: str) -> str:
-    doc = {"scheme": KEY_SCHEME_VERSION, "model_id": model}
+    doc: dict[str, str | int] = {"scheme": KEY_SCHEME_VERSION, "model_id": model}
     ns = namespace_digest(doc)
     c.describe(ns, canonical(doc).decode(), timeout=5)
     return ns

@@ -191,7 +191,15 @@ def test_metrics_never_publish_a_digest_a_key_fingerprint_or_a_tenant() -> None:
         c.lookup(ns, [digest("k")], timeout=5)
         with urllib.request.urlopen(srv.metrics_url + "/metrics", timeout=10) as resp:
             text = resp.read().decode()
-        assert described(srv)[lbl(ns)]["model"] == spec.model_id
+        labels = described(srv)[lbl(ns)]
+        assert labels["model"] == spec.model_id
+        # Only one-way labels of the key and the tenant: two namespaces can be told apart, no more.
+        assert len(labels["key_space"]) == len(labels["tenant_label"]) == 8
+        other = dataclasses.replace(spec, tenant="team-b", payload_key_id="1f1e2d3c4b5a6978")
+        c.describe(other.digest(), other.canonical().decode(), timeout=5)
+        theirs = described(srv)[lbl(other.digest())]
+        assert theirs["key_space"] != labels["key_space"]
+        assert theirs["tenant_label"] != labels["tenant_label"]
         assert ns not in text
         assert ns[:16] not in text
         assert "0f1e2d3c4b5a6978" not in text

@@ -122,7 +122,7 @@ def test_a_real_server_answers_lookups_from_its_published_index() -> None:
     from kvfabric.client.errors import CacheUnavailable
     from kvfabric.testing.serverproc import cache_server, wait_until
 
-    doc = {"scheme": KEY_SCHEME_VERSION, "model_id": "served"}
+    doc: dict[str, str | int] = {"scheme": KEY_SCHEME_VERSION, "model_id": "served"}
     ns = namespace_digest(doc)
     keys = [digest("k", i) for i in range(8)]
     with (

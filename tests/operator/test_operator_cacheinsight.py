@@ -115,7 +115,7 @@ A, B = "a" * 16, "b" * 16
 
 INFO = (
     'kvfabric_namespace_info{{namespace_label="{}",model="llama",revision="{}",'
-    'dtype="bf16",tp_rank="0",tenant=""}} 1'
+    'dtype="bf16",tp_rank="0",tenant_label=""}} 1'
 )
 NAMESPACE_EXPOSITION = f"""# TYPE kvfabric_namespace_info gauge
 {INFO.format(A, "r1")}
@@ -159,7 +159,7 @@ def test_tensor_parallel_ranks_and_tenants_are_not_splits() -> None:
 
     ranks = node((A, {"model": "m", "tp_rank": "0"}), (B, {"model": "m", "tp_rank": "1"}))
     assert summarize({"n": ranks}, "t").namespace_splits == []
-    tenants = node((A, {"model": "m", "tenant": "x"}), (B, {"model": "m", "tenant": "y"}))
+    tenants = node((A, {"model": "m", "tenant_label": "x"}), (B, {"model": "m", "tenant_label": "y"}))
     assert summarize({"n": tenants}, "t").namespace_splits == []
     undescribed = node((A, {}))  # counters of a namespace the server no longer describes
     assert summarize({"n": undescribed}, "t").namespaces == []
@@ -263,5 +263,6 @@ async def test_namespaces_described_to_real_servers_reach_the_insight() -> None:
     assert by_label[two_].fields["chunk_tokens"] == "32"
     # What reaches the pool's status never holds a digest (a capability) nor recomputes one.
     assert not any("payload_key_id" in n.fields or "tenant" in n.fields for n in insight.namespaces)
+    assert all(len(n.digest) == 16 for n in insight.namespaces)
     (split,) = insight.namespace_splits
     assert "revision: r1, r2" in split

@@ -232,12 +232,25 @@ EXPORTED_FIELDS: tuple[str, ...] = (
 
 Left out on purpose: the digest (a capability: whoever knows it can look up and load the namespace's
 chunks), ``payload_key_id`` (with the rest of the description it recomputes the digest) and
-``tenant`` (another tenant's name is no business of whoever can reach the port)."""
+``tenant`` (another tenant's name is no business of whoever can reach the port). Those two are
+exported only as :data:`HASHED_FIELDS`, which tell namespaces apart without saying what they hold."""
 
-NAMESPACE_LABELS: tuple[str, ...] = ("namespace_label", *EXPORTED_FIELDS)
-"""Labels of ``kvfabric_namespace_info``: :func:`namespace_label`, then the exported fields ("" if absent)."""
+HASHED_FIELDS: dict[str, str] = {"key_space": "payload_key_id", "tenant_label": "tenant"}
+"""Exported label -> the description field it is a one-way hash of (8 hex; "" where the field is empty):
+enough to tell that two namespaces of one model differ in payload key or tenant, not which."""
+
+NAMESPACE_LABELS: tuple[str, ...] = ("namespace_label", *EXPORTED_FIELDS, *HASHED_FIELDS)
+"""Labels of ``kvfabric_namespace_info``: :func:`namespace_label`, the exported fields ("" if absent),
+then the hashed ones."""
 
 _LABEL_CONTEXT = b"kvfabric metrics label"
+_FIELD_CONTEXT = b"kvfabric metrics field\0"
+
+
+def _hashed(field: str, value: str) -> str:
+    if not value:
+        return ""
+    return hashlib.sha256(_FIELD_CONTEXT + field.encode() + b"\0" + value.encode()).hexdigest()[:8]
 
 
 def namespace_label(namespace: str) -> str:
@@ -277,7 +290,9 @@ class _NamespaceCollector(Collector):
         )
         for ns, entry in snap.items():
             label = namespace_label(ns)
-            info.add_metric([label, *(entry.fields.get(field, "") for field in EXPORTED_FIELDS)], 1)
+            values = [entry.fields.get(field, "") for field in EXPORTED_FIELDS]
+            values += [_hashed(source, entry.fields.get(source, "")) for source in HASHED_FIELDS.values()]
+            info.add_metric([label, *values], 1)
             lookups.add_metric([label, "hit"], entry.lookup_hits)
             lookups.add_metric([label, "miss"], entry.lookup_misses)
             stores.add_metric([label], entry.stores)

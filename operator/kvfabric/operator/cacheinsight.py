@@ -13,7 +13,8 @@ rate (a config mismatch between consumers) becomes visible, and so does its caus
 A namespace is known here only by its *label* (``namespace_label``: 16 hex characters of a one-way
 hash of its digest, the same on every server): the digest itself is a capability (whoever knows it
 can look up and load the namespace's chunks), and servers export neither it nor the description
-fields that would recompute it (the payload key's fingerprint, the tenant).
+fields that would recompute it (the payload key's fingerprint) or name another tenant: those two come
+only as one-way 8-hex labels (``key_space``, ``tenant_label``) that tell namespaces apart.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def summarize_namespaces(nodes: Mapping[str, NodeCache]) -> list[NamespaceInUse]
 
 # Fields whose difference is by design: the ranks of one tensor-parallel engine, tenants kept apart,
 # engine-wide LoRA adapters (another adapter is another model).
-_BY_DESIGN = ("tp_rank", "tenant", "lora")
+_BY_DESIGN = ("tp_rank", "tenant_label", "lora")
 
 
 def namespace_splits(in_use: Iterable[NamespaceInUse]) -> list[str]:

@@ -344,6 +344,7 @@ class IndexSocket:
         self._held: dict[int, _Conn] = {}
         self._sel: selectors.BaseSelector | None = None
         self._accept_resume = 0.0
+        self._accept_failures = 0
         self.served = 0
         """Tables handed out (tests and benchmarks)."""
 
@@ -410,10 +411,17 @@ class IndexSocket:
                     return
                 # EMFILE, ENOBUFS, a shut-down listener...: the listener stays readable, so stop
                 # watching it for a moment rather than spin on it; the health probe reports it.
-                log.warning("index socket accept failed", extra={"error": str(exc)})
+                # Logged once per run of failures (and every 100th), not ten times a second.
+                self._accept_failures += 1
+                if self._accept_failures % 100 == 1:
+                    log.warning(
+                        "index socket accept failed",
+                        extra={"error": str(exc), "failures": self._accept_failures},
+                    )
                 self._sel.unregister(self._sock)
                 self._accept_resume = time.monotonic() + ACCEPT_PAUSE_SECONDS
                 return
+            self._accept_failures = 0
             sock.setblocking(False)
             if len(self._pending) >= MAX_PENDING:
                 self._close(next(iter(self._pending.values())))  # the oldest waits no longer

@@ -154,7 +154,8 @@ def test_status_lists_the_namespaces_in_use_from_the_scraped_servers(
     assert header.split()[-2:] == ["NAMESPACES", "AGE"]
     assert row.split()[-2] == "2"
     described = cluster.kubectl("describe", "kvp", "pool-a", "-n", namespace).stdout
-    assert R2.digest() in described
+    assert namespace_label(R2.digest()) in described
+    assert R2.digest() not in described  # the digest is a capability: never in the status
     assert "rev-2" in described
     events = cluster.get_json(
         "events",

@@ -149,7 +149,7 @@ class RegistryMachine(RuleBasedStateMachine):
 
 
 TestRegistry = RegistryMachine.TestCase
-TestRegistry.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+TestRegistry.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
 
 
 def test_reclaim_drops_exactly_the_empty_unheld_idle_tables() -> None:

@@ -79,6 +79,8 @@ def probe_blocks(path: Path) -> Probe:
             for fd in fds:
                 with contextlib.suppress(OSError):
                     socket.close(fd)
+        if reply[:1] == b"\xfe":  # REFUSED: it takes no more connections (a reason follows)
+            raise ProbeFailedError(f"refuses new connections: {reply[1:64].decode(errors='replace')}")
         if reply[:1] not in (bytes([bp.GONE]), bytes([bp.FOUND])):
             raise ProbeFailedError(
                 f"unexpected answer {reply[:16]!r}" if reply else "closed without an answer"

@@ -21,6 +21,7 @@ from kvfabric.cacheserver.config import ServerConfig
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.tiered import TieredStore
 from kvfabric.cacheserver.transport.indexpub import IndexPublisher
+from kvfabric.contract.namespace import KEY_SCHEME_VERSION, canonical, namespace_digest
 from kvfabric.rpc import indextable as it
 from kvfabric.testing.serverproc import digest, payload_for
 
@@ -47,7 +48,7 @@ class StoreAndTable(RuleBasedStateMachine):
             }
         )
         self.store = TieredStore(cfg)
-        self.pub = IndexPublisher(self.store.tier_of, initial_capacity=4)
+        self.pub = IndexPublisher(self.store.tier_of, known=lambda ns: True, initial_capacity=4)
         self.store.set_listener(self.pub.changed)
         self.store.start()
 
@@ -121,13 +122,17 @@ def test_a_real_server_answers_lookups_from_its_published_index() -> None:
     from kvfabric.client.errors import CacheUnavailable
     from kvfabric.testing.serverproc import cache_server, wait_until
 
-    ns = digest("served")
+    doc: dict[str, str | int] = {"scheme": KEY_SCHEME_VERSION, "model_id": "served"}
+    ns = namespace_digest(doc)
     keys = [digest("k", i) for i in range(8)]
     with (
         cache_server(server_id="pub", metrics=False) as srv,
         CacheClient(srv.unix_target, shared_memory=True, local_index=True) as c,
     ):
         assert c.local_index is not None
+        # As a connector does before its first lookup: an empty namespace gets a table only once a
+        # client described it (or the server holds a block of it).
+        c.describe(ns, canonical(doc).decode(), timeout=5)
         assert c.lookup(ns, keys, timeout=5).matched == 0
         for i, k in enumerate(keys[:5]):
             assert c.store(ns, [k], [payload_for(k, 4096)], timeout=10).accepted == 1

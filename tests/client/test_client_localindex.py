@@ -32,6 +32,9 @@ OTHER = digest("ns-b")
 class Fabric:
     def __init__(self, tmp: Path, **kw: object) -> None:
         self.truth: dict[BlockId, str] = {}
+        # Described to the server: an empty namespace gets a table only then.
+        self.described = {NS, OTHER}
+        kw.setdefault("known", self.described.__contains__)
         self.pub = IndexPublisher(self.truth.get, **kw)  # type: ignore[arg-type]
         self.denied: set[str] = set()
         self.sock = IndexSocket(tmp / "cache.sock.index", self.pub, authorize=self._authorize)
@@ -195,3 +198,17 @@ def test_the_liveness_a_load_watches_is_unknown_not_dead_for_a_grown_table(tmp_p
         reader.close()
     finally:
         f.close()
+
+
+def test_a_namespace_the_server_does_not_know_is_ask_over_rpc_until_it_holds_a_block(fabric: Fabric) -> None:
+    unknown = digest("never described")
+    reader = LocalIndex(fabric.sock.path, refetch_interval_s=0.0)
+    try:
+        assert reader.lookup(unknown, _raw([digest("u")])) is None  # refused: no table was made
+        assert unknown not in fabric.pub.namespaces()
+        fabric.put(unknown, digest("u"))  # its first block: now the server knows it
+        got = reader.lookup(unknown, _raw([digest("u")]))
+        assert got is not None
+        assert got.matched == 1
+    finally:
+        reader.close()

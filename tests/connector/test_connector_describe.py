@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvfabric.cacheserver.metrics import namespace_label as lbl
 from kvfabric.connector.keys import NamespaceSpec
 from kvfabric.connector.resilient import Reason, build_cache
 from kvfabric.connector.scheduler import SchedulerHalf
@@ -27,7 +28,7 @@ KEYS = [digest("k", i) for i in range(4)]
 
 
 def scrape(srv: ServerProcess) -> tuple[dict[str, dict[str, str]], int]:
-    """(namespace -> info labels, accepted descriptions) as the server exports them."""
+    """(namespace label -> info labels, accepted descriptions) as the server exports them."""
     with urllib.request.urlopen(srv.metrics_url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
     info: dict[str, dict[str, str]] = {}
@@ -35,7 +36,7 @@ def scrape(srv: ServerProcess) -> tuple[dict[str, dict[str, str]], int]:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "kvfabric_namespace_info":
-                info[s.labels["namespace"]] = dict(s.labels)
+                info[s.labels["namespace_label"]] = dict(s.labels)
             elif s.name == "kvfabric_cache_describes_total" and s.labels.get("result") == "accepted":
                 accepted += int(s.value)
     return info, accepted
@@ -59,6 +60,7 @@ def test_the_connector_describes_each_namespace_once_and_again_after_a_restart(l
             worker = WorkerHalf(settings, dataclasses.replace(SPEC, tp_rank=1), cache=cache)
             sched_ns, worker_ns = scheduler.namespace, worker.namespace
             assert sched_ns != worker_ns
+            assert lbl(sched_ns) != lbl(worker_ns)
             assert scrape(srv) == ({}, 0)  # nothing is sent before the first call
             for _ in range(5):
                 assert cache.lookup(sched_ns, KEYS, 5.0).reason is Reason.NOT_FOUND
@@ -67,9 +69,9 @@ def test_the_connector_describes_each_namespace_once_and_again_after_a_restart(l
                 assert cache.counters.get("lookup_local") > 0
             info, accepted = scrape(srv)
             assert accepted == 2  # once per namespace, not once per call
-            assert set(info) == {sched_ns, worker_ns}
-            assert (info[sched_ns]["model"], info[sched_ns]["tp_rank"]) == ("tiny-llama", "0")
-            assert info[worker_ns]["tp_rank"] == "1"
+            assert set(info) == {lbl(sched_ns), lbl(worker_ns)}
+            assert (info[lbl(sched_ns)]["model"], info[lbl(sched_ns)]["tp_rank"]) == ("tiny-llama", "0")
+            assert info[lbl(worker_ns)]["tp_rank"] == "1"
 
             srv.kill()
             srv.start()
@@ -85,13 +87,13 @@ def test_the_connector_describes_each_namespace_once_and_again_after_a_restart(l
             info, accepted = scrape(srv)
             if local_index:
                 # The published index saw the server go: every description is due again at once.
-                assert (set(info), accepted) == ({sched_ns, worker_ns}, 2)
+                assert (set(info), accepted) == ({lbl(sched_ns), lbl(worker_ns)}, 2)
             else:
                 # The lookup answer asked for the lookups' namespace only (the store's comes below).
-                assert (set(info), accepted) == ({sched_ns}, 1)
+                assert (set(info), accepted) == ({lbl(sched_ns)}, 1)
             for _ in range(3):
                 assert cache.store(worker_ns, KEYS[1:2], [b"y" * 64], 5.0) is not None
             info, accepted = scrape(srv)
-            assert (set(info), accepted) == ({sched_ns, worker_ns}, 2)
+            assert (set(info), accepted) == ({lbl(sched_ns), lbl(worker_ns)}, 2)
         finally:
             cache.close()

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from kvfabric.cacheserver.metrics import namespace_label
 from kvfabric.client import CacheClient
 from kvfabric.operator.cacheinsight import NodeCache, Scraper, parse_metrics, scrape_targets, summarize
 from kvfabric.operator.status import compute_status
@@ -110,29 +111,30 @@ async def test_scraping_real_cache_servers_at_a_bounded_rate() -> None:
         await scraper.close()
 
 
-A, B = "a" * 64, "b" * 64
+A, B = "a" * 16, "b" * 16
 
 INFO = (
-    'kvfabric_namespace_info{{namespace="{}",model="llama",revision="{}",'
-    'dtype="bf16",tp_rank="0",tenant=""}} 1'
+    'kvfabric_namespace_info{{namespace_label="{}",model="llama",revision="{}",'
+    'dtype="bf16",tp_rank="0",tenant_label=""}} 1'
 )
 NAMESPACE_EXPOSITION = f"""# TYPE kvfabric_namespace_info gauge
 {INFO.format(A, "r1")}
 {INFO.format(B, "r2")}
 # TYPE kvfabric_namespace_lookup_keys_total counter
-kvfabric_namespace_lookup_keys_total{{namespace="{A}",result="hit"}} 6.0
-kvfabric_namespace_lookup_keys_total{{namespace="{A}",result="miss"}} 2.0
-kvfabric_namespace_lookup_keys_total{{namespace="{B}",result="hit"}} 0.0
-kvfabric_namespace_lookup_keys_total{{namespace="{B}",result="miss"}} 4.0
-kvfabric_namespace_lookup_keys_total{{namespace="not-a-digest",result="miss"}} 4.0
+kvfabric_namespace_lookup_keys_total{{namespace_label="{A}",result="hit"}} 6.0
+kvfabric_namespace_lookup_keys_total{{namespace_label="{A}",result="miss"}} 2.0
+kvfabric_namespace_lookup_keys_total{{namespace_label="{B}",result="hit"}} 0.0
+kvfabric_namespace_lookup_keys_total{{namespace_label="{B}",result="miss"}} 4.0
+kvfabric_namespace_lookup_keys_total{{namespace_label="not-a-label",result="miss"}} 4.0
+kvfabric_namespace_lookup_keys_total{{namespace="{"c" * 64}",result="miss"}} 4.0
 # TYPE kvfabric_namespace_stores_total counter
-kvfabric_namespace_stores_total{{namespace="{A}"}} 3.0
+kvfabric_namespace_stores_total{{namespace_label="{A}"}} 3.0
 """
 
 
 def test_namespaces_are_merged_across_nodes_and_splits_are_named() -> None:
     one = parse_metrics(NAMESPACE_EXPOSITION)
-    assert set(one.namespaces) == {A, B}  # the malformed digest is ignored
+    assert set(one.namespaces) == {A, B}  # a malformed label, or a full digest (older servers), is ignored
     assert one.namespaces[A].fields == {"dtype": "bf16", "model": "llama", "revision": "r1", "tp_rank": "0"}
     info_only = NAMESPACE_EXPOSITION.split("# TYPE kvfabric_namespace_lookup", maxsplit=1)[0]
     two = parse_metrics(info_only)
@@ -157,7 +159,7 @@ def test_tensor_parallel_ranks_and_tenants_are_not_splits() -> None:
 
     ranks = node((A, {"model": "m", "tp_rank": "0"}), (B, {"model": "m", "tp_rank": "1"}))
     assert summarize({"n": ranks}, "t").namespace_splits == []
-    tenants = node((A, {"model": "m", "tenant": "x"}), (B, {"model": "m", "tenant": "y"}))
+    tenants = node((A, {"model": "m", "tenant_label": "x"}), (B, {"model": "m", "tenant_label": "y"}))
     assert summarize({"n": tenants}, "t").namespace_splits == []
     undescribed = node((A, {}))  # counters of a namespace the server no longer describes
     assert summarize({"n": undescribed}, "t").namespaces == []
@@ -167,7 +169,7 @@ def test_the_namespace_list_is_bounded() -> None:
     from kvfabric.operator.cacheinsight import MAX_NAMESPACES_PER_NODE
 
     lines = [
-        f'kvfabric_namespace_info{{namespace="{i:064x}",model="m{i}"}} 1.0'
+        f'kvfabric_namespace_info{{namespace_label="{i:016x}",model="m{i}"}} 1.0'
         for i in range(MAX_NAMESPACES_PER_NODE + 50)
     ]
     node = parse_metrics("# TYPE kvfabric_namespace_info gauge\n" + "\n".join(lines) + "\n")
@@ -251,12 +253,16 @@ async def test_namespaces_described_to_real_servers_reach_the_insight() -> None:
         insight = await scraper.scrape(("ns", "p"), targets, "t")
         await scraper.close()
     assert insight is not None
-    by_digest = {n.digest: n for n in insight.namespaces}
-    assert set(by_digest) == {r1.digest(), r2.digest()}
-    assert by_digest[r1.digest()].nodes == ["gpu-1", "gpu-2"]
-    assert (by_digest[r1.digest()].lookup_hits, by_digest[r1.digest()].lookup_misses) == (2, 2)
-    assert by_digest[r2.digest()].nodes == ["gpu-2"]
-    assert by_digest[r2.digest()].fields["revision"] == "r2"
-    assert by_digest[r2.digest()].fields["chunk_tokens"] == "32"
+    by_label = {n.digest: n for n in insight.namespaces}
+    one_, two_ = namespace_label(r1.digest()), namespace_label(r2.digest())
+    assert set(by_label) == {one_, two_}
+    assert by_label[one_].nodes == ["gpu-1", "gpu-2"]
+    assert (by_label[one_].lookup_hits, by_label[one_].lookup_misses) == (2, 2)
+    assert by_label[two_].nodes == ["gpu-2"]
+    assert by_label[two_].fields["revision"] == "r2"
+    assert by_label[two_].fields["chunk_tokens"] == "32"
+    # What reaches the pool's status never holds a digest (a capability) nor recomputes one.
+    assert not any("payload_key_id" in n.fields or "tenant" in n.fields for n in insight.namespaces)
+    assert all(len(n.digest) == 16 for n in insight.namespaces)
     (split,) = insight.namespace_splits
     assert "revision: r1, r2" in split

@@ -608,11 +608,11 @@ def test_reference_outputs_depend_on_the_context(fabric: Fabric) -> None:
 
 
 def namespace_infos(srv: ServerProcess) -> dict[str, dict[str, str]]:
-    """namespace -> labels of the server's ``kvfabric_namespace_info`` series."""
+    """namespace label -> labels of the server's ``kvfabric_namespace_info`` series."""
     from prometheus_client.parser import text_string_to_metric_families
 
     return {
-        s.labels["namespace"]: dict(s.labels)
+        s.labels["namespace_label"]: dict(s.labels)
         for family in text_string_to_metric_families(scrape(srv))
         for s in family.samples
         if s.name == "kvfabric_namespace_info"

@@ -7,6 +7,7 @@ counters are recorded by the service directly.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,10 +24,10 @@ from prometheus_client.registry import Collector
 from kvfabric.cacheserver.engine.base import READ_MISSES, TierUsage
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.tiered import TieredStore
+from kvfabric.cacheserver.health import ListenerProbes
 from kvfabric.cacheserver.namespaces import NamespaceRegistry
-from kvfabric.contract.namespace import READABLE_FIELDS
 
-__all__ = ["Metrics", "ProbeServer"]
+__all__ = ["Metrics", "ProbeServer", "namespace_label"]
 
 # Latency buckets from 50 us to 10 s: lookups are sub-millisecond, 64 MiB disk loads tens of ms.
 _LATENCY_BUCKETS = (
@@ -150,6 +151,10 @@ class Metrics:
 
         return cb
 
+    def watch_listeners(self, probes: ListenerProbes) -> None:
+        """Export ``kvfabric_listener_up`` from ``probes``."""
+        self.registry.register(_ListenerCollector(probes))
+
     def exposition(self) -> bytes:
         """Prometheus text exposition of every instrument."""
         return generate_latest(self.registry)
@@ -204,8 +209,57 @@ def _read_misses_cb(counters: Counters) -> Callable[[CallbackOptions], Iterable[
     return cb
 
 
-NAMESPACE_LABELS: tuple[str, ...] = ("namespace", *READABLE_FIELDS.values())
-"""Labels of ``kvfabric_namespace_info``: the full digest, then the readable fields ("" if absent)."""
+EXPORTED_FIELDS: tuple[str, ...] = (
+    "model",
+    "revision",
+    "dtype",
+    "payload_layout",
+    "kv_layout",
+    "device",
+    "attn_backend",
+    "layers",
+    "kv_heads",
+    "head_dim",
+    "block_size",
+    "chunk_tokens",
+    "tp_size",
+    "tp_rank",
+    "lora",
+    "payload_format",
+    "scheme",
+)
+"""The fields of a description exported by the (unauthenticated) metrics listener: an allowlist.
+
+Left out on purpose: the digest (a capability: whoever knows it can look up and load the namespace's
+chunks), ``payload_key_id`` (with the rest of the description it recomputes the digest) and
+``tenant`` (another tenant's name is no business of whoever can reach the port). Those two are
+exported only as :data:`HASHED_FIELDS`, which tell namespaces apart without saying what they hold."""
+
+HASHED_FIELDS: dict[str, str] = {"key_space": "payload_key_id", "tenant_label": "tenant"}
+"""Exported label -> the description field it is a one-way hash of (8 hex; "" where the field is empty):
+enough to tell that two namespaces of one model differ in payload key or tenant, not which."""
+
+NAMESPACE_LABELS: tuple[str, ...] = ("namespace_label", *EXPORTED_FIELDS, *HASHED_FIELDS)
+"""Labels of ``kvfabric_namespace_info``: :func:`namespace_label`, the exported fields ("" if absent),
+then the hashed ones."""
+
+_LABEL_CONTEXT = b"kvfabric metrics label"
+_FIELD_CONTEXT = b"kvfabric metrics field\0"
+
+
+def _hashed(field: str, value: str) -> str:
+    if not value:
+        return ""
+    return hashlib.sha256(_FIELD_CONTEXT + field.encode() + b"\0" + value.encode()).hexdigest()[:8]
+
+
+def namespace_label(namespace: str) -> str:
+    """The label a namespace is exported under: 16 hex of SHA-256 over a context and its digest.
+
+    Stable across servers (the operator merges nodes by it) and not reversible: the digest has the
+    payload key's fingerprint in it, which nobody outside the namespace can guess.
+    """
+    return hashlib.sha256(_LABEL_CONTEXT + namespace.encode()).hexdigest()[:16]
 
 
 class _NamespaceCollector(Collector):
@@ -218,26 +272,30 @@ class _NamespaceCollector(Collector):
         snap = self._registry.snapshot()
         info = GaugeMetricFamily(
             "kvfabric_namespace_info",
-            "A compatibility namespace a client described (1 while this server keeps its description)",
+            "A compatibility namespace a client described (1 while this server keeps its description), "
+            "under a label derived from its digest; the digest itself is never exported",
             labels=NAMESPACE_LABELS,
         )
         lookups = CounterMetricFamily(
             "kvfabric_namespace_lookup_keys",
             "Keys asked for in lookups of a described namespace, by result (hit/miss), since it was "
             "described",
-            labels=("namespace", "result"),
+            labels=("namespace_label", "result"),
         )
         stores = CounterMetricFamily(
             "kvfabric_namespace_stores",
             "Blocks offered for storing under a described namespace (Store accepted, ShmStoreBegin "
             "slots handed out), since it was described",
-            labels=("namespace",),
+            labels=("namespace_label",),
         )
         for ns, entry in snap.items():
-            info.add_metric([ns, *(entry.fields.get(label, "") for label in NAMESPACE_LABELS[1:])], 1)
-            lookups.add_metric([ns, "hit"], entry.lookup_hits)
-            lookups.add_metric([ns, "miss"], entry.lookup_misses)
-            stores.add_metric([ns], entry.stores)
+            label = namespace_label(ns)
+            values = [entry.fields.get(field, "") for field in EXPORTED_FIELDS]
+            values += [_hashed(source, entry.fields.get(source, "")) for source in HASHED_FIELDS.values()]
+            info.add_metric([label, *values], 1)
+            lookups.add_metric([label, "hit"], entry.lookup_hits)
+            lookups.add_metric([label, "miss"], entry.lookup_misses)
+            stores.add_metric([label], entry.stores)
         evicted = CounterMetricFamily(
             "kvfabric_namespace_descriptions_evicted",
             "Namespace descriptions forgotten because more namespaces than limits.max_described_namespaces "
@@ -247,11 +305,37 @@ class _NamespaceCollector(Collector):
         yield from (info, lookups, stores, evicted)
 
 
+class _ListenerCollector(Collector):
+    """``kvfabric_listener_up{listener}``: 1 while the listener's last probe was answered in time."""
+
+    def __init__(self, probes: ListenerProbes) -> None:
+        self._probes = probes
+
+    def collect(self) -> Iterable[Metric]:
+        up = GaugeMetricFamily(
+            "kvfabric_listener_up",
+            "1 while a same-node listener (grpc, blocks, index) answers its probe from inside the server",
+            labels=("listener",),
+        )
+        states = self._probes.states()
+        for name in self._probes.probes:
+            state = states.get(name)
+            up.add_metric([name], 1 if state is not None and state.up else 0)
+        yield up
+
+
 class ProbeServer:
-    """``GET /metrics``, ``/healthz`` (process alive) and ``/readyz`` (serving) on a background thread."""
+    """``GET /metrics``, ``/healthz`` (process alive) and ``/readyz`` (serving) on a background thread.
+
+    ``/readyz`` is 200 only while :attr:`ready` (the server published its sockets and is not shutting
+    down) and every listener of :attr:`listeners` answers its probe; the body's first line is
+    ``ready`` or ``not ready``, then one line per listener (``listener <name> up`` or
+    ``listener <name> down: <why>``).
+    """
 
     def __init__(self, host: str, port: int, metrics: Metrics) -> None:
         self.ready = False
+        self.listeners: ListenerProbes | None = None
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -262,8 +346,8 @@ class ProbeServer:
                 elif path == "/healthz":
                     self._send(200, b"ok\n", "text/plain")
                 elif path == "/readyz":
-                    ok = outer.ready
-                    self._send(200 if ok else 503, b"ready\n" if ok else b"not ready\n", "text/plain")
+                    ok, body = outer.readiness()
+                    self._send(200 if ok else 503, body.encode(), "text/plain")
                 else:
                     self._send(404, b"not found\n", "text/plain")
 
@@ -281,6 +365,16 @@ class ProbeServer:
         self._httpd.daemon_threads = True
         self.port = int(self._httpd.server_address[1])
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics-http", daemon=True)
+
+    def readiness(self) -> tuple[bool, str]:
+        """Whether the server is ready, and the ``/readyz`` body that says why (class docstring)."""
+        ok, lines = self.ready, []
+        if not self.ready:
+            lines.append("server not serving (starting, handing over or shutting down)")
+        if self.listeners is not None:
+            up, lines_ = self.listeners.report()
+            ok, lines = ok and up, lines + lines_
+        return ok, "\n".join(["ready" if ok else "not ready", *lines]) + "\n"
 
     def start(self) -> None:
         """Start serving."""

@@ -24,6 +24,7 @@ from grpc_health.v1._async import HealthServicer
 
 from kvfabric.cacheserver.config import ServerConfig, TLSConfig
 from kvfabric.cacheserver.engine.tiered import TieredStore
+from kvfabric.cacheserver.health import ListenerProbes, Probe, probe_blocks, probe_grpc, probe_index
 from kvfabric.cacheserver.metrics import Metrics, ProbeServer
 from kvfabric.cacheserver.service import CacheService, SharedState, add_to_server
 from kvfabric.cacheserver.transport.arena import STAGING_PREFIX, StagingArena
@@ -224,9 +225,11 @@ async def serve(
     check_directories(config)
 
     store = TieredStore(config)
+    metrics = Metrics(store, max_namespaces=config.limits.max_described_namespaces)
     # Same-node engines look up in this published copy of the index, without a call; it follows
     # every index change (the start-up scan included), so it is complete before anything is served.
-    publisher: IndexPublisher | None = IndexPublisher(store.tier_of)
+    # An empty namespace gets a table only once a client described it over gRPC.
+    publisher: IndexPublisher | None = IndexPublisher(store.tier_of, known=metrics.namespaces.known)
     if not store.set_listener(publisher.changed if publisher else None):
         log.warning("a tier cannot report index changes: same-node lookups go over RPC")
         publisher = None
@@ -255,7 +258,6 @@ async def serve(
     if publisher is not None:
         publisher.start()
     arena = StagingArena(config.shm.arena_bytes, config.shm.slot_lease_seconds, store.counters)
-    metrics = Metrics(store, max_namespaces=config.limits.max_described_namespaces)
     state = SharedState(store, arena, metrics, config.limits)
     health = HealthServicer()
 
@@ -329,7 +331,14 @@ async def serve(
         offer.start()
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    # Ready means every same-node listener answers a client's request, checked from here, now and
+    # every second from now on (a flag set once would stay true over a dead accept loop).
+    listeners = ListenerProbes(_listener_probes(sock.absolute(), index_socket is not None))
+    await loop.run_in_executor(None, listeners.check)
+    listeners.start()
+    metrics.watch_listeners(listeners)
     if probes is not None:
+        probes.listeners = listeners
         probes.ready = True
 
     reaper = asyncio.create_task(_reap_leases(arena, config.shm.slot_lease_seconds))
@@ -351,6 +360,7 @@ async def serve(
         log.info("handed over: shutting down" if handed_over else "shutting down")
         if probes is not None:
             probes.ready = False
+        listeners.stop()
         await health.enter_graceful_shutdown()
         # Socket files are removed only while they are still ours: after a hand-over each path names
         # the successor's socket (or is about to).
@@ -380,6 +390,14 @@ async def serve(
         if probes is not None:
             probes.stop()
         log.info("stopped")
+
+
+def _listener_probes(sock: Path, index: bool) -> dict[str, Probe]:
+    """The probes of the same-node listeners, each at the path its clients reach (``health``)."""
+    probes = {"grpc": probe_grpc(sock), "blocks": probe_blocks(block_socket_for(sock))}
+    if index:
+        probes["index"] = probe_index(index_socket_for(sock))
+    return probes
 
 
 def _unix_server(sock: Path, state: SharedState, health: HealthServicer) -> grpc.aio.Server:

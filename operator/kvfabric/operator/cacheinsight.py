@@ -6,9 +6,15 @@ per pool per interval, a few requests at a time, a short timeout each), and :fun
 folds the per-node numbers into ``status.cache``: lookup hits and misses and the hit rate (what
 ``kubectl get kvp -o wide`` prints), load misses by reason, and per tier the total bytes used and
 the fullest node; and the compatibility namespaces the consumers described to the servers
-(:func:`summarize_namespaces`: digest, model, revision, dtype, layout..., nodes, hits and lookups),
+(:func:`summarize_namespaces`: label, model, revision, dtype, layout..., nodes, hits and lookups),
 with :func:`namespace_splits` naming models served under several namespaces. A silent 0 % hit
 rate (a config mismatch between consumers) becomes visible, and so does its cause.
+
+A namespace is known here only by its *label* (``namespace_label``: 16 hex characters of a one-way
+hash of its digest, the same on every server): the digest itself is a capability (whoever knows it
+can look up and load the namespace's chunks), and servers export neither it nor the description
+fields that would recompute it (the payload key's fingerprint) or name another tenant: those two come
+only as one-way 8-hex labels (``key_space``, ``tenant_label``) that tell namespaces apart.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from kvfabric.operator.api.v1alpha1 import CacheInsight, NamespaceInUse, TierUsa
 MAX_NAMESPACES_PER_NODE = 256
 MAX_NAMESPACES_LISTED = 16
 _MAX_FIELD_CHARS = 512
+LABEL_CHARS = 16
+"""Length of a namespace label (``kvfabric.cacheserver.metrics.namespace_label``)."""
 
 
 @dataclass
@@ -49,7 +57,7 @@ class NodeCache:
     load_misses: dict[str, int] = field(default_factory=dict)  # reason -> count
     used: dict[str, int] = field(default_factory=dict)  # tier -> bytes
     capacity: dict[str, int] = field(default_factory=dict)
-    namespaces: dict[str, NodeNamespace] = field(default_factory=dict)  # digest -> what it is
+    namespaces: dict[str, NodeNamespace] = field(default_factory=dict)  # label -> what it is
 
 
 def parse_metrics(text: str) -> NodeCache:
@@ -78,16 +86,18 @@ def parse_metrics(text: str) -> NodeCache:
 
 
 def _parse_namespace_sample(node: NodeCache, name: str, labels: Mapping[str, str], value: int) -> None:
-    digest = labels.get("namespace", "")
-    if len(digest) != 64 or not all(ch in "0123456789abcdef" for ch in digest):
+    label = labels.get("namespace_label", "")
+    if len(label) != LABEL_CHARS or not all(ch in "0123456789abcdef" for ch in label):
         return
-    entry = node.namespaces.get(digest)
+    entry = node.namespaces.get(label)
     if entry is None:
         if len(node.namespaces) >= MAX_NAMESPACES_PER_NODE:
             return
-        entry = node.namespaces[digest] = NodeNamespace()
+        entry = node.namespaces[label] = NodeNamespace()
     if name == "kvfabric_namespace_info":
-        entry.fields = {k: v[:_MAX_FIELD_CHARS] for k, v in sorted(labels.items()) if k != "namespace" and v}
+        entry.fields = {
+            k: v[:_MAX_FIELD_CHARS] for k, v in sorted(labels.items()) if k != "namespace_label" and v
+        }
     elif name == "kvfabric_namespace_lookup_keys_total":
         if labels.get("result") == "hit":
             entry.lookup_hits += value
@@ -144,13 +154,13 @@ def summarize(nodes: Mapping[str, NodeCache], scraped_at: str, unreachable: int 
 
 
 def summarize_namespaces(nodes: Mapping[str, NodeCache]) -> list[NamespaceInUse]:
-    """Every described namespace across the nodes, most looked-up first (then by digest)."""
+    """Every described namespace across the nodes, most looked-up first (then by label)."""
     merged: dict[str, NamespaceInUse] = {}
     for node_name in sorted(nodes):
-        for digest, seen in nodes[node_name].namespaces.items():
+        for label, seen in nodes[node_name].namespaces.items():
             if not seen.fields:
                 continue  # counters without a description: the server no longer exports it
-            entry = merged.setdefault(digest, NamespaceInUse(digest=digest, fields=seen.fields))
+            entry = merged.setdefault(label, NamespaceInUse(digest=label, fields=seen.fields))
             entry.node_count += 1
             if len(entry.nodes) < 16:
                 entry.nodes.append(node_name)
@@ -164,7 +174,7 @@ def summarize_namespaces(nodes: Mapping[str, NodeCache]) -> list[NamespaceInUse]
 
 # Fields whose difference is by design: the ranks of one tensor-parallel engine, tenants kept apart,
 # engine-wide LoRA adapters (another adapter is another model).
-_BY_DESIGN = ("tp_rank", "tenant", "lora")
+_BY_DESIGN = ("tp_rank", "tenant_label", "lora")
 
 
 def namespace_splits(in_use: Iterable[NamespaceInUse]) -> list[str]:

@@ -13,7 +13,11 @@ The table layout is :mod:`kvfabric.rpc.indextable`. This module owns the tables 
   (:func:`kvfabric.rpc.indextable.index_socket_for`): a client sends ``KVIX1 <namespace>`` and a newline and
   receives a read-only descriptor of that namespace's table (``SCM_RIGHTS``); the connection then
   stays open, so a client sees this process die at once (a hang up) rather than after a heartbeat
-  timeout. The memfd is sealed
+  timeout. Only a namespace the server knows (it holds a block of it, or a client described it over
+  gRPC) gets a table, at most :data:`MAX_TABLES` of them, and empty idle ones are reclaimed
+  (:mod:`~kvfabric.cacheserver.transport.indexregistry`); any refusal sends the client to the RPC
+  lookup. One thread serves every client without blocking on any (epoll): a request has
+  :data:`REQUEST_DEADLINE_SECONDS` from the accept to arrive whole. The memfd is sealed
   against growing, shrinking and any *new* writable mapping (``F_SEAL_FUTURE_WRITE``), and the
   descriptor sent is a read-only reopening of it, so no client can write the table others read.
   ``authorize(namespace, peer)`` (the peer's ``SO_PEERCRED``) decides which namespaces a peer may
@@ -28,7 +32,7 @@ import logging
 import mmap
 import os
 import secrets
-import select
+import selectors
 import socket
 import struct
 import threading
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfabric.cacheserver.engine.ids import BlockId
+from kvfabric.cacheserver.transport.indexregistry import Admit, TableRegistry
 from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc import indextable as it
 
@@ -47,7 +52,16 @@ log = logging.getLogger(__name__)
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
 HEARTBEAT_SECONDS = 0.05
-MAX_CONNECTIONS = 4096  # engine processes x namespaces on one node: far fewer
+MAX_CONNECTIONS = 1024  # connections holding a table: engine processes x namespaces on one node, far fewer
+MAX_PENDING = 128  # connections whose request has not arrived yet (the oldest is closed past this)
+MAX_REQUEST = 128  # bytes: the prefix, a 64-character namespace and the newline fit
+REQUEST_DEADLINE_SECONDS = 1.0  # from accept to the whole request, however it trickles in
+MAX_TABLES = 256  # namespaces with a table (a descriptor each); see indexregistry
+TABLE_IDLE_SECONDS = 60.0  # an empty table no connection holds is dropped this long after its last use
+RECLAIM_INTERVAL_SECONDS = 1.0
+IDLE_WAKE_SECONDS = 0.25  # the serving loop wakes at least this often (expiry, stop)
+ACCEPTS_PER_WAKE = 64
+ACCEPT_PAUSE_SECONDS = 0.1  # after a failed accept (EMFILE...): the listener is not watched meanwhile
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,54 +117,86 @@ def _seal(fd: int) -> None:
 
 
 class IndexPublisher:
-    """The server's published index: one table per namespace, kept equal to the store's index."""
+    """The server's published index: one table per namespace, kept equal to the store's index.
+
+    Which namespaces get a table, how many, and when one is dropped is
+    :class:`~kvfabric.cacheserver.transport.indexregistry.TableRegistry`'s policy.
+    """
 
     def __init__(
         self,
         resolve: Callable[[BlockId], str | None],
         *,
+        known: Callable[[str], bool] | None = None,
         initial_capacity: int = 1024,
-        max_tables: int = 1024,
+        max_tables: int = MAX_TABLES,
+        idle_seconds: float = TABLE_IDLE_SECONDS,
         heartbeat_seconds: float = HEARTBEAT_SECONDS,
     ) -> None:
-        """``resolve(bid)`` returns the fastest tier holding ``bid`` now (index only), or None."""
+        """``resolve(bid)``: the fastest tier holding ``bid`` now (index only), or None.
+
+        ``known(namespace)``: whether a client described ``namespace`` over gRPC; an empty namespace
+        gets a table only then (default: never; a namespace with blocks always may).
+        """
         self._resolve = resolve
+        self._known = known or (lambda namespace: False)
         self._initial = initial_capacity
-        self._max_tables = max_tables
         self._heartbeat = heartbeat_seconds
         self.epoch = secrets.randbits(64)
         self._lock = threading.Lock()
+        self._registry = TableRegistry(max_tables, idle_seconds)
         self._tables: dict[str, _Table] = {}
+        self._lineage: dict[str, int] = {}  # namespace -> serial of its registry entry (holds follow it)
+        self._serial = 0
         self._retired: list[_Table] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.reclaimed = 0
+        """Tables dropped because they were empty and idle, or evicted for a namespace with blocks."""
 
     # --- writes --------------------------------------------------------------------------------------
 
     def changed(self, bids: Iterable[BlockId]) -> None:
         """Republish ``bids`` as the store holds them now (call after every membership change)."""
+        now = time.monotonic()
         with self._lock:
             for bid in bids:
                 tier = self._resolve(bid)
-                table = self._tables.get(bid.namespace)
+                ns = bid.namespace
+                table = self._tables.get(ns)
                 if table is None:
                     if tier is None:
                         continue
-                    table = self._create(bid.namespace)
-                    if table is None:
-                        continue
+                    decision = self._registry.block_added(ns, now=now)
+                    if decision.admit is not Admit.CREATE:
+                        continue  # every table lists blocks: this namespace's clients use the RPC lookup
+                    table = self._create(ns, decision.evicted)
                 fp = it.fingerprint(bid.key)
                 code = it.TIER_CODES[tier] if tier is not None else 0
                 if code and table.writer.needs_growth() and not table.writer.get(fp):
                     table = self._grow(table)
                 table.writer.set(fp, code)
+                if code:
+                    self._registry.block_added(ns, now=now)
+                elif table.writer.count == 0:
+                    self._registry.emptied(ns, now=now)
 
-    def _create(self, namespace: str) -> _Table | None:
-        if len(self._tables) >= self._max_tables:
-            return None  # clients of further namespaces use the RPC lookup
+    def _create(self, namespace: str, evicted: Iterable[str]) -> _Table:
+        for gone in evicted:
+            self._drop(gone)
         table = _Table(namespace, self._initial, self.epoch)
         self._tables[namespace] = table
+        self._serial += 1
+        self._lineage[namespace] = self._serial
         return table
+
+    def _drop(self, namespace: str) -> None:
+        """Retire and release ``namespace``'s table (its readers keep their own mapping and fetch again)."""
+        table = self._tables.pop(namespace)
+        self._lineage.pop(namespace, None)
+        table.writer.retire()
+        table.close()
+        self.reclaimed += 1
 
     def _grow(self, old: _Table) -> _Table:
         new = _Table(old.namespace, old.writer.capacity * 2, self.epoch)
@@ -158,21 +204,51 @@ class IndexPublisher:
         self._tables[old.namespace] = new
         old.writer.retire()
         self._retired.append(old)  # kept mapped: readers still hold it until they refetch
+        for gone in self._retired[:-8]:
+            gone.close()
         del self._retired[:-8]
         return new
 
     # --- reads ---------------------------------------------------------------------------------------
 
-    def table_fd(self, namespace: str) -> int | None:
-        """A read-only descriptor of ``namespace``'s table (created empty if new); None if at the limit."""
+    def request(self, namespace: str) -> tuple[int, int] | Admit:
+        """A read-only descriptor of ``namespace``'s table and its hold token, or why there is none.
+
+        The caller closes the descriptor and, while its connection stays open, has the table held:
+        it calls :meth:`release` with the token when that connection closes.
+        """
         with self._lock:
-            table = self._tables.get(namespace) or self._create(namespace)
-            return None if table is None else table.read_only_fd()
+            decision = self._registry.request(namespace, known=self._known(namespace), now=time.monotonic())
+            if decision.admit is Admit.CREATE:
+                self._create(namespace, decision.evicted)
+            elif decision.admit is not Admit.SERVE:
+                return decision.admit
+            self._registry.hold(namespace)
+            return self._tables[namespace].read_only_fd(), self._lineage[namespace]
+
+    def release(self, namespace: str, token: int) -> None:
+        """A connection handed ``namespace``'s table (``token`` from :meth:`request`) closed."""
+        with self._lock:
+            if self._lineage.get(namespace) == token:
+                self._registry.release(namespace, now=time.monotonic())
+
+    def table_fd(self, namespace: str) -> int | None:
+        """A read-only descriptor of ``namespace``'s table, or None (refused); not held (tests)."""
+        got = self.request(namespace)
+        if isinstance(got, Admit):
+            return None
+        self.release(namespace, got[1])
+        return got[0]
 
     def namespaces(self) -> list[str]:
         """Namespaces with a table."""
         with self._lock:
             return sorted(self._tables)
+
+    def descriptors(self) -> int:
+        """Memfds this publisher holds open (live and retired tables)."""
+        with self._lock:
+            return len(self._tables) + len(self._retired)
 
     def tier_of(self, bid: BlockId) -> str | None:
         """What the published table says about ``bid`` (tests)."""
@@ -184,7 +260,7 @@ class IndexPublisher:
     # --- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the heartbeat thread."""
+        """Start the heartbeat thread (which also reclaims idle tables)."""
         self._thread = threading.Thread(target=self._beat_loop, name="index-heartbeat", daemon=True)
         self._thread.start()
 
@@ -195,9 +271,21 @@ class IndexPublisher:
             for table in self._tables.values():
                 table.writer.beat(now)
 
+    def reclaim(self) -> list[str]:
+        """Drop the tables the registry finds empty, unheld and idle; return their namespaces."""
+        with self._lock:
+            gone = self._registry.reclaim(time.monotonic())
+            for ns in gone:
+                self._drop(ns)
+            return gone
+
     def _beat_loop(self) -> None:
+        next_reclaim = time.monotonic()
         while not self._stop.wait(self._heartbeat):
             self.beat()
+            if time.monotonic() >= next_reclaim:
+                self.reclaim()
+                next_reclaim = time.monotonic() + RECLAIM_INTERVAL_SECONDS
 
     def close(self) -> None:
         """Retire every table (readers fall back to RPC) and release them."""
@@ -213,8 +301,27 @@ class IndexPublisher:
             table.close()
 
 
+@dataclass(slots=True)
+class _Conn:
+    """One client connection of the index socket: waiting for its request, or holding a table."""
+
+    sock: socket.socket
+    deadline: float  # monotonic: the whole request must have arrived by then (from accept)
+    buf: bytes = b""
+    namespace: str = ""  # set once a table was handed out: the connection then holds it
+    token: int = 0
+
+
 class IndexSocket:
-    """Serves table descriptors on a Unix socket, one short exchange per connection (a thread)."""
+    """Serves table descriptors on a Unix socket: one thread, non-blocking, every client at once.
+
+    Every connection is non-blocking and multiplexed with ``epoll`` (:mod:`selectors`; no limit on
+    descriptor numbers, unlike ``select``). A request must arrive whole within
+    :data:`REQUEST_DEADLINE_SECONDS` of the accept, whatever pace the client sends it at, and at most
+    :data:`MAX_PENDING` requests wait at once (the oldest goes first), so a slow or silent client
+    delays no other. A connection handed a table is kept, and closed as soon as it is readable (its
+    client hung up or sent more than one request).
+    """
 
     def __init__(
         self,
@@ -222,15 +329,29 @@ class IndexSocket:
         publisher: IndexPublisher,
         *,
         authorize: Callable[[str, Peer], bool] | None = None,
+        request_deadline: float = REQUEST_DEADLINE_SECONDS,
     ) -> None:
         self.path = path
         self.publisher = publisher
         self.authorize = authorize or (lambda namespace, peer: True)
+        self.request_deadline = request_deadline
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._conns: list[socket.socket] = []
         self._file: SocketFile | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._pending: dict[int, _Conn] = {}  # by descriptor, oldest first
+        self._held: dict[int, _Conn] = {}
+        self._sel: selectors.BaseSelector | None = None
+        self._accept_resume = 0.0
+        self._accept_failures = 0
+        self.served = 0
+        """Tables handed out (tests and benchmarks)."""
+
+    @property
+    def connections(self) -> int:
+        """Open client connections (waiting and holding)."""
+        return len(self._pending) + len(self._held)
 
     def publish(self) -> None:
         """Rename the bound socket onto the path: clients reach this socket from now on."""
@@ -242,90 +363,173 @@ class IndexSocket:
         sock, self._file = listen_unix(self.path, socket.SOCK_STREAM)
         sock.setblocking(False)
         self._sock = sock
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(sock, selectors.EVENT_READ, None)
+        self._wake_r.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
         if publish:
             self.publish()
         self._thread = threading.Thread(target=self._serve, name="index-socket", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        assert self._sock is not None
-        while not self._stop.is_set():
-            try:
-                ready, _, _ = select.select([self._sock, *self._conns], [], [], 0.2)
-            except (OSError, ValueError):
-                if self._stop.is_set():
-                    return
-                self._conns = [c for c in self._conns if c.fileno() >= 0]
-                continue
-            for r in ready:
-                if r is self._sock:
-                    self._accept()
-                else:
-                    # A client hung up (or sent more than one request): forget the connection.
-                    self._conns.remove(r)
-                    r.close()
+        assert self._sel is not None
+        try:
+            while not self._stop.is_set():
+                for key, _ in self._sel.select(self._timeout()):
+                    if key.data is None:
+                        self._accept()
+                    elif isinstance(key.data, _Conn):
+                        self._readable(key.data)
+                    # else: the wake-up socket (close): the loop condition ends the loop
+                self._expire()
+        except Exception:
+            log.exception("index socket loop failed")
+        finally:
+            for conn in [*self._pending.values(), *self._held.values()]:
+                self._close(conn)
+
+    def _timeout(self) -> float:
+        now = time.monotonic()
+        wait = IDLE_WAKE_SECONDS
+        if self._pending:
+            wait = min(wait, next(iter(self._pending.values())).deadline - now)
+        if self._accept_resume:
+            wait = min(wait, self._accept_resume - now)
+        return max(wait, 0.0)
 
     def _accept(self) -> None:
         assert self._sock is not None
+        assert self._sel is not None
+        for _ in range(ACCEPTS_PER_WAKE):
+            try:
+                sock, _ = self._sock.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if self._stop.is_set():
+                    return
+                # EMFILE, ENOBUFS, a shut-down listener...: the listener stays readable, so stop
+                # watching it for a moment rather than spin on it; the health probe reports it.
+                # Logged once per run of failures (and every 100th), not ten times a second.
+                self._accept_failures += 1
+                if self._accept_failures % 100 == 1:
+                    log.warning(
+                        "index socket accept failed",
+                        extra={"error": str(exc), "failures": self._accept_failures},
+                    )
+                self._sel.unregister(self._sock)
+                self._accept_resume = time.monotonic() + ACCEPT_PAUSE_SECONDS
+                return
+            self._accept_failures = 0
+            sock.setblocking(False)
+            if len(self._pending) >= MAX_PENDING:
+                self._close(next(iter(self._pending.values())))  # the oldest waits no longer
+            conn = _Conn(sock, time.monotonic() + self.request_deadline)
+            self._pending[sock.fileno()] = conn
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _readable(self, conn: _Conn) -> None:
+        if conn.namespace:
+            # A held connection is readable only when its client hung up (or broke the protocol).
+            self._close(conn)
+            return
         try:
-            conn, _ = self._sock.accept()
-        except (TimeoutError, BlockingIOError):
+            part = conn.sock.recv(MAX_REQUEST - len(conn.buf))
+        except BlockingIOError:
             return
         except OSError:
-            if not self._stop.is_set():
-                log.exception("index socket accept failed")
+            self._close(conn)
             return
-        try:
-            if self._answer(conn):
+        if not part:
+            self._close(conn)
+            return
+        conn.buf += part
+        if conn.buf.endswith(b"\n") or len(conn.buf) >= MAX_REQUEST:
+            del self._pending[conn.sock.fileno()]
+            try:
+                served = self._answer(conn)
+            except OSError as exc:
+                log.info("index socket exchange failed", extra={"error": str(exc)})
+                served = False
+            if served:
                 # Kept open: when this process dies the kernel closes it, and the client knows at
                 # once (its next lookup polls it) instead of after a heartbeat timeout.
-                self._conns.append(conn)
-                return
-        except OSError as exc:
-            log.info("index socket exchange failed", extra={"error": str(exc)})
-        conn.close()
+                self._held[conn.sock.fileno()] = conn
+            else:
+                self._close(conn, pending=False)
 
-    def _answer(self, conn: socket.socket) -> bool:
-        """One request; True if a table was sent (the connection is then kept open)."""
-        conn.settimeout(1.0)  # a client that sends nothing cannot hold the thread
-        data = b""
-        while not data.endswith(b"\n") and len(data) < 128:
-            part = conn.recv(128 - len(data))
-            if not part:
-                return False
-            data += part
-        namespace = _parse_request(data)
+    def _answer(self, conn: _Conn) -> bool:
+        """Answer a whole request; True if a table was sent (the connection then holds it)."""
+        namespace = _parse_request(conn.buf)
         if namespace is None:
-            conn.sendall(b"\x01bad request\n")
-            return False
-        if not self.authorize(namespace, peer_of(conn)):
-            conn.sendall(b"\x02permission denied\n")
-            return False
-        if len(self._conns) >= MAX_CONNECTIONS:
-            conn.sendall(b"\x03too many clients\n")
-            return False
-        fd = self.publisher.table_fd(namespace)
-        if fd is None:
-            conn.sendall(b"\x03too many namespaces\n")
-            return False
+            return _refuse(conn.sock, b"\x01bad request\n")
+        if not self.authorize(namespace, peer_of(conn.sock)):
+            return _refuse(conn.sock, b"\x02permission denied\n")
+        if len(self._held) >= MAX_CONNECTIONS:
+            return _refuse(conn.sock, b"\x03too many clients\n")
+        got = self.publisher.request(namespace)
+        if got is Admit.UNKNOWN:
+            return _refuse(conn.sock, b"\x04unknown namespace\n")
+        if isinstance(got, Admit):
+            return _refuse(conn.sock, b"\x03too many namespaces\n")
+        fd, token = got
         try:
-            socket.send_fds(conn, [b"\x00"], [fd])
+            # A fresh connection's send buffer always has room for one byte and a descriptor.
+            socket.send_fds(conn.sock, [b"\x00"], [fd])
+        except OSError:
+            self.publisher.release(namespace, token)
+            raise
         finally:
             os.close(fd)
+        conn.namespace, conn.token = namespace, token
+        self.served += 1
         return True
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._pending:
+            oldest = next(iter(self._pending.values()))
+            if oldest.deadline > now:
+                break
+            self._close(oldest)
+        if self._accept_resume and now >= self._accept_resume and self._sock is not None:
+            self._accept_resume = 0.0
+            if self._sock.fileno() >= 0 and self._sel is not None:
+                self._sel.register(self._sock, selectors.EVENT_READ, None)
+
+    def _close(self, conn: _Conn, *, pending: bool = True) -> None:
+        fd = conn.sock.fileno()
+        if pending:
+            self._pending.pop(fd, None)
+        if self._held.pop(fd, None) is not None:
+            self.publisher.release(conn.namespace, conn.token)
+        if self._sel is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(conn.sock)
+        conn.sock.close()
 
     def close(self) -> None:
         """Stop serving and remove the socket file if it is still this one (not a successor's)."""
         self._stop.set()
-        if self._sock is not None:
-            self._sock.close()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
         if self._thread is not None:
             self._thread.join(timeout=5)
-        for conn in self._conns:
-            conn.close()
-        self._conns = []
+        if self._sel is not None:
+            self._sel.close()
+        if self._sock is not None:
+            self._sock.close()
+        self._wake_r.close()
+        self._wake_w.close()
         if self._file is not None:
             self._file.remove()
+
+
+def _refuse(sock: socket.socket, message: bytes) -> bool:
+    with contextlib.suppress(OSError):
+        sock.send(message)
+    return False
 
 
 def peer_of(conn: socket.socket) -> Peer:

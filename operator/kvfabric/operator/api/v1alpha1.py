@@ -973,11 +973,15 @@ NamespaceField = Annotated[str, Field(max_length=512)]
 class NamespaceInUse(_Model):
     """A compatibility namespace in use: engines share chunks only within one (fields say what it is)."""
 
-    digest: str = Field(max_length=64, description="The namespace: SHA-256 of its description.")
+    digest: str = Field(
+        max_length=64,
+        description="The namespace's label: 16 hex characters of a one-way hash of its digest (the "
+        "digest itself names every chunk of the namespace and is never exported).",
+    )
     fields: dict[str, NamespaceField] = Field(
         default_factory=dict,
         description="What it stands for: model, revision, dtype, kv_layout, device, attn_backend, "
-        "block_size, chunk_tokens, tp_size, tp_rank, tenant, payload_key_id...",
+        "block_size, chunk_tokens, tp_size, tp_rank... (never the tenant or the payload key's fingerprint).",
         json_schema_extra={"maxProperties": 32},
     )
     nodes: list[Annotated[str, Field(max_length=253)]] = Field(

@@ -1,0 +1,218 @@
+"""The index socket of a real server process under a busy node and hostile same-node clients.
+
+* More than 1,024 descriptors open in the server (every DRAM block is a memfd): tables are still
+  handed out, hung-up clients leave no descriptor behind, and an idle server burns no CPU.
+* Made-up namespaces, asked for by the thousand, create no table and no descriptor; described ones
+  are bounded; an engine whose namespace holds blocks still gets its table.
+* A client that trickles its request a byte at a time delays no other client.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvfabric.cacheserver.transport import indexpub
+from kvfabric.client import CacheClient
+from kvfabric.contract.namespace import KEY_SCHEME_VERSION, canonical, namespace_digest
+from kvfabric.rpc import indextable as it
+from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
+
+pytestmark = [pytest.mark.process, pytest.mark.slow]
+
+
+def index_path(srv: ServerProcess) -> str:
+    return str(it.index_socket_for(srv.config.listen.unix_socket.absolute()))
+
+
+def pid_of(srv: ServerProcess) -> int:
+    assert srv.proc is not None
+    return srv.proc.pid
+
+
+def open_fds(pid: int) -> list[int]:
+    """The descriptor numbers the process holds open."""
+    return sorted(int(n) for n in os.listdir(f"/proc/{pid}/fd"))
+
+
+def settled_fds(pid: int) -> int:
+    """Descriptors the process holds, not counting transient ones: the fewest seen over 1.2 s.
+
+    The server probes its own listeners once a second (``kvfabric.cacheserver.health``): each probe
+    holds a few descriptors for a moment.
+    """
+    end = time.monotonic() + 1.2
+    fewest = len(open_fds(pid))
+    while time.monotonic() < end:
+        time.sleep(0.02)
+        fewest = min(fewest, len(open_fds(pid)))
+    return fewest
+
+
+def fd_links(pid: int) -> list[str]:
+    """What each open descriptor of the process is (``/proc/<pid>/fd`` links; gone ones skipped)."""
+    out = []
+    for n in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{n}"))
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of the process (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def request(path: str, namespace: str, *, timeout: float = 5.0) -> tuple[socket.socket, bytes, list[int]]:
+    """Ask for ``namespace``'s table: (the connection, the answer's bytes, descriptors received)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(path)
+    s.sendall(it.REQUEST_PREFIX + namespace.encode() + b"\n")
+    msg, fds, _, _ = socket.recv_fds(s, 128, 1)
+    return s, msg, fds
+
+
+def got_table(path: str, namespace: str) -> bool:
+    s, msg, fds = request(path, namespace)
+    for fd in fds:
+        os.close(fd)
+    s.close()
+    return msg[:1] == b"\x00" and len(fds) == 1
+
+
+def describe(c: CacheClient, model: str) -> str:
+    doc: dict[str, str | int] = {"scheme": KEY_SCHEME_VERSION, "model_id": model}
+    ns = namespace_digest(doc)
+    c.describe(ns, canonical(doc).decode(), timeout=5)
+    return ns
+
+
+@pytest.fixture
+def busy_server() -> Iterator[ServerProcess]:
+    with cache_server(
+        server_id="busy", dram_bytes=64 * MiB, local_disk_bytes=None, tcp=False, metrics=False
+    ) as srv:
+        yield srv
+
+
+def test_tables_are_served_with_more_than_1024_descriptors_open_and_hung_up_clients_leak_nothing(
+    busy_server: ServerProcess,
+) -> None:
+    srv, pid = busy_server, pid_of(busy_server)
+    ns = digest("busy")
+    keys = [digest("b", i) for i in range(1100)]
+    with CacheClient(srv.unix_target) as c:
+        for i in range(0, len(keys), 50):
+            batch = keys[i : i + 50]
+            assert c.store(ns, batch, [payload_for(k, 4096) for k in batch], timeout=30).accepted == len(
+                batch
+            )
+    fds = open_fds(pid)
+    assert len(fds) > 1100, "every DRAM block is an open memfd"
+    assert fds[-1] >= 1100
+    path = index_path(srv)
+    # A client hung up before asking, one asks and hangs up, one holds its table: 100 of each.
+    before = settled_fds(pid)
+    for _ in range(100):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        s.close()
+        assert got_table(path, ns)
+    held = [request(path, ns) for _ in range(100)]
+    for _, msg, fds_ in held:
+        assert msg == b"\x00"
+        assert len(fds_) == 1
+        os.close(fds_[0])
+    wait_until(
+        lambda: len(open_fds(pid)) == before + 100, 10, 0.01, what="one descriptor per held connection"
+    )
+    for s, _, _ in held:
+        s.close()
+    wait_until(lambda: len(open_fds(pid)) == before, 10, 0.01, what="hung-up connections closed")
+    # Idle, the server does not spin (select() on a descriptor >= 1024 used to fail in a loop).
+    used = cpu_seconds(pid)
+    time.sleep(1.0)
+    assert cpu_seconds(pid) - used < 0.2
+    assert got_table(path, ns)
+
+
+def test_made_up_namespaces_create_no_table_and_engines_still_get_theirs(busy_server: ServerProcess) -> None:
+    srv, pid = busy_server, pid_of(busy_server)
+    path = index_path(srv)
+    real = digest("real-engine")
+    with CacheClient(srv.unix_target) as c:
+        c.store(real, [digest("r")], [payload_for(digest("r"), 4096)], timeout=10)
+        before = settled_fds(pid)
+        # Made up, never described, holding no block: refused, nothing created, nothing kept.
+        for i in range(2000):
+            s, msg, fds = request(path, digest("made-up", i))
+            assert (msg, fds) == (b"\x04unknown namespace\n", [])
+            s.close()
+        assert settled_fds(pid) == before
+        # Described (anyone on the node may describe anything), asked for and held open: bounded.
+        held = []
+        for i in range(indexpub.MAX_TABLES + 40):
+            ns = describe(c, f"made-up-{i}")
+            s, msg, fds = request(path, ns)
+            for fd in fds:
+                os.close(fd)
+            held.append(s)
+        # Each table is a memfd the server keeps twice (its own descriptor and the mapping's).
+        tables = sum(link.startswith("/memfd:kvfabric-index") for link in fd_links(pid)) // 2
+        assert tables <= indexpub.MAX_TABLES + 8  # + the retired tables growth keeps for readers
+        assert settled_fds(pid) <= before + 2 * tables + len(held)
+        # The engine whose namespace holds blocks outranks every empty table, held or not.
+        assert got_table(path, real)
+        # So does one that stores its first block now.
+        late = digest("late-engine")
+        c.store(late, [digest("l")], [payload_for(digest("l"), 4096)], timeout=10)
+        assert got_table(path, late)
+        for s in held:
+            s.close()
+
+
+def test_a_trickling_client_delays_no_other(busy_server: ServerProcess) -> None:
+    srv = busy_server
+    path = index_path(srv)
+    ns = digest("prompt")
+    with CacheClient(srv.unix_target) as c:
+        c.store(ns, [digest("p")], [payload_for(digest("p"), 4096)], timeout=10)
+    slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    slow.connect(path)
+    request_bytes = it.REQUEST_PREFIX + ns.encode() + b"\n"
+    poller = select.poll()
+    poller.register(slow, select.POLLIN | select.POLLHUP)
+    try:
+        slow.send(request_bytes[:1])
+        time.sleep(0.1)
+        slow.send(request_bytes[1:2])
+        # The trickler has not finished (nor been cut off): another client is served meanwhile.
+        s, msg, fds = request(path, ns, timeout=10)
+        assert poller.poll(0) == [], "the trickling client was still connected when the other was served"
+        assert msg == b"\x00"
+        assert len(fds) == 1
+        os.close(fds[0])
+        s.close()
+        # The trickler's whole request has a deadline from its accept: it is cut off long before it
+        # could finish at a byte every 0.3 s (it needs ~70 bytes).
+        sent = 2
+        while sent < len(request_bytes) and not poller.poll(0):
+            time.sleep(0.3)
+            try:
+                slow.send(request_bytes[sent : sent + 1])
+            except OSError:
+                break
+            sent += 1
+        assert sent < 10, f"the server read {sent} trickled bytes before closing"
+    finally:
+        slow.close()

@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from kvfabric.cacheserver.transport import blocksock
+from kvfabric.cacheserver.transport.indexpub import peer_of as real_peer_of
 from kvfabric.client import CacheClient, errors
 from kvfabric.client._common import shm_slots
 from kvfabric.client.blocks import BlockChannel
@@ -148,7 +149,6 @@ def test_a_failure_serving_one_connection_closes_it_and_the_loop_goes_on(
             raise RuntimeError("a bug answering this request")
         return os.dup(memfd), len(PAYLOAD)
 
-    real_peer_of = blocksock.peer_of
     accepted = {"n": 0}
 
     def flaky_peer_of(sock: socket.socket) -> object:

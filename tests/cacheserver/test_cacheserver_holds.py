@@ -450,3 +450,76 @@ def test_a_hold_whose_descriptor_cannot_be_duplicated_is_not_taken(monkeypatch: 
     monkeypatch.undo()
     assert tier.held_bytes == 0  # nothing held: the block stays evictable
     assert tier.evict(0) == [bid("d")]
+
+
+# --- many tiny held blocks against the descriptor cap, through a real server ------------------------
+
+NOFILE = 600
+"""The server's descriptor limit in the next test: a DRAM cap of 300 blocks, 150 of them holdable."""
+NOFILE_SITE = textwrap.dedent(
+    f"""
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, ({NOFILE}, {NOFILE}))
+    """
+)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("one_id_per_connection", [False, True], ids=["one-client", "an-id-per-connection"])
+def test_a_greedy_client_holding_tiny_blocks_leaves_other_engines_the_descriptors_they_need(
+    tmp_path: Path, one_id_per_connection: bool
+) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NOFILE_SITE)
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    with (
+        cache_server(dram_bytes=64 * MiB, local_disk_bytes=None, env=env) as srv,
+        CacheClient(srv.unix_target) as plain,
+    ):
+        blocks = bp.block_socket_for(srv.unix_target[len("unix://") :])
+        # The greedy client: ten connections, each keeping every tiny block it loads. Without ids
+        # (as the client of the report) they are one client here, by their process id; with an id
+        # each, ten clients as far as the server can tell.
+        greedy = []
+        for i in range(10):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(str(blocks))
+            greedy.append((s, f"greedy-{i}" if one_id_per_connection else None))
+        held = lent = 0
+        try:
+            for r in range(10):
+                keys = [digest("greedy", r, i) for i in range(60)]
+                plain.store(NS, keys, [payload_for(k, PAGE) for k in keys], timeout=30)
+                names = _slot_names(srv.unix_target, keys)
+                if not names:
+                    continue  # nothing of this round stayed resident
+                s, client = greedy[r % len(greedy)]
+                ask = names[:64]
+                s.send(bp.encode_hold_request(ask, client=client) if client else bp.encode_hold_request(ask))
+                msg, fds, _ = fdpass.recv_fds(s, 256, 64)
+                close_all(fds)
+                held += msg.count(bytes([bp.FOUND]))
+                lent += msg.count(bytes([bp.LENT]))
+            dram = _dram(plain)
+            # Another engine stores 100 tiny blocks and loads them back through shared memory.
+            other_keys = [digest("other", i) for i in range(100)]
+            other_payloads = [payload_for(k, PAGE) for k in other_keys]
+            with CacheClient(srv.unix_target, shared_memory=True) as other:
+                stored = other.store(NS, other_keys, other_payloads, timeout=30).accepted
+                bufs = [memoryview(bytearray(PAGE)) for _ in other_keys]
+                loaded = other.load_into(NS, other_keys, bufs, timeout=30)
+            print(  # the numbers docs/security.md quotes
+                f"greedy held {held} blocks (lent {lent}), server: {dram.get('held_blocks')} held of "
+                f"{dram.get('max_blocks')}; the other engine stored {stored}/100, loaded {loaded}/100"
+            )
+            assert dram["held_blocks"] == held
+            assert dram["max_blocks"] == NOFILE // 2
+            assert held <= (dram["max_held_blocks"] if one_id_per_connection else dram["max_held_blocks"] // 4)
+            assert lent > 0
+            assert (stored, loaded) == (100, 100)
+            assert [bytes(b) for b in bufs] == other_payloads
+        finally:
+            for s, _ in greedy:
+                s.close()
+        wait_until(lambda: _dram(plain)["held_blocks"] == 0, 10, what="holds released")

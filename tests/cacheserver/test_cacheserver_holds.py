@@ -524,3 +524,22 @@ def test_a_greedy_client_holding_tiny_blocks_leaves_other_engines_the_descriptor
             for s, _ in greedy:
                 s.close()
         wait_until(lambda: _dram(plain)["held_blocks"] == 0, 10, what="holds released")
+
+
+@pytest.mark.process
+def test_a_client_whose_holds_are_refused_copies_and_loads_every_block() -> None:
+    keys = [digest("refused", i) for i in range(10)]
+    payloads = [payload_for(k, PAGE) for k in keys]
+    overrides = {"shm.hold_blocks_per_client": 2}
+    with (
+        cache_server(dram_bytes=64 * MiB, local_disk_bytes=None, overrides=overrides) as srv,
+        CacheClient(srv.unix_target, shared_memory=True) as c,
+    ):
+        assert c.store(NS, keys, payloads, timeout=30).accepted == 10
+        for _ in range(3):
+            bufs = [memoryview(bytearray(PAGE)) for _ in keys]
+            assert c.load_into(NS, keys, bufs, timeout=30) == 10
+            assert [bytes(b) for b in bufs] == payloads
+            # Two blocks held (kept mapped), the other eight lent and copied: never more.
+            assert _dram(c)["held_blocks"] <= 2
+        assert _dram(c)["held_blocks"] == 2

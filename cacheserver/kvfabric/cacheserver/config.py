@@ -145,8 +145,8 @@ class ShmConfig(_Model):
         default=1024,
         gt=0,
         description="Connections the block socket serves at once, all same-node clients together; one "
-        "more is refused (its client falls back to copying over gRPC or recomputes). Every connection "
-        "is served by one loop thread: no thread is started per connection.",
+        "more is refused (CacheOverloaded at the client: a miss or a dropped store, never an error to "
+        "inference). One loop thread serves every connection: no thread is started per connection.",
     )
     max_block_connections_per_client: int = Field(
         default=8,

@@ -17,9 +17,10 @@ A client that keeps its mappings of loaded blocks across loads (``kvfabric.clien
 with ``KVBH1`` instead: each found block is also *held* for this connection — the server keeps its
 memory charged to the DRAM budget after an eviction or delete until the hold is released, so kept
 mappings never make the server use memory it does not account — and answered :data:`FOUND`, or
-:data:`LENT` when the connection's hold budget is spent (the client copies and unmaps as with
-``KVBK1``). Names preceded by ``-`` release earlier holds first; a request of releases only is
-answered with the single byte :data:`RELEASED`. Closing the connection releases all of its holds.
+:data:`LENT` when its client's hold budget (bytes or blocks) or the server's share is spent (the
+client copies and unmaps as with ``KVBK1``). Names preceded by ``-`` release earlier holds first; a
+request of releases only is answered with the single byte :data:`RELEASED`. Closing the connection
+releases all of its holds.
 
 A client names itself with ``@<id>`` right after the prefix (kvfabric's client sends the id it sends
 on the gRPC socket as ``kvfabric-client`` metadata, one per client object): the server budgets holds
@@ -59,7 +60,7 @@ MAX_NAMES = 64
 FOUND = 0
 GONE = 1
 LENT = 2
-"""Found, sent, but not held (the connection's hold budget is spent)."""
+"""Found, sent, but not held (the client's hold budget, or the server's share, is spent)."""
 RELEASED = 3
 """The answer to a request of releases only."""
 REFUSED = 0xFE

@@ -114,6 +114,7 @@ class BlockSocket:
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, _Conn] = {}
         self._per_client: dict[str, int] = {}
+        self._waiting: set[_Conn] = set()  # connections with an answer not sent yet
         self._file: SocketFile | None = None
         self._sel: selectors.BaseSelector | None = None
         self._wake_r: socket.socket | None = None
@@ -212,7 +213,7 @@ class BlockSocket:
                 except Exception as exc:  # one connection's failure is its own
                     self._drop(conn, exc)
         now = time.monotonic()
-        for conn in [c for c in self._conns.values() if c.pending is not None]:
+        for conn in [c for c in self._waiting if c.pending is not None]:
             if now - conn.since > SEND_TIMEOUT_SECONDS:
                 # A client that does not read its answers is not served any more.
                 log.info("block socket: a client does not read", extra={"pid": conn.pid, "uid": conn.uid})
@@ -328,6 +329,7 @@ class BlockSocket:
         except BlockingIOError:
             # The client's queue is full: keep the answer, stop reading it, send when it reads.
             conn.pending, conn.since = (msg, fds), time.monotonic()
+            self._waiting.add(conn)
             assert self._sel is not None
             self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
             return
@@ -344,6 +346,7 @@ class BlockSocket:
             return
         msg, fds = conn.pending
         conn.pending = None
+        self._waiting.discard(conn)
         assert self._sel is not None
         self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
         self._send(conn, msg, fds)
@@ -369,6 +372,7 @@ class BlockSocket:
             if conn.pending is not None:
                 _close_fds(conn.pending[1])
                 conn.pending = None
+            self._waiting.discard(conn)
         finally:
             # A closed connection holds nothing, whatever its client did (died, forgot, misbehaved).
             if self._book is not None:

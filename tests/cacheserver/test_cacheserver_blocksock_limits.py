@@ -1,8 +1,9 @@
 """The block socket stays up for everyone whatever one client does (docs/cacheserver.md, "Same node").
 
-- Threads cannot be started (a pod at its pids limit): a real server keeps handing out descriptors,
-  and every engine on the node keeps loading and storing through shared memory — no thread is ever
-  started per connection, so there is none to fail.
+- Threads cannot be started (a pod at its pids limit: a real pids cgroup where this machine lets a
+  test make one, and everywhere a server whose ``Thread.start`` fails): a real server keeps handing
+  out descriptors, and every engine on the node keeps loading and storing through shared memory — no
+  thread is ever started per connection, so there is none to fail.
 - A failure of one connection (or a bug answering it) closes that connection, never the loop.
 - Connections are bounded in all and per client; one over a bound is refused with a reason (the
   client raises ``CacheOverloaded``) and the others are served meanwhile and afterwards.
@@ -126,6 +127,51 @@ def test_engines_keep_loading_through_shared_memory_while_no_thread_can_start(tm
         assert _roundtrip(srv.unix_target, "after") == 4
         assert _fetch_raw(blocks, names) == [bp.FOUND] * 4
         assert "Traceback" not in srv.logs()
+
+
+PIDS_CGROUP = Path("/sys/fs/cgroup/pids")
+
+
+@pytest.fixture
+def pids_cgroup() -> Iterator[Path]:
+    """A fresh pids cgroup (v1) this test may put a server in; skipped where there is none to make."""
+    if not os.access(PIDS_CGROUP / "cgroup.procs", os.W_OK):
+        pytest.skip("no writable pids cgroup (v1) here: needs root and /sys/fs/cgroup/pids")
+    group = PIDS_CGROUP / f"kvf-test-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        group.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create a pids cgroup: {exc}")
+    try:
+        yield group
+    finally:
+        wait_until(lambda: not (group / "cgroup.procs").read_text().strip(), 30, what="the cgroup to empty")
+        group.rmdir()
+
+
+@pytest.mark.process
+def test_at_a_real_pids_limit_the_block_socket_serves_and_starts_no_thread(pids_cgroup: Path) -> None:
+    # The fault of a pod at its pids limit, for real: the kernel refuses the server any new thread.
+    with cache_server(dram_bytes=64 * MiB, local_disk_bytes=None) as srv:
+        assert srv.proc is not None
+        blocks = bp.block_socket_for(srv.unix_target[len("unix://") :])
+        keys = [digest("pids", i) for i in range(4)]
+        with CacheClient(srv.unix_target) as plain:
+            assert plain.store(NS, keys, [payload_for(k, 4096) for k in keys], timeout=10).accepted == 4
+        assert _roundtrip(srv.unix_target, "before") == 4
+        names = _slot_names(srv.unix_target, keys)
+        (pids_cgroup / "cgroup.procs").write_text(str(srv.proc.pid))
+        (pids_cgroup / "pids.max").write_text((pids_cgroup / "pids.current").read_text())
+        try:
+            for _ in range(5):
+                assert _fetch_raw(blocks, names) == [bp.FOUND] * 4
+            assert _roundtrip(srv.unix_target, "at-the-limit") == 4
+            # Not one thread was even asked for (the old server's accept thread tried at once, and
+            # died: every later connection timed out, after the limit was lifted too).
+            assert (pids_cgroup / "pids.events").read_text().split() == ["max", "0"]
+        finally:
+            (pids_cgroup / "pids.max").write_text("max")
+        assert _roundtrip(srv.unix_target, "after") == 4
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@
 
 A client that stops reading its answers, a server out of descriptors, a client process that forks
 while descriptors arrive, and a container runtime's low descriptor limit: each would otherwise hold
-a server thread forever, stop the accept loop, leak blocks into child processes, or cap the DRAM
-tier at about a thousand blocks.
+a connection (and its answer's descriptors) forever, stop the accept loop, leak blocks into child
+processes, or cap the DRAM tier at about a thousand blocks.
 """
 
 from __future__ import annotations
@@ -78,13 +78,13 @@ def test_a_client_that_stops_reading_its_answers_is_disconnected_and_others_are_
                 time.sleep(0.01)
         assert sent > 0
         assert served.connections == 1, "still connected while the server waits to send"
-        # Meanwhile another client is served (its own connection and thread).
+        # Meanwhile another client is served (the loop stopped reading greedy, not serving).
         with BlockChannel(served.path) as polite:
             (fd,) = polite.fetch([NAME], deadline=time.monotonic() + 5)
         assert fd is not None
         os.close(fd)
-        # The server gives up on that send after its timeout and drops the connection, which frees
-        # its thread. Without the timeout the thread waits forever.
+        # The server gives up on that send after its timeout and drops the connection (and the
+        # descriptors of the answer it kept). Without the timeout it would keep them forever.
         wait_until(lambda: served.connections == 0, 20, what="the greedy client to be disconnected")
     finally:
         greedy.close()

@@ -124,12 +124,35 @@ class ShmConfig(_Model):
     hold_bytes_per_client: int = Field(
         default=1 * GiB,
         ge=0,
-        description="Bytes of loaded blocks one same-node client connection may hold, that is keep mapped "
-        "across loads (a repeated load then copies at memory speed, with no mapping to build). Held "
-        "blocks stay charged to the DRAM budget after an eviction until released, so the server never "
-        "uses memory it does not count; eviction passes over held blocks (evicting one frees nothing) and "
-        "all clients together hold at most half of the DRAM budget. 0: nothing is held (every load maps "
-        "its blocks afresh).",
+        description="Bytes of loaded blocks one same-node client may hold, that is keep mapped across "
+        "loads (a repeated load then copies at memory speed, with no mapping to build), over all of its "
+        "block-socket connections (a client is the id it names itself by). Held blocks stay charged to "
+        "the DRAM budget after an eviction until released, so the server never uses memory it does not "
+        "count; eviction passes over held blocks (evicting one frees nothing) and all clients together "
+        "hold at most half of the DRAM budget and half of its descriptor cap. A hold beyond a budget is "
+        "refused: the client copies the block instead. 0: nothing is held (every load maps its blocks "
+        "afresh).",
+    )
+    hold_blocks_per_client: int | None = Field(
+        default=None,
+        gt=0,
+        description="Blocks one same-node client may hold (each keeps a descriptor of the server open), "
+        "over all of its connections; default a quarter of what all clients together may hold (half the "
+        "DRAM tier's descriptor cap), at least 1. Bounds holds of many tiny blocks, which bytes alone "
+        "do not.",
+    )
+    max_block_connections: int = Field(
+        default=1024,
+        gt=0,
+        description="Connections the block socket serves at once, all same-node clients together; one "
+        "more is refused (CacheOverloaded at the client: a miss or a dropped store, never an error to "
+        "inference). One loop thread serves every connection: no thread is started per connection.",
+    )
+    max_block_connections_per_client: int = Field(
+        default=8,
+        gt=0,
+        description="Block-socket connections one same-node client (the id it names itself by) may have "
+        "open at once; one more is refused. kvfabric's client keeps one per client object.",
     )
 
 

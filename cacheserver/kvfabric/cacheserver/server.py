@@ -28,7 +28,7 @@ from kvfabric.cacheserver.health import ListenerProbes, Probe, probe_blocks, pro
 from kvfabric.cacheserver.metrics import Metrics, ProbeServer
 from kvfabric.cacheserver.service import CacheService, SharedState, add_to_server
 from kvfabric.cacheserver.transport.arena import STAGING_PREFIX, StagingArena
-from kvfabric.cacheserver.transport.blocksock import BlockSocket
+from kvfabric.cacheserver.transport.blocksock import BlockLimits, BlockSocket
 from kvfabric.cacheserver.transport.handover import (
     HandoverFailed,
     HandoverOffer,
@@ -288,7 +288,12 @@ async def serve(
             arena.dup_by_name(name) if name.startswith(STAGING_PREFIX) else store.dram.dup_by_name(name)
         ),
         holds=store.dram,
-        hold_budget=config.shm.hold_bytes_per_client,
+        limits=BlockLimits(
+            max_connections=config.shm.max_block_connections,
+            max_connections_per_client=config.shm.max_block_connections_per_client,
+            hold_bytes_per_client=config.shm.hold_bytes_per_client,
+            hold_blocks_per_client=config.shm.hold_blocks_per_client,
+        ),
     )
     block_socket.start(publish=False)
     # Engine pods may run as another user: the socket is guarded by its directory's permissions.

@@ -17,9 +17,16 @@ A client that keeps its mappings of loaded blocks across loads (``kvfabric.clien
 with ``KVBH1`` instead: each found block is also *held* for this connection — the server keeps its
 memory charged to the DRAM budget after an eviction or delete until the hold is released, so kept
 mappings never make the server use memory it does not account — and answered :data:`FOUND`, or
-:data:`LENT` when the connection's hold budget is spent (the client copies and unmaps as with
-``KVBK1``). Names preceded by ``-`` release earlier holds first; a request of releases only is
-answered with the single byte :data:`RELEASED`. Closing the connection releases all of its holds.
+:data:`LENT` when its client's hold budget (bytes or blocks) or the server's share is spent (the
+client copies and unmaps as with ``KVBK1``). Names preceded by ``-`` release earlier holds first; a
+request of releases only is answered with the single byte :data:`RELEASED`. Closing the connection
+releases all of its holds.
+
+A client names itself with ``@<id>`` right after the prefix (kvfabric's client sends the id it sends
+on the gRPC socket as ``kvfabric-client`` metadata, one per client object): the server budgets holds
+and counts connections per client, so a second connection buys a client nothing. A connection is
+one client for its life: a later request naming another is malformed. A server that takes no more
+connections, in all or from this client, answers :data:`REFUSED` followed by a reason and closes.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ __all__ = [
     "LENT",
     "MAX_MESSAGE",
     "MAX_NAMES",
+    "REFUSED",
     "RELEASED",
     "Request",
     "block_socket_for",
@@ -52,13 +60,18 @@ MAX_NAMES = 64
 FOUND = 0
 GONE = 1
 LENT = 2
-"""Found, sent, but not held (the connection's hold budget is spent)."""
+"""Found, sent, but not held (the client's hold budget, or the server's share, is spent)."""
 RELEASED = 3
 """The answer to a request of releases only."""
+REFUSED = 0xFE
+"""No more connections are served (in all, or of this client): a reason follows, then it closes."""
 BAD_REQUEST = 0xFF
+CLIENT_ID = re.compile(r"[A-Za-z0-9-]{1,64}")
+"""What a client id looks like (as the gRPC socket's ``kvfabric-client`` metadata)."""
+_CLIENT = re.compile(rb"@[A-Za-z0-9-]{1,64}")
 _NAME = re.compile(rb"[ds]_[0-9a-f]{32}")
 _BLOCK_NAME = re.compile(rb"d_[0-9a-f]{32}")
-MAX_MESSAGE = len(REQUEST_PREFIX) + MAX_NAMES * 35 + MAX_NAMES * 36
+MAX_MESSAGE = len(REQUEST_PREFIX) + 66 + MAX_NAMES * 35 + MAX_NAMES * 36
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +81,8 @@ class Request:
     names: list[str]
     hold: bool = False
     release: list[str] = field(default_factory=list)
+    client: str | None = None
+    """The id the client named itself by (``@<id>``), or None."""
 
 
 def block_socket_for(unix_socket: str | os.PathLike[str]) -> Path:
@@ -76,19 +91,30 @@ def block_socket_for(unix_socket: str | os.PathLike[str]) -> Path:
     return p.with_name(p.name + ".blocks")
 
 
-def encode_request(names: Sequence[str]) -> bytes:
-    """One request message for ``names`` (at most :data:`MAX_NAMES`)."""
+def _client_part(client: str | None) -> bytes:
+    if client is None:
+        return b""
+    if not CLIENT_ID.fullmatch(client):
+        raise ValueError(f"a client id is 1 to 64 letters, digits and dashes, not {client!r}")
+    return b" @" + client.encode("ascii")
+
+
+def encode_request(names: Sequence[str], client: str | None = None) -> bytes:
+    """One request message for ``names`` (at most :data:`MAX_NAMES`), from ``client`` if named."""
     if not 0 < len(names) <= MAX_NAMES:
         raise ValueError(f"a block request names 1 to {MAX_NAMES} handles, not {len(names)}")
-    return REQUEST_PREFIX + b"".join(b" " + n.encode("ascii") for n in names)
+    return REQUEST_PREFIX + _client_part(client) + b"".join(b" " + n.encode("ascii") for n in names)
 
 
-def encode_hold_request(names: Sequence[str], release: Sequence[str] = ()) -> bytes:
+def encode_hold_request(
+    names: Sequence[str], release: Sequence[str] = (), client: str | None = None
+) -> bytes:
     """One ``KVBH1`` message: send and hold ``names`` (blocks only), after releasing ``release``."""
     if not len(names) <= MAX_NAMES or not len(release) <= MAX_NAMES or not (names or release):
         raise ValueError(f"a hold request names 0 to {MAX_NAMES} blocks and releases 0 to {MAX_NAMES}")
     return (
         HOLD_PREFIX
+        + _client_part(client)
         + b"".join(b" -" + n.encode("ascii") for n in release)
         + b"".join(b" " + n.encode("ascii") for n in names)
     )
@@ -102,6 +128,12 @@ def parse_request(data: bytes) -> Request | None:
     parts = data[len(REQUEST_PREFIX) :].split(b" ")
     if parts[0] != b"":
         return None
+    client = None
+    if len(parts) > 1 and parts[1].startswith(b"@"):
+        if not _CLIENT.fullmatch(parts[1]):
+            return None
+        client = parts[1][1:].decode("ascii")
+        del parts[1]
     release = [p[1:] for p in parts[1:] if p.startswith(b"-")] if hold else []
     names = [p for p in parts[1:] if not p.startswith(b"-")] if hold else parts[1:]
     if len(names) > MAX_NAMES or len(release) > MAX_NAMES or not (names or release):
@@ -111,4 +143,4 @@ def parse_request(data: bytes) -> Request | None:
         return None
     if not all(_BLOCK_NAME.fullmatch(n) for n in release):
         return None
-    return Request([n.decode("ascii") for n in names], hold, [n.decode("ascii") for n in release])
+    return Request([n.decode("ascii") for n in names], hold, [n.decode("ascii") for n in release], client)

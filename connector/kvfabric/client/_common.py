@@ -313,11 +313,17 @@ class LoadAssembler:
 # --- shared memory (memfds from the block socket) ------------------------------------------------
 
 
-def block_channel_for(target: Target, mapping_budget: int = 0) -> BlockChannel | None:
-    """The block-socket channel of a Unix target's server (None for TCP: no shared memory remotely)."""
+def block_channel_for(
+    target: Target, mapping_budget: int = 0, client_id: str | None = None
+) -> BlockChannel | None:
+    """The block-socket channel of a Unix target's server (None for TCP: no shared memory remotely).
+
+    ``client_id``: the client's id (as on the gRPC socket), by which the server budgets its holds.
+    """
     if not target.is_unix:
         return None
-    return BlockChannel(block_socket_for(target.address[len("unix://") :]), mapping_budget=mapping_budget)
+    path = block_socket_for(target.address[len("unix://") :])
+    return BlockChannel(path, mapping_budget=mapping_budget, client_id=client_id)
 
 
 def shm_slots(messages: Iterable[pb.ShmSlot]) -> Iterator[pb.ShmSlot]:

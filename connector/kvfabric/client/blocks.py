@@ -5,7 +5,9 @@ The server names blocks and staging memfds on its gRPC socket (``ShmLoad``, ``Sh
 descriptors back. A load's descriptor is a sealed memfd: it cannot be written, resized or mapped
 writable by this process, so a copy straight out of a read-only mapping is safe (never SIGBUS).
 One connection per client, opened on first use and again after the server restarted; requests are
-tiny and serialized under a lock.
+tiny and serialized under a lock. Each request names the client (its gRPC ``kvfabric-client`` id), so
+the server budgets its holds and connections per client; a server too old to know ids is asked again
+without one, until the next reconnect.
 """
 
 from __future__ import annotations
@@ -38,12 +40,16 @@ class BlockChannel:
     (:mod:`kvfabric.client.mappings`); 0 maps each block afresh per load.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, mapping_budget: int = 0) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, mapping_budget: int = 0, client_id: str | None = None
+    ) -> None:
         self.path = Path(path)
+        self.client_id = client_id
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._maps = MappingCache(mapping_budget) if mapping_budget > 0 else None
         self._holds_refused = False  # the server answering now knows no hold requests (older)
+        self._id_refused = False  # the server answering now knows no client ids (older)
 
     @property
     def maps(self) -> MappingCache | None:
@@ -195,12 +201,16 @@ class BlockChannel:
             # Releases ride on the next request: no message of their own on the load path. Taken
             # per attempt: after a reconnect, the closed connection's releases are gone with it.
             msg, fds = self._exchange(
-                lambda: bp.encode_hold_request([name], maps.take_releases(bp.MAX_NAMES)), 1, deadline
+                lambda client: bp.encode_hold_request([name], maps.take_releases(bp.MAX_NAMES), client),
+                1,
+                deadline,
             )
             if msg[:1] == bytes([bp.BAD_REQUEST]):
                 close_all(fds)
+                id_refused = self._id_refused  # learnt from this same server, just now
                 self._drop()  # the server closes the connection after a bad request
                 self._holds_refused = True  # until the next reconnect (that server may be upgraded)
+                self._id_refused = id_refused
                 return None
             # Read after the exchange: a reconnect inside it cleared the mappings and bumped it.
             epoch = maps.epoch
@@ -246,31 +256,39 @@ class BlockChannel:
         if left <= 0 or not self._lock.acquire(timeout=left):
             raise errors.CacheTimeout("block socket: deadline passed")
         try:
-            msg, fds = self._exchange(lambda: bp.encode_request(names), len(names), deadline)
+            msg, fds = self._exchange(functools.partial(bp.encode_request, names), len(names), deadline)
             return _assign(names, msg, fds)
         finally:
             self._lock.release()
 
     def _exchange(
-        self, request: Callable[[], bytes], most_fds: int, deadline: float
+        self, request: Callable[[str | None], bytes], most_fds: int, deadline: float
     ) -> tuple[bytes, list[int]]:
         """Send one request and receive its answer (under the lock; reconnects once after a hang-up).
 
-        ``request`` builds the message for each attempt (a reconnect may change what it carries).
+        ``request(client id or None)`` builds the message for each attempt (a reconnect may change
+        what it carries). A refusal (the server serves no more connections) raises
+        :class:`~kvfabric.client.errors.CacheOverloaded`.
         """
-        for attempt in (0, 1):
+        attempts = 0
+        while True:
+            attempts += 1
+            client = None if self._id_refused else self.client_id
             sock = self._connected(deadline)
             try:
                 sock.settimeout(max(1e-3, deadline - time.monotonic()))
-                sock.send(request())
+                sock.send(request(client))
                 # Close-on-exec from the start: another thread of the engine may fork meanwhile.
                 msg, fds, flags = fdpass.recv_fds(sock, bp.MAX_NAMES + 1, most_fds)
             except TimeoutError as exc:
                 self._drop()
                 raise errors.CacheTimeout("block socket: no answer before the deadline") from exc
             except OSError as exc:
+                refused = _refusal(sock)  # refused at accept: the reason waits, the request failed
                 self._drop()
-                if attempt:
+                if refused is not None:
+                    raise errors.CacheOverloaded(f"block socket refused: {refused}") from exc
+                if attempts > 1:
                     raise errors.CacheUnavailable(f"block socket {self.path}: {exc}") from exc
                 continue  # the server restarted since the last request: reconnect once
             if flags & socket.MSG_CTRUNC:
@@ -283,11 +301,21 @@ class BlockChannel:
                 )
             if not msg:
                 self._drop()
-                if attempt:
+                if attempts > 1:
                     raise errors.CacheUnavailable(f"block socket {self.path} hung up")
                 continue
+            if msg[:1] == bytes([bp.REFUSED]):
+                close_all(fds)
+                self._drop()
+                raise errors.CacheOverloaded(f"block socket refused: {_reason(msg)}")
+            if client is not None and msg[:1] == bytes([bp.BAD_REQUEST]) and attempts <= 2:
+                # A server older than client ids refuses the id (and closes): ask it without one. (A
+                # server that knows ids never finds a request of this client's malformed for it.)
+                close_all(fds)
+                self._drop()
+                self._id_refused = True  # until the next reconnect (that server may be upgraded)
+                continue
             return msg, fds
-        raise AssertionError("unreachable")
 
     def _connected(self, deadline: float) -> socket.socket:
         if self._sock is None:
@@ -309,6 +337,7 @@ class BlockChannel:
         if self._maps is not None:
             self._maps.clear()
         self._holds_refused = False  # the next server may know holds (an upgrade restarted it)
+        self._id_refused = False  # and client ids
 
     def close(self) -> None:
         """Close the connection (a later fetch reopens it)."""
@@ -320,6 +349,20 @@ class BlockChannel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _reason(msg: bytes) -> str:
+    return msg[1:80].decode("ascii", "replace")
+
+
+def _refusal(sock: socket.socket) -> str | None:
+    """The reason the server refused this connection with, if that is what waits on it."""
+    try:
+        sock.setblocking(False)
+        msg = sock.recv(256)
+    except OSError:
+        return None
+    return _reason(msg) if msg[:1] == bytes([bp.REFUSED]) else None
 
 
 def _assign(names: Sequence[str], msg: bytes, fds: list[int]) -> list[int | None]:

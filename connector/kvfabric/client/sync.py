@@ -30,7 +30,9 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 DEFAULT_MAPPING_CACHE_BYTES = 512 << 20
 """Kept block mappings per client by default: half the server's default hold budget per client
-(``shm.hold_bytes_per_client``, 1 GiB), so the server never refuses a hold this client made room for."""
+(``shm.hold_bytes_per_client``, 1 GiB), so the server never refuses a hold this client made room for
+(of blocks large enough; a server also caps the *number* of blocks a client holds, and a block it
+refuses to hold is copied, not kept)."""
 _DESCRIBE_TIMEOUT_S = 2.0
 """Longest a description may take (it is for status only; the call it precedes has its own deadline)."""
 
@@ -81,11 +83,14 @@ class CacheClient:
         self._index = c.local_index_for(self._target) if local_index else None
         # With the published index, a load waiting on a server that stopped beating is cancelled.
         self._hangs = HangWatch(self._index) if self._index is not None else None
-        self._blocks = c.block_channel_for(self._target, mapping_cache_bytes) if shared_memory else None
+        # Named once per client object: the server caps slots per client on the Unix socket too, and
+        # budgets holds and connections per client on the block socket.
+        self._client_id = c.new_client_id()
+        self._blocks = (
+            c.block_channel_for(self._target, mapping_cache_bytes, self._client_id) if shared_memory else None
+        )
         self._token = token
         self._token_file = Path(token_file) if token_file is not None else None
-        # Named once per client object: the server caps slots per client on the Unix socket too.
-        self._client_id = c.new_client_id()
         self._tls = (tls_ca, tls_cert, tls_key)
         self._tls_server_name = tls_server_name
         # Credential files (a Secret volume the kubelet updates in place) are watched: when one

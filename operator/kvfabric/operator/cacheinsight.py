@@ -173,8 +173,9 @@ def summarize_namespaces(nodes: Mapping[str, NodeCache]) -> list[NamespaceInUse]
 
 
 # Fields whose difference is by design: the ranks of one tensor-parallel engine, tenants kept apart,
-# engine-wide LoRA adapters (another adapter is another model).
-_BY_DESIGN = ("tp_rank", "tenant_label", "lora")
+# engine-wide LoRA adapters (another adapter is another model), payload keys (every consumer namespace
+# seals with a key of its own, so one model under several keys is the normal case).
+_BY_DESIGN = ("tp_rank", "tenant_label", "lora", "key_space")
 
 
 def namespace_splits(in_use: Iterable[NamespaceInUse]) -> list[str]:

@@ -39,10 +39,12 @@ log = logging.getLogger(__name__)
 
 DRAM_PREFIX = "d_"
 HELD_SHARE = 0.5
-"""Most of the DRAM budget clients may hold (keep mapped across loads); beyond it blocks are lent.
+"""Most of the DRAM budget, in bytes and in blocks, clients may hold (keep mapped across loads);
+beyond it blocks are lent.
 
 Eviction passes over held blocks (evicting one would free nothing), so at least this share of the
-budget is always evictable."""
+budget, and of the tier's descriptor cap, is always evictable: many tiny held blocks cannot pin the
+descriptors other engines' blocks need."""
 BLOCK_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 """Seals of a committed block: its bytes and size are fixed for good, whoever holds a descriptor."""
 
@@ -216,6 +218,9 @@ class DramTier:
         # last hold is released, because the client's mapping keeps its pages alive. The budget
         # therefore counts every byte the blocks really occupy, mapped by clients or not.
         self.max_held_bytes = int(capacity_bytes * HELD_SHARE)
+        # And in blocks: each held block keeps a descriptor open (the tier's own, and a retired one
+        # after an eviction or delete), so bytes alone would let tiny blocks pin every descriptor.
+        self.max_held_blocks = max(1, int(self.max_blocks * HELD_SHARE))
         self._holds: dict[str, int] = {}
         self._held_bytes = 0
         self._retired: dict[str, DramBlock] = {}
@@ -293,7 +298,8 @@ class DramTier:
         Returns ``(descriptor, length, held_size)``: ``held_size`` is the bytes charged to the caller's
         budget (the block's page-rounded size), 0 when it was not held; None if the block is gone. The
         caller's own ``budget`` always applies (a block others hold costs it the same); a block held
-        already costs the tier's share nothing more.
+        already costs the tier's share nothing more. The share is :data:`HELD_SHARE` of the byte
+        budget and of the block (descriptor) cap.
         """
         with self._lock:
             bid = self._by_name.get(name)
@@ -302,7 +308,13 @@ class DramTier:
             blk = self._index[bid]
             fd = os.dup(blk.fd)  # first: a failed dup (EMFILE) must not leave a hold behind
             already = name in self._holds
-            held = blk.size <= budget and (already or self._held_bytes + blk.size <= self.max_held_bytes)
+            held = blk.size <= budget and (
+                already
+                or (
+                    self._held_bytes + blk.size <= self.max_held_bytes
+                    and len(self._holds) < self.max_held_blocks
+                )
+            )
             if held:
                 if not already:
                     self._held_bytes += blk.size
@@ -336,6 +348,12 @@ class DramTier:
         """Bytes of blocks that clients hold (resident or retired)."""
         with self._lock:
             return self._held_bytes
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks that clients hold (resident or retired): each keeps a descriptor of this tier open."""
+        with self._lock:
+            return len(self._holds)
 
     @property
     def retired_bytes(self) -> int:

@@ -664,6 +664,9 @@ class TieredStore:
         # the retired ones (evicted or deleted, not yet released) too.
         tiers[str(TierName.DRAM)]["held_bytes"] = self.dram.held_bytes
         tiers[str(TierName.DRAM)]["retired_held_bytes"] = self.dram.retired_bytes
+        tiers[str(TierName.DRAM)]["held_blocks"] = self.dram.held_blocks
+        tiers[str(TierName.DRAM)]["max_blocks"] = self.dram.max_blocks
+        tiers[str(TierName.DRAM)]["max_held_blocks"] = self.dram.max_held_blocks
         return {
             "server_id": self.server_id,
             "tiers": tiers,

@@ -1,17 +1,30 @@
 """Serving block and staging descriptors to same-node clients (the block socket).
 
-See :mod:`kvfabric.rpc.blockproto` for the exchange. One thread per connection: engine processes on
-a node are few, each keeps one connection, and a request is a dictionary lookup and a ``sendmsg``.
-A name is a capability the gRPC socket handed to a caller of ``ShmLoad``/``ShmStoreBegin``; a
-load's name resolves for as long as its block is resident, a staging name until its lease is
-committed, aborted or reaped. The peer's ``SO_PEERCRED`` is read at accept time and logged with any
-refusal.
+See :mod:`kvfabric.rpc.blockproto` for the exchange. A name is a capability the gRPC socket handed
+to a caller of ``ShmLoad``/``ShmStoreBegin``; a load's name resolves for as long as its block is
+resident, a staging name until its lease is committed, aborted or reaped. The peer's ``SO_PEERCRED``
+is read at accept time and logged with any refusal.
 
-A connection may *hold* the blocks it loads (``KVBH1``) up to ``hold_budget`` bytes, so its client can
-keep them mapped across loads; the DRAM tier keeps a held block's memory charged until the release.
-The socket remembers each connection's holds and releases them all when the connection closes,
-whatever the client did: a client that dies (or forgets) cannot leave memory the server does not
-count.
+One thread serves every connection (a selector loop over non-blocking sockets): a request is a
+dictionary lookup and a ``sendmsg``, so nothing is gained by a thread per connection, and a thread
+started per connection is a thread that cannot be started at the pod's pids limit — which used to
+kill the accept loop and with it every same-node load and store until a restart. Nothing a single
+connection does or suffers (a failure to register it, a bad request, a send that fails, a bug in
+answering it) reaches further than that connection: it is closed, logged, and the loop goes on.
+The loop turns at least every :data:`TICK_SECONDS`; :meth:`BlockSocket.alive` says whether it still
+does (readiness), ``last_error`` what last went wrong, and ``heartbeat`` is called on every turn.
+
+Connections are bounded in all (``max_connections``) and per client (``max_connections_per_client``;
+a client is the id it names itself by, see :mod:`kvfabric.cacheserver.transport.holdbook`); one over
+either is answered :data:`~kvfabric.rpc.blockproto.REFUSED` and closed. A client that stops reading its
+answers stops being read (its requests wait in its own socket) and is dropped once an answer has
+waited :data:`SEND_TIMEOUT_SECONDS` to be sent.
+
+A connection may *hold* the blocks it loads (``KVBH1``) within its client's budget in bytes and in
+blocks, and the tier's share of both (:mod:`~kvfabric.cacheserver.transport.holdbook`), so its client
+can keep them mapped across loads; the DRAM tier keeps a held block's memory charged until the
+release. The socket releases all of a connection's holds when it closes, whatever the client did: a
+client that dies (or forgets) cannot leave memory or descriptors the server does not count.
 """
 
 from __future__ import annotations
@@ -19,56 +32,106 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
-from kvfabric.cacheserver.transport.indexpub import MAX_CONNECTIONS, listen_unix, peer_of
+from kvfabric.cacheserver.transport.holdbook import HoldBook, Holds, anonymous_client
+from kvfabric.cacheserver.transport.indexpub import listen_unix, peer_of
 from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc import blockproto as bp
 
-__all__ = ["BlockSocket", "Holds", "Resolver"]
+__all__ = ["BlockLimits", "BlockSocket", "Holds", "Resolver"]
 
 log = logging.getLogger(__name__)
 
-SEND_TIMEOUT_SECONDS = 5
+SEND_TIMEOUT_SECONDS = 5.0
+"""How long an answer may wait for its client to read (then the connection is dropped)."""
+TICK_SECONDS = 0.5
+"""The loop turns at least this often (send deadlines, the heartbeat, a paused accept)."""
+ACCEPT_PAUSE_SECONDS = 0.1
+"""After a failed ``accept`` (``EMFILE``...), accepting pauses this long; connections are still served."""
 
 Resolver = Callable[[str], tuple[int, int] | None]
 """name -> (a descriptor the socket closes after sending, payload length), or None if gone."""
 
 
-class Holds(Protocol):
-    """Where held blocks are accounted (the DRAM tier)."""
+@dataclass(frozen=True, slots=True)
+class BlockLimits:
+    """What the block socket serves at most (``shm.*`` in the server configuration)."""
 
-    def hold_by_name(self, name: str, budget: int) -> tuple[int, int, int] | None:
-        """``(descriptor, length, bytes held)`` of a block (0: not held, over ``budget``); None if gone."""
-        ...
+    max_connections: int = 1024
+    """Connections served at once, all clients together."""
+    max_connections_per_client: int = 8
+    """Connections one client may have open at once."""
+    hold_bytes_per_client: int = 0
+    """Bytes of blocks one client may hold (0: nothing is held)."""
+    hold_blocks_per_client: int | None = None
+    """Blocks one client may hold; None: a quarter of the tier's share of held blocks (at least 1)."""
 
-    def release(self, name: str, times: int = 1) -> None:
-        """Release ``times`` holds of ``name``."""
-        ...
+
+@dataclass(eq=False, slots=True)
+class _Conn:
+    sock: socket.socket
+    pid: int
+    uid: int
+    client: str | None = None
+    """Set by the connection's first request."""
+    named: str | None = None
+    """The id the client named itself by, if any."""
+    pending: tuple[bytes, list[int]] | None = None
+    """An answer the client has not taken yet (its descriptors are ours until sent)."""
+    since: float = 0.0
 
 
 class BlockSocket:
     """Hands out memfd descriptors by handle name on a ``SOCK_SEQPACKET`` Unix socket."""
 
     def __init__(
-        self, path: Path, resolve: Resolver, holds: Holds | None = None, hold_budget: int = 0
+        self,
+        path: Path,
+        resolve: Resolver,
+        holds: Holds | None = None,
+        limits: BlockLimits | None = None,
     ) -> None:
         self.path = path
         self.resolve = resolve
+        self.limits = limits or BlockLimits()
         self.holds = holds
-        self.hold_budget = hold_budget if holds is not None else 0
+        self._book: HoldBook | None = None
+        if holds is not None and self.limits.hold_bytes_per_client > 0:
+            blocks = self.limits.hold_blocks_per_client
+            if blocks is None:
+                blocks = max(1, holds.max_held_blocks // 4)
+            self._book = HoldBook(holds, self.limits.hold_bytes_per_client, blocks)
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._per_client: dict[str, int] = {}
+        self._waiting: set[_Conn] = set()  # connections with an answer not sent yet
         self._file: SocketFile | None = None
+        self._sel: selectors.BaseSelector | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._accept_paused_until = 0.0
+        self._accept_failures = 0
+        self.heartbeat: Callable[[], None] | None = None
+        """Called on every turn of the loop (at least every :data:`TICK_SECONDS`), from its thread."""
+        self.last_turn = 0.0
+        """``time.monotonic()`` of the loop's last completed turn (0: not started)."""
+        self.last_error: str | None = None
+        """What last went wrong in the loop itself or with a connection (None: nothing yet)."""
+
+    @property
+    def hold_blocks_per_client(self) -> int:
+        """Blocks one client may hold (0 when nothing is held)."""
+        return 0 if self._book is None else self._book.blocks_per_client
 
     def publish(self) -> None:
         """Rename the bound socket onto the path: clients reach this socket from now on."""
@@ -76,11 +139,18 @@ class BlockSocket:
         self._file.publish()
 
     def start(self, *, publish: bool = True) -> None:
-        """Bind and accept in a daemon thread; ``publish``: at the path at once (else :meth:`publish`)."""
+        """Bind and serve in a daemon thread; ``publish``: at the path at once (else :meth:`publish`)."""
         self._sock, self._file = listen_unix(self.path, socket.SOCK_SEQPACKET)
+        self._sock.setblocking(False)
+        self._sel = selectors.DefaultSelector()  # epoll: no descriptor-number limit as select() has
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._sock, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         if publish:
             self.publish()
-        self._thread = threading.Thread(target=self._accept_loop, name="block-socket", daemon=True)
+        self.last_turn = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="block-socket", daemon=True)
         self._thread.start()
 
     @property
@@ -89,68 +159,237 @@ class BlockSocket:
         with self._lock:
             return len(self._conns)
 
-    def _accept_loop(self) -> None:
+    def alive(self, within: float = 4 * TICK_SECONDS) -> bool:
+        """Whether the loop serves: started, not closed, and it turned in the last ``within`` seconds."""
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and not self._stop.is_set()
+            and time.monotonic() - self.last_turn <= within
+        )
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._turn()
+                except Exception as exc:  # the loop itself must never die; back off, go on
+                    # (and no heartbeat: a loop that fails every turn serves nobody, alive() says so)
+                    self._failed("block socket loop failed", exc)
+                    self._stop.wait(0.1)
+                    continue
+                self.last_turn = time.monotonic()
+                if self.heartbeat is not None:
+                    try:
+                        self.heartbeat()
+                    except Exception as exc:
+                        self._failed("block socket heartbeat failed", exc)
+        finally:
+            self._close_all()
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.last_error = f"{what}: {exc!r}"
+        log.warning(what, extra={"error": repr(exc)}, exc_info=exc)
+
+    def _turn(self) -> None:
+        assert self._sel is not None
+        events = self._sel.select(TICK_SECONDS)
+        for key, mask in events:
+            if key.data is None:
+                self._accept_some()
+            elif key.data == "wake":
+                assert self._wake_r is not None
+                with contextlib.suppress(OSError):
+                    self._wake_r.recv(64)
+            else:
+                conn: _Conn = key.data
+                try:
+                    if mask & selectors.EVENT_WRITE:
+                        self._flush(conn)
+                    if mask & selectors.EVENT_READ and conn.pending is None and conn.sock in self._conns:
+                        self._read(conn)
+                except Exception as exc:  # one connection's failure is its own
+                    self._drop(conn, exc)
+        now = time.monotonic()
+        for conn in [c for c in self._waiting if c.pending is not None]:
+            if now - conn.since > SEND_TIMEOUT_SECONDS:
+                # A client that does not read its answers is not served any more.
+                log.info("block socket: a client does not read", extra={"pid": conn.pid, "uid": conn.uid})
+                self._drop(conn, None)
+        if self._accept_paused_until and now >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            assert self._sock is not None
+            self._sel.register(self._sock, selectors.EVENT_READ, None)
+
+    def _accept_some(self) -> None:
         assert self._sock is not None
-        failures = 0
-        while not self._stop.is_set():
+        assert self._sel is not None
+        for _ in range(64):  # a burst at a time; the others are served in between
             try:
-                conn, _ = self._sock.accept()
+                sock, _ = self._sock.accept()
+            except BlockingIOError:
+                return
             except OSError as exc:
                 if self._stop.is_set():
                     return
-                # EMFILE, ENOBUFS, ECONNABORTED...: transient; never stop serving same-node clients.
-                # Logged once per run of failures (and every 100th), not ten times a second.
-                failures += 1
-                if failures % 100 == 1:
-                    log.warning("block socket accept failed", extra={"error": str(exc), "failures": failures})
-                time.sleep(0.1)
-                continue
-            failures = 0
-            with self._lock:
-                full = len(self._conns) >= MAX_CONNECTIONS
-                if not full:
-                    self._conns.add(conn)
-            if full:
-                with contextlib.suppress(OSError):
-                    conn.send(bytes([bp.BAD_REQUEST]) + b"too many clients")
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="block-conn", daemon=True).start()
+                # EMFILE, ENOBUFS, ECONNABORTED...: transient; the connection stays in the backlog.
+                # Logged once per run of failures (and every 100th), not ten times a second; accepting
+                # pauses meanwhile, serving does not.
+                self._accept_failures += 1
+                if self._accept_failures % 100 == 1:
+                    log.warning(
+                        "block socket accept failed",
+                        extra={"error": str(exc), "failures": self._accept_failures},
+                    )
+                self.last_error = f"accept: {exc!r}"
+                self._sel.unregister(self._sock)
+                self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE_SECONDS
+                return
+            self._accept_failures = 0
+            try:
+                self._open(sock)
+            except Exception as exc:  # that connection's failure only
+                self._failed("block socket: cannot serve a new connection", exc)
+                with self._lock:
+                    self._conns.pop(sock, None)
+                with contextlib.suppress(Exception):
+                    assert self._sel is not None
+                    self._sel.unregister(sock)
+                sock.close()
 
-    def _serve(self, conn: socket.socket) -> None:
-        held = _Held()
+    def _open(self, sock: socket.socket) -> None:
+        assert self._sel is not None
+        peer = peer_of(sock)
+        with self._lock:
+            full = len(self._conns) >= self.limits.max_connections
+        if full:
+            log.info("block socket: too many connections", extra={"pid": peer.pid, "uid": peer.uid})
+            _refuse(sock, b"too many connections")
+            sock.close()
+            return
+        sock.setblocking(False)
+        conn = _Conn(sock, peer.pid, peer.uid)
+        with self._lock:
+            self._conns[sock] = conn
+        self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, conn: _Conn) -> None:
         try:
-            peer = peer_of(conn)
-            # A client that sends requests but never reads the answers cannot hold this thread (and
-            # the descriptors in flight) for longer than this: the send fails, the connection closes.
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_SECONDS, 0))
-            while not self._stop.is_set():
-                data = conn.recv(bp.MAX_MESSAGE + 1)
-                if not data:
-                    return
-                req = bp.parse_request(data) if len(data) <= bp.MAX_MESSAGE else None
-                if req is None:
-                    log.info("block socket: bad request", extra={"pid": peer.pid, "uid": peer.uid})
-                    conn.send(bytes([bp.BAD_REQUEST]) + b"bad request")
-                    return
-                if req.hold:
-                    self._answer_holding(conn, req, held)
-                else:
-                    self._answer(conn, req.names)
+            data = conn.sock.recv(bp.MAX_MESSAGE + 1)
+        except BlockingIOError:
+            return
         except OSError as exc:
             if not self._stop.is_set():
                 log.info("block socket connection failed", extra={"error": str(exc)})
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
-            # A closed connection holds nothing, whatever its client did (died, forgot, misbehaved).
-            # (``held`` only ever fills when there is a tier to hold in.)
-            for name, times in held.all():
-                assert self.holds is not None
-                self.holds.release(name, times)
+            self._drop(conn, None)
+            return
+        if not data:
+            self._drop(conn, None)
+            return
+        req = bp.parse_request(data) if len(data) <= bp.MAX_MESSAGE else None
+        if req is None or (req.client is not None and conn.client is not None and req.client != conn.named):
+            log.info("block socket: bad request", extra={"pid": conn.pid, "uid": conn.uid})
+            _refuse(conn.sock, b"bad request", status=bp.BAD_REQUEST)
+            self._drop(conn, None)
+            return
+        if conn.client is None and not self._bind(conn, req.client):
+            return
+        if req.hold:
+            msg, fds = self._answer_holding(conn, req)
+        else:
+            msg, fds = self._answer(req.names)
+        self._send(conn, msg, fds)
 
-    def _answer(self, conn: socket.socket, names: list[str]) -> None:
+    def _bind(self, conn: _Conn, named: str | None) -> bool:
+        """Make ``conn`` its client's (on its first request); False if that client has too many."""
+        client = f"id:{named}" if named is not None else anonymous_client(conn.pid, conn.uid, conn)
+        with self._lock:
+            count = self._per_client.get(client, 0)
+            full = count >= self.limits.max_connections_per_client
+            if not full:
+                self._per_client[client] = count + 1
+                conn.client, conn.named = client, named
+        if full:
+            log.info(
+                "block socket: too many connections from one client",
+                extra={"pid": conn.pid, "uid": conn.uid, "client": client},
+            )
+            _refuse(conn.sock, b"too many connections from this client")
+            self._drop(conn, None)
+            return False
+        if self._book is not None:
+            self._book.open(conn, client)
+        return True
+
+    def _send(self, conn: _Conn, msg: bytes, fds: list[int]) -> None:
+        try:
+            socket.send_fds(conn.sock, [msg], fds)
+        except BlockingIOError:
+            # The client's queue is full: keep the answer, stop reading it, send when it reads.
+            conn.pending, conn.since = (msg, fds), time.monotonic()
+            self._waiting.add(conn)
+            assert self._sel is not None
+            self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
+            return
+        except OSError as exc:
+            _close_fds(fds)
+            if not self._stop.is_set():
+                log.info("block socket connection failed", extra={"error": str(exc)})
+            self._drop(conn, None)
+            return
+        _close_fds(fds)
+
+    def _flush(self, conn: _Conn) -> None:
+        if conn.pending is None or conn.sock not in self._conns:
+            return
+        msg, fds = conn.pending
+        conn.pending = None
+        self._waiting.discard(conn)
+        assert self._sel is not None
+        self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+        self._send(conn, msg, fds)
+
+    def _drop(self, conn: _Conn, exc: BaseException | None) -> None:
+        """Close one connection and release everything it had (idempotent)."""
+        if exc is not None:
+            self._failed("block socket connection failed", exc)
+        with self._lock:
+            if self._conns.pop(conn.sock, None) is None:
+                return
+            if conn.client is not None:
+                left = self._per_client[conn.client] - 1
+                if left:
+                    self._per_client[conn.client] = left
+                else:
+                    del self._per_client[conn.client]
+        try:
+            if self._sel is not None:
+                with contextlib.suppress(KeyError, ValueError, OSError):
+                    self._sel.unregister(conn.sock)
+            conn.sock.close()
+            if conn.pending is not None:
+                _close_fds(conn.pending[1])
+                conn.pending = None
+            self._waiting.discard(conn)
+        finally:
+            # A closed connection holds nothing, whatever its client did (died, forgot, misbehaved).
+            if self._book is not None:
+                self._book.close(conn)
+
+    def _close_all(self) -> None:
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                self._drop(conn, None)
+        if self._sel is not None:
+            self._sel.close()
+
+    # --- answers -------------------------------------------------------------------------------------
+
+    def _answer(self, names: list[str]) -> tuple[bytes, list[int]]:
         status = bytearray()
         fds: list[int] = []
         try:
@@ -161,91 +400,62 @@ class BlockSocket:
                 else:
                     status.append(bp.FOUND)
                     fds.append(got[0])
-            socket.send_fds(conn, [bytes(status)], fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        except BaseException:
+            _close_fds(fds)
+            raise
+        return bytes(status), fds
 
-    def _answer_holding(self, conn: socket.socket, req: bp.Request, held: _Held) -> None:
-        for name in req.release:
-            if held.drop(name):
-                assert self.holds is not None  # held only fills when there is a tier to hold in
-                self.holds.release(name)  # only this connection's own holds: never another client's
+    def _answer_holding(self, conn: _Conn, req: bp.Request) -> tuple[bytes, list[int]]:
+        book = self._book
+        if book is not None:
+            for name in req.release:
+                book.release(conn, name)  # only this connection's own holds: never another client's
         if not req.names:
-            conn.send(bytes([bp.RELEASED]))
-            return
+            return bytes([bp.RELEASED]), []
         status = bytearray()
         fds: list[int] = []
         try:
             for name in req.names:
-                if self.holds is None:
+                if book is None:
                     lent = self.resolve(name)
                     got = None if lent is None else (lent[0], lent[1], 0)
                 else:
-                    # A block this connection holds already costs its budget nothing more.
-                    left = self.hold_budget - held.bytes + held.size_of(name)
-                    got = self.holds.hold_by_name(name, left)
+                    got = book.hold(conn, name)
                 if got is None:
                     status.append(bp.GONE)
                     continue
-                fd, _length, size = got
-                fds.append(fd)
-                if size:
-                    held.add(name, size)
-                status.append(bp.FOUND if size else bp.LENT)
-            socket.send_fds(conn, [bytes(status)], fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
+                fds.append(got[0])
+                status.append(bp.FOUND if got[2] else bp.LENT)
+        except BaseException:
+            _close_fds(fds)
+            raise
+        return bytes(status), fds
 
     def close(self) -> None:
         """Stop serving, drop every connection and remove the socket file if it is still this one."""
         self._stop.set()
-        if self._sock is not None:
+        if self._wake_w is not None:
             with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
-            self._sock.close()
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+                self._wake_w.send(b"x")
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._sock is not None:
+            self._sock.close()
+        for s in (self._wake_r, self._wake_w):
+            if s is not None:
+                s.close()
         if self._file is not None:
             self._file.remove()
 
 
-class _Held:
-    """One connection's holds: how often it holds each block, and their bytes (each block once)."""
+def _refuse(sock: socket.socket, reason: bytes, *, status: int = bp.REFUSED) -> None:
+    """Tell a client why it is not served (best effort: it may not be reading), then the caller closes."""
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        sock.send(bytes([status]) + reason)
 
-    def __init__(self) -> None:
-        self._times: dict[str, int] = {}
-        self._size: dict[str, int] = {}
-        self.bytes = 0
 
-    def size_of(self, name: str) -> int:
-        """Bytes ``name`` costs this connection's budget now (0 if it does not hold it)."""
-        return self._size.get(name, 0)
-
-    def add(self, name: str, size: int) -> None:
-        if name not in self._times:
-            self._size[name] = size
-            self.bytes += size
-        self._times[name] = self._times.get(name, 0) + 1
-
-    def drop(self, name: str) -> bool:
-        """Forget one hold of ``name``; False if this connection does not hold it."""
-        times = self._times.get(name)
-        if times is None:
-            return False
-        if times > 1:
-            self._times[name] = times - 1
-        else:
-            del self._times[name]
-            self.bytes -= self._size.pop(name)
-        return True
-
-    def all(self) -> list[tuple[str, int]]:
-        """Every held name and how often (what closing the connection releases)."""
-        return list(self._times.items())
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

@@ -184,7 +184,7 @@ def test_network_policy_admits_consumers_to_cache_and_scrapers_to_metrics_only()
     assert no_metrics["ingress"] == []  # deny every ingress
 
 
-_FOREIGN = {
+_FOREIGN: dict[str, dict[str, Any]] = {
     "no owner": {},
     "the operator's labels copied": {"labels": names.child_labels("p", "credentials")},
     "owned by an earlier pool of that name": {

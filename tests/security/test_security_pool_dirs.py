@@ -197,10 +197,15 @@ def _node(tmp_path: Path, *, plant_symlink: bool) -> tuple[Path, KVCachePool, di
     return host, pool, _pod_spec(pool)
 
 
-needs_root = pytest.mark.skipif(
+_needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("chroot") is None,
     reason="needs root, unshare and chroot",
 )
+
+
+def needs_root(test: Any) -> Any:
+    """Real mount(2) in a child process: level ``process``, skipped without root and unshare."""
+    return pytest.mark.process(_needs_root(test))
 
 
 @needs_root

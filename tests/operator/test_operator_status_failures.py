@@ -168,3 +168,15 @@ def test_a_complete_rollout_never_exceeds_the_deadline() -> None:
     assert cond(again, "Degraded")["status"] == "False"
     assert again["lastProgressTime"] == first["lastProgressTime"]
     assert events == []
+
+
+def test_a_secret_in_the_way_is_degraded_naming_it_with_a_warning_then_recovers() -> None:
+    status, events = compute_status(observe(daemonset=None, secret_conflicts=("p-credentials",)), NOW)
+    degraded, ready = cond(status, "Degraded"), cond(status, "Ready")
+    assert (degraded["status"], degraded["reason"]) == ("True", "SecretConflict")
+    assert (ready["status"], ready["reason"]) == ("False", "SecretConflict")
+    assert "Secret p-credentials already exists and is not this pool's" in degraded["message"]
+    assert ("Warning", "SecretConflict") in [(e.type, e.reason) for e in events]
+    # Gone (renamed by its owner): the next pass proceeds and says the conflict is resolved.
+    _, events = compute_status(observe(previous_status=status), NOW)
+    assert ("Normal", "Recovered") in [(e.type, e.reason) for e in events]

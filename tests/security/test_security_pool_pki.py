@@ -7,6 +7,8 @@ import datetime as dt
 from typing import Any
 
 from cryptography import x509
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvfabric.cacheserver.config import ServerConfig
 from kvfabric.operator.api.v1alpha1 import KVCachePool
@@ -180,3 +182,50 @@ def test_network_policy_admits_consumers_to_cache_and_scrapers_to_metrics_only()
     ]
     no_metrics = _policy(pool(tcp=False, metrics={"enabled": False}))
     assert no_metrics["ingress"] == []  # deny every ingress
+
+
+_FOREIGN: dict[str, dict[str, Any]] = {
+    "no owner": {},
+    "the operator's labels copied": {"labels": names.child_labels("p", "credentials")},
+    "owned by an earlier pool of that name": {
+        "ownerReferences": [{**OWNER, "uid": "an-earlier-incarnation"}],
+        "labels": names.child_labels("p", "credentials"),
+    },
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    taken=st.sets(st.sampled_from(["p-credentials", "p-ca", "p-server-tls", "p-client-tls"]), min_size=1),
+    how=st.sampled_from(sorted(_FOREIGN)),
+    tcp=st.booleans(),
+)
+def test_a_secret_that_is_not_the_pools_is_never_written_and_is_reported(
+    taken: set[str], how: str, tcp: bool
+) -> None:
+    now = dt.datetime.now(dt.UTC)
+    theirs = {
+        n: {"metadata": {"name": n, "namespace": "ns", **_FOREIGN[how]}, "data": {"access-key": "dXNlcg=="}}
+        for n in taken
+    }
+    plan = plan_secrets(pool(tcp=tcp), theirs, now, OWNER)
+    conflicts = taken & plan.wanted
+    assert plan.conflicts == tuple(sorted(conflicts))
+    if conflicts:
+        assert plan.writes == []  # nothing merged, owned or issued beside it
+    else:  # only Secrets the pool does not want (TCP off): the pool proceeds, never touching them
+        assert plan.writes
+    assert not {w["metadata"]["name"] for w in plan.writes} & taken
+
+
+def test_the_pools_own_secrets_are_known_by_the_owner_reference_to_its_uid() -> None:
+    now = dt.datetime.now(dt.UTC)
+    store: dict[str, Any] = {}
+    _plan(pool(), store, now)
+    # Its own (owner reference to uid "u"): kept as they are, no conflict.
+    plan = plan_secrets(pool(), store, now, OWNER)
+    assert (plan.writes, plan.conflicts) == ([], ())
+    # The same Secrets under a re-created pool of the same name (another uid) are not its own.
+    plan = plan_secrets(pool(), store, now, {**OWNER, "uid": "u2"})
+    assert plan.conflicts == ("p-ca", "p-client-tls", "p-credentials", "p-server-tls")
+    assert plan.writes == []

@@ -6,6 +6,12 @@ third of its validity left is re-issued, and so is the CA (its successor's certi
 with the old one until the old one expires, so no handshake fails during the hand-over).
 
 Each pool has its own CA: a client certificate of one pool is worthless against another pool.
+
+The Secrets' names are fixed (``<pool>-credentials``, ``<pool>-ca``, ``<pool>-server-tls``,
+``<pool>-client-tls``), so one may already exist that is not the pool's: a user's own (say the
+pool's S3 keys). The pool's are those with an owner reference to its uid (the operator writes one on
+every Secret it creates); any other is a conflict, never read, written or owned
+(:attr:`SecretPlan.conflicts`).
 """
 
 from __future__ import annotations
@@ -24,17 +30,33 @@ from kvfabric.operator.api.v1alpha1 import KVCachePool
 from kvfabric.operator.certs import make_ca, make_leaf
 from kvfabric.operator.render import names
 
-__all__ = ["CA_LIFETIME_FACTOR", "SecretPlan", "plan_secrets", "server_dns_names"]
+__all__ = ["CA_LIFETIME_FACTOR", "SecretPlan", "owned_by", "plan_secrets", "server_dns_names"]
 
 CA_LIFETIME_FACTOR: Final = 10
 
 
 @dataclass(frozen=True)
 class SecretPlan:
-    """Secrets the pool should have (names) and those that must be written now (bodies)."""
+    """Secrets the pool should have (names), those to write now (bodies), and those it may not write.
+
+    ``conflicts``: wanted names held by a Secret that is not the pool's (sorted). Nothing is written
+    to them; the pool reports them (condition ``Degraded``, reason ``SecretConflict``).
+    """
 
     wanted: frozenset[str]
     writes: list[dict[str, Any]]
+    conflicts: tuple[str, ...] = ()
+
+
+def owned_by(secret: Mapping[str, Any], uid: str) -> bool:
+    """Whether ``secret`` is the pool's with ``uid``: one of its owner references names that uid.
+
+    Not labels: anyone who can write a Secret can copy the operator's labels onto it by accident (a
+    copied manifest). An owner reference to the pool's uid, which is new for every incarnation of
+    a pool, is only ever written by the operator for that pool (or by someone who means exactly that).
+    """
+    refs = (secret.get("metadata") or {}).get("ownerReferences") or []
+    return bool(uid) and any(str(ref.get("uid", "")) == uid for ref in refs)
 
 
 def server_dns_names(pool: KVCachePool) -> tuple[str, ...]:
@@ -111,7 +133,27 @@ def plan_secrets(
     *,
     token: Callable[[], str] = lambda: secrets.token_urlsafe(32),
 ) -> SecretPlan:
-    """Return the Secrets ``pool`` needs given the ``existing`` ones (by name; None when absent)."""
+    """Return the Secrets ``pool`` needs given the ``existing`` ones (by name; None when absent).
+
+    An existing Secret that is not the pool's (:func:`owned_by` the uid in ``owner``) is never read
+    or written. If the pool wants its name, it is listed in ``conflicts`` and nothing at all is
+    written: the pool's credentials hang together (leaves signed by its CA, the token the servers
+    and consumers share), so none is issued while one of them cannot be.
+    """
+    uid = str(owner.get("uid", ""))
+    foreign = {name for name, secret in existing.items() if secret is not None and not owned_by(secret, uid)}
+    plan = _plan(pool, {n: None if n in foreign else s for n, s in existing.items()}, now, owner, token)
+    conflicts = tuple(sorted(foreign & plan.wanted))
+    return SecretPlan(plan.wanted, [] if conflicts else plan.writes, conflicts)
+
+
+def _plan(
+    pool: KVCachePool,
+    existing: Mapping[str, Mapping[str, Any] | None],
+    now: dt.datetime,
+    owner: dict[str, Any],
+    token: Callable[[], str],
+) -> SecretPlan:
     writes: list[dict[str, Any]] = []
     cred_name = names.credentials_secret_name(pool.name)
     wanted = {cred_name}

@@ -26,7 +26,7 @@ from kvfabric.operator.consumerkeys import publish_root
 from kvfabric.operator.kube import ApiError, KubeClient
 from kvfabric.operator.objectprobe import probe_object_store
 from kvfabric.operator.podhealth import diagnose
-from kvfabric.operator.poolpki import plan_secrets
+from kvfabric.operator.poolpki import owned_by, plan_secrets
 from kvfabric.operator.render import (
     ConfigError,
     ConnectionSettings,
@@ -58,6 +58,8 @@ class ReconcileResult:
     status_changed: bool = False
     events: list[Event] = field(default_factory=list)
     ready: bool = False
+    # Secrets with the pool's names that are not the pool's: nothing else was applied (the status says).
+    secret_conflicts: tuple[str, ...] = ()
 
 
 class Reader(Protocol):
@@ -133,8 +135,13 @@ async def _apply_children(
 
     for obj in configmaps:
         await apply(obj)
-    # Credentials before the DaemonSet too: its pods mount them.
-    await _ensure_secrets(client, pool)
+    # Credentials before the DaemonSet too: its pods mount them. One of the pool's names taken by a
+    # Secret that is not the pool's stops here: its pods would mount someone else's Secret.
+    _, conflicts = await _ensure_secrets(client, pool)
+    if conflicts:
+        result.applied = len(configmaps)
+        result.secret_conflicts = conflicts
+        return None
     if pool.spec.update_strategy.hand_over:
         existing = await reader.get("DaemonSet", namespace, names.daemonset_name(name))
         if not surge_is_safe(existing):
@@ -178,6 +185,7 @@ async def _observe(
     plan: Plan,
     *,
     apply_error: str | None,
+    secret_conflicts: tuple[str, ...] = (),
     injection_enabled: bool,
     webhook_not_after: dt.datetime | None = None,
     scraper: Scraper | None = None,
@@ -211,6 +219,7 @@ async def _observe(
         metrics_service=plan.metrics_service,
         previous_status=dict(raw.get("status") or {}),
         apply_error=apply_error,
+        secret_conflicts=secret_conflicts,
         pod_problems=diagnose(servers, failed_create, missing),
         progress_deadline_seconds=plan.progress_deadline_seconds,
         cache=cache,
@@ -253,6 +262,7 @@ async def reconcile_pool(
         raw,
         plan,
         apply_error=apply_error,
+        secret_conflicts=result.secret_conflicts,
         injection_enabled=injection_enabled,
         webhook_not_after=webhook_not_after,
         scraper=scraper,
@@ -289,8 +299,12 @@ async def _write_status(client: KubeClient, raw: dict[str, Any], status: dict[st
         raise
 
 
-async def _ensure_secrets(client: KubeClient, pool: KVCachePool) -> frozenset[str]:
-    """Create, complete or rotate the pool's credentials; return the Secret names it should have."""
+async def _ensure_secrets(client: KubeClient, pool: KVCachePool) -> tuple[frozenset[str], tuple[str, ...]]:
+    """Create, complete or rotate the pool's credentials.
+
+    Returns the Secret names it should have and those of them held by a Secret that is not the
+    pool's (left untouched: never merged into, owned or deleted).
+    """
     candidates = [
         names.credentials_secret_name(pool.name),
         names.ca_secret_name(pool.name),
@@ -298,18 +312,16 @@ async def _ensure_secrets(client: KubeClient, pool: KVCachePool) -> frozenset[st
         names.client_tls_secret_name(pool.name),
     ]
     found = await asyncio.gather(*(client.get("Secret", pool.namespace, n) for n in candidates))
-    plan = plan_secrets(
-        pool, dict(zip(candidates, found, strict=True)), dt.datetime.now(dt.UTC), owner_reference(pool)
-    )
+    owner = owner_reference(pool)
+    plan = plan_secrets(pool, dict(zip(candidates, found, strict=True)), dt.datetime.now(dt.UTC), owner)
     for body in plan.writes:
         await client.apply(body, field_manager=names.FIELD_MANAGER)
     # Secrets are never listed (a list returns every Secret's data): the ones the pool no longer
-    # needs (TCP turned off) are known by name, and only ours are deleted.
+    # needs (TCP turned off) are known by name, and only the pool's own are deleted.
     for secret_name, secret in zip(candidates, found, strict=True):
-        labels = ((secret or {}).get("metadata") or {}).get("labels") or {}
-        if secret_name not in plan.wanted and labels.get(names.OWNER_POOL_LABEL) == pool.name:
+        if secret is not None and secret_name not in plan.wanted and owned_by(secret, owner["uid"]):
             await client.delete("Secret", pool.namespace, secret_name)
-    return plan.wanted
+    return plan.wanted, plan.conflicts
 
 
 async def _publish_consumer_root(client: KubeClient, operator_namespace: str, pool: KVCachePool) -> None:

@@ -33,7 +33,8 @@ _MAX_MESSAGE: Final = 4096  # Condition.message maxLength
 DEADLINE_EXCEEDED: Final = "ProgressDeadlineExceeded"
 # Degraded reasons that get their own Warning event (the others already have one: PoolNotReady,
 # InvalidServerConfig, ClaimNotFound...), and a Normal "Recovered" event when they clear.
-FAILURE_EVENT_REASONS: Final = frozenset({"ApplyFailed", DEADLINE_EXCEEDED, *PRIORITY})
+SECRET_CONFLICT: Final = "SecretConflict"  # noqa: S105 - a condition reason, not a secret
+FAILURE_EVENT_REASONS: Final = frozenset({"ApplyFailed", SECRET_CONFLICT, DEADLINE_EXCEEDED, *PRIORITY})
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class Observed:
     previous_status: dict[str, Any] = field(default_factory=dict)
     # The API server's message when it rejected one of the rendered children (server-side apply).
     apply_error: str | None = None
+    # The pool's Secret names held by Secrets that are not the pool's (left alone; nothing applied).
+    secret_conflicts: tuple[str, ...] = ()
     # Why cache-server pods are not serving (kvfabric.operator.podhealth.diagnose), worst first.
     pod_problems: list[PodProblem] = field(default_factory=list)
     # spec.updateStrategy.progressDeadlineSeconds
@@ -256,6 +259,18 @@ def progressing_verdict(observed: Observed, rollout: Rollout) -> Verdict:
     return Verdict(False, "RolloutComplete", f"revision {observed.revision} on {n.desired} nodes")
 
 
+def secret_conflict_message(observed: Observed) -> str:
+    """Name the Secrets in the way, and what to do about them."""
+    them = ", ".join(observed.secret_conflicts)
+    one = len(observed.secret_conflicts) == 1
+    return (
+        f"Secret{'' if one else 's'} {them} already exist{'s' if one else ''} and "
+        f"{'is' if one else 'are'} not this pool's (no owner reference to it): the operator leaves "
+        f"{'it' if one else 'them'} as {'it is' if one else 'they are'} and applies nothing for the "
+        "pool; rename the pool, or give that Secret another name"
+    )
+
+
 def degraded_verdict(observed: Observed, rollout: Rollout, storage: Verdict, progressing: Verdict) -> Verdict:
     """Degraded: something is wrong that waiting for the rollout will not fix."""
     n = rollout.nodes
@@ -263,6 +278,8 @@ def degraded_verdict(observed: Observed, rollout: Rollout, storage: Verdict, pro
         return Verdict(True, "InvalidServerConfig", "the pool's spec yields an invalid server config")
     if observed.apply_error is not None:
         return Verdict(True, "ApplyFailed", observed.apply_error)
+    if observed.secret_conflicts:
+        return Verdict(True, SECRET_CONFLICT, secret_conflict_message(observed))
     if storage.reason in ("ClaimNotFound", "ClaimLost"):
         return storage._replace(ok=True)
     if observed.pod_problems:
@@ -299,6 +316,8 @@ def ready_verdict(observed: Observed, rollout: Rollout, storage: Verdict) -> Ver
         return Verdict(False, "InvalidServerConfig", "the server configuration is invalid")
     if observed.apply_error is not None:
         return Verdict(False, "ApplyFailed", observed.apply_error)
+    if observed.secret_conflicts:
+        return Verdict(False, SECRET_CONFLICT, secret_conflict_message(observed))
     if not rollout.exists:
         return Verdict(False, "Creating", "the DaemonSet does not exist yet")
     if rollout.generation_seen and n.desired == 0:

@@ -188,8 +188,12 @@ def _resources(pool: KVCachePool) -> dict[str, Any]:
         if spec.resources.limits:
             out["limits"] = dict(spec.resources.limits)
         return out
-    # Default: the DRAM tier plus headroom for the process itself (cf. LMCache's size + 5Gi, 1.5x limit;
-    # our server keeps payloads on tmpfs, so less headroom is needed).
+    # Default: the DRAM tier plus headroom for the process itself (cf. LMCache's size + 5Gi, 1.5x limit).
+    # DRAM blocks are memfds (shmem), charged to this container's memory cgroup like any page of the
+    # process, so the limit covers the tier itself; the quarter and the GiB are the process, staging
+    # arenas and the page cache of disk-tier I/O. The limit also bounds what the server can write to
+    # its run directory on the node's /run tmpfs (tmpfs pages are charged to the writer's cgroup;
+    # docs/security.md, "Paths and pods").
     dram = to_bytes(spec.tiers.memory.size)
     return {
         "requests": {"cpu": "500m", "memory": format_bytes(dram + 512 * _MiB)},
@@ -197,8 +201,24 @@ def _resources(pool: KVCachePool) -> dict[str, Any]:
     }
 
 
-def _volumes(pool: KVCachePool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Return the pod's volumes and the cache server's mounts: config, run dir, disk, shared tier."""
+@dataclass(frozen=True)
+class _Volumes:
+    """The pod's volumes, the cache server's mounts and the directory-preparing init container's."""
+
+    volumes: list[dict[str, Any]]
+    server: list[dict[str, Any]]
+    prepare: list[dict[str, Any]]
+
+
+def _volumes(pool: KVCachePool) -> _Volumes:
+    """Return the pod's volumes and both containers' mounts: config, run dir, disk, shared tier.
+
+    Every hostPath the cache server mounts is its own pool's directory and nothing above it: the
+    run and hand-over directories are volumes of their own, and the local-disk tier is the user's
+    disk path mounted with ``subPath: <namespace>.<pool>``. The disk path itself (where every pool
+    sharing it has its directory) is mounted only into the init container, which runs the
+    operator's image and a fixed script (:func:`_prepare_dirs_container`).
+    """
     spec = pool.spec
     base = names.host_dir(pool.namespace, pool.name)
     volumes: list[dict[str, Any]] = [
@@ -209,12 +229,14 @@ def _volumes(pool: KVCachePool) -> tuple[list[dict[str, Any]], list[dict[str, An
         {"name": "config", "mountPath": names.CONFIG_MOUNT_DIR, "readOnly": True},
         {"name": names.RUN_VOLUME, "mountPath": base},
     ]
+    prepare: list[dict[str, Any]] = [{"name": names.RUN_VOLUME, "mountPath": base}]
     if spec.update_strategy.hand_over:
         handover = names.handover_dir(pool.namespace, pool.name)
         volumes.append(
             {"name": names.HANDOVER_VOLUME, "hostPath": {"path": handover, "type": "DirectoryOrCreate"}}
         )
         mounts.append({"name": names.HANDOVER_VOLUME, "mountPath": handover})
+        prepare.append({"name": names.HANDOVER_VOLUME, "mountPath": handover})
     tcp = spec.server.tcp.enabled
     if tcp:
         # Secret volumes (not env): the kubelet swaps rotated files in place and the server re-reads
@@ -248,19 +270,32 @@ def _volumes(pool: KVCachePool) -> tuple[list[dict[str, Any]], list[dict[str, An
             if disk.empty_dir is not None and disk.empty_dir.size_limit is not None:
                 empty["sizeLimit"] = disk.empty_dir.size_limit
             volumes.append({"name": "local-disk", "emptyDir": empty})
-        mounts.append({"name": "local-disk", "mountPath": names.LOCAL_DISK_MOUNT})
+        # The server sees its own directory only, where its configuration says (tiers.local_disk.path
+        # is names.local_disk_dir): never the disk path, where every pool sharing it has one. The
+        # init container creates that directory and refuses a symlink there before this mount is
+        # made (the kubelet resolves the subPath when it starts the server's container, after the
+        # init container has succeeded, and never lets it leave the volume).
+        mounts.append(
+            {
+                "name": "local-disk",
+                "mountPath": names.local_disk_dir(pool.namespace, pool.name),
+                "subPath": names.pool_dir_name(pool.namespace, pool.name),
+            }
+        )
+        prepare.append({"name": "local-disk", "mountPath": names.LOCAL_DISK_MOUNT})
     shared = spec.tiers.shared
     if shared is not None:
         claim = shared.existing_claim or names.shared_claim_name(pool.name)
         volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": claim}})
-        # One sub-directory per pool, so several pools can share one existing claim.
-        mounts.append(
-            {
-                "name": "shared",
-                "mountPath": names.SHARED_MOUNT,
-                "subPath": names.pool_dir_name(pool.namespace, pool.name),
-            }
-        )
+        # One sub-directory per pool, so several pools can share one existing claim; neither
+        # container ever mounts the claim's root.
+        shared_mount = {
+            "name": "shared",
+            "mountPath": names.SHARED_MOUNT,
+            "subPath": names.pool_dir_name(pool.namespace, pool.name),
+        }
+        mounts.append(shared_mount)
+        prepare.append(dict(shared_mount))
     obj = spec.tiers.object_store
     if obj is not None and obj.credentials is not None:
         creds = obj.credentials
@@ -297,7 +332,7 @@ def _volumes(pool: KVCachePool) -> tuple[list[dict[str, Any]], list[dict[str, An
             }
         )
         mounts.append({"name": "object-store-ca", "mountPath": names.OBJECT_STORE_CA_MOUNT, "readOnly": True})
-    return volumes, mounts
+    return _Volumes(volumes, mounts, prepare)
 
 
 def _opt_out_affinity(pool: KVCachePool) -> dict[str, Any]:
@@ -352,10 +387,28 @@ def _cache_container(pool: KVCachePool, mounts: list[dict[str, Any]]) -> dict[st
     }
 
 
-def _prepare_dirs_container(
-    pool: KVCachePool, cache: dict[str, Any], mounts: list[dict[str, Any]]
-) -> dict[str, Any]:
-    """Return the root init container that hands the hostPath directories to the non-root server.
+def prepare_dirs_script(owned: list[str], *, shared: bool) -> str:
+    """The init container's script: create ``owned``, refuse any that is a symlink or no directory, chown.
+
+    The check comes after ``mkdir -p`` (which succeeds silently on a symlink to a directory) and
+    before the cache server's container exists: the kubelet mounts the server's pool directory only
+    once this script has exited 0. ``chown -h`` never follows a symlink either. Paths are the
+    operator's own (DNS labels and a dot below fixed roots): nothing a shell would interpret.
+    """
+    dirs = " ".join(owned)
+    script = (
+        f"mkdir -p {dirs} && for d in {dirs}; do "
+        'if [ -L "$d" ] || [ ! -d "$d" ]; then echo "refused: $d is a symlink or not a directory" >&2; '
+        "exit 3; fi; done && "
+        f"chown -h {CACHE_UID}:{CACHE_UID} {dirs}"
+    )
+    if shared:
+        script += f" && (chown {CACHE_UID}:{CACHE_UID} {names.SHARED_MOUNT} || true)"
+    return script
+
+
+def _prepare_dirs_container(pool: KVCachePool, mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Return the root init container that hands the pool's directories to the non-root server.
 
     It runs the operator's own image (:func:`names.operator_image`), never the pool's: a pool author
     chooses the cache-server image, and root with that path mounted would be root on the node.
@@ -366,23 +419,23 @@ def _prepare_dirs_container(
     chown, and there the volume's own permissions must already let the server write).
     Only directories kvfabric owns are chowned: the run directory, the hand-over directory and a
     per-pool directory below the user's disk path, never the path itself (it may be shared with
-    other data).
+    other data, and with other pools).
+
+    It is the only container that mounts the disk path itself: it creates the pool's directory
+    there and refuses one that is a symlink (:func:`prepare_dirs_script`), so that the cache
+    server's ``subPath`` mount of that directory is a real directory below the disk path. No pool's
+    server can plant a symlink in the disk path meanwhile: none of them mounts it.
     """
     owned = [names.host_dir(pool.namespace, pool.name)]
     if pool.spec.update_strategy.hand_over:
         owned.append(names.handover_dir(pool.namespace, pool.name))
     if pool.spec.tiers.local_disk is not None:
         owned.append(names.local_disk_dir(pool.namespace, pool.name))
-    # -h: never through a symlink (a server sharing a disk path could plant one where a directory
-    # of another pool goes; the server itself then refuses the symlinked path).
-    script = f"mkdir -p {' '.join(owned)} && chown -h {CACHE_UID}:{CACHE_UID} {' '.join(owned)}"
-    if pool.spec.tiers.shared is not None:
-        script += f" && (chown {CACHE_UID}:{CACHE_UID} {names.SHARED_MOUNT} || true)"
     return {
         "name": "prepare-dirs",
         "image": names.operator_image(),
         "imagePullPolicy": "IfNotPresent",
-        "command": ["sh", "-c", script],
+        "command": ["sh", "-c", prepare_dirs_script(owned, shared=pool.spec.tiers.shared is not None)],
         "securityContext": {
             "runAsUser": 0,
             "runAsNonRoot": False,
@@ -393,29 +446,24 @@ def _prepare_dirs_container(
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
         # Only the directories it prepares: never the config, the server's TLS, the token or the
         # object store's credentials.
-        "volumeMounts": [
-            m
-            for m in mounts
-            if m["name"]
-            not in ("config", "server-tls", "credentials", "object-store-credentials", "object-store-ca")
-        ],
+        "volumeMounts": mounts,
     }
 
 
 def _pod_spec(pool: KVCachePool) -> dict[str, Any]:
     """Return the cache-server pod spec: placement, the init container, the server, volumes."""
     placement = pool.spec.placement
-    volumes, mounts = _volumes(pool)
-    cache = _cache_container(pool, mounts)
+    vols = _volumes(pool)
+    cache = _cache_container(pool, vols.server)
     pod_spec: dict[str, Any] = {
         "nodeSelector": dict(placement.node_selector),
         "tolerations": [
             t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in placement.tolerations
         ],
         "affinity": _opt_out_affinity(pool),
-        "initContainers": [_prepare_dirs_container(pool, cache, mounts)],
+        "initContainers": [_prepare_dirs_container(pool, vols.prepare)],
         "containers": [cache],
-        "volumes": volumes,
+        "volumes": vols.volumes,
         "terminationGracePeriodSeconds": 30,
         "enableServiceLinks": False,
         # The server never talks to the API server: no token to steal.

@@ -38,6 +38,7 @@ from kvfabric.cacheserver.engine.blockfile import (
     BlockHeader,
     CorruptBlock,
     aligned_buffer,
+    make_dir_durable,
     payload_checksum,
     read_block_into,
     read_block_to_fd,
@@ -626,7 +627,7 @@ class DiskTier:
             old_bucket = entry.bucket
         src, dst = self._path(bid, old_bucket), self._path(bid, bucket)
         try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
+            make_dir_durable(dst.parent)  # a new bucket's entry in buckets/ before a block moves in
             with self._commit_lock:
                 os.rename(src, dst)
         except FileNotFoundError:

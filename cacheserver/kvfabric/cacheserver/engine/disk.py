@@ -311,6 +311,26 @@ class DiskTier:
         with self._lock:
             return bid in self._index
 
+    def confirm(self, bid: BlockId) -> bool:
+        """Whether the indexed file of ``bid`` is still there with its size (one ``stat``).
+
+        A vanished file (removed by another server whose ``D`` record never reached us) drops the
+        entry (``stale_index``); any other error answers False too: a store then goes ahead, which
+        costs a copy, while a wrong "present" would cost the block.
+        """
+        entry = self.entry(bid)
+        if entry is None:
+            return False
+        try:
+            st = os.stat(self._path(bid, entry.bucket))
+        except FileNotFoundError:
+            self._forget(bid, entry.bucket)
+            self.counters.inc("stale_index", self.name)
+            return False
+        except OSError:
+            return False
+        return st.st_size == entry.size
+
     def get(self, bid: BlockId) -> bytes | None:
         """Return the verified payload, or None."""
         entry = self.entry(bid)

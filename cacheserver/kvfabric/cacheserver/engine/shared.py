@@ -186,6 +186,10 @@ class SharedTier:
         """Whether the index holds ``bid``."""
         return self.disk.contains(bid)
 
+    def confirm(self, bid: BlockId) -> bool:
+        """Whether the indexed file is still on the volume (a ``stat``; see ``ConfirmsPresence``)."""
+        return self.disk.confirm(bid)
+
     def generation(self, bid: BlockId) -> int | None:
         """Generation of the indexed copy."""
         return self.disk.generation(bid)

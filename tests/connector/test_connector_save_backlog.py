@@ -82,9 +82,10 @@ def test_a_hung_server_bounds_the_save_staging_and_steps_go_on(tmp_path: Path) -
         finally:
             tracemalloc.stop()
             srv.proc.send_signal(signal.SIGCONT)
+        high_water = getattr(w.datapath, "save_bytes_peak", "?")
         print(
             f"hung server, 40 steps of {step_bytes} bytes of saves, bound {BOUND}: "
-            f"traced peak {peak} bytes, staging high-water {getattr(w.datapath, 'save_bytes_peak', '?')} bytes, "
+            f"traced peak {peak} bytes, staging high-water {high_water} bytes, "
             f"slowest step {max(times) * 1000:.0f} ms"
         )
         # Everything Python allocated meanwhile (staging, the transport's messages): the bound plus

@@ -298,7 +298,10 @@ class SharedTier:
             )
         self.disk.tmp_dir.mkdir(parents=True, exist_ok=True)
         self.peers.observe()
-        self.departed.reap()
+        try:
+            self.departed.reap()
+        except OSError as exc:  # a cleanup: never at the cost of this tick's eviction and expiry
+            log.warning("cannot remove departed servers' files", extra={"reason": str(exc)})
         self.disk.evict_above_high()
         if self.expiry.clock.expiry_now() is None:
             return  # clock unknown: never expire (never early)

@@ -491,8 +491,6 @@ class CacheService(pb_grpc.CacheServicer):
         if not have_slot:
             return False
         store = self.s.store
-        if store.contains(cur.bid):
-            return True
         pieces = cur.pieces
 
         def fill(fd: int) -> None:
@@ -504,8 +502,15 @@ class CacheService(pb_grpc.CacheServicer):
                     done += os.pwritev(fd, [view[done:]], off + done)
                 off += len(view)
 
-        ok = await self._in_pool(self.s.store_pool, lambda: store.put_with(cur.bid, cur.total, fill))
-        if ok:
+        def put() -> tuple[bool, bool]:
+            # "Already here" checks the copy, not only an index entry (a stat on a shared volume:
+            # on this pool thread, never on the event loop).
+            if store.holds(cur.bid):
+                return True, False
+            return store.put_with(cur.bid, cur.total, fill), True
+
+        ok, copied = await self._in_pool(self.s.store_pool, put)
+        if ok and copied:
             self.s.metrics.bytes_in.add(cur.total, {"transport": "grpc"})
         return ok
 
@@ -528,8 +533,11 @@ class CacheService(pb_grpc.CacheServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"payload of {too_big[0]} bytes exceeds max_payload_bytes={self.s.limits.max_payload_bytes}",
             )
-        present = [self.s.store.contains(b) for b in bids]
-        res = await self._in_pool(self.s.store_pool, lambda: self.s.arena.begin(bids, lengths, present))
+        store, arena = self.s.store, self.s.arena
+        # Keys already here get no staging: checked against the copies, not only the indexes.
+        res = await self._in_pool(
+            self.s.store_pool, lambda: arena.begin(bids, lengths, [store.holds(b) for b in bids])
+        )
         offered = sum(1 for n in res.names if n)
         described = self.s.metrics.namespaces.count_stores(request.namespace, offered)
         return pb.ShmStoreBeginResponse(

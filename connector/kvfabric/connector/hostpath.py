@@ -8,7 +8,11 @@ or no kept mappings) they land in a private staging buffer, are verified there, 
 thread scatters the verified chunks of each layer with one indexed copy per layer.
 
 Saves: each layer's chunks are gathered into a staging payload during the step; a background
-thread seals (header + keyed MAC) and stores them, bounded by ``store_queue_bytes``.
+thread seals (header + keyed MAC) and stores them. ``store_queue_bytes`` bounds the host memory of
+saves: staging is reserved against it *before* it is allocated and filled (this step's saves, the
+stores queued or running, and the reusable buffers kept for later steps all count), and a save that
+does not fit is dropped at once: the chunk is simply not stored. A hung server therefore costs the
+engine at most that many bytes, however many steps it saves meanwhile.
 
 This is the only data path today; see :mod:`kvfabric.connector.datapath` for the contract.
 """
@@ -124,6 +128,9 @@ class HostStagingPath:
         self._store_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvfabric-store")
         self._store_lock = threading.Lock()
         self._store_inflight_bytes = 0
+        """Save staging reserved: this step's saves, and the stores queued or running."""
+        self.save_bytes_peak = 0
+        """The most save staging bytes ever held at once (reserved plus kept for reuse)."""
         self._store_futures: set[cf.Future[None]] = set()
         self._save_pool: list[bytearray] = []
 
@@ -401,19 +408,45 @@ class HostStagingPath:
 
     # ------------------------------------------------------------------ saves
 
-    def _take_save_staging(self, size: int) -> bytearray:
-        # Reusing buffers whose pages are mapped saves a page fault per 4 KiB on the request path.
+    def _reserve_save_staging(self, size: int) -> bytearray | None:
+        """A staging buffer of ``size`` bytes, reserved against ``store_queue_bytes``; None if over it.
+
+        Reserved before a byte is allocated: with a hung server the stores ahead never finish, and
+        a step that allocated first and checked at submit time held a whole step's payloads (GBs
+        for a long prefill of a large model) on top of the backlog.
+        """
         with self._store_lock:
             for i, buf in enumerate(self._save_pool):
                 if len(buf) == size:
+                    # Reusing buffers whose pages are mapped saves a page fault per 4 KiB.
+                    self._store_inflight_bytes += size
                     return self._save_pool.pop(i)
+            kept = sum(len(b) for b in self._save_pool)
+            while self._save_pool and self._store_inflight_bytes + kept + size > self.store_queue_bytes:
+                kept -= len(self._save_pool.pop(0))  # room before reuse: let the oldest go
+            if self._store_inflight_bytes + kept + size > self.store_queue_bytes:
+                return None
+            self._store_inflight_bytes += size
+            self.save_bytes_peak = max(self.save_bytes_peak, self._store_inflight_bytes + kept)
         return bytearray(size)
 
+    def _unreserve(self, size: int) -> None:
+        with self._store_lock:
+            self._store_inflight_bytes -= size
+
     def begin_saves(self, saves: Sequence[SaveSpec]) -> None:
-        """Allocate one staging buffer per save spec (its payloads back to back, tail blocks last)."""
-        self._saves = [
-            (spec, self._take_save_staging(sum(self._sizes(spec.whole, spec.tail)[0]))) for spec in saves
-        ]
+        """Reserve and allocate one staging buffer per save spec (its payloads back to back, tail last).
+
+        A save whose staging does not fit in ``store_queue_bytes`` is dropped here, before its
+        memory exists (``store_dropped_backlog``, in chunks).
+        """
+        self.abandon_saves()  # a step that never submitted must not keep its reservations
+        for spec in saves:
+            staging = self._reserve_save_staging(sum(self._sizes(spec.whole, spec.tail)[0]))
+            if staging is None:
+                self.counters.add("store_dropped_backlog", len(spec.keys))
+                continue
+            self._saves.append((spec, staging))
 
     def save_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         """Gather ``layer`` of every prepared chunk (and tail block) from ``kv_layer`` into its payload."""
@@ -428,23 +461,24 @@ class HostStagingPath:
                 layout.gather_chunks(bgeo, layer, kv_layer, spec.block_ids[whole:], tail_view)
 
     def abandon_saves(self) -> int:
-        """Drop the prepared chunks; return how many."""
+        """Drop the prepared chunks (and their reservations); return how many."""
         saves, self._saves = self._saves, []
+        for _, staging in saves:
+            self._unreserve(len(staging))
         return sum(len(spec.keys) for spec, _ in saves)
 
     def submit_saves(self) -> None:
-        """Hand the prepared payloads to the background storer (dropped over ``store_queue_bytes``)."""
+        """Hand the prepared payloads to the background storer (their bytes were reserved at begin)."""
         saves, self._saves = self._saves, []
-        if self.cache is None:
-            return
         for spec, staging in saves:
-            size = len(staging)
-            with self._store_lock:
-                if self._store_inflight_bytes + size > self.store_queue_bytes:
-                    self.counters.add("store_dropped_backlog", len(spec.keys))
-                    continue
-                self._store_inflight_bytes += size
-            fut = self._store_pool.submit(self._store, spec, staging)
+            if self.cache is None:
+                self._unreserve(len(staging))
+                continue
+            try:
+                fut = self._store_pool.submit(self._store, spec, staging)
+            except RuntimeError:  # closed
+                self._unreserve(len(staging))
+                continue
             with self._store_lock:
                 self._store_futures.add(fut)
             fut.add_done_callback(self._store_done)

@@ -161,7 +161,9 @@ class ConnectorSettings(BaseSettings):
     """Each failed probe doubles the cooldown up to this, so a server that stays hung costs one
     probe's deadline this often at most; a probe that succeeds resets it."""
     store_queue_bytes: int = Field(default=1 << 30, gt=0)
-    """Bytes of pending background stores; beyond this new stores are dropped (a future recompute)."""
+    """Host memory for saves: staging of this step's saves, of stores queued or running, and buffers
+    kept for reuse. A save is reserved against it before its staging is allocated; one that does not
+    fit is dropped (a future recompute), so a hung server holds the engine's save memory to this."""
     enabled: bool = True
     """Kill switch: when false the connector reports no hits and stores nothing."""
     pool: str = ""

@@ -209,6 +209,21 @@ class BackingTier(Tier, Protocol):
 
 
 @runtime_checkable
+class ConfirmsPresence(Protocol):
+    """A backing tier whose index can outlive its copies, and that can check one cheaply.
+
+    The disk tiers: a shared volume's index is built from other servers' journals, and a file can
+    go without its ``D`` record ever arriving (a journal that started over, an admin). A lookup may
+    trust the index (a stale entry costs one miss on the load, which drops it); a store may not:
+    "already stored" makes the client skip a block the tier no longer has.
+    """
+
+    def confirm(self, bid: BlockId) -> bool:
+        """Whether the indexed copy of ``bid`` is still there (dropping the entry when it is not)."""
+        ...
+
+
+@runtime_checkable
 class ReadsIntoFiles(Protocol):
     """A backing tier that can fill a file descriptor directly (the local and shared disk tiers).
 

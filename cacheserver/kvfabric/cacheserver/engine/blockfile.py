@@ -43,6 +43,7 @@ __all__ = [
     "BlockHeader",
     "CorruptBlock",
     "DestinationFailed",
+    "make_dir_durable",
     "pack_header",
     "read_block_into",
     "read_block_to_fd",
@@ -166,7 +167,7 @@ def write_block(
         os.fsync(fd)
         os.close(fd)
         fd = -1
-        final_path.parent.mkdir(parents=True, exist_ok=True)
+        make_dir_durable(final_path.parent)
         if commit is None:
             os.rename(tmp, final_path)
         elif not commit(tmp, final_path):
@@ -183,6 +184,33 @@ def write_block(
             os.unlink(tmp)
         raise
     return header
+
+
+_MKDIR_LOCK = threading.Lock()
+
+
+def make_dir_durable(path: Path) -> None:
+    """Create directory ``path`` if needed, and make its entry in its parent durable before returning.
+
+    A block renamed into a bucket directory that was just created is durable only once the
+    directory's own entry in ``buckets/`` is: the fsync of the bucket directory after the rename
+    does not cover it, so a power loss could drop the whole new bucket after ``Flush`` reported its
+    blocks durable. The creator fsyncs the parent right after ``mkdir``, under a lock, so a
+    concurrent writer in this process that finds the directory already there knows it is durable.
+    """
+    if path.is_dir():
+        return
+    with _MKDIR_LOCK:
+        _mkdirs_durable(path)
+
+
+def _mkdirs_durable(path: Path) -> None:
+    if path.is_dir():
+        return
+    _mkdirs_durable(path.parent)
+    with contextlib.suppress(FileExistsError):  # another process created it: it fsyncs its parent
+        os.mkdir(path)
+    _fsync_dir(path.parent)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -38,6 +38,7 @@ from kvfabric.cacheserver.engine.blockfile import (
     BlockHeader,
     CorruptBlock,
     aligned_buffer,
+    make_dir_durable,
     payload_checksum,
     read_block_into,
     read_block_to_fd,
@@ -309,6 +310,26 @@ class DiskTier:
         """Whether the index holds ``bid`` (no filesystem access)."""
         with self._lock:
             return bid in self._index
+
+    def confirm(self, bid: BlockId) -> bool:
+        """Whether the indexed file of ``bid`` is still there with its size (one ``stat``).
+
+        A vanished file (removed by another server whose ``D`` record never reached us) drops the
+        entry (``stale_index``); any other error answers False too: a store then goes ahead, which
+        costs a copy, while a wrong "present" would cost the block.
+        """
+        entry = self.entry(bid)
+        if entry is None:
+            return False
+        try:
+            st = os.stat(self._path(bid, entry.bucket))
+        except FileNotFoundError:
+            self._forget(bid, entry.bucket)
+            self.counters.inc("stale_index", self.name)
+            return False
+        except OSError:
+            return False
+        return st.st_size == entry.size
 
     def get(self, bid: BlockId) -> bytes | None:
         """Return the verified payload, or None."""
@@ -626,7 +647,7 @@ class DiskTier:
             old_bucket = entry.bucket
         src, dst = self._path(bid, old_bucket), self._path(bid, bucket)
         try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
+            make_dir_durable(dst.parent)  # a new bucket's entry in buckets/ before a block moves in
             with self._commit_lock:
                 os.rename(src, dst)
         except FileNotFoundError:

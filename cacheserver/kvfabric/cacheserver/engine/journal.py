@@ -123,6 +123,31 @@ class JournalWriter:
             except OSError:
                 return
 
+    def reopen_if_removed(self) -> bool:
+        """Start a fresh file if ours is no longer the one at our path; True if it did.
+
+        A live server removed this server's files after it looked departed (paused for longer than
+        the margin, engine/departed.py): appends to the unlinked file would reach nobody.
+        """
+        with self._lock:
+            if self._fd < 0:
+                return False
+            try:
+                if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                    return False
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return False
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = self._fresh_file()
+            except OSError:
+                return False
+            os.close(self._fd)
+            self._fd = fd
+            return True
+
     def close(self) -> None:
         """Close the journal file."""
         with self._lock:
@@ -160,7 +185,12 @@ class JournalReader:
     def poll(self) -> list[Event]:
         """Events appended since the last poll, across all other journals."""
         events: list[Event] = []
-        for name, size, sig in self._files():
+        files = self._files()
+        for gone in set(self._pos) - {name for name, _, _ in files}:
+            # Removed (a departed server's, engine/departed.py): its state would grow for ever.
+            del self._pos[gone]
+            self._partial.pop(gone, None)
+        for name, size, sig in files:
             seen, pos, seen_sig = self._pos.get(name, (b"", 0, (-1, -1, -1)))
             if sig == seen_sig:
                 continue  # same file, same size, same mtime: nothing new

@@ -12,8 +12,9 @@ invariant) is in the object's name, so the start-up listing knows it without rea
 
 * **Index**: rebuilt from one listing of ``blocks/`` at start-up (path = identity and TTL bucket,
   size = length), then kept current from the journal segments of the other servers, and rebuilt
-  again every ``rescan_seconds`` or when a journal gap shows events were missed. Lookups never send a
-  request.
+  again every ``rescan_seconds`` or when a journal gap shows events were missed. Every rebuild reads
+  the tombstones first (:meth:`ObjectStoreTier.rescan`): missed segments carried deletes too. Lookups
+  never send a request.
 * **Reads** fetch the object with parallel ranged GETs of ``part_bytes`` straight into the
   destination (the DRAM file a hit is promoted into), then verify the header checksum, the identity
   in the header, the length and the payload checksum; parts of different versions (e-tags) are a
@@ -205,9 +206,10 @@ class ObjectStoreTier:
         try:
             # Tail from the current ends *before* listing, so nothing written meanwhile is missed.
             self.journal.skip_to_end()
-            self._load_tombstones()
-            self.scan()
+            self.rescan(apply=False)
         except ObjectStoreError as exc:
+            # The first rescan once the store answers (journal_tick: no scan yet) reads the
+            # tombstones before it indexes anything, as this one would have.
             log.warning("object store unreachable at start-up", extra={"reason": str(exc)})
         if background:
             # Own threads: a hung object store never delays the disk tiers' janitor.
@@ -285,10 +287,27 @@ class ObjectStoreTier:
         log.info("tier index rebuilt", extra={"tier": NAME, "blocks": len(found), "used": self._used})
         return len(found)
 
-    def _load_tombstones(self) -> None:
-        """Honour deletes made while this server was away (tombstone objects, kept for two TTLs)."""
+    def rescan(self, *, apply: bool = True) -> int:
+        """Read the tombstones, then rebuild the index from a listing; returns the objects indexed.
+
+        Every rebuild goes through here, not only the one at start-up: a server whose journal had a
+        gap (or that could not reach the store at start) missed ``T`` events too, and a listing alone
+        would index an older copy still in the bucket that one of them superseded — deleted bytes
+        served. With ``apply`` (a running server) each delete learned here also reaches this server's
+        other tiers (its DRAM may hold the deleted copy), as a ``T`` event would have.
+        """
+        self._load_tombstones(apply=apply)
+        return self.scan()
+
+    def _load_tombstones(self, *, apply: bool = False) -> int:
+        """Learn the tombstone objects (deletes are kept for two TTLs); returns how many were new.
+
+        Tombstones older than two TTLs are deleted. With ``apply``, each new one is applied like a
+        ``T`` event: to every tier of this server through ``on_delete`` (or to this tier alone).
+        """
         now = self.clock.now()
         old: list[str] = []
+        learned: list[tuple[BlockId, int]] = []
         for meta in self.client.list(f"{TOMBSTONES}/"):
             parsed = _parse_tombstone(meta["path"])
             if parsed is None:
@@ -296,8 +315,18 @@ class ObjectStoreTier:
             if now is not None and meta["last_modified"].timestamp() < now - 2 * self.ttl_seconds:
                 old.append(meta["path"].split(f"{TOMBSTONES}/", 1)[-1])
                 continue
-            self.generations.tombstone(*parsed)
+            if self.generations.tombstone(*parsed):
+                learned.append(parsed)
         self._delete_quietly([f"{TOMBSTONES}/{p}" for p in old])
+        if apply:
+            for bid, gen in learned:
+                if self.on_delete is not None:
+                    self.on_delete(bid, gen)
+                else:
+                    self.purge(bid, gen)
+        if learned:
+            log.info("tombstones loaded", extra={"tier": NAME, "tombstones": len(learned)})
+        return len(learned)
 
     def _add_locked(self, bid: BlockId, entry: ObjectEntry) -> None:
         self._drop_locked(bid)
@@ -392,7 +421,9 @@ class ObjectStoreTier:
             self._forget(bid, entry)
             return self._miss(MissReason.STALE)
         if len(dest) < entry.length:
-            raise ValueError(f"destination holds {len(dest)} bytes, need {entry.length}")
+            # The caller sized ``dest`` from an entry that a journal event has since replaced with a
+            # longer copy: a miss (the caller asks again), never an exception (an UNKNOWN to the client).
+            return self._miss(MissReason.STALE)
         deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.retry_timeout_seconds)
         path = object_path(bid, entry.bucket, entry.gen)
         size, part = entry.size, self.cfg.part_bytes
@@ -659,15 +690,18 @@ class ObjectStoreTier:
         return True
 
     def purge(self, bid: BlockId, gen: int) -> bool:
-        """Apply a delete made on another server: drop older copies from the index.
+        """Apply a delete made on another server: drop an older copy from the index and the bucket.
 
-        That server deleted the object, so no request is sent.
+        The deleting server removed only the copy *its* index knew; the one indexed here may be
+        another (an upload it had not heard of, another bucket), so it is deleted here too (a
+        DELETE is idempotent: at worst a duplicate request). The tombstone is that server's.
         """
         with self._lock:
             entry = self._index.get(bid)
             if entry is None or entry.gen >= gen:
                 return False
             self._drop_locked(bid)
+        self._delete_quietly([object_path(bid, entry.bucket, entry.gen)])
         return True
 
     def _delete_quietly(self, paths: list[str]) -> None:
@@ -796,7 +830,7 @@ class ObjectStoreTier:
         # A rescan also deletes damaged and superseded objects: not while quiesced for a hand-over.
         if not self._paused and (gap or time.monotonic() - self._last_scan > self.cfg.rescan_seconds):
             with contextlib.suppress(ObjectStoreError):
-                self.scan()
+                self.rescan()
 
     def tick(self) -> None:
         """Do nothing on the store's janitor thread.

@@ -7,6 +7,8 @@ and owns what only the shared volume has:
   server is appended; a background thread tails the other servers' journals into the index;
 * its **lease** (``leases/<server_id>``) and **bucket ownership**: only the live owner of a bucket
   expires it (see ttl.py);
+* the removal of **departed servers' files** (leases, clocks, journals, temp directories) once they
+  have not changed for a generous margin (see departed.py);
 * **tombstones** (``tombstones/<bucket>/<namespace>_<key>.<gen>``): a delete leaves one on the volume
   and journals a ``T`` record; every server applies a ``T`` to *all* its tiers through the store's
   ``on_delete`` callback, and a server that was down reads the tombstone files at start-up, before
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvfabric.cacheserver.engine.base import ReadResult, TierName, TierUsage
+from kvfabric.cacheserver.engine.departed import DepartedServers, departed_after
 from kvfabric.cacheserver.engine.disk import DiskTier, Expiry
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.journal import Event, JournalReader, JournalWriter
@@ -70,6 +73,8 @@ class SharedTier:
         expiry.clock.attach_peers(self.peers)
         self.tomb_dir = self.root / "tombstones"
         self._reader = JournalReader(self.root / "journals", server_id)
+        # Departed servers' leases, clocks, journals and temp directories go after a generous margin.
+        self.departed = DepartedServers(self.root, server_id, departed_after(lease_seconds))
         self.journal: JournalWriter | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -186,6 +191,10 @@ class SharedTier:
         """Whether the index holds ``bid``."""
         return self.disk.contains(bid)
 
+    def confirm(self, bid: BlockId) -> bool:
+        """Whether the indexed file is still on the volume (a ``stat``; see ``ConfirmsPresence``)."""
+        return self.disk.confirm(bid)
+
     def generation(self, bid: BlockId) -> int | None:
         """Generation of the indexed copy."""
         return self.disk.generation(bid)
@@ -277,9 +286,22 @@ class SharedTier:
         return moved
 
     def tick(self) -> None:
-        """Renew the lease, evict above the watermark, expire owned buckets, reap dead temp files."""
+        """Renew the lease, evict above the watermark, expire owned buckets, reap dead temp files.
+
+        Also removes departed servers' files, and recreates ours if a server that took us for
+        departed removed them (engine/departed.py).
+        """
         touch_lease(self.lease_dir, self.server_id, self.expiry.clock.local)
+        if self.journal is not None and self.journal.reopen_if_removed():
+            log.warning(
+                "journal was removed (taken for departed): started a new one", extra={"tier": self.name}
+            )
+        self.disk.tmp_dir.mkdir(parents=True, exist_ok=True)
         self.peers.observe()
+        try:
+            self.departed.reap()
+        except OSError as exc:  # a cleanup: never at the cost of this tick's eviction and expiry
+            log.warning("cannot remove departed servers' files", extra={"reason": str(exc)})
         self.disk.evict_above_high()
         if self.expiry.clock.expiry_now() is None:
             return  # clock unknown: never expire (never early)

@@ -38,6 +38,7 @@ from kvfabric.cacheserver.config import ServerConfig
 from kvfabric.cacheserver.engine.base import (
     BackingTier,
     ClosesForSuccessor,
+    ConfirmsPresence,
     MissReason,
     Quiesces,
     ReadsIntoFiles,
@@ -459,6 +460,19 @@ class TieredStore:
     def contains(self, bid: BlockId) -> bool:
         """Whether any tier indexes ``bid``."""
         return any(present(bid) for _, present in self._has)
+
+    def holds(self, bid: BlockId) -> bool:
+        """Whether a copy of ``bid`` is here now: what a client's store may skip (not index only).
+
+        DRAM's index is exact; a tier whose index can outlive its copies (``ConfirmsPresence``: the
+        disk tiers) is asked to check its copy, one ``stat``. Runs on a pool thread, never the loop.
+        """
+        if self.dram.has(bid):
+            return True
+        for tier in self.backing:
+            if tier.has(bid) and (not isinstance(tier, ConfirmsPresence) or tier.confirm(bid)):
+                return True
+        return False
 
     def put_with(self, bid: BlockId, length: int, fill: Callable[[int], None]) -> bool:
         """Store a block into DRAM via ``fill(fd)``; write-back is queued. False if dropped."""

@@ -235,6 +235,26 @@ def test_a_key_file_that_cannot_be_used_turns_the_cache_off_never_the_public_key
     assert "cache off" in named[0].getMessage()
 
 
+@pytest.mark.parametrize("secret", [None, ""])
+def test_a_scope_whose_pool_secret_did_not_arrive_turns_the_cache_off_never_the_public_key(
+    secret: str | None,
+) -> None:
+    # The webhook names every consumer's scope; the pool's Secret is an optional reference (the pod
+    # must start without it), so a pod that started before the Secret existed has a scope and no key.
+    # With the public key its namespace and chunk keys would be computable, and its chunks forgeable,
+    # by any pod on the node.
+    s = ConnectorSettings(
+        payload_key=secret, key_scope="team-a", socket="/run/kvfabric/x/cache.sock", chunk_tokens=32
+    )
+    assert not s.key.usable
+    assert "key_scope" in str(s.key.error)
+    assert s.mac_key != layout.PUBLIC_KEY
+    assert not s.configured
+    assert build_cache(s) is None
+    # A hand-written config with neither a key nor a scope keeps the public key (as before).
+    assert ConnectorSettings(socket="/run/kvfabric/x/cache.sock", chunk_tokens=32).configured
+
+
 def test_the_key_file_is_read_once(tmp_path: Path) -> None:
     path = tmp_path / "payload.key"
     key = scope_key(consumer_root(POOL_SECRET), "team-b")

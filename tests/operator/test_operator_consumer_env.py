@@ -8,6 +8,8 @@ renamed on one side only, or a value the connector would parse differently, fail
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from typing import Any
 
@@ -188,3 +190,11 @@ def test_a_shared_key_space_changes_the_hash_and_the_default_keeps_it() -> None:
     a = ConsumerEnvironment(pool="n/p", socket="/s", remote=None, chunk_tokens=256)
     assert a.config_hash == ConsumerEnvironment(**{**a.__dict__, "shared_key_space": False}).config_hash
     assert a.config_hash != ConsumerEnvironment(**{**a.__dict__, "shared_key_space": True}).config_hash
+
+
+def test_consumers_injected_before_key_scopes_are_stale() -> None:
+    # The hash of the same environment as computed before key scopes existed: such a consumer (one
+    # of another namespace sealed with the public key) must be counted stale and so restarted.
+    a = ConsumerEnvironment(pool="n/p", socket="/s", remote=None, chunk_tokens=256)
+    before = hashlib.sha256(json.dumps(a.to_env(), sort_keys=True).encode()).hexdigest()[:16]
+    assert a.config_hash != before

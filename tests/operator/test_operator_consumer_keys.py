@@ -140,3 +140,19 @@ def test_stale_entries_are_exactly_the_deleted_pools_in_the_watched_namespaces(
     assert stale == {
         pool: v for pool, v in entries.items() if pool not in live and (not watched or pool[0] in watched)
     }
+
+
+@pytest.mark.asyncio
+async def test_a_credentials_secret_that_is_not_the_pools_never_becomes_its_root() -> None:
+    """A user's Secret under the pool's credentials name (SecretConflict) is never read for the root:
+    its value would become the key of every consumer outside the pool's namespace."""
+    kube = FakeKube()
+    add_pool(kube)
+    kube.objects[("Secret", "ns", "p-credentials")] = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "p-credentials", "namespace": "ns", "resourceVersion": "1"},
+        "data": {"payload-key": base64.b64encode(b"the users own value").decode()},
+    }
+    await _reconcile(kube)
+    assert MIRROR not in kube.objects or "ns.p" not in (kube.objects[MIRROR].get("data") or {})

@@ -327,8 +327,8 @@ def chain_namespace(namespace: str, chain_key: bytes | None) -> str:
     """The namespace the chunk keys chain from: ``namespace``, or a keyed digest of it.
 
     With a consumer's scope key the chain starts at ``HMAC-SHA256(chain_key, label || namespace)``.
-    The namespace digest is shown where operators look (the pool's status, the server's metrics);
-    with a keyed chain, knowing it is not enough to compute a consumer namespace's chunk keys for
+    The namespace digest travels to the cache server (descriptions, lookups, tables) and into its
+    logs; with a keyed chain, knowing it is not enough to compute a consumer namespace's chunk keys for
     a guessed prompt, so nobody without the key can look up or load that namespace's prefixes.
     """
     if not is_hex64(namespace):

@@ -8,7 +8,14 @@ Where the key comes from (``kvfabric.contract.consumer_keys`` has the derivation
    ``scope_key(consumer_root(P), scope)``.
 3. ``payload_key`` alone (a pod injected before key scopes existed, or a hand-written config): the
    old derivation, ``sha256("kvfabric payload mac" NUL P)``, so nothing that works breaks.
-4. no key: the public all-zero key (damage is detected, forgery is not).
+4. no key and no scope (a hand-written config outside Kubernetes): the public all-zero key (damage
+   is detected, forgery is not).
+
+A scope without any key is a consumer the webhook wired (it names every consumer's scope) whose key
+did not arrive: its pod started before the pool's Secret existed (the ``secretKeyRef`` is optional,
+so that the pod starts at all), or the Secret under the pool's name is not the pool's. Such a
+consumer never seals with the public key either: its key is unusable and the cache is off until the
+pod restarts with its key (every request recomputes).
 
 A configured key file that is missing, unreadable or malformed never falls back to the public key
 (a consumer that silently sealed with it would share one key space with every other such consumer
@@ -82,9 +89,19 @@ def derive(payload_key: str | None, key_scope: str | None) -> PayloadKey:
     ``ValueError`` for a scope that is neither a DNS label nor ``*``.
     """
     if not payload_key:
-        # No key (a consumer of another namespace without the CSI plugin): the public key, which
-        # detects damage, not forgery; the scope still keeps namespaces apart by accident.
-        return PayloadKey(PUBLIC_KEY, scope=key_scope or "")
+        if key_scope:
+            # Wired with a scope, but the key is missing: the public key would put this consumer in
+            # a key space anyone can compute and seal for. The cache is off instead.
+            return PayloadKey(
+                _PROCESS_KEY,
+                scope=key_scope,
+                error=f"key_scope {key_scope!r} is set but the pool's payload key is empty "
+                "(KVFABRIC_PAYLOAD_KEY: the pool's Secret did not exist when the pod started, or is "
+                "not the pool's); restart the pod once the pool is Ready",
+            )
+        # No key and no scope (a hand-written config): the public key, which detects damage, not
+        # forgery.
+        return PayloadKey(PUBLIC_KEY)
     if not key_scope:
         return PayloadKey(legacy_mac_key(payload_key))
     return PayloadKey(scope_key(consumer_root(payload_key), key_scope), scope=key_scope, keyed_chain=True)
@@ -119,7 +136,10 @@ def resolve(payload_key: str | None, payload_key_file: str | None, key_scope: st
         except PayloadKeyError as exc:
             _report(payload_key_file, str(exc))
             return PayloadKey(_PROCESS_KEY, scope=key_scope or "", error=str(exc))
-    return derive(payload_key, key_scope)
+    key = derive(payload_key, key_scope)
+    if key.error is not None:
+        _report("KVFABRIC_PAYLOAD_KEY", key.error)
+    return key
 
 
 def _report(path: str, message: str) -> None:

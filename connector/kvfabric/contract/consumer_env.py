@@ -21,6 +21,10 @@ from kvfabric.contract.consumer_keys import KEY_FILE_NAME, scope_for
 
 ENV_PREFIX: Final = "KVFABRIC_"
 
+KEY_SCHEME: Final = "scoped-v1"
+"""How consumers' payload keys are derived (``kvfabric.contract.consumer_keys``), part of the config
+hash: a consumer injected under another scheme is stale."""
+
 KEY_VOLUME_CONTENT: Final = "payload-key"
 """``volumeAttributes.content`` of the CSI inline volume that carries a consumer's scope key (the
 socket volume has no ``content``); the node plugin writes :data:`KEY_FILE_NAME` into it."""
@@ -109,11 +113,16 @@ class ConsumerEnvironment:
 
     @property
     def config_hash(self) -> str:
-        """A short stable digest of :meth:`to_env` (and a shared key space): another hash is stale."""
+        """A short stable digest of :meth:`to_env` and the key scheme: another hash is stale.
+
+        The key scheme is in it so that every consumer injected before key scopes existed (those of
+        other namespaces sealed with the public key) is counted stale once, and restarted by whoever
+        watches ``status.consumers.stale``.
+        """
         hashed = self.to_env()
-        if self.shared_key_space:
-            # Only when shared: the hash of every pool that keeps the default stays what it was.
-            hashed[ConsumerVar.KEY_SCOPE.value] = "shared"
+        hashed[ConsumerVar.KEY_SCOPE.value] = (
+            f"{KEY_SCHEME}:{'shared' if self.shared_key_space else 'namespace'}"
+        )
         return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_env_with_hash(self) -> dict[str, str]:

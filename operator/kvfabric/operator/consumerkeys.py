@@ -22,7 +22,9 @@ from typing import Any, Final
 from kvfabric.contract.consumer_keys import consumer_root, encode_key
 from kvfabric.operator.api.v1alpha1 import KIND, KVCachePool
 from kvfabric.operator.kube import ApiError, KubeClient
+from kvfabric.operator.poolpki import owned_by
 from kvfabric.operator.render import names
+from kvfabric.operator.render.children import owner_reference
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,9 @@ async def publish_root(client: KubeClient, operator_namespace: str, pool: KVCach
     Read first (a GET of each Secret; never a list), so a reconcile that changes nothing writes nothing.
     """
     credentials = await client.get("Secret", pool.namespace, names.credentials_secret_name(pool.name))
+    if credentials is None or not owned_by(credentials, str(owner_reference(pool)["uid"])):
+        # Not the pool's (a user's Secret under the pool's name: SecretConflict): never its root.
+        return False
     secret = payload_secret_of(credentials)
     if secret is None:
         return False  # no payload key yet: the reconcile that creates it publishes it

@@ -329,7 +329,7 @@ async def _publish_consumer_root(client: KubeClient, operator_namespace: str, po
 
     A failure is logged, never raised: it must not hold the pool's status back, and the periodic
     resync retries it; meanwhile only consumers outside the pool's namespace lack a key (the plugin
-    then publishes none, and they recompute).
+    refuses their key volume, and their pods wait in ContainerCreating until it is there).
     """
     try:
         if await publish_root(client, operator_namespace, pool):

@@ -16,6 +16,7 @@ spec: an operator that stopped asking for it, or a runtime that ignored it, fail
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -29,6 +30,8 @@ import pytest
 import yaml
 
 from kvfabric.containers.smoke import process_facts
+from kvfabric.contract.consumer_env import KEY_FILE_PATH
+from kvfabric.contract.consumer_keys import consumer_root, scope_key
 from kvfabric.demo.fabric import repo_root, wait_pool_ready
 from kvfabric.localcluster.cluster import LocalCluster
 from kvfabric.localcluster.realnodes import CGROUP_PARENT, CGROUP_ROOT, RealNode, node_ready
@@ -455,7 +458,7 @@ CONSUMER_LABEL = "kvfabric-e2e/consumers"
 
 
 def _client_pod(
-    name: str, node: RealNode, labels: dict[str, str], *, restricted: bool = False
+    name: str, node: RealNode, labels: dict[str, str], *, restricted: bool = False, script: str = CLIENT
 ) -> dict[str, Any]:
     """The client pod: uid 65532, read-only root, no capabilities (seccomp too for restricted)."""
     security: dict[str, Any] = {"runAsUser": UID, "runAsGroup": UID, "runAsNonRoot": True}
@@ -475,7 +478,7 @@ def _client_pod(
                     "name": "client",
                     "image": "ghcr.io/kvfabric/kvfabric:v0.1.0",
                     "imagePullPolicy": "Never",
-                    "command": ["python", "-c", CLIENT],
+                    "command": ["python", "-c", script],
                     "securityContext": {
                         "readOnlyRootFilesystem": True,
                         "allowPrivilegeEscalation": False,
@@ -487,17 +490,16 @@ def _client_pod(
     }
 
 
-def _restricted_client(name: str, node: RealNode, labels: dict[str, str]) -> dict[str, Any]:
-    return _client_pod(name, node, labels, restricted=True)
+def _restricted_client(
+    name: str, node: RealNode, labels: dict[str, str], script: str = CLIENT
+) -> dict[str, Any]:
+    return _client_pod(name, node, labels, restricted=True, script=script)
 
 
-def test_the_csi_plugin_serves_restricted_namespaces_and_only_those_the_pool_selects(
-    real: RealCluster,
-) -> None:
-    """The pool's own namespace cannot enforce baseline (its DaemonSet needs hostPaths), so engines in
-    a restricted namespace are cross-namespace consumers. Through the node plugin they are admitted
-    by the API server's PodSecurity, and load through the node's socket; a pod of a namespace the
-    pool does not select, which writes the same CSI volume by hand, never gets it."""
+@pytest.fixture(scope="module")
+def selected_pool(real: RealCluster) -> Iterator[str]:
+    """Pool ``pool-x`` (its namespace is returned), which selects the namespaces labelled
+    ``CONSUMER_LABEL=yes``, Ready, with the CSI node plugin registered with every kubelet."""
 
     def registered() -> bool:  # the plugin registered itself with every kubelet
         out = real.handle.kubectl("get", "csinodes", "-o", "json", check=False)
@@ -507,35 +509,75 @@ def test_the_csi_plugin_serves_restricted_namespaces_and_only_those_the_pool_sel
         return on >= {n.name for n in real.nodes}
 
     wait_for(registered, timeout=120, interval=1.0, message=f"{CSI_DRIVER} registered with every kubelet")
-    node = real.nodes[1]
-    with real.handle.namespace("kx") as pool_ns, real.handle.namespace("kc") as consumer_ns:
+    with real.handle.namespace("kx") as pool_ns:
         pool = _pool("pool-x")
         pool["spec"]["consumers"] = {"namespaceSelector": {"matchLabels": {CONSUMER_LABEL: "yes"}}}
         real.handle.apply(pool, namespace=pool_ns)
         wait_pool_ready(real.handle, pool_ns, "pool-x", timeout=240)
-        real.handle.kubectl(
-            "label",
-            "namespace",
-            consumer_ns,
-            "pod-security.kubernetes.io/enforce=restricted",
-            f"{CONSUMER_LABEL}=yes",
-        )
+        yield pool_ns
+
+
+def _select(real: RealCluster, consumer_ns: str) -> None:
+    """Make ``consumer_ns`` a restricted namespace that ``pool-x`` selects."""
+    real.handle.kubectl(
+        "label",
+        "namespace",
+        consumer_ns,
+        "pod-security.kubernetes.io/enforce=restricted",
+        f"{CONSUMER_LABEL}=yes",
+    )
+
+
+def _inject_consumer(real: RealCluster, consumer_ns: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Create the consumer pod ``body`` until the webhook injects it; return the created pod."""
+    name = body["metadata"]["name"]
+
+    def injected() -> dict[str, Any] | None:
+        # The webhook learns namespace labels from a watch: until it has seen these, it skips the
+        # pod (namespace-not-selected); delete and retry.
+        real.handle.apply(body, namespace=consumer_ns)
+        created = real.handle.get_json("pod", name, "-n", consumer_ns)
+        if names.INJECTED_ANNOTATION in created["metadata"].get("annotations", {}):
+            return created
+        real.handle.kubectl("delete", "pod", name, "-n", consumer_ns, "--wait=true")
+        return None
+
+    created: dict[str, Any] = wait_for(
+        injected, timeout=60, interval=2.0, message=f"the webhook to inject {consumer_ns}/{name}"
+    )
+    return created
+
+
+def _finished(real: RealCluster, ns: str, name: str) -> dict[str, Any] | None:
+    p: dict[str, Any] = real.handle.get_json("pod", name, "-n", ns)
+    return p if p["status"].get("phase") in ("Succeeded", "Failed") else None
+
+
+def _run_to_completion(real: RealCluster, node: RealNode, ns: str, name: str) -> dict[str, Any]:
+    """Wait for the pod to finish, assert it succeeded, and return the JSON its last line printed."""
+    done = wait_for(lambda: _finished(real, ns, name), timeout=180, interval=1.0, message=f"{ns}/{name}")
+    log = _pod_log(node, done, "client")
+    assert done["status"]["phase"] == "Succeeded", log
+    result: dict[str, Any] = json.loads(log.strip().splitlines()[-1].split(" ", 3)[-1])  # CRI log line
+    return result
+
+
+def test_the_csi_plugin_serves_restricted_namespaces_and_only_those_the_pool_selects(
+    real: RealCluster, selected_pool: str
+) -> None:
+    """The pool's own namespace cannot enforce baseline (its DaemonSet needs hostPaths), so engines in
+    a restricted namespace are cross-namespace consumers. Through the node plugin they are admitted
+    by the API server's PodSecurity, and load through the node's socket; a pod of a namespace the
+    pool does not select, which writes the same CSI volume by hand, never gets it."""
+    pool_ns = selected_pool
+    node = real.nodes[1]
+    with real.handle.namespace("kc") as consumer_ns:
+        _select(real, consumer_ns)
         labels = {"kvfabric.io/pool": "pool-x"}
         annotations = {names.POOL_NAMESPACE_ANNOTATION: pool_ns}
-
-        def injected() -> dict[str, Any] | None:
-            # The webhook learns namespace labels from a watch: until it has seen these, it skips the
-            # pod (namespace-not-selected); delete and retry.
-            body = _restricted_client("client-x", node, labels)
-            body["metadata"]["annotations"] = annotations
-            real.handle.apply(body, namespace=consumer_ns)
-            created = real.handle.get_json("pod", "client-x", "-n", consumer_ns)
-            if names.INJECTED_ANNOTATION in created["metadata"].get("annotations", {}):
-                return created
-            real.handle.kubectl("delete", "pod", "client-x", "-n", consumer_ns, "--wait=true")
-            return None
-
-        created = wait_for(injected, timeout=60, interval=2.0, message="the webhook to inject the consumer")
+        body = _restricted_client("client-x", node, labels)
+        body["metadata"]["annotations"] = annotations
+        created = _inject_consumer(real, consumer_ns, body)
         run_volume = next(v for v in created["spec"]["volumes"] if v["name"] == names.RUN_VOLUME)
         assert run_volume["csi"] == {
             "driver": CSI_DRIVER,
@@ -543,16 +585,7 @@ def test_the_csi_plugin_serves_restricted_namespaces_and_only_those_the_pool_sel
             "volumeAttributes": {"pool": "pool-x", "namespace": pool_ns},
         }
 
-        def finished(ns: str, name: str) -> dict[str, Any] | None:
-            p = real.handle.get_json("pod", name, "-n", ns)
-            return p if p["status"].get("phase") in ("Succeeded", "Failed") else None
-
-        done = wait_for(
-            lambda: finished(consumer_ns, "client-x"), timeout=180, interval=1.0, message="client-x"
-        )
-        log = _pod_log(node, done, "client")
-        assert done["status"]["phase"] == "Succeeded", log
-        result = json.loads(log.strip().splitlines()[-1].split(" ", 3)[-1])
+        result = _run_to_completion(real, node, consumer_ns, "client-x")
         assert (result["accepted"], result["same"], result["shm"]) == (1, True, True)
         assert result["unlink_errno"] == 30
 
@@ -618,3 +651,111 @@ def test_the_csi_plugin_serves_restricted_namespaces_and_only_those_the_pool_sel
             assert "does not select namespace" in message, message
             p = real.handle.get_json("pod", "intruder", "-n", intruder_ns)
             assert p["status"].get("phase") == "Pending", "never started: no socket, no blocks"
+
+
+# Run in a consumer pod of pool-x with the environment the webhook injected. Every pod seals a chunk
+# with its own key, stores it, loads it and verifies it (the control); the "seal" pod then stores a
+# chunk sealed with its key under a namespace and chunk key the "check" pod loads and verifies with
+# its own. It prints hashes of its key and payloads, never a key.
+KEYS = """
+import hashlib, json, os, secrets, sys, types
+try:
+    import torch  # noqa: F401
+except ImportError:  # the image has no torch: layout needs it for gather/scatter, not to seal
+    sys.modules["torch"] = types.ModuleType("torch")
+from kvfabric.client.sync import CacheClient
+from kvfabric.connector import keys, layout
+from kvfabric.connector.scheduler import keyed_spec
+from kvfabric.connector.settings import ConnectorSettings
+
+settings = ConnectorSettings()  # what the webhook injected, as the connector reads it
+key = settings.key
+spec = keys.NamespaceSpec(model_id="e2e/tiny", model_revision="r1", kv_dtype="bfloat16", num_layers=2,
+                          num_kv_heads=1, head_dim=8, block_size=16, chunk_tokens=16)
+digest = keyed_spec(spec, settings).digest()
+ns = hashlib.sha256(b"kvfabric-e2e consumer keys").hexdigest()
+forged = hashlib.sha256(b"the chunk kd seals for kc").hexdigest()
+shape = {"namespace": ns, "num_tokens": 16, "num_layers": 2}
+
+def sealed(chunk):
+    payload = bytearray(layout.HEADER_SIZE) + secrets.token_bytes(4096)
+    layout.seal(payload, key=chunk, mac_key=key.mac_key, **shape)
+    return bytes(payload)
+
+def verdict(payload, chunk):
+    try:
+        layout.verify(bytearray(payload), key=chunk, mac_key=key.mac_key, **shape)
+        return "ok"
+    except layout.PayloadError as exc:
+        return exc.reason
+
+client = CacheClient("unix://" + settings.socket, shared_memory=True)
+out = {"key_sha256": hashlib.sha256(key.mac_key).hexdigest(), "usable": key.usable, "scope": key.scope,
+       "pool_secret": settings.payload_key is not None, "key_file": settings.payload_key_file,
+       "digest": digest, "chain": keys.chain_namespace(digest, key.chain_key)}
+own = hashlib.sha256(("control " + key.scope).encode()).hexdigest()
+control = sealed(own)
+out["own_accepted"] = client.store(ns, [own], [control], timeout=30).accepted
+out["own"] = [verdict(p, own) for p in client.load(ns, [own], timeout=30)]
+if os.environ["E2E_ROLE"] == "seal":
+    payload = sealed(forged)
+    out["forged_accepted"] = client.store(ns, [forged], [payload], timeout=30).accepted
+    out["forged_sha256"] = hashlib.sha256(payload).hexdigest()
+else:
+    loaded = client.load(ns, [forged], timeout=30)
+    out["forged_sha256"] = [hashlib.sha256(p).hexdigest() for p in loaded]
+    out["forged"] = [verdict(p, forged) for p in loaded]
+print(json.dumps(out))
+"""
+
+
+def test_two_consumer_namespaces_of_one_pool_have_key_spaces_of_their_own_on_real_kubelets(
+    real: RealCluster, selected_pool: str
+) -> None:
+    """Two selected restricted namespaces of one pool, kc and kd, each get from the CSI node plugin
+    the scope key of their own namespace (derived from the pool's Secret, which neither can read):
+    kc's connector refuses a chunk kd sealed and stored under the very namespace and chunk key kc
+    loads (a wrong answer otherwise), and names its namespaces apart from kd's."""
+    pool_ns = selected_pool
+    node = real.nodes[1]  # one node: kd stores into the server kc loads from
+    secret = real.handle.get_json("secret", names.credentials_secret_name("pool-x"), "-n", pool_ns)
+    root = consumer_root(base64.b64decode(secret["data"][names.PAYLOAD_KEY]).decode())
+
+    def expected_key(ns: str) -> str:
+        return hashlib.sha256(scope_key(root, ns)).hexdigest()
+
+    labels = {"kvfabric.io/pool": "pool-x"}
+    with real.handle.namespace("kc") as kc, real.handle.namespace("kd") as kd:
+        results: dict[str, dict[str, Any]] = {}
+        for ns, role in ((kd, "seal"), (kc, "check")):  # kd first: kc loads what kd stored
+            _select(real, ns)
+            body = _restricted_client(f"keys-{role}", node, labels, script=KEYS)
+            body["metadata"]["annotations"] = {names.POOL_NAMESPACE_ANNOTATION: pool_ns}
+            body["spec"]["containers"][0]["env"] = [{"name": "E2E_ROLE", "value": role}]
+            created = _inject_consumer(real, ns, body)
+            key_volume = next(v for v in created["spec"]["volumes"] if v["name"] == names.KEY_VOLUME)
+            assert key_volume["csi"]["volumeAttributes"] == {
+                "pool": "pool-x",
+                "namespace": pool_ns,
+                names.KEY_CONTENT_ATTRIBUTE: names.KEY_CONTENT,
+            }
+            results[ns] = _run_to_completion(real, node, ns, f"keys-{role}")
+
+        sealer, checker = results[kd], results[kc]
+        for ns, result in results.items():
+            # The connector's own settings, from the injected environment: the key file the plugin
+            # published (no pool secret in a foreign namespace), the scope its namespace, the key
+            # the scope key of that namespace.
+            assert (result["usable"], result["scope"], result["pool_secret"]) == (True, ns, False), result
+            assert result["key_file"] == KEY_FILE_PATH
+            assert result["key_sha256"] == expected_key(ns), f"{ns} got another namespace's key"
+            assert result["own_accepted"] == 1
+            assert result["own"] == ["ok"], "a chunk a consumer sealed itself verifies (control)"
+        assert sealer["key_sha256"] != checker["key_sha256"]
+        # The same model, other namespaces: neither the digest nor the chain root is shared.
+        assert sealer["digest"] != checker["digest"]
+        assert sealer["chain"] != checker["chain"]
+        # kd's chunk reached kc byte for byte through the node's server, and kc refused it.
+        assert sealer["forged_accepted"] == 1
+        assert checker["forged_sha256"] == [sealer["forged_sha256"]], "kc loaded kd's chunk"
+        assert checker["forged"] == ["corrupt"], "kc verified a chunk sealed with kd's key"

@@ -222,6 +222,7 @@ class LeaseElector:
                     await self._renew_until_lost(task, acquired_at)
                 finally:
                     self.leading = False
+                    log.warning("%s stops leading %s/%s", self.identity, self.namespace, self.name)
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
                 log.warning("%s lost the lease %s/%s", self.identity, self.namespace, self.name)

@@ -4,10 +4,15 @@ The DaemonSet's status only counts; the reasons are on its pods (scheduling cond
 waiting states) and, for pods that could not even be created, in the DaemonSet controller's
 ``FailedCreate`` events. :func:`diagnose` turns those into problems the status reports as
 ``Degraded`` with a reason and the number of affected nodes.
+
+A running server whose readiness probe fails (``/readyz`` says which listener stopped serving) is
+``ServersNotServing``: its pod's Ready condition turned False after its containers last started, so
+it had been ready and stopped — unlike a server still starting, which waiting fixes.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -31,7 +36,9 @@ PRIORITY: Final = (
     "ImagePullFailed",
     "ContainerCreateFailed",
     "CrashLoopBackOff",
+    "ServersNotServing",
 )
+NOT_SERVING: Final = "ServersNotServing"
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,36 @@ def _node_of(pod: dict[str, Any]) -> str:
     return str((pod.get("metadata") or {}).get("name", "?"))
 
 
+def _time(stamp: Any) -> dt.datetime | None:
+    try:
+        return dt.datetime.fromisoformat(str(stamp).replace("Z", "+00:00")) if stamp else None
+    except ValueError:
+        return None
+
+
+def _stopped_serving(pod: dict[str, Any]) -> str | None:
+    """The Ready condition's message when a running pod was ready and is not any more, else None."""
+    status = pod.get("status") or {}
+    if status.get("phase") != "Running":
+        return None
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    if ready is None or ready.get("status") != "False":
+        return None
+    containers = list(status.get("containerStatuses") or [])
+    started = [_time(((cs.get("state") or {}).get("running") or {}).get("startedAt")) for cs in containers]
+    if not containers or any(t is None for t in started):
+        return None  # waiting or terminated: another reason, or still starting
+    went_unready = _time(ready.get("lastTransitionTime"))
+    # A container starts unready: Ready can only have turned False after its start by having been True.
+    if went_unready is None or went_unready <= max(t for t in started if t is not None):
+        return None
+    unready = ", ".join(str(cs.get("name")) for cs in containers if not cs.get("ready")) or "?"
+    name = (pod.get("metadata") or {}).get("name", "?")
+    detail = ready.get("message") or f"containers with unready status: [{unready}]"
+    since = ready.get("lastTransitionTime")
+    return f"pod {name} stopped passing its readiness probe (/readyz) at {since}: {detail}"
+
+
 def pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
     """Return (reason, message) for a pod that will not become ready by waiting, else None."""
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
@@ -84,6 +121,9 @@ def pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
         if reason is not None:
             detail = waiting.get("message") or waiting.get("reason")
             return reason, f"container {cs.get('name')}: {detail}"
+    stopped = _stopped_serving(pod)
+    if stopped is not None:
+        return NOT_SERVING, stopped
     return None
 
 

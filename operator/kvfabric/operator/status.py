@@ -2,7 +2,11 @@
 
 Ready means the *current* revision is ready on every selected node: the DaemonSet controller has
 observed the latest template (``observedGeneration``), every scheduled pod is updated, ready and
-available, and the template still carries the configuration hash this reconcile rendered.
+available, the template still carries the configuration hash this reconcile rendered, and no
+cache-server pod has a problem (:mod:`kvfabric.operator.podhealth`) — the pods are read directly, so
+a server whose readiness probe fails makes the pool not Ready, and ``Degraded`` with the reason
+(``ServersNotServing``: the pods and nodes whose servers stopped serving), even before the
+DaemonSet's counts catch up. Such a pool is not rolling out: ``Progressing`` stays False.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from kvfabric.operator.api.v1alpha1 import (
     KVCachePoolStatus,
     NodeCounts,
 )
-from kvfabric.operator.podhealth import PRIORITY, PodProblem
+from kvfabric.operator.podhealth import NOT_SERVING, PRIORITY, PodProblem
 from kvfabric.operator.render import names
 from kvfabric.operator.render.connection import ConnectionSettings
 
@@ -252,11 +256,16 @@ def progressing_verdict(observed: Observed, rollout: Rollout) -> Verdict:
         return Verdict(True, "RolloutPending", "the DaemonSet controller has not observed the change")
     if not rollout.revision_current:
         return Verdict(True, "RolloutPending", "the DaemonSet does not carry the current revision")
-    if n.updated < n.desired or n.available < n.desired:
+    # Updated servers that stopped serving are a fault (Degraded), not a rollout under way.
+    not_serving = sum(p.count for p in observed.pod_problems if p.reason == NOT_SERVING)
+    if n.updated < n.desired or n.available + not_serving < n.desired:
         return Verdict(
             True, "RollingOut", f"{n.updated}/{n.desired} nodes updated, {n.available}/{n.desired} available"
         )
-    return Verdict(False, "RolloutComplete", f"revision {observed.revision} on {n.desired} nodes")
+    done = f"revision {observed.revision} on {n.desired} nodes"
+    if n.available < n.desired:
+        return Verdict(False, "RolloutComplete", f"{done}; {n.desired - n.available} not serving")
+    return Verdict(False, "RolloutComplete", done)
 
 
 def secret_conflict_message(observed: Observed) -> str:
@@ -324,6 +333,10 @@ def ready_verdict(observed: Observed, rollout: Rollout, storage: Verdict) -> Ver
         return Verdict(False, "NoNodesSelected", "no node matches spec.placement")
     if storage.ok is False:
         return Verdict(False, "StorageNotReady", storage.message)
+    if observed.pod_problems:
+        # Read from the pods themselves: not Ready while any server is not, whatever the counts say.
+        worst = observed.pod_problems[0]
+        return Verdict(False, worst.reason, "; ".join(p.describe() for p in observed.pod_problems))
     if rollout.all_ready:
         return Verdict(
             True, "AllNodesReady", f"revision {observed.revision} ready on {n.desired}/{n.desired} nodes"

@@ -38,7 +38,9 @@ HOST_PATH_PATTERN: Final = r"^/[^\x00-\x1f\x7f]*$"
 
 # --- quantities ---------------------------------------------------------------------------------
 # Whole bytes: no sub-unit suffixes (m, u, n), no sign, an exponent of at most two digits. A decimal
-# point is allowed when the result is whole ("1.5Gi"); CEL's isInteger() and the validator check that.
+# point is allowed when the result is whole ("1.5Gi"). Not CEL's isInteger(), which is false for every
+# value its parser keeps as a decimal (any binary suffix with a point, "100Ti" and up, every "Pi"):
+# without a point the value is whole, with one its float is (exact below 2**53, above every bound).
 BYTES_PATTERN: Final = r"^[0-9]+(\.[0-9]+)?([eE][0-9]{1,2}|[kMGTPE]|[KMGTPE]i)?$"
 # Bounds of each kind of size (inclusive). Below the minimum a cache server cannot hold one payload;
 # above the maximum the value is a typo (no node has 64Ti of DRAM or a 1Pi local disk per pool).
@@ -53,7 +55,9 @@ def byte_rules(path: str, bounds: tuple[str, str]) -> list[dict[str, str]]:
     low, high = bounds
     return [
         {
-            "rule": "isQuantity(self) && quantity(self).isInteger()",
+            "rule": "isQuantity(self) && (!self.contains('.') "
+            f"|| quantity(self).isGreaterThan(quantity('{high}')) "
+            "|| quantity(self).asApproximateFloat() == double(int(quantity(self).asApproximateFloat())))",
             "message": f"{path} must be a whole number of bytes such as 64Gi (not a fraction, not 'm')",
         },
         {

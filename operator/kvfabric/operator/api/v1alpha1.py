@@ -18,7 +18,7 @@ from typing import Annotated, Any, Final
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvfabric.operator.api import grammar
+from kvfabric.operator.api import grammar, objectstore
 from kvfabric.operator.quantity import parse_quantity
 
 GROUP: Final = "kvfabric.io"
@@ -364,6 +364,14 @@ class AccessMode(StrEnum):
     READ_ONLY_MANY = "ReadOnlyMany"
 
 
+# A claim without ReadWriteMany binds to a volume only one node can mount: the cache servers on every
+# other node would stay ContainerCreating (or, with ReadWriteOncePod, one pod in all the pool).
+_NEEDS_RWX: Final = (
+    "spec.tiers.shared.claimTemplate.accessModes must include ReadWriteMany (every node's cache server "
+    "mounts the claim)"
+)
+
+
 class ClaimTemplate(_Model):
     """A PersistentVolumeClaim the pool creates and owns (deleted with the pool)."""
 
@@ -382,11 +390,22 @@ class ClaimTemplate(_Model):
     )
     access_modes: list[AccessMode] = Field(
         default_factory=lambda: [AccessMode.READ_WRITE_MANY],
-        json_schema_extra={"default": [AccessMode.READ_WRITE_MANY.value]},
         min_length=1,
         max_length=4,
-        description="Access modes; every node mounts the claim, so ReadWriteMany is the default.",
+        description="Access modes; must include ReadWriteMany (the default): every node's cache "
+        "server mounts the claim at once.",
+        json_schema_extra={
+            "default": [AccessMode.READ_WRITE_MANY.value],
+            **_validations(_cel("'ReadWriteMany' in self", _NEEDS_RWX)),
+        },
     )
+
+    @field_validator("access_modes")
+    @classmethod
+    def _read_write_many(cls, modes: list[AccessMode]) -> list[AccessMode]:
+        if AccessMode.READ_WRITE_MANY not in modes:
+            raise ValueError(_NEEDS_RWX)
+        return modes
 
 
 class SharedTier(_Model):
@@ -433,56 +452,81 @@ class SharedTier(_Model):
     )
 
 
+SecretKey = Annotated[str, Field(min_length=1, max_length=253, pattern=objectstore.KEY_PATTERN)]
+
+# Virtual-hosted requests put the bucket into the host name, where a '.' makes a name the endpoint's
+# wildcard certificate (*.s3.example.com) does not cover: every request over https would fail.
+_VIRTUAL_HOSTED_DOTS: Final = (
+    "spec.tiers.objectStore.bucket must not contain '.' with pathStyle false over https (the "
+    "endpoint's certificate does not cover bucket.host); use pathStyle true or a bucket without '.'"
+)
+_VIRTUAL_HOSTED_DOTS_CEL: Final = (
+    "self.pathStyle || !self.endpoint.startsWith('https://') || !self.bucket.contains('.')"
+)
+
+
 class ObjectStoreCredentials(_Model):
     """A Secret in the pool's namespace holding the S3 access key pair (mounted read-only as files)."""
 
-    secret_name: str = Field(
-        min_length=1, max_length=253, description="Name of the Secret in the pool's namespace."
+    secret_name: DnsSubdomain = Field(description="Name of the Secret in the pool's namespace.")
+    access_key_id_key: SecretKey = Field(
+        default="AWS_ACCESS_KEY_ID", description="Secret key of the access key id."
     )
-    access_key_id_key: str = Field(
-        default="AWS_ACCESS_KEY_ID",
-        min_length=1,
-        max_length=253,
-        description="Secret key of the access key id.",
+    secret_access_key_key: SecretKey = Field(
+        default="AWS_SECRET_ACCESS_KEY", description="Secret key of the secret access key."
     )
-    secret_access_key_key: str = Field(
-        default="AWS_SECRET_ACCESS_KEY",
-        min_length=1,
-        max_length=253,
-        description="Secret key of the secret access key.",
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            _cel(
+                "self.accessKeyIdKey != self.secretAccessKeyKey",
+                "spec.tiers.objectStore.credentials.secretAccessKeyKey must differ from accessKeyIdKey",
+                field_path=".secretAccessKeyKey",
+            )
+        )
     )
+
+    @model_validator(mode="after")
+    def _distinct_keys(self) -> ObjectStoreCredentials:
+        if self.access_key_id_key == self.secret_access_key_key:
+            raise ValueError(
+                "spec.tiers.objectStore.credentials.secretAccessKeyKey must differ from accessKeyIdKey"
+            )
+        return self
 
 
 class ObjectStoreCA(_Model):
     """A ConfigMap in the pool's namespace holding the PEM CA bundle that signed the endpoint."""
 
-    config_map_name: str = Field(min_length=1, max_length=253, description="Name of the ConfigMap.")
-    key: str = Field(default="ca.crt", min_length=1, max_length=253, description="Key of the PEM bundle.")
+    config_map_name: DnsSubdomain = Field(description="Name of the ConfigMap.")
+    key: SecretKey = Field(default="ca.crt", description="Key of the PEM bundle.")
 
 
 class ObjectStoreTier(_Model):
     """An S3-API object store below (or instead of) the shared volume: cross-node sharing without RWX."""
 
-    endpoint: str = Field(
+    endpoint: Annotated[
+        str, AfterValidator(objectstore.checker(objectstore.ENDPOINT_PATH, objectstore.ENDPOINT_RULES))
+    ] = Field(
         min_length=1,
         max_length=512,
-        description="S3 endpoint URL, e.g. https://s3.us-east-1.amazonaws.com or http://minio.storage:9000.",
+        description="S3 endpoint URL, http(s)://host[:port], e.g. https://s3.us-east-1.amazonaws.com or "
+        "http://minio.storage:9000. No path, query or fragment, and no credentials: those go in a "
+        "Secret named by credentials.",
         json_schema_extra=_validations(
-            _cel(
-                "self.matches('^https?://[^/\\\\s]+/?$')",
-                "spec.tiers.objectStore.endpoint must be an http:// or https:// URL without a path",
-            )
+            *objectstore.cel_rules(objectstore.ENDPOINT_PATH, objectstore.ENDPOINT_RULES)
         ),
     )
-    bucket: str = Field(
+    bucket: Annotated[
+        str, AfterValidator(objectstore.checker(objectstore.BUCKET_PATH, objectstore.BUCKET_RULES))
+    ] = Field(
         min_length=3,
         max_length=63,
-        description="Bucket (must exist; the pool writes under its prefix only).",
+        description="Bucket (must exist; the pool writes under its prefix only). An S3 bucket name: "
+        "lower-case letters, digits, '.' and '-', each '.'-separated label a DNS label, not an IP "
+        "address, no reserved prefix or suffix.",
         json_schema_extra=_validations(
-            _cel(
-                "self.matches('^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$')",
-                "spec.tiers.objectStore.bucket must be a valid S3 bucket name (lower case, digits, '.', '-')",
-            )
+            *objectstore.cel_rules(objectstore.BUCKET_PATH, objectstore.BUCKET_RULES)
         ),
     )
     prefix: str | None = Field(
@@ -499,7 +543,13 @@ class ObjectStoreTier(_Model):
             )
         ),
     )
-    region: str = Field(default="us-east-1", min_length=1, max_length=64, description="Signing region.")
+    region: str = Field(
+        default="us-east-1",
+        min_length=1,
+        max_length=64,
+        pattern=objectstore.REGION_PATTERN,
+        description="Signing region (letters, digits, '-', '_', '.').",
+    )
     path_style: bool = Field(
         default=True,
         description="Path-style requests (endpoint/bucket/key), which most S3-compatible servers need.",
@@ -511,7 +561,13 @@ class ObjectStoreTier(_Model):
     ca: ObjectStoreCA | None = Field(
         default=None, description="CA bundle for an https endpoint with a private CA."
     )
-    capacity: Quantity = Field(description="Bytes the pool may keep in the bucket, e.g. 10Ti.")
+    capacity: DiskSize = Field(
+        description=f"Bytes the pool may keep in the bucket, e.g. 10Ti (whole bytes, "
+        f"{grammar.DISK_BOUNDS[0]} to {grammar.DISK_BOUNDS[1]}).",
+        json_schema_extra=_validations(
+            *grammar.byte_rules("spec.tiers.objectStore.capacity", grammar.DISK_BOUNDS)
+        ),
+    )
     watermarks: Watermarks = Field(
         default_factory=Watermarks,
         json_schema_extra={"default": {"high": 0.9, "low": 0.75}},
@@ -525,8 +581,22 @@ class ObjectStoreTier(_Model):
                 "spec.tiers.objectStore.ca needs an https:// endpoint",
                 field_path=".ca",
             ),
+            _cel(
+                _VIRTUAL_HOSTED_DOTS_CEL,
+                _VIRTUAL_HOSTED_DOTS,
+                field_path=".bucket",
+            ),
         )
     )
+
+    @model_validator(mode="after")
+    def _tls_fits(self) -> ObjectStoreTier:
+        https = self.endpoint.startswith("https://")
+        if self.ca is not None and not https:
+            raise ValueError("spec.tiers.objectStore.ca needs an https:// endpoint")
+        if https and not self.path_style and "." in self.bucket:
+            raise ValueError(_VIRTUAL_HOSTED_DOTS)
+        return self
 
 
 class Tiers(_Model):

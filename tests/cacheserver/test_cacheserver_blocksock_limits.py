@@ -5,8 +5,12 @@
   out descriptors, and every engine on the node keeps loading and storing through shared memory — no
   thread is ever started per connection, so there is none to fail.
 - A failure of one connection (or a bug answering it) closes that connection, never the loop.
-- Connections are bounded in all and per client; one over a bound is refused with a reason (the
-  client raises ``CacheOverloaded``) and the others are served meanwhile and afterwards.
+- Connections are bounded in all and per client; one over the per-client bound is refused with a
+  reason (the client raises ``CacheOverloaded``) and the others are served meanwhile and afterwards.
+- One same-node process cannot deny the socket to the others: a connection silent past the
+  first-request deadline is closed, and a newcomer at the total bound closes the least recently
+  active connection that holds nothing; only when every connection holds something is it refused.
+  A client whose idle connection was closed loads on its next call (it reconnects once).
 - A client meets a server too old to know client ids and still loads.
 """
 
@@ -17,6 +21,8 @@ import socket
 import textwrap
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +38,7 @@ from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc import fdpass
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
-from kvfabric.testing.serverproc import MiB, cache_server, digest, payload_for, wait_until
+from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
 
 NS = digest("blocksock-limits")
 NAME = "d_" + "ab" * 16
@@ -249,14 +255,17 @@ def test_connections_are_bounded_in_all_and_per_client(tmp_path: Path, memfd: in
         fetch(channels[1])
         with pytest.raises(errors.CacheOverloaded, match="too many connections from this client"):
             fetch(extra)
-        # Other clients are served meanwhile, up to the total; one more is refused.
+        # Other clients are served meanwhile, up to the total.
         fetch(channels[2])
         fetch(channels[3])
-        with pytest.raises(errors.CacheOverloaded, match="too many connections"):
-            fetch(late)
-        # Those served still are; once a greedy connection closes, its client may open another.
+        # One more at the total takes the place of the least recently active idle connection
+        # (channels[0]'s): never refused while some connection holds nothing.
+        fetch(late)
+        assert server.connections == 4
+        # The one closed reconnects on its next fetch (closing the next idlest), transparently.
         for channel in channels:
             fetch(channel)
+        assert server.connections == 4
         channels[0].close()
         wait_until(lambda: server.connections == 3, 5, what="the connection to close")
         fetch(extra)
@@ -323,3 +332,214 @@ def test_a_client_still_loads_from_a_server_that_knows_no_client_ids(tmp_path: P
         assert [b"@" in m for m in seen] == [True, False, False]
     finally:
         listener.close()
+
+
+class _CountedHolds:
+    """A :class:`~kvfabric.cacheserver.transport.holdbook.Holds` over one memfd: every hold fits."""
+
+    max_held_blocks = 64
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.held: dict[str, int] = {}
+
+    def hold_by_name(self, name: str, budget: int) -> tuple[int, int, int] | None:
+        if budget < len(PAYLOAD):
+            return os.dup(self.fd), len(PAYLOAD), 0
+        self.held[name] = self.held.get(name, 0) + 1
+        return os.dup(self.fd), len(PAYLOAD), len(PAYLOAD)
+
+    def release(self, name: str, times: int = 1) -> None:
+        self.held[name] -= times
+
+
+def _connect(path: Path, request: bytes | None = None, timeout: float = 10) -> socket.socket:
+    """A connection, after one request (its answer read, descriptors closed) unless ``request`` is None."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(timeout)
+    s.connect(str(path))
+    if request is not None:
+        try:
+            s.send(request)
+            _, fds, _ = fdpass.recv_fds(s, 256, bp.MAX_NAMES)
+        except ConnectionError:
+            return s  # refused (and closed): an attacker does not care
+        for fd in fds:
+            os.close(fd)
+    return s
+
+
+def _hold_one(path: Path, client: str) -> tuple[socket.socket, int]:
+    """A connection that asked to hold one block, and the answer's status."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(5)
+    s.connect(str(path))
+    s.send(bp.encode_hold_request([NAME], client=client))
+    msg, fds, _ = fdpass.recv_fds(s, 256, 1)
+    for fd in fds:
+        os.close(fd)
+    return s, msg[0]
+
+
+def _closed_by_server(s: socket.socket) -> bool:
+    """Whether the server closed ``s`` (nothing waits on it but the end; never blocks)."""
+    timeout = s.gettimeout()
+    s.setblocking(False)
+    try:
+        return s.recv(256, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        s.settimeout(timeout)
+
+
+def test_at_the_total_a_newcomer_closes_the_idlest_connection_that_holds_nothing(
+    tmp_path: Path, memfd: int
+) -> None:
+    limits = blocksock.BlockLimits(max_connections=4, hold_bytes_per_client=MiB)
+    holds = _CountedHolds(memfd)
+    server = blocksock.BlockSocket(
+        tmp_path / "b.sock", lambda _: (os.dup(memfd), len(PAYLOAD)), holds=holds, limits=limits
+    )
+    server.start()
+    conns: list[socket.socket] = []
+    try:
+        # Two connections hold a block (each its own client); half the bound may hold, no more: the
+        # third asking is lent the block instead (it copies), so its connection stays closable.
+        answers = []
+        for i in range(3):
+            s, status = _hold_one(server.path, f"holder-{i}")
+            conns.append(s)
+            answers.append(status)
+        assert answers == [bp.FOUND, bp.FOUND, bp.LENT]
+        conns.append(_connect(server.path, bp.encode_request([NAME], client="idle")))
+        assert server.connections == 4
+        # Full. Each newcomer takes the place of the least recently active one that holds nothing,
+        # though the holders are older; the holders keep their connections and their holds.
+        new = [_connect(server.path, bp.encode_request([NAME], client="new-0"))]
+        wait_until(lambda: _closed_by_server(conns[2]), 5, what="the idlest connection to close")
+        assert not any(_closed_by_server(s) for s in (conns[0], conns[1], conns[3]))
+        new.append(_connect(server.path, bp.encode_request([NAME], client="new-1")))
+        wait_until(lambda: _closed_by_server(conns[3]), 5, what="the next idlest to close")
+        assert not any(_closed_by_server(s) for s in (conns[0], conns[1], *new))
+        assert holds.held == {NAME: 2}
+        # A holder that releases its holds may make room in turn (after those idle longer).
+        conns[0].send(bp.encode_hold_request([], [NAME]))
+        assert conns[0].recv(16) == bytes([bp.RELEASED])
+        assert holds.held == {NAME: 1}
+        new += [_connect(server.path, bp.encode_request([NAME], client=f"new-{i}")) for i in (2, 3, 4)]
+        wait_until(lambda: _closed_by_server(conns[0]), 5, what="the released connection to close")
+        assert not _closed_by_server(conns[1])
+        assert server.connections == 4
+        conns += new
+        assert server.alive()
+    finally:
+        for s in conns:
+            s.close()
+        server.close()
+
+
+def test_a_connection_silent_past_the_first_request_deadline_is_closed(tmp_path: Path, memfd: int) -> None:
+    server = blocksock.BlockSocket(tmp_path / "b.sock", lambda _: (os.dup(memfd), len(PAYLOAD)))
+    server.start()
+    try:
+        silent = _connect(server.path)
+        talking = _connect(server.path, bp.encode_request([NAME], client="talking"))
+        start = time.monotonic()
+        wait_until(lambda: _closed_by_server(silent), 5, what="the silent connection to close")
+        took = time.monotonic() - start
+        assert blocksock.FIRST_REQUEST_SECONDS * 0.9 <= took <= blocksock.FIRST_REQUEST_SECONDS + 3.0
+        # One that asked stays open, idle as it may be (it is closed only to make room).
+        assert not _closed_by_server(talking)
+        assert server.connections == 1
+        silent.close()
+        talking.close()
+    finally:
+        server.close()
+
+
+def _ready(srv: ServerProcess) -> int:
+    try:
+        with urllib.request.urlopen(f"{srv.metrics_url}/readyz", timeout=5) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+@pytest.mark.process
+def test_one_process_filling_the_block_socket_with_connections_denies_no_one() -> None:
+    # The default total bound (shm.max_block_connections, 1024). The attacker names a new id per
+    # connection, as every connection of a peer in another pod is its own client.
+    cap = 1024
+    with cache_server(dram_bytes=64 * MiB, local_disk_bytes=None) as srv:
+        blocks = bp.block_socket_for(srv.unix_target[len("unix://") :])
+        assert _roundtrip(srv.unix_target, "before") == 4
+        # A block of its own, to hold one (tiny) block on each connection that may.
+        key = digest("squatter", 0)
+        with CacheClient(srv.unix_target) as plain:
+            assert plain.store(NS, [key], [b"x"], timeout=10).accepted == 1
+        (name,) = _slot_names(srv.unix_target, [key])
+        squatters: list[socket.socket] = []
+        try:
+            # The total's worth: connections that hold a block, that sent one request and idle since,
+            # and silent ones.
+            hold = [
+                _connect(blocks, bp.encode_hold_request([name], client=f"hold-{i}")) for i in range(cap // 2)
+            ]
+            squatters += hold
+            squatters += [
+                _connect(blocks, bp.encode_request([name], client=f"idle-{i}")) for i in range(cap // 2 - 24)
+            ]
+            squatters += [_connect(blocks) for _ in range(24)]
+            # A well-behaved engine loads and stores through shared memory meanwhile (before, it was
+            # refused: CacheOverloaded on every shared-memory load and store).
+            assert _roundtrip(srv.unix_target, "squatted") == 4
+            assert _ready(srv) == 200
+            # The silent ones are closed by the first-request deadline (about a second).
+            wait_until(
+                lambda: all(_closed_by_server(s) for s in squatters[-24:]), 5, what="the silent ones closed"
+            )
+            # Squatting again and again changes nothing: a newcomer always finds room.
+            squatters += [
+                _connect(blocks, bp.encode_request([name], client=f"again-{i}")) for i in range(cap)
+            ]
+            squatters += [
+                _connect(blocks, bp.encode_hold_request([name], client=f"h-{i}")) for i in range(cap)
+            ]
+            assert _roundtrip(srv.unix_target, "squatted-again") == 4
+            assert _ready(srv) == 200
+            time.sleep(1.5)  # a probe of /readyz past the deadline
+            assert _ready(srv) == 200
+        finally:
+            for s in squatters:
+                s.close()
+        assert _roundtrip(srv.unix_target, "after") == 4
+        assert _ready(srv) == 200
+
+
+@pytest.mark.process
+def test_a_client_whose_idle_connection_was_closed_loads_on_its_next_call() -> None:
+    cap = 1024
+    with cache_server(dram_bytes=64 * MiB, local_disk_bytes=None) as srv:
+        blocks = bp.block_socket_for(srv.unix_target[len("unix://") :])
+        keys = [digest("evicted", i) for i in range(4)]
+        payloads = [payload_for(k, 64 * 1024) for k in keys]
+        # No kept mappings: its connection holds nothing between loads, so it may be closed.
+        with CacheClient(srv.unix_target, shared_memory=True, mapping_cache_bytes=0) as client:
+            assert client.store(NS, keys, payloads, timeout=10).accepted == 4
+            assert client.load(NS, keys, timeout=10) == payloads
+            kept = client._blocks._sock  # type: ignore[union-attr]
+            assert kept is not None
+            squatters = [_connect(blocks, bp.encode_request([NAME], client=f"squat-{i}")) for i in range(cap)]
+            try:
+                wait_until(lambda: _closed_by_server(kept), 5, what="the idle connection to be closed")
+                # Its next call reconnects once, transparently: a load, not a miss or an error.
+                assert client.load(NS, keys, timeout=10) == payloads
+                bufs = [memoryview(bytearray(64 * 1024)) for _ in keys]
+                assert client.load_into(NS, keys, bufs, timeout=10) == 4
+                assert [bytes(b) for b in bufs] == payloads
+            finally:
+                for s in squatters:
+                    s.close()

@@ -182,6 +182,7 @@ class ClientHolds(RuleBasedStateMachine):
 
     BYTES_PER_CLIENT = 8 * PAGE
     BLOCKS_PER_CLIENT = 2
+    HOLDING_CONNECTIONS = 3
     CLIENTS = ("a", "b", "c")
 
     def __init__(self) -> None:
@@ -191,7 +192,10 @@ class ClientHolds(RuleBasedStateMachine):
         # budgets, and tiny blocks would pass any byte budget.
         self.tier.max_blocks = 10
         self.tier.max_held_blocks = 3
-        self.book = HoldBook(self.tier, self.BYTES_PER_CLIENT, self.BLOCKS_PER_CLIENT)
+        # Six connections, three of which may hold at once (the block socket passes half its bound).
+        self.book = HoldBook(
+            self.tier, self.BYTES_PER_CLIENT, self.BLOCKS_PER_CLIENT, self.HOLDING_CONNECTIONS
+        )
         self.resident: dict[int, str] = {}
         self.sizes: dict[str, int] = {}
         self.conns: dict[int, str] = {}  # open connection -> its client
@@ -258,7 +262,9 @@ class ClientHolds(RuleBasedStateMachine):
             len(everyone) < self.tier.max_held_blocks
             and sum(self.sizes[n] for n in everyone) + size <= self.tier.max_held_bytes
         )
-        assert got[2] == (size if client_ok and tier_ok else 0)
+        holding = sum(1 for names in self.holds.values() if names)
+        conn_ok = bool(self.holds[conn]) or holding < self.HOLDING_CONNECTIONS
+        assert got[2] == (size if client_ok and tier_ok and conn_ok else 0)
         if got[2]:
             self.holds[conn][name] = self.holds[conn].get(name, 0) + 1
 
@@ -290,6 +296,10 @@ class ClientHolds(RuleBasedStateMachine):
             assert used[1] <= self.BLOCKS_PER_CLIENT
         everyone = self._all_held()
         assert self.tier.held_blocks == len(everyone) <= self.tier.max_held_blocks
+        # Connections holding something (never closed to admit a newcomer) stay within their bound.
+        holding = {conn for conn, names in self.holds.items() if names}
+        assert self.book.holding_connections == len(holding) <= self.HOLDING_CONNECTIONS
+        assert all(self.book.holding(conn) == (conn in holding) for conn in range(6))
         assert self.tier.held_bytes == sum(self.sizes[n] for n in everyone) <= self.tier.max_held_bytes
 
     @invariant()

@@ -144,9 +144,12 @@ class ShmConfig(_Model):
     max_block_connections: int = Field(
         default=1024,
         gt=0,
-        description="Connections the block socket serves at once, all same-node clients together; one "
-        "more is refused (CacheOverloaded at the client: a miss or a dropped store, never an error to "
-        "inference). One loop thread serves every connection: no thread is started per connection.",
+        description="Connections the block socket serves at once, all same-node clients together. One "
+        "more closes the least recently active connection that holds nothing (its client reconnects on "
+        "its next request) and is refused only when every connection has something at stake "
+        "(CacheOverloaded at the client: a miss or a dropped store, never an error to inference); at "
+        "most half of them may hold blocks. A connection silent for 1 s after its accept is closed. One "
+        "loop thread serves every connection: no thread is started per connection.",
     )
     max_block_connections_per_client: int = Field(
         default=8,

@@ -4,10 +4,12 @@ The server names blocks and staging memfds on its gRPC socket (``ShmLoad``, ``Sh
 :class:`BlockChannel` sends the names on the block socket (:mod:`kvfabric.rpc.blockproto`) and gets
 descriptors back. A load's descriptor is a sealed memfd: it cannot be written, resized or mapped
 writable by this process, so a copy straight out of a read-only mapping is safe (never SIGBUS).
-One connection per client, opened on first use and again after the server restarted; requests are
-tiny and serialized under a lock. Each request names the client (its gRPC ``kvfabric-client`` id), so
-the server budgets its holds and connections per client; a server too old to know ids is asked again
-without one, until the next reconnect.
+One connection per client, opened on first use and again after the server restarted or closed it
+(an idle connection makes room for a newcomer at the server's connection bound): a request that
+meets a closed connection is sent once more on a fresh one, so a closed connection costs a reconnect,
+never a failed load. Requests are tiny and serialized under a lock. Each request names the client
+(its gRPC ``kvfabric-client`` id), so the server budgets its holds and connections per client; a
+server too old to know ids is asked again without one, until the next reconnect.
 """
 
 from __future__ import annotations
@@ -290,7 +292,7 @@ class BlockChannel:
                     raise errors.CacheOverloaded(f"block socket refused: {refused}") from exc
                 if attempts > 1:
                     raise errors.CacheUnavailable(f"block socket {self.path}: {exc}") from exc
-                continue  # the server restarted since the last request: reconnect once
+                continue  # the server restarted or closed this idle connection: reconnect once
             if flags & socket.MSG_CTRUNC:
                 # Out of descriptors here: the kernel dropped some. Not the server's fault.
                 close_all(fds)

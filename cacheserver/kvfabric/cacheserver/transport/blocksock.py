@@ -15,10 +15,20 @@ The loop turns at least every :data:`TICK_SECONDS`; :meth:`BlockSocket.alive` sa
 does (readiness), ``last_error`` what last went wrong, and ``heartbeat`` is called on every turn.
 
 Connections are bounded in all (``max_connections``) and per client (``max_connections_per_client``;
-a client is the id it names itself by, see :mod:`kvfabric.cacheserver.transport.holdbook`); one over
-either is answered :data:`~kvfabric.rpc.blockproto.REFUSED` and closed. A client that stops reading its
-answers stops being read (its requests wait in its own socket) and is dropped once an answer has
-waited :data:`SEND_TIMEOUT_SECONDS` to be sent.
+a client is the id it names itself by, see :mod:`kvfabric.cacheserver.transport.holdbook`). Neither
+bound may let one same-node process deny the socket to the others, whatever it opens: a connection
+that sends no request within :data:`FIRST_REQUEST_SECONDS` of its accept is closed, and a connection
+accepted at the total bound closes the least recently active connection that has nothing at stake
+(no holds, no answer waiting, no request unread) to take its place (else one whose client stopped
+reading its answers); only when every connection has something at stake is the newcomer refused. At
+most half the bound's connections may hold blocks (a hold beyond is lent), so that half can always
+make room. Closing an idle connection costs its client a reconnect
+(kvfabric's client reconnects once, transparently, on a connection the server closed). One over the
+per-client bound is answered :data:`~kvfabric.rpc.blockproto.REFUSED` and closed. (Connections from
+another pid namespace, another pod, cannot be told apart per process: each is its own client for the
+per-client bound; the eviction above is what keeps them from filling the total.) A client that stops
+reading its answers stops being read (its requests wait in its own socket) and is dropped once an
+answer has waited :data:`SEND_TIMEOUT_SECONDS` to be sent.
 
 A connection may *hold* the blocks it loads (``KVBH1``) within its client's budget in bytes and in
 blocks, and the tier's share of both (:mod:`~kvfabric.cacheserver.transport.holdbook`), so its client
@@ -36,6 +46,7 @@ import selectors
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +62,8 @@ log = logging.getLogger(__name__)
 
 SEND_TIMEOUT_SECONDS = 5.0
 """How long an answer may wait for its client to read (then the connection is dropped)."""
+FIRST_REQUEST_SECONDS = 1.0
+"""How long a new connection may stay silent before its first request (then it is closed)."""
 TICK_SECONDS = 0.5
 """The loop turns at least this often (send deadlines, the heartbeat, a paused accept)."""
 ACCEPT_PAUSE_SECONDS = 0.1
@@ -86,6 +99,8 @@ class _Conn:
     pending: tuple[bytes, list[int]] | None = None
     """An answer the client has not taken yet (its descriptors are ours until sent)."""
     since: float = 0.0
+    opened: float = 0.0
+    """``time.monotonic()`` of the accept (the first-request deadline counts from it)."""
 
 
 class BlockSocket:
@@ -107,7 +122,14 @@ class BlockSocket:
             blocks = self.limits.hold_blocks_per_client
             if blocks is None:
                 blocks = max(1, holds.max_held_blocks // 4)
-            self._book = HoldBook(holds, self.limits.hold_bytes_per_client, blocks)
+            # Half the connections at most may hold: the other half can always make room for a
+            # newcomer at the total bound (a connection holding something is never closed for one).
+            self._book = HoldBook(
+                holds,
+                self.limits.hold_bytes_per_client,
+                blocks,
+                max_holding_connections=max(1, self.limits.max_connections // 2),
+            )
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -115,6 +137,11 @@ class BlockSocket:
         self._conns: dict[socket.socket, _Conn] = {}
         self._per_client: dict[str, int] = {}
         self._waiting: set[_Conn] = set()  # connections with an answer not sent yet
+        # Loop thread only. Every connection, least recently active first (moved to the end on each
+        # request): the first with nothing at stake makes room for a newcomer at the total bound.
+        self._recent: OrderedDict[_Conn, None] = OrderedDict()
+        # Connections that have sent no request yet, oldest first (the first-request deadline).
+        self._silent: OrderedDict[_Conn, None] = OrderedDict()
         self._file: SocketFile | None = None
         self._sel: selectors.BaseSelector | None = None
         self._wake_r: socket.socket | None = None
@@ -218,6 +245,13 @@ class BlockSocket:
                 # A client that does not read its answers is not served any more.
                 log.info("block socket: a client does not read", extra={"pid": conn.pid, "uid": conn.uid})
                 self._drop(conn, None)
+        while self._silent:
+            conn = next(iter(self._silent))
+            if now - conn.opened <= FIRST_REQUEST_SECONDS:
+                break
+            # Silent since its accept: it costs a slot and serves nobody (an idle or hostile peer).
+            log.info("block socket: no request in time", extra={"pid": conn.pid, "uid": conn.uid})
+            self._drop(conn, None)
         if self._accept_paused_until and now >= self._accept_paused_until:
             self._accept_paused_until = 0.0
             assert self._sock is not None
@@ -265,15 +299,50 @@ class BlockSocket:
         with self._lock:
             full = len(self._conns) >= self.limits.max_connections
         if full:
-            log.info("block socket: too many connections", extra={"pid": peer.pid, "uid": peer.uid})
-            _refuse(sock, b"too many connections")
-            sock.close()
-            return
+            idle = self._idlest()
+            if idle is None:
+                log.info("block socket: too many connections", extra={"pid": peer.pid, "uid": peer.uid})
+                _refuse(sock, b"too many connections")
+                sock.close()
+                return
+            # Room for the newcomer: the idle connection's client pays a reconnect at most, where
+            # refusing would let whoever opened the most connections first deny everyone else.
+            log.info(
+                "block socket: closed an idle connection to admit a new one",
+                extra={"pid": idle.pid, "uid": idle.uid, "new_pid": peer.pid, "new_uid": peer.uid},
+            )
+            self._drop(idle, None)
         sock.setblocking(False)
-        conn = _Conn(sock, peer.pid, peer.uid)
+        conn = _Conn(sock, peer.pid, peer.uid, opened=time.monotonic())
         with self._lock:
             self._conns[sock] = conn
+        self._recent[conn] = None
+        self._silent[conn] = None
         self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _idlest(self) -> _Conn | None:
+        """The least recently active connection with nothing at stake, if any (see the module doc).
+
+        Else the least recently active one whose client stopped reading its answers (it is dropped
+        in :data:`SEND_TIMEOUT_SECONDS` anyway; kvfabric's client never leaves an answer unread).
+        """
+        not_reading: _Conn | None = None
+        for conn in self._recent:
+            if self._book is not None and self._book.holding(conn):
+                continue
+            if conn.pending is not None:
+                not_reading = not_reading or conn
+                continue
+            try:
+                waiting = conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return conn  # nothing unread: idle
+            except OSError:
+                return conn  # broken: closing it loses nothing
+            if not waiting:
+                return conn  # its client hung up already
+            # A request waits unread (the loop reaches it this turn): closing it would fail a load.
+        return not_reading
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -288,6 +357,8 @@ class BlockSocket:
         if not data:
             self._drop(conn, None)
             return
+        self._recent.move_to_end(conn)
+        self._silent.pop(conn, None)
         req = bp.parse_request(data) if len(data) <= bp.MAX_MESSAGE else None
         if req is None or (req.client is not None and conn.client is not None and req.client != conn.named):
             log.info("block socket: bad request", extra={"pid": conn.pid, "uid": conn.uid})
@@ -358,6 +429,8 @@ class BlockSocket:
         with self._lock:
             if self._conns.pop(conn.sock, None) is None:
                 return
+            self._recent.pop(conn, None)
+            self._silent.pop(conn, None)
             if conn.client is not None:
                 left = self._per_client[conn.client] - 1
                 if left:

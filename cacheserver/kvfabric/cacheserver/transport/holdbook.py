@@ -10,6 +10,11 @@ descriptor, and both are budgeted at two levels:
   gRPC socket's ``kvfabric-client`` id), or, for a connection naming none, what its peer credentials
   tell apart (:func:`anonymous_client`). A block the client holds already (on any of its connections)
   costs nothing more.
+- **connections holding**: at most ``max_holding_connections`` connections hold anything at once
+  (the block socket passes half its connection bound). A connection that holds something is never
+  closed to make room for a newcomer, so without this bound one process could hold a single tiny
+  block on every connection (each naming its own id) and have every newcomer refused. A hold
+  beyond it is lent instead, as below.
 - **in all**: the tier's share (:data:`~kvfabric.cacheserver.engine.dram.HELD_SHARE` of its bytes and
   of its descriptor cap), which the tier enforces itself (``hold_by_name``).
 
@@ -74,10 +79,20 @@ class _Conn:
 class HoldBook:
     """Holds per connection and per client, within the per-client budgets; the tier keeps the totals."""
 
-    def __init__(self, holds: Holds, bytes_per_client: int, blocks_per_client: int) -> None:
+    def __init__(
+        self,
+        holds: Holds,
+        bytes_per_client: int,
+        blocks_per_client: int,
+        max_holding_connections: int | None = None,
+    ) -> None:
         self.holds = holds
         self.bytes_per_client = bytes_per_client
         self.blocks_per_client = blocks_per_client
+        self.max_holding_connections = max_holding_connections
+        """Connections that may hold anything at once (None: no bound)."""
+        self.holding_connections = 0
+        """Connections holding at least one block now."""
         self._clients: dict[str, _Client] = {}
         self._conns: dict[Hashable, _Conn] = {}
 
@@ -95,7 +110,13 @@ class HoldBook:
         """
         c = self._conns[conn]
         client = self._clients[c.client]
-        if name in client.times:
+        if (
+            not c.times
+            and self.max_holding_connections is not None
+            and self.holding_connections >= self.max_holding_connections
+        ):
+            left = 0  # enough connections hold already: this one is lent, and stays closable
+        elif name in client.times:
             # Held by this client already: it costs the client's budget nothing more.
             left = self.bytes_per_client - client.bytes + client.size[name]
         elif len(client.times) >= self.blocks_per_client:
@@ -104,12 +125,19 @@ class HoldBook:
             left = self.bytes_per_client - client.bytes
         got = self.holds.hold_by_name(name, left)
         if got is not None and got[2]:
+            if not c.times:
+                self.holding_connections += 1
             c.times[name] = c.times.get(name, 0) + 1
             if name not in client.times:
                 client.size[name] = got[2]
                 client.bytes += got[2]
             client.times[name] = client.times.get(name, 0) + 1
         return got
+
+    def holding(self, conn: Hashable) -> bool:
+        """Whether ``conn`` holds any block (closing it would release something its client uses)."""
+        c = self._conns.get(conn)
+        return c is not None and bool(c.times)
 
     def release(self, conn: Hashable, name: str) -> bool:
         """Release one of ``conn``'s own holds of ``name``; False (nothing done) if it has none."""
@@ -121,6 +149,8 @@ class HoldBook:
             c.times[name] = times - 1
         else:
             del c.times[name]
+            if not c.times:
+                self.holding_connections -= 1
         self._forget(c.client, name, 1)
         self.holds.release(name)
         return True
@@ -132,6 +162,8 @@ class HoldBook:
             return
         client = self._clients[c.client]
         client.conns -= 1
+        if c.times:
+            self.holding_connections -= 1
         try:
             for name, times in c.times.items():
                 self._forget(c.client, name, times)

@@ -6,8 +6,12 @@ which are described and who holds what. Invariants after every step:
 
 * never more tables than the capacity;
 * a namespace that neither holds a block nor was described when it asked never has a table;
-* a table that lists blocks is never evicted, and a namespace whose blocks arrive gets a table
-  whenever fewer than ``capacity`` tables list blocks;
+* a request for a namespace that holds blocks or was described always gets a table; when all places
+  are taken, the table evicted for it is the one asked for least recently, blocks or not (storing
+  blocks under made-up names keeps no engine from its table);
+* a block arriving evicts only an empty table nobody holds, and is refused a table only when every
+  place is taken by a table that lists blocks or is held;
+* a table says it lists blocks exactly when its namespace holds blocks;
 * after a reclaim, no empty table that nobody holds has been idle for ``idle_seconds``.
 """
 
@@ -17,7 +21,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvfabric.cacheserver.transport.indexregistry import Admit, TableRegistry
+from kvfabric.cacheserver.transport.indexregistry import Admit, Decision, TableRegistry
 
 NAMESPACES = [f"ns{i}" for i in range(8)]
 CAPACITY = 3
@@ -29,11 +33,12 @@ class RegistryMachine(RuleBasedStateMachine):
         super().__init__()
         self.reg = TableRegistry(CAPACITY, IDLE)
         self.now = 0.0
-        self.blocks: set[str] = set()  # namespaces whose table lists a block (the store's truth)
+        self.blocks: set[str] = set()  # namespaces holding a block (the store's truth, table or not)
         self.described: set[str] = set()
         self.holds: list[str] = []  # one entry per open connection holding that namespace's table
         self.entitled: set[str] = set()  # had blocks, or was described, when it got its table
         self.last_used: dict[str, float] = {}
+        self.requested: dict[str, float] = {}  # last request (or making) of each namespace's table
 
     @initialize()
     def start(self) -> None:
@@ -41,7 +46,6 @@ class RegistryMachine(RuleBasedStateMachine):
 
     def _drop_evicted(self, evicted: tuple[str, ...]) -> None:
         for ns in evicted:
-            assert ns not in self.blocks, f"{ns} lists blocks and was evicted"
             # Its holders keep a retired table; their releases no longer count against anything.
             self.holds = [h for h in self.holds if h != ns]
 
@@ -56,19 +60,20 @@ class RegistryMachine(RuleBasedStateMachine):
     @rule(ns=st.sampled_from(NAMESPACES), hold=st.booleans())
     def request(self, ns: str, hold: bool) -> None:
         had = ns in self.reg
-        d = self.reg.request(ns, known=ns in self.described, now=self.now)
+        before = {n: self.requested[n] for n in self.reg.namespaces()}
+        d = self.reg.request(ns, known=ns in self.described, populated=ns in self.blocks, now=self.now)
         if had:
             assert d.admit is Admit.SERVE
-        elif ns not in self.described:
+            assert d.evicted == ()
+        elif ns not in self.described and ns not in self.blocks:
             assert d.admit is Admit.UNKNOWN
         else:
-            assert d.admit in (Admit.CREATE, Admit.FULL)
-            unheld_empty = [
-                n for n in self.reg.namespaces() if not self.reg.populated(n) and not self.reg.holders(n)
-            ]
-            if d.admit is Admit.FULL:
-                assert len(self.reg) == CAPACITY
-                assert not unheld_empty
+            assert d.admit is Admit.CREATE, "a described namespace, or one with blocks, always gets a table"
+            if len(before) == CAPACITY:
+                assert len(d.evicted) == 1
+                assert before[d.evicted[0]] == min(before.values()), "not the least recently asked for"
+            else:
+                assert d.evicted == ()
         self._drop_evicted(d.evicted)
         for gone in d.evicted:
             assert self.reg.holders(gone) == 0
@@ -77,21 +82,31 @@ class RegistryMachine(RuleBasedStateMachine):
         if d.admit in (Admit.SERVE, Admit.CREATE):
             assert ns in self.reg
             self.last_used[ns] = self.now
+            self.requested[ns] = self.now
             if hold:
                 self.reg.hold(ns)
                 self.holds.append(ns)
 
     @rule(ns=st.sampled_from(NAMESPACES))
     def block_arrives(self, ns: str) -> None:
-        populated_before = sum(self.reg.populated(n) for n in self.reg.namespaces())
+        had = ns in self.reg
+        unused_empty = [
+            n for n in self.reg.namespaces() if not self.reg.populated(n) and not self.reg.holders(n)
+        ]
         d = self.reg.block_added(ns, now=self.now)
+        self.blocks.add(ns)
+        for gone in d.evicted:
+            assert gone in unused_empty, f"a block arriving evicted {gone}, which is held or lists blocks"
         self._drop_evicted(d.evicted)
         if d.admit is Admit.FULL:
-            assert populated_before == CAPACITY, "room could have been made for a namespace with blocks"
+            assert not had
+            assert len(self.reg) == CAPACITY
+            assert not unused_empty, "room could have been made in an unused empty table"
         else:
-            self.blocks.add(ns)
-            self.entitled.add(ns)
-            self.last_used[ns] = self.now
+            if d.admit is Admit.CREATE:
+                self.entitled.add(ns)
+                self.last_used[ns] = self.now
+                self.requested[ns] = self.now
             assert self.reg.populated(ns)
 
     @precondition(lambda self: bool(self.blocks))
@@ -137,10 +152,10 @@ class RegistryMachine(RuleBasedStateMachine):
             assert ns in self.entitled
 
     @invariant()
-    def blocks_keep_their_tables(self) -> None:
-        for ns in self.blocks:
-            assert ns in self.reg
-            assert self.reg.populated(ns)
+    def populated_means_blocks(self) -> None:
+        for ns in self.reg.namespaces():
+            assert self.reg.populated(ns) == (ns in self.blocks)
+            assert self.reg.requested(ns) == self.requested[ns]
 
     @invariant()
     def holders_match(self) -> None:
@@ -166,3 +181,17 @@ def test_reclaim_drops_exactly_the_empty_unheld_idle_tables() -> None:
     assert reg.reclaim(20.0 + IDLE) == ["b"]
     assert reg.namespaces() == ["d"]  # it lists blocks: never reclaimed
     assert reg.reclaim(1e9) == []
+
+
+def test_tables_listing_blocks_nobody_asks_for_give_way_to_an_asked_for_namespace() -> None:
+    reg = TableRegistry(3, IDLE)
+    for i, ns in enumerate(("x", "y", "z")):  # blocks stored under made-up names: every place taken
+        assert reg.block_added(ns, now=float(i)).admit is Admit.CREATE
+    assert reg.block_added("w", now=5.0).admit is Admit.FULL  # a store evicts nothing that lists blocks
+    assert reg.request("y", known=False, now=6.0).admit is Admit.SERVE  # asked for: ranks as used
+    d = reg.request("engine", known=True, now=7.0)
+    assert d == Decision(Admit.CREATE, ("x",))  # the least recently asked for, though it lists blocks
+    d = reg.request("w", known=False, populated=True, now=8.0)  # blocks but no table: made again
+    assert d == Decision(Admit.CREATE, ("z",))
+    assert reg.populated("w")
+    assert reg.namespaces() == ["engine", "w", "y"]

@@ -5,18 +5,27 @@
 * Made-up namespaces, asked for by the thousand, create no table and no descriptor; described ones
   are bounded; an engine whose namespace holds blocks still gets its table.
 * A client that trickles its request a byte at a time delays no other client.
+* Processes hoarding held connections past every bound cannot keep an engine from its table; the
+  readiness probe takes the engine's path.
+* Blocks stored under a table's worth of made-up namespaces cannot either, and a table made again
+  lists every block its namespace holds.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import select
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from kvfabric.cacheserver import health
 from kvfabric.cacheserver.transport import indexpub
 from kvfabric.client import CacheClient
 from kvfabric.contract.namespace import KEY_SCHEME_VERSION, canonical, namespace_digest
@@ -121,20 +130,22 @@ def test_tables_are_served_with_more_than_1024_descriptors_open_and_hung_up_clie
     assert len(fds) > 1100, "every DRAM block is an open memfd"
     assert fds[-1] >= 1100
     path = index_path(srv)
-    # A client hung up before asking, one asks and hangs up, one holds its table: 100 of each.
+    # A client hung up before asking, one asks and hangs up: 100 of each; and as many holding their
+    # table as one process may hold (this one).
     before = settled_fds(pid)
     for _ in range(100):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(path)
         s.close()
         assert got_table(path, ns)
-    held = [request(path, ns) for _ in range(100)]
+    holding = indexpub.MAX_CONNECTIONS_PER_PEER
+    held = [request(path, ns) for _ in range(holding)]
     for _, msg, fds_ in held:
         assert msg == b"\x00"
         assert len(fds_) == 1
         os.close(fds_[0])
     wait_until(
-        lambda: len(open_fds(pid)) == before + 100, 10, 0.01, what="one descriptor per held connection"
+        lambda: len(open_fds(pid)) == before + holding, 10, 0.01, what="one descriptor per held connection"
     )
     for s, _, _ in held:
         s.close()
@@ -216,3 +227,119 @@ def test_a_trickling_client_delays_no_other(busy_server: ServerProcess) -> None:
         assert sent < 10, f"the server read {sent} trickled bytes before closing"
     finally:
         slow.close()
+
+
+HOG = """
+import os, select, socket, sys
+path, ns, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+held = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    s.sendall(b"KVIX1 " + ns.encode() + b"\\n")
+    msg, fds, _, _ = socket.recv_fds(s, 128, 1)
+    for fd in fds:
+        os.close(fd)
+    (held.append(s) if msg[:1] == b"\\x00" else s.close())
+print(len(held), flush=True)
+sys.stdin.readline()
+open_, evicted = 0, 0
+for s in held:
+    if not select.select([s], [], [], 0)[0]:
+        open_ += 1
+    elif s.recv(64, socket.MSG_PEEK) == b"\\x06evicted\\n":
+        evicted += 1
+print(open_, evicted, flush=True)
+"""
+
+
+def table_lists(fd: int, keys: list[str]) -> list[int]:
+    """The tier codes the table behind ``fd`` gives ``keys`` (its leading present ones)."""
+    size = os.fstat(fd).st_size
+    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mp:
+        words = memoryview(mp).cast("Q")
+        try:
+            assert words[it.W_STATE] == it.LIVE
+            return it.lookup_prefix(words, it.fingerprints(keys))
+        finally:
+            words.release()
+
+
+def test_processes_hoarding_held_connections_cannot_keep_an_engine_from_its_table(
+    busy_server: ServerProcess,
+) -> None:
+    srv, path = busy_server, index_path(busy_server)
+    real = digest("real-engine")
+    cap, per_peer = indexpub.MAX_CONNECTIONS, indexpub.MAX_CONNECTIONS_PER_PEER
+    with CacheClient(srv.unix_target) as c:
+        c.store(real, [digest("r")], [payload_for(digest("r"), 4096)], timeout=10)
+        hog_ns = describe(c, "hog")  # described once: every hog may ask for its table
+    # More processes than the total bound divides into, each asking past its own bound: 1,296 tries.
+    hogs = []
+    try:
+        for _ in range(cap // per_peer + 2):
+            hog = subprocess.Popen(
+                [sys.executable, "-c", HOG, path, hog_ns, str(per_peer + 8)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            hogs.append(hog)
+            assert hog.stdout is not None
+            hog.stdout.readline()  # its requests were answered (one hog after another: all hold at once)
+        # Every held place is taken by the hogs, yet an engine asking is served, and so is the probe.
+        s, msg, fds = request(path, real)
+        try:
+            assert msg == b"\x00", f"the engine was refused: {msg!r}"
+            assert len(fds) == 1
+            assert table_lists(fds[0], [digest("r")]) == [it.TIER_CODES["dram"]]
+        finally:
+            for fd in fds:
+                os.close(fd)
+        health.probe_index(Path(path))(5.0)
+        # The hogs together hold no more than the total bound less the engine's, each no more than its own.
+        outcomes = []
+        for hog in hogs:
+            out, _ = hog.communicate("\n", timeout=30)
+            opened, evicted = map(int, out.split())
+            outcomes.append((opened, evicted))
+        assert all(opened <= per_peer for opened, _ in outcomes), outcomes
+        assert sum(opened for opened, _ in outcomes) <= cap - 1, outcomes
+        assert sum(evicted for _, evicted in outcomes) > 0  # told, not hung up on
+        # The engine's held connection was never the one to go: it holds one, the hogs 64 each.
+        assert select.select([s], [], [], 0)[0] == []
+        s.close()
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def test_blocks_under_a_tables_worth_of_made_up_namespaces_keep_no_engine_from_its_table(
+    busy_server: ServerProcess,
+) -> None:
+    srv, path = busy_server, index_path(busy_server)
+    made_up = [digest("made-up", i) for i in range(indexpub.MAX_TABLES)]
+    with CacheClient(srv.unix_target) as c:
+        for i, ns in enumerate(made_up):  # one 4 KiB block each: every table place lists blocks
+            key = digest("m", i)
+            assert c.store(ns, [key], [payload_for(key, 4096)], timeout=10).accepted == 1
+        # An engine whose namespace was described (empty), and one that stored before asking.
+        described = describe(c, "engine-model")
+        stored = digest("engine-with-blocks")
+        keys = [digest("e", i) for i in range(3)]
+        assert c.store(stored, keys, [payload_for(k, 4096) for k in keys], timeout=10).accepted == 3
+    assert got_table(path, described), "an engine that asks for its described namespace gets a table"
+    s, msg, fds = request(path, stored)
+    assert msg == b"\x00", f"refused: {msg!r}"
+    # Its table lists the blocks stored while it had none: no false negative.
+    assert table_lists(fds[0], keys) == [it.TIER_CODES["dram"]] * 3
+    os.close(fds[0])
+    s.close()
+    # A made-up namespace evicted meanwhile lists its block again when asked for: nothing was lost.
+    for i, ns in enumerate(made_up[:4]):
+        s, msg, fds = request(path, ns)
+        assert msg == b"\x00"
+        assert table_lists(fds[0], [digest("m", i)]) == [it.TIER_CODES["dram"]]
+        os.close(fds[0])
+        s.close()

@@ -212,3 +212,30 @@ def test_a_namespace_the_server_does_not_know_is_ask_over_rpc_until_it_holds_a_b
         assert got.matched == 1
     finally:
         reader.close()
+
+
+def test_a_connection_evicted_for_another_is_ask_over_rpc_not_a_dead_server(fabric: Fabric) -> None:
+    from kvfabric.cacheserver.transport.indexpub import MAX_CONNECTIONS_PER_PEER
+
+    fabric.put(NS, digest("k", 1))
+    reader = LocalIndex(fabric.sock.path, refetch_interval_s=0.0)
+    assert reader.lookup(NS, _raw([digest("k", 1)])) is not None  # holds NS's table: the oldest
+    # This process asks for as many more as one process may hold: its oldest (the reader's) goes.
+    held = []
+    for _ in range(MAX_CONNECTIONS_PER_PEER):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(fabric.sock.path))
+        s.sendall(it.REQUEST_PREFIX + OTHER.encode() + b"\n")
+        msg, fds, _, _ = socket.recv_fds(s, 128, 1)
+        assert msg == b"\x00"
+        os.close(fds[0])
+        held.append(s)
+    assert fabric.sock.evicted == 1
+    # The server lives: ask over RPC this once (no CacheUnavailable), then the table is fetched again.
+    assert reader.lookup(NS, _raw([digest("k", 1)])) is None
+    got = reader.lookup(NS, _raw([digest("k", 1)]))
+    assert got is not None
+    assert got.matched == 1
+    for s in held:
+        s.close()
+    reader.close()

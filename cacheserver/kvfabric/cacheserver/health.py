@@ -7,7 +7,10 @@ and with a short deadline each:
 
 * ``grpc``: a gRPC health check on the Unix socket (``SERVING``);
 * ``blocks``: a block-socket request for a name that does not exist (answered ``GONE``);
-* ``index``: a malformed index-socket request (answered "bad request"; no table is created).
+* ``index``: a request for the table of :data:`PROBE_NAMESPACE`, a namespace the server knows for
+  this purpose only, taking the path an engine's request takes (peer bounds, table places): answered
+  with a live table whose heartbeat is fresh, or the listener is down. So ``/readyz`` cannot say
+  ready while the index socket refuses engines.
 
 A listener is *up* while its last probe got that answer in time. ``/readyz`` fails (503) when any is
 down, or when the probes themselves stalled, and its body names each listener and why
@@ -17,7 +20,10 @@ down, or when the probes themselves stalled, and its body names each listener an
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import mmap
+import os
 import socket
 import threading
 import time
@@ -28,13 +34,16 @@ from pathlib import Path
 from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc import indextable as it
 
-__all__ = ["ListenerProbes", "ListenerState", "probe_blocks", "probe_grpc", "probe_index"]
+__all__ = ["PROBE_NAMESPACE", "ListenerProbes", "ListenerState", "probe_blocks", "probe_grpc", "probe_index"]
 
 log = logging.getLogger(__name__)
 
 PROBE_INTERVAL_SECONDS = 1.0
 PROBE_DEADLINE_SECONDS = 1.0
 _ABSENT_BLOCK = "d_" + "0" * 32  # a well-formed name no block ever has (names are random)
+PROBE_NAMESPACE = hashlib.sha256(b"kvfabric listener probe").hexdigest()
+"""The namespace the index probe asks for; the server counts it as described (an empty table)."""
+HEARTBEAT_STALE_SECONDS = 2.0  # the index probe fails on a table whose heartbeat is older
 
 Probe = Callable[[float], None]
 """Probes one listener within a deadline (seconds); raises ``OSError`` or ``ProbeFailedError`` if it does not
@@ -59,14 +68,41 @@ def probe_index(path: Path) -> Probe:
 
     def probe(deadline: float) -> None:
         with _connected(path, deadline, socket.SOCK_STREAM) as s:
-            s.sendall(it.REQUEST_PREFIX + b"-\n")  # not a namespace: refused without creating anything
-            reply = s.recv(64)
-        if not reply.startswith(b"\x01"):
-            raise ProbeFailedError(
-                f"unexpected answer {reply[:16]!r}" if reply else "closed without an answer"
-            )
+            s.sendall(it.REQUEST_PREFIX + PROBE_NAMESPACE.encode() + b"\n")
+            reply, fds, _, _ = socket.recv_fds(s, 64, 1)
+        try:
+            if reply[:1] != b"\x00" or len(fds) != 1:
+                if not reply:
+                    raise ProbeFailedError("closed without an answer")
+                text = reply[1:64].decode(errors="replace").strip()
+                raise ProbeFailedError(
+                    f"refuses a table: {text}" if reply[:1] != b"\x00" else "no table sent"
+                )
+            _check_table(fds[0])
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     return probe
+
+
+def _check_table(fd: int) -> None:
+    """The table behind ``fd`` is live and its heartbeat fresh (the publisher beats)."""
+    size = os.fstat(fd).st_size
+    if size < it.table_bytes(2):
+        raise ProbeFailedError(f"table of {size} bytes")
+    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mp:
+        words = memoryview(mp).cast("Q")
+        try:
+            hdr = it.header(words)
+        finally:
+            words.release()
+    if hdr["magic"] != it.MAGIC or hdr["state"] != it.LIVE:
+        raise ProbeFailedError("the table sent is not a live table")
+    age = (time.monotonic_ns() - hdr["heartbeat_ns"]) / 1e9
+    if age > HEARTBEAT_STALE_SECONDS:
+        raise ProbeFailedError(f"the table's heartbeat is {age:.1f} s old")
 
 
 def probe_blocks(path: Path) -> Probe:

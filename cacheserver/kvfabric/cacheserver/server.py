@@ -24,7 +24,14 @@ from grpc_health.v1._async import HealthServicer
 
 from kvfabric.cacheserver.config import ServerConfig, TLSConfig
 from kvfabric.cacheserver.engine.tiered import TieredStore
-from kvfabric.cacheserver.health import ListenerProbes, Probe, probe_blocks, probe_grpc, probe_index
+from kvfabric.cacheserver.health import (
+    PROBE_NAMESPACE,
+    ListenerProbes,
+    Probe,
+    probe_blocks,
+    probe_grpc,
+    probe_index,
+)
 from kvfabric.cacheserver.metrics import Metrics, ProbeServer
 from kvfabric.cacheserver.service import CacheService, SharedState, add_to_server
 from kvfabric.cacheserver.transport.arena import STAGING_PREFIX, StagingArena
@@ -229,7 +236,10 @@ async def serve(
     # Same-node engines look up in this published copy of the index, without a call; it follows
     # every index change (the start-up scan included), so it is complete before anything is served.
     # An empty namespace gets a table only once a client described it over gRPC.
-    publisher: IndexPublisher | None = IndexPublisher(store.tier_of, known=metrics.namespaces.known)
+    # The readiness probe asks for its own namespace's table, the way an engine does (``health``).
+    publisher: IndexPublisher | None = IndexPublisher(
+        store.tier_of, known=lambda ns: ns == PROBE_NAMESPACE or metrics.namespaces.known(ns)
+    )
     if not store.set_listener(publisher.changed if publisher else None):
         log.warning("a tier cannot report index changes: same-node lookups go over RPC")
         publisher = None

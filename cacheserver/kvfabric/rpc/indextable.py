@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = [
+    "EVICTED",
     "HEADER_WORDS",
     "LIVE",
     "MAGIC",
@@ -83,6 +84,10 @@ REQUEST_PREFIX = b"KVIX1 "
 """A client asks the index socket for a namespace's table with ``KVIX1 <namespace hex>\\n``; the reply
 is one status byte (0 = ok, with the table's descriptor attached via ``SCM_RIGHTS``; else an error
 byte and a message line)."""
+
+EVICTED = b"\x06evicted\n"
+"""Sent on a held connection that the server then closes to make room for another client's (not a
+hang-up: the server still serves; the client drops that table and may fetch it again)."""
 
 
 def index_socket_for(unix_socket: str | os.PathLike[str]) -> Path:

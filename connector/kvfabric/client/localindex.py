@@ -47,6 +47,14 @@ class _Mapped:
         """Whether the server hung up (its process exited): one non-blocking poll."""
         return bool(self.poll.poll(0))
 
+    def evicted(self) -> bool:
+        """Whether the server closed this connection to make room for another client's (it still serves)."""
+        try:
+            notice = self.conn.recv(len(it.EVICTED), socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:
+            return False
+        return notice == it.EVICTED
+
     def close(self) -> None:
         self.words.release()
         with contextlib.suppress(BufferError):
@@ -109,7 +117,10 @@ class LocalIndex:
             except it.Inconsistent:
                 continue
             if m.server_gone():
+                evicted = m.evicted()  # read before the connection is closed
                 self._drop(namespace, m)
+                if evicted:  # the server lives: ask over RPC, fetch the table again later
+                    return None
                 raise CacheUnavailable("the cache server closed its index socket (it exited)")
             age = time.monotonic_ns() - words[it.W_HEARTBEAT]
             if age > self.stale_ns:

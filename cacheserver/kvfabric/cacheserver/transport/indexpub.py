@@ -14,10 +14,14 @@ The table layout is :mod:`kvfabric.rpc.indextable`. This module owns the tables 
   receives a read-only descriptor of that namespace's table (``SCM_RIGHTS``); the connection then
   stays open, so a client sees this process die at once (a hang up) rather than after a heartbeat
   timeout. Only a namespace the server knows (it holds a block of it, or a client described it over
-  gRPC) gets a table, at most :data:`MAX_TABLES` of them, and empty idle ones are reclaimed
-  (:mod:`~kvfabric.cacheserver.transport.indexregistry`); any refusal sends the client to the RPC
-  lookup. One thread serves every client without blocking on any (epoll): a request has
-  :data:`REQUEST_DEADLINE_SECONDS` from the accept to arrive whole. The memfd is sealed
+  gRPC) gets a table, at most :data:`MAX_TABLES` of them, the one asked for least recently giving
+  way, and empty idle ones are reclaimed (:mod:`~kvfabric.cacheserver.transport.indexregistry`);
+  any refusal sends the client to the RPC lookup. Held connections are bounded per peer
+  (:data:`MAX_CONNECTIONS_PER_PEER`) and in all (:data:`MAX_CONNECTIONS`): at either bound the
+  oldest held connection of the peer holding the most goes (told
+  :data:`~kvfabric.rpc.indextable.EVICTED` first), so a client that hoards connections cannot
+  keep an engine from its table. One thread serves every client without blocking on any (epoll):
+  a request has :data:`REQUEST_DEADLINE_SECONDS` from the accept to arrive whole. The memfd is sealed
   against growing, shrinking and any *new* writable mapping (``F_SEAL_FUTURE_WRITE``), and the
   descriptor sent is a read-only reopening of it, so no client can write the table others read.
   ``authorize(namespace, peer)`` (the peer's ``SO_PEERCRED``) decides which namespaces a peer may
@@ -46,19 +50,21 @@ from kvfabric.cacheserver.transport.indexregistry import Admit, TableRegistry
 from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc import indextable as it
 
-__all__ = ["IndexPublisher", "IndexSocket", "Peer", "listen_unix", "peer_of"]
+__all__ = ["IndexPublisher", "IndexSocket", "Peer", "listen_unix", "peer_bound", "peer_key", "peer_of"]
 
 log = logging.getLogger(__name__)
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
 HEARTBEAT_SECONDS = 0.05
 MAX_CONNECTIONS = 1024  # connections holding a table: engine processes x namespaces on one node, far fewer
+MAX_CONNECTIONS_PER_PEER = 64  # held by one process (namespaces an engine uses at once: a few)
 MAX_PENDING = 128  # connections whose request has not arrived yet (the oldest is closed past this)
 MAX_REQUEST = 128  # bytes: the prefix, a 64-character namespace and the newline fit
 REQUEST_DEADLINE_SECONDS = 1.0  # from accept to the whole request, however it trickles in
 MAX_TABLES = 256  # namespaces with a table (a descriptor each); see indexregistry
 TABLE_IDLE_SECONDS = 60.0  # an empty table no connection holds is dropped this long after its last use
 RECLAIM_INTERVAL_SECONDS = 1.0
+_SLOT_FP = ~3  # a slot holds the fingerprint with its low 2 bits replaced by the tier code
 IDLE_WAKE_SECONDS = 0.25  # the serving loop wakes at least this often (expiry, stop)
 ACCEPTS_PER_WAKE = 64
 ACCEPT_PAUSE_SECONDS = 0.1  # after a failed accept (EMFILE...): the listener is not watched meanwhile
@@ -92,13 +98,17 @@ class _Table:
             raise
 
     def read_only_fd(self) -> int:
-        """A new read-only descriptor of the table (the caller closes it)."""
-        try:
-            # A fresh open file description without write access: mmap(PROT_WRITE) on it fails
-            # even where F_SEAL_FUTURE_WRITE is not available.
-            return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return os.dup(self.fd)
+        """A new read-only descriptor of the table (the caller closes it); ``OSError`` if none can be made.
+
+        A fresh open file description without write access: mmap(PROT_WRITE) on it fails even where
+        F_SEAL_FUTURE_WRITE is not available. There is no fallback: a duplicate of the server's own
+        descriptor would be writable, so without /proc the request is refused (the client asks over RPC).
+        """
+        fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY:
+            os.close(fd)
+            raise PermissionError("the reopened table descriptor is not read-only")
+        return fd
 
     def close(self) -> None:
         self.words.release()
@@ -147,12 +157,16 @@ class IndexPublisher:
         self._registry = TableRegistry(max_tables, idle_seconds)
         self._tables: dict[str, _Table] = {}
         self._lineage: dict[str, int] = {}  # namespace -> serial of its registry entry (holds follow it)
+        # Namespaces holding blocks but no table (evicted, or none free when their blocks came):
+        # slot fingerprint (low 2 bits clear) -> tier code, kept current, so a table made for them
+        # again lists every block.
+        self._offline: dict[str, dict[int, int]] = {}
         self._serial = 0
         self._retired: list[_Table] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.reclaimed = 0
-        """Tables dropped because they were empty and idle, or evicted for a namespace with blocks."""
+        """Tables dropped because they were empty and idle, or evicted for another namespace."""
 
     # --- writes --------------------------------------------------------------------------------------
 
@@ -164,15 +178,18 @@ class IndexPublisher:
                 tier = self._resolve(bid)
                 ns = bid.namespace
                 table = self._tables.get(ns)
+                fp = it.fingerprint(bid.key)
+                code = it.TIER_CODES[tier] if tier is not None else 0
                 if table is None:
                     if tier is None:
+                        self._forget_offline(ns, fp & _SLOT_FP)
                         continue
                     decision = self._registry.block_added(ns, now=now)
                     if decision.admit is not Admit.CREATE:
-                        continue  # every table lists blocks: this namespace's clients use the RPC lookup
+                        # No place free: kept aside until a client asks for this namespace's table.
+                        self._offline.setdefault(ns, {})[fp & _SLOT_FP] = code
+                        continue
                     table = self._create(ns, decision.evicted)
-                fp = it.fingerprint(bid.key)
-                code = it.TIER_CODES[tier] if tier is not None else 0
                 if code and table.writer.needs_growth() and not table.writer.get(fp):
                     table = self._grow(table)
                 table.writer.set(fp, code)
@@ -181,10 +198,22 @@ class IndexPublisher:
                 elif table.writer.count == 0:
                     self._registry.emptied(ns, now=now)
 
+    def _forget_offline(self, namespace: str, fp: int) -> None:
+        blocks = self._offline.get(namespace)
+        if blocks is not None:
+            blocks.pop(fp, None)
+            if not blocks:
+                del self._offline[namespace]
+
     def _create(self, namespace: str, evicted: Iterable[str]) -> _Table:
         for gone in evicted:
             self._drop(gone)
-        table = _Table(namespace, self._initial, self.epoch)
+        blocks = self._offline.pop(namespace, {})
+        capacity = self._initial
+        while 2 * (len(blocks) + 1) > capacity:  # at most half full, room for the next block
+            capacity *= 2
+        table = _Table(namespace, capacity, self.epoch)
+        table.writer.load([fp | code for fp, code in blocks.items()])
         self._tables[namespace] = table
         self._serial += 1
         self._lineage[namespace] = self._serial
@@ -194,6 +223,9 @@ class IndexPublisher:
         """Retire and release ``namespace``'s table (its readers keep their own mapping and fetch again)."""
         table = self._tables.pop(namespace)
         self._lineage.pop(namespace, None)
+        listed = table.writer.items()
+        if listed:  # evicted with blocks: they stay in the store, and in its next table
+            self._offline[namespace] = {v & _SLOT_FP: v & 3 for v in listed}
         table.writer.retire()
         table.close()
         self.reclaimed += 1
@@ -215,16 +247,23 @@ class IndexPublisher:
         """A read-only descriptor of ``namespace``'s table and its hold token, or why there is none.
 
         The caller closes the descriptor and, while its connection stays open, has the table held:
-        it calls :meth:`release` with the token when that connection closes.
+        it calls :meth:`release` with the token when that connection closes. Raises ``OSError`` when
+        no read-only descriptor can be made (nothing is held then).
         """
         with self._lock:
-            decision = self._registry.request(namespace, known=self._known(namespace), now=time.monotonic())
+            decision = self._registry.request(
+                namespace,
+                known=self._known(namespace),
+                populated=namespace in self._offline,
+                now=time.monotonic(),
+            )
             if decision.admit is Admit.CREATE:
                 self._create(namespace, decision.evicted)
             elif decision.admit is not Admit.SERVE:
                 return decision.admit
+            fd = self._tables[namespace].read_only_fd()
             self._registry.hold(namespace)
-            return self._tables[namespace].read_only_fd(), self._lineage[namespace]
+            return fd, self._lineage[namespace]
 
     def release(self, namespace: str, token: int) -> None:
         """A connection handed ``namespace``'s table (``token`` from :meth:`request`) closed."""
@@ -296,6 +335,7 @@ class IndexPublisher:
             tables = [*self._tables.values(), *self._retired]
             self._tables.clear()
             self._retired.clear()
+            self._offline.clear()
         for table in tables:
             table.writer.retire()
             table.close()
@@ -310,6 +350,7 @@ class _Conn:
     buf: bytes = b""
     namespace: str = ""  # set once a table was handed out: the connection then holds it
     token: int = 0
+    peer: tuple[int, int] = (0, 0)  # (uid, pid) of the client, pid 0 when not visible from here
 
 
 class IndexSocket:
@@ -342,6 +383,9 @@ class IndexSocket:
         self._wake_r, self._wake_w = socket.socketpair()
         self._pending: dict[int, _Conn] = {}  # by descriptor, oldest first
         self._held: dict[int, _Conn] = {}
+        self._by_peer: dict[tuple[int, int], dict[int, _Conn]] = {}  # held, by peer, oldest first
+        self.evicted = 0
+        """Held connections closed to make room for another client's."""
         self._sel: selectors.BaseSelector | None = None
         self._accept_resume = 0.0
         self._accept_failures = 0
@@ -452,10 +496,15 @@ class IndexSocket:
             except OSError as exc:
                 log.info("index socket exchange failed", extra={"error": str(exc)})
                 served = False
+            except Exception:
+                # A bug answering one request must not end the loop that serves every engine's tables.
+                log.exception("index socket: answering a request failed; that connection is closed")
+                served = False
             if served:
                 # Kept open: when this process dies the kernel closes it, and the client knows at
                 # once (its next lookup polls it) instead of after a heartbeat timeout.
                 self._held[conn.sock.fileno()] = conn
+                self._by_peer.setdefault(conn.peer, {})[conn.sock.fileno()] = conn
             else:
                 self._close(conn, pending=False)
 
@@ -464,16 +513,21 @@ class IndexSocket:
         namespace = _parse_request(conn.buf)
         if namespace is None:
             return _refuse(conn.sock, b"\x01bad request\n")
-        if not self.authorize(namespace, peer_of(conn.sock)):
+        peer = peer_of(conn.sock)
+        if not self.authorize(namespace, peer):
             return _refuse(conn.sock, b"\x02permission denied\n")
-        if len(self._held) >= MAX_CONNECTIONS:
-            return _refuse(conn.sock, b"\x03too many clients\n")
-        got = self.publisher.request(namespace)
+        try:
+            got = self.publisher.request(namespace)
+        except OSError as exc:  # no read-only descriptor could be made: never hand out another kind
+            log.warning("index socket: no read-only table descriptor", extra={"error": str(exc)})
+            return _refuse(conn.sock, b"\x05table unavailable\n")
         if got is Admit.UNKNOWN:
             return _refuse(conn.sock, b"\x04unknown namespace\n")
         if isinstance(got, Admit):
             return _refuse(conn.sock, b"\x03too many namespaces\n")
         fd, token = got
+        conn.peer = peer_key(peer)
+        self._make_room(conn.peer)
         try:
             # A fresh connection's send buffer always has room for one byte and a descriptor.
             socket.send_fds(conn.sock, [b"\x00"], [fd])
@@ -485,6 +539,29 @@ class IndexSocket:
         conn.namespace, conn.token = namespace, token
         self.served += 1
         return True
+
+    def _make_room(self, peer: tuple[int, int]) -> None:
+        """Before ``peer`` holds one more connection: close the oldest held one of whoever is over a bound.
+
+        Over its own bound, the peer's own oldest goes; at the total bound, the oldest of the peer
+        holding the most. Nobody is refused, and a peer holding few connections (an engine) loses
+        none to one hoarding many. Peers seen with pid 0 (another pid namespace) share one bound per
+        uid, as large as the total: their processes cannot be told apart.
+        """
+        own = self._by_peer.get(peer, {})
+        if len(own) >= peer_bound(peer):
+            victim = next(iter(own.values()))
+        elif len(self._held) >= MAX_CONNECTIONS:
+            most = max(self._by_peer.values(), key=len)
+            victim = next(iter(most.values()))
+        else:
+            return
+        with contextlib.suppress(OSError):
+            victim.sock.send(
+                it.EVICTED
+            )  # the client tells this from a hang-up: fetch again, not "server gone"
+        self.evicted += 1
+        self._close(victim, pending=False)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -504,6 +581,11 @@ class IndexSocket:
             self._pending.pop(fd, None)
         if self._held.pop(fd, None) is not None:
             self.publisher.release(conn.namespace, conn.token)
+            mine = self._by_peer.get(conn.peer)
+            if mine is not None:
+                mine.pop(fd, None)
+                if not mine:
+                    del self._by_peer[conn.peer]
         if self._sel is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self._sel.unregister(conn.sock)
@@ -530,6 +612,16 @@ def _refuse(sock: socket.socket, message: bytes) -> bool:
     with contextlib.suppress(OSError):
         sock.send(message)
     return False
+
+
+def peer_key(peer: Peer) -> tuple[int, int]:
+    """Whom a held connection counts against: (uid, pid), or (uid, 0) for a pid this namespace cannot see."""
+    return (peer.uid, max(peer.pid, 0))
+
+
+def peer_bound(key: tuple[int, int]) -> int:
+    """Held connections one peer may have: a process's bound, or the total for a uid-only peer."""
+    return MAX_CONNECTIONS_PER_PEER if key[1] else MAX_CONNECTIONS
 
 
 def peer_of(conn: socket.socket) -> Peer:

@@ -1,16 +1,21 @@
 """Which namespaces get a published table: the policy, apart from the memfds (pure, no I/O, no clock).
 
 The index socket is reachable by every process on the node (mode 0666), and a namespace is a string
-any of them can make up. So a table is a bounded resource handed out by rule:
+any of them can make up, and any of them may store blocks under. So a table is a bounded resource
+handed out by rule, ranked by how recently a client *asked* for it (storing a block is not asking):
 
-* **Only for namespaces the server knows**: one with at least one block (the store published it),
-  or one a client described over gRPC (``Describe``). A request for any other namespace is refused
-  (the client asks over RPC, as for any refusal), so made-up names create nothing.
-* **At most** ``capacity`` tables. A namespace with blocks outranks an empty one: to make room for it
-  the least recently used empty table goes, even one a client still holds (the publisher retires
-  it, so that client fetches again). A table with blocks is never evicted (its blocks would become
-  invisible to same-node lookups); when all tables have blocks, a further namespace gets none and
-  its clients ask over RPC.
+* **Only for namespaces the server knows**: one with at least one block in the store, or one a
+  client described over gRPC (``Describe``). A request for any other namespace is refused (the
+  client asks over RPC, as for any refusal), so made-up names create nothing.
+* **At most** ``capacity`` tables. A request for a known namespace always gets a table: to make room,
+  the table asked for least recently goes, whether it lists blocks or not, even one a client still
+  holds (the publisher retires it, so that client fetches again, which counts as asking). So a
+  namespace nobody asks for (e.g. blocks stored under made-up names) cannot keep an engine that asks
+  for its own from getting one. The evicted table's blocks stay in the store, and a table made again
+  lists them (the publisher keeps them while the namespace has no table).
+* A block arriving for a namespace without a table takes a free place, or the place of an empty
+  table nobody holds; it evicts nothing else (a store is not a use). Otherwise the namespace gets
+  its table when a client asks for it.
 * **Reclaimed when idle**: an empty table that no connection holds is dropped ``idle_seconds`` after
   its last use.
 
@@ -31,7 +36,7 @@ class Admit(enum.Enum):
     SERVE = "serve"  # the table exists: hand it out
     CREATE = "create"  # create it (after dropping ``Decision.evicted``), then hand it out
     UNKNOWN = "unknown"  # the server does not know the namespace: refuse
-    FULL = "full"  # no room that may be made: refuse
+    FULL = "full"  # no room that may be made (only for a block arriving, never for a request)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +49,10 @@ class Decision:
 
 @dataclass(slots=True)
 class _Entry:
+    requested: float  # when a client last asked for this table (or it was made): the eviction rank
+    last_used: float  # requested, released or emptied: the idle clock of reclaim
     populated: bool = False  # at least one block
     holders: int = 0  # open connections that were handed this namespace's table
-    last_used: float = 0.0
 
 
 @dataclass
@@ -81,36 +87,41 @@ class TableRegistry:
         entry = self._entries.get(namespace)
         return entry is not None and entry.populated
 
+    def requested(self, namespace: str) -> float | None:
+        """When a client last asked for ``namespace``'s table (or it was made); None if it has none."""
+        entry = self._entries.get(namespace)
+        return entry.requested if entry is not None else None
+
     # --- decisions -----------------------------------------------------------------------------------
 
-    def request(self, namespace: str, *, known: bool, now: float) -> Decision:
-        """A client asks for ``namespace``'s table; ``known``: described over gRPC."""
+    def request(self, namespace: str, *, known: bool, populated: bool = False, now: float) -> Decision:
+        """A client asks for ``namespace``'s table.
+
+        ``known``: described over gRPC; ``populated``: the store holds blocks of it (the publisher
+        keeps them while it has no table). Either entitles it to a table, at the expense of the
+        table asked for least recently when all places are taken.
+        """
         entry = self._entries.get(namespace)
         if entry is not None:
-            entry.last_used = now
+            entry.requested = entry.last_used = now
             return Decision(Admit.SERVE)
-        if not known:
+        if not (known or populated):
             return Decision(Admit.UNKNOWN)
-        # An empty namespace may take the place of an empty table no client holds, nothing else.
-        victim = self._victim(held_too=False)
-        if len(self._entries) >= self.capacity and victim is None:
-            return Decision(Admit.FULL)
-        evicted = self._make_room(victim)
-        self._entries[namespace] = _Entry(last_used=now)
+        evicted = self._make_room(self._least_recently_requested())
+        self._entries[namespace] = _Entry(now, now, populated=populated)
         return Decision(Admit.CREATE, evicted)
 
     def block_added(self, namespace: str, *, now: float) -> Decision:
         """The store holds a block of ``namespace`` that its table (if any) does not list yet."""
         entry = self._entries.get(namespace)
         if entry is not None:
-            entry.populated = True
-            entry.last_used = now
+            entry.populated = True  # not a use: storing does not keep a table from eviction
             return Decision(Admit.SERVE)
-        victim = self._victim(held_too=True)
+        victim = self._unused_empty()
         if len(self._entries) >= self.capacity and victim is None:
             return Decision(Admit.FULL)
         evicted = self._make_room(victim)
-        self._entries[namespace] = _Entry(populated=True, last_used=now)
+        self._entries[namespace] = _Entry(now, now, populated=True)
         return Decision(Admit.CREATE, evicted)
 
     def emptied(self, namespace: str, *, now: float) -> None:
@@ -146,14 +157,15 @@ class TableRegistry:
 
     # --- helpers -------------------------------------------------------------------------------------
 
-    def _victim(self, *, held_too: bool) -> str | None:
-        """The empty table to evict first: not held before held, then least recently used."""
-        candidates = [
-            (e.holders > 0, e.last_used, ns)
-            for ns, e in self._entries.items()
-            if not e.populated and (held_too or e.holders == 0)
-        ]
-        return min(candidates)[2] if candidates else None
+    def _least_recently_requested(self) -> str | None:
+        """The table to evict for a request: asked for least recently; among equals, unheld and empty."""
+        ranked = [(e.requested, e.holders > 0, e.populated, ns) for ns, e in self._entries.items()]
+        return min(ranked)[3] if ranked else None
+
+    def _unused_empty(self) -> str | None:
+        """The table a block arriving may take the place of: empty, unheld, asked for least recently."""
+        ranked = [(e.requested, ns) for ns, e in self._entries.items() if not e.populated and e.holders == 0]
+        return min(ranked)[1] if ranked else None
 
     def _make_room(self, victim: str | None) -> tuple[str, ...]:
         if len(self._entries) < self.capacity or victim is None:

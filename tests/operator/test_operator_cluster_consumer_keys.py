@@ -140,7 +140,7 @@ def test_a_restricted_namespace_consuming_another_namespaces_pool_gets_its_key_v
             env = env_of(admitted)
             assert env["KVFABRIC_PAYLOAD_KEY_FILE"] == "/var/run/kvfabric/key/payload.key"
             assert "KVFABRIC_PAYLOAD_KEY" not in env
-            assert "KVFABRIC_KEY_SCOPE" not in env
+            assert env["KVFABRIC_KEY_SCOPE"] == consumer_ns  # named in its namespace digest
             assert "secretKeyRef" not in json.dumps(admitted["spec"])
     finally:
         operator.stop()

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from tests.operator.conftest import token_kubeconfig
+from tests.operator.conftest import OperatorProcess, token_kubeconfig
 
 from kvfabric.contract.consumer_env import CONSUMER_KEYS_SECRET, consumer_keys_entry
 from kvfabric.contract.consumer_keys import consumer_root, encode_key
@@ -90,8 +90,11 @@ def _pool(consumers: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_the_plugin_reads_the_consumer_root_from_its_own_namespaces_secret_and_nothing_else(
-    cluster: ClusterHandle, namespace: str, plugin_kubeconfig: Path
+    cluster: ClusterHandle, namespace: str, plugin_kubeconfig: Path, operator: OperatorProcess
 ) -> None:
+    # The operator keeps this Secret (it publishes every pool's root): stopped, so that the test
+    # decides what the Secret holds; started again after, and it publishes again.
+    operator.stop()
     cluster.apply(_pool({}), namespace=namespace)
     authorize = ApiAuthorizer.from_environment(str(plugin_kubeconfig), namespace="kvfabric-system")
     forget = ("delete", "secret", CONSUMER_KEYS_SECRET, "-n", "kvfabric-system", "--ignore-not-found")
@@ -124,6 +127,7 @@ def test_the_plugin_reads_the_consumer_root_from_its_own_namespaces_secret_and_n
         assert absent.value.code is Code.FAILED_PRECONDITION
     finally:
         cluster.kubectl(*forget)
+        operator.start()
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from kvfabric.refengine.engine import Engine, GenerateResult
 from kvfabric.refengine.model import RefModel
 from kvfabric.refengine.testing import TINY, prompt
 from kvfabric.testing.memtransport import CacheServerProcess, block_files
+from kvfabric.testing.serverproc import temp_dir
 
 pytestmark = pytest.mark.process  # real processes (test level, see kvfabric.testing.levels)
 
@@ -42,6 +43,15 @@ def settings_for(server: CacheServerProcess, **update: object) -> ConnectorSetti
         cost_model=False,
     )
     return base.model_copy(update=update)
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """A short directory instead of pytest's: the servers' sockets (and their hand-over sockets, the
+    longest) live in it, and Unix socket paths are limited to 107 bytes, which pytest's
+    ``/tmp/pytest-of-<user>/pytest-<run>/<test name>0`` exceeds once the run counter grows."""
+    with temp_dir() as work:
+        yield work
 
 
 @pytest.fixture

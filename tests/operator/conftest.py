@@ -228,3 +228,18 @@ def token_kubeconfig(cluster: ClusterHandle, ns: str, path: Path, account: str =
     }
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def patch_pod_status(cluster: ClusterHandle, namespace: str, pod: str, status: dict[str, Any]) -> None:
+    """Merge ``status`` into a pod's status subresource (as a kubelet, or kwok, would report it)."""
+    cluster.kubectl(
+        "patch",
+        "pod",
+        pod,
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": status}),
+    )

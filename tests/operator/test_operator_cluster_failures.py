@@ -13,8 +13,8 @@ import json
 from typing import Any
 
 import pytest
-from tests.operator.conftest import OperatorProcess, condition, get_pool
-from tests.operator.test_operator_cluster_reconcile import cache_pods, sample
+from tests.operator.conftest import OperatorProcess, condition, get_pool, patch_pod_status
+from tests.operator.test_operator_cluster_reconcile import ready_sample_servers, sample
 
 from kvfabric.localcluster.testing import ClusterHandle, wait_for
 
@@ -146,30 +146,13 @@ def _report(cluster: ClusterHandle, ns: str, pod: dict[str, Any], reason: str) -
             }
         ],
     }
-    cluster.kubectl(
-        "patch",
-        "pod",
-        name,
-        "-n",
-        ns,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        json.dumps({"status": status}),
-    )
+    patch_pod_status(cluster, ns, name, status)
 
 
 def test_crash_loops_and_image_pull_failures_are_degraded(
     cluster: ClusterHandle, namespace: str, operator: OperatorProcess
 ) -> None:
-    cluster.apply(sample("pool-a"), namespace=namespace)
-    wait_for(
-        lambda: condition(get_pool(cluster, namespace, "pool-a"), "Ready").get("status") == "True",
-        timeout=90,
-        message="Ready",
-    )
-    pods = sorted(cache_pods(cluster, namespace, "pool-a"), key=lambda p: p["spec"]["nodeName"])
-    assert len(pods) >= 2
+    pods = ready_sample_servers(cluster, namespace)
     _report(cluster, namespace, pods[0], "CrashLoopBackOff")
     cond = wait_for(
         lambda: degraded(cluster, namespace, "pool-a", "CrashLoopBackOff"),

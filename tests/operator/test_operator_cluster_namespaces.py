@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from tests.operator.conftest import OperatorProcess, condition, get_pool
+from tests.operator.conftest import OperatorProcess, condition, get_pool, patch_pod_status
 from tests.operator.test_operator_cluster_reconcile import cache_pods, sample
 
 from kvfabric.cacheserver.metrics import namespace_label
@@ -66,17 +66,7 @@ def servers(port: int) -> Iterator[list[ServerProcess]]:
 
 
 def _set_pod_ip(cluster: ClusterHandle, ns: str, pod: dict[str, Any], ip: str) -> None:
-    cluster.kubectl(
-        "patch",
-        "pod",
-        pod["metadata"]["name"],
-        "-n",
-        ns,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        json.dumps({"status": {"podIP": ip, "podIPs": [{"ip": ip}]}}),
-    )
+    patch_pod_status(cluster, ns, pod["metadata"]["name"], {"podIP": ip, "podIPs": [{"ip": ip}]})
 
 
 def _namespaces(cluster: ClusterHandle, ns: str) -> list[dict[str, Any]]:

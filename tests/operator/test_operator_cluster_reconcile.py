@@ -45,6 +45,19 @@ def cache_pods(cluster: ClusterHandle, ns: str, name: str) -> list[dict[str, Any
     return items
 
 
+def ready_sample_servers(cluster: ClusterHandle, ns: str, name: str = "pool-a") -> list[dict[str, Any]]:
+    """Apply the sample pool, wait until it is Ready, and return its server pods, sorted by node."""
+    cluster.apply(sample(name), namespace=ns)
+    wait_for(
+        lambda: condition(get_pool(cluster, ns, name), "Ready").get("status") == "True",
+        timeout=90,
+        message="Ready",
+    )
+    pods = sorted(cache_pods(cluster, ns, name), key=lambda p: p["spec"]["nodeName"])
+    assert len(pods) >= 2
+    return pods
+
+
 def test_sample_pool_creates_children_and_becomes_ready(
     cluster: ClusterHandle, namespace: str, operator: OperatorProcess
 ) -> None:

@@ -8,12 +8,11 @@ pods, so it stays). The operator reads it from its pod informer and the DaemonSe
 from __future__ import annotations
 
 import datetime as dt
-import json
 from typing import Any
 
 import pytest
-from tests.operator.conftest import OperatorProcess, condition, get_pool
-from tests.operator.test_operator_cluster_reconcile import cache_pods, sample
+from tests.operator.conftest import OperatorProcess, condition, get_pool, patch_pod_status
+from tests.operator.test_operator_cluster_reconcile import ready_sample_servers
 
 from kvfabric.localcluster.testing import ClusterHandle, wait_for
 
@@ -53,30 +52,13 @@ def _report_readiness(cluster: ClusterHandle, ns: str, pod: dict[str, Any], *, r
             for c in pod["spec"]["containers"]
         ],
     }
-    cluster.kubectl(
-        "patch",
-        "pod",
-        pod["metadata"]["name"],
-        "-n",
-        ns,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        json.dumps({"status": status}),
-    )
+    patch_pod_status(cluster, ns, pod["metadata"]["name"], status)
 
 
 def test_a_server_that_stops_serving_makes_the_pool_degraded_naming_it(
     cluster: ClusterHandle, namespace: str, operator: OperatorProcess
 ) -> None:
-    cluster.apply(sample("pool-a"), namespace=namespace)
-    wait_for(
-        lambda: condition(get_pool(cluster, namespace, "pool-a"), "Ready").get("status") == "True",
-        timeout=90,
-        message="Ready",
-    )
-    pods = sorted(cache_pods(cluster, namespace, "pool-a"), key=lambda p: p["spec"]["nodeName"])
-    assert len(pods) >= 2
+    pods = ready_sample_servers(cluster, namespace)
     sick = pods[0]
     _report_readiness(cluster, namespace, sick, ready=False)
 

@@ -543,3 +543,83 @@ def test_a_client_whose_idle_connection_was_closed_loads_on_its_next_call() -> N
             finally:
                 for s in squatters:
                     s.close()
+
+
+# A process that keeps a request queued on every connection it opens (reading each answer, so none
+# waits unsent): its connections always have a request unread. Protected as "at stake", they made
+# every newcomer refused (CacheOverloaded: a failed load, not a miss) for as long as it went on.
+PIPELINER = textwrap.dedent(
+    """
+    import socket, sys, time
+    from kvfabric.rpc import blockproto as bp
+    path, n, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    def connect():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(path)
+        s.setblocking(False)
+        return s
+    conns = [connect() for _ in range(n)]
+    requests = [bp.encode_request(["d_" + "1" * 32], client=f"hog{i}") for i in range(n)]
+    print("ready", flush=True)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for i, s in enumerate(conns):
+            dead = False
+            try:
+                while True:
+                    if not s.recv(64):
+                        dead = True
+                        break
+            except BlockingIOError:
+                pass
+            except OSError:
+                dead = True
+            if dead:
+                s.close()
+                try:
+                    conns[i] = s = connect()
+                except OSError:
+                    continue
+            try:
+                while True:
+                    s.send(requests[i])
+            except OSError:
+                pass
+    """
+)
+
+
+def test_a_process_keeping_a_request_queued_on_every_connection_refuses_no_newcomer(
+    tmp_path: Path, memfd: int
+) -> None:
+    import subprocess
+    import sys
+
+    limits = blocksock.BlockLimits(max_connections=16, max_connections_per_client=8)
+    server = blocksock.BlockSocket(
+        tmp_path / "b.sock", lambda _: (os.dup(memfd), len(PAYLOAD)), limits=limits
+    )
+    server.start()
+    hog = subprocess.Popen(
+        [sys.executable, "-c", PIPELINER, str(server.path), "16", "20"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert hog.stdout is not None
+        assert hog.stdout.readline().strip() == "ready"
+        wait_until(lambda: server.connections >= 16, 10, what="the hog to fill the socket")
+        outcomes = {"served": 0, "refused": 0}
+        for _ in range(20):
+            channel = BlockChannel(server.path)
+            try:
+                channel.fetch([NAME], deadline=time.monotonic() + 2)
+                outcomes["served"] += 1
+            except errors.CacheOverloaded:
+                outcomes["refused"] += 1
+            finally:
+                channel.close()
+        assert outcomes == {"served": 20, "refused": 0}
+        assert server.alive()
+    finally:
+        hog.kill()
+        hog.communicate()
+        server.close()

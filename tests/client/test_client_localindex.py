@@ -231,6 +231,9 @@ def test_a_connection_evicted_for_another_is_ask_over_rpc_not_a_dead_server(fabr
         os.close(fds[0])
         held.append(s)
     assert fabric.sock.evicted == 1
+    # The hang watch polls alive() while loads wait: an eviction is "unknown", never "the server is
+    # gone" (which would give up every load of the namespace in flight).
+    assert reader.alive(NS) is None
     # The server lives: ask over RPC this once (no CacheUnavailable), then the table is fetched again.
     assert reader.lookup(NS, _raw([digest("k", 1)])) is None
     got = reader.lookup(NS, _raw([digest("k", 1)]))

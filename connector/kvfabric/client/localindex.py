@@ -135,8 +135,9 @@ class LocalIndex:
     def alive(self, namespace: str) -> bool | None:
         """Whether the server publishing ``namespace``'s table still beats (None: no table mapped).
 
-        False once it hung up or its heartbeat is older than ``stale_after_s``. No call and no lock:
-        for a watchdog polling it while a load waits.
+        False once it hung up or its heartbeat is older than ``stale_after_s``; None as well when the
+        server closed the table's connection for another client's (it still serves). No lock, and a
+        syscall only when the connection is readable: for a watchdog polling it while a load waits.
         """
         m = self._maps.get(namespace)
         if m is None or m.words[it.W_STATE] != it.LIVE:
@@ -146,7 +147,9 @@ class LocalIndex:
         if any(ev & select.POLLNVAL for _, ev in events):
             return None  # that table's connection was closed here (replaced meanwhile): unknown
         if events:
-            return False
+            # Readable: the server hung up, or closed this connection to make room for another
+            # client's (it still serves: a load waiting on it must not be given up for that).
+            return None if m.evicted() else False
         return time.monotonic_ns() - m.words[it.W_HEARTBEAT] <= self.stale_ns
 
     # --- fetching tables -----------------------------------------------------------------------------

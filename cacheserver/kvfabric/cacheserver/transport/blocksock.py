@@ -18,9 +18,11 @@ Connections are bounded in all (``max_connections``) and per client (``max_conne
 a client is the id it names itself by, see :mod:`kvfabric.cacheserver.transport.holdbook`). Neither
 bound may let one same-node process deny the socket to the others, whatever it opens: a connection
 that sends no request within :data:`FIRST_REQUEST_SECONDS` of its accept is closed, and a connection
-accepted at the total bound closes the least recently active connection that has nothing at stake
-(no holds, no answer waiting, no request unread) to take its place (else one whose client stopped
-reading its answers); only when every connection has something at stake is the newcomer refused. At
+accepted at the total bound closes the least recently active idle connection that holds no block
+(no answer waiting, no request unread) to take its place, else the least recently active busy one
+that holds no block (a request unread, or a client that stopped reading its answers: that request
+fails once and kvfabric's client asks again on a fresh connection); only when every connection holds
+blocks is the newcomer refused. At
 most half the bound's connections may hold blocks (a hold beyond is lent), so that half can always
 make room. Closing an idle connection costs its client a reconnect
 (kvfabric's client reconnects once, transparently, on a connection the server closed). One over the
@@ -323,15 +325,16 @@ class BlockSocket:
     def _idlest(self) -> _Conn | None:
         """The least recently active connection with nothing at stake, if any (see the module doc).
 
-        Else the least recently active one whose client stopped reading its answers (it is dropped
-        in :data:`SEND_TIMEOUT_SECONDS` anyway; kvfabric's client never leaves an answer unread).
+        Else the least recently active one that is busy: a request waits unread on it, or its client
+        stopped reading its answers (dropped in :data:`SEND_TIMEOUT_SECONDS` anyway). Only
+        connections holding blocks are never closed for a newcomer.
         """
-        not_reading: _Conn | None = None
+        busy: _Conn | None = None
         for conn in self._recent:
             if self._book is not None and self._book.holding(conn):
                 continue
             if conn.pending is not None:
-                not_reading = not_reading or conn
+                busy = busy or conn
                 continue
             try:
                 waiting = conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
@@ -341,8 +344,11 @@ class BlockSocket:
                 return conn  # broken: closing it loses nothing
             if not waiting:
                 return conn  # its client hung up already
-            # A request waits unread (the loop reaches it this turn): closing it would fail a load.
-        return not_reading
+            # A request waits unread. Closing it fails that request once (kvfabric's client asks
+            # again on a fresh connection); protecting it instead would let a client that keeps a
+            # request queued on every connection refuse every newcomer for ever.
+            busy = busy or conn
+        return busy
 
     def _read(self, conn: _Conn) -> None:
         try:

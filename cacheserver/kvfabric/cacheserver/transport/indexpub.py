@@ -526,12 +526,14 @@ class IndexSocket:
         if isinstance(got, Admit):
             return _refuse(conn.sock, b"\x03too many namespaces\n")
         fd, token = got
-        conn.peer = peer_key(peer)
-        self._make_room(conn.peer)
         try:
+            # Room is made only for a request that is served (a refused one evicts nobody), and
+            # inside this block, so that whatever fails lets the descriptor and the hold go.
+            conn.peer = peer_key(peer)
+            self._make_room(conn.peer)
             # A fresh connection's send buffer always has room for one byte and a descriptor.
             socket.send_fds(conn.sock, [b"\x00"], [fd])
-        except OSError:
+        except BaseException:
             self.publisher.release(namespace, token)
             raise
         finally:

@@ -211,7 +211,7 @@ class MetricsConfig(_Model):
 
 
 class DramTierConfig(_Model):
-    """The DRAM tier (blocks on the tmpfs arena directory), evicted least-recently-used."""
+    """The DRAM tier (one sealed memfd per block, held by the server), evicted least-recently-used."""
 
     capacity_bytes: int = Field(gt=0, description="Byte budget of the DRAM tier.")
     high_watermark: float = Field(

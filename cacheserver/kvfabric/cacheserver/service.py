@@ -231,7 +231,7 @@ class CacheService(pb_grpc.CacheServicer):
         """Open a block on the load pool; if the call is cancelled meanwhile (its deadline), close it.
 
         A cancelled await leaves the pool's thread running: the block it then opens would keep its
-        file descriptor (and an evicted tmpfs file's memory) for good.
+        file descriptor (and an evicted block's memfd memory) for good.
         """
         job = self.s.load_pool.submit(fn)
         try:

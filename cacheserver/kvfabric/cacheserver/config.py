@@ -211,7 +211,7 @@ class MetricsConfig(_Model):
 
 
 class DramTierConfig(_Model):
-    """The DRAM tier (blocks on the tmpfs arena directory), evicted least-recently-used."""
+    """The DRAM tier (one sealed memfd per block, held by the server), evicted least-recently-used."""
 
     capacity_bytes: int = Field(gt=0, description="Byte budget of the DRAM tier.")
     high_watermark: float = Field(
@@ -481,10 +481,11 @@ class LimitsConfig(_Model):
     max_slots_per_peer: int | None = Field(
         default=None,
         gt=0,
-        description="Load slots and store slots one TCP peer (address) may hold at once; default a "
-        "quarter of each limit (at least 1), so a slow or stalled remote client cannot starve the "
-        "others. Calls beyond it: loads RESOURCE_EXHAUSTED, stores dropped. Same-node clients on the "
-        "Unix socket are not distinguished (docs/security.md).",
+        description="Load slots and store slots one client may hold at once: a TCP peer by its "
+        "address, a Unix-socket client by the id kvfabric's client sends (kvfabric-client metadata; "
+        "one without an id is capped only by the global limits). Default a quarter of each limit (at "
+        "least 1), so a slow or stalled client cannot starve the others. Calls beyond it: loads "
+        "RESOURCE_EXHAUSTED, stores dropped (docs/security.md, Starvation).",
     )
     io_threads: int = Field(default=4, gt=0, description="Threads doing disk I/O and checksums.")
     max_described_namespaces: int = Field(

@@ -46,7 +46,8 @@ _TIER_ENUM: dict[TierName, pb.Tier] = {
 # 1-2 MiB messages measured fastest through grpcio (per-message overhead vs. large-buffer copies).
 _DEFAULT_PIECE = 1 << 20
 _MIN_PIECE, _MAX_PIECE = 64 << 10, 64 << 20
-# Disk promotions in flight per ShmLoad: two keep the disk busy while the previous block is hashed.
+# Disk promotions in flight per ShmLoad are max(this, limits.io_threads) (4 by default): at least two
+# keep the disk busy while the previous block is hashed.
 _PROMOTE_WINDOW = 2
 _SLOTS_PER_MESSAGE = 256
 """Resident blocks named in one ShmLoad message (about 50 bytes each)."""
@@ -230,7 +231,7 @@ class CacheService(pb_grpc.CacheServicer):
         """Open a block on the load pool; if the call is cancelled meanwhile (its deadline), close it.
 
         A cancelled await leaves the pool's thread running: the block it then opens would keep its
-        file descriptor (and an evicted tmpfs file's memory) for good.
+        file descriptor (and an evicted block's memfd memory) for good.
         """
         job = self.s.load_pool.submit(fn)
         try:

@@ -15,7 +15,9 @@ Measured:
   (the server-side latency the API server sees), and the same number of labelled pod creations
   through the API server (end to end, webhook included). Goal: webhook p99 under 50 ms.
 
-With ``--scale`` (issue #14.4) it measures instead, on ``--nodes`` fake GPU nodes (default 1,000):
+``--quick`` shrinks every size the command line leaves unset (:func:`resolve_sizes`).
+
+With ``--scale`` it measures instead, on ``--nodes`` fake GPU nodes (default 1,000):
 
 - ``scale.all_ready_s``: ``--scale-pools`` pools (default 100), each selecting its own slice of the
   nodes, created at once; time until every one is Ready.
@@ -50,19 +52,52 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kubeconfig", type=Path, default=None, help="use this cluster instead of a local one"
     )
-    parser.add_argument("--pools", type=int, default=20, help="pools created one by one (children latency)")
-    parser.add_argument("--burst", type=int, default=50, help="pools created at once")
-    parser.add_argument("--pods", type=int, default=200, help="admission requests and pod creations")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer pools and requests (5 one by one, 10 at once, 50 pods; with --scale: 100 nodes, "
+        "10 pools, 500 consumer pods); explicit sizes still win",
+    )
+    parser.add_argument(
+        "--pools", type=int, default=None, help="pools created one by one (children latency; default 20)"
+    )
+    parser.add_argument("--burst", type=int, default=None, help="pools created at once (default 50)")
+    parser.add_argument(
+        "--pods", type=int, default=None, help="admission requests and pod creations (default 200)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument(
         "--keep", action="store_true", help="leave the local cluster running (prints its dir)"
     )
     scale = parser.add_argument_group("scale scenario (--scale)")
     scale.add_argument("--scale", action="store_true", help="run the 1,000-node scale scenario instead")
-    scale.add_argument("--nodes", type=int, default=1000, help="fake GPU nodes")
-    scale.add_argument("--scale-pools", type=int, default=100, help="pools, each on nodes/pools nodes")
-    scale.add_argument("--consumer-pods", type=int, default=5000, help="consumer pods in the storm")
+    scale.add_argument("--nodes", type=int, default=None, help="fake GPU nodes (default 1000)")
+    scale.add_argument(
+        "--scale-pools", type=int, default=None, help="pools, each on nodes/pools nodes (default 100)"
+    )
+    scale.add_argument(
+        "--consumer-pods", type=int, default=None, help="consumer pods in the storm (default 5000)"
+    )
     scale.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for all-Ready")
+
+
+# The sizes an option left unset takes: (full run, --quick).
+_SIZES: dict[str, tuple[int, int]] = {
+    "pools": (20, 5),
+    "burst": (50, 10),
+    "pods": (200, 50),
+    "nodes": (1000, 100),
+    "scale_pools": (100, 10),
+    "consumer_pods": (5000, 500),
+}
+
+
+def resolve_sizes(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill every size the command line left unset with the full or the ``--quick`` default."""
+    for name, (full, quick) in _SIZES.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    return args
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -536,6 +571,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a report (or JSON); return 0."""
     import asyncio
 
+    resolve_sizes(args)
     if args.scale:
         return _run_scale(args)
 

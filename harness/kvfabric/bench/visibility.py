@@ -5,7 +5,7 @@ defaults for what decides the delay: write-back to the shared tier as soon as a 
 other servers' journals tailed every ``journal_poll_seconds`` (0.25 s). For each sample a fresh
 chunk is stored on ``a``; from the store's acknowledgement, ``b`` is asked for it every
 ``--poll-ms`` until it answers a hit. The time until then is the visibility delay a round sent to
-the other node sees (issue 11.8: goal p99 <= 500 ms). Samples start at random offsets so they fall
+the other node sees (goal: p99 <= 500 ms). Samples start at random offsets so they fall
 evenly across the tail interval. Also printed: when the block file was on the volume (``a``'s
 write-back), so the delay splits into write-back and ``b``'s tailing.
 

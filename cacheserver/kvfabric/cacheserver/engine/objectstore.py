@@ -16,7 +16,7 @@ invariant) is in the object's name, so the start-up listing knows it without rea
   the tombstones first (:meth:`ObjectStoreTier.rescan`): missed segments carried deletes too. Lookups
   never send a request.
 * **Reads** fetch the object with parallel ranged GETs of ``part_bytes`` straight into the
-  destination (the DRAM file a hit is promoted into), then verify the header checksum, the identity
+  destination (the DRAM memfd a hit is promoted into), then verify the header checksum, the identity
   in the header, the length and the payload checksum; parts of different versions (e-tags) are a
   miss. A corrupt or truncated object is deleted, counted (``checksum_failures{tier=object}``) and a
   miss. An unreachable store is a miss (``object_errors``), never an error.

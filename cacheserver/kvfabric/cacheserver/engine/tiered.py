@@ -490,7 +490,7 @@ class TieredStore:
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
                 raise
-            stored = False  # the tmpfs is full whatever the budget says: a dropped store
+            stored = False  # no memory for the memfd whatever the budget says: a dropped store
         if not stored:
             self.counters.inc("dropped_stores", TierName.DRAM)
             return False

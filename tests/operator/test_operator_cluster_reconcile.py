@@ -167,6 +167,7 @@ def test_memory_change_rolls_and_delete_collects_children(
     # Every cache pod was replaced by one of the new revision.
     after_pods = cache_pods(cluster, namespace, "pool-a")
     assert not before_pods & {p["metadata"]["uid"] for p in after_pods}
+
     # While it rolled, the pool said so, for the new generation, and was not Ready. Every status the
     # operator wrote for the new generation while a node still ran the old revision says so; kwok
     # readies pods at once, so on a loaded machine the rollout can be over before the operator's

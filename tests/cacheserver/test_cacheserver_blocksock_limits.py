@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -592,9 +594,6 @@ PIPELINER = textwrap.dedent(
 def test_a_process_keeping_a_request_queued_on_every_connection_refuses_no_newcomer(
     tmp_path: Path, memfd: int
 ) -> None:
-    import subprocess
-    import sys
-
     limits = blocksock.BlockLimits(max_connections=16, max_connections_per_client=8)
     server = blocksock.BlockSocket(
         tmp_path / "b.sock", lambda _: (os.dup(memfd), len(PAYLOAD)), limits=limits

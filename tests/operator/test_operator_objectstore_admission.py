@@ -208,17 +208,8 @@ def test_the_models_reject_naming_the_field(case: str, doc: dict[str, Any], fiel
 @pytest.mark.cluster
 def test_the_api_server_admits_the_good_values(cluster: ClusterHandle, crd: None, namespace: str) -> None:
     docs = [{**doc, "metadata": {"name": f"ok-{i}"}} for i, (_, doc) in enumerate(VALID)]
-    result = cluster.kubectl(
-        "create",
-        "-n",
-        namespace,
-        "--dry-run=server",
-        "-f",
-        "-",
-        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}),
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
+    code, stderr = _dry_run(cluster, namespace, {"apiVersion": "v1", "kind": "List", "items": docs})
+    assert code == 0, stderr
 
 
 @pytest.mark.parametrize(("case", "doc"), VALID, ids=[c[0] for c in VALID])
@@ -289,19 +280,10 @@ def test_the_api_server_admits_exactly_the_s3_bucket_names(
 ) -> None:
     """One dry-run create of 40 pools per example; each pool's outcome must match the S3 rules."""
     docs = [pool(f"b-{i}", bucket=name) for i, name in enumerate(names)]
-    result = cluster.kubectl(
-        "create",
-        "-n",
-        namespace,
-        "--dry-run=server",
-        "-f",
-        "-",
-        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}),
-        check=False,
-    )
-    rejected = set(_INVALID_NAME.findall(result.stderr))
+    _, stderr = _dry_run(cluster, namespace, {"apiVersion": "v1", "kind": "List", "items": docs})
+    rejected = set(_INVALID_NAME.findall(stderr))
     for i, name in enumerate(names):
-        assert (f"b-{i}" not in rejected) == s3_accepts(name), (name, result.stderr)
-    for line in result.stderr.splitlines():
+        assert (f"b-{i}" not in rejected) == s3_accepts(name), (name, stderr)
+    for line in stderr.splitlines():
         if "is invalid" in line:
             assert "spec.tiers.objectStore.bucket" in line, line

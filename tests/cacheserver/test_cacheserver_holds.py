@@ -138,7 +138,9 @@ class DramHolds(RuleBasedStateMachine):
     @precondition(lambda self: self.holds)
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
-        name = data.draw(st.sampled_from(sorted(self.holds)))
+        # Drawn by position in insertion order, not from the names: block names are random, so a
+        # strategy built from them would differ when hypothesis replays the same choices.
+        name = list(self.holds)[data.draw(st.integers(0, len(self.holds) - 1))]
         self.tier.release(name)
         self.holds[name] -= 1
         if not self.holds[name]:
@@ -272,7 +274,9 @@ class ClientHolds(RuleBasedStateMachine):
     def release(self, conn: int, data: st.DataObject) -> None:
         self._opened(conn)
         # Its own holds, or any name at all (another connection's: refused, nothing released).
-        name = data.draw(st.sampled_from(sorted(self.sizes) or ["d_" + "1" * 32]))
+        # By position in insertion order (block names are random; see DramHolds.release).
+        names = [*self.sizes, "d_" + "1" * 32]
+        name = names[data.draw(st.integers(0, len(names) - 1))]
         mine = self.holds[conn]
         assert self.book.release(conn, name) == (name in mine)
         if name in mine:
@@ -491,11 +495,9 @@ def test_a_greedy_client_holding_tiny_blocks_leaves_other_engines_the_descriptor
         # The greedy client: ten connections, each keeping every tiny block it loads. Without ids
         # (as the client of the report) they are one client here, by their process id; with an id
         # each, ten clients as far as the server can tell.
-        greedy = []
-        for i in range(10):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            s.connect(str(blocks))
-            greedy.append((s, f"greedy-{i}" if one_id_per_connection else None))
+        # Each connection is opened right before its first request: the server closes one that
+        # stays silent past its first-request deadline (a round takes longer than that under load).
+        greedy: list[tuple[socket.socket, str | None]] = []
         held = lent = 0
         try:
             for r in range(10):
@@ -504,7 +506,11 @@ def test_a_greedy_client_holding_tiny_blocks_leaves_other_engines_the_descriptor
                 names = _slot_names(srv.unix_target, keys)
                 if not names:
                     continue  # nothing of this round stayed resident
-                s, client = greedy[r % len(greedy)]
+                if len(greedy) < 10:
+                    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                    conn.connect(str(blocks))
+                    greedy.append((conn, f"greedy-{len(greedy)}" if one_id_per_connection else None))
+                s, client = greedy[-1]  # round r uses connection r, as a fresh one
                 ask = names[:64]
                 s.send(bp.encode_hold_request(ask, client=client) if client else bp.encode_hold_request(ask))
                 msg, fds, _ = fdpass.recv_fds(s, 256, 64)

@@ -139,6 +139,18 @@ def test_engine_image_runs_its_command(engine: DockerEngine) -> None:
 
 
 @pytest.mark.images
+def test_engine_image_serves_requests_and_hits_the_cache_server_image(engine: DockerEngine) -> None:
+    # 150 tokens: four whole 32-token chunks (128) are stored and then loaded; the tail is recomputed.
+    prompt = [(i * 7919) % 1000 for i in range(150)]
+    answers = smoke.engine_with_cache(engine, _image("engine"), _image("cacheserver"), prompt)
+    first, last = answers[0], answers[-1]
+    assert (first["hit_tokens"], first["tier"]) == (0, None)
+    assert len(first["output_token_ids"]) == 3
+    assert (last["hit_tokens"], last["tier"]) == (4 * smoke.ENGINE_CHUNK_TOKENS, "dram")
+    assert all(a["output_token_ids"] == first["output_token_ids"] for a in answers)
+
+
+@pytest.mark.images
 @pytest.mark.parametrize("name", ["operator", "cacheserver", "engine"])
 def test_images_know_their_runtime_user(engine: DockerEngine, name: str) -> None:
     # Without a passwd entry for 65532, kopf's start-up (getpass.getuser()) raised KeyError: the

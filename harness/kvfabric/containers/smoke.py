@@ -134,7 +134,7 @@ def cacheserver_round_trip(eng: DockerEngine, image: Image, timeout: float = 120
 # send the same prompt until the whole prefix is a hit (the connector stores in the background), and
 # print every answer as one JSON line.
 _ENGINE_CLIENT = """
-import json, sys, time, urllib.request
+import json, sys, time, urllib.error, urllib.request
 url = "http://127.0.0.1:8000"
 deadline = time.monotonic() + float(sys.argv[1])
 while True:
@@ -149,8 +149,11 @@ body = json.dumps({"prompt_token_ids": json.loads(sys.argv[2]), "max_tokens": 3}
 want = int(sys.argv[3])
 for _ in range(60):
     req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        answer = json.loads(resp.read())
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            answer = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        sys.exit(f"/generate answered {exc.code}: {exc.read().decode()}")
     print(json.dumps(answer), flush=True)
     if answer["hit_tokens"] == want:
         break
@@ -160,16 +163,21 @@ ENGINE_CHUNK_TOKENS = 32
 
 
 def engine_with_cache(
-    eng: DockerEngine, engine: Image, cacheserver: Image, prompt: list[int], timeout: float = 300.0
+    eng: DockerEngine,
+    engine: Image,
+    cacheserver: Image,
+    prompt: list[int],
+    *,
+    want_hit_tokens: int,
+    timeout: float = 300.0,
 ) -> list[dict[str, Any]]:
     """Serve a prompt from the engine image, its connector on the cache-server image's socket.
 
     Both containers run locked down (no network, read-only root, no capabilities, uid 65532) and
     share only the socket directory, as an injected pod and the node's cache server do. The engine
-    gets the variables the operator injects; the same prompt is sent until its whole-chunk prefix is
-    a hit. Returns every answer, first to last.
+    gets the variables the operator injects; the same prompt is sent until ``want_hit_tokens`` of it
+    are a hit (at most 60 times). Returns every answer, first to last.
     """
-    want = len(prompt) // ENGINE_CHUNK_TOKENS * ENGINE_CHUNK_TOKENS
     with _shared_dir() as run, _cache_server(eng, cacheserver, run, timeout):
         name = f"kvfabric-smoke-engine-{secrets.token_hex(4)}"
         started = eng.docker(
@@ -206,7 +214,7 @@ def engine_with_cache(
                 _ENGINE_CLIENT,
                 str(timeout),
                 json.dumps(prompt),
-                str(want),
+                str(want_hit_tokens),
                 check=False,
             )
             if out.returncode != 0:

@@ -8,8 +8,9 @@
 # machine finishes in seconds.
 #
 # `scripts/bootstrap.sh --demo` installs only what `make demo` and `kvfabric cluster` need (the Python
-# environment and the control-plane binaries, about 7 minutes cold), not the images, the kubelet, the
-# vLLM environment or the S3 server that only the tests use.
+# environment, about 3 GB of wheels to download on a fresh machine, most of them torch's CUDA build;
+# and the control-plane binaries, about 7.5 minutes to build on 2 cores), not the images, the kubelet,
+# the vLLM environment or the S3 server that only the tests use.
 set -euo pipefail
 DEMO_ONLY=0
 [ "${1:-}" = "--demo" ] && DEMO_ONLY=1

@@ -24,6 +24,7 @@ from kvfabric.localcluster.testing import wait_for
 
 POOL = "pool-e2e"
 CHUNK = 64
+METRICS_PORT = 9090  # the pool default (spec.metrics.port)
 CACHE_SELECTOR = f"app.kubernetes.io/name=kvfabric-cache,app.kubernetes.io/instance={POOL}"
 
 
@@ -49,11 +50,14 @@ def cache_pods(fabric: Fabric, ns: str) -> dict[str, dict[str, Any]]:
     return {p["spec"]["nodeName"]: p for p in ready_pods(fabric.cluster, ns, CACHE_SELECTOR)}
 
 
-def shared_blocks(fabric: Fabric, ns: str) -> int:
-    """Block files on the shared volume (the pod runner's directory behind the pool's claim)."""
-    assert fabric.runner_base is not None
-    root = fabric.runner_base / "shared" / "pvc" / ns
-    return sum(1 for f in root.glob("*/*/buckets/**/*") if f.is_file())
+def tier_blocks(fabric: Fabric, server_pod: dict[str, Any], tier: str) -> int:
+    """Blocks one tier of a cache server indexes (every server's, for the shared tier), from /metrics."""
+    status, body = fabric.request(server_pod, METRICS_PORT, "/metrics", timeout=10)
+    assert status == 200, body[:300]
+    for line in body.splitlines():
+        if line.startswith("kvfabric_tier_blocks") and f'tier="{tier}"' in line:
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
 
 
 def test_cache_servers_run_on_every_gpu_node_and_engines_are_injected(deployed: tuple[Fabric, str]) -> None:
@@ -85,15 +89,18 @@ def test_a_prefix_stored_on_node_a_is_a_hit_on_node_b(deployed: tuple[Fabric, st
     a, b = (by_node[n] for n in fabric.gpu_nodes[:2])
     p = prompt(1, 5 * CHUNK + 7)
 
+    b_server = cache_pods(fabric, ns)[b["spec"]["nodeName"]]
+    before = tier_blocks(fabric, b_server, "shared")
     cold = generate(fabric, a, p)
     assert cold["hit_tokens"] == 0
-    # A's connector stores in the background and A's server writes back to the shared volume
-    # asynchronously; wait until the five chunks are block files there.
-    if fabric.runner_base is not None:
-        wait_for(lambda: shared_blocks(fabric, ns) >= 5, timeout=30, message="5 blocks on the shared volume")
-        time.sleep(1.5)  # B's server tails A's journal at least once a second
-    else:
-        time.sleep(5)  # on kind the shared directory is not visible from here; give the write-back time
+    # A's connector stores in the background, A's server writes back to the shared volume
+    # asynchronously and B's server learns of the blocks by tailing A's journal: wait until B's index
+    # holds the five chunks (asking B's engine earlier would make it compute and store the prompt).
+    wait_for(
+        lambda: tier_blocks(fabric, b_server, "shared") >= before + 5,
+        timeout=60,
+        message="node b's server to index A's 5 blocks on the shared volume",
+    )
     warm = generate(fabric, b, p)
     assert warm["hit_tokens"] == 5 * CHUNK
     assert warm["tier"] == "shared"

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Installs everything kvfabric's demo and tests need on a fresh Debian machine, idempotently:
-# Debian packages (redis-server for the storage benchmark's baseline), uv, the Python environment
+# Debian packages (redis-server for the storage benchmark's baseline), Go >= 1.26
+# (scripts/install-go.sh), uv, the Python environment
 # (.venv, from uv.lock), the pinned Kubernetes binaries and kubelet and the pinned S3 server (SeaweedFS,
 # for the object-store tier's tests), all built from the Go module proxy into ~/.cache/kvfabric and
 # reused when present, and the container engine and images (scripts/bootstrap-containers.sh). A warm
 # machine finishes in seconds.
 #
 # `scripts/bootstrap.sh --demo` installs only what `make demo` and `kvfabric cluster` need (the Python
-# environment and the control-plane binaries, about 7 minutes cold), not the images, the kubelet, the
-# vLLM environment or the S3 server that only the tests use.
+# environment, about 3 GB of wheels to download on a fresh machine, most of them torch's CUDA build;
+# and the control-plane binaries, about 7.5 minutes to build on 2 cores), not the images, the kubelet,
+# the vLLM environment or the S3 server that only the tests use.
 set -euo pipefail
 DEMO_ONLY=0
 [ "${1:-}" = "--demo" ] && DEMO_ONLY=1
@@ -21,16 +23,28 @@ command -v redis-server >/dev/null || need_apt+=(redis-server)
 command -v shellcheck >/dev/null || need_apt+=(shellcheck)
 command -v curl >/dev/null || need_apt+=(curl)
 command -v ip >/dev/null || need_apt+=(iproute2)
-command -v go >/dev/null || need_apt+=(golang-go)
 if [ ${#need_apt[@]} -gt 0 ]; then
   say "installing Debian packages: ${need_apt[*]}"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
+scripts/install-go.sh  # Go >= 1.26 (Debian's golang-go is 1.19: it only fetches the real one)
+
+# uv, from PyPI. Debian's python3 refuses `pip install` outside a virtual environment (PEP 668), so
+# uv gets a virtual environment of its own under ~/.cache/kvfabric and a link on the PATH.
 if ! command -v uv >/dev/null; then
-  say "installing uv"
-  python3 -m pip install -q --disable-pip-version-check uv
+  say "installing uv (in its own virtual environment, ~/.cache/kvfabric/uv)"
+  uv_venv="$HOME/.cache/kvfabric/uv"
+  if ! python3 -m venv --help >/dev/null 2>&1 || ! python3 -c 'import ensurepip' 2>/dev/null; then
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3-venv >/dev/null
+  fi
+  if ! { python3 -m venv "$uv_venv" && "$uv_venv/bin/python" -m pip install -q --disable-pip-version-check uv; }; then
+    say "could not install uv; install it yourself (pipx install uv, or https://docs.astral.sh/uv/) and run this again"
+    exit 1
+  fi
+  $SUDO ln -sf "$uv_venv/bin/uv" /usr/local/bin/uv
 fi
 
 say "syncing the Python environment (.venv)"

@@ -29,7 +29,6 @@ import yaml
 from kvfabric.cli.main import SUBCOMMANDS, build_parser
 from kvfabric.cli.version import __version__
 from kvfabric.demo import workloads
-from kvfabric.localcluster.testing import ClusterHandle
 from kvfabric.operator.api.v1alpha1 import ImageSpec, KVCachePool
 from kvfabric.operator.render import names
 from kvfabric.operator.render.children import render_daemonset
@@ -629,25 +628,6 @@ def test_shared_volumes_match_the_kind_mounts_and_the_pools_storage_class() -> N
     claim = workloads.pool_manifest("p")["spec"]["tiers"]["shared"]["claimTemplate"]
     assert claim["storageClassName"] == storage_class
     assert "ReadWriteMany" in claim["accessModes"]
-
-
-@pytest.mark.cluster
-def test_shared_volumes_pass_server_side_dry_run(cluster: ClusterHandle) -> None:
-    out = cluster.kubectl("apply", "--dry-run=server", "-f", str(KIND / "shared-volumes.yaml")).stdout
-    assert out.count("(server dry run)") == len(
-        list(yaml.safe_load_all((KIND / "shared-volumes.yaml").read_text()))
-    )
-
-
-@pytest.mark.cluster
-def test_kind_overlay_passes_server_dry_run(cluster: ClusterHandle) -> None:
-    # A server-side dry run creates nothing: the namespace must exist for the namespaced objects.
-    if cluster.kubectl("get", "namespace", "kvfabric-system", check=False).returncode:
-        cluster.kubectl("create", "namespace", "kvfabric-system")
-    overlay = ROOT / "manifests" / "overlays" / "kind"
-    result = cluster.kubectl("apply", "-k", str(overlay), "--dry-run=server", check=False)
-    assert result.returncode == 0, result.stderr
-    assert "deployment.apps/kvfabric-operator" in result.stdout
 
 
 def kubectl_binary() -> str:

@@ -139,6 +139,21 @@ def test_engine_image_runs_its_command(engine: DockerEngine) -> None:
 
 
 @pytest.mark.images
+def test_engine_image_serves_requests_and_hits_the_cache_server_image(engine: DockerEngine) -> None:
+    # 150 = 4 x 32 + 22 tokens: the four chunks and the tail's one whole 16-token block (144 tokens)
+    # are stored, then loaded (as tests/refengine/test_refengine_serve.py has it for the process).
+    prompt = [(i * 7919) % 500 for i in range(150)]  # the tiny preset has 512 token ids
+    answers = smoke.engine_with_cache(
+        engine, _image("engine"), _image("cacheserver"), prompt, want_hit_tokens=144
+    )
+    first, last = answers[0], answers[-1]
+    assert (first["hit_tokens"], first["tier"]) == (0, None)
+    assert len(first["output_token_ids"]) == 3
+    assert (last["hit_tokens"], last["tier"]) == (144, "dram")
+    assert all(a["output_token_ids"] == first["output_token_ids"] for a in answers)
+
+
+@pytest.mark.images
 @pytest.mark.parametrize("name", ["operator", "cacheserver", "engine"])
 def test_images_know_their_runtime_user(engine: DockerEngine, name: str) -> None:
     # Without a passwd entry for 65532, kopf's start-up (getpass.getuser()) raised KeyError: the

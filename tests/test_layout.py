@@ -7,6 +7,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_ROOTS = ("operator", "cacheserver", "connector", "harness")
 
@@ -19,6 +21,7 @@ def test_source_roots_are_not_packages() -> None:
         )
 
 
+@pytest.mark.process
 def test_stdlib_operator_is_the_stdlib_even_from_the_repo_root() -> None:
     code = "import operator, kvfabric.operator; print(operator.__file__); operator.add(1, 2)"
     for flags in ([], ["-S"]):
@@ -46,6 +49,7 @@ def test_kvfabric_portions_come_from_every_source_root() -> None:
     assert set(SOURCE_ROOTS) <= portions
 
 
+@pytest.mark.process
 def test_cli_lists_its_subcommands() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvfabric.cli", "--help"], capture_output=True, text=True, check=True
@@ -54,6 +58,7 @@ def test_cli_lists_its_subcommands() -> None:
         assert name in out.stdout
 
 
+@pytest.mark.process
 def test_version_command_prints_pins() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvfabric.cli", "version", "--json"],

@@ -591,6 +591,7 @@ PIPELINER = textwrap.dedent(
 )
 
 
+@pytest.mark.process
 def test_a_process_keeping_a_request_queued_on_every_connection_refuses_no_newcomer(
     tmp_path: Path, memfd: int
 ) -> None:

@@ -358,6 +358,7 @@ def test_the_successor_hears_published_answered_only_once_the_predecessor_releas
         a.close()
 
 
+@pytest.mark.process
 def test_only_the_servers_own_uid_can_ask_for_a_hand_over(work: Path) -> None:
     if os.getuid() != 0:
         pytest.skip("needs root to run a peer as another uid")
@@ -474,6 +475,7 @@ def _ino(path: Path) -> int:
     return path.stat().st_ino
 
 
+@pytest.mark.process
 def test_a_successor_process_takes_over_dram_and_the_sockets_and_the_predecessor_exit_leaves_them() -> None:
     n = 12
     keys = [digest("proc", i) for i in range(n)]
@@ -545,6 +547,7 @@ def test_a_successor_process_takes_over_dram_and_the_sockets_and_the_predecessor
             c.close()
 
 
+@pytest.mark.process
 def test_deletes_during_the_hand_over_are_refused_with_unavailable_and_work_on_the_successor() -> None:
     # The predecessor's freeze waits for slow write-backs (2 s each), so the delete lands while frozen.
     slow = {

@@ -3,6 +3,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED = [
     f"cacheserver/kvfabric/rpc/v1/cache_{suffix}" for suffix in ("pb2.py", "pb2.pyi", "pb2_grpc.py")
@@ -13,6 +15,7 @@ GENERATED = [
 ]
 
 
+@pytest.mark.process
 def test_committed_stubs_equal_a_fresh_generation(tmp_path: Path) -> None:
     subprocess.run([str(ROOT / "scripts" / "gen-proto.sh"), str(tmp_path)], check=True, cwd=ROOT)
     for name in GENERATED:

@@ -22,6 +22,7 @@ KEYS = [f"{i:064x}" for i in range(1, 5)]
 COOLDOWN_MS = 200
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("local_index", [False, True], ids=["rpc-lookups", "published-index"])
 def test_lookups_reach_a_restarted_server_after_the_cooldown(local_index: bool) -> None:
     with cache_server(dram_bytes=16 << 20) as srv:

@@ -98,6 +98,7 @@ print(json.dumps({"ns": spec.digest(), "keys": keys.chunk_keys(spec.digest(), to
 """
 
 
+@pytest.mark.process
 def test_keys_identical_across_interpreters_with_different_hash_seeds() -> None:
     out = []
     for seed in ("1", "2"):

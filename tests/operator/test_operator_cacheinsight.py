@@ -1,4 +1,4 @@
-"""Cache insight: real cache servers' metrics scraped and folded into status.cache (issue #14.3)."""
+"""Cache insight: real cache servers' metrics scraped and folded into status.cache."""
 
 from __future__ import annotations
 

@@ -137,7 +137,7 @@ _DISK = "spec.tiers.localDisk"
 _PATH = "spec.tiers.localDisk.hostPath.path"
 _HEX = "a" * 64
 
-# Issue #14's nonsense specs: each is also rejected by the models (the reconciler's and the webhook's
+# Nonsense specs: each is also rejected by the models (the reconciler's and the webhook's
 # parse), see test_nonsense_pool_is_rejected_by_the_models.
 NONSENSE_POOLS: list[tuple[str, dict[str, Any], str]] = [
     # Whole-byte quantities with bounds.
@@ -372,6 +372,68 @@ def test_nonsense_pool_is_rejected_by_the_models(case: str, pool: dict[str, Any]
     # The model's error names the same field (pydantic writes the location with dots and indexes).
     leaf = field.rsplit(".", 1)[-1].split("[", maxsplit=1)[0]
     assert leaf in str(info.value), f"{case}: {info.value}"
+
+
+def server_side_apply(cluster: ClusterHandle, namespace: str, pool: dict[str, Any], *, dry_run: bool) -> Any:
+    args = ["apply", "--server-side", "--field-manager=kvfabric-tests", "-n", namespace, "-f", "-"]
+    return cluster.kubectl(
+        *args, *(["--dry-run=server"] if dry_run else []), input=json.dumps(pool), check=False
+    )
+
+
+TEMPLATE = {"storageClassName": "fast", "size": "20Gi"}
+# (case id, shared tier before, shared tier after, the API server's message): the shared tier's
+# transition rules (oldSelf), which only an update exercises.
+SHARED_CHANGES: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
+    (
+        "storage-class",
+        {"claimTemplate": TEMPLATE, "capacity": "10Gi"},
+        {"claimTemplate": {**TEMPLATE, "storageClassName": "slow"}, "capacity": "10Gi"},
+        "spec.tiers.shared.claimTemplate.storageClassName is immutable",
+    ),
+    (
+        "existing-claim",
+        {"existingClaim": "kv-a", "capacity": "10Gi"},
+        {"existingClaim": "kv-b", "capacity": "10Gi"},
+        "spec.tiers.shared.existingClaim is immutable",
+    ),
+    (
+        "claim-to-template",
+        {"existingClaim": "kv-a", "capacity": "10Gi"},
+        {"claimTemplate": TEMPLATE, "capacity": "10Gi"},
+        "the volume source (existingClaim or claimTemplate) is immutable",
+    ),
+    (
+        "template-to-claim",
+        {"claimTemplate": TEMPLATE, "capacity": "10Gi"},
+        {"existingClaim": "kv-a", "capacity": "10Gi"},
+        "the volume source (existingClaim or claimTemplate) is immutable",
+    ),
+]
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    ("case", "before", "after", "message"), SHARED_CHANGES, ids=[c[0] for c in SHARED_CHANGES]
+)
+def test_the_shared_tiers_volume_is_immutable(
+    cluster: ClusterHandle,
+    crd: None,
+    namespace: str,
+    case: str,
+    before: dict[str, Any],
+    after: dict[str, Any],
+    message: str,
+) -> None:
+    created = server_side_apply(cluster, namespace, with_("spec.tiers.shared", before), dry_run=False)
+    assert created.returncode == 0, created.stderr
+    changed = server_side_apply(cluster, namespace, with_("spec.tiers.shared", after), dry_run=True)
+    assert changed.returncode != 0, f"{case}: change accepted"
+    assert message in changed.stderr, changed.stderr
+    # The rest of the shared tier still changes: its capacity, its watermarks.
+    grown = {**before, "capacity": "15Gi", "watermarks": {"high": 0.8, "low": 0.6}}
+    ok = server_side_apply(cluster, namespace, with_("spec.tiers.shared", grown), dry_run=True)
+    assert ok.returncode == 0, ok.stderr
 
 
 IMMUTABLE_CHANGES: list[tuple[str, str, Any, str]] = [

@@ -1,4 +1,4 @@
-"""Status in failure modes, against the real control plane (issue #14.2).
+"""Status in failure modes, against the real control plane.
 
 Each fault is real where the local cluster can make it real: the API server rejects an invalid pod
 template, the scheduler cannot place a pod asking for more memory than a node has, the DaemonSet

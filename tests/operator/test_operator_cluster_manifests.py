@@ -85,3 +85,22 @@ def test_static_webhook_configuration_matches_the_code() -> None:
         excluded_namespaces=["kvfabric-system"],
     )
     assert static["webhooks"] == rendered["webhooks"]
+
+
+@pytest.mark.cluster
+def test_kind_shared_volumes_pass_server_side_dry_run(cluster: ClusterHandle) -> None:
+    volumes = ROOT / "e2e" / "kind" / "shared-volumes.yaml"
+    out = cluster.kubectl("apply", "--dry-run=server", "-f", str(volumes)).stdout
+    assert out.count("(server dry run)") == len(list(yaml.safe_load_all(volumes.read_text())))
+
+
+@pytest.mark.cluster
+def test_kind_overlay_passes_server_dry_run(cluster: ClusterHandle) -> None:
+    # A server-side dry run creates nothing: the namespace must exist for the namespaced objects.
+    if cluster.kubectl("get", "namespace", "kvfabric-system", check=False).returncode:
+        cluster.kubectl("create", "namespace", "kvfabric-system")
+    result = cluster.kubectl(
+        "apply", "-k", str(MANIFESTS / "overlays" / "kind"), "--dry-run=server", check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "deployment.apps/kvfabric-operator" in result.stdout

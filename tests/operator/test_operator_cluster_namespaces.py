@@ -1,4 +1,4 @@
-"""The pool's status lists the compatibility namespaces its consumers use (issue #14.3), on the real
+"""The pool's status lists the compatibility namespaces its consumers use, on the real
 control plane: the operator scrapes real cache-server processes standing in for the kwok pods.
 
 kwok runs no containers, so the test gives each cache-server pod the address of a real cache-server

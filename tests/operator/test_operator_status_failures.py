@@ -1,4 +1,4 @@
-"""Status tells the truth when things fail: rejected applies, broken pods, stalled rollouts (issue #14.2)."""
+"""Status tells the truth when things fail: rejected applies, broken pods, stalled rollouts."""
 
 from __future__ import annotations
 

@@ -60,6 +60,7 @@ def test_the_wipe_pod_holds_no_privilege_and_runs_the_operators_script() -> None
     assert spec["automountServiceAccountToken"] is False
 
 
+@pytest.mark.process
 def test_the_script_empties_only_the_pools_directory_and_refuses_a_symlink(tmp_path: Path) -> None:
     """The script itself, run by sh on a real directory tree (WIPE_MOUNT replaced by a temp dir)."""
     disk = tmp_path / "disk"

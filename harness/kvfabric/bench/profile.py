@@ -10,8 +10,8 @@ cProfile summaries (top functions by own time) of
    run: mapping it for one load (what a load does today, with and without ``MAP_POPULATE``),
    ``preadv``, and a mapping kept from an earlier load (the ceiling of a client-side mapping cache);
 5. cold disk promotions, the ways of filling a fresh memfd from a block file;
-6. a 16k-token restore into the reference engine's KV tensors from kept mappings of sealed blocks
-   (#13.2): through the connector's staging buffer (today: copy, verify, scatter), against verifying
+6. a 16k-token restore into the reference engine's KV tensors from kept mappings of sealed blocks:
+   through the connector's staging buffer (today: copy, verify, scatter), against verifying
    and scattering in place from the mappings (no staging copy), with memcpy of the same bytes.
 
 Not a benchmark (no targets, nothing judged): the evidence behind docs/performance.md.

@@ -15,7 +15,9 @@ sent the renewal that wrote it, so the candidate takes over at the earliest ``le
 that send; the holder has stopped ``lease_seconds - renew_deadline_seconds`` (3 s by default) before.
 Measuring from the end of the renewal instead would let a slow answer eat that margin.
 
-Hand-over after a crash is bounded by ``lease_seconds + retry_seconds`` (10 s + 2 s by default).
+Hand-over after a crash is bounded by ``lease_seconds + 2 * retry_seconds`` (14 s by default) plus
+one read of the Lease: a candidate reads the dead holder's last record within one retry, counts
+``lease_seconds`` from that read, and notices the expiry at most one retry later.
 """
 
 from __future__ import annotations

@@ -1,0 +1,102 @@
+"""The upgrade promise of the block format: version-1 headers (written before generations) still read,
+as generation 0 — an upgraded server keeps the blocks an older one left on its volumes, and a later
+delete supersedes them, across a restart too."""
+
+from __future__ import annotations
+
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from kvfabric.cacheserver.engine.blockfile import (
+    HEADER_SIZE,
+    MAGIC,
+    BlockHeader,
+    CorruptBlock,
+    pack_header,
+    payload_checksum,
+    read_header,
+    unpack_header,
+)
+from kvfabric.cacheserver.engine.ids import BlockId
+from kvfabric.cacheserver.engine.ttl import bucket_of
+from kvfabric.client import CacheClient
+from kvfabric.testing.serverproc import ServerProcess, digest, make_config, payload_for, temp_dir
+
+NS = digest("upgrade")
+# The version-1 header, as the servers before generations wrote it (blockfile.py's docstring, less
+# the generation field).
+V1 = struct.Struct("<8sHH32s32sQ16sdq")
+
+
+def v1_header(bid: BlockId, payload: bytes, *, created_at: float, bucket: int) -> bytes:
+    body = V1.pack(
+        MAGIC,
+        1,
+        0,
+        bytes.fromhex(bid.namespace),
+        bytes.fromhex(bid.key),
+        len(payload),
+        payload_checksum(payload),
+        created_at,
+        bucket,
+    )
+    body += struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+    return body.ljust(HEADER_SIZE, b"\0")
+
+
+def test_a_version_1_header_reads_as_generation_0_and_a_damaged_one_is_corrupt() -> None:
+    bid = BlockId(NS, digest("k"))
+    payload = payload_for(bid.key, 4096)
+    header = unpack_header(v1_header(bid, payload, created_at=12.5, bucket=3))
+    assert header == BlockHeader(bid, len(payload), payload_checksum(payload), 12.5, 3, gen=0)
+    # Any copy stored since carries a generation above 0, so it supersedes the old one.
+    assert unpack_header(pack_header(BlockHeader(bid, 1, b"\0" * 16, 0.0, 3, gen=1))).gen > header.gen
+    damaged = bytearray(v1_header(bid, payload, created_at=12.5, bucket=3))
+    damaged[80] ^= 1  # inside the length field: the header checksum no longer matches
+    with pytest.raises(CorruptBlock):
+        unpack_header(bytes(damaged))
+
+
+@pytest.mark.process
+def test_an_upgraded_server_serves_version_1_blocks_and_a_delete_supersedes_them_for_good() -> None:
+    with temp_dir() as work:
+        shared = work / "shared"
+        config = make_config(work, shared_dir=shared, local_disk_bytes=None)
+        keys = [digest("v1", i) for i in range(3)]
+        payloads = [payload_for(k, 64 * 1024) for k in keys]
+        now = time.time()
+        bucket = bucket_of(now, config.bucket_seconds)
+        files: list[Path] = []
+        for key, payload in zip(keys, payloads, strict=True):
+            bid = BlockId(NS, key)
+            path = shared / "buckets" / str(bucket) / bid.filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(v1_header(bid, payload, created_at=now, bucket=bucket) + payload)
+            files.append(path)
+        assert [read_header(f).gen for f in files] == [0, 0, 0]
+
+        srv = ServerProcess(config, work)
+        srv.start()
+        try:
+            client = CacheClient(srv.unix_target)
+            assert client.lookup(NS, keys, timeout=10).matched == 3
+            assert client.load(NS, keys, timeout=10) == payloads
+            assert client.delete(NS, keys[:1], timeout=10) == 1
+            assert client.lookup(NS, keys[:1], timeout=10).matched == 0
+            assert not files[0].exists()
+            client.close()
+            # After a restart the old copies that were not deleted are still served, the deleted one
+            # stays deleted.
+            srv.stop()
+            srv.start()
+            client = CacheClient(srv.unix_target)
+            assert client.lookup(NS, keys, timeout=10).matched == 0  # a prefix match: the first is gone
+            assert client.load(NS, keys[1:], timeout=10) == payloads[1:]
+            assert client.load(NS, keys[:1], timeout=10) == []
+            client.close()
+        finally:
+            srv.stop()

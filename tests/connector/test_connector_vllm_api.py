@@ -184,7 +184,7 @@ def test_recurrent_state_groups_are_refused_with_the_reason() -> None:
             SimpleNamespace(layer_names=["l1"], kv_cache_spec=FullAttentionSpec()),
         ]
     )
-    with pytest.raises(ValueError, match="recurrent .Mamba / linear-attention. state"):
+    with pytest.raises(ValueError, match=r"recurrent \(Mamba / linear-attention\) state"):
         kvvllm.group_plan_from_vllm(SimpleNamespace(cache_config=SimpleNamespace(block_size=16)), config)
     assert kvvllm.group_plan_from_vllm(None, None) is None
 

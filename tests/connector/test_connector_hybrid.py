@@ -16,7 +16,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from tests.connector.hybrid_sim import Driver, Engine, Req, SlidingWindowSpec, vllm_config
+from tests.connector.hybrid_sim import (
+    ChunkedLocalAttentionSpec,
+    Driver,
+    Engine,
+    FullAttentionSpec,
+    Req,
+    SlidingWindowSpec,
+    vllm_config,
+)
 
 from kvfabric.connector import vllm as kvvllm
 from kvfabric.connector.resilient import CircuitBreaker, Endpoint, ResilientCache
@@ -116,3 +124,119 @@ def test_sliding_window_saves_under_block_reuse_equal_recompute_after_restart(st
     second.run(reqs, budget=48)
     assert [r.hit for r in reqs] == [(len(r.prompt_token_ids) - 1) // 16 * 16 for r in reqs]
     assert second.engine.null_block_clean()
+
+
+# ----------------------------------------------------------------------------- hybrid group shapes
+
+
+def swa_full(window: int, *, swa_block: int = 16, full_block: int = 16, extra: int = 0) -> list[Any]:
+    """Gemma 3 / gpt-oss (equal blocks) or Gemma 4 (sliding-window blocks twice the full ones)."""
+    return [SlidingWindowSpec(swa_block, PAGE, window, extra), FullAttentionSpec(full_block, PAGE)]
+
+
+def object_bytes(blocks: int, layers: int) -> int:
+    return blocks * layers * PAGE + HEADER
+
+
+@pytest.mark.parametrize("window", [128, 200, 300])
+def test_gemma3_shape_hits_equal_recompute_and_move_only_the_window(
+    store: MemoryTransport, window: int
+) -> None:
+    """Sliding window + full attention, block 16, chunk 256; windows that do and do not divide it.
+
+    Run 2's hit after a restart is the deepest boundary (1,248 of 1,260 tokens), equals recompute,
+    and moves exactly: the full kind every block of the hit, the sliding-window kind only the
+    ``cdiv(w - 1, 16)`` blocks before it (in objects of the chunk and tail spans that hold them).
+    """
+    first = boot(swa_full(window), 256)
+    first.run([Req("a", prompt(1260))], budget=512)
+    stored = counters(first)
+    # Stored per span: full every block; sliding window the trailing min(blocks, cdiv(w-1, 16)).
+    keep = -(-(window - 1) // 16)
+    spans = [(256, 16)] * 4 + [(16, 1)] * 14  # 4 chunks, then tail blocks 1..14 of chunk 4
+    assert stored["stored_bytes.full"] == sum(object_bytes(n, 2) for _, n in spans)
+    assert stored["stored_bytes.sliding_window"] == sum(object_bytes(min(n, keep), 2) for _, n in spans)
+    second = boot(swa_full(window), 256)
+    b = Req("b", prompt(1260))
+    second.run([b], budget=512)
+    assert b.hit == 1248
+    got = counters(second)
+    assert got["loaded_bytes.full"] == stored["stored_bytes.full"]
+    # The hit at 1,248 reads positions from 1,248 - keep*16: the tail blocks after 1,024 that lie
+    # there (one block each), then the trailing blocks of chunk 3 still inside the window.
+    in_tails = min(keep, 14)
+    in_chunk3 = keep - in_tails
+    want = in_tails * object_bytes(1, 2) + (object_bytes(min(16, keep), 2) if in_chunk3 else 0)
+    assert got["loaded_bytes.sliding_window"] == want
+    assert got.get("null_block_writes_refused", 0) == 0
+    assert 0 not in load_block_ids(second)
+    assert second.engine.checked_positions > 0
+
+
+def test_gemma4_shape_per_group_block_sizes(store: MemoryTransport) -> None:
+    """Sliding-window blocks of 32, full blocks of 16: the scheduler block is 32 (their lcm), the
+    chunk is rounded up to a multiple of it, and hits land on multiples of 32."""
+    specs = swa_full(100, swa_block=32, full_block=16)
+    first = boot(specs, 80)  # rounded up to 96
+    assert first.sched.scheduler_half.chunk_tokens == 96
+    assert first.sched.scheduler_half.block_size == 32
+    first.run([Req("a", prompt(1000))], budget=256)
+    second = boot(specs, 80)
+    b = Req("b", prompt(1000))
+    second.run([b], budget=256)
+    assert b.hit == 992  # the largest multiple of 32 below 999
+    assert counters(second).get("null_block_writes_refused", 0) == 0
+    assert second.engine.null_block_clean()
+
+
+@pytest.mark.parametrize("attention_chunk", [64, 96])
+def test_llama4_shape_chunked_local_groups(store: MemoryTransport, attention_chunk: int) -> None:
+    """Three one-layer chunked-local groups and one full group (all aliased), chunk 128.
+
+    With ``A`` dividing the chunk nothing local is stored at chunk ends; with ``A`` = 96 the open
+    attention chunk's part is. Either way the hit equals recompute.
+    """
+    specs = [ChunkedLocalAttentionSpec(16, PAGE, attention_chunk) for _ in range(3)] + [
+        FullAttentionSpec(16, PAGE)
+    ]
+    first = boot(specs, 128, layers=1)
+    first.run([Req("a", prompt(700))], budget=256)
+    plan = first.sched.plan
+    assert plan is not None
+    assert [k.type.value for k in plan.kinds] == ["chunked_local", "full"]
+    assert plan.kinds[0].groups == (0, 1, 2)
+    second = boot(specs, 128, layers=1)
+    b = Req("b", prompt(700))
+    second.run([b], budget=256)
+    assert b.hit == 688
+    got = counters(second)
+    # Local blocks loaded: those after floor(688 / A) * A, one object per tail block.
+    local_blocks = (688 - 688 // attention_chunk * attention_chunk) // 16
+    assert got.get("loaded_bytes.chunked_local", 0) == local_blocks * object_bytes(1, 3)
+    assert second.engine.null_block_clean()
+
+
+def test_a_missing_sliding_window_object_drops_the_hit_to_the_previous_valid_boundary(
+    store: MemoryTransport,
+) -> None:
+    """Delete the sliding-window object of the deepest boundary's last span: the hit falls back to
+    the boundary before it (one block less), and still equals recompute."""
+    first = boot(swa_full(64), 256)
+    first.run([Req("a", prompt(600))], budget=1024)
+    half = first.sched.scheduler_half
+    info = kvvllm.request_info_from_vllm(Req("x", prompt(600)))
+    st = half._state(info)
+    assert half.plan is not None
+    last = half._object_key(st, hybrid_span(512, 16, 5), 0)  # tail block 5 of chunk 2 (ends at 592)
+    assert store.blocks.pop((half.namespace, last), None) is not None
+    second = boot(swa_full(64), 256)
+    b = Req("b", prompt(600))
+    second.run([b], budget=1024)
+    assert b.hit == 576
+    assert second.engine.checked_positions > 0
+
+
+def hybrid_span(base: int, block: int, tail: int) -> Any:
+    from kvfabric.connector.hybridplan import Span
+
+    return Span(base // 256, tail, base + (tail - 1) * block, base + tail * block)

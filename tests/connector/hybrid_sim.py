@@ -222,6 +222,7 @@ class Driver:
         self.worker = worker
         self.plans: list[Any] = []
         self.saved_blocks = 0
+        self.feedback: list[Any] = []
         worker.register_kv_caches(engine.kv)
 
     def run(self, reqs: list[Req], budget: int) -> None:
@@ -308,6 +309,10 @@ class Driver:
                     eng.forward_layer(name, req, req.computed, req.computed + num_scheduled[req.req_id])
                 self.worker.save_kv_layer(name, eng.kv[name], None)
             self.worker.wait_for_save()
+            feedback = self.worker.build_connector_worker_meta()
+            if feedback is not None:
+                self.feedback.append(feedback)
+                self.sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=feedback))
             self.worker.clear_connector_metadata()
             assert eng.null_block_clean(), "a connector write reached the null block"
             for req in new + cached:

@@ -171,6 +171,9 @@ def test_gemma3_shape_hits_equal_recompute_and_move_only_the_window(
     assert got.get("null_block_writes_refused", 0) == 0
     assert 0 not in load_block_ids(second)
     assert second.engine.checked_positions > 0
+    # The cost model learns from the bytes the hybrid hit really moved.
+    restored = [r for fb in second.feedback for r in fb.restores]
+    assert sum(r.nbytes for r in restored) == got["loaded_bytes.full"] + want
 
 
 def test_gemma4_shape_per_group_block_sizes(store: MemoryTransport) -> None:
@@ -240,3 +243,111 @@ def hybrid_span(base: int, block: int, tail: int) -> Any:
     from kvfabric.connector.hybridplan import Span
 
     return Span(base // 256, tail, base + (tail - 1) * block, base + tail * block)
+
+
+def test_cost_model_on_keeps_a_hybrid_hit_it_has_not_measured(store: MemoryTransport) -> None:
+    first = boot(swa_full(64), 128, cost_model=True)
+    first.run([Req("a", prompt(500))], budget=256)
+    second = boot(swa_full(64), 128, cost_model=True)
+    b = Req("b", prompt(500))
+    second.run([b], budget=256)
+    assert b.hit == 496
+    assert second.engine.checked_positions > 0
+
+
+# ------------------------------------------------------------------------ guards and the interface
+
+
+def test_connector_declares_hma_and_logs_its_plan(
+    store: MemoryTransport, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="kvfabric")
+    d = boot(swa_full(128), 256)
+    assert "SupportsHMA" in [c.__name__ for c in type(d.sched).__mro__]
+    assert any(
+        "kvfabric group plan: scheduler_block=16 groups=2; kind 0 sliding_window window=128" in r.getMessage()
+        for r in caplog.records
+    )
+    req = Req("r", prompt(40))
+    assert d.sched.request_finished_all_groups(req, ([0, 3], [1, 2])) == (False, None)
+
+
+def test_a_hit_the_tables_contradict_is_refused_and_recomputed(store: MemoryTransport) -> None:
+    """The scheduler plans a hit whose window position holds the null block: it loads nothing,
+    counts it, and the worker reports every real block of the hit failed (the engine recomputes)."""
+    first = boot(swa_full(64), 128)
+    first.run([Req("a", prompt(300))], budget=512)
+    second = boot(swa_full(64), 128)
+    sched, worker = second.sched, second.worker
+    req = Req("b", prompt(300))
+    ext, _ = sched.get_num_new_matched_tokens(req, 0)
+    assert ext == 288
+    swa = [0] * 14 + [7, 0, 9, 10]  # position 15 is inside the window: the null block there is wrong
+    full = list(range(20, 38))
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (swa, full)), ext)
+    so = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="b", block_ids=(swa, full), num_computed_tokens=ext)],
+        scheduled_cached_reqs=None,
+        num_scheduled_tokens={"b": 12},
+        finished_req_ids=set(),
+    )
+    meta = sched.build_connector_meta(so)
+    (spec,) = meta.loads
+    assert spec.refused
+    assert spec.keys == []
+    assert counters(second)["null_block_writes_refused"] == 1
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    assert worker.get_block_ids_with_load_errors() == {7, 9, 10, *range(20, 38)}
+    worker.clear_connector_metadata()
+    assert second.engine.null_block_clean()
+
+
+def test_the_worker_never_writes_block_0_whatever_the_plan_says(store: MemoryTransport) -> None:
+    """A load spec that targets block 0 (a planning error) is not loaded: counted, its other
+    blocks reported failed, the KV cache untouched."""
+    from kvfabric.connector.steps import LoadSpec, ObjectLayout, StepPlan
+
+    d = boot(swa_full(64), 128)
+    worker = d.worker
+    spec = LoadSpec(
+        "r",
+        ["ab" * 32],
+        [[5, 0]],
+        objects=ObjectLayout(kinds=[1], stored=[2], skips=[0], tokens=[32], span_chunks=0, span_tails=2),
+    )
+    before = {name: t.clone() for name, t in d.engine.kv.items()}
+    worker.bind_connector_metadata(kvvllm.KVFabricMetadata(loads=[spec]))
+    worker.start_load_kv(None)
+    for name in d.engine.kv:
+        worker.wait_for_layer_load(name)
+    assert worker.get_block_ids_with_load_errors() == {5}
+    worker.clear_connector_metadata()
+    assert worker.worker_half.counters.get("null_block_writes_refused") == 1
+    assert all(bool((d.engine.kv[n] == before[n]).all()) for n in before)
+    assert isinstance(StepPlan(), StepPlan)
+
+
+def test_resumed_requests_replace_every_groups_table(store: MemoryTransport) -> None:
+    """A preempted request comes back with a new table per group: the half keeps those, not the
+    appended old ones."""
+    d = boot(swa_full(64), 128)
+    sched = d.sched
+    req = Req("r", prompt(100))
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2], [3, 4])), 0)
+    cached = SimpleNamespace(
+        req_ids=["r"], resumed_req_ids={"r"}, new_block_ids=[([8, 9], [10, 11])], num_computed_tokens=[0]
+    )
+    so = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={"r": 16},
+        finished_req_ids=set(),
+    )
+    sched.build_connector_meta(so)
+    assert sched.scheduler_half._reqs["r"].groups == [[8, 9], [10, 11]]
+    cached.resumed_req_ids = set()
+    cached.new_block_ids = [([12], [13])]
+    sched.build_connector_meta(so)
+    assert sched.scheduler_half._reqs["r"].groups == [[8, 9, 12], [10, 11, 13]]

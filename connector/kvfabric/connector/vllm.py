@@ -209,10 +209,17 @@ def _all_groups(block_ids: Any) -> tuple[tuple[int, ...], ...] | None:
 
 
 def _current_tables(scheduler_output: Any) -> Any:
-    """``resolve_block_ids(req_id)`` of the scheduler's current tables (vLLM >= 0.32), or None."""
+    """The lookup of the scheduler's current tables (``kv_connector_block_state``, vLLM >= 0.32).
+
+    ``get_block_ids`` (None for a request it does not cover), else ``resolve_block_ids``; None
+    when the scheduler output has no block state.
+    """
     state = getattr(scheduler_output, "kv_connector_block_state", None)
-    resolve = getattr(state, "resolve_block_ids", None)
-    return resolve if callable(resolve) else None
+    for name in ("get_block_ids", "resolve_block_ids"):
+        lookup = getattr(state, name, None)
+        if callable(lookup):
+            return lookup
+    return None
 
 
 def _resolved(resolve: Any, req_id: str) -> tuple[tuple[int, ...], ...] | None:

@@ -12,6 +12,7 @@ block 128), Llama 4 (three one-layer chunked-local groups and one full).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,6 +27,7 @@ from tests.connector.hybrid_sim import (
     vllm_config,
 )
 
+from kvfabric.client.mappings import Lease
 from kvfabric.connector import vllm as kvvllm
 from kvfabric.connector.resilient import CircuitBreaker, Endpoint, ResilientCache
 from kvfabric.connector.settings import ConnectorSettings
@@ -35,13 +37,31 @@ PAGE = 16 * 8 * 4  # bytes of one block of one layer (block 16, head 8, fp32): e
 HEADER = 128  # a stored object's header
 
 
-@pytest.fixture
-def store(monkeypatch: pytest.MonkeyPatch) -> MemoryTransport:
-    """One memory cache server that outlives every simulated vLLM process."""
-    transport = MemoryTransport()
+class LendingTransport(MemoryTransport):
+    """A same-node server whose loads are lent (read-only views the worker scatters in place)."""
+
+    lends = True
+
+    def load_views(self, namespace: str, keys: Sequence[str], *, timeout: float) -> list[Lease]:
+        self._enter("load_views", timeout)
+        out = []
+        for k in keys:
+            data = self.blocks.get((namespace, k))
+            if data is None:
+                break
+            out.append(Lease(memoryview(bytes(data))))
+        return out
+
+
+@pytest.fixture(params=["copied", "lent"])
+def store(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> MemoryTransport:
+    """One memory cache server that outlives every simulated vLLM process (loads copied or lent)."""
+    transport = LendingTransport() if request.param == "lent" else MemoryTransport()
 
     def build(settings: ConnectorSettings, **_: Any) -> ResilientCache:
-        return ResilientCache([Endpoint("m", lambda: transport, CircuitBreaker(100, 60.0))])
+        cache = ResilientCache([Endpoint("m", lambda: transport, CircuitBreaker(100, 60.0))])
+        cache.endpoints[0].client()  # connected: a lending server lends from the first load on
+        return cache
 
     monkeypatch.setattr(kvvllm, "build_cache", build)
     monkeypatch.delenv("KVFABRIC_REMOTE", raising=False)
@@ -171,6 +191,7 @@ def test_gemma3_shape_hits_equal_recompute_and_move_only_the_window(
     assert got.get("null_block_writes_refused", 0) == 0
     assert 0 not in load_block_ids(second)
     assert second.engine.checked_positions > 0
+    assert (got.get("loads_lent", 0) > 0) == isinstance(store, LendingTransport)
     # The cost model learns from the bytes the hybrid hit really moved.
     restored = [r for fb in second.feedback for r in fb.restores]
     assert sum(r.nbytes for r in restored) == got["loaded_bytes.full"] + want

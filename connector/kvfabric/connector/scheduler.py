@@ -362,7 +362,8 @@ class SchedulerHalf:
         st.hit_tiers = [tiers.get(k, "") for k in hit_keys]
         st.key_tiers = {k: tiers.get(k, "") for k in hit_keys}
         st.hit_local = local
-        st.absent = [k for k, v in present.items() if not v] if reason is None else []
+        # KV events name whole chunks of one group; per-kind objects wait for the group fields.
+        st.absent = []
         st.last_reason = reason if reason is not None else (None if hit else Reason.NOT_FOUND)
         st.matched_chunks, st.tail_chunk = hit // c, hit // c
         st.matched_tail = (hit % c) // s

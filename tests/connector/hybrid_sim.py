@@ -126,17 +126,27 @@ class Req:
 class Engine:
     """The scheduler, block pool and KV tensors of one vLLM process (a restart is a new Engine)."""
 
-    def __init__(self, specs: list[Any], layers_per_group: int, num_blocks: int, page: int) -> None:
+    def __init__(
+        self, specs: list[Any], layers_per_group: int, num_blocks: int, page: int, kernel: int = 0
+    ) -> None:
+        """``kernel``: hand the connector tensors in kernel blocks of this many tokens (vLLM does
+        when a backend needs blocks smaller than a group's)."""
         self.specs = specs
         self.config = kv_cache_config(specs, layers_per_group)
         self.free = list(range(num_blocks - 1, 0, -1))  # block 0 is the null block, never handed out
         self.kv: dict[str, torch.Tensor] = {}
+        self.registered: dict[str, torch.Tensor] = {}  # what the connector is given
         self.layer_group: dict[str, int] = {}
         for k in range(layers_per_group):
             base = torch.zeros(num_blocks, page // 4)  # slot k of every group aliases these bytes
             for g, spec in enumerate(specs):
                 name = f"g{g}.l{k}"
                 self.kv[name] = base.view(num_blocks, 1, spec.block_size, page // (4 * spec.block_size))
+                self.registered[name] = self.kv[name]
+                if kernel and spec.block_size > kernel:
+                    split = spec.block_size // kernel
+                    width = page // (4 * spec.block_size)
+                    self.registered[name] = base.view(num_blocks * split, 1, kernel, width)
                 self.layer_group[name] = g
         self.layer_index = {name: i for i, name in enumerate(self.kv)}
         self.null_writes = 0
@@ -223,7 +233,7 @@ class Driver:
         self.plans: list[Any] = []
         self.saved_blocks = 0
         self.feedback: list[Any] = []
-        worker.register_kv_caches(engine.kv)
+        worker.register_kv_caches(engine.registered)
 
     def run(self, reqs: list[Req], budget: int) -> None:
         """Admit and prefill every request, ``budget`` tokens per step, round robin."""
@@ -307,7 +317,7 @@ class Driver:
                     assert not errors, f"load errors {sorted(errors)[:8]}"
                 for req in new + cached:
                     eng.forward_layer(name, req, req.computed, req.computed + num_scheduled[req.req_id])
-                self.worker.save_kv_layer(name, eng.kv[name], None)
+                self.worker.save_kv_layer(name, eng.registered[name], None)
             self.worker.wait_for_save()
             feedback = self.worker.build_connector_worker_meta()
             if feedback is not None:

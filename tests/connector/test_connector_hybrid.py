@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from tests.connector.hybrid_sim import (
     ChunkedLocalAttentionSpec,
     Driver,
@@ -68,9 +69,11 @@ def store(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Me
     return transport
 
 
-def boot(specs: list[Any], chunk: int, *, layers: int = 2, blocks: int = 400, **extra: Any) -> Driver:
+def boot(
+    specs: list[Any], chunk: int, *, layers: int = 2, blocks: int = 400, kernel: int = 0, **extra: Any
+) -> Driver:
     """Start one simulated vLLM process (engine + both connector halves)."""
-    engine = Engine(specs, layers, blocks, PAGE)
+    engine = Engine(specs, layers, blocks, PAGE, kernel)
     cfg = vllm_config(chunk, **extra)
     sched = kvvllm.KVFabricConnector(cfg, SimpleNamespace(name="SCHEDULER"), engine.config)
     worker = kvvllm.KVFabricConnector(cfg, SimpleNamespace(name="WORKER"), engine.config)
@@ -197,15 +200,18 @@ def test_gemma3_shape_hits_equal_recompute_and_move_only_the_window(
     assert sum(r.nbytes for r in restored) == got["loaded_bytes.full"] + want
 
 
-def test_gemma4_shape_per_group_block_sizes(store: MemoryTransport) -> None:
+@pytest.mark.parametrize("kernel", [0, 16])
+def test_gemma4_shape_per_group_block_sizes(store: MemoryTransport, kernel: int) -> None:
     """Sliding-window blocks of 32, full blocks of 16: the scheduler block is 32 (their lcm), the
-    chunk is rounded up to a multiple of it, and hits land on multiples of 32."""
+    chunk is rounded up to a multiple of it, and hits land on multiples of 32. Also with the
+    sliding-window layers handed over in 16-token kernel blocks."""
     specs = swa_full(100, swa_block=32, full_block=16)
-    first = boot(specs, 80)  # rounded up to 96
+    first = boot(specs, 80, kernel=kernel)  # rounded up to 96
     assert first.sched.scheduler_half.chunk_tokens == 96
     assert first.sched.scheduler_half.block_size == 32
     first.run([Req("a", prompt(1000))], budget=256)
-    second = boot(specs, 80)
+    second = boot(specs, 80, kernel=kernel)
+    assert second.worker.worker_half.disabled is None
     b = Req("b", prompt(1000))
     second.run([b], budget=256)
     assert b.hit == 992  # the largest multiple of 32 below 999
@@ -372,3 +378,18 @@ def test_resumed_requests_replace_every_groups_table(store: MemoryTransport) -> 
     cached.new_block_ids = [([12], [13])]
     sched.build_connector_meta(so)
     assert sched.scheduler_half._reqs["r"].groups == [[8, 9, 12], [10, 11, 13]]
+
+
+def test_kernel_blocks_are_read_as_whole_blocks_of_their_group(store: MemoryTransport) -> None:
+    """A backend may split a group's 32-token blocks into 16-token kernel blocks
+    (``[num_blocks * 2, H, 16, C]``): the worker reads block ``b`` as kernel blocks ``2b, 2b+1``."""
+    from kvfabric.connector import layout
+
+    t = torch.arange(8 * 1 * 16 * 2, dtype=torch.float32).view(8, 1, 16, 2)
+    view = layout.in_blocks_of(t, 32)
+    assert view is not None
+    assert view.shape == (4, 2, 1, 16, 2)
+    assert torch.equal(view[1], t[2:4])
+    assert view.data_ptr() == t.data_ptr()
+    assert layout.in_blocks_of(t, 16) is t
+    assert layout.in_blocks_of(t, 24) is None

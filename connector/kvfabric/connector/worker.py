@@ -181,11 +181,12 @@ class WorkerHalf:
             if place is None:
                 continue  # a layer of a group kvfabric does not store
             want = self.plan.kinds[place[0]].block_size
-            got = layout.block_size_of(t)
-            if got != want:
+            blocks = layout.in_blocks_of(t, want)
+            if blocks is None:
+                got = layout.block_size_of(t)
                 self.disable(f"layer {name} has blocks of {got} tokens, its group's spec says {want}")
                 return
-            counts.add(int(t.shape[layout.block_dim_of(t)]))
+            counts.add(int(blocks.shape[0]))
         if len(counts) > 1:
             self.disable(f"the layers have different block counts {sorted(counts)}")
 

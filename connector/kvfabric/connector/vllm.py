@@ -327,13 +327,20 @@ def attention_backend_from_vllm(vllm_config: Any) -> str:
     generation and release, from model facts that are already in the namespace; then the name says
     ``auto`` and where, e.g. ``auto:cuda:sm90:vllm-0.33.0``. The worker checks the name against the
     backend its attention layers really use (:meth:`KVFabricConnector.register_kv_caches`).
+
+    On the CPU platform a configured backend that is not a CPU one is ignored by vLLM (it logs
+    "Cannot use ... backend on CPU" and runs its own): some models configure one regardless (Gemma 4
+    asks for ``TRITON_ATTN``), so the name is then the platform's automatic choice.
     """
     attention_config = getattr(vllm_config, "attention_config", None)
     backend = getattr(attention_config, "backend", None) or os.environ.get("VLLM_ATTENTION_BACKEND")
+    device = device_type_from_vllm(vllm_config)
     if backend:
-        return _enum_name(backend)
+        name = _enum_name(backend)
+        if device != "cpu" or name.startswith(("CPU_", "AMX_")):
+            return name
     platform = _platform()
-    where = [device_type_from_vllm(vllm_config)]
+    where = [device]
     try:
         capability = platform.get_device_capability() if platform is not None else None
     except Exception:  # no device visible in this process

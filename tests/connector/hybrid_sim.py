@@ -112,6 +112,9 @@ class Req:
     admitted: bool = False
     sent_new: bool = False
     hit: int = 0
+    local: int = 0
+    """Tokens the engine's own prefix cache holds at admission (block-aligned)."""
+    admitted_tables: list[list[int]] = field(default_factory=list)
     lora_request: Any = None
 
     @property
@@ -215,6 +218,19 @@ class Engine:
                 table.append(bid)
                 req.new_ids[g].append(bid)
 
+    def fill_local(self, req: Req) -> None:
+        """Give the request's local prefix-cache hit its true KV (what vLLM's own cache holds)."""
+        if not req.local:
+            return
+        for name in self.kv:
+            g = self.layer_group[name]
+            spec = self.specs[g]
+            truth = self.truth(req.prompt_token_ids, self.layer_index[name], req.local)
+            for p in range(req.local):
+                block = req.tables[g][p // spec.block_size]
+                if block != 0:
+                    self.kv[name][block, 0, p % spec.block_size, :] = truth[p]
+
     def free_request(self, req: Req) -> None:
         for table in req.tables:
             self.free.extend(b for b in table if b != 0)
@@ -255,15 +271,16 @@ class Driver:
                 left -= k
             while waiting and left > 0:
                 req = waiting.pop(0)
-                ext, _ = self.sched.get_num_new_matched_tokens(req, 0)
+                ext, _ = self.sched.get_num_new_matched_tokens(req, req.local)
                 ext = ext or 0
-                req.hit = ext
-                req.computed = 0
-                k = min(left, len(req.prompt_token_ids) - ext)
+                req.hit = req.local + ext if ext else 0
+                k = min(left, len(req.prompt_token_ids) - req.local - ext)
                 # Allocation covers the hit and the tokens to compute; positions the hit's window
                 # leaves out are the null block.
-                req.computed = ext
-                eng._allocate(req, ext + k)
+                req.computed = req.local + ext
+                eng._allocate(req, req.computed + k)
+                eng.fill_local(req)
+                req.admitted_tables = [list(t) for t in req.tables]
                 blocks = SimpleNamespace(get_block_ids=lambda r=req: tuple(list(t) for t in r.tables))
                 self.sched.update_state_after_alloc(req, blocks, ext)
                 num_scheduled[req.req_id] = k

@@ -393,3 +393,29 @@ def test_kernel_blocks_are_read_as_whole_blocks_of_their_group(store: MemoryTran
     assert view.data_ptr() == t.data_ptr()
     assert layout.in_blocks_of(t, 16) is t
     assert layout.in_blocks_of(t, 24) is None
+
+
+@pytest.mark.parametrize("local", [256, 384, 1024])
+@pytest.mark.parametrize("shape", ["gemma3", "llama4"])
+def test_a_hit_behind_the_engines_own_prefix_writes_only_what_it_lacks(
+    store: MemoryTransport, local: int, shape: str
+) -> None:
+    """vLLM already holds ``[0, L)`` (its own prefix cache, ``L`` inside a chunk or on a chunk
+    end): the load starts at ``L`` (objects entered part-way), and the result equals recompute."""
+    if shape == "gemma3":
+        specs = swa_full(200)
+    else:
+        specs = [ChunkedLocalAttentionSpec(16, PAGE, 96) for _ in range(3)] + [FullAttentionSpec(16, PAGE)]
+    layers = 2 if shape == "gemma3" else 1
+    first = boot(specs, 256, layers=layers)
+    first.run([Req("a", prompt(1260))], budget=512)
+    second = boot(specs, 256, layers=layers)
+    b = Req("b", prompt(1260), local=local)
+    second.run([b], budget=512)
+    assert b.hit == 1248
+    assert counters(second).get("null_block_writes_refused", 0) == 0
+    assert second.engine.checked_positions > 0
+    written = [bid for meta in second.plans for spec in meta.loads for ids in spec.block_ids for bid in ids]
+    full_group = len(specs) - 1
+    # The full-attention group is written from L on, nothing before it.
+    assert len([b_ for b_ in written if b_ in b.admitted_tables[full_group]]) == (1248 - local) // 16

@@ -17,6 +17,7 @@ the check (the oracle is recompute).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -115,6 +116,7 @@ class Req:
     local: int = 0
     """Tokens the engine's own prefix cache holds at admission (block-aligned)."""
     admitted_tables: list[list[int]] = field(default_factory=list)
+    loaded: bool = False
     lora_request: Any = None
 
     @property
@@ -256,7 +258,8 @@ class Driver:
         eng = self.engine
         waiting = list(reqs)
         running: list[Req] = []
-        while waiting or running:
+        loading: list[Req] = []  # asynchronous loads in flight (vLLM keeps them waiting)
+        while waiting or running or loading:
             new, cached = [], []
             num_scheduled: dict[str, int] = {}
             left = budget
@@ -271,7 +274,14 @@ class Driver:
                 left -= k
             while waiting and left > 0:
                 req = waiting.pop(0)
-                ext, _ = self.sched.get_num_new_matched_tokens(req, req.local)
+                if req.loaded:  # its asynchronous load finished: scheduled from where it got to
+                    k = min(left, len(req.prompt_token_ids) - req.computed)
+                    eng._allocate(req, req.computed + k)
+                    num_scheduled[req.req_id] = k
+                    new.append(req)
+                    left -= k
+                    continue
+                ext, background = self.sched.get_num_new_matched_tokens(req, req.local)
                 ext = ext or 0
                 req.hit = req.local + ext if ext else 0
                 k = min(left, len(req.prompt_token_ids) - req.local - ext)
@@ -281,6 +291,12 @@ class Driver:
                 eng._allocate(req, req.computed + k)
                 eng.fill_local(req)
                 req.admitted_tables = [list(t) for t in req.tables]
+                if background:
+                    eng._allocate(req, req.computed)
+                    blocks = SimpleNamespace(get_block_ids=lambda r=req: tuple(list(t) for t in r.tables))
+                    self.sched.update_state_after_alloc(req, blocks, ext)
+                    loading.append(req)
+                    continue
                 blocks = SimpleNamespace(get_block_ids=lambda r=req: tuple(list(t) for t in r.tables))
                 self.sched.update_state_after_alloc(req, blocks, ext)
                 num_scheduled[req.req_id] = k
@@ -342,6 +358,14 @@ class Driver:
                 self.sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=feedback))
             self.worker.clear_connector_metadata()
             assert eng.null_block_clean(), "a connector write reached the null block"
+            assert not self.worker.get_block_ids_with_load_errors()
+            _, finished = self.worker.get_finished(set())
+            for req in [r for r in loading if r.req_id in (finished or set())]:
+                loading.remove(req)
+                req.loaded = True
+                waiting.insert(0, req)
+            if loading and not (new or cached):
+                time.sleep(0.01)  # the loads run on threads of their own
             for req in new + cached:
                 req.computed += num_scheduled[req.req_id]
             running = [r for r in new + cached if r.computed < len(r.prompt_token_ids)]

@@ -419,3 +419,17 @@ def test_a_hit_behind_the_engines_own_prefix_writes_only_what_it_lacks(
     full_group = len(specs) - 1
     # The full-attention group is written from L on, nothing before it.
     assert len([b_ for b_ in written if b_ in b.admitted_tables[full_group]]) == (1248 - local) // 16
+
+
+def test_asynchronous_hybrid_loads_equal_recompute(store: MemoryTransport) -> None:
+    """``load_async``: vLLM keeps the request waiting while the load runs on a thread; the objects
+    land in every group's blocks before the request is reported finished."""
+    first = boot(swa_full(200), 256)
+    first.run([Req("a", prompt(1260)), Req("c", prompt(900, seed=3))], budget=512)
+    second = boot(swa_full(200), 256, load_async=True)
+    reqs = [Req("b", prompt(1260)), Req("d", prompt(900, seed=3))]
+    second.run(reqs, budget=512)
+    assert [r.hit for r in reqs] == [1248, 896]
+    assert all(r.loaded for r in reqs)
+    assert counters(second)["background_loads"] == 2
+    assert second.engine.checked_positions > 0

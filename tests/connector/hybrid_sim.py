@@ -51,6 +51,20 @@ class ChunkedLocalAttentionSpec(FullAttentionSpec):
         self.attention_chunk_size = chunk
 
 
+class MambaSpec:
+    """A recurrent-state group in vLLM's ``align`` mode: block ``i`` holds the state after exactly
+    ``(i + 1) * block_size`` tokens (or after the request's last token, in its last block)."""
+
+    def __init__(self, block_size: int, page: int, state_bytes: int) -> None:
+        self.block_size = block_size
+        self.shapes = ((state_bytes // 4,),)
+        self.dtypes = ("torch.float32",)
+        self.mamba_cache_mode = "align"
+        self.page_size_padded = page
+        self.page_size_bytes = page
+        self.real_page_size_bytes = state_bytes
+
+
 def attended(spec: Any, p: int) -> range:
     """Positions token ``p`` attends to before itself (what must hold true KV when it is computed)."""
     if isinstance(spec, SlidingWindowSpec):
@@ -62,6 +76,8 @@ def attended(spec: Any, p: int) -> range:
 
 def skipped(spec: Any, computed: int) -> int:
     """vLLM's ``get_num_skipped_tokens``."""
+    if isinstance(spec, MambaSpec):
+        return max(0, computed - 1)
     if isinstance(spec, SlidingWindowSpec):
         return max(0, computed - spec.sliding_window + 1 - spec.extra_retained_tokens)
     if isinstance(spec, ChunkedLocalAttentionSpec):
@@ -146,13 +162,17 @@ class Engine:
             base = torch.zeros(num_blocks, page // 4)  # slot k of every group aliases these bytes
             for g, spec in enumerate(specs):
                 name = f"g{g}.l{k}"
+                self.layer_group[name] = g
+                if isinstance(spec, MambaSpec):  # int8 [blocks, 1, 1, state bytes], padded pages
+                    view = base.view(torch.int8)[:, : spec.real_page_size_bytes]
+                    self.kv[name] = self.registered[name] = view.view(num_blocks, 1, 1, -1)
+                    continue
                 self.kv[name] = base.view(num_blocks, 1, spec.block_size, page // (4 * spec.block_size))
                 self.registered[name] = self.kv[name]
                 if kernel and spec.block_size > kernel:
                     split = spec.block_size // kernel
                     width = page // (4 * spec.block_size)
                     self.registered[name] = base.view(num_blocks * split, 1, kernel, width)
-                self.layer_group[name] = g
         self.layer_index = {name: i for i, name in enumerate(self.kv)}
         self.null_writes = 0
         self.checked_positions = 0
@@ -174,10 +194,42 @@ class Engine:
         block = req.tables[g][p // spec.block_size]
         return float(self.kv[name][block, 0, p % spec.block_size, 0])
 
+    def state(self, req: Req, name: str, tokens: int) -> torch.Tensor:
+        """The true recurrent state of layer ``name`` after ``tokens`` tokens, as bytes."""
+        spec = self.specs[self.layer_group[name]]
+        value = self.truth(req.prompt_token_ids, self.layer_index[name], tokens)[-1] if tokens else 0.0
+        return torch.full((spec.real_page_size_bytes // 4,), value).view(torch.int8).view(1, 1, -1)
+
+    def forward_state(self, name: str, req: Req, start: int, end: int) -> None:
+        """Check the state the step starts from, then write the state after ``end`` tokens."""
+        g = self.layer_group[name]
+        spec = self.specs[g]
+        if start:
+            block = req.tables[g][(start - 1) // spec.block_size]
+            assert block != 0, f"{req.req_id} {name}: the state after {start} tokens is the null block"
+            assert torch.equal(self.kv[name][block], self.state(req, name, start)), (
+                f"{req.req_id} {name}: the state after {start} tokens is not what recompute gives"
+            )
+            self.checked_positions += 1
+        block = req.tables[g][(end - 1) // spec.block_size]
+        assert block != 0
+        self.kv[name][block] = self.state(req, name, end)
+
+    def state_offloads(self, req: Req, end: int) -> list[tuple[int, int, int]]:
+        """The checkpoints a step ending at ``end`` hands over (``boundary_state_offloads``)."""
+        return [
+            (g, req.tables[g][end // spec.block_size - 1], end)
+            for g, spec in enumerate(self.specs)
+            if isinstance(spec, MambaSpec) and end % spec.block_size == 0
+        ]
+
     def forward_layer(self, name: str, req: Req, start: int, end: int) -> None:
         """Check what token ``start`` attends to, then write positions ``[start, end)``."""
         g = self.layer_group[name]
         spec = self.specs[g]
+        if isinstance(spec, MambaSpec):
+            self.forward_state(name, req, start, end)
+            return
         truth = self.truth(req.prompt_token_ids, self.layer_index[name], end)
         for q in attended(spec, start):
             block = req.tables[g][q // spec.block_size]
@@ -227,6 +279,11 @@ class Engine:
         for name in self.kv:
             g = self.layer_group[name]
             spec = self.specs[g]
+            if isinstance(spec, MambaSpec):
+                self.kv[name][req.tables[g][(req.local - 1) // spec.block_size]] = self.state(
+                    req, name, req.local
+                )
+                continue
             truth = self.truth(req.prompt_token_ids, self.layer_index[name], req.local)
             for p in range(req.local):
                 block = req.tables[g][p // spec.block_size]
@@ -302,7 +359,11 @@ class Driver:
                 num_scheduled[req.req_id] = k
                 new.append(req)
                 left -= k
+            offloads = {
+                r.req_id: eng.state_offloads(r, r.computed + num_scheduled[r.req_id]) for r in new + cached
+            }
             state = SimpleNamespace(
+                boundary_state_offloads={rid: o for rid, o in offloads.items() if o},
                 req_ids=[r.req_id for r in new + cached],
                 resolve_block_ids=lambda rid, rs={r.req_id: r for r in new + cached}: tuple(
                     list(t) for t in rs[rid].tables
@@ -344,6 +405,11 @@ class Driver:
             self.worker.start_load_kv(None)
             errors: set[int] = set()
             for name in eng.kv:
+                recurrent = isinstance(eng.specs[eng.layer_group[name]], MambaSpec)
+                if recurrent:  # vLLM's hooks wrap attention only
+                    for req in new + cached:
+                        eng.forward_layer(name, req, req.computed, req.computed + num_scheduled[req.req_id])
+                    continue
                 self.worker.wait_for_layer_load(name)
                 if name == next(iter(eng.kv)):
                     errors = self.worker.get_block_ids_with_load_errors()

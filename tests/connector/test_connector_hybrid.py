@@ -23,6 +23,7 @@ from tests.connector.hybrid_sim import (
     Driver,
     Engine,
     FullAttentionSpec,
+    MambaSpec,
     Req,
     SlidingWindowSpec,
     vllm_config,
@@ -432,4 +433,67 @@ def test_asynchronous_hybrid_loads_equal_recompute(store: MemoryTransport) -> No
     assert [r.hit for r in reqs] == [1248, 896]
     assert all(r.loaded for r in reqs)
     assert counters(second)["background_loads"] == 2
+    assert second.engine.checked_positions > 0
+
+
+# ------------------------------------------------------------- recurrent state (unit-tested only)
+
+
+@pytest.fixture
+def state_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plan recurrent-state groups (the connector refuses them in real runs until a real model
+    proves the path)."""
+    from kvfabric.connector.groups import plan_from_kv_cache_config
+
+    monkeypatch.setattr(
+        kvvllm, "group_plan_from_vllm", lambda cfg, kv: plan_from_kv_cache_config(kv, allow_state=True)
+    )
+
+
+def qwen35_shape(state_bytes: int = 256) -> list[Any]:
+    """Three gated-delta-net (recurrent) groups and one full-attention group, one layer each."""
+    return [MambaSpec(16, PAGE, state_bytes) for _ in range(3)] + [FullAttentionSpec(16, PAGE)]
+
+
+def test_recurrent_state_is_refused_in_real_runs(store: MemoryTransport) -> None:
+    with pytest.raises(ValueError, match="recurrent"):
+        boot(qwen35_shape(), 64, layers=1)
+
+
+@pytest.mark.usefixtures("state_plans")
+def test_state_checkpoints_restore_the_recurrent_state_at_a_handed_off_boundary(
+    store: MemoryTransport,
+) -> None:
+    """Steps of 64 tokens end on chunk ends, where vLLM hands over the state (align mode): run 2's
+    hit is the deepest such boundary (256 of 300 tokens: no state at the tail blocks after it), its
+    state lands in block ``H/16 - 1`` before the forward, and the step starts from it."""
+    first = boot(qwen35_shape(), 64, layers=1)
+    first.run([Req("a", prompt(300))], budget=64)
+    stored = counters(first)
+    assert stored["stored_bytes.state"] == 4 * (3 * 256 + HEADER)  # 4 checkpoints of 3 layers
+    second = boot(qwen35_shape(), 64, layers=1)
+    b = Req("b", prompt(300))
+    second.run([b], budget=64)
+    assert b.hit == 256
+    got = counters(second)
+    assert got["loaded_bytes.state"] == 3 * 256 + HEADER  # one checkpoint, three layers
+    assert got["loaded_bytes.full"] == 4 * (4 * PAGE + HEADER)  # four chunks of 4 blocks, 1 layer
+    assert got.get("null_block_writes_refused", 0) == 0
+    assert second.engine.checked_positions > 0
+    assert second.engine.null_block_clean()
+
+
+@pytest.mark.usefixtures("state_plans")
+def test_a_missing_checkpoint_drops_the_hit_to_the_previous_one(store: MemoryTransport) -> None:
+    first = boot(qwen35_shape(), 64, layers=1)
+    first.run([Req("a", prompt(300))], budget=64)
+    half = first.sched.scheduler_half
+    st = half._state(kvvllm.request_info_from_vllm(Req("x", prompt(300))))
+    from kvfabric.connector.hybridplan import Span
+
+    assert store.blocks.pop((half.namespace, half._object_key(st, Span(3, 0, 192, 256), 0)), None)
+    second = boot(qwen35_shape(), 64, layers=1)
+    b = Req("b", prompt(300))
+    second.run([b], budget=64)
+    assert b.hit == 192
     assert second.engine.checked_positions > 0

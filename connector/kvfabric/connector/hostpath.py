@@ -33,7 +33,7 @@ import torch
 from kvfabric.client.mappings import Lease, release_all
 from kvfabric.connector import layout
 from kvfabric.connector.datapath import LoadResult
-from kvfabric.connector.groups import GroupPlan
+from kvfabric.connector.groups import GroupPlan, KindType
 from kvfabric.connector.resilient import Counters, LoadOutcome, Reason, ResilientCache
 from kvfabric.connector.steps import LoadSpec, SaveSpec
 
@@ -156,7 +156,9 @@ class HostStagingPath:
             self._regrouped = set()
             for name, (kind, _, _) in self._places.items():
                 t = self._kv.get(name)
-                view = layout.in_blocks_of(t, self.plan.kinds[kind].block_size) if t is not None else None
+                if t is None or self.plan.kinds[kind].type is KindType.STATE:
+                    continue  # a state block is one page: whatever its "tokens", one row
+                view = layout.in_blocks_of(t, self.plan.kinds[kind].block_size)
                 if view is not None and view is not t:
                     self._kv[name] = view
                     self._regrouped.add(name)

@@ -471,7 +471,16 @@ class SchedulerHalf:
             objects=objects,
         )
 
-    def _plan_hybrid(self, plan: StepPlan, req_id: str, st: _ReqState, computed: int, scheduled: int) -> None:
+    def _plan_hybrid(
+        self,
+        plan: StepPlan,
+        req_id: str,
+        st: _ReqState,
+        computed: int,
+        scheduled: int,
+        *,
+        states: dict[tuple[int, int], int] | None = None,
+    ) -> None:
         """Load the pending hit; save every object whose span ends in this step's tokens.
 
         Only in the step that computes a span's end: the sliding-window and local blocks it reads
@@ -491,7 +500,7 @@ class SchedulerHalf:
         lo = max(computed, st.planned_to)
         spans = self._spans_ending_in(st, lo, done)
         if spans:
-            saves, dropped = hp.save_objects(self.plan, spans, st.groups)
+            saves, dropped = hp.save_objects(self.plan, spans, st.groups, states)
             if dropped:
                 self.counters.add("save_null_block_skipped", dropped)
             if saves:
@@ -621,7 +630,10 @@ class SchedulerHalf:
             scheduled[s.req_id] = s.num_scheduled_tokens
         for req_id, computed in progress.items():
             if self.plan is not None:
-                self._plan_hybrid(plan, req_id, self._reqs[req_id], computed, scheduled[req_id])
+                states = {(g, t): b for g, b, t in step.state_offloads.get(req_id, ())}
+                self._plan_hybrid(
+                    plan, req_id, self._reqs[req_id], computed, scheduled[req_id], states=states
+                )
             else:
                 self._plan_request(plan, req_id, self._reqs[req_id], computed, scheduled[req_id])
         # Asynchronous loads: the engine allocated the blocks and waits for them, unscheduled. The

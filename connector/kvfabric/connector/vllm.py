@@ -267,7 +267,13 @@ def step_input_from_vllm(scheduler_output: Any) -> StepInput:
                 )
             )
     finished = getattr(scheduler_output, "finished_req_ids", None) or ()
-    return StepInput(tuple(scheduled), frozenset(finished))
+    state = getattr(scheduler_output, "kv_connector_block_state", None)
+    offloads = getattr(state, "boundary_state_offloads", None) or {}
+    states = {
+        str(req_id): tuple((int(g), int(b), int(t)) for g, b, t in items)
+        for req_id, items in offloads.items()
+    }
+    return StepInput(tuple(scheduled), frozenset(finished), states)
 
 
 def drop_overwritten_from_zeroing(scheduler_output: Any, plan: StepPlan) -> None:
@@ -684,7 +690,7 @@ class KVFabricConnector(_VllmBase, _SupportsHMA):  # type: ignore[misc]
                 scheduled.append(sr_new)
                 continue
             scheduled.append(sr)
-        return StepInput(tuple(scheduled), step.finished_req_ids)
+        return dataclasses.replace(step, scheduled=tuple(scheduled))
 
     def take_events(self) -> list[Any]:
         """KV events (``BlockStored``/``BlockRemoved``, medium ``CPU``) since the last step."""

@@ -27,7 +27,7 @@ from kvfabric.connector.groups import (
 )
 from kvfabric.connector.hybridplan import Span
 from kvfabric.connector.keys import NamespaceSpec
-from kvfabric.connector.resilient import CircuitBreaker, Endpoint, ResilientCache
+from kvfabric.connector.resilient import CircuitBreaker, Endpoint, Reason, ResilientCache
 from kvfabric.connector.scheduler import SchedulerHalf
 from kvfabric.connector.settings import ConnectorSettings
 from kvfabric.connector.steps import RequestInfo
@@ -263,3 +263,36 @@ def test_the_hybrid_lookup_finds_the_oracles_boundary(sc: dict[str, Any], data: 
     assert (local + got if got else 0) == (want if want > local else 0)
     if everything and want > local:
         assert store.calls.count("lookup") <= 1  # none when no kind reads anything before it (w = 1)
+
+
+def test_the_cost_model_can_decline_a_hybrid_hit() -> None:
+    """Restores measured far slower than prefill: the hybrid hit is declined as recompute-faster
+    (and reported so), not loaded."""
+    from kvfabric.connector.steps import RestoreTiming, WorkerFeedback
+
+    cfg = kv_cache_config([SlidingWindowSpec(16, PAGE, 40), FullAttentionSpec(16, PAGE)], 1)
+    plan = plan_from_kv_cache_config(cfg)
+    assert plan is not None
+    store = MemoryTransport()
+    cache = ResilientCache([Endpoint("m", lambda: store, CircuitBreaker(10**6, 60.0))])
+    spec = NamespaceSpec("m", "r", "float32", 2, 1, 4, 16, 64)
+    half = SchedulerHalf(
+        ConnectorSettings(chunk_tokens=64, cost_model=True, lookup_deadline_ms=60000),
+        spec,
+        cache=cache,
+        plan=plan,
+    )
+    info = RequestInfo("r", tuple(range(300)))
+    state = half._state(info)
+    for c in range(4):
+        for k in range(2):
+            store.blocks[(half.namespace, half._object_key(state, Span(c, 0, c * 64, (c + 1) * 64), k))] = (
+                b"x"
+            )
+    assert half.num_new_matched_tokens(info, 0) == 256  # unmeasured: load, and so measure
+    for t in (64, 128, 256, 512):
+        half.observe(WorkerFeedback(t, t * t / 2, t * 1e-6, []))
+    for n in (1, 2, 4):
+        half.observe(WorkerFeedback(0, 0.0, None, [RestoreTiming("dram", n * 10_000, n, n * 1.0)]))
+    assert half.num_new_matched_tokens(RequestInfo("r2", tuple(range(300))), 0) == 0
+    assert half.lookup_reason("r2") is Reason.RECOMPUTE_FASTER

@@ -357,26 +357,30 @@ class SchedulerHalf:
                     continue
             hit, hit_keys = h, keys
             break
+        declined = False
         if hit and self.costs is not None and reason is None:
             hit, hit_keys = self._cost_cap(st, local, hit, hit_keys, present=present, tiers=tiers)
+            declined = hit == 0
         st.hit_tiers = [tiers.get(k, "") for k in hit_keys]
         st.key_tiers = {k: tiers.get(k, "") for k in hit_keys}
         st.hit_local = local
         # KV events name whole chunks of one group; per-kind objects wait for the group fields.
         st.absent = []
         st.last_reason = reason if reason is not None else (None if hit else Reason.NOT_FOUND)
+        if declined:
+            st.last_reason = Reason.RECOMPUTE_FASTER  # (counted by the cost cap)
         st.matched_chunks, st.tail_chunk = hit // c, hit // c
         st.matched_tail = (hit % c) // s
         if asked:
             self.counters.add("lookups")
         if reason is not None:
-            self.counters.miss(reason, max(1, len(cands)))
+            self.counters.miss(reason, max(1, ceiling_tokens // c))
             hit = 0
         elif hit and hit < self.settings.min_hit_tokens:
             self.counters.add("miss.below_min_hit_tokens")
             hit = 0
         elif st.last_reason is Reason.NOT_FOUND:
-            self.counters.miss(Reason.NOT_FOUND, 1)
+            self.counters.miss(Reason.NOT_FOUND, max(1, ceiling_tokens // c))
         st.hit_tokens = hit
         if hit <= local:
             st.hit_tokens = 0

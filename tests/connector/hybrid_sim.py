@@ -133,6 +133,7 @@ class Req:
     """Tokens the engine's own prefix cache holds at admission (block-aligned)."""
     admitted_tables: list[list[int]] = field(default_factory=list)
     loaded: bool = False
+    failed_loads: int = 0
     lora_request: Any = None
 
     @property
@@ -411,9 +412,6 @@ class Driver:
                         eng.forward_layer(name, req, req.computed, req.computed + num_scheduled[req.req_id])
                     continue
                 self.worker.wait_for_layer_load(name)
-                if name == next(iter(eng.kv)):
-                    errors = self.worker.get_block_ids_with_load_errors()
-                    assert not errors, f"load errors {sorted(errors)[:8]}"
                 for req in new + cached:
                     eng.forward_layer(name, req, req.computed, req.computed + num_scheduled[req.req_id])
                 self.worker.save_kv_layer(name, eng.registered[name], None)
@@ -424,11 +422,22 @@ class Driver:
                 self.sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=feedback))
             self.worker.clear_connector_metadata()
             assert eng.null_block_clean(), "a connector write reached the null block"
-            assert not self.worker.get_block_ids_with_load_errors()
-            _, finished = self.worker.get_finished(set())
-            for req in [r for r in loading if r.req_id in (finished or set())]:
+            # vLLM 0.32's order: transfer results, then block-level errors (which it refuses, by
+            # raising, with several KV cache groups).
+            results = self.worker.get_transfer_results(set())
+            errors = self.worker.get_block_ids_with_load_errors()
+            if errors and len(eng.specs) > 1:
+                raise RuntimeError("block-level load failures with multiple KV cache groups")
+            assert not errors, f"load errors {sorted(errors)[:8]}"
+            for req in [r for r in loading if r.req_id in results.finished_recving]:
                 loading.remove(req)
-                req.loaded = True
+                if req.req_id in results.failed_recving:
+                    # vLLM recomputes it from the start: its blocks go, it waits to be admitted again.
+                    eng.free_request(req)
+                    req.computed = req.local = 0
+                    req.failed_loads += 1
+                else:
+                    req.loaded = True
                 waiting.insert(0, req)
             if loading and not (new or cached):
                 time.sleep(0.01)  # the loads run on threads of their own

@@ -42,6 +42,10 @@ MUST_OVERRIDE: dict[str, tuple[tuple[int, int], str]] = {
     "take_events": ((0, 29), "routers learn what kvfabric holds from KV events"),
     "get_external_cache_hit_sources": ((0, 32), "hits must show kvfabric's tier, not external_unspecified"),
     "supports_sleep_mode": ((0, 33), "sleep mode remaps the KV tensors the worker keeps"),
+    "get_transfer_results": (
+        (0, 32),
+        "a hybrid model's failed loads must be reported per request (vLLM raises on failed blocks)",
+    ),
 }
 
 

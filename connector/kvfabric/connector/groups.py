@@ -153,6 +153,17 @@ class GroupPlan:
         return math.lcm(*(k.block_size for k in self.kinds))
 
     @property
+    def request_level_failures(self) -> bool:
+        """Whether a failed load can only be reported per request, not per block.
+
+        vLLM (0.32, 0.33) refuses block-level load failures with several KV cache groups (block
+        ids are unique only within a group: it raises); it takes failed *asynchronous* loads per
+        request (``failed_recving``) and recomputes them from the start. So such models load in
+        the background, always.
+        """
+        return self.num_groups > 1
+
+    @property
     def has_state(self) -> bool:
         """Whether some kind is recurrent state (loaded before the forward, saved after it)."""
         return any(k.type is KindType.STATE for k in self.kinds)

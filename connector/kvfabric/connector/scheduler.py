@@ -781,6 +781,22 @@ class SchedulerHalf:
         """Forget the request. Saves copy blocks out during the step, so blocks can be freed now."""
         self._reqs.pop(req_id, None)
 
+    @property
+    def request_level_failures(self) -> bool:
+        """Loads must run in the background and fail per request (see ``GroupPlan``)."""
+        return self.plan is not None and self.plan.request_level_failures
+
+    def drop_hit(self, req_id: str) -> None:
+        """Forget the request's hit: it is recomputed.
+
+        A retry after a failed background load of a model whose failures vLLM takes only per
+        request (a synchronous retry could not report failing).
+        """
+        st = self._reqs.get(req_id)
+        if st is not None and st.hit_tokens:
+            self.counters.add("miss.retry_recomputed")
+            st.hit_tokens, st.pending_load = 0, None
+
     def load_in_background(self, req_id: str, wanted: bool = True) -> bool:
         """Decide whether the engine loads this request's hit asynchronously (it waits, unscheduled).
 

@@ -408,6 +408,19 @@ class WorkerHalf:
                 self._background_paths[ident] = path
         return path
 
+    def take_load_results(self) -> tuple[set[str], set[str]]:
+        """Return (and forget) the background loads that are over, and those of them that failed.
+
+        For engines that take a failed load per request (vLLM with several KV cache groups): the
+        request is recomputed from its start, so its failed blocks are not reported at all.
+        """
+        with self._results_lock:
+            done, self._background_done = self._background_done, set()
+            failed = {r for r in done if r in self._background_errors}
+            for r in failed:
+                del self._background_errors[r]
+            return done, failed
+
     def take_finished_loads(self) -> set[str]:
         """Return (and forget) the requests whose background load is over.
 

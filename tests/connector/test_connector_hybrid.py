@@ -317,6 +317,8 @@ def test_a_hit_the_tables_contradict_is_refused_and_recomputed(store: MemoryTran
     req = Req("b", prompt(300))
     ext, background = sched.get_num_new_matched_tokens(req, 0)
     assert (ext, background) == (288, True)
+    # Asked again before vLLM could admit it (no load planned yet): the hit stays, in the background.
+    assert sched.get_num_new_matched_tokens(req, 0) == (288, True)
     swa = [0] * 14 + [7, 0, 9, 10]  # position 15 is inside the window: the null block there is wrong
     full = list(range(20, 38))
     sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (swa, full)), 288)

@@ -648,6 +648,7 @@ class SchedulerHalf:
                 st.pending_load = None
                 spec = self._any_load_spec(req_id, st, start, end)
                 spec.background = True
+                st.had_background = True
                 plan.loads.append(spec)
                 # As if computed: when the engine schedules it with fewer tokens (a failed load),
                 # the roll-back below re-saves what it recomputes.
@@ -808,8 +809,8 @@ class SchedulerHalf:
         st = self._reqs.get(req_id)
         if st is None:
             return False
+        # Only a load that was planned counts: vLLM may ask again before it admits the request.
         st.background = wanted and not st.had_background
-        st.had_background |= st.background
         return st.background
 
     def absent_keys(self, req_id: str) -> list[str]:

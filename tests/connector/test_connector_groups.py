@@ -76,6 +76,21 @@ def test_groups_the_plan_cannot_serve_are_refused_by_name() -> None:
         plan_from_kv_cache_config(kv_cache_config([FullAttentionSpec(16, PAGE), MambaSpec()], 1))
     with pytest.raises(UnsupportedGroupsError, match="CrossAttentionSpec is not one kvfabric knows"):
         plan_from_kv_cache_config(kv_cache_config([CrossAttentionSpec()], 1))
+    # A block-outermost (packed) layout is refused for a hybrid plan, kept for a plain one.
+    packed = kv_cache_config([SlidingWindowSpec(16, PAGE, 64), FullAttentionSpec(16, PAGE)], 2)
+    packed.kv_cache_tensors = [
+        SimpleNamespace(layers=["g0.l0", "g0.l1"], layer_stride=PAGE, block_stride=2 * PAGE)
+    ]
+    with pytest.raises(UnsupportedGroupsError, match="packed block-outermost"):
+        plan_from_kv_cache_config(packed)
+    plain = kv_cache_config([FullAttentionSpec(16, PAGE)], 2)
+    plain.kv_cache_tensors = packed.kv_cache_tensors
+    assert plan_from_kv_cache_config(plain) is not None
+    layer_outer = kv_cache_config([SlidingWindowSpec(16, PAGE, 64), FullAttentionSpec(16, PAGE)], 2)
+    layer_outer.kv_cache_tensors = [
+        SimpleNamespace(layers=["g0.l0", "g0.l1"], layer_stride=PAGE * 100, block_stride=PAGE)
+    ]
+    assert plan_from_kv_cache_config(layer_outer) is not None
     # A group vLLM does not prefix-cache is left out, not refused.
     cfg = kv_cache_config([FullAttentionSpec(16, PAGE), CrossAttentionSpec()], 1)
     cfg.prefix_cacheable_group_ids = (0,)

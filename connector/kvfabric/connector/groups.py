@@ -366,4 +366,23 @@ def plan_from_kv_cache_config(
         )
     # Canonical order: by the first group id (full attention first when it is group 0).
     kinds.sort(key=lambda k: k.groups[0])
-    return GroupPlan(tuple(kinds), len(groups))
+    plan = GroupPlan(tuple(kinds), len(groups))
+    if not plan.plain and _block_outermost(kv_cache_config):
+        raise UnsupportedGroupsError(
+            "the KV cache is packed block-outermost (each block holds every layer's page): kvfabric's "
+            "per-kind objects are not proven on it; serve this model with a layer-outermost layout"
+        )
+    return plan
+
+
+def _block_outermost(kv_cache_config: Any) -> bool:
+    """Whether some ``KVCacheTensor`` packs several layers' pages inside each block."""
+    for tensor in _field(kv_cache_config, "kv_cache_tensors", None) or ():
+        layers = _field(tensor, "layers", None) or ()
+        layer_stride = _field(tensor, "layer_stride", None)
+        block_stride = _field(tensor, "block_stride", None)
+        if not isinstance(layer_stride, int) or not isinstance(block_stride, int):
+            continue
+        if len(layers) > 1 and 0 < layer_stride < block_stride:
+            return True
+    return False

@@ -75,10 +75,17 @@ def store(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Me
 
 
 def boot(
-    specs: list[Any], chunk: int, *, layers: int = 2, blocks: int = 400, kernel: int = 0, **extra: Any
+    specs: list[Any],
+    chunk: int,
+    *,
+    layers: int = 2,
+    blocks: int = 400,
+    kernel: int = 0,
+    page: int = PAGE,
+    **extra: Any,
 ) -> Driver:
     """Start one simulated vLLM process (engine + both connector halves)."""
-    engine = Engine(specs, layers, blocks, PAGE, kernel)
+    engine = Engine(specs, layers, blocks, page, kernel)
     cfg = vllm_config(chunk, **extra)
     sched = kvvllm.KVFabricConnector(cfg, SimpleNamespace(name="SCHEDULER"), engine.config)
     worker = kvvllm.KVFabricConnector(cfg, SimpleNamespace(name="WORKER"), engine.config)
@@ -523,4 +530,43 @@ def test_a_missing_checkpoint_drops_the_hit_to_the_previous_one(store: MemoryTra
     b = Req("b", prompt(300))
     second.run([b], budget=64)
     assert b.hit == 192
+    assert second.engine.checked_positions > 0
+
+
+# ------------------------------------------------------- the shapes vLLM 0.32 was seen to make
+
+
+BIG_PAGE = 128 * 8 * 4  # block 128, head 8, fp32
+
+
+def test_probed_gemma3_shape_block_128(store: MemoryTransport) -> None:
+    """vLLM 0.32's tiny Gemma 3: window 128, both groups block 128; a finished 1,240-token request
+    holds a sliding-window table like ``[0, 0, 0, 0, 0, 0, 0, 0, a, b]``; the hit is 1,152."""
+    specs = [SlidingWindowSpec(128, BIG_PAGE, 128), FullAttentionSpec(128, BIG_PAGE)]
+    first = boot(specs, 256, blocks=80, page=BIG_PAGE)
+    a = Req("a", prompt(1240))
+    first.run([a], budget=512)
+    second = boot(specs, 256, blocks=80, page=BIG_PAGE)
+    b = Req("b", prompt(1240))
+    second.run([b], budget=512)
+    swa, full = b.admitted_tables
+    assert len(swa) == len(full) == 10
+    assert swa[:8] == [0] * 8
+    assert 0 not in swa[8:]
+    assert 0 not in full
+    assert b.hit == 1152
+    assert second.engine.checked_positions > 0
+
+
+def test_probed_gemma4_shape_sliding_256_full_128(store: MemoryTransport) -> None:
+    """vLLM 0.32's tiny Gemma 4: sliding-window blocks 256, full blocks 128, equal pages; hits are
+    multiples of 256 (1,024 of 1,240 tokens)."""
+    specs = [SlidingWindowSpec(256, BIG_PAGE, 128), FullAttentionSpec(128, BIG_PAGE)]
+    first = boot(specs, 256, blocks=80, page=BIG_PAGE)
+    first.run([Req("a", prompt(1240))], budget=512)
+    second = boot(specs, 256, blocks=80, page=BIG_PAGE)
+    b = Req("b", prompt(1240))
+    second.run([b], budget=512)
+    assert b.hit == 1024
+    assert counters(second).get("null_block_writes_refused", 0) == 0
     assert second.engine.checked_positions > 0

@@ -19,7 +19,7 @@ import yaml
 from tests.operator.conftest import OperatorProcess, get_pool, token_kubeconfig
 
 from kvfabric.localcluster.testing import ClusterHandle, wait_for
-from kvfabric.testing.opstools import Helm, ensure_helm
+from kvfabric.testing.opstools import Helm, ensure_helm, prometheus_operator_crds
 
 pytestmark = [pytest.mark.cluster]
 
@@ -97,6 +97,15 @@ def test_the_charts_crd_is_the_generated_one() -> None:
         ("default", ["namespace.create=true"], False),
         ("base", ["csi.enabled=false", "namespace.create=true"], False),
         ("overlays/namespaced", ["operator.watchNamespaces={team-a}", "namespace.create=true"], False),
+        (
+            "overlays/monitoring",
+            [
+                "namespace.create=true",
+                "monitoring.podMonitor.enabled=true",
+                "monitoring.prometheusRule.enabled=true",
+            ],
+            False,
+        ),
     ],
 )
 def test_chart_renders_the_kustomize_install(
@@ -174,6 +183,44 @@ def test_chart_passes_a_server_side_dry_run(cluster: ClusterHandle, crd: None, h
         result = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=text, check=False)
         assert result.returncode == 0, result.stderr
         assert f"customresourcedefinition.apiextensions.k8s.io/{CRD_NAME}" in result.stdout
+
+
+MONITORING_CRDS = ("podmonitors", "servicemonitors", "prometheusrules")
+
+
+@pytest.fixture(scope="module")
+def monitoring_crds(cluster: ClusterHandle) -> None:
+    """The Prometheus Operator's own CRDs for the kinds kvfabric ships (from its pinned module zip)."""
+    for path in prometheus_operator_crds(quiet=True):
+        kind = path.stem.removeprefix("monitoring.coreos.com_")
+        if kind in MONITORING_CRDS:
+            # Server-side: these CRDs are too large for the last-applied annotation.
+            cluster.kubectl("apply", "--server-side", "--field-manager=kvfabric-tests", "-f", str(path))
+            cluster.wait_crd_established(f"{kind}.monitoring.coreos.com")
+
+
+def test_monitors_pass_a_server_side_dry_run_against_the_prometheus_operators_crds(
+    cluster: ClusterHandle, crd: None, monitoring_crds: None, helm: Helm
+) -> None:
+    if cluster.kubectl("get", "namespace", "kvfabric-system", check=False).returncode:
+        cluster.kubectl("create", "namespace", "kvfabric-system")
+    chart = helm(
+        "template", "kvfabric", str(CHART), "-n", "kvfabric-system",
+        "--set", "monitoring.podMonitor.enabled=true",
+        "--set", "monitoring.prometheusRule.enabled=true",
+        "--set", "monitoring.dashboard.enabled=true",
+    ).stdout  # fmt: skip
+    kustomized = cluster.kubectl("kustomize", str(MANIFESTS / "overlays" / "monitoring")).stdout
+    for text in (chart, kustomized):
+        result = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=text, check=False)
+        assert result.returncode == 0, result.stderr
+        assert "podmonitor.monitoring.coreos.com/kvfabric-cache-servers" in result.stdout
+        assert "prometheusrule.monitoring.coreos.com/kvfabric-alerts" in result.stdout
+    # The dry run validates against the CRDs' schemas: a misspelt field is refused, naming it.
+    wrong = chart.replace("podMetricsEndpoints:", "podMetricEndpoints:")
+    refused = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=wrong, check=False)
+    assert refused.returncode != 0
+    assert "podMetricEndpoints" in refused.stderr
 
 
 def _exists(cluster: ClusterHandle, key: Key) -> bool:

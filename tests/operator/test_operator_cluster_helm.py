@@ -97,6 +97,7 @@ def test_the_charts_crd_is_the_generated_one() -> None:
         ("default", ["namespace.create=true"], False),
         ("base", ["csi.enabled=false", "namespace.create=true"], False),
         ("overlays/namespaced", ["operator.watchNamespaces={team-a}", "namespace.create=true"], False),
+        ("overlays/cert-manager", ["namespace.create=true", "webhook.certManager.enabled=true"], False),
         (
             "overlays/monitoring",
             [
@@ -153,6 +154,29 @@ def test_chart_values_render_where_they_should(helm: Helm) -> None:
     subjects = [s for d in docs.values() for s in d.get("subjects", [])]
     assert len(subjects) >= 1
     assert {s["namespace"] for s in subjects} == {"infra"}
+
+
+def test_cert_manager_mode_names_the_release_namespace(helm: Helm) -> None:
+    docs = _by_key(_template(helm, "webhook.certManager.enabled=true", namespace="infra"))
+    cert = docs[("Certificate", "infra", "kvfabric-webhook-cert")]
+    assert cert["spec"]["dnsNames"] == [
+        "kvfabric-webhook.infra.svc",
+        "kvfabric-webhook.infra.svc.cluster.local",
+    ]
+    hook = docs[("MutatingWebhookConfiguration", None, "kvfabric-pod-injector")]
+    assert hook["metadata"]["annotations"] == {
+        "cert-manager.io/inject-ca-from": "infra/kvfabric-webhook-cert"
+    }
+    (webhook,) = hook["webhooks"]
+    assert webhook["clientConfig"]["service"]["namespace"] == "infra"
+    assert webhook["namespaceSelector"]["matchExpressions"][0]["values"] == ["kube-system", "infra"]
+    deploy = docs[("Deployment", "infra", "kvfabric-operator")]["spec"]
+    assert deploy["replicas"] == 2
+    assert "--register-webhook" not in deploy["template"]["spec"]["containers"][0]["args"]
+    one = _by_key(
+        _template(helm, "webhook.certManager.enabled=true", "operator.replicas=1", namespace="infra")
+    )
+    assert one[("Deployment", "infra", "kvfabric-operator")]["spec"]["replicas"] == 1
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,8 @@ Two servers stand for two nodes of a pool, labelled as the PodMonitor labels the
 to fire by the fault it is for (a corrupt block, a disk tier too small for a block, a staging arena
 too small for a batch, a listener whose socket is gone, a killed server), none fires while all is well,
 and every dashboard query that reads the cache servers returns data. The engine's queries
-(``vllm:…``) are checked to be valid PromQL here; their data needs vLLM.
+(``vllm:…``) and the operator's are checked to be valid PromQL here; their data needs vLLM, and the
+operator (test_operator_cluster_metrics.py).
 
 The live rules are the shipped ones with every ``for`` cut to 1 s (a test cannot wait 15 minutes);
 the ``for`` durations and thresholds themselves are unit-tested by ``promtool test rules``
@@ -28,7 +29,7 @@ from kvfabric.client import CacheClient
 from kvfabric.connector.keys import NamespaceSpec
 from kvfabric.rpc.blockproto import block_socket_for
 from kvfabric.testing.opstools import prometheus_binaries
-from kvfabric.testing.prometheus import PrometheusServer, Target, prometheus_server
+from kvfabric.testing.prometheus import PrometheusServer, Target, prometheus_server, rules_without_delay
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
@@ -38,6 +39,8 @@ MONITORING = ROOT / "charts" / "kvfabric" / "files" / "monitoring"
 SPEC = NamespaceSpec("meta-llama/Llama-3.1-8B", "0e9e39f", "bfloat16", 32, 8, 128, 16, 256)
 NS = SPEC.digest()
 # What Grafana substitutes: every namespace, pool and node; a rate window of a few scrapes.
+# Queries on metrics that are not the cache servers': the engines' and the operator's.
+OTHER_JOBS = ("vllm:", "kvfabric_operator_")
 GRAFANA_VARS = {"$namespace": ".*", "$pool": ".*", "$node": ".*", "$__rate_interval": "1m", "$__range": "5m"}
 
 
@@ -66,14 +69,7 @@ def _substitute(expr: str) -> str:
 @pytest.fixture
 def live_rules(tmp_path: Path) -> Path:
     """The shipped alert rules with every ``for`` cut to 1 s (see the module docstring)."""
-    doc = yaml.safe_load((MONITORING / "alerts.yaml").read_text())
-    for group in doc["groups"]:
-        for rule in group["rules"]:
-            if "for" in rule:
-                rule["for"] = "1s"
-    path = tmp_path / "alerts.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
+    return rules_without_delay(MONITORING / "alerts.yaml", tmp_path / "alerts.yaml")
 
 
 @pytest.fixture
@@ -84,14 +80,6 @@ def prom(live_rules: Path) -> Iterator[PrometheusServer]:
         pytest.skip(str(exc))
     with prometheus_server(rule_files=[live_rules]) as server:
         yield server
-
-
-def _firing(prom: PrometheusServer, alert: str, **labels: str) -> bool:
-    return any(all(got.get(k) == v for k, v in labels.items()) for got in prom.firing().get(alert, []))
-
-
-def _wait_firing(prom: PrometheusServer, alert: str, **labels: str) -> None:
-    wait_until(lambda: _firing(prom, alert, **labels), 60, interval=0.5, what=f"{alert} {labels} to fire")
 
 
 def _traffic(srv: ServerProcess, tag: str) -> None:
@@ -153,12 +141,13 @@ def _refuse_and_drop(srv: ServerProcess) -> None:
 def _empty_panels(prom: PrometheusServer) -> list[tuple[str, str]]:
     """(title, query) of every dashboard query on the cache servers' metrics that returns no number.
 
-    Every query runs (a PromQL error raises); the engine's (``vllm:``) need not return data here.
+    Every query runs (a PromQL error raises); the engine's (``vllm:``) and the operator's need not
+    return data here (test_operator_cluster_metrics.py scrapes the operator).
     """
     empty = []
     for title, expr in dashboard_queries():
         got = prom.query(_substitute(expr))
-        if "vllm:" not in expr and not _has_data(got):
+        if not any(other in expr for other in OTHER_JOBS) and not _has_data(got):
             empty.append((title, expr))
     return empty
 
@@ -197,20 +186,20 @@ def test_every_panel_returns_data_and_every_alert_fires_under_its_fault(prom: Pr
         assert prom.firing() == {}
 
         _corrupt_a_block_on_disk(a)
-        _wait_firing(prom, "KVFabricChecksumFailures", node="node-a", tier="local_disk", pool="pool-a")
+        prom.wait_firing("KVFabricChecksumFailures", node="node-a", tier="local_disk", pool="pool-a")
         _refuse_and_drop(b)
-        _wait_firing(prom, "KVFabricTierRefusingWrites", node="node-b", tier="local_disk")
-        _wait_firing(prom, "KVFabricStoresDropped", node="node-b")
+        prom.wait_firing("KVFabricTierRefusingWrites", node="node-b", tier="local_disk")
+        prom.wait_firing("KVFabricStoresDropped", node="node-b")
         # The blocks listener's socket is gone: the server still answers scrapes, engines cannot
         # reach that path.
         sock = block_socket_for(b.config.listen.unix_socket)
         sock.rename(sock.with_name(sock.name + ".gone"))
-        _wait_firing(prom, "KVFabricCacheServerNotServing", node="node-b", listener="blocks")
-        assert not _firing(prom, "KVFabricCacheServerNotServing", node="node-a")
+        prom.wait_firing("KVFabricCacheServerNotServing", node="node-b", listener="blocks")
+        assert not prom.is_firing("KVFabricCacheServerNotServing", node="node-a")
         b.kill()
-        _wait_firing(prom, "KVFabricCacheServerDown", node="node-b", pod="pool-a-bbbbb")
-        assert not _firing(prom, "KVFabricCacheServerDown", node="node-a")
-        assert not _firing(prom, "KVFabricStoresDropped", node="node-a")
+        prom.wait_firing("KVFabricCacheServerDown", node="node-b", pod="pool-a-bbbbb")
+        assert not prom.is_firing("KVFabricCacheServerDown", node="node-a")
+        assert not prom.is_firing("KVFabricStoresDropped", node="node-a")
         # Nothing fires that no fault was made for. (A dead server's listener series go stale, so
         # "not serving" gives way to "down".)
         wait_until(

@@ -30,7 +30,7 @@ import yaml
 from kvfabric.testing.opstools import prometheus_binaries
 from kvfabric.testing.serverproc import free_port, wait_until
 
-__all__ = ["PrometheusServer", "Target", "prometheus_server"]
+__all__ = ["PrometheusServer", "Target", "prometheus_server", "rules_without_delay"]
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,16 @@ class PrometheusServer:
                 out.setdefault(alert["labels"]["alertname"], []).append(alert["labels"])
         return out
 
+    def is_firing(self, alert: str, **labels: str) -> bool:
+        """Whether ``alert`` fires with (at least) ``labels``."""
+        return any(all(got.get(k) == v for k, v in labels.items()) for got in self.firing().get(alert, []))
+
+    def wait_firing(self, alert: str, timeout: float = 60.0, **labels: str) -> None:
+        """Wait until ``alert`` fires with ``labels``."""
+        wait_until(
+            lambda: self.is_firing(alert, **labels), timeout, interval=0.5, what=f"{alert} {labels} to fire"
+        )
+
     def targets_up(self) -> dict[str, str]:
         """Scrape address -> health ("up", "down", "unknown") of every active target."""
         data = self._get("/api/v1/targets", {"state": "active"})
@@ -181,3 +191,17 @@ def prometheus_server(
             yield prom
         finally:
             prom.stop()
+
+
+def rules_without_delay(rules: Path, dest: Path) -> Path:
+    """``rules`` with every alert's ``for`` cut to 1 s, written to ``dest``.
+
+    A test against a live Prometheus cannot wait the real durations; promtool unit tests check those.
+    """
+    doc = yaml.safe_load(rules.read_text())
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            if "for" in rule:
+                rule["for"] = "1s"
+    dest.write_text(yaml.safe_dump(doc))
+    return dest

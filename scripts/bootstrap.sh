@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs everything kvfabric's demo and tests need on a fresh Debian machine, idempotently:
-# Debian packages (redis-server for the storage benchmark's baseline), Go >= 1.26
-# (scripts/install-go.sh), uv, the Python environment
-# (.venv, from uv.lock), the pinned Kubernetes binaries and kubelet and the pinned S3 server (SeaweedFS,
-# for the object-store tier's tests), all built from the Go module proxy into ~/.cache/kvfabric and
+# Debian packages (redis-server for the storage benchmark's baseline, prometheus and promtool for the
+# dashboard and alert tests), Go >= 1.26 (scripts/install-go.sh), uv, the Python environment
+# (.venv, from uv.lock), the pinned Kubernetes binaries and kubelet, the pinned S3 server (SeaweedFS,
+# for the object-store tier's tests) and the pinned Helm and Prometheus Operator CRDs (the chart's and
+# the monitors' tests), all built from the Go module proxy into ~/.cache/kvfabric and
 # reused when present, and the container engine and images (scripts/bootstrap-containers.sh). A warm
 # machine finishes in seconds.
 #
@@ -23,6 +24,7 @@ command -v redis-server >/dev/null || need_apt+=(redis-server)
 command -v shellcheck >/dev/null || need_apt+=(shellcheck)
 command -v curl >/dev/null || need_apt+=(curl)
 command -v ip >/dev/null || need_apt+=(iproute2)
+[ "$DEMO_ONLY" = 1 ] || command -v promtool >/dev/null || need_apt+=(prometheus)
 if [ ${#need_apt[@]} -gt 0 ]; then
   say "installing Debian packages: ${need_apt[*]}"
   $SUDO apt-get update -qq
@@ -74,4 +76,7 @@ wait "$go_pid"
 # on two busy cores, under a minute with the Go caches warm, nothing when the binary is cached).
 say "building or finding the pinned S3 server (SeaweedFS) for the object-store tier"
 uv run --frozen python -m kvfabric.testing.s3server build >/dev/null
+# About 3 minutes cold on two cores, nothing when cached.
+say "building or finding the pinned Helm and the Prometheus Operator's CRDs"
+uv run --frozen python -m kvfabric.testing.opstools build >/dev/null
 say "done"

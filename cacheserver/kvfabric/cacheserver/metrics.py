@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvfabric.cacheserver.engine.base import READ_MISSES, TierUsage
+from kvfabric.cacheserver.engine.base import READ_MISSES, MissReason, TierUsage
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.tiered import TieredStore
 from kvfabric.cacheserver.health import ListenerProbes
@@ -52,6 +52,33 @@ _ENGINE_COUNTERS: dict[str, tuple[str, str, str]] = {
     ),
     "bytes_written": ("kvfabric.cache.tier_written", "Payload bytes written back to a disk tier", "By"),
     "stores": ("kvfabric.cache.stores", "Blocks stored into DRAM", "1"),
+    "adopted_blocks": (
+        "kvfabric.handover.adopted_blocks",
+        "DRAM blocks this server took over from its predecessor at a hand-over (0: a hand-over that "
+        "carried none)",
+        "1",
+    ),
+    "adopted_bytes": ("kvfabric.handover.adopted", "DRAM bytes taken over at a hand-over", "By"),
+    "handover_dropped_stores": (
+        "kvfabric.handover.dropped_stores",
+        "Stores dropped while DRAM was frozen for a hand-over",
+        "1",
+    ),
+}
+
+# Counters exported at 0 from the start, per tier ("" for a tier-less one), rather than from their first
+# event: Prometheus' increase() and rate() cannot see a series' first value, so a counter that appears
+# at 1 would never fire an alert on `increase(...) > 0`, and a dashboard would show "no data" for "none".
+# The callable picks the tiers from the server's tier names (fastest first: DRAM, then the others).
+_ZERO_FROM_START: dict[str, Callable[[list[str]], list[str]]] = {
+    "hits": lambda tiers: tiers,
+    "misses": lambda tiers: [""],
+    "evictions": lambda tiers: tiers,
+    "checksum_failures": lambda tiers: tiers,
+    "dropped_stores": lambda tiers: ["arena", *tiers[:1]],
+    "writes_refused": lambda tiers: tiers[1:],
+    "stores": lambda tiers: [""],
+    "handover_dropped_stores": lambda tiers: tiers[:1],
 }
 
 
@@ -76,7 +103,7 @@ class Metrics:
         # Straight on the Prometheus registry, not through OpenTelemetry: the label set shrinks when a
         # description is evicted, and an OTel asynchronous instrument cannot say "this series is gone".
         self.registry.register(_NamespaceCollector(self.namespaces))
-        _observe_engine_counters(meter, store.counters)
+        _observe_engine_counters(meter, store.counters, [str(u.name) for u in store.usage()])
         self._observe_tiers(meter)
         self._observe_volume_clock(meter)
         self._create_request_instruments(meter)
@@ -174,37 +201,52 @@ def _views() -> list[View]:
     ]
 
 
-def _observe_engine_counters(meter: Meter, counters: Counters) -> None:
-    """One observable counter per engine event (:data:`_ENGINE_COUNTERS`), plus read misses by reason."""
+def _observe_engine_counters(meter: Meter, counters: Counters, tiers: list[str]) -> None:
+    """One observable counter per engine event (:data:`_ENGINE_COUNTERS`), plus read misses by reason.
+
+    ``tiers`` are the server's tier names, fastest first (for :data:`_ZERO_FROM_START`).
+    """
     for key, (name, desc, unit) in _ENGINE_COUNTERS.items():
+        zero = _ZERO_FROM_START[key](tiers) if key in _ZERO_FROM_START else []
         meter.create_observable_counter(
-            name, callbacks=[_counter_cb(counters, key)], unit=unit, description=desc
+            name, callbacks=[_counter_cb(counters, key, zero)], unit=unit, description=desc
         )
     meter.create_observable_counter(
         "kvfabric.cache.read_misses",
-        callbacks=[_read_misses_cb(counters)],
+        callbacks=[_read_misses_cb(counters, tiers)],
         unit="1",
         description="Reads an index promised that missed, per tier and reason "
         "(absent, corrupt, stale, stale-handle, io-error); the entry is dropped",
     )
 
 
-def _counter_cb(counters: Counters, key: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+def _counter_cb(
+    counters: Counters, key: str, zero: list[str]
+) -> Callable[[CallbackOptions], Iterable[Observation]]:
     def cb(_: CallbackOptions) -> Iterable[Observation]:
+        values = dict.fromkeys(zero, 0)
         for (name, tier), value in counters.snapshot().items():
             if name == key:
-                yield Observation(value, {"tier": tier} if tier else {})
+                values[tier] = value
+        for tier, value in values.items():
+            yield Observation(value, {"tier": tier} if tier else {})
 
     return cb
 
 
-def _read_misses_cb(counters: Counters) -> Callable[[CallbackOptions], Iterable[Observation]]:
+def _read_misses_cb(
+    counters: Counters, tiers: list[str]
+) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    """Read misses per tier and reason; every reason of every tier from 0 (see :data:`_ZERO_FROM_START`)."""
     prefix = f"{READ_MISSES}."
 
     def cb(_: CallbackOptions) -> Iterable[Observation]:
+        values = {(tier, reason.value): 0 for tier in tiers for reason in MissReason}
         for (name, tier), value in counters.snapshot().items():
             if name.startswith(prefix):
-                yield Observation(value, {"tier": tier, "reason": name.removeprefix(prefix)})
+                values[(tier, name.removeprefix(prefix))] = value
+        for (tier, reason), value in values.items():
+            yield Observation(value, {"tier": tier, "reason": reason})
 
     return cb
 

@@ -105,6 +105,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "consumers in a pool's namespace get the node socket as a CSI inline volume, which Pod Security "
         "baseline and restricted admit, instead of a hostPath (default: $KVFABRIC_CSI_DRIVER)",
     )
+    parser.add_argument(
+        "--metrics-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve the operator's Prometheus metrics (what the injection webhook did with each pod) at "
+        "http://HOST:PORT/metrics, e.g. 0.0.0.0:8081 (default: not served)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -201,6 +208,13 @@ def run(args: argparse.Namespace) -> int:
         serving=serving,
         csi_driver=args.csi_driver,
     )
+    if args.metrics_addr:
+        from kvfabric.operator import opmetrics
+
+        try:
+            opmetrics.serve(app.webhook_pods, args.metrics_addr)
+        except (ValueError, OSError) as exc:
+            raise SystemExit(f"kvfabric operator: {exc}") from None
     registry = handlers.build_registry(app, webhook_server=server, namespaces=namespaces or None)
     kopf.run(
         registry=registry,

@@ -23,6 +23,7 @@ from kvfabric.operator.api.v1alpha1 import GROUP, PLURAL, POOL_LABEL, VERSION
 from kvfabric.operator.controller import Controller, Election
 from kvfabric.operator.injection import SKIP_NO_PAYLOAD_KEY, PoolTarget, inject, pool_key_of, pool_target
 from kvfabric.operator.kube import SA_TOKEN, ApiError, KubeClient, bearer_token, load_configuration
+from kvfabric.operator.opmetrics import WebhookCounter
 from kvfabric.operator.reconcile import PoolKey
 from kvfabric.operator.render import names
 from kvfabric.operator.servingcert import ServingCertificate
@@ -89,6 +90,8 @@ class OperatorApp:
     """The webhook's serving certificate, refreshed in place on kopf's loop."""
     csi_driver: str | None = None
     """The node plugin's driver name when it is installed: consumers get a CSI volume, no hostPath."""
+    webhook_pods: WebhookCounter = field(default_factory=WebhookCounter)
+    """What the injection webhook did with each pod (``--metrics-addr`` serves it)."""
     _serving_task: asyncio.Task[None] | None = None
 
     async def pools_for(self, pod: Mapping[str, Any], namespace: str | None) -> Mapping[PoolKey, PoolTarget]:
@@ -269,7 +272,9 @@ def build_registry(
             except Exception:
                 # Fail open: a bug here must never block an inference pod.
                 log.exception("injection failed; admitting the pod unchanged")
+                app.webhook_pods.count(injected=False, error=True)
                 return
+            app.webhook_pods.count(injected=result.injected, skip_reason=result.skip_reason)
             if result.skip_reason == SKIP_NO_PAYLOAD_KEY:
                 # An install without the CSI node plugin: the fix is the cluster admin's, say it.
                 log.warning("pod %s not injected: %s", body.get("metadata", {}).get("name"), result.detail)

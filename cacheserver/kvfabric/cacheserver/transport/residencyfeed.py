@@ -1,0 +1,358 @@
+"""The residency feed: ordered per-tier changes of every chunk, streamed to same-node connectors.
+
+Routers credit an engine with the chunks of its node's cache (KV events, ``docs/routing.md``); only
+the cache server knows when a chunk enters or leaves a tier (a store, a write-back, a promotion, an
+eviction, a TTL expiry, a delete, another server's delete on the shared volume). The store calls
+:meth:`ResidencyFeed.changed` after every membership change (the same hook the published index
+follows); the feed reads the block's tiers *then* (lock-free index checks), diffs them with what it
+last told subscribers and queues ``stored``/``removed`` records, under one lock, so every
+subscriber sees one order and the last record for a block is its current state.
+
+Connectors attach :class:`~kvfabric.rpc.kvledger.ChunkMeta` (the engine's block hashes, parent,
+tokens, ``extra_keys``, LoRA) to the chunks they store; the feed keeps it while any tier holds the
+chunk (metadata for a chunk not resident yet waits in a bounded table) and sends it with every
+``stored`` record, so an engine can announce a chunk its sibling stored. The metadata lives in
+memory: after a restart, chunks on disk are re-described by the connectors that remember them.
+
+:class:`FeedSocket` serves it on a Unix stream socket beside the gRPC socket
+(:func:`kvfabric.rpc.residency.residency_socket_for`), same exposure as the index socket (mode
+0666 in the server-owned directory; ``authorize(namespace, peer)`` decides which namespaces a peer
+may follow, all by default). A subscriber that falls :data:`MAX_QUEUED` frames behind is
+disconnected: it reconnects and starts again from a snapshot, rather than the server buffering
+without bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import socket
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from kvfabric.cacheserver.engine.ids import BlockId, InvalidId
+from kvfabric.cacheserver.transport.indexpub import Peer, listen_unix, peer_of
+from kvfabric.cacheserver.transport.socketfile import SocketFile
+from kvfabric.rpc.kvevents import DecodeError
+from kvfabric.rpc.kvledger import ChunkMeta
+from kvfabric.rpc.residency import Change, FrameReader, frame, meta_from_wire
+
+__all__ = ["FeedSocket", "ResidencyFeed", "Subscription"]
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUED = 100_000  # frames one subscriber may be behind before it is disconnected
+MAX_PENDING_META = 65_536  # metadata for chunks not (yet) resident
+MAX_CONNECTIONS = 256
+REQUEST_DEADLINE_SECONDS = 2.0
+
+
+class Subscription:
+    """One subscriber's queue of frames."""
+
+    def __init__(self, namespace: str, max_queued: int) -> None:
+        """An open subscription to ``namespace``."""
+        self.namespace = namespace
+        self._frames: deque[bytes] = deque()
+        self._cond = threading.Condition()
+        self._max = max_queued
+        self.closed = False
+        self.overflowed = False
+
+    def push(self, frames: Iterable[bytes]) -> None:
+        """Queue ``frames`` (overflow closes the subscription)."""
+        with self._cond:
+            if self.closed:
+                return
+            self._frames.extend(frames)
+            if len(self._frames) > self._max:
+                self.overflowed = self.closed = True
+                self._frames.clear()
+            self._cond.notify()
+
+    def take(self, timeout: float) -> list[bytes] | None:
+        """The queued frames (waiting up to ``timeout``); None once closed."""
+        with self._cond:
+            if not self._frames and not self.closed:
+                self._cond.wait(timeout)
+            if self.closed:
+                return None
+            out = list(self._frames)
+            self._frames.clear()
+            return out
+
+    def close(self) -> None:
+        """Stop queueing; wake the sender."""
+        with self._cond:
+            self.closed = True
+            self._cond.notify()
+
+
+class ResidencyFeed:
+    """What every tier holds, per block, and the subscribers to each namespace's changes."""
+
+    def __init__(
+        self,
+        tiers_of: Callable[[BlockId], list[str]],
+        *,
+        max_queued: int = MAX_QUEUED,
+        max_pending_meta: int = MAX_PENDING_META,
+    ) -> None:
+        """``tiers_of(bid)``: the tiers indexing ``bid`` now, fastest first (index only)."""
+        self._tiers_of = tiers_of
+        self._max_queued = max_queued
+        self._max_pending = max_pending_meta
+        self.epoch = secrets.randbits(63)
+        self._lock = threading.Lock()
+        self._tiers: dict[BlockId, tuple[str, ...]] = {}
+        self._meta: dict[BlockId, ChunkMeta] = {}
+        self._pending: OrderedDict[BlockId, ChunkMeta] = OrderedDict()
+        self._subs: dict[str, set[Subscription]] = {}
+
+    def changed(self, bids: Iterable[BlockId]) -> None:
+        """Record ``bids`` as the store holds them now (after every membership change)."""
+        with self._lock:
+            for bid in bids:
+                now = tuple(self._tiers_of(bid))
+                prev = self._tiers.get(bid, ())
+                if now == prev:
+                    continue
+                if now:
+                    self._tiers[bid] = now
+                    if bid in self._pending:
+                        self._meta[bid] = self._pending.pop(bid)
+                else:
+                    del self._tiers[bid]
+                    self._meta.pop(bid, None)
+                subs = self._subs.get(bid.namespace)
+                if subs:
+                    meta = self._meta.get(bid)
+                    changes = [Change("stored", bid.key, t, meta) for t in now if t not in prev]
+                    changes += [Change("removed", bid.key, t) for t in prev if t not in now]
+                    frames = [frame(c.to_wire()) for c in changes]
+                    for sub in subs:
+                        sub.push(frames)
+
+    def describe(self, bid: BlockId, meta: ChunkMeta) -> None:
+        """Attach ``meta`` to ``bid``; subscribers get it with a ``stored`` record per tier holding it."""
+        with self._lock:
+            tiers = self._tiers.get(bid)
+            if tiers is None:
+                self._pending[bid] = meta
+                self._pending.move_to_end(bid)
+                while len(self._pending) > self._max_pending:
+                    self._pending.popitem(last=False)
+                return
+            if self._meta.get(bid) == meta:
+                return
+            self._meta[bid] = meta
+            subs = self._subs.get(bid.namespace)
+            if subs:
+                frames = [frame(Change("stored", bid.key, t, meta).to_wire()) for t in tiers]
+                for sub in subs:
+                    sub.push(frames)
+
+    def subscribe(self, namespace: str) -> Subscription:
+        """A subscription to ``namespace``: hello, the snapshot, ``synced``, then live changes."""
+        sub = Subscription(namespace, self._max_queued)
+        with self._lock:
+            frames = [frame(["hello", self.epoch, namespace])]
+            for bid, tiers in self._tiers.items():
+                if bid.namespace == namespace:
+                    meta = self._meta.get(bid)
+                    frames += [frame(Change("stored", bid.key, t, meta).to_wire()) for t in tiers]
+            frames.append(frame(["synced"]))
+            sub.push(frames)
+            self._subs.setdefault(namespace, set()).add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        """Forget ``sub`` (and close it)."""
+        sub.close()
+        with self._lock:
+            subs = self._subs.get(sub.namespace)
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del self._subs[sub.namespace]
+
+    def resident(self, namespace: str) -> dict[str, tuple[str, ...]]:
+        """Key -> tiers of every block of ``namespace`` (tests, the query endpoint)."""
+        with self._lock:
+            return {b.key: t for b, t in self._tiers.items() if b.namespace == namespace}
+
+    def meta_of(self, bid: BlockId) -> ChunkMeta | None:
+        """The metadata attached to ``bid``, if any."""
+        with self._lock:
+            return self._meta.get(bid)
+
+    @property
+    def subscribers(self) -> int:
+        """Open subscriptions."""
+        with self._lock:
+            return sum(len(s) for s in self._subs.values())
+
+
+class FeedSocket:
+    """Serves the feed on a Unix stream socket: a thread per connection (bounded), two per subscriber."""
+
+    def __init__(
+        self,
+        path: Path,
+        feed: ResidencyFeed,
+        *,
+        authorize: Callable[[str, Peer], bool] | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        """Serve ``feed`` at ``path`` (bound by :meth:`start`)."""
+        self.path = path
+        self.feed = feed
+        self.authorize = authorize or (lambda namespace, peer: True)
+        self.max_connections = max_connections
+        self._sock: socket.socket | None = None
+        self._file: SocketFile | None = None
+        self._stop = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self, *, publish: bool = True) -> None:
+        """Bind and accept in a daemon thread; with ``publish``, at the path now (else :meth:`publish`)."""
+        sock, self._file = listen_unix(self.path, socket.SOCK_STREAM)
+        sock.settimeout(0.25)
+        self._sock = sock
+        if publish:
+            self.publish()
+        self._thread = threading.Thread(target=self._accept_loop, name="residency-feed", daemon=True)
+        self._thread.start()
+
+    def publish(self) -> None:
+        """Rename the bound socket onto the path: clients reach this socket from now on."""
+        assert self._file is not None
+        self._file.publish()
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                self._stop.wait(0.1)  # EMFILE and the like: pause rather than spin
+                continue
+            with self._lock:
+                if len(self._conns) >= self.max_connections:
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="residency-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        sub: Subscription | None = None
+        try:
+            conn.settimeout(REQUEST_DEADLINE_SECONDS)
+            reader = FrameReader()
+            messages: list[list[Any]] = []
+            while not messages:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                messages = reader.feed(data)
+            first, rest = messages[0], messages[1:]
+            namespace = _namespace_of(first)
+            if namespace is None or not self.authorize(namespace, peer_of(conn)):
+                _send_error(
+                    conn,
+                    'the first message must be ["sub", <namespace: 64 hex>] for a namespace you may read',
+                )
+                return
+            sub = self.feed.subscribe(namespace)
+            sender = threading.Thread(target=self._send, args=(conn, sub), name="residency-send", daemon=True)
+            sender.start()
+            conn.settimeout(None)
+            for message in rest:
+                self._handle(namespace, message)
+            while not self._stop.is_set() and not sub.closed:
+                data = conn.recv(1 << 20)
+                if not data:
+                    return
+                for message in reader.feed(data):
+                    self._handle(namespace, message)
+        except (OSError, DecodeError, ValueError) as exc:
+            if not self._stop.is_set():
+                log.debug("residency feed connection closed", extra={"error": str(exc)})
+                with contextlib.suppress(OSError):
+                    _send_error(conn, str(exc))
+        finally:
+            if sub is not None:
+                self.feed.unsubscribe(sub)
+            with self._lock:
+                self._conns.discard(conn)
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+    def _handle(self, namespace: str, message: list[Any]) -> None:
+        if message[0] != "meta" or len(message) != 3 or not isinstance(message[1], str):
+            raise ValueError('after the subscription only ["meta", <key: 64 hex>, <meta>] messages are read')
+        try:
+            bid = BlockId.parse(namespace, message[1])
+        except InvalidId as exc:
+            raise ValueError(f"meta key: {exc}") from None
+        self.feed.describe(bid, meta_from_wire(message[2]))
+
+    def _send(self, conn: socket.socket, sub: Subscription) -> None:
+        try:
+            while not self._stop.is_set():
+                frames = sub.take(0.25)
+                if frames is None:
+                    break
+                if frames:
+                    conn.sendall(b"".join(frames))
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # wakes the reader: the connection is over
+
+    @property
+    def connections(self) -> int:
+        """Open connections."""
+        with self._lock:
+            return len(self._conns)
+
+    def close(self) -> None:
+        """Stop accepting, close every connection and remove the socket file."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        if self._sock is not None:
+            self._sock.close()
+        if self._file is not None:
+            self._file.remove()
+
+
+def _namespace_of(message: list[Any]) -> str | None:
+    if message[0] != "sub" or len(message) != 2 or not isinstance(message[1], str):
+        return None
+    try:
+        BlockId.parse(message[1], "0" * 64)
+    except InvalidId:
+        return None
+    return message[1]
+
+
+def _send_error(conn: socket.socket, text: str) -> None:
+    conn.sendall(frame(["error", text]))

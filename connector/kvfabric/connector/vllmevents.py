@@ -21,9 +21,10 @@ ledger's events into vLLM's event objects (:func:`to_vllm`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvfabric.connector.nodefeed import NodeResidency
 from kvfabric.connector.steps import SaveSpec
 from kvfabric.rpc import kvevents as kv
 from kvfabric.rpc.kvledger import DEFAULT_MAX_KEYS, ChunkMeta, EventLedger
@@ -88,11 +89,25 @@ def block_extra_keys(request: Any, first: int, end: int, block_size: int) -> tup
 class KVEventLog:
     """The events of one scheduler between two ``take_events()`` calls, and what was announced."""
 
-    def __init__(self, block_size: int, enabled: bool, *, max_keys: int | None = None) -> None:
-        """Track events of keys that span whole blocks of vLLM's ``block_size`` tokens."""
+    def __init__(
+        self,
+        block_size: int,
+        enabled: bool,
+        *,
+        max_keys: int | None = None,
+        follow: Callable[[EventLedger], NodeResidency | None] | None = None,
+    ) -> None:
+        """Track events of keys that span whole blocks of vLLM's ``block_size`` tokens.
+
+        ``follow(ledger)``: the node cache server's residency feed to follow (:mod:`.nodefeed`);
+        while it is followed, the feed decides what is announced and withdrawn, and this log only
+        names the chunks this engine stores. Without one (or while the feed is down) stores are
+        announced as they are handed over and withdrawn when a lookup finds them gone.
+        """
         self.enabled = enabled and _VLLM
         self.block_size = block_size
         self.ledger = EventLedger(max_keys=_MAX_ANNOUNCED if max_keys is None else max_keys)
+        self.node = follow(self.ledger) if self.enabled and follow is not None else None
 
     def stored(self, request: Any, save: SaveSpec) -> None:
         """Announce what ``save`` stores of ``request``: its whole chunks and its tail blocks.
@@ -104,7 +119,11 @@ class KVEventLog:
             return
         for key, first, blocks in zip(save.keys, save.first_blocks, save.block_ids, strict=False):
             meta = self.meta(request, first, first + len(blocks)) if blocks else None
-            if meta is not None:  # None: vLLM hashed no such blocks (no prefix caching)
+            if meta is None:  # vLLM hashed no such blocks (no prefix caching)
+                continue
+            if self.node is not None:
+                self.node.describe(key, meta)
+            if self.node is None or not self.node.connected:
                 self.ledger.stored(key, "dram", meta)
 
     def meta(self, request: Any, first: int, end: int) -> ChunkMeta | None:
@@ -129,11 +148,13 @@ class KVEventLog:
 
     def found_missing(self, keys: Sequence[str]) -> None:
         """A lookup found ``keys`` absent: withdraw the blocks no other announced key still holds."""
-        if not self.enabled:
-            return
+        if not self.enabled or (self.node is not None and self.node.connected):
+            return  # the feed withdraws what the server lost, in the order it lost it
         for key in keys:
             self.ledger.forget(key)
 
     def take(self) -> list[Any]:
         """Return (and forget) the events since the last call, as vLLM's event objects."""
+        if self.node is not None:
+            self.node.poll()
         return [to_vllm(e) for e in self.ledger.take()]

@@ -1,0 +1,243 @@
+"""An engine's KV events follow its node's cache server: what the residency feed says, announced.
+
+The scheduler-side connector keeps one :class:`NodeResidency` per engine. It subscribes to the
+node server's residency feed (:mod:`kvfabric.rpc.residency`) for the engine's namespace and keeps
+the engine's :class:`~kvfabric.rpc.kvledger.EventLedger` equal to the server's residency, so vLLM's
+publisher (which supplies the endpoint identity, sequence numbers and replay) sends:
+
+* a ``BlockStored`` when a chunk enters an announced tier (DRAM, local NVMe), whichever engine on
+  the node stored it: the storing connector attaches the chunk's metadata, the server hands it to
+  every subscriber, so sibling engines get the credit too;
+* a ``BlockRemoved`` when it leaves (eviction, TTL expiry, a delete, a restart), on the engine step
+  after the server applied it (:meth:`NodeResidency.poll` runs in every ``take_events()``);
+* on start (and after the server restarted: a new epoch) the node's current residency once, in
+  prefix order, at most ``announce_per_step`` chunks per engine step, and the withdrawal of what
+  the new snapshot no longer holds. A dropped connection withdraws DRAM at once (a restarted server
+  has lost it; a successor that adopted it announces it again).
+
+Metadata this engine stored is remembered (bounded) and described again to a restarted server,
+whose metadata lived in memory. Non-blocking: every socket operation here returns at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
+from typing import Any, Protocol
+
+from kvfabric.client.errors import CacheUnavailable
+from kvfabric.client.residency import ResidencyFeedClient
+from kvfabric.rpc.kvledger import DEFAULT_MAX_KEYS, ChunkMeta, EventLedger
+from kvfabric.rpc.residency import Change, residency_socket_for
+
+__all__ = ["FeedClient", "NodeResidency", "node_residency_for"]
+
+log = logging.getLogger(__name__)
+
+ANNOUNCED_TIERS = ("dram", "local_disk")
+ANNOUNCE_PER_STEP = 1024
+RETRY_SECONDS = 1.0
+CONNECT_TIMEOUT_SECONDS = 0.05
+
+
+class FeedClient(Protocol):
+    """What :class:`NodeResidency` needs of a feed connection (:class:`ResidencyFeedClient`)."""
+
+    def describe(self, key: str, meta: ChunkMeta) -> None:
+        """Attach metadata to a chunk."""
+
+    def read(self, timeout: float = 0.0) -> list[Any]:
+        """Messages that arrived (CacheUnavailable once the connection is gone)."""
+
+    def close(self) -> None:
+        """Hang up."""
+
+
+class NodeResidency:
+    """Keeps an engine's event ledger equal to its node cache server's residency."""
+
+    def __init__(
+        self,
+        connect: Callable[[], FeedClient],
+        ledger: EventLedger,
+        *,
+        announce_per_step: int = ANNOUNCE_PER_STEP,
+        retry_seconds: float = RETRY_SECONDS,
+        remember: int = DEFAULT_MAX_KEYS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Follow the feed ``connect()`` opens; announce into ``ledger``."""
+        self._connect = connect
+        self.ledger = ledger
+        self.announce_per_step = announce_per_step
+        self.retry_seconds = retry_seconds
+        self._remember = remember
+        self._clock = clock
+        self._client: FeedClient | None = None
+        self._next_try = 0.0
+        self.epoch: int | None = None
+        self._snapshot: list[Change] | None = None  # being read (between hello and synced)
+        self.resident: dict[str, set[str]] = {}  # what the server said, announced tiers only
+        self._metas: OrderedDict[str, ChunkMeta] = OrderedDict()
+        self._backlog: deque[tuple[str, str]] = deque()
+        self.synced = False
+
+    @property
+    def connected(self) -> bool:
+        """Whether the feed is followed now (its snapshot read)."""
+        return self._client is not None and self.synced
+
+    def describe(self, key: str, meta: ChunkMeta) -> None:
+        """This engine stores ``key``: remember its metadata and hand it to the server."""
+        self._metas[key] = meta
+        self._metas.move_to_end(key)
+        while len(self._metas) > self._remember:
+            self._metas.popitem(last=False)
+        if self._client is not None:
+            try:
+                self._client.describe(key, meta)
+            except CacheUnavailable:
+                self._lost()
+
+    def poll(self) -> None:
+        """Apply what the feed sent since the last call, and announce the next part of a backlog."""
+        if self._client is None and self._clock() >= self._next_try:
+            self._open()
+        if self._client is not None:
+            try:
+                messages = self._client.read(0.0)
+            except CacheUnavailable:
+                self._lost()
+                messages = []
+            for message in messages:
+                self._apply(message)
+        self._drain()
+
+    def close(self) -> None:
+        """Stop following (the ledger keeps its credit)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # --- the feed ----------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        try:
+            self._client = self._connect()
+        except CacheUnavailable as exc:
+            self._next_try = self._clock() + self.retry_seconds
+            log.debug("no residency feed", extra={"error": str(exc)})
+            return
+        self.synced = False
+
+    def _lost(self) -> None:
+        """The server hung up: it restarted or went away, and its DRAM with it."""
+        if self._client is not None:
+            self._client.close()
+        self._client = None
+        self.synced = False
+        self._snapshot = None
+        self._next_try = self._clock()  # reconnect on the next step
+        self.ledger.cleared("dram")
+        for tiers in self.resident.values():
+            tiers.discard("dram")
+        self._backlog = deque((k, t) for k, t in self._backlog if t != "dram")
+
+    def _apply(self, message: Any) -> None:
+        if isinstance(message, tuple):
+            kind, value = message
+            if kind == "hello":
+                self.epoch = int(value)
+                self._snapshot = []
+            elif kind == "synced" and self._snapshot is not None:
+                self._synced(self._snapshot)
+                self._snapshot = None
+            elif kind == "error":
+                log.warning("the residency feed refused this connector", extra={"error": str(value)})
+            return
+        if not isinstance(message, Change) or message.tier not in ANNOUNCED_TIERS:
+            return
+        if message.meta is not None:
+            self._metas[message.key] = message.meta
+        if self._snapshot is not None:
+            self._snapshot.append(message)
+            return
+        tiers = self.resident.setdefault(message.key, set())
+        if message.op == "stored":
+            tiers.add(message.tier)
+            if self._backlog:
+                self._backlog.append((message.key, message.tier))  # after its parents
+            else:
+                self._announce(message.key, message.tier)
+        else:
+            tiers.discard(message.tier)
+            if not tiers:
+                del self.resident[message.key]
+            self.ledger.removed(message.key, message.tier)
+
+    def _synced(self, snapshot: list[Change]) -> None:
+        """A snapshot replaces what this engine believed: withdraw what it lacks, queue the rest."""
+        now: dict[str, set[str]] = {}
+        for change in snapshot:
+            now.setdefault(change.key, set()).add(change.tier)
+        for tier in ANNOUNCED_TIERS:
+            for key in self.ledger.keys_in(tier):
+                if tier not in now.get(str(key), ()):
+                    self.ledger.removed(key, tier)
+        self.resident = now
+        self._backlog = deque(self._prefix_order([(c.key, c.tier) for c in snapshot]))
+        self.synced = True
+        # A restarted server lost the metadata of what its disk kept: describe what this engine knows.
+        if self._client is not None:
+            for change in snapshot:
+                meta = self._metas.get(change.key)
+                if change.meta is None and meta is not None:
+                    self._client.describe(change.key, meta)
+
+    def _prefix_order(self, entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """``entries`` with every chunk after the chunk holding its parent block (stable otherwise)."""
+        owner: dict[Hashable, str] = {}
+        for key, _ in entries:
+            meta = self._metas.get(key)
+            if meta is not None:
+                for h in meta.block_hashes:
+                    owner.setdefault(h, key)
+        depth: dict[str, int] = {}
+        for key, _ in entries:
+            chain: list[str] = []
+            k: str | None = key
+            while k is not None and k not in depth and k not in chain:
+                chain.append(k)
+                meta = self._metas.get(k)
+                parent = meta.parent_block_hash if meta is not None else None
+                k = owner.get(parent) if parent is not None else None
+            base = depth.get(k, -1) if k is not None else -1
+            for i, c in enumerate(reversed(chain)):
+                depth[c] = base + 1 + i
+        return sorted(entries, key=lambda e: depth.get(e[0], 0))
+
+    def _drain(self) -> None:
+        n = 0
+        while self._backlog and n < self.announce_per_step:
+            key, tier = self._backlog.popleft()
+            if tier in self.resident.get(key, ()):
+                n += self._announce(key, tier)
+
+    def _announce(self, key: str, tier: str) -> int:
+        meta = self._metas.get(key)
+        if meta is None:
+            return 0  # named later: the storing connector's metadata comes with a new record
+        self.ledger.stored(key, tier, meta)
+        return 1
+
+
+def node_residency_for(socket: str | None, namespace: str, ledger: EventLedger) -> NodeResidency | None:
+    """The follower of the cache server at Unix socket ``socket`` (None without a socket)."""
+    if socket is None:
+        return None
+    path = residency_socket_for(socket)
+    return NodeResidency(
+        lambda: ResidencyFeedClient(path, namespace, connect_timeout=CONNECT_TIMEOUT_SECONDS), ledger
+    )

@@ -250,3 +250,27 @@ def test_sibling_engines_announce_the_nodes_residency_and_follow_every_change(
         assert m.violations.double_stores == 0
         assert m.violations.removals_of_unheld == 0
         assert m.violations.clears == 0
+
+
+def test_a_feed_that_sends_garbage_or_fails_never_breaks_take_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A malformed message restarts the subscription; an unexpected failure stops following."""
+    monkeypatch.setattr(vllmevents, "_VLLM", True)
+    monkeypatch.setattr(vllmevents, "to_vllm", lambda e: e)
+    bad = ScriptedFeed([("hello", 1)])
+    bad.read = lambda timeout=0.0: (_ for _ in ()).throw(kv.DecodeError("garbage"))  # type: ignore[method-assign]
+    log = vllmevents.KVEventLog(BLOCK, enabled=True, follow=lambda ledger: _follower([bad]))
+    assert log.take() == []
+    assert log.node is not None
+    assert not log.node.connected
+
+    def fail() -> None:
+        raise RuntimeError("a bug")
+
+    def broken(ledger: EventLedger) -> NodeResidency:
+        node = _follower([])
+        node.poll = fail  # type: ignore[method-assign]
+        return node
+
+    log = vllmevents.KVEventLog(BLOCK, enabled=True, follow=broken)
+    assert log.take() == []
+    assert log.node is None

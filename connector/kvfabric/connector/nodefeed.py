@@ -107,12 +107,15 @@ class NodeResidency:
             self._open()
         if self._client is not None:
             try:
-                messages = self._client.read(0.0)
+                for message in self._client.read(0.0):
+                    self._apply(message)
             except CacheUnavailable:
                 self._lost()
-                messages = []
-            for message in messages:
-                self._apply(message)
+            except ValueError as exc:  # a malformed message (DecodeError included): start again
+                log.warning(
+                    "the residency feed sent what this connector cannot read", extra={"error": str(exc)}
+                )
+                self._lost()
         self._drain()
 
     def close(self) -> None:

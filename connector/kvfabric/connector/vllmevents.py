@@ -21,6 +21,7 @@ ledger's events into vLLM's event objects (:func:`to_vllm`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,6 +48,8 @@ except ImportError:  # the stand-ins keep the module importable (and testable) w
         """Stand-in: vLLM's external form of a block hash."""
         return hash_bytes
 
+
+log = logging.getLogger(__name__)
 
 MEDIUM_DRAM = kv.MEDIUM_CPU
 _MAX_ANNOUNCED = DEFAULT_MAX_KEYS
@@ -156,5 +159,10 @@ class KVEventLog:
     def take(self) -> list[Any]:
         """Return (and forget) the events since the last call, as vLLM's event objects."""
         if self.node is not None:
-            self.node.poll()
+            try:
+                self.node.poll()
+            except Exception:  # the cache never breaks inference: stop following, announce as before
+                log.exception("following the node's residency feed failed; KV events fall back to stores")
+                self.node.close()
+                self.node = None
         return [to_vllm(e) for e in self.ledger.take()]

@@ -179,3 +179,74 @@ def test_bad_requests_get_an_error_naming_what_is_wrong(
     f.until(lambda: any(isinstance(m, tuple) and m[0] == "error" for m in f.log), "an error", timeout=10)
     (error,) = [m for m in f.log if isinstance(m, tuple) and m[0] == "error"]
     assert "meta.block_size" in str(error[1])
+
+
+def _query(srv: ServerProcess, body: object) -> tuple[int, object]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        srv.metrics_url + "/query",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_the_query_endpoint_answers_matched_tokens_per_tier(
+    follow: Callable[[ServerProcess], Follower],
+) -> None:
+    overrides = {"metrics.residency_query": True}
+    with cache_server(dram_bytes=64 * MiB, local_disk_bytes=64 * MiB, overrides=overrides) as srv:
+        f = follow(srv)
+        keys = [digest("q", i) for i in range(3)]
+        metas = [
+            ChunkMeta((10, 11), None, (1, 2, 3, 4), 2),
+            ChunkMeta((20, 21), 11, (5, 6, 7, 8), 2),
+            ChunkMeta((30,), 21, (9, 10), 2),  # a tail block
+        ]
+        salted = ChunkMeta((40, 41), None, (1, 2, 3, 4), 2, extra_keys=(("salt",), None))
+        with CacheClient(srv.unix_target) as client:
+            for k, m in zip(keys, metas, strict=True):
+                f.client.describe(k, m)
+            _store(client, keys)
+            f.until(
+                lambda: all(f.tiers.get(k) == {"dram", "local_disk"} for k in keys), "stores and write-back"
+            )
+            f.until(lambda: all(k in f.metas for k in keys), "the metadata")
+            tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+            status, body = _query(srv, {"namespace": NS, "token_ids": tokens})
+            assert status == 200
+            assert body == {
+                "matched_tokens": {"dram": 10, "local_disk": 10, "shared": 0, "object": 0, "any": 10}
+            }
+            # The second chunk leaves DRAM: DRAM's run stops after the first chunk, the disk's goes on.
+            client.delete(NS, keys[1:2], timeout=10)
+            f.until(lambda: not f.tiers.get(keys[1]), "the delete")
+            _, body = _query(srv, {"namespace": NS, "token_ids": tokens})
+            assert body == {
+                "matched_tokens": {"dram": 4, "local_disk": 4, "shared": 0, "object": 0, "any": 4}
+            }
+            # A salted chunk never answers an unsalted prompt, nor another LoRA's.
+            salted_key = digest("salted")
+            f.client.describe(salted_key, salted)
+            _store(client, [salted_key])
+            f.until(lambda: f.metas.get(salted_key) == salted, "the salted chunk")
+            _, body = _query(srv, {"namespace": NS, "token_ids": [1, 2, 3, 4], "lora_name": "other"})
+            assert body == {
+                "matched_tokens": {"dram": 0, "local_disk": 0, "shared": 0, "object": 0, "any": 0}
+            }
+        status, text = _query(srv, {"namespace": "nope", "token_ids": []})
+        assert (status, "namespace" in str(text)) == (400, True)
+        status, text = _query(srv, {"namespace": NS, "token_ids": [-1]})
+        assert (status, "token_ids" in str(text)) == (400, True)
+
+
+def test_the_query_endpoint_is_off_by_default(srv: ServerProcess) -> None:
+    status, _ = _query(srv, {"namespace": NS, "token_ids": [1]})
+    assert status == 404

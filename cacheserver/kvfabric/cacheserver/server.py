@@ -278,7 +278,8 @@ async def serve(
 
     probes: ProbeServer | None = None
     if config.metrics.port is not None:
-        probes = ProbeServer(config.metrics.host, config.metrics.port, metrics)
+        query = feed.match if feed is not None and config.metrics.residency_query else None
+        probes = ProbeServer(config.metrics.host, config.metrics.port, metrics, query=query)
         probes.start()
 
     sock.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from kvfabric.cacheserver.engine.base import TierName
 from kvfabric.cacheserver.engine.ids import BlockId, InvalidId
 from kvfabric.cacheserver.transport.indexpub import Peer, listen_unix, peer_of
 from kvfabric.cacheserver.transport.socketfile import SocketFile
@@ -112,6 +113,10 @@ class ResidencyFeed:
         self._meta: dict[BlockId, ChunkMeta] = {}
         self._pending: OrderedDict[BlockId, ChunkMeta] = OrderedDict()
         self._subs: dict[str, set[Subscription]] = {}
+        # For :meth:`match`: (namespace, parent hash, tokens) -> the resident block they name, for
+        # plain-text chunks (no extra keys), and per namespace the token lengths chunks have.
+        self._by_content: dict[tuple[str, Any, tuple[int, ...], str | None], BlockId] = {}
+        self._lengths: dict[str, set[int]] = {}
 
     def changed(self, bids: Iterable[BlockId]) -> None:
         """Record ``bids`` as the store holds them now (after every membership change)."""
@@ -124,10 +129,10 @@ class ResidencyFeed:
                 if now:
                     self._tiers[bid] = now
                     if bid in self._pending:
-                        self._meta[bid] = self._pending.pop(bid)
+                        self._set_meta(bid, self._pending.pop(bid))
                 else:
                     del self._tiers[bid]
-                    self._meta.pop(bid, None)
+                    self._set_meta(bid, None)
                 subs = self._subs.get(bid.namespace)
                 if subs:
                     meta = self._meta.get(bid)
@@ -149,12 +154,62 @@ class ResidencyFeed:
                 return
             if self._meta.get(bid) == meta:
                 return
-            self._meta[bid] = meta
+            self._set_meta(bid, meta)
             subs = self._subs.get(bid.namespace)
             if subs:
                 frames = [frame(Change("stored", bid.key, t, meta).to_wire()) for t in tiers]
                 for sub in subs:
                     sub.push(frames)
+
+    def _set_meta(self, bid: BlockId, meta: ChunkMeta | None) -> None:
+        """Attach (or with None drop) ``bid``'s metadata, keeping the content index equal to it."""
+        old = self._meta.pop(bid, None)
+        if old is not None:
+            content = _content(bid.namespace, old)
+            if content is not None and self._by_content.get(content) == bid:
+                del self._by_content[content]
+        if meta is None:
+            return
+        self._meta[bid] = meta
+        content = _content(bid.namespace, meta)
+        if content is not None:
+            self._by_content[content] = bid
+            self._lengths.setdefault(bid.namespace, set()).add(len(meta.token_ids))
+
+    def match(self, namespace: str, token_ids: list[int], lora_name: str | None = None) -> dict[str, int]:
+        """Tokens of the longest prefix of ``token_ids`` resident per tier, and in any tier (``any``).
+
+        Walks chunk by chunk from the start of the prompt, each named by its parent block's hash and
+        its tokens as a connector described it; a tier's count stops at the first chunk it does not
+        hold. Only plain-text chunks (no ``extra_keys``: no cache salt, multimodal input or prompt
+        embeddings) of ``lora_name`` match: a salted chunk must never answer an unsalted prompt.
+        """
+        with self._lock:
+            lengths = sorted(self._lengths.get(namespace, ()), reverse=True)
+            matched: dict[str, int] = {t.value: 0 for t in TierName} | {"any": 0}
+            alive: set[str] | None = None
+            parent: Any = None
+            pos = 0
+            while pos < len(token_ids):
+                bid = None
+                for n in lengths:
+                    if pos + n <= len(token_ids):
+                        bid = self._by_content.get(
+                            (namespace, parent, tuple(token_ids[pos : pos + n]), lora_name)
+                        )
+                        if bid is not None:
+                            break
+                tiers = self._tiers.get(bid) if bid is not None else None
+                meta = self._meta.get(bid) if bid is not None else None
+                if tiers is None or meta is None:
+                    break
+                alive = set(tiers) if alive is None else alive & set(tiers)
+                for t in alive:
+                    matched[t] += len(meta.token_ids)
+                matched["any"] += len(meta.token_ids)
+                parent = meta.block_hashes[-1]
+                pos += len(meta.token_ids)
+            return matched
 
     def subscribe(self, namespace: str) -> Subscription:
         """A subscription to ``namespace``: hello, the snapshot, ``synced``, then live changes."""
@@ -342,6 +397,12 @@ class FeedSocket:
             self._sock.close()
         if self._file is not None:
             self._file.remove()
+
+
+def _content(namespace: str, meta: ChunkMeta) -> tuple[str, Any, tuple[int, ...], str | None] | None:
+    """What :meth:`ResidencyFeed.match` finds a chunk by; None for a chunk it must never match."""
+    plain = meta.extra_keys is None or all(k is None or k == (meta.lora_name,) for k in meta.extra_keys)
+    return (namespace, meta.parent_block_hash, meta.token_ids, meta.lora_name) if plain else None
 
 
 def _namespace_of(message: list[Any]) -> str | None:

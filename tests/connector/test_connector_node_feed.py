@@ -115,6 +115,24 @@ def test_a_lost_connection_withdraws_dram_and_a_new_epoch_withdraws_what_its_sna
     assert node.ledger.credited() == {(kv.Scope("STORAGE", "LOCAL"), h) for h in (0, 1)}
 
 
+def test_a_store_is_announced_at_once_and_withdrawn_if_the_server_never_confirms_it() -> None:
+    now = [0.0]
+    feed = ScriptedFeed([("hello", 1), ("synced", None)])
+    node = NodeResidency(lambda: feed, EventLedger(), clock=lambda: now[0], confirm_seconds=10)
+    node.poll()
+    node.describe("kept", _meta(0, None))
+    node.describe("dropped", _meta(5, None))
+    assert [e.block_hashes for e in node.ledger.take()] == [(0, 1), (50, 51)]  # in the storing step
+    assert feed.described == ["kept", "dropped"]
+    feed.messages = [Change("stored", "kept", "dram", None)]
+    now[0] = 5.0
+    node.poll()
+    assert node.ledger.take() == []
+    now[0] = 10.5
+    node.poll()  # "dropped" never reached the server (back-pressure): its credit goes
+    assert node.ledger.take() == [kv.BlockRemoved((50, 51), "CPU")]
+
+
 def test_without_a_feed_the_log_announces_stores_itself() -> None:
     node = _follower([])
     node._next_try = 1.0  # the feed is down until the clock reaches 1.0

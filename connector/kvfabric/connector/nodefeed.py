@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 ANNOUNCED_TIERS = ("dram", "local_disk")
 ANNOUNCE_PER_STEP = 1024
 RETRY_SECONDS = 1.0
+CONFIRM_SECONDS = 10.0  # a store the feed has not confirmed by then was dropped: withdrawn
 CONNECT_TIMEOUT_SECONDS = 0.05
 
 
@@ -65,6 +66,7 @@ class NodeResidency:
         *,
         announce_per_step: int = ANNOUNCE_PER_STEP,
         retry_seconds: float = RETRY_SECONDS,
+        confirm_seconds: float = CONFIRM_SECONDS,
         remember: int = DEFAULT_MAX_KEYS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -73,6 +75,8 @@ class NodeResidency:
         self.ledger = ledger
         self.announce_per_step = announce_per_step
         self.retry_seconds = retry_seconds
+        self.confirm_seconds = confirm_seconds
+        self._unconfirmed: OrderedDict[str, float] = OrderedDict()  # key -> when to give up waiting
         self._remember = remember
         self._clock = clock
         self._client: FeedClient | None = None
@@ -90,11 +94,20 @@ class NodeResidency:
         return self._client is not None and self.synced
 
     def describe(self, key: str, meta: ChunkMeta) -> None:
-        """This engine stores ``key``: remember its metadata and hand it to the server."""
+        """This engine hands ``key`` to the server: name it there, and announce it in DRAM now.
+
+        A store lands in DRAM first, so it is announced in this step (an engine that goes idle
+        after its last step would otherwise hold the announcement until its next request); the
+        feed confirms it, and a store the server never confirms within ``confirm_seconds`` (dropped
+        under back-pressure) is withdrawn.
+        """
         self._metas[key] = meta
         self._metas.move_to_end(key)
         while len(self._metas) > self._remember:
             self._metas.popitem(last=False)
+        self.ledger.stored(key, "dram", meta)
+        if self.connected and "dram" not in self.resident.get(key, ()):
+            self._unconfirmed[key] = self._clock() + self.confirm_seconds
         if self._client is not None:
             try:
                 self._client.describe(key, meta)
@@ -116,7 +129,18 @@ class NodeResidency:
                     "the residency feed sent what this connector cannot read", extra={"error": str(exc)}
                 )
                 self._lost()
+        self._expire_unconfirmed()
         self._drain()
+
+    def _expire_unconfirmed(self) -> None:
+        now = self._clock()
+        while self._unconfirmed:
+            key, deadline = next(iter(self._unconfirmed.items()))
+            if deadline > now:
+                return
+            del self._unconfirmed[key]
+            if self.connected and "dram" not in self.resident.get(key, ()):
+                self.ledger.removed(key, "dram")
 
     def close(self) -> None:
         """Stop following (the ledger keeps its credit)."""
@@ -144,6 +168,7 @@ class NodeResidency:
         self._snapshot = None
         self._next_try = self._clock()  # reconnect on the next step
         self.ledger.cleared("dram")
+        self._unconfirmed.clear()
         for tiers in self.resident.values():
             tiers.discard("dram")
         self._backlog = deque((k, t) for k, t in self._backlog if t != "dram")
@@ -170,6 +195,8 @@ class NodeResidency:
         tiers = self.resident.setdefault(message.key, set())
         if message.op == "stored":
             tiers.add(message.tier)
+            if message.tier == "dram":
+                self._unconfirmed.pop(message.key, None)
             if self._backlog:
                 self._backlog.append((message.key, message.tier))  # after its parents
             else:
@@ -190,6 +217,9 @@ class NodeResidency:
                 if tier not in now.get(str(key), ()):
                     self.ledger.removed(key, tier)
         self.resident = now
+        self._unconfirmed = OrderedDict(
+            (k, d) for k, d in self._unconfirmed.items() if "dram" not in now.get(k, ())
+        )
         self._backlog = deque(self._prefix_order([(c.key, c.tier) for c in snapshot]))
         self.synced = True
         # A restarted server lost the metadata of what its disk kept: describe what this engine knows.

@@ -125,8 +125,8 @@ class KVEventLog:
             if meta is None:  # vLLM hashed no such blocks (no prefix caching)
                 continue
             if self.node is not None:
-                self.node.describe(key, meta)
-            if self.node is None or not self.node.connected:
+                self.node.describe(key, meta)  # announced now, confirmed (or withdrawn) by the feed
+            else:
                 self.ledger.stored(key, "dram", meta)
 
     def meta(self, request: Any, first: int, end: int) -> ChunkMeta | None:

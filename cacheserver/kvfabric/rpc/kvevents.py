@@ -281,7 +281,18 @@ def _pack(obj: Any, out: bytearray) -> None:
     elif isinstance(obj, list | tuple):
         _pack_len(len(obj), out, fix=(0x90, 16), forms=((0xDC, ">H"), (0xDD, ">I")))
         for item in obj:
-            _pack(item, out)
+            # Token ids dominate what is encoded: small non-negative ints take a short path.
+            if type(item) is int and 0 <= item < 0x100000000:
+                if item < 0x80:
+                    out.append(item)
+                elif item < 0x100:
+                    out += b"\xcc" + _U8[item]
+                elif item < 0x10000:
+                    out += b"\xcd" + _U16(item)
+                else:
+                    out += b"\xce" + _U32(item)
+            else:
+                _pack(item, out)
     elif isinstance(obj, dict):
         _pack_len(len(obj), out, fix=(0x80, 16), forms=((0xDE, ">H"), (0xDF, ">I")))
         for key, value in obj.items():
@@ -292,6 +303,9 @@ def _pack(obj: Any, out: bytearray) -> None:
 
 
 _LIMITS = {"B": 1 << 8, ">H": 1 << 16, ">I": 1 << 32}
+_U8 = [bytes([i]) for i in range(256)]
+_U16 = struct.Struct(">H").pack
+_U32 = struct.Struct(">I").pack
 
 
 def _pack_len(

@@ -12,7 +12,8 @@ another engine stored.
 Frames are a 4-byte big-endian length and one msgpack array (:mod:`kvfabric.rpc.kvevents`'s codec):
 
 * client -> server: ``["sub", namespace]`` (once per connection, first), then any number of
-  ``["meta", key, meta]``;
+  ``["meta", key, meta]``, ``meta`` being the msgpack bytes of :func:`meta_to_wire`'s array (a bin:
+  the server validates it once and passes the bytes on as they are);
 * server -> client: ``["hello", epoch, namespace]`` first, then the snapshot of the namespace's
   residency as ``stored`` records, ``["synced"]``, then live records
   ``["stored", key, tier, meta or nil]`` and ``["removed", key, tier]``, in the order the server
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,8 @@ __all__ = [
     "MAX_FRAME",
     "Change",
     "FrameReader",
+    "decode_meta",
+    "encode_meta",
     "frame",
     "meta_from_wire",
     "meta_to_wire",
@@ -135,27 +137,83 @@ def _tuples(items: Any) -> tuple[Any, ...]:
     return tuple(_tuples(i) if isinstance(i, list) else i for i in items)
 
 
-@dataclass(frozen=True, slots=True)
-class Change:
-    """One residency change as a subscriber reads it."""
+def encode_meta(meta: ChunkMeta) -> bytes:
+    """``meta``'s msgpack bytes (how it travels: encoded once, passed on as is)."""
+    return msgpack_encode(meta_to_wire(meta))
 
-    op: str  # "stored" or "removed"
-    key: str
-    tier: str
-    meta: ChunkMeta | None = None
+
+def decode_meta(raw: Any) -> ChunkMeta:
+    """Inverse of :func:`encode_meta`; ValueError naming the field that is wrong."""
+    if not isinstance(raw, bytes):
+        raise ValueError("meta: msgpack bytes (a bin) of the chunk's 7 fields")
+    return meta_from_wire(msgpack_decode(raw))
+
+
+class Change:
+    """One residency change as a subscriber reads it.
+
+    The metadata travels as bytes and is decoded only when :attr:`meta` is read (a connector that
+    knows the chunk already never pays for it).
+    """
+
+    __slots__ = ("_bin", "_meta", "key", "op", "tier")
+
+    def __init__(
+        self, op: str, key: str, tier: str, meta: ChunkMeta | None = None, *, meta_bin: bytes | None = None
+    ) -> None:
+        """``op`` is ``stored`` or ``removed``; metadata given decoded, encoded, or not at all."""
+        self.op = op
+        self.key = key
+        self.tier = tier
+        self._meta = meta
+        self._bin = meta_bin
+
+    @property
+    def has_meta(self) -> bool:
+        """Whether the change names the chunk's blocks."""
+        return self._meta is not None or self._bin is not None
+
+    @property
+    def meta(self) -> ChunkMeta | None:
+        """The chunk's metadata (decoded on first use; ValueError if malformed)."""
+        if self._meta is None and self._bin is not None:
+            self._meta = decode_meta(self._bin)
+        return self._meta
+
+    @property
+    def meta_bin(self) -> bytes | None:
+        """The chunk's metadata as sent (encoded on first use)."""
+        if self._bin is None and self._meta is not None:
+            self._bin = encode_meta(self._meta)
+        return self._bin
+
+    def __eq__(self, other: object) -> bool:
+        """Equal changes: same operation, key, tier and metadata."""
+        if not isinstance(other, Change):
+            return NotImplemented
+        return (self.op, self.key, self.tier, self.meta) == (other.op, other.key, other.tier, other.meta)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        """For test failures."""
+        return f"Change({self.op!r}, {self.key[:12]!r}, {self.tier!r}, meta={self.has_meta})"
 
     def to_wire(self) -> list[Any]:
         """The change's message."""
         if self.op == "stored":
-            return ["stored", self.key, self.tier, None if self.meta is None else meta_to_wire(self.meta)]
+            return ["stored", self.key, self.tier, self.meta_bin]
         return ["removed", self.key, self.tier]
 
     @classmethod
     def from_wire(cls, message: list[Any]) -> Change:
         """Parse a ``stored``/``removed`` message (ValueError if it is not one)."""
-        if message[0] == "stored" and len(message) == 4:
-            meta = None if message[3] is None else meta_from_wire(message[3])
-            return cls("stored", str(message[1]), str(message[2]), meta)
+        if (
+            message[0] == "stored"
+            and len(message) == 4
+            and (message[3] is None or isinstance(message[3], bytes))
+        ):
+            return cls("stored", str(message[1]), str(message[2]), meta_bin=message[3])
         if message[0] == "removed" and len(message) == 3:
             return cls("removed", str(message[1]), str(message[2]))
         raise ValueError(f"not a residency change: {message[:1]!r}")

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvfabric.client.errors import CacheUnavailable
 from kvfabric.rpc.kvledger import ChunkMeta
-from kvfabric.rpc.residency import Change, FrameReader, frame, meta_to_wire
+from kvfabric.rpc.residency import Change, FrameReader, encode_meta, frame
 
 __all__ = ["FeedMessage", "ResidencyFeedClient"]
 
@@ -51,7 +51,7 @@ class ResidencyFeedClient:
 
     def describe(self, key: str, meta: ChunkMeta) -> None:
         """Attach ``meta`` to the chunk ``key`` (queued; sent by :meth:`read` or :meth:`flush`)."""
-        self._out += frame(["meta", key, meta_to_wire(meta)])
+        self._out += frame(["meta", key, encode_meta(meta)])
         self.flush()
 
     def flush(self) -> None:

@@ -187,8 +187,10 @@ class NodeResidency:
             return
         if not isinstance(message, Change) or message.tier not in ANNOUNCED_TIERS:
             return
-        if message.meta is not None:
-            self._metas[message.key] = message.meta
+        if message.has_meta and message.key not in self._metas:
+            meta = message.meta  # decoded only for a chunk this engine cannot name yet
+            if meta is not None:
+                self._metas[message.key] = meta
         if self._snapshot is not None:
             self._snapshot.append(message)
             return
@@ -226,7 +228,7 @@ class NodeResidency:
         if self._client is not None:
             for change in snapshot:
                 meta = self._metas.get(change.key)
-                if change.meta is None and meta is not None:
+                if not change.has_meta and meta is not None:
                     self._client.describe(change.key, meta)
 
     def _prefix_order(self, entries: list[tuple[str, str]]) -> list[tuple[str, str]]:

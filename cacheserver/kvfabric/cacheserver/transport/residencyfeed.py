@@ -40,7 +40,7 @@ from kvfabric.cacheserver.transport.indexpub import Peer, listen_unix, peer_of
 from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc.kvevents import DecodeError
 from kvfabric.rpc.kvledger import ChunkMeta
-from kvfabric.rpc.residency import Change, FrameReader, frame, meta_from_wire
+from kvfabric.rpc.residency import Change, FrameReader, decode_meta, encode_meta, frame
 
 __all__ = ["FeedSocket", "ResidencyFeed", "Subscription"]
 
@@ -111,7 +111,8 @@ class ResidencyFeed:
         self._lock = threading.Lock()
         self._tiers: dict[BlockId, tuple[str, ...]] = {}
         self._meta: dict[BlockId, ChunkMeta] = {}
-        self._pending: OrderedDict[BlockId, ChunkMeta] = OrderedDict()
+        self._bins: dict[BlockId, bytes] = {}  # the same, encoded: sent as is with every record
+        self._pending: OrderedDict[BlockId, tuple[ChunkMeta, bytes]] = OrderedDict()
         self._subs: dict[str, set[Subscription]] = {}
         # For :meth:`match`: (namespace, parent hash, tokens) -> the resident block they name, for
         # plain-text chunks (no extra keys), and per namespace the token lengths chunks have.
@@ -129,41 +130,43 @@ class ResidencyFeed:
                 if now:
                     self._tiers[bid] = now
                     if bid in self._pending:
-                        self._set_meta(bid, self._pending.pop(bid))
+                        self._set_meta(bid, *self._pending.pop(bid))
                 else:
                     del self._tiers[bid]
-                    self._set_meta(bid, None)
+                    self._set_meta(bid, None, None)
                 subs = self._subs.get(bid.namespace)
                 if subs:
-                    meta = self._meta.get(bid)
-                    changes = [Change("stored", bid.key, t, meta) for t in now if t not in prev]
+                    raw = self._bins.get(bid)
+                    changes = [Change("stored", bid.key, t, meta_bin=raw) for t in now if t not in prev]
                     changes += [Change("removed", bid.key, t) for t in prev if t not in now]
                     frames = [frame(c.to_wire()) for c in changes]
                     for sub in subs:
                         sub.push(frames)
 
-    def describe(self, bid: BlockId, meta: ChunkMeta) -> None:
-        """Attach ``meta`` to ``bid``; subscribers get it with a ``stored`` record per tier holding it."""
+    def describe(self, bid: BlockId, meta: ChunkMeta, raw: bytes | None = None) -> None:
+        """Attach ``meta`` (``raw``: its encoding) to ``bid``; subscribers get it per tier holding it."""
+        raw = encode_meta(meta) if raw is None else raw
         with self._lock:
             tiers = self._tiers.get(bid)
             if tiers is None:
-                self._pending[bid] = meta
+                self._pending[bid] = (meta, raw)
                 self._pending.move_to_end(bid)
                 while len(self._pending) > self._max_pending:
                     self._pending.popitem(last=False)
                 return
-            if self._meta.get(bid) == meta:
+            if self._bins.get(bid) == raw:
                 return
-            self._set_meta(bid, meta)
+            self._set_meta(bid, meta, raw)
             subs = self._subs.get(bid.namespace)
             if subs:
-                frames = [frame(Change("stored", bid.key, t, meta).to_wire()) for t in tiers]
+                frames = [frame(Change("stored", bid.key, t, meta_bin=raw).to_wire()) for t in tiers]
                 for sub in subs:
                     sub.push(frames)
 
-    def _set_meta(self, bid: BlockId, meta: ChunkMeta | None) -> None:
+    def _set_meta(self, bid: BlockId, meta: ChunkMeta | None, raw: bytes | None) -> None:
         """Attach (or with None drop) ``bid``'s metadata, keeping the content index equal to it."""
         old = self._meta.pop(bid, None)
+        self._bins.pop(bid, None)
         if old is not None:
             content = _content(bid.namespace, old)
             if content is not None and self._by_content.get(content) == bid:
@@ -171,6 +174,8 @@ class ResidencyFeed:
         if meta is None:
             return
         self._meta[bid] = meta
+        if raw is not None:
+            self._bins[bid] = raw
         content = _content(bid.namespace, meta)
         if content is not None:
             self._by_content[content] = bid
@@ -218,8 +223,8 @@ class ResidencyFeed:
             frames = [frame(["hello", self.epoch, namespace])]
             for bid, tiers in self._tiers.items():
                 if bid.namespace == namespace:
-                    meta = self._meta.get(bid)
-                    frames += [frame(Change("stored", bid.key, t, meta).to_wire()) for t in tiers]
+                    raw = self._bins.get(bid)
+                    frames += [frame(Change("stored", bid.key, t, meta_bin=raw).to_wire()) for t in tiers]
             frames.append(frame(["synced"]))
             sub.push(frames)
             self._subs.setdefault(namespace, set()).add(sub)
@@ -361,7 +366,7 @@ class FeedSocket:
             bid = BlockId.parse(namespace, message[1])
         except InvalidId as exc:
             raise ValueError(f"meta key: {exc}") from None
-        self.feed.describe(bid, meta_from_wire(message[2]))
+        self.feed.describe(bid, decode_meta(message[2]), message[2])
 
     def _send(self, conn: socket.socket, sub: Subscription) -> None:
         try:

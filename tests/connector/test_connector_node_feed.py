@@ -136,6 +136,21 @@ def test_a_store_is_announced_at_once_and_withdrawn_if_the_server_never_confirms
     assert node.ledger.take() == [kv.BlockRemoved((50, 51), "CPU")]
 
 
+def test_a_store_handed_over_before_the_snapshot_arrived_is_announced_once() -> None:
+    """An engine's first stores can precede its feed's snapshot: they are in flight, not gone."""
+    feed = ScriptedFeed([])
+    now = [0.0]
+    node = NodeResidency(lambda: feed, EventLedger(), clock=lambda: now[0])
+    node.poll()  # connected, the snapshot not read yet
+    node.describe("k0", _meta(0, None))
+    feed.messages = [("hello", 1), ("synced", None)]  # the store has not landed yet
+    node.poll()
+    feed.messages = [Change("stored", "k0", "dram", _meta(0, None))]
+    node.poll()
+    events = node.ledger.take()
+    assert events == [kv.BlockStored((0, 1), None, (0, 1, 2, 3), BLOCK, None, "CPU", None)]
+
+
 def test_without_a_feed_the_log_announces_stores_itself() -> None:
     node = _follower([])
     node._next_try = 1.0  # the feed is down until the clock reaches 1.0

@@ -106,8 +106,10 @@ class NodeResidency:
         while len(self._metas) > self._remember:
             self._metas.popitem(last=False)
         self.ledger.stored(key, "dram", meta)
-        if self.connected and "dram" not in self.resident.get(key, ()):
+        if self._client is not None and "dram" not in self.resident.get(key, ()):
+            # In flight: a snapshot that does not list it yet must not withdraw it.
             self._unconfirmed[key] = self._clock() + self.confirm_seconds
+            self._unconfirmed.move_to_end(key)  # deadlines stay in order
         if self._client is not None:
             try:
                 self._client.describe(key, meta)
@@ -216,7 +218,8 @@ class NodeResidency:
             now.setdefault(change.key, set()).add(change.tier)
         for tier in ANNOUNCED_TIERS:
             for key in self.ledger.keys_in(tier):
-                if tier not in now.get(str(key), ()):
+                in_flight = tier == "dram" and key in self._unconfirmed
+                if tier not in now.get(str(key), ()) and not in_flight:
                     self.ledger.removed(key, tier)
         self.resident = now
         self._unconfirmed = OrderedDict(

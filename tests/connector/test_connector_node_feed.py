@@ -141,8 +141,7 @@ def test_a_store_handed_over_before_the_snapshot_arrived_is_announced_once() -> 
     feed = ScriptedFeed([])
     now = [0.0]
     node = NodeResidency(lambda: feed, EventLedger(), clock=lambda: now[0])
-    node.poll()  # connected, the snapshot not read yet
-    node.describe("k0", _meta(0, None))
+    node.describe("k0", _meta(0, None))  # before the first take_events(): not even connected yet
     feed.messages = [("hello", 1), ("synced", None)]  # the store has not landed yet
     node.poll()
     feed.messages = [Change("stored", "k0", "dram", _meta(0, None))]

@@ -106,6 +106,8 @@ class NodeResidency:
         while len(self._metas) > self._remember:
             self._metas.popitem(last=False)
         self.ledger.stored(key, "dram", meta)
+        if self._client is None and self._clock() >= self._next_try:
+            self._open()  # an engine's first store can come before its first take_events()
         if self._client is not None and "dram" not in self.resident.get(key, ()):
             # In flight: a snapshot that does not list it yet must not withdraw it.
             self._unconfirmed[key] = self._clock() + self.confirm_seconds

@@ -176,7 +176,7 @@ def test_bad_requests_get_an_error_naming_what_is_wrong(
     assert b"namespace" in reply
     f = follow(srv)
     f.client.describe(digest("k"), ChunkMeta((1,), None, (1, 2), 2))
-    f.client._out += frame(["meta", digest("k"), msgpack_encode([[1], None, [1, 2], 0, None, None, None])])
+    f.client._out += frame(["meta", digest("k"), msgpack_encode([[1], None, bytes(8), 0, None, None, None])])
     f.until(lambda: any(isinstance(m, tuple) and m[0] == "error" for m in f.log), "an error", timeout=10)
     (error,) = [m for m in f.log if isinstance(m, tuple) and m[0] == "error"]
     assert "meta.block_size" in str(error[1])

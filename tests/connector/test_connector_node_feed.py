@@ -50,7 +50,7 @@ class ScriptedFeed:
         self.described: list[str] = []
         self.gone = False
 
-    def describe(self, key: str, meta: ChunkMeta) -> None:
+    def describe(self, key: str, meta: ChunkMeta | bytes) -> None:
         self.described.append(key)
 
     def read(self, timeout: float = 0.0) -> list[Any]:

@@ -52,6 +52,7 @@ __all__ = [
     "encode_event",
     "msgpack_decode",
     "msgpack_encode",
+    "msgpack_unpack_from",
     "scope_of_tier",
 ]
 
@@ -390,6 +391,14 @@ _SIZED: dict[int, tuple[str, str, int]] = {  # marker -> (kind, length format, l
 _CONSTANTS = {0xC0: None, 0xC2: False, 0xC3: True}
 
 
+def msgpack_unpack_from(buf: memoryview, pos: int) -> tuple[Any, int]:
+    """One msgpack object at ``pos`` of ``buf``, and the position after it (DecodeError if malformed)."""
+    try:
+        return _unpack(buf, pos)
+    except (IndexError, struct.error) as exc:
+        raise DecodeError("truncated msgpack") from exc
+
+
 def _unpack(buf: memoryview, pos: int) -> tuple[Any, int]:
     b = buf[pos]
     pos += 1
@@ -425,10 +434,23 @@ def _blob(kind: str, n: int, buf: memoryview, pos: int) -> tuple[Any, int]:
 
 def _collection(kind: str, n: int, buf: memoryview, pos: int) -> tuple[Any, int]:
     if kind == "array":
-        items = []
+        items: list[Any] = []
+        append = items.append
         for _ in range(n):
-            item, pos = _unpack(buf, pos)
-            items.append(item)
+            b = buf[pos]
+            # Token ids dominate what is decoded: small non-negative ints take a short path.
+            if b < 0x80:
+                append(b)
+                pos += 1
+            elif b == 0xCD:
+                append((buf[pos + 1] << 8) | buf[pos + 2])
+                pos += 3
+            elif b == 0xCE:
+                append(int.from_bytes(buf[pos + 1 : pos + 5], "big"))
+                pos += 5
+            else:
+                item, pos = _unpack(buf, pos)
+                append(item)
         return items, pos
     mapping = {}
     for _ in range(n):

@@ -70,7 +70,8 @@ class EventLedger:
     def __init__(self, *, max_keys: int = DEFAULT_MAX_KEYS) -> None:
         """Track at most ``max_keys`` keys (the oldest is withdrawn past that)."""
         self.max_keys = max_keys
-        self._meta: OrderedDict[Hashable, ChunkMeta] = OrderedDict()
+        # Per key only its block hashes (what a withdrawal needs): tokens are not kept.
+        self._meta: OrderedDict[Hashable, tuple[BlockHash, ...]] = OrderedDict()
         self._scopes: dict[Hashable, set[Scope]] = {}
         self._held: dict[tuple[Scope, BlockHash], int] = {}
         self._events: list[Event] = []
@@ -87,7 +88,7 @@ class EventLedger:
         scopes = self._scopes.setdefault(key, set())
         if scope in scopes:
             return
-        self._meta[key] = meta
+        self._meta[key] = meta.block_hashes
         self._meta.move_to_end(key)
         scopes.add(scope)
         fresh = [self._hold(scope, h) for h in meta.block_hashes]
@@ -125,6 +126,11 @@ class EventLedger:
         if gone:
             self._events.append(BlockRemoved(tuple(gone), scope.medium, locality=scope.locality))
 
+    def holds(self, key: Hashable, tier: str) -> bool:
+        """Whether ``key`` is credited in ``tier``'s medium (False for a tier that is not announced)."""
+        scope = scope_of_tier(tier)
+        return scope is not None and scope in self._scopes.get(key, ())
+
     def credited(self) -> set[tuple[Scope, BlockHash]]:
         """The (medium, hash) pairs a router that saw every event holds now."""
         return set(self._held)
@@ -155,12 +161,12 @@ class EventLedger:
         if not scopes or scope not in scopes:
             return []
         scopes.discard(scope)
-        meta = self._meta[key]
+        hashes = self._meta[key]
         if not scopes:
             del self._scopes[key]
             del self._meta[key]
         gone = []
-        for h in meta.block_hashes:
+        for h in hashes:
             n = self._held[(scope, h)] - 1
             if n:
                 self._held[(scope, h)] = n

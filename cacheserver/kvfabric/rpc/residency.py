@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
+from array import array
 from pathlib import Path
 from typing import Any
 
-from kvfabric.rpc.kvevents import DecodeError, msgpack_decode, msgpack_encode
+from kvfabric.rpc.kvevents import DecodeError, msgpack_decode, msgpack_encode, msgpack_unpack_from
 from kvfabric.rpc.kvledger import ChunkMeta
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "encode_meta",
     "frame",
     "meta_from_wire",
+    "meta_head",
     "meta_to_wire",
     "residency_socket_for",
 ]
@@ -89,11 +92,14 @@ class FrameReader:
 
 
 def meta_to_wire(meta: ChunkMeta) -> list[Any]:
-    """``meta`` as a msgpack array (positional, in field order)."""
+    """``meta`` as a msgpack array (positional, in field order; the tokens packed as uint32 LE)."""
+    tokens = array("I", meta.token_ids)
+    if sys.byteorder == "big":
+        tokens.byteswap()
     return [
         list(meta.block_hashes),
         meta.parent_block_hash,
-        list(meta.token_ids),
+        tokens.tobytes(),
         meta.block_size,
         None if meta.extra_keys is None else list(meta.extra_keys),
         meta.lora_name,
@@ -105,13 +111,17 @@ def meta_from_wire(raw: Any) -> ChunkMeta:
     """Inverse of :func:`meta_to_wire`; ValueError naming the field that is wrong."""
     if not isinstance(raw, list) or len(raw) != 7:
         raise ValueError("meta: an array of 7 fields")
-    hashes, parent, tokens, block_size, extra, lora_name, lora_id = raw
+    hashes, parent, packed, block_size, extra, lora_name, lora_id = raw
     if not isinstance(hashes, list) or not hashes or not all(isinstance(h, bytes | int) for h in hashes):
         raise ValueError("meta.block_hashes: a non-empty array of bytes or integers")
     if parent is not None and not isinstance(parent, bytes | int):
         raise ValueError("meta.parent_block_hash: bytes, an integer or nil")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
-        raise ValueError("meta.token_ids: an array of non-negative integers")
+    if not isinstance(packed, bytes) or len(packed) % 4:
+        raise ValueError("meta.token_ids: bytes of little-endian uint32 token ids")
+    tokens = array("I")
+    tokens.frombytes(packed)
+    if sys.byteorder == "big":
+        tokens.byteswap()
     if not isinstance(block_size, int) or block_size <= 0:
         raise ValueError("meta.block_size: a positive integer")
     if extra is not None and not isinstance(extra, list):
@@ -129,6 +139,18 @@ def meta_from_wire(raw: Any) -> ChunkMeta:
         lora_name=lora_name,
         lora_id=lora_id,
     )
+
+
+def meta_head(raw: bytes) -> tuple[tuple[Any, ...], Any]:
+    """The block hashes and parent hash of encoded metadata, without decoding the rest."""
+    view = memoryview(raw)
+    if not raw or raw[0] != 0x97:  # a fixarray of 7
+        raise DecodeError("meta: an array of 7 fields")
+    hashes, pos = msgpack_unpack_from(view, 1)
+    parent, _ = msgpack_unpack_from(view, pos)
+    if not isinstance(hashes, list):
+        raise DecodeError("meta.block_hashes: an array")
+    return tuple(hashes), parent
 
 
 def _tuples(items: Any) -> tuple[Any, ...]:

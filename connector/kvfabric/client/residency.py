@@ -49,9 +49,13 @@ class ResidencyFeedClient:
         """The socket's descriptor (for a caller's own ``select``)."""
         return self._sock.fileno()
 
-    def describe(self, key: str, meta: ChunkMeta) -> None:
-        """Attach ``meta`` to the chunk ``key`` (queued; sent by :meth:`read` or :meth:`flush`)."""
-        self._out += frame(["meta", key, encode_meta(meta)])
+    def describe(self, key: str, meta: ChunkMeta | bytes) -> None:
+        """Attach ``meta`` (or its :func:`~kvfabric.rpc.residency.encode_meta` bytes) to the chunk ``key``.
+
+        Queued; sent now as far as the socket takes it, the rest by :meth:`read` or :meth:`flush`.
+        """
+        raw = meta if isinstance(meta, bytes) else encode_meta(meta)
+        self._out += frame(["meta", key, raw])
         self.flush()
 
     def flush(self) -> None:

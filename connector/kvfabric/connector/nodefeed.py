@@ -30,14 +30,14 @@ from typing import Any, Protocol
 from kvfabric.client.errors import CacheUnavailable
 from kvfabric.client.residency import ResidencyFeedClient
 from kvfabric.rpc.kvledger import DEFAULT_MAX_KEYS, ChunkMeta, EventLedger
-from kvfabric.rpc.residency import Change, residency_socket_for
+from kvfabric.rpc.residency import Change, decode_meta, encode_meta, meta_head, residency_socket_for
 
 __all__ = ["FeedClient", "NodeResidency", "node_residency_for"]
 
 log = logging.getLogger(__name__)
 
 ANNOUNCED_TIERS = ("dram", "local_disk")
-ANNOUNCE_PER_STEP = 1024
+ANNOUNCE_PER_STEP = 128  # chunks decoded and announced per engine step (~0.1 ms each)
 RETRY_SECONDS = 1.0
 CONFIRM_SECONDS = 10.0  # a store the feed has not confirmed by then was dropped: withdrawn
 CONNECT_TIMEOUT_SECONDS = 0.05
@@ -46,8 +46,8 @@ CONNECT_TIMEOUT_SECONDS = 0.05
 class FeedClient(Protocol):
     """What :class:`NodeResidency` needs of a feed connection (:class:`ResidencyFeedClient`)."""
 
-    def describe(self, key: str, meta: ChunkMeta) -> None:
-        """Attach metadata to a chunk."""
+    def describe(self, key: str, meta: ChunkMeta | bytes) -> None:
+        """Attach metadata (or its encoding) to a chunk."""
 
     def read(self, timeout: float = 0.0) -> list[Any]:
         """Messages that arrived (CacheUnavailable once the connection is gone)."""
@@ -84,7 +84,7 @@ class NodeResidency:
         self.epoch: int | None = None
         self._snapshot: list[Change] | None = None  # being read (between hello and synced)
         self.resident: dict[str, set[str]] = {}  # what the server said, announced tiers only
-        self._metas: OrderedDict[str, ChunkMeta] = OrderedDict()
+        self._metas: OrderedDict[str, bytes] = OrderedDict()
         self._backlog: deque[tuple[str, str]] = deque()
         self.synced = False
 
@@ -101,10 +101,8 @@ class NodeResidency:
         feed confirms it, and a store the server never confirms within ``confirm_seconds`` (dropped
         under back-pressure) is withdrawn.
         """
-        self._metas[key] = meta
-        self._metas.move_to_end(key)
-        while len(self._metas) > self._remember:
-            self._metas.popitem(last=False)
+        raw = encode_meta(meta)
+        self._remember_meta(key, raw)
         self.ledger.stored(key, "dram", meta)
         if self._client is None and self._clock() >= self._next_try:
             self._open()  # an engine's first store can come before its first take_events()
@@ -114,9 +112,16 @@ class NodeResidency:
             self._unconfirmed.move_to_end(key)  # deadlines stay in order
         if self._client is not None:
             try:
-                self._client.describe(key, meta)
+                self._client.describe(key, raw)
             except CacheUnavailable:
                 self._lost()
+
+    def _remember_meta(self, key: str, raw: bytes) -> None:
+        """Keep a chunk's encoded metadata (about 1.6 KiB for 256 tokens; decoded only to announce)."""
+        self._metas[key] = raw
+        self._metas.move_to_end(key)
+        while len(self._metas) > self._remember:
+            self._metas.popitem(last=False)
 
     def poll(self) -> None:
         """Apply what the feed sent since the last call, and announce the next part of a backlog."""
@@ -192,9 +197,9 @@ class NodeResidency:
         if not isinstance(message, Change) or message.tier not in ANNOUNCED_TIERS:
             return
         if message.has_meta and message.key not in self._metas:
-            meta = message.meta  # decoded only for a chunk this engine cannot name yet
-            if meta is not None:
-                self._metas[message.key] = meta
+            raw = message.meta_bin  # kept encoded: decoded when (and if) it is announced
+            if raw is not None:
+                self._remember_meta(message.key, raw)
         if self._snapshot is not None:
             self._snapshot.append(message)
             return
@@ -236,13 +241,22 @@ class NodeResidency:
                 if not change.has_meta and meta is not None:
                     self._client.describe(change.key, meta)
 
+    def _head(self, key: str) -> tuple[tuple[Any, ...], Any] | None:
+        raw = self._metas.get(key)
+        if raw is None:
+            return None
+        try:
+            return meta_head(raw)
+        except ValueError:
+            return None
+
     def _prefix_order(self, entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
         """``entries`` with every chunk after the chunk holding its parent block (stable otherwise)."""
+        heads = {key: self._head(key) for key, _ in entries}
         owner: dict[Hashable, str] = {}
-        for key, _ in entries:
-            meta = self._metas.get(key)
-            if meta is not None:
-                for h in meta.block_hashes:
+        for key, head in heads.items():
+            if head is not None:
+                for h in head[0]:
                     owner.setdefault(h, key)
         depth: dict[str, int] = {}
         for key, _ in entries:
@@ -250,8 +264,8 @@ class NodeResidency:
             k: str | None = key
             while k is not None and k not in depth and k not in chain:
                 chain.append(k)
-                meta = self._metas.get(k)
-                parent = meta.parent_block_hash if meta is not None else None
+                head = heads.get(k) if k in heads else self._head(k)
+                parent = head[1] if head is not None else None
                 k = owner.get(parent) if parent is not None else None
             base = depth.get(k, -1) if k is not None else -1
             for i, c in enumerate(reversed(chain)):
@@ -266,10 +280,12 @@ class NodeResidency:
                 n += self._announce(key, tier)
 
     def _announce(self, key: str, tier: str) -> int:
-        meta = self._metas.get(key)
-        if meta is None:
+        raw = self._metas.get(key)
+        if raw is None:
             return 0  # named later: the storing connector's metadata comes with a new record
-        self.ledger.stored(key, tier, meta)
+        if self.ledger.holds(key, tier):
+            return 0  # announced already (this engine's own store): nothing to decode
+        self.ledger.stored(key, tier, decode_meta(raw))
         return 1
 
 

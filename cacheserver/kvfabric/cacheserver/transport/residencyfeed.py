@@ -25,12 +25,15 @@ without bound.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import secrets
 import socket
 import threading
+from array import array
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -110,13 +113,15 @@ class ResidencyFeed:
         self.epoch = secrets.randbits(63)
         self._lock = threading.Lock()
         self._tiers: dict[BlockId, tuple[str, ...]] = {}
-        self._meta: dict[BlockId, ChunkMeta] = {}
-        self._bins: dict[BlockId, bytes] = {}  # the same, encoded: sent as is with every record
-        self._pending: OrderedDict[BlockId, tuple[ChunkMeta, bytes]] = OrderedDict()
+        # Metadata is kept encoded (about 1.6 KiB for 256 tokens, sent as is with every record),
+        # plus what :meth:`match` walks by: the content key, the chunk's token count, its last hash.
+        self._bins: dict[BlockId, bytes] = {}
+        self._walk: dict[BlockId, _Walk] = {}
+        self._pending: OrderedDict[BlockId, tuple[_Walk, bytes]] = OrderedDict()
         self._subs: dict[str, set[Subscription]] = {}
-        # For :meth:`match`: (namespace, parent hash, tokens) -> the resident block they name, for
+        # (namespace, parent hash, digest of the tokens, LoRA) -> the resident block they name, for
         # plain-text chunks (no extra keys), and per namespace the token lengths chunks have.
-        self._by_content: dict[tuple[str, Any, tuple[int, ...], str | None], BlockId] = {}
+        self._by_content: dict[_ContentKey, BlockId] = {}
         self._lengths: dict[str, set[int]] = {}
 
     def changed(self, bids: Iterable[BlockId]) -> None:
@@ -149,37 +154,33 @@ class ResidencyFeed:
         with self._lock:
             tiers = self._tiers.get(bid)
             if tiers is None:
-                self._pending[bid] = (meta, raw)
+                self._pending[bid] = (_walk_of(bid.namespace, meta), raw)
                 self._pending.move_to_end(bid)
                 while len(self._pending) > self._max_pending:
                     self._pending.popitem(last=False)
                 return
             if self._bins.get(bid) == raw:
                 return
-            self._set_meta(bid, meta, raw)
+            self._set_meta(bid, _walk_of(bid.namespace, meta), raw)
             subs = self._subs.get(bid.namespace)
             if subs:
                 frames = [frame(Change("stored", bid.key, t, meta_bin=raw).to_wire()) for t in tiers]
                 for sub in subs:
                     sub.push(frames)
 
-    def _set_meta(self, bid: BlockId, meta: ChunkMeta | None, raw: bytes | None) -> None:
+    def _set_meta(self, bid: BlockId, walk: _Walk | None, raw: bytes | None) -> None:
         """Attach (or with None drop) ``bid``'s metadata, keeping the content index equal to it."""
-        old = self._meta.pop(bid, None)
+        old = self._walk.pop(bid, None)
         self._bins.pop(bid, None)
-        if old is not None:
-            content = _content(bid.namespace, old)
-            if content is not None and self._by_content.get(content) == bid:
-                del self._by_content[content]
-        if meta is None:
+        if old is not None and old.content is not None and self._by_content.get(old.content) == bid:
+            del self._by_content[old.content]
+        if walk is None or raw is None:
             return
-        self._meta[bid] = meta
-        if raw is not None:
-            self._bins[bid] = raw
-        content = _content(bid.namespace, meta)
-        if content is not None:
-            self._by_content[content] = bid
-            self._lengths.setdefault(bid.namespace, set()).add(len(meta.token_ids))
+        self._walk[bid] = walk
+        self._bins[bid] = raw
+        if walk.content is not None:
+            self._by_content[walk.content] = bid
+            self._lengths.setdefault(bid.namespace, set()).add(walk.tokens)
 
     def match(self, namespace: str, token_ids: list[int], lora_name: str | None = None) -> dict[str, int]:
         """Tokens of the longest prefix of ``token_ids`` resident per tier, and in any tier (``any``).
@@ -199,21 +200,20 @@ class ResidencyFeed:
                 bid = None
                 for n in lengths:
                     if pos + n <= len(token_ids):
-                        bid = self._by_content.get(
-                            (namespace, parent, tuple(token_ids[pos : pos + n]), lora_name)
-                        )
+                        digest = _tokens_digest(token_ids[pos : pos + n])
+                        bid = self._by_content.get((namespace, parent, digest, lora_name))
                         if bid is not None:
                             break
                 tiers = self._tiers.get(bid) if bid is not None else None
-                meta = self._meta.get(bid) if bid is not None else None
-                if tiers is None or meta is None:
+                walk = self._walk.get(bid) if bid is not None else None
+                if tiers is None or walk is None:
                     break
                 alive = set(tiers) if alive is None else alive & set(tiers)
                 for t in alive:
-                    matched[t] += len(meta.token_ids)
-                matched["any"] += len(meta.token_ids)
-                parent = meta.block_hashes[-1]
-                pos += len(meta.token_ids)
+                    matched[t] += walk.tokens
+                matched["any"] += walk.tokens
+                parent = walk.last_hash
+                pos += walk.tokens
             return matched
 
     def subscribe(self, namespace: str) -> Subscription:
@@ -248,7 +248,8 @@ class ResidencyFeed:
     def meta_of(self, bid: BlockId) -> ChunkMeta | None:
         """The metadata attached to ``bid``, if any."""
         with self._lock:
-            return self._meta.get(bid)
+            raw = self._bins.get(bid)
+        return None if raw is None else decode_meta(raw)
 
     @property
     def subscribers(self) -> int:
@@ -404,10 +405,28 @@ class FeedSocket:
             self._file.remove()
 
 
-def _content(namespace: str, meta: ChunkMeta) -> tuple[str, Any, tuple[int, ...], str | None] | None:
-    """What :meth:`ResidencyFeed.match` finds a chunk by; None for a chunk it must never match."""
+_ContentKey = tuple[str, Any, bytes, str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Walk:
+    """What :meth:`ResidencyFeed.match` needs of a chunk (its decoded metadata is not kept)."""
+
+    content: _ContentKey | None  # None: a chunk the query must never match
+    tokens: int
+    last_hash: Any
+
+
+def _tokens_digest(tokens: Sequence[int]) -> bytes:
+    return hashlib.blake2b(array("I", tokens).tobytes(), digest_size=16).digest()
+
+
+def _walk_of(namespace: str, meta: ChunkMeta) -> _Walk:
     plain = meta.extra_keys is None or all(k is None or k == (meta.lora_name,) for k in meta.extra_keys)
-    return (namespace, meta.parent_block_hash, meta.token_ids, meta.lora_name) if plain else None
+    content = (
+        (namespace, meta.parent_block_hash, _tokens_digest(meta.token_ids), meta.lora_name) if plain else None
+    )
+    return _Walk(content, len(meta.token_ids), meta.block_hashes[-1])
 
 
 def _namespace_of(message: list[Any]) -> str | None:

@@ -265,11 +265,9 @@ def test_sibling_engines_announce_the_nodes_residency_and_follow_every_change(
         wait_until(agree, timeout=30, what="both engines to announce the node's residency")
         assert ("storage", 0) in router.entries(1), "the sibling is credited with A's chunk on disk"
         assert ("cpu", 390) in router.entries(1), "and with A's newest chunk in DRAM"
-        # A delete reaches both engines' next steps.
+        # A delete reaches both engines (how soon is measured by `kvfabric bench routing`).
         assert client.delete(NS, keys[39:], timeout=10) == 1
-        t0 = time.monotonic()
         wait_until(lambda: router.step(engines) and ("cpu", 390) not in router.entries(1), what="the removal")
-        assert time.monotonic() - t0 < 2.0
         wait_until(agree, timeout=30, what="agreement after the delete")
     # A restart loses DRAM: both engines withdraw it on their next step, then re-follow.
     srv.kill()

@@ -150,6 +150,43 @@ def test_a_store_handed_over_before_the_snapshot_arrived_is_announced_once() -> 
     assert events == [kv.BlockStored((0, 1), None, (0, 1, 2, 3), BLOCK, None, "CPU", None)]
 
 
+def test_a_siblings_chunk_whose_prefix_is_gone_is_not_announced() -> None:
+    """Routers drop an event whose parent they never saw; a prefix walk could never reach it."""
+    feed = ScriptedFeed([("hello", 1), ("synced", None)])
+    node = _follower([feed])
+    node.poll()
+    feed.messages = [
+        Change("stored", "orphan", "dram", _meta(3, 2)),
+        Change("stored", "root", "dram", _meta(0, None)),
+    ]
+    node.poll()
+    assert [e.block_hashes for e in node.ledger.take() if isinstance(e, kv.BlockStored)] == [(0, 1)]
+    # Its parent comes (stored in the same batch, after it): then it is announced, after the parent.
+    feed.messages = [Change("stored", "k2", "dram", _meta(2, 1)), Change("stored", "k1", "dram", _meta(1, 0))]
+    node.poll()
+    assert [e.block_hashes for e in node.ledger.take() if isinstance(e, kv.BlockStored)] == [
+        (10, 11),
+        (20, 21),
+        (30, 31),
+    ]
+    # This engine's own chunk is announced whatever the feed holds of its prefix (vLLM announced it).
+    node.describe("mine", _meta(5, 4))
+    assert [e.block_hashes for e in node.ledger.take() if isinstance(e, kv.BlockStored)] == [(50, 51)]
+
+
+def test_a_store_of_a_chunk_the_server_holds_is_credited_as_the_feed_says() -> None:
+    """The server drops a store of a chunk it holds: only the tiers it holds are credited, not DRAM."""
+    feed = ScriptedFeed(
+        [("hello", 1), Change("stored", "k0", "local_disk", _meta(0, None)), ("synced", None)]
+    )
+    node = _follower([feed])
+    node.poll()
+    node.ledger.take()
+    node.describe("k0", _meta(0, None))
+    assert node.ledger.take() == []
+    assert node.ledger.credited() == {(kv.Scope("STORAGE", "LOCAL"), h) for h in (0, 1)}
+
+
 def test_without_a_feed_the_log_announces_stores_itself() -> None:
     node = _follower([])
     node._next_try = 1.0  # the feed is down until the clock reaches 1.0

@@ -32,6 +32,9 @@ from kvfabric.rpc.kvevents import BlockHash, BlockRemoved, BlockStored, Event, S
 __all__ = ["ChunkMeta", "EventLedger"]
 
 DEFAULT_MAX_KEYS = 200_000
+_ANNOUNCED_SCOPES = tuple(
+    {s for s in (scope_of_tier(t) for t in ("dram", "local_disk", "shared", "object")) if s}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +133,10 @@ class EventLedger:
         """Whether ``key`` is credited in ``tier``'s medium (False for a tier that is not announced)."""
         scope = scope_of_tier(tier)
         return scope is not None and scope in self._scopes.get(key, ())
+
+    def announced(self, h: BlockHash) -> bool:
+        """Whether block ``h`` is credited in any medium (a router knows it as a parent)."""
+        return any((scope, h) in self._held for scope in _ANNOUNCED_SCOPES)
 
     def credited(self) -> set[tuple[Scope, BlockHash]]:
         """The (medium, hash) pairs a router that saw every event holds now."""

@@ -41,6 +41,7 @@ ANNOUNCE_PER_STEP = 128  # chunks decoded and announced per engine step (~0.1 ms
 RETRY_SECONDS = 1.0
 CONFIRM_SECONDS = 10.0  # a store the feed has not confirmed by then was dropped: withdrawn
 CONNECT_TIMEOUT_SECONDS = 0.05
+MAX_ORPHANS = 4096  # parents awaited by siblings' chunks (the oldest is given up)
 
 
 class FeedClient(Protocol):
@@ -85,6 +86,8 @@ class NodeResidency:
         self._snapshot: list[Change] | None = None  # being read (between hello and synced)
         self.resident: dict[str, set[str]] = {}  # what the server said, announced tiers only
         self._metas: OrderedDict[str, bytes] = OrderedDict()
+        self._own: OrderedDict[str, None] = OrderedDict()  # keys this engine stored (bounded likewise)
+        self._orphans: dict[Any, list[tuple[str, str]]] = {}  # parent hash -> chunks waiting for it
         self._backlog: deque[tuple[str, str]] = deque()
         self.synced = False
 
@@ -103,10 +106,20 @@ class NodeResidency:
         """
         raw = encode_meta(meta)
         self._remember_meta(key, raw)
-        self.ledger.stored(key, "dram", meta)
+        self._own[key] = None
+        self._own.move_to_end(key)
+        while len(self._own) > self._remember:
+            self._own.popitem(last=False)
         if self._client is None and self._clock() >= self._next_try:
             self._open()  # an engine's first store can come before its first take_events()
-        if self._client is not None and "dram" not in self.resident.get(key, ()):
+        if key in self.resident:
+            # The server holds it already (a store of it is dropped as present): credit what the
+            # feed said it holds, and let the feed decide the rest.
+            for tier in self.resident[key]:
+                self._announce(key, tier)
+        else:
+            self.ledger.stored(key, "dram", meta)
+        if self._client is not None and key not in self.resident:
             # In flight: a snapshot that does not list it yet must not withdraw it.
             self._unconfirmed[key] = self._clock() + self.confirm_seconds
             self._unconfirmed.move_to_end(key)  # deadlines stay in order
@@ -285,8 +298,21 @@ class NodeResidency:
             return 0  # named later: the storing connector's metadata comes with a new record
         if self.ledger.holds(key, tier):
             return 0  # announced already (this engine's own store): nothing to decode
-        self.ledger.stored(key, tier, decode_meta(raw))
-        return 1
+        meta = decode_meta(raw)
+        parent = meta.parent_block_hash
+        if key not in self._own and parent is not None and not self.ledger.announced(parent):
+            # A sibling's chunk whose prefix this engine is not credited with (yet): routers drop
+            # an event whose parent they do not know. It waits for its parent (bounded).
+            self._orphans.setdefault(parent, []).append((key, tier))
+            while len(self._orphans) > MAX_ORPHANS:
+                del self._orphans[next(iter(self._orphans))]
+            return 0
+        self.ledger.stored(key, tier, meta)
+        n = 1
+        for child, child_tier in self._orphans.pop(meta.block_hashes[-1], []):
+            if child_tier in self.resident.get(child, ()):
+                n += self._announce(child, child_tier)
+        return n
 
 
 def node_residency_for(socket: str | None, namespace: str, ledger: EventLedger) -> NodeResidency | None:

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 ANNOUNCED_TIERS = ("dram", "local_disk")
 ANNOUNCE_PER_STEP = 128  # chunks decoded and announced per engine step (~0.1 ms each)
 RETRY_SECONDS = 1.0
-CONFIRM_SECONDS = 10.0  # a store the feed has not confirmed by then was dropped: withdrawn
+CONFIRM_SECONDS = 3.0  # a store the feed has not confirmed by then was dropped: withdrawn
 CONNECT_TIMEOUT_SECONDS = 0.05
 MAX_ORPHANS = 4096  # parents awaited by siblings' chunks (the oldest is given up)
 
@@ -90,6 +90,8 @@ class NodeResidency:
         self._orphans: dict[Any, list[tuple[str, str]]] = {}  # parent hash -> chunks waiting for it
         self._backlog: deque[tuple[str, str]] = deque()
         self.synced = False
+        self.unconfirmed_withdrawn = 0
+        """Stores announced but not confirmed by the server in time (dropped there), withdrawn."""
 
     @property
     def connected(self) -> bool:
@@ -162,6 +164,7 @@ class NodeResidency:
                 return
             del self._unconfirmed[key]
             if self.connected and "dram" not in self.resident.get(key, ()):
+                self.unconfirmed_withdrawn += 1
                 self.ledger.removed(key, "dram")
 
     def close(self) -> None:

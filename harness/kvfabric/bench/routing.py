@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     # Chained keys: the shared first chunk is one key, whichever prompt stores it.
     prompts = [[digest("prompt", 0 if i < 1 else p, i) for i in range(6)] for p in range(args.prompts)]
     metas = {prompts[p][i]: _meta(p, i, 1) for p in range(args.prompts) for i in range(6)}
+    chain_of = {prompts[p][i]: prompts[p][:i] for p in range(args.prompts) for i in range(6)}
     with (
         cache_server(
             server_id="node-0", dram_bytes=12 * MIB, local_disk_bytes=24 * MIB, overrides=overrides
@@ -118,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
         truth: list[dict[str, set[str]]] = [{}, {}]
         observers: list[ResidencyFeedClient | None] = [None, None]
         removed_at: dict[tuple[int, str, int], float] = {}  # (node, tier, hash) -> when the server said so
+        stored_at: dict[tuple[int, str, int], float] = {}
+        # Withdrawals seen by the router, matched with the server's removal once the subscriber that
+        # records the truth has read it (it may read it a little after an engine did).
+        pending: list[tuple[int, str, int, float]] = []
         latencies: list[float] = []
         stats = {"events": [0, 0], "bytes": [0, 0]}
         precision: list[float] = []
@@ -154,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
                 tiers = truth[n].setdefault(m.key, set())
                 if m.op == "stored":
                     tiers.add(m.tier)
+                    for h in metas[m.key].block_hashes:
+                        stored_at[(n, names[m.tier], h)] = now
                 else:
                     tiers.discard(m.tier)
                     for h in metas[m.key].block_hashes:
@@ -164,6 +171,12 @@ def run(args: argparse.Namespace) -> int:
             return {
                 (names[t], h) for k, tiers in truth[n].items() for t in tiers for h in metas[k].block_hashes
             }
+
+        def routable(n: int) -> set[tuple[str, int]]:
+            # Resident blocks of chunks whose whole prefix the node holds (a router can reach them).
+            held = {k for k, tiers in truth[n].items() if tiers}
+            ok = {k for k in held if all(prefix in held for prefix in chain_of[k])}
+            return {(names[t], h) for k in ok for t in truth[n][k] for h in metas[k].block_hashes}
 
         def step(name: str) -> None:
             node = engines[name]
@@ -178,10 +191,7 @@ def run(args: argparse.Namespace) -> int:
                 for ev in events:
                     if isinstance(ev, BlockRemoved):
                         tier = ev.medium.lower() if ev.medium else "gpu"
-                        for h in ev.block_hashes:
-                            t0 = removed_at.get((node_of[name], tier, int(h)))
-                            if t0 is not None:
-                                latencies.append(now - t0)
+                        pending.extend((node_of[name], tier, int(h), now) for h in ev.block_hashes)
                 if name in startup and "bytes" in startup[name] and startup[name].get("done") is None:
                     startup[name]["bytes"] += len(payload)
                     startup[name]["events"] += len(events)
@@ -195,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
             for name in engines:
                 n = node_of[name]
                 have = resident(n)
+                reachable = routable(n)
                 for model, p_out, r_out in (
                     (router, precision, recall),
                     (baseline, base_precision, base_recall),
@@ -202,8 +213,8 @@ def run(args: argparse.Namespace) -> int:
                     credited = {(t, h) for t, h in model.entries(name) if t in ("cpu", "storage")}
                     if credited:
                         p_out.append(len(credited & have) / len(credited))
-                    if have:
-                        r_out.append(len(credited & have) / len(have))
+                    if reachable:
+                        r_out.append(len(credited & reachable) / len(reachable))
                     if model is router:
                         now = time.monotonic()
                         stale_past_grace.append(
@@ -215,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
                         )
 
         next_chain: dict[tuple[str, int], int] = {}
+        dropped = 0
         start = time.monotonic()
         end = start + args.seconds
         next_sample = start + 1.0
@@ -233,13 +245,20 @@ def run(args: argparse.Namespace) -> int:
                     i = next_chain.get((name, p), 0)
                     key = prompts[p][i]
                     next_chain[(name, p)] = (i + 1) % 6
+                    # vLLM's own events announce every block the engine computed or loaded (GPU): a
+                    # router knows the whole prefix of what this engine stores or hits.
+                    for model in (router, baseline):
+                        model.seen.update(
+                            (name, h) for k in prompts[p][: i + 1] for h in metas[k].block_hashes
+                        )
                     if truth[n].get(key):
-                        continue  # a hit: the connector loads it rather than storing it again
+                        continue  # the connector loads it rather than storing it again
                     engines[name].describe(key, metas[key])
                     base_ledgers[name].stored(key, "dram", metas[key])
                     # A restarting server refuses stores (the connector drops them the same way).
                     with contextlib.suppress(Exception):
-                        clients[n].store(ns, [key], [payload_for(key, 256 << 10)], timeout=5)
+                        done = clients[n].store(ns, [key], [payload_for(key, 256 << 10)], timeout=5)
+                        dropped += done.dropped
                 for _ in range(_poisson(rng, args.deletes * step_s)):
                     keys = [k for k, t in truth[n].items() if t]
                     if keys:
@@ -247,6 +266,17 @@ def run(args: argparse.Namespace) -> int:
                             clients[n].delete(ns, [rng.choice(keys)], timeout=5)
             for name in list(engines):
                 step(name)
+            for n in range(2):
+                observe(n)
+            now = time.monotonic()
+            waiting = []
+            for n, tier, h, t_seen in pending:
+                t0 = removed_at.get((n, tier, h))
+                if t0 is not None and t0 >= stored_at.get((n, tier, h), 0.0):
+                    latencies.append(max(0.0, t_seen - t0))
+                elif now - t_seen < 2.0:
+                    waiting.append((n, tier, h, t_seen))
+            pending[:] = waiting
             if not killed and tick >= kill_at:
                 killed = True
                 t_kill = time.monotonic()
@@ -277,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
                 next_sample += 0.5
             time.sleep(max(0.0, step_s - (time.monotonic() - tick)))
         elapsed = time.monotonic() - start
+        unconfirmed = sum(node.unconfirmed_withdrawn for node in engines.values())
         for c in clients:
             c.close()
         for obs in observers:
@@ -301,6 +332,8 @@ def run(args: argparse.Namespace) -> int:
         "events_per_s_per_node": [round(e / elapsed, 1) for e in stats["events"]],
         "bytes_per_s_per_node": [round(b / elapsed) for b in stats["bytes"]],
         "violations": vars(router.violations),
+        "stores_never_confirmed": unconfirmed,
+        "stores_dropped_by_server": dropped,
         "resident_blocks_at_end": resident_blocks,
     }
     if not args.json:

@@ -119,7 +119,8 @@ class NodeResidency:
             # feed said it holds, and let the feed decide the rest.
             for tier in self.resident[key]:
                 self._announce(key, tier)
-        else:
+        elif self._client is not None or self.epoch is None:
+            # (Not while a server this engine followed is away: its stores fail meanwhile.)
             self.ledger.stored(key, "dram", meta)
         if self._client is not None and key not in self.resident:
             # In flight: a snapshot that does not list it yet must not withdraw it.
@@ -137,6 +138,10 @@ class NodeResidency:
         self._metas.move_to_end(key)
         while len(self._metas) > self._remember:
             self._metas.popitem(last=False)
+
+    def in_flight(self, key: str) -> bool:
+        """Whether ``key`` is announced on the strength of this engine's store, not yet confirmed."""
+        return key in self._unconfirmed
 
     def poll(self) -> None:
         """Apply what the feed sent since the last call, and announce the next part of a backlog."""

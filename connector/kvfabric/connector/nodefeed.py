@@ -7,7 +7,10 @@ publisher (which supplies the endpoint identity, sequence numbers and replay) se
 
 * a ``BlockStored`` when a chunk enters an announced tier (DRAM, local NVMe), whichever engine on
   the node stored it: the storing connector attaches the chunk's metadata, the server hands it to
-  every subscriber, so sibling engines get the credit too;
+  every subscriber, so sibling engines get the credit too (a sibling's chunk waits until the chunk
+  holding its parent block is announced: routers drop an event whose parent they do not know). This
+  engine's own store is announced in DRAM in the step that hands it over and withdrawn if the feed
+  does not confirm it within ``confirm_seconds`` (the server dropped it);
 * a ``BlockRemoved`` when it leaves (eviction, TTL expiry, a delete, a restart), on the engine step
   after the server applied it (:meth:`NodeResidency.poll` runs in every ``take_events()``);
 * on start (and after the server restarted: a new epoch) the node's current residency once, in

@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 messages = obs.read(0.0)
             except CacheUnavailable:
+                obs.close()
                 observers[n] = None
                 now = time.monotonic()
                 for key, tiers in truth[n].items():

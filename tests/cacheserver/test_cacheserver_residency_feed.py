@@ -112,6 +112,10 @@ def test_store_write_back_metadata_eviction_and_delete_each_reach_every_subscrib
             f.until(lambda f=f: not f.tiers.get(key), "the delete")
             removed = [c for c in f.changes(key) if c[0] == "removed"]
             assert sorted(removed) == [("removed", "dram"), ("removed", "local_disk")]
+        # The metrics say engines follow the feed, and how much it sent.
+        metrics = _get(srv.metrics_url + "/metrics")
+        assert "kvfabric_residency_subscribers 2.0" in metrics
+        assert "kvfabric_residency_records_total" in metrics
         # Every key's last word is its current residency: the feed and the server agree.
         time.sleep(0.5)
         a.pump()
@@ -180,6 +184,13 @@ def test_bad_requests_get_an_error_naming_what_is_wrong(
     f.until(lambda: any(isinstance(m, tuple) and m[0] == "error" for m in f.log), "an error", timeout=10)
     (error,) = [m for m in f.log if isinstance(m, tuple) and m[0] == "error"]
     assert "meta.block_size" in str(error[1])
+
+
+def _get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()  # type: ignore[no-any-return]
 
 
 def _query(srv: ServerProcess, body: object) -> tuple[int, object]:

@@ -157,6 +157,10 @@ class Metrics:
         """Export ``kvfabric_listener_up`` from ``probes``."""
         self.registry.register(_ListenerCollector(probes))
 
+    def watch_residency(self, read: Callable[[], tuple[int, int]]) -> None:
+        """Export the residency feed's subscribers and records sent; ``read()`` gives both."""
+        self.registry.register(_ResidencyCollector(read))
+
     def exposition(self) -> bytes:
         """Prometheus text exposition of every instrument."""
         return generate_latest(self.registry)
@@ -324,6 +328,27 @@ class _ListenerCollector(Collector):
             state = states.get(name)
             up.add_metric([name], 1 if state is not None and state.up else 0)
         yield up
+
+
+class _ResidencyCollector(Collector):
+    """The residency feed (docs/routing.md): whether same-node engines follow it, and how much it sent."""
+
+    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        subscribers, records = self._read()
+        gauge = GaugeMetricFamily(
+            "kvfabric_residency_subscribers",
+            "Connections following the residency feed (one per engine that announces this node's tiers)",
+        )
+        gauge.add_metric([], subscribers)
+        sent = CounterMetricFamily(
+            "kvfabric_residency_records",
+            "Residency records (stored, removed) queued to subscribers, snapshots included",
+        )
+        sent.add_metric([], records)
+        yield from (gauge, sent)
 
 
 MAX_QUERY_BYTES = 4 << 20

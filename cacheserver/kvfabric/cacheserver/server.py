@@ -364,6 +364,8 @@ async def serve(
     await loop.run_in_executor(None, listeners.check)
     listeners.start()
     metrics.watch_listeners(listeners)
+    if feed is not None:
+        metrics.watch_residency(feed.stats)
     if probes is not None:
         probes.listeners = listeners
         probes.ready = True

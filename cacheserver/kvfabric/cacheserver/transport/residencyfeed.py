@@ -123,6 +123,8 @@ class ResidencyFeed:
         # plain-text chunks (no extra keys), and per namespace the token lengths chunks have.
         self._by_content: dict[_ContentKey, BlockId] = {}
         self._lengths: dict[str, set[int]] = {}
+        self.records = 0
+        """Records queued to subscribers (each subscriber counted), snapshots included."""
 
     def changed(self, bids: Iterable[BlockId]) -> None:
         """Record ``bids`` as the store holds them now (after every membership change)."""
@@ -145,6 +147,7 @@ class ResidencyFeed:
                     changes = [Change("stored", bid.key, t, meta_bin=raw) for t in now if t not in prev]
                     changes += [Change("removed", bid.key, t) for t in prev if t not in now]
                     frames = [frame(c.to_wire()) for c in changes]
+                    self.records += len(frames) * len(subs)
                     for sub in subs:
                         sub.push(frames)
 
@@ -165,6 +168,7 @@ class ResidencyFeed:
             subs = self._subs.get(bid.namespace)
             if subs:
                 frames = [frame(Change("stored", bid.key, t, meta_bin=raw).to_wire()) for t in tiers]
+                self.records += len(frames) * len(subs)
                 for sub in subs:
                     sub.push(frames)
 
@@ -226,6 +230,7 @@ class ResidencyFeed:
                     raw = self._bins.get(bid)
                     frames += [frame(Change("stored", bid.key, t, meta_bin=raw).to_wire()) for t in tiers]
             frames.append(frame(["synced"]))
+            self.records += len(frames) - 2
             sub.push(frames)
             self._subs.setdefault(namespace, set()).add(sub)
         return sub
@@ -256,6 +261,11 @@ class ResidencyFeed:
         """Open subscriptions."""
         with self._lock:
             return sum(len(s) for s in self._subs.values())
+
+    def stats(self) -> tuple[int, int]:
+        """Open subscriptions and records queued so far (the metrics)."""
+        with self._lock:
+            return sum(len(s) for s in self._subs.values()), self.records
 
 
 class FeedSocket:

@@ -1135,6 +1135,16 @@ class CacheInsight(_Model):
         json_schema_extra={"maxProperties": 16},
     )
     tiers: list[TierUsage] = Field(default_factory=list, max_length=8, description="Bytes per tier.")
+    routing_subscribers: int = Field(
+        default=0,
+        description="Engines following their node's residency feed, summed over the nodes scraped: "
+        "each one announces its node's tiers in its KV events (spec.consumers.routingEvents).",
+    )
+    routing_nodes: int = Field(
+        default=0,
+        description="Nodes scraped whose cache server at least one engine follows (routing events flow "
+        "from them).",
+    )
     namespaces_in_use: int = Field(
         default=0, description="Distinct compatibility namespaces the consumers described to the servers."
     )

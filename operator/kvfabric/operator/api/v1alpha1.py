@@ -1244,5 +1244,12 @@ PRINTER_COLUMNS: Final = [
         "priority": 1,
         "description": "compatibility namespaces the consumers use",
     },
+    {
+        "name": "Routing",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="RoutingEvents")].status',
+        "priority": 1,
+        "description": "whether engines announce the pool's tiers in their KV events (routingEvents)",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

@@ -21,6 +21,7 @@ from kvfabric.connector.scheduler import SchedulerHalf
 from kvfabric.connector.settings import ConnectorSettings
 from kvfabric.connector.steps import RequestInfo, ScheduledRequest, StepInput, StepPlan
 from kvfabric.connector.worker import WorkerHalf
+from kvfabric.rpc import kvevents as kv
 from kvfabric.testing.memtransport import MemoryTransport
 
 BLOCK, CHUNK = 4, 16
@@ -484,6 +485,12 @@ def test_every_loaded_key_holds_the_kv_of_exactly_the_tokens_it_is_loaded_for(
 # ------------------------------------------------------------------------------------------ KV events
 
 
+def _index(h: bytes | int) -> int:
+    """The block index in a test hash ``b"h<i>"``."""
+    assert isinstance(h, bytes)
+    return int(h[1:])
+
+
 def test_every_stored_block_is_announced_by_the_hash_of_exactly_that_block(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -496,8 +503,8 @@ def test_every_stored_block_is_announced_by_the_hash_of_exactly_that_block(
     """
     from kvfabric.connector import vllmevents
 
-    monkeypatch.setattr(vllmevents, "BlockStored", lambda **kw: SimpleNamespace(kind="stored", **kw))
-    monkeypatch.setattr(vllmevents, "BlockRemoved", lambda **kw: SimpleNamespace(kind="removed", **kw))
+    monkeypatch.setattr(vllmevents, "_VLLM", True)
+    monkeypatch.setattr(vllmevents, "to_vllm", lambda e: e)
     store = MemoryTransport()
     half = _half(store)
     log = vllmevents.KVEventLog(BLOCK, enabled=True)
@@ -505,7 +512,9 @@ def test_every_stored_block_is_announced_by_the_hash_of_exactly_that_block(
     output = list(range(700, 700 + CHUNK))  # generated: completes chunk 1 and fills 2 blocks more
     tokens = [*prompt, *output]
     req = SimpleNamespace(
-        block_hashes=[f"h{i}" for i in range(len(tokens) // BLOCK)], all_token_ids=tokens, lora_request=None
+        block_hashes=[f"h{i}".encode() for i in range(len(tokens) // BLOCK)],
+        all_token_ids=tokens,
+        lora_request=None,
     )
     info = RequestInfo("r1", tuple(prompt))
     assert half.num_new_matched_tokens(info, 0) == 0
@@ -521,15 +530,17 @@ def test_every_stored_block_is_announced_by_the_hash_of_exactly_that_block(
                 assert blocks == table[first : first + len(blocks)], "first_blocks names the saved blocks"
                 store.blocks[(half.namespace, key)] = b"x"
             log.stored(req, save)
-    announced = [e for e in log.take() if e.kind == "stored"]
+    announced = [e for e in log.take() if isinstance(e, kv.BlockStored)]
     kv_tokens = len(tokens) - 1  # the last output token has no KV yet
     whole_blocks = kv_tokens // BLOCK
-    covered = sorted({h for e in announced for h in e.block_hashes}, key=lambda h: int(h[1:]))
-    assert covered == [f"h{i}" for i in range(whole_blocks)], "every stored block, generated ones included"
+    covered = sorted({h for e in announced for h in e.block_hashes}, key=_index)
+    assert covered == [f"h{i}".encode() for i in range(whole_blocks)], (
+        "every stored block, generated ones included"
+    )
     for e in announced:
-        first = int(e.block_hashes[0][1:])
-        assert e.token_ids == tokens[first * BLOCK : (first + len(e.block_hashes)) * BLOCK]
-        assert e.parent_block_hash == (f"h{first - 1}" if first else None)
+        first = _index(e.block_hashes[0])
+        assert list(e.token_ids) == tokens[first * BLOCK : (first + len(e.block_hashes)) * BLOCK]
+        assert e.parent_block_hash == (f"h{first - 1}".encode() if first else None)
     half.request_finished("r1")
     _t0, t1, t2 = tail_keys(NS, tokens, CHUNK, BLOCK, chunk=1, parent=chunk_keys(NS, tokens, CHUNK)[0])
     # Tail blocks 2 and 3 of chunk 1 leave the cache; chunk 1 (stored whole when the output
@@ -545,7 +556,8 @@ def test_every_stored_block_is_announced_by_the_hash_of_exactly_that_block(
     r3 = RequestInfo("r3", (*tokens, *range(4000, 4000 + CHUNK)))
     assert half.num_new_matched_tokens(r3, 0) == CHUNK + BLOCK
     log.found_missing(half.absent_keys("r3"))
-    (removed,) = log.take()
-    assert removed.kind == "removed"
-    # Block 4 is still held by tail block 1; blocks 5-7 by nothing kvfabric holds any more.
-    assert sorted(removed.block_hashes) == ["h5", "h6", "h7"]
+    removed = log.take()
+    assert all(isinstance(e, kv.BlockRemoved) for e in removed)
+    # Block 4 is still held by tail block 1; blocks 5-7 by nothing kvfabric holds any more, each
+    # withdrawn exactly once.
+    assert sorted(h for e in removed for h in e.block_hashes) == [b"h5", b"h6", b"h7"]

@@ -231,8 +231,8 @@ class _Request:
 def test_kv_events_announce_stored_chunks_and_tail_blocks_once_and_withdraw_missing_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(vllmevents, "BlockStored", _Stored)
-    monkeypatch.setattr(vllmevents, "BlockRemoved", _Removed)
+    monkeypatch.setattr(vllmevents, "_VLLM", True)
+    monkeypatch.setattr(vllmevents, "to_vllm", lambda e: e)
     log = vllmevents.KVEventLog(block_size=2, enabled=True)
     req = _Request([b"h0", b"h1", b"h2", b"h3", b"h4"], list(range(10)))
     # Chunks k0 and k1 (blocks 0-1, 2-3), then a tail block t4 (block 4) of the partial chunk 2.
@@ -240,15 +240,14 @@ def test_kv_events_announce_stored_chunks_and_tail_blocks_once_and_withdraw_miss
     log.stored(req, save)
     log.stored(req, SaveSpec("r", ["k1"], [[12, 13]], first_blocks=[2]))  # already announced
     events = log.take()
-    assert [e.block_hashes for e in events] == [[b"h0", b"h1"], [b"h2", b"h3"], [b"h4"]]
+    assert [e.block_hashes for e in events] == [(b"h0", b"h1"), (b"h2", b"h3"), (b"h4",)]
     assert [e.parent_block_hash for e in events] == [None, b"h1", b"h3"]
-    assert events[1].token_ids == [4, 5, 6, 7]
-    assert events[2].token_ids == [8, 9]
+    assert events[1].token_ids == (4, 5, 6, 7)
+    assert events[2].token_ids == (8, 9)
     assert {e.medium for e in events} == {"CPU"}
     assert log.take() == []
     log.found_missing(["k1", "t4", "never-announced"])
-    (removed,) = log.take()
-    assert removed.block_hashes == [b"h2", b"h3", b"h4"]
+    assert [e.block_hashes for e in log.take()] == [(b"h2", b"h3"), (b"h4",)]
     log.found_missing(["k1"])
     assert log.take() == []
     # A block vLLM has not hashed (prefix caching off, or not full yet) is never announced.

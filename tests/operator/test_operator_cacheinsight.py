@@ -9,8 +9,10 @@ import pytest
 
 from kvfabric.cacheserver.metrics import namespace_label
 from kvfabric.client import CacheClient
+from kvfabric.client.residency import ResidencyFeedClient
 from kvfabric.operator.cacheinsight import NodeCache, Scraper, parse_metrics, scrape_targets, summarize
 from kvfabric.operator.status import compute_status
+from kvfabric.rpc.residency import residency_socket_for
 from kvfabric.testing.serverproc import MiB, cache_server, digest, free_port, payload_for
 
 EXPOSITION = """# TYPE kvfabric_cache_lookup_keys_total counter
@@ -83,6 +85,11 @@ async def test_scraping_real_cache_servers_at_a_bounded_rate() -> None:
             assert c.lookup(ns, keys, timeout=5).matched == 3  # 3 hits, then 1 miss
         with CacheClient(two.unix_target, shared_memory=True) as c:
             assert c.lookup(ns, keys, timeout=5).matched == 0  # 4 misses: a silent 0 % node
+        # One engine follows server one's residency feed (its KV events announce that node's tiers).
+        feed = ResidencyFeedClient(residency_socket_for(one.config.listen.unix_socket), ns)
+        for _ in range(100):
+            if ("synced", None) in feed.read(0.1):
+                break
         dead = f"http://127.0.0.1:{free_port()}/metrics"
         targets = {
             "gpu-1": one.metrics_url + "/metrics",
@@ -99,6 +106,8 @@ async def test_scraping_real_cache_servers_at_a_bounded_rate() -> None:
         insight = scraper.insights[("ns", "p")]
         assert (insight.lookup_hits, insight.lookup_misses, insight.hit_rate) == (3, 5, "37.5%")
         assert (insight.nodes_scraped, insight.nodes_unreachable) == (2, 1)
+        assert (insight.routing_subscribers, insight.routing_nodes) == (1, 1)
+        feed.close()
         dram = next(t for t in insight.tiers if t.tier == "dram")
         assert dram.worst_node == "gpu-1"
         assert dram.used_bytes >= 3 * 200_000

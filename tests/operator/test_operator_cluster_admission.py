@@ -140,6 +140,16 @@ _HEX = "a" * 64
 # Nonsense specs: each is also rejected by the models (the reconciler's and the webhook's
 # parse), see test_nonsense_pool_is_rejected_by_the_models.
 NONSENSE_POOLS: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "routing-events-one-port-twice",
+        with_("spec.consumers", {"routingEvents": {"port": 6000, "replayPort": 6000}}),
+        "spec.consumers.routingEvents.replayPort",
+    ),
+    (
+        "routing-events-model-with-at",
+        with_("spec.consumers", {"routingEvents": {"modelName": "a@b"}}),
+        "spec.consumers.routingEvents.modelName",
+    ),
     # Whole-byte quantities with bounds.
     ("memory-milli", with_("spec.tiers.memory.size", "100m"), "spec.tiers.memory.size"),
     ("memory-half-byte", with_("spec.tiers.memory.size", "0.5"), "spec.tiers.memory.size"),

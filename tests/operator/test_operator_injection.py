@@ -631,3 +631,99 @@ def test_what_a_pod_writes_itself_never_changes_the_key_it_is_given(
     key_mounts = [m for m in mounts if m["name"] == KEY_VOLUME or m["mountPath"] == KEY_MOUNT]
     assert key_mounts == ([{"name": KEY_VOLUME, "mountPath": KEY_MOUNT, "readOnly": True}] if cross else [])
     assert inject(result.pod, targets, labels, csi_driver=CSI).pod == result.pod  # idempotent
+
+
+# ------------------------------------------------------------------------------------ routing events
+
+
+def _events_of(container: dict[str, Any]) -> dict[str, Any]:
+    args = container["args"]
+    return json.loads(args[args.index("--kv-events-config") + 1])  # type: ignore[no-any-return]
+
+
+def test_routing_events_inject_vllms_publisher_with_the_pod_ip_topic_and_llmds_label() -> None:
+    engine = {
+        "name": "vllm",
+        "image": "vllm/vllm-openai:v0.11.0",
+        "args": ["meta-llama/Llama-3.1-8B", "--served-model-name", "llama", "--port", "8080"],
+    }
+    result = inject(pod([engine]), pools(pool_body(routingEvents={})), {})
+    container = result.pod["spec"]["containers"][0]
+    assert _events_of(container) == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:5556",
+        "replay_endpoint": "tcp://*:5557",
+        "topic": "kv@$(POD_IP):8080@llama",
+    }
+    # $(POD_IP) is expanded by the kubelet from the pod's IP.
+    assert container["env"][0] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert result.pod["metadata"]["labels"]["llm-d.ai/inference-serving"] == "true"
+    detail = json.loads(result.pod["metadata"]["annotations"][names.INJECTED_ANNOTATION])
+    assert detail["kvEvents"] == ["vllm:kv-events"]
+    # Idempotent, as every injection is (the API server may reinvoke the webhook).
+    assert inject(result.pod, pools(pool_body(routingEvents={})), {}).pod == result.pod
+
+
+@pytest.mark.parametrize(
+    ("container", "spec", "topic"),
+    [
+        ({"command": ["vllm", "serve", "org/model", "--port", "9000"]}, {}, "kv@$(POD_IP):9000@org/model"),
+        (
+            {"command": ["python", "-m", "vllm.entrypoints.openai.api_server", "--model=m"]},
+            {},
+            "kv@$(POD_IP):8000@m",
+        ),
+        (
+            {"args": ["org/model"]},
+            {"modelName": "served", "port": 6000, "replayPort": 6001},
+            "kv@$(POD_IP):8000@served",
+        ),
+    ],
+)
+def test_routing_events_find_the_model_name_requests_carry(
+    container: dict[str, Any], spec: dict[str, Any], topic: str
+) -> None:
+    engine = {"name": "vllm", "image": "vllm/vllm-openai:v0.11.0", **container}
+    result = inject(pod([engine]), pools(pool_body(routingEvents=spec)), {})
+    assert _events_of(result.pod["spec"]["containers"][0])["topic"] == topic
+
+
+def test_routing_events_append_to_a_shell_script_and_keep_a_config_the_pod_set() -> None:
+    script = {
+        "name": "vllm",
+        "image": "vllm/vllm-openai",
+        "command": ["sh", "-c", "vllm serve m --port 8000"],
+    }
+    result = inject(pod([script]), pools(pool_body(routingEvents={})), {})
+    line = result.pod["spec"]["containers"][0]["command"][2]
+    assert line.startswith("vllm serve m --port 8000 ")
+    assert "--kv-events-config '{" in line
+    own = {
+        "name": "vllm",
+        "image": "vllm/vllm-openai",
+        "args": ["m", "--kv-events-config", '{"publisher":"null"}'],
+    }
+    result = inject(pod([own]), pools(pool_body(routingEvents={})), {})
+    args = result.pod["spec"]["containers"][0]["args"]
+    assert args[:3] == own["args"]
+    assert args.count("--kv-events-config") == 1
+    assert json.loads(result.pod["metadata"]["annotations"][names.INJECTED_ANNOTATION])["kvEvents"] == [
+        "vllm:user-set"
+    ]
+
+
+def test_without_routing_events_nothing_is_published_and_no_label_is_added() -> None:
+    engine = {"name": "vllm", "image": "vllm/vllm-openai", "args": ["m"]}
+    result = inject(pod([engine]), POOLS, {})
+    assert "--kv-events-config" not in result.pod["spec"]["containers"][0]["args"]
+    assert "llm-d.ai/inference-serving" not in result.pod["metadata"]["labels"]
+    no_label = inject(pod([engine]), pools(pool_body(routingEvents={"llmdLabel": False})), {})
+    assert "llm-d.ai/inference-serving" not in no_label.pod["metadata"]["labels"]
+
+
+def test_routing_events_ports_must_differ() -> None:
+    from kvfabric.operator.api.v1alpha1 import RoutingEvents
+
+    with pytest.raises(ValueError, match="replayPort must differ"):
+        RoutingEvents(port=5556, replay_port=5556)

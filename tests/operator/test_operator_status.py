@@ -193,3 +193,25 @@ def test_a_hand_edited_injected_annotation_counts_as_injected_not_over_tcp() -> 
     odd["metadata"]["annotations"][names.INJECTED_ANNOTATION] = 'not json, "transport":"tcp"'
     counts = consumer_counts([odd], "h1")
     assert (counts["injected"], counts["over_tcp"]) == (1, 0)
+
+
+def test_routing_events_condition_says_whether_engines_announce_the_pools_tiers() -> None:
+    import dataclasses
+
+    from kvfabric.operator.api.v1alpha1 import CacheInsight
+    from kvfabric.operator.routingevents import RoutingEventsSettings
+
+    routed = dataclasses.replace(CONN, routing_events=RoutingEventsSettings())
+    assert "RoutingEvents" not in {c["type"] for c in compute_status(observe(), NOW)[0]["conditions"]}
+    status, _ = compute_status(observe(connection=routed), NOW)
+    assert cond(status, "RoutingEvents")["status"] == "Unknown"
+    quiet = CacheInsight(scraped_at=NOW, nodes_scraped=3)
+    status, _ = compute_status(observe(connection=routed, cache=quiet), NOW)
+    assert (cond(status, "RoutingEvents")["status"], cond(status, "RoutingEvents")["reason"]) == (
+        "False",
+        "NoEngineFollows",
+    )
+    flowing = CacheInsight(scraped_at=NOW, nodes_scraped=3, routing_subscribers=4, routing_nodes=2)
+    status, _ = compute_status(observe(connection=routed, cache=flowing), NOW)
+    assert cond(status, "RoutingEvents")["status"] == "True"
+    assert "4 engines on 2/3 nodes" in cond(status, "RoutingEvents")["message"]

@@ -208,6 +208,12 @@ class MetricsConfig(_Model):
         description="Port serving GET /metrics (Prometheus), /healthz and /readyz (200 while serving); "
         "null disables it; 0 picks a free port.",
     )
+    residency_query: bool = Field(
+        default=False,
+        description="Also serve POST /query on this port: given a namespace digest and token ids, the tokens "
+        "of their longest prefix resident per tier (docs/routing.md). Off by default: the port has no "
+        "authentication, and the answer tells whoever knows a namespace digest whether a prompt was cached.",
+    )
 
 
 class DramTierConfig(_Model):

@@ -8,6 +8,8 @@ counters are recorded by the service directly.
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 import threading
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -181,6 +183,10 @@ class Metrics:
     def watch_listeners(self, probes: ListenerProbes) -> None:
         """Export ``kvfabric_listener_up`` from ``probes``."""
         self.registry.register(_ListenerCollector(probes))
+
+    def watch_residency(self, read: Callable[[], tuple[int, int]]) -> None:
+        """Export the residency feed's subscribers and records sent; ``read()`` gives both."""
+        self.registry.register(_ResidencyCollector(read))
 
     def exposition(self) -> bytes:
         """Prometheus text exposition of every instrument."""
@@ -366,6 +372,51 @@ class _ListenerCollector(Collector):
         yield up
 
 
+class _ResidencyCollector(Collector):
+    """The residency feed (docs/routing.md): whether same-node engines follow it, and how much it sent."""
+
+    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        subscribers, records = self._read()
+        gauge = GaugeMetricFamily(
+            "kvfabric_residency_subscribers",
+            "Connections following the residency feed (one per engine that announces this node's tiers)",
+        )
+        gauge.add_metric([], subscribers)
+        sent = CounterMetricFamily(
+            "kvfabric_residency_records",
+            "Residency records (stored, removed) queued to subscribers, snapshots included",
+        )
+        sent.add_metric([], records)
+        yield from (gauge, sent)
+
+
+MAX_QUERY_BYTES = 4 << 20
+QueryFn = Callable[[str, list[int], str | None], dict[str, int]]
+
+
+def parse_query(body: bytes) -> tuple[str, list[int], str | None]:
+    """``POST /query``'s JSON body (namespace, token_ids, lora_name); ValueError names the field."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("the body must be a JSON object") from None
+    if not isinstance(doc, dict):
+        raise ValueError("the body must be a JSON object")
+    namespace = doc.get("namespace")
+    if not isinstance(namespace, str) or not re.fullmatch(r"[0-9a-f]{64}", namespace):
+        raise ValueError("namespace: 64 lower-case hex characters (the namespace digest)")
+    tokens = doc.get("token_ids")
+    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+        raise ValueError("token_ids: an array of non-negative integers")
+    lora = doc.get("lora_name")
+    if lora is not None and not isinstance(lora, str):
+        raise ValueError("lora_name: a string or null")
+    return namespace, tokens, lora
+
+
 class ProbeServer:
     """``GET /metrics``, ``/healthz`` (process alive) and ``/readyz`` (serving) on a background thread.
 
@@ -375,12 +426,28 @@ class ProbeServer:
     ``listener <name> down: <why>``).
     """
 
-    def __init__(self, host: str, port: int, metrics: Metrics) -> None:
+    def __init__(self, host: str, port: int, metrics: Metrics, *, query: QueryFn | None = None) -> None:
         self.ready = False
         self.listeners: ListenerProbes | None = None
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                if self.path.split("?", 1)[0] != "/query" or query is None:
+                    self._send(404, b"not found\n", "text/plain")
+                    return
+                length = int(self.headers.get("Content-Length") or 0)
+                if length > MAX_QUERY_BYTES:
+                    self._send(413, b"a query body holds at most 4 MiB\n", "text/plain")
+                    return
+                try:
+                    namespace, tokens, lora = parse_query(self.rfile.read(length))
+                except ValueError as exc:
+                    self._send(400, f"{exc}\n".encode(), "text/plain")
+                    return
+                body = json.dumps({"matched_tokens": query(namespace, tokens, lora)}).encode()
+                self._send(200, body, "application/json")
+
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":

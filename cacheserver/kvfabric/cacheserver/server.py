@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from kvfabric.cacheserver.config import ServerConfig, TLSConfig
+from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.tiered import TieredStore
 from kvfabric.cacheserver.health import (
     PROBE_NAMESPACE,
@@ -44,9 +45,11 @@ from kvfabric.cacheserver.transport.handover import (
     receive,
 )
 from kvfabric.cacheserver.transport.indexpub import IndexPublisher, IndexSocket
+from kvfabric.cacheserver.transport.residencyfeed import FeedSocket, ResidencyFeed
 from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc.blockproto import block_socket_for
 from kvfabric.rpc.indextable import index_socket_for
+from kvfabric.rpc.residency import residency_socket_for
 
 __all__ = ["serve"]
 
@@ -240,9 +243,11 @@ async def serve(
     publisher: IndexPublisher | None = IndexPublisher(
         store.tier_of, known=lambda ns: ns == PROBE_NAMESPACE or metrics.namespaces.known(ns)
     )
-    if not store.set_listener(publisher.changed if publisher else None):
-        log.warning("a tier cannot report index changes: same-node lookups go over RPC")
-        publisher = None
+    # Same-node connectors follow each chunk's tiers here to announce them to routers (KV events).
+    feed: ResidencyFeed | None = ResidencyFeed(store.tiers_holding)
+    if not store.set_listener(_listeners(publisher, feed)):
+        log.warning("a tier cannot report index changes: same-node lookups go over RPC, no residency feed")
+        publisher = feed = None
     sock = config.listen.unix_socket
     handover_path = _handover_path(config) if config.handover.enabled else None
     # A predecessor still serving on this node (a rolling update's old pod) hands over its DRAM
@@ -273,7 +278,8 @@ async def serve(
 
     probes: ProbeServer | None = None
     if config.metrics.port is not None:
-        probes = ProbeServer(config.metrics.host, config.metrics.port, metrics)
+        query = feed.match if feed is not None and config.metrics.residency_query else None
+        probes = ProbeServer(config.metrics.host, config.metrics.port, metrics, query=query)
         probes.start()
 
     sock.parent.mkdir(parents=True, exist_ok=True)
@@ -291,6 +297,10 @@ async def serve(
     if publisher is not None:
         index_socket = IndexSocket(index_socket_for(sock.absolute()), publisher)
         index_socket.start(publish=False)
+    feed_socket = None
+    if feed is not None:
+        feed_socket = FeedSocket(residency_socket_for(sock.absolute()), feed)
+        feed_socket.start(publish=False)
     # Same-node clients trade the handle names of their loads and stores for memfd descriptors here.
     block_socket = BlockSocket(
         block_socket_for(sock.absolute()),
@@ -316,7 +326,7 @@ async def serve(
             await loop.run_in_executor(None, inbound.commit)
         except HandoverFailed:
             await asyncio.gather(*(s.stop(grace=0) for s in servers))
-            for closing in (index_socket, block_socket):
+            for closing in (index_socket, block_socket, feed_socket):
                 if closing is not None:
                     closing.close()
             grpc_file.remove()
@@ -325,6 +335,8 @@ async def serve(
     grpc_file.publish()
     if index_socket is not None:
         index_socket.publish()
+    if feed_socket is not None:
+        feed_socket.publish()
     block_socket.publish()
     if inbound is not None:
         await loop.run_in_executor(None, inbound.published)
@@ -352,6 +364,8 @@ async def serve(
     await loop.run_in_executor(None, listeners.check)
     listeners.start()
     metrics.watch_listeners(listeners)
+    if feed is not None:
+        metrics.watch_residency(feed.stats)
     if probes is not None:
         probes.listeners = listeners
         probes.ready = True
@@ -382,6 +396,8 @@ async def serve(
         # Retire the published tables first: engines stop answering from them and ask over RPC.
         if index_socket is not None:
             index_socket.close()
+        if feed_socket is not None:
+            feed_socket.close()
         block_socket.close()
         if publisher is not None:
             publisher.close()
@@ -413,6 +429,20 @@ def _listener_probes(sock: Path, index: bool) -> dict[str, Probe]:
     if index:
         probes["index"] = probe_index(index_socket_for(sock))
     return probes
+
+
+def _listeners(
+    publisher: IndexPublisher | None, feed: ResidencyFeed | None
+) -> Callable[[list[BlockId]], None] | None:
+    """One store listener that tells the published index, then the residency feed."""
+    if publisher is None or feed is None:
+        return publisher.changed if publisher is not None else (feed.changed if feed is not None else None)
+
+    def changed(bids: list[BlockId]) -> None:
+        publisher.changed(bids)
+        feed.changed(bids)
+
+    return changed
 
 
 def _unix_server(sock: Path, state: SharedState, health: HealthServicer) -> grpc.aio.Server:

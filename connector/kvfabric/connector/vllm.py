@@ -30,12 +30,14 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from kvfabric.connector.groups import GroupPlan, plan_from_kv_cache_config
 from kvfabric.connector.keys import MultiModalSpan, NamespaceSpec, RequestInputs
+from kvfabric.connector.nodefeed import node_residency_for
 from kvfabric.connector.resilient import Reason, build_cache
 from kvfabric.connector.scheduler import SchedulerHalf
 from kvfabric.connector.settings import ConnectorSettings
@@ -543,7 +545,14 @@ class KVFabricConnector(_VllmBase, _SupportsHMA):  # type: ignore[misc]
             self._half = self._worker = WorkerHalf(settings, spec, cache=cache, plan=plan)
         self._deltas = CounterDeltas.of(self._half.counters)
         events_cfg = getattr(vllm_config, "kv_events_config", None)
-        self._events = KVEventLog(spec.block_size, bool(getattr(events_cfg, "enable_kv_cache_events", False)))
+        self._events = KVEventLog(
+            spec.block_size,
+            bool(getattr(events_cfg, "enable_kv_cache_events", False)),
+            # The scheduler announces what its node's cache server holds (docs/routing.md).
+            follow=partial(node_residency_for, settings.socket, self._half.namespace)
+            if our_role is Role.SCHEDULER
+            else None,
+        )
         self._requests: dict[str, Any] = {}  # vLLM's Request objects of the requests in flight
         # Scheduler: req_id -> how many of its token ids the half has been given.
         self._known_tokens: dict[str, int] = {}

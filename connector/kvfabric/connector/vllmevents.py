@@ -1,118 +1,168 @@
 """KV events in vLLM's format for the chunks kvfabric stores and finds gone.
 
 Routers that consume vLLM's KV events (llm-d, Dynamo, AIBrix) learn from ``BlockStored`` /
-``BlockRemoved`` which node holds which prefix. vLLM publishes what the connector's
+``BlockRemoved`` which endpoint holds which prefix. vLLM publishes what the connector's
 ``take_events()`` returns next to its own events, on the publisher ``--kv-events-config``
 configures; events are keyed by vLLM's own block hashes, so a router needs no kvfabric knowledge.
-The medium names the tier: ``CPU`` (the node's DRAM tier, where every store lands first).
 
-- ``BlockStored``: a chunk's blocks, or a tail block (one block of a partial chunk), were handed to
-  the node's cache server, prompt or generated tokens alike (a store can still be dropped under
-  back-pressure; a router that routes on it at worst finds a miss).
-- ``BlockRemoved``: a lookup found an announced chunk or tail block gone (evicted, expired or lost
-  with a restart); the cache server itself announces nothing.
+The bookkeeping is :class:`kvfabric.rpc.kvledger.EventLedger`: each (medium, block hash) is
+announced once while any stored key holds it and withdrawn once when the last one goes, so the
+routers' reference counts (llm-d, Dynamo) return to zero; a chunk stored over tail blocks that
+were announced before it was whole announces only its new blocks. This module only reads vLLM's
+``Request`` (hashes, tokens, LoRA, ``extra_keys`` computed by vLLM's own functions) and turns the
+ledger's events into vLLM's event objects (:func:`to_vllm`).
 
-Pure bookkeeping: the caller passes vLLM's ``Request`` objects; nothing here does I/O.
+- ``BlockStored`` (medium ``CPU``, the node's DRAM tier where every store lands first): a chunk's
+  blocks, or a tail block, were handed to the node's cache server, prompt or generated tokens alike
+  (a store can still be dropped under back-pressure; a router that routes on it at worst finds a miss).
+- ``BlockRemoved``: a lookup found an announced key gone (evicted, expired or lost with a restart),
+  or the bounded bookkeeping forgot it (credit is withdrawn rather than left behind).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvfabric.connector.nodefeed import NodeResidency
 from kvfabric.connector.steps import SaveSpec
+from kvfabric.rpc import kvevents as kv
+from kvfabric.rpc.kvledger import DEFAULT_MAX_KEYS, ChunkMeta, EventLedger
 
 try:  # pragma: no cover - depends on the environment
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import (
+        generate_block_hash_extra_keys,
+        maybe_convert_block_hash,
+        to_event_extra_keys,
+    )
+
+    _VLLM = True
 except ImportError:  # the stand-ins keep the module importable (and testable) without vLLM
-    BlockStored = BlockRemoved = None
+    _VLLM = False
+    BlockStored = BlockRemoved = AllBlocksCleared = None
+    generate_block_hash_extra_keys = to_event_extra_keys = None
 
     def maybe_convert_block_hash(hash_bytes: Any) -> Any:
         """Stand-in: vLLM's external form of a block hash."""
         return hash_bytes
 
 
-MEDIUM_DRAM = "CPU"
-_MAX_ANNOUNCED = 200_000
+log = logging.getLogger(__name__)
+
+MEDIUM_DRAM = kv.MEDIUM_CPU
+_MAX_ANNOUNCED = DEFAULT_MAX_KEYS
+
+
+def to_vllm(event: kv.Event) -> Any:
+    """VLLM's own event object for ``event`` (its publisher then writes the same bytes)."""
+    if isinstance(event, kv.BlockStored):
+        return BlockStored(
+            block_hashes=list(event.block_hashes),
+            parent_block_hash=event.parent_block_hash,
+            token_ids=list(event.token_ids),
+            block_size=event.block_size,
+            lora_id=event.lora_id,
+            medium=event.medium,
+            lora_name=event.lora_name,
+            extra_keys=None if event.extra_keys is None else list(event.extra_keys),
+            locality=event.locality,
+        )
+    if isinstance(event, kv.BlockRemoved):
+        return BlockRemoved(
+            block_hashes=list(event.block_hashes), medium=event.medium, locality=event.locality
+        )
+    raise ValueError(f"kvfabric never sends {type(event).__name__} on an engine's behalf")
+
+
+def block_extra_keys(request: Any, first: int, end: int, block_size: int) -> tuple[Any, ...] | None:
+    """VLLM's published ``extra_keys`` of blocks ``first:end`` of ``request`` (None when all empty)."""
+    if generate_block_hash_extra_keys is None or to_event_extra_keys is None:
+        return None
+    per_block = [
+        generate_block_hash_extra_keys(request, b * block_size, (b + 1) * block_size, 0)[0]
+        for b in range(first, end)
+    ]
+    if all(k is None for k in per_block):
+        return None
+    return tuple(to_event_extra_keys(per_block) or ())
 
 
 class KVEventLog:
     """The events of one scheduler between two ``take_events()`` calls, and what was announced."""
 
-    def __init__(self, block_size: int, enabled: bool) -> None:
-        """Track events of keys that span whole blocks of vLLM's ``block_size`` tokens."""
-        self.enabled = enabled and BlockStored is not None
+    def __init__(
+        self,
+        block_size: int,
+        enabled: bool,
+        *,
+        max_keys: int | None = None,
+        follow: Callable[[EventLedger], NodeResidency | None] | None = None,
+    ) -> None:
+        """Track events of keys that span whole blocks of vLLM's ``block_size`` tokens.
+
+        ``follow(ledger)``: the node cache server's residency feed to follow (:mod:`.nodefeed`);
+        while it is followed, the feed decides what is announced and withdrawn, and this log only
+        names the chunks this engine stores. Without one (or while the feed is down) stores are
+        announced as they are handed over and withdrawn when a lookup finds them gone.
+        """
+        self.enabled = enabled and _VLLM
         self.block_size = block_size
-        self._events: list[Any] = []
-        # key -> the external block hashes announced for it (bounded, oldest forgotten), and per
-        # hash how many announced keys hold it (a chunk and a tail block can share a block).
-        self._announced: OrderedDict[str, list[Any]] = OrderedDict()
-        self._held: dict[Any, int] = {}
+        self.ledger = EventLedger(max_keys=_MAX_ANNOUNCED if max_keys is None else max_keys)
+        self.node = follow(self.ledger) if self.enabled and follow is not None else None
 
     def stored(self, request: Any, save: SaveSpec) -> None:
         """Announce what ``save`` stores of ``request``: its whole chunks and its tail blocks.
 
-        Each key is one event covering its blocks (a chunk's, or the single block of a tail block,
-        generated tokens' included), keyed by vLLM's hashes of those blocks, with the hash of the
-        block before as the parent. A tail block announced before its chunk was whole is announced
-        again inside the chunk's event: ``BlockStored`` of a known hash is a no-op for a router.
+        Each key's blocks are named by vLLM's hashes of those blocks, with the hash of the block
+        before as the parent; blocks another announced key already holds are not announced again.
         """
         if not self.enabled:
             return
-        hashes = list(getattr(request, "block_hashes", None) or ())
-        tokens = getattr(request, "all_token_ids", None) or getattr(request, "prompt_token_ids", None) or ()
-        tokens = list(tokens)
-        lora = getattr(request, "lora_request", None)
         for key, first, blocks in zip(save.keys, save.first_blocks, save.block_ids, strict=False):
-            end = first + len(blocks)
-            if key in self._announced or not blocks or len(hashes) < end:
-                continue  # already announced, or vLLM hashed no such blocks (no prefix caching)
-            own = [maybe_convert_block_hash(h) for h in hashes[first:end]]
-            parent = maybe_convert_block_hash(hashes[first - 1]) if first > 0 else None
-            self._events.append(
-                BlockStored(
-                    block_hashes=own,
-                    parent_block_hash=parent,
-                    token_ids=tokens[first * self.block_size : end * self.block_size],
-                    block_size=self.block_size,
-                    lora_id=getattr(lora, "adapter_id", None),
-                    medium=MEDIUM_DRAM,
-                    lora_name=getattr(lora, "name", None),
-                )
-            )
-            self._announced[key] = own
-            for h in own:
-                self._held[h] = self._held.get(h, 0) + 1
-            if len(self._announced) > _MAX_ANNOUNCED:
-                self._release(self._announced.popitem(last=False)[1])  # forgotten, not known gone
-
-    def _release(self, hashes: list[Any]) -> list[Any]:
-        """Drop one hold on each of ``hashes``; return those no announced key holds any more."""
-        free = []
-        for h in hashes:
-            n = self._held.get(h, 0) - 1
-            if n > 0:
-                self._held[h] = n
+            meta = self.meta(request, first, first + len(blocks)) if blocks else None
+            if meta is None:  # vLLM hashed no such blocks (no prefix caching)
+                continue
+            if self.node is not None:
+                self.node.describe(key, meta)  # announced now, confirmed (or withdrawn) by the feed
             else:
-                self._held.pop(h, None)
-                free.append(h)
-        return free
+                self.ledger.stored(key, "dram", meta)
+
+    def meta(self, request: Any, first: int, end: int) -> ChunkMeta | None:
+        """What a router needs to name blocks ``first:end`` of ``request``, or None if unhashed."""
+        hashes = list(getattr(request, "block_hashes", None) or ())
+        if len(hashes) < end:
+            return None
+        tokens = getattr(request, "all_token_ids", None) or getattr(request, "prompt_token_ids", None) or ()
+        lora = getattr(request, "lora_request", None)
+        bs = self.block_size
+        if len(tokens) < end * bs:
+            return None  # vLLM hashes whole blocks only; never let a stand-in request raise here
+        return ChunkMeta(
+            block_hashes=tuple(maybe_convert_block_hash(h) for h in hashes[first:end]),
+            parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first > 0 else None,
+            token_ids=tuple(tokens[first * bs : end * bs]),
+            block_size=bs,
+            extra_keys=block_extra_keys(request, first, end, bs),
+            lora_name=getattr(lora, "name", None),
+            lora_id=getattr(lora, "adapter_id", None),
+        )
 
     def found_missing(self, keys: Sequence[str]) -> None:
         """A lookup found ``keys`` absent: withdraw the blocks no other announced key still holds."""
-        if not self.enabled:
-            return
-        gone: list[Any] = []
+        if not self.enabled or (self.node is not None and self.node.connected):
+            return  # the feed withdraws what the server lost, in the order it lost it
         for key in keys:
-            own = self._announced.pop(key, None)
-            if own:
-                gone += [h for h in self._release(own) if h not in gone]
-        if gone:
-            self._events.append(BlockRemoved(block_hashes=gone, medium=MEDIUM_DRAM))
+            self.ledger.forget(key)
 
     def take(self) -> list[Any]:
-        """Return (and forget) the events since the last call."""
-        events, self._events = self._events, []
-        return events
+        """Return (and forget) the events since the last call, as vLLM's event objects."""
+        if self.node is not None:
+            try:
+                self.node.poll()
+            except Exception:  # the cache never breaks inference: stop following, announce as before
+                log.exception("following the node's residency feed failed; KV events fall back to stores")
+                self.node.close()
+                self.node = None
+        return [to_vllm(e) for e in self.ledger.take()]

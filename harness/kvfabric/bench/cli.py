@@ -12,7 +12,7 @@ import importlib
 from typing import Protocol, cast
 
 # Shown by `kvfabric --help`; this module is registered under the kvfabric.commands entry points.
-SUMMARY = "run a benchmark (storage, ttft, operator, visibility, vllm) and print ratios"
+SUMMARY = "run a benchmark (storage, ttft, operator, visibility, routing, vllm) and print ratios"
 
 __all__ = ["BENCHMARKS", "configure", "run"]
 
@@ -30,6 +30,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "visibility": (
         "kvfabric.bench.visibility",
         "how soon a chunk stored on one node is a hit on another node (shared volume)",
+    ),
+    # Two real cache servers, four engines' event paths, models of llm-d's and Dynamo's indexes.
+    "routing": (
+        "kvfabric.bench.routing",
+        "how exactly a router's index follows the fabric under churn (KV events from the residency feed)",
     ),
     # Real vLLM (CPU) from the pinned environment scripts/vllm-env.sh builds.
     "vllm": (

@@ -58,6 +58,7 @@ class NodeCache:
     used: dict[str, int] = field(default_factory=dict)  # tier -> bytes
     capacity: dict[str, int] = field(default_factory=dict)
     namespaces: dict[str, NodeNamespace] = field(default_factory=dict)  # label -> what it is
+    routing_subscribers: int = 0  # engines following the residency feed
 
 
 def parse_metrics(text: str) -> NodeCache:
@@ -82,6 +83,8 @@ def parse_metrics(text: str) -> NodeCache:
                 node.capacity[labels["tier"]] = value
             elif name.startswith("kvfabric_namespace_"):
                 _parse_namespace_sample(node, name, labels, value)
+            elif name == "kvfabric_residency_subscribers":
+                node.routing_subscribers = max(0, value)
     return node
 
 
@@ -150,6 +153,8 @@ def summarize(nodes: Mapping[str, NodeCache], scraped_at: str, unreachable: int 
         hit_rate=_percent(hits, hits + misses),
         load_misses_by_reason=dict(sorted(reasons.items())),
         tiers=tiers,
+        routing_subscribers=sum(n.routing_subscribers for n in nodes.values()),
+        routing_nodes=sum(1 for n in nodes.values() if n.routing_subscribers > 0),
     )
 
 

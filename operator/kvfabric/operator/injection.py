@@ -19,6 +19,7 @@ from kvfabric.contract.selectors import label_selector_matches
 from kvfabric.operator.api.v1alpha1 import POOL_LABEL, KVCachePool, LabelSelector
 from kvfabric.operator.render import names
 from kvfabric.operator.render.connection import ConnectionSettings, connection_settings
+from kvfabric.operator.routingevents import add_kv_events_config, label_for_llmd
 
 KV_TRANSFER_FLAG: Final = "--kv-transfer-config"
 KV_TRANSFER_CONFIG: Final = {
@@ -270,6 +271,7 @@ def inject(
             )
         env = {k: v for k, v in env.items() if k != ConsumerVar.SOCKET.value}
     notes: list[str] = []
+    event_notes: list[str] = []
     for container in targets:
         existing = container.get("env") or []
         present = {e.get("name") for e in existing}
@@ -290,6 +292,8 @@ def inject(
         container["volumeMounts"] = mounts
         if is_vllm(container):
             notes.append(_add_kv_transfer_config(container))
+            if conn.routing_events is not None:
+                event_notes.append(add_kv_events_config(container, conn.routing_events))
 
     volumes = out["spec"].get("volumes") or []
     if node_local and not any(v.get("name") == names.RUN_VOLUME for v in volumes):
@@ -346,6 +350,11 @@ def inject(
     }
     if node_local:
         detail["socketVolume"] = "csi" if csi else "hostPath"
+    if conn.routing_events is not None and vllm_targets:
+        detail["kvEvents"] = event_notes
+        pod_labels = dict(out["metadata"].get("labels") or {})
+        label_for_llmd(pod_labels, conn.routing_events)
+        out["metadata"]["labels"] = pod_labels
     if payload:
         detail["payload"] = conn.connector_image
     _annotate(

@@ -32,7 +32,15 @@ from kvfabric.operator.podhealth import NOT_SERVING, PRIORITY, PodProblem
 from kvfabric.operator.render import names
 from kvfabric.operator.render.connection import ConnectionSettings
 
-CONDITION_TYPES: Final = ("Ready", "Progressing", "Degraded", "ConfigValid", "StorageReady", "InjectionReady")
+CONDITION_TYPES: Final = (
+    "Ready",
+    "Progressing",
+    "Degraded",
+    "ConfigValid",
+    "StorageReady",
+    "InjectionReady",
+    "RoutingEvents",  # only for a pool with spec.consumers.routingEvents
+)
 _MAX_MESSAGE: Final = 4096  # Condition.message maxLength
 DEADLINE_EXCEEDED: Final = "ProgressDeadlineExceeded"
 # Degraded reasons that get their own Warning event (the others already have one: PoolNotReady,
@@ -318,6 +326,29 @@ def injection_verdict(observed: Observed, now: dt.datetime | None = None) -> Ver
     return Verdict(False, "WebhookDisabled", "the operator runs without its injection webhook")
 
 
+def routing_verdict(observed: Observed) -> Verdict | None:
+    """RoutingEvents (pools with spec.consumers.routingEvents only): whether engines announce its tiers."""
+    if observed.connection is None or observed.connection.routing_events is None:
+        return None
+    cache = observed.cache or _previous_cache(observed)
+    if cache is None or not cache.scraped_at:
+        return Verdict(None, "NotScraped", "the cache servers' metrics have not been read yet")
+    if cache.routing_nodes == 0:
+        return Verdict(
+            False,
+            "NoEngineFollows",
+            f"no engine follows its node's residency feed on the {cache.nodes_scraped} nodes scraped: "
+            "no KV events announce this pool's tiers (engines injected with routing events follow it "
+            "once vLLM runs with --kv-events-config)",
+        )
+    return Verdict(
+        True,
+        "EventsFlowing",
+        f"{cache.routing_subscribers} engines on {cache.routing_nodes}/{cache.nodes_scraped} nodes "
+        "announce their node's tiers in their KV events",
+    )
+
+
 def ready_verdict(observed: Observed, rollout: Rollout, storage: Verdict) -> Verdict:
     """Ready: the current revision is ready on every selected node and storage is ready."""
     n = rollout.nodes
@@ -427,6 +458,9 @@ def conditions(observed: Observed, rollout: Rollout, now: str, progress_since: s
         "InjectionReady": injection_verdict(observed),
         "Ready": ready_verdict(observed, rollout, storage),
     }
+    routing = routing_verdict(observed)
+    if routing is not None:
+        verdicts["RoutingEvents"] = routing
     return [_condition(t, v, observed.generation, previous, now) for t, v in verdicts.items()]
 
 

@@ -191,6 +191,10 @@ class TieredStore:
         tiers = self.lookup([bid])
         return tiers[0] if tiers else None
 
+    def tiers_holding(self, bid: BlockId) -> list[str]:
+        """Every tier indexing ``bid`` now, fastest first (index only, lock-free like :meth:`lookup`)."""
+        return [name for name, present in self._has if present(bid)]
+
     # --- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> None:

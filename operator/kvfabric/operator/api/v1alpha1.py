@@ -686,6 +686,49 @@ class KeySpace(StrEnum):
     SHARED = "Shared"
 
 
+class RoutingEvents(_Model):
+    """KV events for cache-aware routers (llm-d, Dynamo): vLLM's publisher, injected (docs/routing.md)."""
+
+    port: int = Field(
+        default=5556, ge=1024, le=65535, description="Port vLLM's ZMQ publisher binds in each engine pod."
+    )
+    replay_port: int = Field(
+        default=5557,
+        ge=1024,
+        le=65535,
+        description="Port of vLLM's replay socket (a router asks it for the events it missed).",
+    )
+    model_name: str | None = Field(
+        default=None,
+        max_length=256,
+        pattern=r"^[^@\s]+$",
+        description="Model name in the topic (kv@<pod IP>:<port>@<model>): the name requests carry. "
+        "Default: the engine's --served-model-name, else its model argument.",
+    )
+    llmd_label: bool = Field(
+        default=True,
+        description="Label engine pods llm-d.ai/inference-serving=true (llm-d's default endpoint selector).",
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            _cel(
+                "self.port != self.replayPort",
+                "spec.consumers.routingEvents.replayPort must differ from spec.consumers.routingEvents.port",
+                field_path=".replayPort",
+            ),
+        )
+    )
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> RoutingEvents:
+        if self.port == self.replay_port:
+            raise ValueError(
+                "spec.consumers.routingEvents.replayPort must differ from spec.consumers.routingEvents.port"
+            )
+        return self
+
+
 class Consumers(_Model):
     """Which pods get the connector injected, and how."""
 
@@ -727,6 +770,13 @@ class Consumers(_Model):
         "Synchronous). Synchronous: the engine step that needs the KV waits for it (the hit's fastest "
         "time to first token). Asynchronous: only the request waits, while the engine keeps stepping "
         "the others (no decode stall beside a long hit; the hit itself costs about a step more).",
+    )
+    routing_events: RoutingEvents | None = Field(
+        default=None,
+        description="Set to publish KV events from every injected vLLM engine (vLLM's "
+        "--kv-events-config: ZMQ publisher and replay socket), which then include what the engine's "
+        "node cache holds in DRAM and on local NVMe, so llm-d's or Dynamo's router can route on it "
+        "(docs/routing.md). A --kv-events-config the pod sets itself is kept.",
     )
     connector_image: str | None = Field(
         default=None,
@@ -1085,6 +1135,16 @@ class CacheInsight(_Model):
         json_schema_extra={"maxProperties": 16},
     )
     tiers: list[TierUsage] = Field(default_factory=list, max_length=8, description="Bytes per tier.")
+    routing_subscribers: int = Field(
+        default=0,
+        description="Engines following their node's residency feed, summed over the nodes scraped: "
+        "each one announces its node's tiers in its KV events (spec.consumers.routingEvents).",
+    )
+    routing_nodes: int = Field(
+        default=0,
+        description="Nodes scraped whose cache server at least one engine follows (routing events flow "
+        "from them).",
+    )
     namespaces_in_use: int = Field(
         default=0, description="Distinct compatibility namespaces the consumers described to the servers."
     )
@@ -1183,6 +1243,13 @@ PRINTER_COLUMNS: Final = [
         "jsonPath": ".status.cache.namespacesInUse",
         "priority": 1,
         "description": "compatibility namespaces the consumers use",
+    },
+    {
+        "name": "Routing",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="RoutingEvents")].status',
+        "priority": 1,
+        "description": "whether engines announce the pool's tiers in their KV events (routingEvents)",
     },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

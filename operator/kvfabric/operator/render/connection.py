@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kvfabric.contract.consumer_env import ConsumerEnvironment, ConsumerVar
 from kvfabric.operator.api.v1alpha1 import KeySpace, KVCachePool, LoadMode
 from kvfabric.operator.render import names
+from kvfabric.operator.routingevents import RoutingEventsSettings
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class ConnectionSettings:
     """Whether the TCP listener is on (then consumers in the pool's namespace get its credentials)."""
     shared_key_space: bool = False
     """``spec.consumers.keySpace: Shared``: every consumer namespace uses the one shared key scope."""
+    routing_events: RoutingEventsSettings | None = None
+    """``spec.consumers.routingEvents``: vLLM's KV-event publisher, added at pod creation (not hashed)."""
 
     @property
     def credential_env(self) -> list[dict[str, object]]:
@@ -105,6 +108,7 @@ def connection_settings(pool: KVCachePool) -> ConnectionSettings:
             if value is not None:
                 deadlines[op] = value
     mode = pool.spec.consumers.load_mode
+    events = pool.spec.consumers.routing_events
     return ConnectionSettings(
         pool=name,
         namespace=namespace,
@@ -120,6 +124,14 @@ def connection_settings(pool: KVCachePool) -> ConnectionSettings:
         connector_image=pool.spec.consumers.connector_image or default_connector_image(pool),
         tcp=pool.spec.server.tcp.enabled,
         shared_key_space=pool.spec.consumers.key_space is KeySpace.SHARED,
+        routing_events=None
+        if events is None
+        else RoutingEventsSettings(
+            port=events.port,
+            replay_port=events.replay_port,
+            model_name=events.model_name,
+            llmd_label=events.llmd_label,
+        ),
     )
 
 

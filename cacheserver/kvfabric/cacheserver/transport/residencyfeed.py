@@ -1,0 +1,453 @@
+"""The residency feed: ordered per-tier changes of every chunk, streamed to same-node connectors.
+
+Routers credit an engine with the chunks of its node's cache (KV events, ``docs/routing.md``); only
+the cache server knows when a chunk enters or leaves a tier (a store, a write-back, a promotion, an
+eviction, a TTL expiry, a delete, another server's delete on the shared volume). The store calls
+:meth:`ResidencyFeed.changed` after every membership change (the same hook the published index
+follows); the feed reads the block's tiers *then* (lock-free index checks), diffs them with what it
+last told subscribers and queues ``stored``/``removed`` records, under one lock, so every
+subscriber sees one order and the last record for a block is its current state.
+
+Connectors attach :class:`~kvfabric.rpc.kvledger.ChunkMeta` (the engine's block hashes, parent,
+tokens, ``extra_keys``, LoRA) to the chunks they store; the feed keeps it while any tier holds the
+chunk (metadata for a chunk not resident yet waits in a bounded table) and sends it with every
+``stored`` record, so an engine can announce a chunk its sibling stored. The metadata lives in
+memory: after a restart, chunks on disk are re-described by the connectors that remember them.
+
+:class:`FeedSocket` serves it on a Unix stream socket beside the gRPC socket
+(:func:`kvfabric.rpc.residency.residency_socket_for`), same exposure as the index socket (mode
+0666 in the server-owned directory; ``authorize(namespace, peer)`` decides which namespaces a peer
+may follow, all by default). A subscriber that falls :data:`MAX_QUEUED` frames behind is
+disconnected: it reconnects and starts again from a snapshot, rather than the server buffering
+without bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import secrets
+import socket
+import threading
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvfabric.cacheserver.engine.base import TierName
+from kvfabric.cacheserver.engine.ids import BlockId, InvalidId
+from kvfabric.cacheserver.transport.indexpub import Peer, listen_unix, peer_of
+from kvfabric.cacheserver.transport.socketfile import SocketFile
+from kvfabric.rpc.kvevents import DecodeError
+from kvfabric.rpc.kvledger import ChunkMeta
+from kvfabric.rpc.residency import Change, FrameReader, decode_meta, encode_meta, frame
+
+__all__ = ["FeedSocket", "ResidencyFeed", "Subscription"]
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUED = 100_000  # frames one subscriber may be behind before it is disconnected
+MAX_PENDING_META = 65_536  # metadata for chunks not (yet) resident
+MAX_CONNECTIONS = 256
+REQUEST_DEADLINE_SECONDS = 2.0
+
+
+class Subscription:
+    """One subscriber's queue of frames."""
+
+    def __init__(self, namespace: str, max_queued: int) -> None:
+        """An open subscription to ``namespace``."""
+        self.namespace = namespace
+        self._frames: deque[bytes] = deque()
+        self._cond = threading.Condition()
+        self._max = max_queued
+        self.closed = False
+        self.overflowed = False
+
+    def push(self, frames: Iterable[bytes]) -> None:
+        """Queue ``frames`` (overflow closes the subscription)."""
+        with self._cond:
+            if self.closed:
+                return
+            self._frames.extend(frames)
+            if len(self._frames) > self._max:
+                self.overflowed = self.closed = True
+                self._frames.clear()
+            self._cond.notify()
+
+    def take(self, timeout: float) -> list[bytes] | None:
+        """The queued frames (waiting up to ``timeout``); None once closed."""
+        with self._cond:
+            if not self._frames and not self.closed:
+                self._cond.wait(timeout)
+            if self.closed:
+                return None
+            out = list(self._frames)
+            self._frames.clear()
+            return out
+
+    def close(self) -> None:
+        """Stop queueing; wake the sender."""
+        with self._cond:
+            self.closed = True
+            self._cond.notify()
+
+
+class ResidencyFeed:
+    """What every tier holds, per block, and the subscribers to each namespace's changes."""
+
+    def __init__(
+        self,
+        tiers_of: Callable[[BlockId], list[str]],
+        *,
+        max_queued: int = MAX_QUEUED,
+        max_pending_meta: int = MAX_PENDING_META,
+    ) -> None:
+        """``tiers_of(bid)``: the tiers indexing ``bid`` now, fastest first (index only)."""
+        self._tiers_of = tiers_of
+        self._max_queued = max_queued
+        self._max_pending = max_pending_meta
+        self.epoch = secrets.randbits(63)
+        self._lock = threading.Lock()
+        self._tiers: dict[BlockId, tuple[str, ...]] = {}
+        # Metadata is kept encoded (about 1.6 KiB for 256 tokens, sent as is with every record),
+        # plus what :meth:`match` walks by: the content key, the chunk's token count, its last hash.
+        self._bins: dict[BlockId, bytes] = {}
+        self._walk: dict[BlockId, _Walk] = {}
+        self._pending: OrderedDict[BlockId, tuple[_Walk, bytes]] = OrderedDict()
+        self._subs: dict[str, set[Subscription]] = {}
+        # (namespace, parent hash, digest of the tokens, LoRA) -> the resident block they name, for
+        # plain-text chunks (no extra keys), and per namespace the token lengths chunks have.
+        self._by_content: dict[_ContentKey, BlockId] = {}
+        self._lengths: dict[str, set[int]] = {}
+        self.records = 0
+        """Records queued to subscribers (each subscriber counted), snapshots included."""
+
+    def changed(self, bids: Iterable[BlockId]) -> None:
+        """Record ``bids`` as the store holds them now (after every membership change)."""
+        with self._lock:
+            for bid in bids:
+                now = tuple(self._tiers_of(bid))
+                prev = self._tiers.get(bid, ())
+                if now == prev:
+                    continue
+                if now:
+                    self._tiers[bid] = now
+                    if bid in self._pending:
+                        self._set_meta(bid, *self._pending.pop(bid))
+                else:
+                    del self._tiers[bid]
+                    self._set_meta(bid, None, None)
+                subs = self._subs.get(bid.namespace)
+                if subs:
+                    raw = self._bins.get(bid)
+                    changes = [Change("stored", bid.key, t, meta_bin=raw) for t in now if t not in prev]
+                    changes += [Change("removed", bid.key, t) for t in prev if t not in now]
+                    frames = [frame(c.to_wire()) for c in changes]
+                    self.records += len(frames) * len(subs)
+                    for sub in subs:
+                        sub.push(frames)
+
+    def describe(self, bid: BlockId, meta: ChunkMeta, raw: bytes | None = None) -> None:
+        """Attach ``meta`` (``raw``: its encoding) to ``bid``; subscribers get it per tier holding it."""
+        raw = encode_meta(meta) if raw is None else raw
+        with self._lock:
+            tiers = self._tiers.get(bid)
+            if tiers is None:
+                self._pending[bid] = (_walk_of(bid.namespace, meta), raw)
+                self._pending.move_to_end(bid)
+                while len(self._pending) > self._max_pending:
+                    self._pending.popitem(last=False)
+                return
+            if self._bins.get(bid) == raw:
+                return
+            self._set_meta(bid, _walk_of(bid.namespace, meta), raw)
+            subs = self._subs.get(bid.namespace)
+            if subs:
+                frames = [frame(Change("stored", bid.key, t, meta_bin=raw).to_wire()) for t in tiers]
+                self.records += len(frames) * len(subs)
+                for sub in subs:
+                    sub.push(frames)
+
+    def _set_meta(self, bid: BlockId, walk: _Walk | None, raw: bytes | None) -> None:
+        """Attach (or with None drop) ``bid``'s metadata, keeping the content index equal to it."""
+        old = self._walk.pop(bid, None)
+        self._bins.pop(bid, None)
+        if old is not None and old.content is not None and self._by_content.get(old.content) == bid:
+            del self._by_content[old.content]
+        if walk is None or raw is None:
+            return
+        self._walk[bid] = walk
+        self._bins[bid] = raw
+        if walk.content is not None:
+            self._by_content[walk.content] = bid
+            self._lengths.setdefault(bid.namespace, set()).add(walk.tokens)
+
+    def match(self, namespace: str, token_ids: list[int], lora_name: str | None = None) -> dict[str, int]:
+        """Tokens of the longest prefix of ``token_ids`` resident per tier, and in any tier (``any``).
+
+        Walks chunk by chunk from the start of the prompt, each named by its parent block's hash and
+        its tokens as a connector described it; a tier's count stops at the first chunk it does not
+        hold. Only plain-text chunks (no ``extra_keys``: no cache salt, multimodal input or prompt
+        embeddings) of ``lora_name`` match: a salted chunk must never answer an unsalted prompt.
+        """
+        with self._lock:
+            lengths = sorted(self._lengths.get(namespace, ()), reverse=True)
+            matched: dict[str, int] = {t.value: 0 for t in TierName} | {"any": 0}
+            alive: set[str] | None = None
+            parent: Any = None
+            pos = 0
+            while pos < len(token_ids):
+                bid = None
+                for n in lengths:
+                    if pos + n <= len(token_ids):
+                        digest = _tokens_digest(token_ids[pos : pos + n])
+                        bid = self._by_content.get((namespace, parent, digest, lora_name))
+                        if bid is not None:
+                            break
+                tiers = self._tiers.get(bid) if bid is not None else None
+                walk = self._walk.get(bid) if bid is not None else None
+                if tiers is None or walk is None:
+                    break
+                alive = set(tiers) if alive is None else alive & set(tiers)
+                for t in alive:
+                    matched[t] += walk.tokens
+                matched["any"] += walk.tokens
+                parent = walk.last_hash
+                pos += walk.tokens
+            return matched
+
+    def subscribe(self, namespace: str) -> Subscription:
+        """A subscription to ``namespace``: hello, the snapshot, ``synced``, then live changes."""
+        sub = Subscription(namespace, self._max_queued)
+        with self._lock:
+            frames = [frame(["hello", self.epoch, namespace])]
+            for bid, tiers in self._tiers.items():
+                if bid.namespace == namespace:
+                    raw = self._bins.get(bid)
+                    frames += [frame(Change("stored", bid.key, t, meta_bin=raw).to_wire()) for t in tiers]
+            frames.append(frame(["synced"]))
+            self.records += len(frames) - 2
+            sub.push(frames)
+            self._subs.setdefault(namespace, set()).add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        """Forget ``sub`` (and close it)."""
+        sub.close()
+        with self._lock:
+            subs = self._subs.get(sub.namespace)
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del self._subs[sub.namespace]
+
+    def resident(self, namespace: str) -> dict[str, tuple[str, ...]]:
+        """Key -> tiers of every block of ``namespace`` (tests, the query endpoint)."""
+        with self._lock:
+            return {b.key: t for b, t in self._tiers.items() if b.namespace == namespace}
+
+    def meta_of(self, bid: BlockId) -> ChunkMeta | None:
+        """The metadata attached to ``bid``, if any."""
+        with self._lock:
+            raw = self._bins.get(bid)
+        return None if raw is None else decode_meta(raw)
+
+    @property
+    def subscribers(self) -> int:
+        """Open subscriptions."""
+        with self._lock:
+            return sum(len(s) for s in self._subs.values())
+
+    def stats(self) -> tuple[int, int]:
+        """Open subscriptions and records queued so far (the metrics)."""
+        with self._lock:
+            return sum(len(s) for s in self._subs.values()), self.records
+
+
+class FeedSocket:
+    """Serves the feed on a Unix stream socket: a thread per connection (bounded), two per subscriber."""
+
+    def __init__(
+        self,
+        path: Path,
+        feed: ResidencyFeed,
+        *,
+        authorize: Callable[[str, Peer], bool] | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        """Serve ``feed`` at ``path`` (bound by :meth:`start`)."""
+        self.path = path
+        self.feed = feed
+        self.authorize = authorize or (lambda namespace, peer: True)
+        self.max_connections = max_connections
+        self._sock: socket.socket | None = None
+        self._file: SocketFile | None = None
+        self._stop = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self, *, publish: bool = True) -> None:
+        """Bind and accept in a daemon thread; with ``publish``, at the path now (else :meth:`publish`)."""
+        sock, self._file = listen_unix(self.path, socket.SOCK_STREAM)
+        sock.settimeout(0.25)
+        self._sock = sock
+        if publish:
+            self.publish()
+        self._thread = threading.Thread(target=self._accept_loop, name="residency-feed", daemon=True)
+        self._thread.start()
+
+    def publish(self) -> None:
+        """Rename the bound socket onto the path: clients reach this socket from now on."""
+        assert self._file is not None
+        self._file.publish()
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                self._stop.wait(0.1)  # EMFILE and the like: pause rather than spin
+                continue
+            with self._lock:
+                if len(self._conns) >= self.max_connections:
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="residency-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        sub: Subscription | None = None
+        try:
+            conn.settimeout(REQUEST_DEADLINE_SECONDS)
+            reader = FrameReader()
+            messages: list[list[Any]] = []
+            while not messages:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                messages = reader.feed(data)
+            first, rest = messages[0], messages[1:]
+            namespace = _namespace_of(first)
+            if namespace is None or not self.authorize(namespace, peer_of(conn)):
+                _send_error(
+                    conn,
+                    'the first message must be ["sub", <namespace: 64 hex>] for a namespace you may read',
+                )
+                return
+            sub = self.feed.subscribe(namespace)
+            sender = threading.Thread(target=self._send, args=(conn, sub), name="residency-send", daemon=True)
+            sender.start()
+            conn.settimeout(None)
+            for message in rest:
+                self._handle(namespace, message)
+            while not self._stop.is_set() and not sub.closed:
+                data = conn.recv(1 << 20)
+                if not data:
+                    return
+                for message in reader.feed(data):
+                    self._handle(namespace, message)
+        except (OSError, DecodeError, ValueError) as exc:
+            if not self._stop.is_set():
+                log.debug("residency feed connection closed", extra={"error": str(exc)})
+                with contextlib.suppress(OSError):
+                    _send_error(conn, str(exc))
+        finally:
+            if sub is not None:
+                self.feed.unsubscribe(sub)
+            with self._lock:
+                self._conns.discard(conn)
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+    def _handle(self, namespace: str, message: list[Any]) -> None:
+        if message[0] != "meta" or len(message) != 3 or not isinstance(message[1], str):
+            raise ValueError('after the subscription only ["meta", <key: 64 hex>, <meta>] messages are read')
+        try:
+            bid = BlockId.parse(namespace, message[1])
+        except InvalidId as exc:
+            raise ValueError(f"meta key: {exc}") from None
+        self.feed.describe(bid, decode_meta(message[2]), message[2])
+
+    def _send(self, conn: socket.socket, sub: Subscription) -> None:
+        try:
+            while not self._stop.is_set():
+                frames = sub.take(0.25)
+                if frames is None:
+                    break
+                if frames:
+                    conn.sendall(b"".join(frames))
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # wakes the reader: the connection is over
+
+    @property
+    def connections(self) -> int:
+        """Open connections."""
+        with self._lock:
+            return len(self._conns)
+
+    def close(self) -> None:
+        """Stop accepting, close every connection and remove the socket file."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        if self._sock is not None:
+            self._sock.close()
+        if self._file is not None:
+            self._file.remove()
+
+
+_ContentKey = tuple[str, Any, bytes, str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Walk:
+    """What :meth:`ResidencyFeed.match` needs of a chunk (its decoded metadata is not kept)."""
+
+    content: _ContentKey | None  # None: a chunk the query must never match
+    tokens: int
+    last_hash: Any
+
+
+def _tokens_digest(tokens: Sequence[int]) -> bytes:
+    return hashlib.blake2b(array("I", tokens).tobytes(), digest_size=16).digest()
+
+
+def _walk_of(namespace: str, meta: ChunkMeta) -> _Walk:
+    plain = meta.extra_keys is None or all(k is None or k == (meta.lora_name,) for k in meta.extra_keys)
+    content = (
+        (namespace, meta.parent_block_hash, _tokens_digest(meta.token_ids), meta.lora_name) if plain else None
+    )
+    return _Walk(content, len(meta.token_ids), meta.block_hashes[-1])
+
+
+def _namespace_of(message: list[Any]) -> str | None:
+    if message[0] != "sub" or len(message) != 2 or not isinstance(message[1], str):
+        return None
+    try:
+        BlockId.parse(message[1], "0" * 64)
+    except InvalidId:
+        return None
+    return message[1]
+
+
+def _send_error(conn: socket.socket, text: str) -> None:
+    conn.sendall(frame(["error", text]))

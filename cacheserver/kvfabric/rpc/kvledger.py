@@ -1,0 +1,204 @@
+"""From residency changes to KV events: every (tier, block hash) announced once and withdrawn once.
+
+llm-d's KV-event pool and Dynamo's ``RefcountDedup`` count every ``BlockStored`` of a hash per
+(endpoint, tier) and drop the entry only when as many ``BlockRemoved`` have arrived. A chunk and
+the tail blocks stored before it was whole share block hashes, so announcing each key's blocks as
+they come would count a hash twice and leave it in the router's index forever after its one
+withdrawal. The ledger therefore counts, per announced medium (:class:`~kvfabric.rpc.kvevents.Scope`),
+how many resident keys hold each hash, announces a hash when the count leaves 0 and withdraws it
+when the count returns to 0. What reaches the wire is then a set, not a multiset: one store, one
+later removal.
+
+A chunk whose blocks are partly announced already is announced as the runs of its new blocks, each
+with the hash of the block before it as its parent (announced earlier, by this ledger or by vLLM's
+own GPU events), so parents always precede children. The ledger never sends ``AllBlocksCleared``:
+an engine's identity also carries its GPU entries, which a clear would wipe.
+
+Bounded: past ``max_keys`` tracked keys the oldest is withdrawn (its blocks are removed from every
+medium no other key holds them in), so forgetting never leaves credit behind.
+
+Pure bookkeeping: no I/O, no clock, no vLLM.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvfabric.rpc.kvevents import BlockHash, BlockRemoved, BlockStored, Event, Scope, scope_of_tier
+
+__all__ = ["ChunkMeta", "EventLedger"]
+
+DEFAULT_MAX_KEYS = 200_000
+_ANNOUNCED_SCOPES = tuple(
+    {s for s in (scope_of_tier(t) for t in ("dram", "local_disk", "shared", "object")) if s}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMeta:
+    """What a router needs to name one cached key's blocks (a chunk, or a single tail block).
+
+    ``block_hashes`` are the engine's hashes of the key's blocks in prefix order, ``parent_block_hash``
+    the hash of the block before the first (None at the start of a prompt), ``token_ids`` the
+    blocks' tokens, ``extra_keys`` one entry per block as vLLM publishes them (or None).
+    """
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
+    lora_name: str | None = None
+    lora_id: int | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse metadata a router would drop or misfile: tokens must cover the blocks exactly."""
+        if len(self.token_ids) != len(self.block_hashes) * self.block_size:
+            raise ValueError(
+                f"token_ids: {len(self.token_ids)} tokens for {len(self.block_hashes)} blocks "
+                f"of {self.block_size}"
+            )
+        if self.extra_keys is not None and len(self.extra_keys) != len(self.block_hashes):
+            raise ValueError(
+                f"extra_keys: {len(self.extra_keys)} entries for {len(self.block_hashes)} blocks"
+            )
+
+
+class EventLedger:
+    """One endpoint's announced blocks, per medium, and the events since :meth:`take`."""
+
+    def __init__(self, *, max_keys: int = DEFAULT_MAX_KEYS) -> None:
+        """Track at most ``max_keys`` keys (the oldest is withdrawn past that)."""
+        self.max_keys = max_keys
+        # Per key only its block hashes (what a withdrawal needs): tokens are not kept.
+        self._meta: OrderedDict[Hashable, tuple[BlockHash, ...]] = OrderedDict()
+        self._scopes: dict[Hashable, set[Scope]] = {}
+        self._held: dict[tuple[Scope, BlockHash], int] = {}
+        self._events: list[Event] = []
+
+    def __len__(self) -> int:
+        """Keys credited in at least one medium."""
+        return len(self._meta)
+
+    def stored(self, key: Hashable, tier: str, meta: ChunkMeta) -> None:
+        """``key`` (named by ``meta``) is now resident in ``tier``: announce its blocks new there."""
+        scope = scope_of_tier(tier)
+        if scope is None:
+            return
+        scopes = self._scopes.setdefault(key, set())
+        if scope in scopes:
+            return
+        self._meta[key] = meta.block_hashes
+        self._meta.move_to_end(key)
+        scopes.add(scope)
+        fresh = [self._hold(scope, h) for h in meta.block_hashes]
+        start = 0
+        while start < len(fresh):  # one event per run of blocks the medium did not hold yet
+            if not fresh[start]:
+                start += 1
+                continue
+            end = start
+            while end < len(fresh) and fresh[end]:
+                end += 1
+            self._events.append(_stored(meta, start, end, scope))
+            start = end
+        while len(self._meta) > self.max_keys:
+            self.forget(next(iter(self._meta)))
+
+    def removed(self, key: Hashable, tier: str) -> None:
+        """``key`` left ``tier``: withdraw its blocks no other key holds there."""
+        scope = scope_of_tier(tier)
+        if scope is not None:
+            self._withdraw(key, [scope])
+
+    def forget(self, key: Hashable) -> None:
+        """``key`` is gone from every tier (or no longer tracked): withdraw it everywhere."""
+        self._withdraw(key, sorted(self._scopes.get(key, ()), key=_scope_order))
+
+    def cleared(self, tier: str) -> None:
+        """Every key left ``tier`` (a restart lost it): withdraw them all, as ``BlockRemoved``."""
+        scope = scope_of_tier(tier)
+        if scope is None:
+            return
+        gone: list[BlockHash] = []
+        for key in [k for k, s in self._scopes.items() if scope in s]:
+            gone += self._release(key, scope)
+        if gone:
+            self._events.append(BlockRemoved(tuple(gone), scope.medium, locality=scope.locality))
+
+    def holds(self, key: Hashable, tier: str) -> bool:
+        """Whether ``key`` is credited in ``tier``'s medium (False for a tier that is not announced)."""
+        scope = scope_of_tier(tier)
+        return scope is not None and scope in self._scopes.get(key, ())
+
+    def announced(self, h: BlockHash) -> bool:
+        """Whether block ``h`` is credited in any medium (a router knows it as a parent)."""
+        return any((scope, h) in self._held for scope in _ANNOUNCED_SCOPES)
+
+    def credited(self) -> set[tuple[Scope, BlockHash]]:
+        """The (medium, hash) pairs a router that saw every event holds now."""
+        return set(self._held)
+
+    def keys_in(self, tier: str) -> list[Hashable]:
+        """Keys credited in ``tier``'s medium, oldest first."""
+        scope = scope_of_tier(tier)
+        return [k for k in self._meta if scope is not None and scope in self._scopes.get(k, ())]
+
+    def take(self) -> list[Event]:
+        """Return (and forget) the events since the last call, in order."""
+        events, self._events = self._events, []
+        return events
+
+    def _hold(self, scope: Scope, h: BlockHash) -> bool:
+        n = self._held.get((scope, h), 0)
+        self._held[(scope, h)] = n + 1
+        return n == 0
+
+    def _withdraw(self, key: Hashable, scopes: Iterable[Scope]) -> None:
+        for scope in list(scopes):
+            gone = self._release(key, scope)
+            if gone:
+                self._events.append(BlockRemoved(tuple(gone), scope.medium, locality=scope.locality))
+
+    def _release(self, key: Hashable, scope: Scope) -> list[BlockHash]:
+        scopes = self._scopes.get(key)
+        if not scopes or scope not in scopes:
+            return []
+        scopes.discard(scope)
+        hashes = self._meta[key]
+        if not scopes:
+            del self._scopes[key]
+            del self._meta[key]
+        gone = []
+        for h in hashes:
+            n = self._held[(scope, h)] - 1
+            if n:
+                self._held[(scope, h)] = n
+            else:
+                del self._held[(scope, h)]
+                gone.append(h)
+        return gone
+
+
+def _scope_order(scope: Scope) -> tuple[str, str]:
+    return scope.medium, scope.locality or ""
+
+
+def _stored(meta: ChunkMeta, start: int, end: int, scope: Scope) -> BlockStored:
+    """The ``BlockStored`` of blocks ``start:end`` of ``meta``, filed under ``scope``."""
+    bs = meta.block_size
+    parent = meta.block_hashes[start - 1] if start > 0 else meta.parent_block_hash
+    return BlockStored(
+        block_hashes=meta.block_hashes[start:end],
+        parent_block_hash=parent,
+        token_ids=meta.token_ids[start * bs : end * bs],
+        block_size=bs,
+        lora_id=meta.lora_id,
+        medium=scope.medium,
+        lora_name=meta.lora_name,
+        extra_keys=None if meta.extra_keys is None else meta.extra_keys[start:end],
+        locality=scope.locality,
+    )

@@ -1,0 +1,264 @@
+"""The residency feed of a real cache-server process: every tier change of a chunk, in order.
+
+A subscriber reads a snapshot, then ``stored``/``removed`` records per tier: a store lands in DRAM,
+write-back adds the local disk, DRAM pressure evicts, a delete removes every tier, TTL expiry
+removes the disk copy of what was not hit, and a restart starts a new epoch whose snapshot holds
+the disk tier only.
+Metadata a connector attaches travels with every later ``stored`` record, to every subscriber.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvfabric.client import CacheClient
+from kvfabric.client.errors import CacheUnavailable
+from kvfabric.client.residency import FeedMessage, ResidencyFeedClient
+from kvfabric.rpc.kvevents import msgpack_encode
+from kvfabric.rpc.kvledger import ChunkMeta
+from kvfabric.rpc.residency import Change, frame, residency_socket_for
+from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
+
+pytestmark = [pytest.mark.process, pytest.mark.slow]
+
+NS = digest("residency-ns")
+META = ChunkMeta(block_hashes=(b"h0", b"h1"), parent_block_hash=None, token_ids=(1, 2, 3, 4), block_size=2)
+
+
+class Follower:
+    """A subscriber that keeps what it read and each key's tiers as the feed says."""
+
+    def __init__(self, srv: ServerProcess) -> None:
+        self.client = ResidencyFeedClient(residency_socket_for(srv.config.listen.unix_socket), NS)
+        self.log: list[FeedMessage] = []
+        self.tiers: dict[str, set[str]] = {}
+        self.metas: dict[str, ChunkMeta] = {}
+        self.until(lambda: ("synced", None) in self.log, "the snapshot")
+
+    def pump(self) -> None:
+        for message in self.client.read(0.05):
+            self.log.append(message)
+            if isinstance(message, Change):
+                tiers = self.tiers.setdefault(message.key, set())
+                if message.op == "stored":
+                    tiers.add(message.tier)
+                    if message.meta is not None:
+                        self.metas[message.key] = message.meta
+                else:
+                    tiers.discard(message.tier)
+
+    def until(self, pred: object, what: str, timeout: float = 30.0) -> None:
+        def check() -> bool:
+            self.pump()
+            return bool(pred())  # type: ignore[operator]
+
+        wait_until(check, timeout=timeout, what=what)
+
+    def changes(self, key: str) -> list[tuple[str, str]]:
+        return [(m.op, m.tier) for m in self.log if isinstance(m, Change) and m.key == key]
+
+
+@pytest.fixture
+def follow() -> Iterator[Callable[[ServerProcess], Follower]]:
+    """Make followers; all are closed at the end."""
+    made: list[Follower] = []
+
+    def make(srv: ServerProcess) -> Follower:
+        made.append(Follower(srv))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.client.close()
+
+
+@pytest.fixture
+def srv() -> Iterator[ServerProcess]:
+    with cache_server(dram_bytes=8 * MiB, local_disk_bytes=64 * MiB) as s:
+        yield s
+
+
+def _store(client: CacheClient, keys: list[str], size: int = 256 << 10) -> None:
+    result = client.store(NS, keys, [payload_for(k, size) for k in keys], timeout=10)
+    assert result.accepted == len(keys)
+
+
+def test_store_write_back_metadata_eviction_and_delete_each_reach_every_subscriber(
+    srv: ServerProcess, follow: Callable[[ServerProcess], Follower]
+) -> None:
+    a, b = follow(srv), follow(srv)
+    key = digest("chunk", 0)
+    with CacheClient(srv.unix_target) as client:
+        _store(client, [key])
+        for f in (a, b):
+            f.until(lambda f=f: f.tiers.get(key) == {"dram", "local_disk"}, "store and write-back")
+            assert f.changes(key) == [("stored", "dram"), ("stored", "local_disk")]
+        # A connector attaches the router's names; both subscribers get them, per tier holding it.
+        a.client.describe(key, META)
+        for f in (a, b):
+            f.until(lambda f=f: f.metas.get(key) == META, "the metadata")
+        # DRAM pressure: 8 MiB of DRAM, 40 x 256 KiB stored; the oldest leave DRAM, stay on disk.
+        others = [digest("chunk", i) for i in range(1, 41)]
+        for i in range(0, 40, 8):
+            _store(client, others[i : i + 8])
+        a.until(lambda: "dram" not in a.tiers.get(key, set()), "a DRAM eviction")
+        assert ("removed", "dram") in a.changes(key)
+        assert "local_disk" in a.tiers[key]
+        assert client.delete(NS, [key], timeout=10) == 1
+        for f in (a, b):
+            f.until(lambda f=f: not f.tiers.get(key), "the delete")
+            removed = [c for c in f.changes(key) if c[0] == "removed"]
+            assert sorted(removed) == [("removed", "dram"), ("removed", "local_disk")]
+        # The metrics say engines follow the feed, and how much it sent.
+        metrics = _get(srv.metrics_url + "/metrics")
+        assert "kvfabric_residency_subscribers 2.0" in metrics
+        assert "kvfabric_residency_records_total" in metrics
+        # Every key's last word is its current residency: the feed and the server agree.
+        time.sleep(0.5)
+        a.pump()
+        lookup = client.lookup(NS, [*others], timeout=10)
+        assert lookup.matched >= 1
+    # Stores, removals and metadata in the one order: no subscriber saw a removal of a tier it
+    # was never told the key was stored in.
+    for f in (a, b):
+        held: dict[tuple[str, str], int] = {}
+        for m in f.log:
+            if isinstance(m, Change):
+                slot = (m.key, m.tier)
+                held[slot] = held.get(slot, 0) + (1 if m.op == "stored" else -1)
+                assert held[slot] >= 0
+
+
+def test_ttl_expiry_removes_the_disk_copy(follow: Callable[[ServerProcess], Follower]) -> None:
+    overrides = {"ttl_seconds": 2, "bucket_seconds": 1}
+    with cache_server(dram_bytes=64 * MiB, local_disk_bytes=64 * MiB, overrides=overrides) as srv:
+        f = follow(srv)
+        key = digest("expiring")
+        with CacheClient(srv.unix_target) as client:
+            _store(client, [key])
+            f.until(lambda: f.tiers.get(key) == {"dram", "local_disk"}, "store and write-back")
+            # Expiry is the disk tiers' (DRAM is LRU): the disk copy goes, the DRAM copy stays.
+            f.until(lambda: f.tiers.get(key) == {"dram"}, "expiry", timeout=60)
+        assert f.changes(key) == [("stored", "dram"), ("stored", "local_disk"), ("removed", "local_disk")]
+
+
+def test_a_restart_is_a_new_epoch_whose_snapshot_has_lost_dram(
+    srv: ServerProcess, follow: Callable[[ServerProcess], Follower]
+) -> None:
+    f = follow(srv)
+    key = digest("survivor")
+    with CacheClient(srv.unix_target) as client:
+        _store(client, [key])
+        f.until(lambda: f.tiers.get(key) == {"dram", "local_disk"}, "store and write-back")
+    old_epoch = f.client.epoch
+    srv.restart()
+
+    def drain() -> None:
+        for _ in range(100):
+            f.pump()
+
+    with pytest.raises(CacheUnavailable):
+        drain()  # the old connection reads as closed
+    g = follow(srv)
+    assert g.client.epoch != old_epoch
+    assert g.tiers == {key: {"local_disk"}}
+
+
+def test_bad_requests_get_an_error_naming_what_is_wrong(
+    srv: ServerProcess, follow: Callable[[ServerProcess], Follower]
+) -> None:
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(str(residency_socket_for(srv.config.listen.unix_socket)))
+        s.sendall(frame(["sub", "not-a-namespace"]))
+        reply = s.recv(4096)
+    assert b"namespace" in reply
+    f = follow(srv)
+    f.client.describe(digest("k"), ChunkMeta((1,), None, (1, 2), 2))
+    f.client._out += frame(["meta", digest("k"), msgpack_encode([[1], None, bytes(8), 0, None, None, None])])
+    f.until(lambda: any(isinstance(m, tuple) and m[0] == "error" for m in f.log), "an error", timeout=10)
+    (error,) = [m for m in f.log if isinstance(m, tuple) and m[0] == "error"]
+    assert "meta.block_size" in str(error[1])
+
+
+def _get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()  # type: ignore[no-any-return]
+
+
+def _query(srv: ServerProcess, body: object) -> tuple[int, object]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        srv.metrics_url + "/query",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_the_query_endpoint_answers_matched_tokens_per_tier(
+    follow: Callable[[ServerProcess], Follower],
+) -> None:
+    overrides = {"metrics.residency_query": True}
+    with cache_server(dram_bytes=64 * MiB, local_disk_bytes=64 * MiB, overrides=overrides) as srv:
+        f = follow(srv)
+        keys = [digest("q", i) for i in range(3)]
+        metas = [
+            ChunkMeta((10, 11), None, (1, 2, 3, 4), 2),
+            ChunkMeta((20, 21), 11, (5, 6, 7, 8), 2),
+            ChunkMeta((30,), 21, (9, 10), 2),  # a tail block
+        ]
+        salted = ChunkMeta((40, 41), None, (1, 2, 3, 4), 2, extra_keys=(("salt",), None))
+        with CacheClient(srv.unix_target) as client:
+            for k, m in zip(keys, metas, strict=True):
+                f.client.describe(k, m)
+            _store(client, keys)
+            f.until(
+                lambda: all(f.tiers.get(k) == {"dram", "local_disk"} for k in keys), "stores and write-back"
+            )
+            f.until(lambda: all(k in f.metas for k in keys), "the metadata")
+            tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+            status, body = _query(srv, {"namespace": NS, "token_ids": tokens})
+            assert status == 200
+            assert body == {
+                "matched_tokens": {"dram": 10, "local_disk": 10, "shared": 0, "object": 0, "any": 10}
+            }
+            # The second chunk leaves DRAM: DRAM's run stops after the first chunk, the disk's goes on.
+            client.delete(NS, keys[1:2], timeout=10)
+            f.until(lambda: not f.tiers.get(keys[1]), "the delete")
+            _, body = _query(srv, {"namespace": NS, "token_ids": tokens})
+            assert body == {
+                "matched_tokens": {"dram": 4, "local_disk": 4, "shared": 0, "object": 0, "any": 4}
+            }
+            # A salted chunk never answers an unsalted prompt, nor another LoRA's.
+            salted_key = digest("salted")
+            f.client.describe(salted_key, salted)
+            _store(client, [salted_key])
+            f.until(lambda: f.metas.get(salted_key) == salted, "the salted chunk")
+            _, body = _query(srv, {"namespace": NS, "token_ids": [1, 2, 3, 4], "lora_name": "other"})
+            assert body == {
+                "matched_tokens": {"dram": 0, "local_disk": 0, "shared": 0, "object": 0, "any": 0}
+            }
+        status, text = _query(srv, {"namespace": "nope", "token_ids": []})
+        assert (status, "namespace" in str(text)) == (400, True)
+        status, text = _query(srv, {"namespace": NS, "token_ids": [-1]})
+        assert (status, "token_ids" in str(text)) == (400, True)
+
+
+def test_the_query_endpoint_is_off_by_default(srv: ServerProcess) -> None:
+    status, _ = _query(srv, {"namespace": NS, "token_ids": [1]})
+    assert status == 404

@@ -1,0 +1,248 @@
+"""Residency changes to KV events: every (endpoint, tier, hash) stored once and removed once.
+
+A hypothesis state machine plays a cache server's residency (stores of chunks and tail blocks,
+write-back to the lower tiers, promotions, evictions, TTL expiry, deletes, restarts that lose DRAM)
+into an :class:`~kvfabric.rpc.kvledger.EventLedger`, sends every batch through the wire encoder and
+decodes it into the reference-counting models of llm-d's and Dynamo's indexes
+(:mod:`kvfabric.testing.routerindex`). At every step both indexes equal the residency, and no
+event is one kvfabric promises never to send.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvfabric.rpc.kvevents import BlockRemoved, BlockStored, encode_batch, scope_of_tier
+from kvfabric.rpc.kvledger import ChunkMeta, EventLedger
+from kvfabric.testing.routerindex import RouterIndexModel
+
+BLOCK = 2  # tokens per engine block
+CHUNK = 2  # blocks per chunk
+PROMPTS = 3
+BLOCKS = 6  # per prompt; the first chunk is shared by every prompt
+TIERS = ("dram", "local_disk", "shared", "object")
+LLMD = {"CPU": "cpu", "STORAGE": "storage"}
+DYNAMO = {"CPU": "host", "STORAGE": "disk"}
+
+
+def _owner(prompt: int, block: int) -> int:
+    return 0 if block < CHUNK else prompt
+
+
+def _hash(prompt: int, block: int) -> bytes | int:
+    owner = _owner(prompt, block)
+    return f"{owner}:{block}".encode() if owner % 2 == 0 else owner * 1000 + block  # both hash forms
+
+
+def _tokens(prompt: int, first: int, end: int) -> tuple[int, ...]:
+    return tuple(_owner(prompt, b) * 100 + b * BLOCK + i for b in range(first, end) for i in range(BLOCK))
+
+
+def chunk(prompt: int, index: int) -> tuple[Hashable, ChunkMeta]:
+    """The key and metadata of chunk ``index`` of ``prompt``."""
+    first = index * CHUNK
+    return ("c", _owner(prompt, first), index), _meta(prompt, first, first + CHUNK)
+
+
+def tail(prompt: int, block: int) -> tuple[Hashable, ChunkMeta]:
+    """The key and metadata of the tail block ``block`` of ``prompt``."""
+    return ("t", _owner(prompt, block), block), _meta(prompt, block, block + 1)
+
+
+def _meta(prompt: int, first: int, end: int) -> ChunkMeta:
+    salt = ("salt",) if first == 0 else None
+    return ChunkMeta(
+        block_hashes=tuple(_hash(prompt, b) for b in range(first, end)),
+        parent_block_hash=_hash(prompt, first - 1) if first else None,
+        token_ids=_tokens(prompt, first, end),
+        block_size=BLOCK,
+        extra_keys=tuple(salt if b == 0 else None for b in range(first, end)),
+    )
+
+
+class Residency(RuleBasedStateMachine):
+    """A cache server's residency, the ledger it feeds, and two routers' indexes of the wire."""
+
+    max_keys = 10_000
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resident: dict[Hashable, set[str]] = {}
+        self.meta: dict[Hashable, ChunkMeta] = {}
+        self.ever: set[Hashable] = set()
+        self.ledger = EventLedger(max_keys=self.max_keys)
+        self.llmd = RouterIndexModel("llm-d")
+        self.dynamo = RouterIndexModel("dynamo")
+
+    def _store(self, key: Hashable, meta: ChunkMeta, tier: str = "dram") -> None:
+        self.meta[key] = meta
+        self.ever.add(key)
+        tiers = self.resident.setdefault(key, set())
+        if tier not in tiers:
+            tiers.add(tier)
+            self.ledger.stored(key, tier, meta)
+
+    def _leave(self, key: Hashable, tier: str) -> None:
+        tiers = self.resident.get(key, set())
+        if tier in tiers:
+            tiers.discard(tier)
+            self.ledger.removed(key, tier)
+            if not tiers:
+                del self.resident[key]
+
+    def _pick(self, n: int) -> Hashable | None:
+        keys = sorted(self.resident, key=repr)
+        return keys[n % len(keys)] if keys else None
+
+    # An engine stores a prefix in order: a chunk after the chunk before it, a tail block after the
+    # block before it (so every parent was announced on this endpoint before its child).
+    @rule(prompt=st.integers(0, PROMPTS - 1), index=st.integers(0, BLOCKS // CHUNK - 1))
+    def store_chunk(self, prompt: int, index: int) -> None:
+        if index and chunk(prompt, index - 1)[0] not in self.ever:
+            return
+        self._store(*chunk(prompt, index))
+
+    @rule(prompt=st.integers(0, PROMPTS - 1), block=st.integers(0, BLOCKS - 1))
+    def store_tail(self, prompt: int, block: int) -> None:
+        start = block - block % CHUNK
+        if start and chunk(prompt, start // CHUNK - 1)[0] not in self.ever:
+            return
+        if block > start and tail(prompt, block - 1)[0] not in self.ever:
+            return
+        self._store(*tail(prompt, block))
+
+    @rule(n=st.integers(0, 1000), tier=st.sampled_from(TIERS[1:]))
+    def write_back(self, n: int, tier: str) -> None:
+        key = self._pick(n)
+        if key is not None and "dram" in self.resident[key]:
+            self._store(key, self.meta[key], tier)
+
+    @rule(n=st.integers(0, 1000))
+    def promote(self, n: int) -> None:
+        key = self._pick(n)
+        if key is not None:
+            self._store(key, self.meta[key], "dram")
+
+    @rule(n=st.integers(0, 1000), tier=st.sampled_from(TIERS))
+    def evict(self, n: int, tier: str) -> None:
+        key = self._pick(n)
+        if key is not None:
+            self._leave(key, tier)
+
+    @rule(n=st.integers(0, 1000))
+    def expire_everywhere(self, n: int) -> None:
+        """TTL expiry: the key leaves each tier, one change per tier."""
+        key = self._pick(n)
+        if key is not None:
+            for tier in sorted(self.resident[key]):
+                self._leave(key, tier)
+
+    @rule(n=st.integers(0, 1000))
+    def delete(self, n: int) -> None:
+        """A delete: gone from every tier at once."""
+        key = self._pick(n)
+        if key is not None:
+            del self.resident[key]
+            self.ledger.forget(key)
+
+    @rule()
+    def restart(self) -> None:
+        """The cache server restarts: DRAM is lost, the disk tiers survive."""
+        for key in list(self.resident):
+            self.resident[key].discard("dram")
+            if not self.resident[key]:
+                del self.resident[key]
+        self.ledger.cleared("dram")
+
+    @rule()
+    def publish(self) -> None:
+        events = self.ledger.take()
+        if events:
+            payload = encode_batch(time.time(), events)
+            self.llmd.apply_bytes("engine-a", payload)
+            self.dynamo.apply_bytes("engine-a", payload)
+
+    def expected(
+        self, names: dict[str, str], tracked: set[tuple[Hashable, str]] | None = None
+    ) -> set[tuple[str, bytes | int]]:
+        out = set()
+        for key, tiers in self.resident.items():
+            for tier in tiers:
+                if tracked is not None and (key, tier) not in tracked:
+                    continue
+                scope = scope_of_tier(tier)
+                if scope is not None:
+                    out |= {(names[scope.medium], h) for h in self.meta[key].block_hashes}
+        return out
+
+    @invariant()
+    def routers_index_the_residency(self) -> None:
+        self.publish()
+        assert self.llmd.violations.total() == 0, self.llmd.violations
+        assert self.dynamo.violations.total() == 0, self.dynamo.violations
+        tracked = {(k, tier) for tier in TIERS for k in self.ledger.keys_in(tier)}
+        if self.max_keys >= 10_000:
+            assert self.llmd.entries("engine-a") == self.expected(LLMD)
+            assert self.dynamo.entries("engine-a") == self.expected(DYNAMO)
+        else:  # what the bounded ledger forgot is withdrawn, never left credited
+            assert self.expected(LLMD, tracked) <= self.llmd.entries("engine-a") <= self.expected(LLMD)
+            assert self.expected(DYNAMO, tracked) <= self.dynamo.entries("engine-a") <= self.expected(DYNAMO)
+            assert len(self.ledger) <= self.max_keys
+
+
+class BoundedResidency(Residency):
+    """The same with a ledger that can track only a few keys."""
+
+    max_keys = 3
+
+
+TestResidency = Residency.TestCase
+TestResidency.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestBoundedResidency = BoundedResidency.TestCase
+TestBoundedResidency.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+def test_a_chunk_over_announced_tail_blocks_announces_only_its_new_blocks() -> None:
+    ledger = EventLedger()
+    t_key, t_meta = tail(1, 2)
+    c_key, c_meta = chunk(1, 1)
+    ledger.stored(t_key, "dram", t_meta)
+    ledger.stored(c_key, "dram", c_meta)
+    first, second = ledger.take()
+    assert isinstance(first, BlockStored)
+    assert isinstance(second, BlockStored)
+    assert first.block_hashes == (_hash(1, 2),)
+    assert second.block_hashes == (_hash(1, 3),)
+    assert second.parent_block_hash == _hash(1, 2)
+    assert second.token_ids == _tokens(1, 3, 4)
+    ledger.removed(t_key, "dram")
+    assert ledger.take() == []  # the chunk still holds the block
+    ledger.removed(c_key, "dram")
+    assert ledger.take() == [BlockRemoved((_hash(1, 2), _hash(1, 3)), "CPU")]
+
+
+def test_local_disk_is_storage_local_and_the_shared_tiers_are_not_announced() -> None:
+    ledger = EventLedger()
+    key, meta = chunk(0, 0)
+    for tier in TIERS:
+        ledger.stored(key, tier, meta)
+    events = ledger.take()
+    assert [(e.medium, e.locality) for e in events if isinstance(e, BlockStored)] == [
+        ("CPU", None),
+        ("STORAGE", "LOCAL"),
+    ]
+    assert isinstance(events[0], BlockStored)
+    assert events[0].extra_keys == (("salt",), None)
+
+
+def test_metadata_that_does_not_cover_its_blocks_is_refused() -> None:
+    with pytest.raises(ValueError, match="token_ids"):
+        ChunkMeta(block_hashes=(1, 2), parent_block_hash=None, token_ids=(1, 2, 3), block_size=2)
+    with pytest.raises(ValueError, match="extra_keys"):
+        ChunkMeta(block_hashes=(1,), parent_block_hash=None, token_ids=(1, 2), block_size=2, extra_keys=())

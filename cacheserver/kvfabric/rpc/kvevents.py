@@ -30,10 +30,11 @@ Media (which tier an event names), per ``docs/routing.md``:
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 __all__ = [
     "LOCALITY_LOCAL",
@@ -52,7 +53,7 @@ __all__ = [
     "encode_event",
     "msgpack_decode",
     "msgpack_encode",
-    "msgpack_unpack_from",
+    "msgpack_prefix_decoder",
     "scope_of_tier",
 ]
 
@@ -250,211 +251,45 @@ def _tuples(items: list[Any]) -> tuple[Any, ...]:
     return tuple(_tuples(i) if isinstance(i, list) else i for i in items)
 
 
-# ------------------------------------------------------------------------------- msgpack, as msgspec
+# ------------------------------------------------------------------------------------------- msgpack
+
+# msgspec is what vLLM encodes its events with, so its plain encoder writes the same bytes for the
+# same values (smallest int forms, float64, str8 for short strings, maps in insertion order).
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder()
 
 
 def msgpack_encode(obj: Any) -> bytes:
-    """Msgpack as msgspec writes it: smallest int form, float64 floats, str8 for short strings."""
-    out = bytearray()
-    _pack(obj, out)
-    return bytes(out)
-
-
-def _pack(obj: Any, out: bytearray) -> None:
-    if obj is None:
-        out.append(0xC0)
-    elif obj is True:
-        out.append(0xC3)
-    elif obj is False:
-        out.append(0xC2)
-    elif isinstance(obj, int):
-        _pack_int(obj, out)
-    elif isinstance(obj, float):
-        out += b"\xcb" + struct.pack(">d", obj)
-    elif isinstance(obj, str):
-        raw = obj.encode("utf-8")
-        _pack_len(len(raw), out, fix=(0xA0, 32), forms=((0xD9, "B"), (0xDA, ">H"), (0xDB, ">I")))
-        out += raw
-    elif isinstance(obj, bytes | bytearray | memoryview):
-        raw = bytes(obj)
-        _pack_len(len(raw), out, fix=None, forms=((0xC4, "B"), (0xC5, ">H"), (0xC6, ">I")))
-        out += raw
-    elif isinstance(obj, list | tuple):
-        _pack_len(len(obj), out, fix=(0x90, 16), forms=((0xDC, ">H"), (0xDD, ">I")))
-        for item in obj:
-            # Token ids dominate what is encoded: small non-negative ints take a short path.
-            if type(item) is int and 0 <= item < 0x100000000:
-                if item < 0x80:
-                    out.append(item)
-                elif item < 0x100:
-                    out += b"\xcc" + _U8[item]
-                elif item < 0x10000:
-                    out += b"\xcd" + _U16(item)
-                else:
-                    out += b"\xce" + _U32(item)
-            else:
-                _pack(item, out)
-    elif isinstance(obj, dict):
-        _pack_len(len(obj), out, fix=(0x80, 16), forms=((0xDE, ">H"), (0xDF, ">I")))
-        for key, value in obj.items():
-            _pack(key, out)
-            _pack(value, out)
-    else:
-        raise TypeError(f"cannot encode {type(obj).__name__} as msgpack")
-
-
-_LIMITS = {"B": 1 << 8, ">H": 1 << 16, ">I": 1 << 32}
-_U8 = [bytes([i]) for i in range(256)]
-_U16 = struct.Struct(">H").pack
-_U32 = struct.Struct(">I").pack
-
-
-def _pack_len(
-    n: int, out: bytearray, *, fix: tuple[int, int] | None, forms: tuple[tuple[int, str], ...]
-) -> None:
-    if fix is not None and n < fix[1]:
-        out.append(fix[0] | n)
-        return
-    for marker, fmt in forms:
-        if n < _LIMITS[fmt]:
-            out.append(marker)
-            out += struct.pack(fmt, n)
-            return
-    raise ValueError(f"msgpack cannot hold a length of {n}")
-
-
-def _pack_int(n: int, out: bytearray) -> None:
-    if 0 <= n < 128 or -32 <= n < 0:
-        out += struct.pack(">b" if n < 0 else "B", n)
-    elif n >= 0:
-        for marker, fmt, limit in (
-            (0xCC, "B", 1 << 8),
-            (0xCD, ">H", 1 << 16),
-            (0xCE, ">I", 1 << 32),
-            (0xCF, ">Q", 1 << 64),
-        ):
-            if n < limit:
-                out.append(marker)
-                out += struct.pack(fmt, n)
-                return
-        raise ValueError(f"integer {n} does not fit msgpack's 64 bits")
-    else:
-        for marker, fmt, limit in (
-            (0xD0, ">b", 1 << 7),
-            (0xD1, ">h", 1 << 15),
-            (0xD2, ">i", 1 << 31),
-            (0xD3, ">q", 1 << 63),
-        ):
-            if n >= -limit:
-                out.append(marker)
-                out += struct.pack(fmt, n)
-                return
-        raise ValueError(f"integer {n} does not fit msgpack's 64 bits")
-
-
-def msgpack_decode(data: bytes) -> Any:
-    """Decode one msgpack object (maps to dicts, arrays to lists, bin to bytes); the whole input."""
-    view = memoryview(data)
+    """Msgpack bytes of ``obj`` (lists and tuples as arrays, bytes as bin, dicts as maps)."""
     try:
-        obj, end = _unpack(view, 0)
-    except (IndexError, struct.error) as exc:
-        raise DecodeError("truncated msgpack") from exc
-    if end != len(view):
-        raise DecodeError(f"{len(view) - end} bytes after the msgpack object")
-    return obj
+        return _ENCODER.encode(obj)
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise TypeError(f"cannot encode as msgpack: {exc}") from exc
 
 
-_FIXED: dict[int, tuple[str, int]] = {
-    0xCA: (">f", 4),
-    0xCB: (">d", 8),
-    0xCC: ("B", 1),
-    0xCD: (">H", 2),
-    0xCE: (">I", 4),
-    0xCF: (">Q", 8),
-    0xD0: (">b", 1),
-    0xD1: (">h", 2),
-    0xD2: (">i", 4),
-    0xD3: (">q", 8),
-}
-_SIZED: dict[int, tuple[str, str, int]] = {  # marker -> (kind, length format, length size)
-    0xC4: ("bin", "B", 1),
-    0xC5: ("bin", ">H", 2),
-    0xC6: ("bin", ">I", 4),
-    0xD9: ("str", "B", 1),
-    0xDA: ("str", ">H", 2),
-    0xDB: ("str", ">I", 4),
-    0xDC: ("array", ">H", 2),
-    0xDD: ("array", ">I", 4),
-    0xDE: ("map", ">H", 2),
-    0xDF: ("map", ">I", 4),
-}
-_CONSTANTS = {0xC0: None, 0xC2: False, 0xC3: True}
+def msgpack_decode(data: bytes | memoryview) -> Any:
+    """Decode one msgpack object (maps to dicts, arrays to lists, bin to bytes); the whole input.
 
-
-def msgpack_unpack_from(buf: memoryview, pos: int) -> tuple[Any, int]:
-    """One msgpack object at ``pos`` of ``buf``, and the position after it (DecodeError if malformed)."""
+    DecodeError for anything malformed, truncated or followed by extra bytes.
+    """
     try:
-        return _unpack(buf, pos)
-    except (IndexError, struct.error) as exc:
-        raise DecodeError("truncated msgpack") from exc
+        return _DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise DecodeError(f"not msgpack: {exc}") from exc
 
 
-def _unpack(buf: memoryview, pos: int) -> tuple[Any, int]:
-    b = buf[pos]
-    pos += 1
-    if b < 0x80:
-        return b, pos
-    if b >= 0xE0:
-        return b - 0x100, pos
-    if b in _CONSTANTS:
-        return _CONSTANTS[b], pos
-    if b in _FIXED:
-        fmt, size = _FIXED[b]
-        return struct.unpack_from(fmt, buf, pos)[0], pos + size
-    if 0x80 <= b <= 0x8F:
-        return _collection("map", b & 0x0F, buf, pos)
-    if 0x90 <= b <= 0x9F:
-        return _collection("array", b & 0x0F, buf, pos)
-    if 0xA0 <= b <= 0xBF:
-        return _blob("str", b & 0x1F, buf, pos)
-    if b in _SIZED:
-        kind, fmt, size = _SIZED[b]
-        n = struct.unpack_from(fmt, buf, pos)[0]
-        pos += size
-        return _collection(kind, n, buf, pos) if kind in ("array", "map") else _blob(kind, n, buf, pos)
-    raise DecodeError(f"unsupported msgpack marker 0x{b:02x}")
+def msgpack_prefix_decoder(n: int) -> Callable[[bytes | memoryview], tuple[Any, ...]]:
+    """A decoder of an array of ``n`` fields that decodes the first two and leaves the rest raw.
 
+    (For the residency feed's chunk metadata: the router names of a chunk are read for every record,
+    its tokens only when a connector announces it.) DecodeError if the input is not such an array.
+    """
+    decoder = msgspec.msgpack.Decoder(tuple[(Any, Any, *([msgspec.Raw] * (n - 2)))])  # type: ignore[misc]
 
-def _blob(kind: str, n: int, buf: memoryview, pos: int) -> tuple[Any, int]:
-    if pos + n > len(buf):
-        raise DecodeError("truncated msgpack")
-    raw = bytes(buf[pos : pos + n])
-    return (raw.decode("utf-8") if kind == "str" else raw), pos + n
+    def decode(data: bytes | memoryview) -> tuple[Any, ...]:
+        try:
+            return tuple(decoder.decode(data))
+        except msgspec.DecodeError as exc:
+            raise DecodeError(f"not an array of {n} fields: {exc}") from exc
 
-
-def _collection(kind: str, n: int, buf: memoryview, pos: int) -> tuple[Any, int]:
-    if kind == "array":
-        items: list[Any] = []
-        append = items.append
-        for _ in range(n):
-            b = buf[pos]
-            # Token ids dominate what is decoded: small non-negative ints take a short path.
-            if b < 0x80:
-                append(b)
-                pos += 1
-            elif b == 0xCD:
-                append((buf[pos + 1] << 8) | buf[pos + 2])
-                pos += 3
-            elif b == 0xCE:
-                append(int.from_bytes(buf[pos + 1 : pos + 5], "big"))
-                pos += 5
-            else:
-                item, pos = _unpack(buf, pos)
-                append(item)
-        return items, pos
-    mapping = {}
-    for _ in range(n):
-        key, pos = _unpack(buf, pos)
-        value, pos = _unpack(buf, pos)
-        mapping[key if not isinstance(key, list) else tuple(key)] = value
-    return mapping, pos
+    return decode

@@ -32,7 +32,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from kvfabric.rpc.kvevents import DecodeError, msgpack_decode, msgpack_encode, msgpack_unpack_from
+from kvfabric.rpc.kvevents import DecodeError, msgpack_decode, msgpack_encode, msgpack_prefix_decoder
 from kvfabric.rpc.kvledger import ChunkMeta
 
 __all__ = [
@@ -141,13 +141,12 @@ def meta_from_wire(raw: Any) -> ChunkMeta:
     )
 
 
+_meta_head = msgpack_prefix_decoder(7)
+
+
 def meta_head(raw: bytes) -> tuple[tuple[Any, ...], Any]:
     """The block hashes and parent hash of encoded metadata, without decoding the rest."""
-    view = memoryview(raw)
-    if not raw or raw[0] != 0x97:  # a fixarray of 7
-        raise DecodeError("meta: an array of 7 fields")
-    hashes, pos = msgpack_unpack_from(view, 1)
-    parent, _ = msgpack_unpack_from(view, pos)
+    hashes, parent, *_ = _meta_head(raw)
     if not isinstance(hashes, list):
         raise DecodeError("meta.block_hashes: an array")
     return tuple(hashes), parent

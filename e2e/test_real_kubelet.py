@@ -4,8 +4,8 @@ A local control plane with two real GPU nodes (``kvfabric cluster up --kubelets 
 and containerd, each node in its own network and mount namespace) and no fake node. The operator is
 installed as ``manifests/default`` deploys it (``e2e/kubelet``, which says what the local cluster
 changes: the node's network, no pull, the GPU toleration): a Deployment whose pod a real kubelet
-runs from ``ghcr.io/kvfabric/operator:v0.1.0``, with its own ServiceAccount token and RBAC, its
-webhook reached through its Service. The cache-server pods run ``ghcr.io/kvfabric/kvfabric:v0.1.0``
+runs from ``ghcr.io/kvfabric/operator:v0.2.0``, with its own ServiceAccount token and RBAC, its
+webhook reached through its Service. The cache-server pods run ``ghcr.io/kvfabric/kvfabric:v0.2.0``
 exactly as ``images/cacheserver/Dockerfile`` built it (``imagePullPolicy: Never``: the images were
 loaded from the harness's engine, never pulled).
 
@@ -41,7 +41,7 @@ from kvfabric.operator.render import names
 # Real containers on two shared cores: generous per-test limits (each wait has its own deadline).
 pytestmark = [pytest.mark.kubelet, pytest.mark.timeout(600)]
 
-IMAGE = {"repository": "ghcr.io/kvfabric/kvfabric", "tag": "v0.1.0", "pullPolicy": "Never"}
+IMAGE = {"repository": "ghcr.io/kvfabric/kvfabric", "tag": "v0.2.0", "pullPolicy": "Never"}
 NODES = 2
 UID = 65532
 CAP_NET_RAW = 1 << 13
@@ -146,7 +146,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
         cluster.down(progress=lambda _m: None)
 
 
-def _pool(name: str, tag: str = "v0.1.0") -> dict[str, Any]:
+def _pool(name: str, tag: str = "v0.2.0") -> dict[str, Any]:
     return {
         "apiVersion": "kvfabric.io/v1alpha1",
         "kind": "KVCachePool",
@@ -217,7 +217,7 @@ def test_the_operator_runs_from_its_image_as_the_manifests_deploy_it(real: RealC
     (pod,) = pods
     assert _pod_ready(pod), "Ready by the kubelet's readiness probe of /healthz"
     (status,) = pod["status"]["containerStatuses"]
-    assert status["image"].endswith("ghcr.io/kvfabric/operator:v0.1.0")
+    assert status["image"].endswith("ghcr.io/kvfabric/operator:v0.2.0")
     node = _node(real, pod["spec"]["nodeName"])
     pid = _container_pid(node, status["containerID"])
     facts = process_facts(pid)
@@ -254,7 +254,7 @@ def test_cache_server_runs_on_every_real_node_as_the_runtime_enforces(
     for pod in pods:
         assert _pod_ready(pod), "the pool is Ready, so the kubelet must report every pod Ready"
         (status,) = pod["status"]["containerStatuses"]
-        assert status["image"].endswith("ghcr.io/kvfabric/kvfabric:v0.1.0")
+        assert status["image"].endswith("ghcr.io/kvfabric/kvfabric:v0.2.0")
         node = _node(real, pod["spec"]["nodeName"])
         facts = process_facts(_container_pid(node, status["containerID"]))
         assert facts["uids"] == [UID] * 4, "runAsUser 65532, enforced by the runtime"
@@ -370,7 +370,7 @@ def test_pool_is_ready_only_when_the_kubelet_says_so(real: RealCluster) -> None:
             ns,
             "--type=merge",
             "-p",
-            '{"spec":{"image":{"tag":"v0.1.0"}}}',
+            '{"spec":{"image":{"tag":"v0.2.0"}}}',
         )
         wait_pool_ready(real.handle, ns, "pool-r", timeout=240)
         pods = _pods(real, ns, _selector("pool-r"))
@@ -476,7 +476,7 @@ def _client_pod(
             "containers": [
                 {
                     "name": "client",
-                    "image": "ghcr.io/kvfabric/kvfabric:v0.1.0",
+                    "image": "ghcr.io/kvfabric/kvfabric:v0.2.0",
                     "imagePullPolicy": "Never",
                     "command": ["python", "-c", script],
                     "securityContext": {

@@ -240,7 +240,7 @@ def test_the_readme_overlay_moves_every_operator_image_to_the_registry(readme_tr
     images = sorted(images_in(rendered))
     kinds = {d["kind"] for d in rendered}
     assert {"CustomResourceDefinition", "Deployment", "DaemonSet", "CSIDriver"} <= kinds
-    assert images == [f"{README_REGISTRY}/operator:v0.1.0"] * len(images)
+    assert images == [f"{README_REGISTRY}/operator:v0.2.0"] * len(images)
     assert len(images) >= 3  # the operator, its KVFABRIC_OPERATOR_IMAGE, the CSI plugin
 
 

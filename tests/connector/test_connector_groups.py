@@ -91,13 +91,12 @@ def test_groups_the_plan_cannot_serve_are_refused_by_name() -> None:
         SimpleNamespace(layers=["g0.l0", "g0.l1"], layer_stride=PAGE * 100, block_stride=PAGE)
     ]
     assert plan_from_kv_cache_config(layer_outer) is not None
-    # A group vLLM does not prefix-cache is left out, not refused.
+    # A group vLLM does not prefix-cache (a per-request ring, a bounded-replay window) holds state
+    # a hit cannot restore: refused by name, never left out of an otherwise restored hit.
     cfg = kv_cache_config([FullAttentionSpec(16, PAGE), CrossAttentionSpec()], 1)
     cfg.prefix_cacheable_group_ids = (0,)
-    plan = plan_from_kv_cache_config(cfg)
-    assert plan is not None
-    assert len(plan.kinds) == 1
-    assert plan.kinds[0].groups == (0,)
+    with pytest.raises(UnsupportedGroupsError, match=r"group 1 \(CrossAttentionSpec\) is not prefix-cacheable"):
+        plan_from_kv_cache_config(cfg)
 
 
 # The namespace the connector derived before it read the groups (one full-attention group): pinned, so

@@ -19,7 +19,7 @@ def base_pool(name: str = "pool-a") -> dict[str, Any]:
         "kind": "KVCachePool",
         "metadata": {"name": name},
         "spec": {
-            "image": {"tag": "v0.1.0"},
+            "image": {"tag": "v0.2.0"},
             "tiers": {
                 "memory": {"size": "1Gi"},
                 "localDisk": {"hostPath": {"path": "/mnt/nvme/kv"}, "capacity": "10Gi"},

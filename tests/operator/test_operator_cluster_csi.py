@@ -61,7 +61,7 @@ def test_only_namespaces_the_pools_selector_selects_are_granted(
         "kind": "KVCachePool",
         "metadata": {"name": "pool-a"},
         "spec": {
-            "image": {"tag": "v0.1.0"},
+            "image": {"tag": "v0.2.0"},
             "tiers": {"memory": {"size": "1Gi"}},
             "consumers": {"namespaceSelector": {"matchLabels": {"kvfabric-test/consumer": "yes"}}},
         },
@@ -85,7 +85,7 @@ def _pool(consumers: dict[str, Any]) -> dict[str, Any]:
         "apiVersion": "kvfabric.io/v1alpha1",
         "kind": "KVCachePool",
         "metadata": {"name": "pool-a"},
-        "spec": {"image": {"tag": "v0.1.0"}, "tiers": {"memory": {"size": "1Gi"}}, "consumers": consumers},
+        "spec": {"image": {"tag": "v0.2.0"}, "tiers": {"memory": {"size": "1Gi"}}, "consumers": consumers},
     }
 
 

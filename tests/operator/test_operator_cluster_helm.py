@@ -259,7 +259,7 @@ def _pool(name: str) -> dict[str, Any]:
         "apiVersion": "kvfabric.io/v1alpha1",
         "kind": "KVCachePool",
         "metadata": {"name": name},
-        "spec": {"image": {"tag": "v0.1.0"}, "tiers": tiers},
+        "spec": {"image": {"tag": "v0.2.0"}, "tiers": tiers},
     }
 
 

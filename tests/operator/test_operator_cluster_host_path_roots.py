@@ -26,7 +26,7 @@ def _pool(name: str, path: str) -> dict[str, Any]:
         "kind": "KVCachePool",
         "metadata": {"name": name},
         "spec": {
-            "image": {"tag": "v0.1.0"},
+            "image": {"tag": "v0.2.0"},
             "tiers": {
                 "memory": {"size": "1Gi"},
                 "localDisk": {"hostPath": {"path": path}, "capacity": "1Gi"},

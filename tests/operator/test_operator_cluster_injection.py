@@ -19,7 +19,7 @@ def pool(name: str = "pool-a", **consumers: Any) -> dict[str, Any]:
         "apiVersion": "kvfabric.io/v1alpha1",
         "kind": "KVCachePool",
         "metadata": {"name": name},
-        "spec": {"image": {"tag": "v0.1.0"}, "tiers": {"memory": {"size": "1Gi"}}, "consumers": consumers},
+        "spec": {"image": {"tag": "v0.2.0"}, "tiers": {"memory": {"size": "1Gi"}}, "consumers": consumers},
     }
 
 

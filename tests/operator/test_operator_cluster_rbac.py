@@ -207,7 +207,7 @@ def _pool(name: str) -> dict[str, Any]:
         "apiVersion": "kvfabric.io/v1alpha1",
         "kind": "KVCachePool",
         "metadata": {"name": name},
-        "spec": {"image": {"tag": "v0.1.0"}, "tiers": {"memory": {"size": "1Gi"}}},
+        "spec": {"image": {"tag": "v0.2.0"}, "tiers": {"memory": {"size": "1Gi"}}},
     }
 
 
@@ -260,7 +260,7 @@ def test_operator_works_with_the_shipped_least_privilege_rbac(
             "kind": "KVCachePool",
             "metadata": {"name": "pool-a"},
             "spec": {
-                "image": {"tag": "v0.1.0"},
+                "image": {"tag": "v0.2.0"},
                 "tiers": {
                     "memory": {"size": "1Gi"},
                     "shared": {"claimTemplate": {"size": "1Gi"}, "capacity": "1Gi"},

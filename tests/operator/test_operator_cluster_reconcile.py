@@ -78,7 +78,7 @@ def test_sample_pool_creates_children_and_becomes_ready(
         pool, cluster, namespace
     )
     container = template["spec"]["containers"][0]
-    assert container["image"] == "ghcr.io/kvfabric/kvfabric:v0.1.0"
+    assert container["image"] == "ghcr.io/kvfabric/kvfabric:v0.2.0"
     assert container["command"] == ["kvfabric", "cacheserver", "--config", "/etc/kvfabric/config.yaml"]
     assert template["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert ds["metadata"]["ownerReferences"][0]["controller"] is True
@@ -263,7 +263,7 @@ def test_children_deleted_or_edited_come_back(
             cm == original_cm
             and svc["internalTrafficPolicy"] == "Local"
             and svc["ports"] == original_svc_ports
-            and image == "ghcr.io/kvfabric/kvfabric:v0.1.0"
+            and image == "ghcr.io/kvfabric/kvfabric:v0.2.0"
         )
 
     wait_for(restored, timeout=30, message="children restored to the rendered state")

@@ -46,7 +46,7 @@ def test_a_users_secret_under_the_pools_names_is_left_alone_and_named_in_the_sta
             "kind": "KVCachePool",
             "metadata": {"name": "sc"},
             "spec": {
-                "image": {"tag": "v0.1.0"},
+                "image": {"tag": "v0.2.0"},
                 "tiers": {"memory": {"size": "1Gi"}},
                 "server": {"tcp": {"enabled": True}},
             },

@@ -28,7 +28,7 @@ def tcp_pool(name: str) -> dict[str, Any]:
         "kind": "KVCachePool",
         "metadata": {"name": name},
         "spec": {
-            "image": {"tag": "v0.1.0"},
+            "image": {"tag": "v0.2.0"},
             "tiers": {"memory": {"size": "1Gi"}},
             "server": {"tcp": {"enabled": True}},
         },
@@ -109,7 +109,7 @@ def test_pool_in_a_namespace_whose_pod_security_rejects_its_pods_is_degraded(
             "apiVersion": "kvfabric.io/v1alpha1",
             "kind": "KVCachePool",
             "metadata": {"name": "psa"},
-            "spec": {"image": {"tag": "v0.1.0"}, "tiers": {"memory": {"size": "1Gi"}}},
+            "spec": {"image": {"tag": "v0.2.0"}, "tiers": {"memory": {"size": "1Gi"}}},
         },
         namespace=namespace,
     )

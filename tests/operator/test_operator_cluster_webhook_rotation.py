@@ -60,7 +60,7 @@ def test_webhook_certificate_rotates_with_no_rejected_admission(
                 "kind": "KVCachePool",
                 "metadata": {"name": "rot"},
                 "spec": {
-                    "image": {"tag": "v0.1.0"},
+                    "image": {"tag": "v0.2.0"},
                     "tiers": {"memory": {"size": "1Gi"}},
                     "consumers": {"failurePolicy": "Fail"},
                 },

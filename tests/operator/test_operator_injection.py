@@ -337,7 +337,7 @@ def test_payload_respects_user_pythonpath_opt_out_and_pinned_image() -> None:
 
 
 def test_non_vllm_pods_get_no_payload() -> None:
-    plain = {"name": "engine", "image": "ghcr.io/kvfabric/engine:v0.1.0", "command": ["kvfabric", "engine"]}
+    plain = {"name": "engine", "image": "ghcr.io/kvfabric/engine:v0.2.0", "command": ["kvfabric", "engine"]}
     out = inject(pod([plain]), POOLS, {}).pod
     assert "initContainers" not in out["spec"]
     assert "PYTHONPATH" not in env_of(out["spec"]["containers"][0])

@@ -38,7 +38,7 @@ def pool(s3: S3Server, name: str) -> KVCachePool:
         {
             "metadata": {"name": name, "namespace": "llm", "uid": "u"},
             "spec": {
-                "image": {"repository": "example.com/kvfabric", "tag": "v0.1.0"},
+                "image": {"repository": "example.com/kvfabric", "tag": "v0.2.0"},
                 "tiers": {
                     "memory": {"size": "1Gi"},
                     "objectStore": {

@@ -30,7 +30,7 @@ def pool_doc(object_store: dict[str, Any] | None = None) -> dict[str, Any]:
         "kind": "KVCachePool",
         "metadata": {"name": "pool-a", "namespace": "llm", "uid": "uid-1"},
         "spec": {
-            "image": {"repository": "example.com/kvfabric", "tag": "v0.1.0"},
+            "image": {"repository": "example.com/kvfabric", "tag": "v0.2.0"},
             "tiers": {"memory": {"size": "1Gi"}, "objectStore": copy.deepcopy(object_store or OBJECT_STORE)},
         },
     }

@@ -39,7 +39,7 @@ def pool(name: str = "pool-a", **object_store: Any) -> dict[str, Any]:
         "apiVersion": "kvfabric.io/v1alpha1",
         "kind": "KVCachePool",
         "metadata": {"name": name},
-        "spec": {"image": {"tag": "v0.1.0"}, "tiers": {"memory": {"size": "1Gi"}, "objectStore": obj}},
+        "spec": {"image": {"tag": "v0.2.0"}, "tiers": {"memory": {"size": "1Gi"}, "objectStore": obj}},
     }
 
 

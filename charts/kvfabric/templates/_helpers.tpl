@@ -1,6 +1,6 @@
 {{/*
 The labels every object of the install carries: the same as the kustomize install's, so the two
-render the same objects (tests/operator/test_chart_render.py).
+render the same objects (tests/operator/test_operator_cluster_helm.py).
 */}}
 {{- define "kvfabric.labels" -}}
 app.kubernetes.io/part-of: kvfabric

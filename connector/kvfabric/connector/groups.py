@@ -306,7 +306,10 @@ def plan_from_kv_cache_config(
 ) -> GroupPlan | None:
     """Build the plan from vLLM's ``KVCacheConfig`` (None when it has no groups: a stand-in config).
 
-    Groups not in ``prefix_cacheable_group_ids`` (when vLLM names them) are left out. Raises
+    A group not in ``prefix_cacheable_group_ids`` (when vLLM names them: per-request rings such as
+    ``CircularBufferSpec``, host-resident HiSparse groups, bounded-replay windows, groups without KV
+    transfer) is refused: a hit would restore every other group and leave that one as the request's
+    fresh blocks hold it, which recompute would not. Raises
     :class:`UnsupportedGroupsError`, naming the reason, for what the plan cannot serve: recurrent-state
     groups, packed or host-resident groups, EAGLE draft groups beside others, unknown specs.
     ``allow_state`` plans recurrent-state groups in ``align`` mode as state checkpoints instead: the
@@ -324,9 +327,12 @@ def plan_from_kv_cache_config(
     by_spec: dict[tuple[Any, ...], list[int]] = {}
     facts: dict[tuple[Any, ...], tuple[KindType, int, int, int, int, int, str, int]] = {}
     for gid, group in enumerate(groups):
-        if gid not in keep:
-            continue
         spec = _field(group, "kv_cache_spec")
+        if gid not in keep:
+            raise UnsupportedGroupsError(
+                f"KV cache group {gid} ({type(spec).__name__}) is not prefix-cacheable in vLLM "
+                "(per-request state a hit cannot restore): not supported"
+            )
         if _field(group, "host_resident", False):
             raise UnsupportedGroupsError(f"KV cache group {gid} is host-resident (HiSparse): not supported")
         if _field(group, "is_eagle_group", False) and len(groups) > 1:

@@ -123,7 +123,7 @@ def _pool(name: str) -> dict[str, Any]:
         "apiVersion": "kvfabric.io/v1alpha1",
         "kind": "KVCachePool",
         "metadata": {"name": name},
-        "spec": {"image": {"tag": "v0.1.0"}, "tiers": {"memory": {"size": "256Mi"}}},
+        "spec": {"image": {"tag": "v0.2.0"}, "tiers": {"memory": {"size": "256Mi"}}},
     }
 
 

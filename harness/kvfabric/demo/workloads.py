@@ -22,7 +22,7 @@ def pool_manifest(name: str, *, memory: str = "256Mi", chunk_tokens: int = 64) -
         "kind": "KVCachePool",
         "metadata": {"name": name},
         "spec": {
-            "image": {"repository": "ghcr.io/kvfabric/kvfabric", "tag": "v0.1.0"},
+            "image": {"repository": "ghcr.io/kvfabric/kvfabric", "tag": "v0.2.0"},
             "chunkTokens": chunk_tokens,
             # Generous deadlines: the tests assert hits, and two busy CPU cores can stretch a lookup
             # past the 100 ms default (the fallback would be correct, but not what the test checks).
@@ -109,7 +109,7 @@ def engine_deployment(name: str, pool: str | None, replicas: int = 2, preset: st
                     "containers": [
                         {
                             "name": "engine",
-                            "image": "ghcr.io/kvfabric/engine:v0.1.0",
+                            "image": "ghcr.io/kvfabric/engine:v0.2.0",
                             "command": [
                                 "kvfabric",
                                 "engine",

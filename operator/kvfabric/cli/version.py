@@ -1,3 +1,3 @@
 """The distribution's version (read by hatchling, printed by ``kvfabric version``)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -98,7 +98,7 @@ class NodePlugin:
     kubelet_root: str
     run_root: str = HOST_RUN_ROOT
     driver_name: str = DRIVER_NAME
-    version: str = "0.1.0"
+    version: str = "0.2.0"
     staging_root: str = "/run/kvfabric-csi"
     """A directory private to the plugin's mount namespace (an emptyDir) where binds are made
     read-only before they are attached (:func:`kvfabric.csi.mounts.bind_read_only`)."""

@@ -104,7 +104,7 @@ def network_policy_name(pool: str) -> str:
 
 
 OPERATOR_IMAGE_ENV: Final = "KVFABRIC_OPERATOR_IMAGE"
-DEFAULT_OPERATOR_IMAGE: Final = "ghcr.io/kvfabric/operator:v0.1.0"
+DEFAULT_OPERATOR_IMAGE: Final = "ghcr.io/kvfabric/operator:v0.2.0"
 
 
 def operator_image() -> str:

@@ -95,7 +95,9 @@ def test_groups_the_plan_cannot_serve_are_refused_by_name() -> None:
     # a hit cannot restore: refused by name, never left out of an otherwise restored hit.
     cfg = kv_cache_config([FullAttentionSpec(16, PAGE), CrossAttentionSpec()], 1)
     cfg.prefix_cacheable_group_ids = (0,)
-    with pytest.raises(UnsupportedGroupsError, match=r"group 1 \(CrossAttentionSpec\) is not prefix-cacheable"):
+    with pytest.raises(
+        UnsupportedGroupsError, match=r"group 1 \(CrossAttentionSpec\) is not prefix-cacheable"
+    ):
         plan_from_kv_cache_config(cfg)
 
 

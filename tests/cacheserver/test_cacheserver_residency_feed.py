@@ -17,6 +17,7 @@ import pytest
 from kvfabric.client import CacheClient
 from kvfabric.client.errors import CacheUnavailable
 from kvfabric.client.residency import FeedMessage, ResidencyFeedClient
+from kvfabric.connector.keys import NamespaceSpec
 from kvfabric.rpc.kvevents import msgpack_encode
 from kvfabric.rpc.kvledger import ChunkMeta
 from kvfabric.rpc.residency import Change, frame, residency_socket_for
@@ -24,7 +25,8 @@ from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
-NS = digest("residency-ns")
+SPEC = NamespaceSpec("meta-llama/Llama-3.1-8B", "0e9e39f", "bfloat16", 32, 8, 128, 16, 256)
+NS = SPEC.digest()  # described over gRPC where a test attaches metadata before the store
 META = ChunkMeta(block_hashes=(b"h0", b"h1"), parent_block_hash=None, token_ids=(1, 2, 3, 4), block_size=2)
 
 
@@ -224,6 +226,7 @@ def test_the_query_endpoint_answers_matched_tokens_per_tier(
         ]
         salted = ChunkMeta((40, 41), None, (1, 2, 3, 4), 2, extra_keys=(("salt",), None))
         with CacheClient(srv.unix_target) as client:
+            client.describe(NS, SPEC.canonical().decode(), timeout=10)  # as a connector does first
             for k, m in zip(keys, metas, strict=True):
                 f.client.describe(k, m)
             _store(client, keys)
@@ -262,3 +265,76 @@ def test_the_query_endpoint_answers_matched_tokens_per_tier(
 def test_the_query_endpoint_is_off_by_default(srv: ServerProcess) -> None:
     status, _ = _query(srv, {"namespace": NS, "token_ids": [1]})
     assert status == 404
+
+
+def _rss_bytes(srv: ServerProcess) -> int:
+    assert srv.proc is not None
+    from pathlib import Path
+
+    for line in Path(f"/proc/{srv.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _pending_meta_bytes(srv: ServerProcess) -> float:
+    for line in _get(srv.metrics_url + "/metrics").splitlines():
+        if line.startswith("kvfabric_residency_pending_meta_bytes "):
+            return float(line.split()[1])
+    raise AssertionError("no kvfabric_residency_pending_meta_bytes metric")
+
+
+def test_pending_metadata_flood_leaves_the_server_bounded_and_serving(
+    srv: ServerProcess, follow: Callable[[ServerProcess], Follower]
+) -> None:
+    """Thousands of large metadata messages for chunks never stored: bounded bytes, oversize refused."""
+    import socket
+
+    from kvfabric.cacheserver.transport.residencyfeed import MAX_PENDING_BYTES
+    from kvfabric.rpc.residency import MAX_META_BYTES, encode_meta
+
+    f = follow(srv)
+    with CacheClient(srv.unix_target) as client:
+        _store(client, [digest("known", 0)])  # the namespace is known: pending metadata is kept
+    f.until(lambda: digest("known", 0) in f.tiers, "the store")
+    big = encode_meta(ChunkMeta((b"h" * 32,), None, tuple(range(15_000)), 15_000))  # ~60 KiB, the tokens
+    assert len(big) < MAX_META_BYTES
+    rss_before = _rss_bytes(srv)
+    sock_path = str(residency_socket_for(srv.config.listen.unix_socket))
+    count = 1200  # ~70 MiB in all: over four times the pending bound
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(60)
+        s.connect(sock_path)
+        s.sendall(frame(["sub", NS]))
+        for i in range(count):
+            s.sendall(frame(["meta", digest("never-stored", i), big]))
+        # A made-up namespace reserves nothing.
+        other = digest("made-up")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as t:
+            t.settimeout(60)
+            t.connect(sock_path)
+            t.sendall(frame(["sub", other]))
+            for i in range(50):
+                t.sendall(frame(["meta", digest("made-up", i), big]))
+            # One chunk's metadata larger than it can legitimately be is refused, naming the field.
+            t.sendall(frame(["meta", digest("made-up", 999), bytes(MAX_META_BYTES + 64)]))
+            reply = b""
+            while b"error" not in reply:
+                data = t.recv(65536)
+                if not data:
+                    break
+                reply += data
+        assert b"meta: at most" in reply
+        # Messages are handled in order: the error answering a bad one means the flood was read.
+        s.sendall(frame(["bogus"]))
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while data := s.recv(1 << 20):
+            got += data
+        assert b"only" in got
+    assert _rss_bytes(srv) - rss_before < MAX_PENDING_BYTES + (32 << 20)
+    assert MAX_PENDING_BYTES - len(big) - 200 < _pending_meta_bytes(srv) <= MAX_PENDING_BYTES
+    # Still serving: a store reaches the follower.
+    with CacheClient(srv.unix_target) as client:
+        _store(client, [digest("known", 1)])
+    f.until(lambda: digest("known", 1) in f.tiers, "a store after the flood")

@@ -18,6 +18,7 @@ import pytest
 from kvfabric.client import CacheClient
 from kvfabric.client.errors import CacheUnavailable
 from kvfabric.connector import vllmevents
+from kvfabric.connector.keys import NamespaceSpec
 from kvfabric.connector.nodefeed import NodeResidency, node_residency_for
 from kvfabric.rpc import kvevents as kv
 from kvfabric.rpc.kvledger import ChunkMeta, EventLedger
@@ -26,7 +27,8 @@ from kvfabric.testing.routerindex import RouterIndexModel
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
 
 BLOCK = 2
-NS = digest("engines-ns")
+SPEC = NamespaceSpec("meta-llama/Llama-3.1-8B", "0e9e39f", "bfloat16", 32, 8, 128, 16, 256)
+NS = SPEC.digest()  # described over gRPC before metadata is attached, as a connector does
 
 
 def _meta(i: int, parent: int | None) -> ChunkMeta:
@@ -291,6 +293,7 @@ def test_sibling_engines_announce_the_nodes_residency_and_follow_every_change(
         return router.entries(0) == want and router.entries(1) == want
 
     with CacheClient(srv.unix_target) as client:
+        client.describe(NS, SPEC.canonical().decode(), timeout=10)
         # Engine A names what it stores (as build_connector_meta does) and stores it, prefix first;
         # 40 x 256 KiB through 8 MiB of DRAM: the oldest are evicted to disk on the way.
         assert a.node is not None

@@ -184,8 +184,8 @@ class Metrics:
         """Export ``kvfabric_listener_up`` from ``probes``."""
         self.registry.register(_ListenerCollector(probes))
 
-    def watch_residency(self, read: Callable[[], tuple[int, int]]) -> None:
-        """Export the residency feed's subscribers and records sent; ``read()`` gives both."""
+    def watch_residency(self, read: Callable[[], tuple[int, int, int]]) -> None:
+        """Export the residency feed's subscribers, records sent and pending metadata bytes (``read()``)."""
         self.registry.register(_ResidencyCollector(read))
 
     def exposition(self) -> bytes:
@@ -375,11 +375,11 @@ class _ListenerCollector(Collector):
 class _ResidencyCollector(Collector):
     """The residency feed (docs/routing.md): whether same-node engines follow it, and how much it sent."""
 
-    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, read: Callable[[], tuple[int, int, int]]) -> None:
         self._read = read
 
     def collect(self) -> Iterable[Metric]:
-        subscribers, records = self._read()
+        subscribers, records, pending_bytes = self._read()
         gauge = GaugeMetricFamily(
             "kvfabric_residency_subscribers",
             "Connections following the residency feed (one per engine that announces this node's tiers)",
@@ -390,7 +390,12 @@ class _ResidencyCollector(Collector):
             "Residency records (stored, removed) queued to subscribers, snapshots included",
         )
         sent.add_metric([], records)
-        yield from (gauge, sent)
+        pending = GaugeMetricFamily(
+            "kvfabric_residency_pending_meta_bytes",
+            "Bytes of chunk metadata held for chunks not stored yet (bounded; the oldest goes first)",
+        )
+        pending.add_metric([], pending_bytes)
+        yield from (gauge, sent, pending)
 
 
 MAX_QUERY_BYTES = 4 << 20

@@ -10,16 +10,19 @@ subscriber sees one order and the last record for a block is its current state.
 
 Connectors attach :class:`~kvfabric.rpc.kvledger.ChunkMeta` (the engine's block hashes, parent,
 tokens, ``extra_keys``, LoRA) to the chunks they store; the feed keeps it while any tier holds the
-chunk (metadata for a chunk not resident yet waits in a bounded table) and sends it with every
-``stored`` record, so an engine can announce a chunk its sibling stored. The metadata lives in
-memory: after a restart, chunks on disk are re-described by the connectors that remember them.
+chunk (metadata for a chunk not resident yet waits in a table bounded in entries and bytes, the
+oldest dropped first, and only for a namespace the server knows) and sends it with every
+``stored`` record, so an engine can announce a chunk its sibling stored. One chunk's metadata is at
+most :data:`~kvfabric.rpc.residency.MAX_META_BYTES`. The metadata lives in memory: after a restart,
+chunks on disk are re-described by the connectors that remember them.
 
 :class:`FeedSocket` serves it on a Unix stream socket beside the gRPC socket
 (:func:`kvfabric.rpc.residency.residency_socket_for`), same exposure as the index socket (mode
 0666 in the server-owned directory; ``authorize(namespace, peer)`` decides which namespaces a peer
-may follow, all by default). A subscriber that falls :data:`MAX_QUEUED` frames behind is
-disconnected: it reconnects and starts again from a snapshot, rather than the server buffering
-without bound.
+may follow, all by default). A subscriber that falls :data:`MAX_QUEUED_BYTES` of live records
+behind is disconnected: it reconnects and starts again from a snapshot, rather than the server
+buffering without bound (the snapshot itself does not count against that bound, so a namespace
+larger than it still reaches ``synced``).
 """
 
 from __future__ import annotations
@@ -43,14 +46,24 @@ from kvfabric.cacheserver.transport.indexpub import Peer, listen_unix, peer_of
 from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc.kvevents import DecodeError
 from kvfabric.rpc.kvledger import ChunkMeta
-from kvfabric.rpc.residency import Change, FrameReader, decode_meta, encode_meta, frame
+from kvfabric.rpc.residency import (
+    MAX_CLIENT_FRAME,
+    MAX_META_BYTES,
+    Change,
+    FrameReader,
+    decode_meta,
+    encode_meta,
+    frame,
+)
 
 __all__ = ["FeedSocket", "ResidencyFeed", "Subscription"]
 
 log = logging.getLogger(__name__)
 
-MAX_QUEUED = 100_000  # frames one subscriber may be behind before it is disconnected
-MAX_PENDING_META = 65_536  # metadata for chunks not (yet) resident
+MAX_QUEUED_BYTES = 32 << 20  # live records one subscriber may be behind before it is disconnected
+MAX_PENDING_META = 65_536  # metadata entries for chunks not (yet) resident
+MAX_PENDING_BYTES = 16 << 20  # and their bytes (the oldest goes first past either)
+_OVERHEAD = 96  # bytes a queued frame or a pending entry costs beyond its payload (objects, links)
 MAX_CONNECTIONS = 256
 REQUEST_DEADLINE_SECONDS = 2.0
 
@@ -58,24 +71,29 @@ REQUEST_DEADLINE_SECONDS = 2.0
 class Subscription:
     """One subscriber's queue of frames."""
 
-    def __init__(self, namespace: str, max_queued: int) -> None:
+    def __init__(self, namespace: str, max_queued_bytes: int) -> None:
         """An open subscription to ``namespace``."""
         self.namespace = namespace
         self._frames: deque[bytes] = deque()
         self._cond = threading.Condition()
-        self._max = max_queued
+        self._max = max_queued_bytes
+        self._bytes = 0  # live bytes queued (the snapshot is not counted)
         self.closed = False
         self.overflowed = False
 
-    def push(self, frames: Iterable[bytes]) -> None:
-        """Queue ``frames`` (overflow closes the subscription)."""
+    def push(self, frames: Iterable[bytes], *, counted: bool = True) -> None:
+        """Queue ``frames``; past the byte bound (``counted`` ones only) the subscription closes."""
         with self._cond:
             if self.closed:
                 return
-            self._frames.extend(frames)
-            if len(self._frames) > self._max:
+            for f in frames:
+                self._frames.append(f)
+                if counted:
+                    self._bytes += len(f) + _OVERHEAD
+            if self._bytes > self._max:
                 self.overflowed = self.closed = True
                 self._frames.clear()
+                self._bytes = 0
             self._cond.notify()
 
     def take(self, timeout: float) -> list[bytes] | None:
@@ -87,6 +105,7 @@ class Subscription:
                 return None
             out = list(self._frames)
             self._frames.clear()
+            self._bytes = 0
             return out
 
     def close(self) -> None:
@@ -103,13 +122,26 @@ class ResidencyFeed:
         self,
         tiers_of: Callable[[BlockId], list[str]],
         *,
-        max_queued: int = MAX_QUEUED,
+        max_queued_bytes: int = MAX_QUEUED_BYTES,
         max_pending_meta: int = MAX_PENDING_META,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
+        known: Callable[[str], bool] | None = None,
     ) -> None:
-        """``tiers_of(bid)``: the tiers indexing ``bid`` now, fastest first (index only)."""
+        """``tiers_of(bid)``: the tiers indexing ``bid`` now, fastest first (index only).
+
+        ``known(namespace)``: whether a client described the namespace (metadata for a chunk not
+        resident yet is kept only for it, or for a namespace with a resident chunk).
+        """
         self._tiers_of = tiers_of
-        self._max_queued = max_queued
+        self._max_queued = max_queued_bytes
         self._max_pending = max_pending_meta
+        self._max_pending_bytes = max_pending_bytes
+        self._known = known or (lambda namespace: False)
+        self.pending_bytes = 0
+        """Bytes of the metadata waiting for its chunk (bounded by ``max_pending_bytes``)."""
+        self.refused = 0
+        """Metadata dropped: for a namespace the server does not know."""
+        self._resident_per_ns: dict[str, int] = {}
         self.epoch = secrets.randbits(63)
         self._lock = threading.Lock()
         self._tiers: dict[BlockId, tuple[str, ...]] = {}
@@ -117,7 +149,7 @@ class ResidencyFeed:
         # plus what :meth:`match` walks by: the content key, the chunk's token count, its last hash.
         self._bins: dict[BlockId, bytes] = {}
         self._walk: dict[BlockId, _Walk] = {}
-        self._pending: OrderedDict[BlockId, tuple[_Walk, bytes]] = OrderedDict()
+        self._pending: OrderedDict[BlockId, tuple[_Walk, bytes]] = OrderedDict()  # oldest first
         self._subs: dict[str, set[Subscription]] = {}
         # (namespace, parent hash, digest of the tokens, LoRA) -> the resident block they name, for
         # plain-text chunks (no extra keys), and per namespace the token lengths chunks have.
@@ -135,11 +167,16 @@ class ResidencyFeed:
                 if now == prev:
                     continue
                 if now:
+                    if not prev:
+                        self._resident_per_ns[bid.namespace] = self._resident_per_ns.get(bid.namespace, 0) + 1
                     self._tiers[bid] = now
                     if bid in self._pending:
-                        self._set_meta(bid, *self._pending.pop(bid))
+                        self._set_meta(bid, *self._pop_pending(bid))
                 else:
                     del self._tiers[bid]
+                    left = self._resident_per_ns.pop(bid.namespace) - 1
+                    if left:
+                        self._resident_per_ns[bid.namespace] = left
                     self._set_meta(bid, None, None)
                 subs = self._subs.get(bid.namespace)
                 if subs:
@@ -154,13 +191,21 @@ class ResidencyFeed:
     def describe(self, bid: BlockId, meta: ChunkMeta, raw: bytes | None = None) -> None:
         """Attach ``meta`` (``raw``: its encoding) to ``bid``; subscribers get it per tier holding it."""
         raw = encode_meta(meta) if raw is None else raw
+        if len(raw) > MAX_META_BYTES:
+            raise ValueError(f"meta: at most {MAX_META_BYTES} bytes per chunk, this one {len(raw)}")
+        known = self._known(bid.namespace)  # outside the lock: it takes its own
         with self._lock:
             tiers = self._tiers.get(bid)
             if tiers is None:
+                if not (known or bid.namespace in self._resident_per_ns):
+                    self.refused += 1  # a made-up namespace reserves nothing
+                    return
+                if bid in self._pending:
+                    self._pop_pending(bid)
                 self._pending[bid] = (_walk_of(bid.namespace, meta), raw)
-                self._pending.move_to_end(bid)
-                while len(self._pending) > self._max_pending:
-                    self._pending.popitem(last=False)
+                self.pending_bytes += len(raw) + _OVERHEAD
+                while len(self._pending) > self._max_pending or self.pending_bytes > self._max_pending_bytes:
+                    self._pop_pending(next(iter(self._pending)))
                 return
             if self._bins.get(bid) == raw:
                 return
@@ -171,6 +216,11 @@ class ResidencyFeed:
                 self.records += len(frames) * len(subs)
                 for sub in subs:
                     sub.push(frames)
+
+    def _pop_pending(self, bid: BlockId) -> tuple[_Walk, bytes]:
+        walk, raw = self._pending.pop(bid)
+        self.pending_bytes -= len(raw) + _OVERHEAD
+        return walk, raw
 
     def _set_meta(self, bid: BlockId, walk: _Walk | None, raw: bytes | None) -> None:
         """Attach (or with None drop) ``bid``'s metadata, keeping the content index equal to it."""
@@ -231,7 +281,9 @@ class ResidencyFeed:
                     frames += [frame(Change("stored", bid.key, t, meta_bin=raw).to_wire()) for t in tiers]
             frames.append(frame(["synced"]))
             self.records += len(frames) - 2
-            sub.push(frames)
+            # Not counted against the live bound: a namespace larger than it still reaches synced
+            # (what it costs is bounded by the namespace's resident chunks and the connection bounds).
+            sub.push(frames, counted=False)
             self._subs.setdefault(namespace, set()).add(sub)
         return sub
 
@@ -262,10 +314,10 @@ class ResidencyFeed:
         with self._lock:
             return sum(len(s) for s in self._subs.values())
 
-    def stats(self) -> tuple[int, int]:
-        """Open subscriptions and records queued so far (the metrics)."""
+    def stats(self) -> tuple[int, int, int]:
+        """Open subscriptions, records queued so far and pending metadata bytes (the metrics)."""
         with self._lock:
-            return sum(len(s) for s in self._subs.values()), self.records
+            return sum(len(s) for s in self._subs.values()), self.records, self.pending_bytes
 
 
 class FeedSocket:
@@ -329,7 +381,7 @@ class FeedSocket:
         sub: Subscription | None = None
         try:
             conn.settimeout(REQUEST_DEADLINE_SECONDS)
-            reader = FrameReader()
+            reader = FrameReader(MAX_CLIENT_FRAME)
             messages: list[list[Any]] = []
             while not messages:
                 data = conn.recv(65536)
@@ -377,7 +429,10 @@ class FeedSocket:
             bid = BlockId.parse(namespace, message[1])
         except InvalidId as exc:
             raise ValueError(f"meta key: {exc}") from None
-        self.feed.describe(bid, decode_meta(message[2]), message[2])
+        raw = message[2]
+        if isinstance(raw, bytes) and len(raw) > MAX_META_BYTES:  # before decoding it
+            raise ValueError(f"meta: at most {MAX_META_BYTES} bytes per chunk, this one {len(raw)}")
+        self.feed.describe(bid, decode_meta(raw), raw)
 
     def _send(self, conn: socket.socket, sub: Subscription) -> None:
         try:

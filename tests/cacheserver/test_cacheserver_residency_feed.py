@@ -338,3 +338,67 @@ def test_pending_metadata_flood_leaves_the_server_bounded_and_serving(
     with CacheClient(srv.unix_target) as client:
         _store(client, [digest("known", 1)])
     f.until(lambda: digest("known", 1) in f.tiers, "a store after the flood")
+
+
+def test_a_process_hoarding_connections_leaves_another_processs_subscription_working(
+    srv: ServerProcess,
+) -> None:
+    """256 connections from this process (the total bound) cannot keep another process off the feed."""
+    import socket
+    import subprocess
+    import sys
+
+    from kvfabric.cacheserver.transport.residencyfeed import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_PEER
+
+    path = str(residency_socket_for(srv.config.listen.unix_socket))
+    hoard: list[socket.socket] = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            s.sendall(frame(["sub", NS]))
+            hoard.append(s)
+        script = (
+            "import sys\n"
+            "from kvfabric.client.residency import ResidencyFeedClient\n"
+            "c = ResidencyFeedClient(sys.argv[1], sys.argv[2])\n"
+            "got = []\n"
+            "while ('synced', None) not in got:\n"
+            "    got += c.read(5.0)\n"
+            "print('synced')\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script, path, NS], capture_output=True, timeout=60, check=False
+        )
+        assert done.stdout.decode().strip() == "synced", done.stderr.decode()[-2000:]
+        # The oldest of ours were closed to keep us within our own bound: read them to the hang-up.
+        open_ones = 0
+        for s in hoard:
+            s.settimeout(1.0)
+            try:
+                while s.recv(65536):
+                    pass
+            except TimeoutError:
+                open_ones += 1  # still subscribed (an evicted one reads its hang-up at once)
+        assert open_ones == MAX_CONNECTIONS_PER_PEER
+    finally:
+        for s in hoard:
+            s.close()
+
+
+def test_a_snapshot_larger_than_the_queue_bound_still_reaches_synced() -> None:
+    """The snapshot does not count against the live bound: any namespace size can be followed."""
+    from kvfabric.cacheserver.engine.ids import BlockId
+    from kvfabric.cacheserver.transport.residencyfeed import ResidencyFeed
+
+    bids = [BlockId.parse(NS, digest("big", i)) for i in range(2000)]
+    feed = ResidencyFeed(lambda bid: ["dram"], max_queued_bytes=64 << 10)
+    feed.changed(bids)
+    sub = feed.subscribe(NS)
+    frames = sub.take(1.0)
+    assert frames is not None, "the subscriber was closed by its own snapshot"
+    assert len(frames) == 2 + len(bids)
+    assert frames[-1] == frame(["synced"])
+    # Live records still count: falling 64 KiB behind closes it.
+    feed.changed([BlockId.parse(NS, digest("more", i)) for i in range(1000)])
+    assert sub.take(0.0) is None

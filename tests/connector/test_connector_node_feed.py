@@ -9,8 +9,9 @@ scripted feed: prefix order, the per-step announcement budget, a lost connection
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from kvfabric.client import CacheClient
 from kvfabric.client.errors import CacheUnavailable
 from kvfabric.connector import vllmevents
 from kvfabric.connector.keys import NamespaceSpec
-from kvfabric.connector.nodefeed import NodeResidency, node_residency_for
+from kvfabric.connector.nodefeed import MAX_RETRY_SECONDS, NodeResidency, node_residency_for
 from kvfabric.rpc import kvevents as kv
 from kvfabric.rpc.kvledger import ChunkMeta, EventLedger
 from kvfabric.rpc.residency import Change
@@ -195,6 +196,41 @@ def test_without_a_feed_the_log_announces_stores_itself() -> None:
     assert not node.connected
     node.poll()
     assert node.ledger.take() == []
+
+
+def _connects_over(feed: Callable[[], ScriptedFeed], seconds: float) -> list[float]:
+    """When a follower polled every 0.1 s opened ``feed`` over ``seconds`` (a fake clock)."""
+    now = [0.0]
+    opened: list[float] = []
+
+    def connect() -> ScriptedFeed:
+        opened.append(now[0])
+        return feed()
+
+    node = NodeResidency(connect, EventLedger(), clock=lambda: now[0])
+    while now[0] < seconds:
+        node.poll()
+        now[0] = round(now[0] + 0.1, 1)
+    return opened
+
+
+def test_a_feed_that_fails_repeatedly_is_retried_with_growing_delay() -> None:
+    """Refused, or lost right after its snapshot: retried ever later, not every step."""
+
+    def refused() -> ScriptedFeed:
+        raise CacheUnavailable("refused")
+
+    def lost_at_once() -> ScriptedFeed:
+        feed = ScriptedFeed([("hello", 1), ("synced", None)])
+        feed.gone = True  # hangs up as soon as it is read (evicted, overflowing)
+        return feed
+
+    for make in (refused, lost_at_once):
+        opened = _connects_over(make, 100.0)
+        gaps = [round(b - a, 1) for a, b in itertools.pairwise(opened)]
+        assert gaps == sorted(gaps), gaps  # never sooner than the last time
+        assert gaps[-1] == MAX_RETRY_SECONDS  # growing up to the cap
+        assert len(opened) <= 10, opened  # polled 1,000 times
 
 
 # ----------------------------------------------------------------------------------------- process

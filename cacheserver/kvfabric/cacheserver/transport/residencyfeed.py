@@ -19,7 +19,11 @@ chunks on disk are re-described by the connectors that remember them.
 :class:`FeedSocket` serves it on a Unix stream socket beside the gRPC socket
 (:func:`kvfabric.rpc.residency.residency_socket_for`), same exposure as the index socket (mode
 0666 in the server-owned directory; ``authorize(namespace, peer)`` decides which namespaces a peer
-may follow, all by default). A subscriber that falls :data:`MAX_QUEUED_BYTES` of live records
+may follow, all by default). Connections are bounded per peer process
+(:data:`MAX_CONNECTIONS_PER_PEER`) and in all (:data:`MAX_CONNECTIONS`), by the index socket's rule
+(:func:`~kvfabric.cacheserver.transport.indexregistry.connection_to_evict`): the oldest connection
+of the peer holding the most is closed to make room, so one process hoarding connections cannot
+keep an engine off the feed. A subscriber that falls :data:`MAX_QUEUED_BYTES` of live records
 behind is disconnected: it reconnects and starts again from a snapshot, rather than the server
 buffering without bound (the snapshot itself does not count against that bound, so a namespace
 larger than it still reaches ``synced``).
@@ -42,7 +46,8 @@ from typing import Any
 
 from kvfabric.cacheserver.engine.base import TierName
 from kvfabric.cacheserver.engine.ids import BlockId, InvalidId
-from kvfabric.cacheserver.transport.indexpub import Peer, listen_unix, peer_of
+from kvfabric.cacheserver.transport.indexpub import Peer, listen_unix, peer_bound, peer_key, peer_of
+from kvfabric.cacheserver.transport.indexregistry import connection_to_evict
 from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc.kvevents import DecodeError
 from kvfabric.rpc.kvledger import ChunkMeta
@@ -65,6 +70,7 @@ MAX_PENDING_META = 65_536  # metadata entries for chunks not (yet) resident
 MAX_PENDING_BYTES = 16 << 20  # and their bytes (the oldest goes first past either)
 _OVERHEAD = 96  # bytes a queued frame or a pending entry costs beyond its payload (objects, links)
 MAX_CONNECTIONS = 256
+MAX_CONNECTIONS_PER_PEER = 16  # one engine process follows the few namespaces it serves
 REQUEST_DEADLINE_SECONDS = 2.0
 
 
@@ -330,16 +336,21 @@ class FeedSocket:
         *,
         authorize: Callable[[str, Peer], bool] | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
     ) -> None:
         """Serve ``feed`` at ``path`` (bound by :meth:`start`)."""
         self.path = path
         self.feed = feed
         self.authorize = authorize or (lambda namespace, peer: True)
         self.max_connections = max_connections
+        self.max_connections_per_peer = max_connections_per_peer
         self._sock: socket.socket | None = None
         self._file: SocketFile | None = None
         self._stop = threading.Event()
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, tuple[int, int]] = {}  # -> its peer
+        self._by_peer: dict[tuple[int, int], dict[socket.socket, socket.socket]] = {}  # oldest first
+        self.evicted = 0
+        """Connections closed to make room for another (per-peer or total bound)."""
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -370,11 +381,26 @@ class FeedSocket:
                     return
                 self._stop.wait(0.1)  # EMFILE and the like: pause rather than spin
                 continue
+            try:
+                peer = peer_key(peer_of(conn))
+            except OSError:
+                conn.close()
+                continue
             with self._lock:
-                if len(self._conns) >= self.max_connections:
-                    conn.close()
-                    continue
-                self._conns.add(conn)
+                victim = connection_to_evict(
+                    self._by_peer,
+                    peer,
+                    len(self._conns),
+                    own_bound=peer_bound(peer, self.max_connections_per_peer, self.max_connections),
+                    total_bound=self.max_connections,
+                )
+                if victim is not None:
+                    self._forget(victim)
+                    self.evicted += 1
+                    with contextlib.suppress(OSError):
+                        victim.shutdown(socket.SHUT_RDWR)  # its threads end and close it
+                self._conns[conn] = peer
+                self._by_peer.setdefault(peer, {})[conn] = conn
             threading.Thread(target=self._serve, args=(conn,), name="residency-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -417,10 +443,21 @@ class FeedSocket:
             if sub is not None:
                 self.feed.unsubscribe(sub)
             with self._lock:
-                self._conns.discard(conn)
+                self._forget(conn)
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
             conn.close()
+
+    def _forget(self, conn: socket.socket) -> None:
+        """Stop counting ``conn`` (under ``_lock``; idempotent)."""
+        peer = self._conns.pop(conn, None)
+        if peer is None:
+            return
+        mine = self._by_peer.get(peer)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self._by_peer[peer]
 
     def _handle(self, namespace: str, message: list[Any]) -> None:
         if message[0] != "meta" or len(message) != 3 or not isinstance(message[1], str):

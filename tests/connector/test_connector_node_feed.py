@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from kvfabric.client.errors import CacheUnavailable
 from kvfabric.connector import vllmevents
 from kvfabric.connector.keys import NamespaceSpec
 from kvfabric.connector.nodefeed import MAX_RETRY_SECONDS, NodeResidency, node_residency_for
+from kvfabric.connector.steps import SaveSpec
 from kvfabric.rpc import kvevents as kv
 from kvfabric.rpc.kvledger import ChunkMeta, EventLedger
 from kvfabric.rpc.residency import Change
@@ -231,6 +233,23 @@ def test_a_feed_that_fails_repeatedly_is_retried_with_growing_delay() -> None:
         assert gaps == sorted(gaps), gaps  # never sooner than the last time
         assert gaps[-1] == MAX_RETRY_SECONDS  # growing up to the cap
         assert len(opened) <= 10, opened  # polled 1,000 times
+
+
+def test_a_feed_raising_anything_never_breaks_a_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``build_connector_meta`` calls ``stored()``: a feed raising OSError (EMFILE) falls back."""
+    monkeypatch.setattr(vllmevents, "_VLLM", True)
+    monkeypatch.setattr(vllmevents, "to_vllm", lambda e: e)
+
+    def emfile() -> ScriptedFeed:
+        raise OSError(24, "Too many open files")
+
+    events = vllmevents.KVEventLog(BLOCK, enabled=True, follow=lambda ledger: NodeResidency(emfile, ledger))
+    request = SimpleNamespace(block_hashes=[0, 1, 10, 11], all_token_ids=list(range(8)), lora_request=None)
+    events.stored(request, SaveSpec("r", ["k0", "k1"], [[5, 6], [7, 8]], first_blocks=[0, 2]))
+    assert events.node is None  # no longer followed
+    assert events.failures == 1
+    stored = [e for e in events.take() if isinstance(e, kv.BlockStored)]
+    assert [e.block_hashes for e in stored] == [(0, 1), (10, 11)]  # both announced, as without a feed
 
 
 # ----------------------------------------------------------------------------------------- process

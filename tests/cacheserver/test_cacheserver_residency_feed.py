@@ -402,3 +402,56 @@ def test_a_snapshot_larger_than_the_queue_bound_still_reaches_synced() -> None:
     # Live records still count: falling 64 KiB behind closes it.
     feed.changed([BlockId.parse(NS, digest("more", i)) for i in range(1000)])
     assert sub.take(0.0) is None
+
+
+def _raw_http(srv: ServerProcess, request: bytes, *, wait: float = 30.0) -> bytes:
+    """Send ``request`` as is; what the server answers before it closes (or ``wait`` runs out)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(srv.metrics_url)
+    with socket.create_connection((url.hostname, url.port), timeout=wait) as s:
+        s.sendall(request)
+        got = b""
+        while data := s.recv(65536):
+            got += data
+        return got
+
+
+def test_the_query_endpoint_refuses_bad_lengths_stalled_clients_and_huge_token_ids() -> None:
+    overrides = {"metrics.residency_query": True}
+    with cache_server(dram_bytes=8 * MiB, local_disk_bytes=8 * MiB, overrides=overrides) as srv:
+        body = b'{"namespace": "' + NS.encode() + b'", "token_ids": [1]}'
+        # A negative Content-Length would read to the end of the stream: a 400 naming it, at once.
+        reply = _raw_http(srv, b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n" + body)
+        assert reply.startswith(b"HTTP/1.0 400"), reply
+        assert b"Content-Length" in reply
+        # A client that stops mid-body is dropped by the socket timeout (not a thread held forever).
+        start = time.monotonic()
+        reply = _raw_http(srv, b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{", wait=60)
+        assert time.monotonic() - start < 30
+        # Token ids are uint32: a larger one is a 400 naming the field, not a dropped connection.
+        status, text = _query(srv, {"namespace": NS, "token_ids": [2**32]})
+        assert (status, "token_ids" in str(text)) == (400, True)
+        # Still serving.
+        status, _ = _query(srv, {"namespace": NS, "token_ids": [1, 2]})
+        assert status == 200
+
+
+def test_the_query_walks_only_the_lengths_resident_chunks_have() -> None:
+    """A namespace's chunk lengths shrink with its chunks (the walk tries each length per position)."""
+    from kvfabric.cacheserver.engine.ids import BlockId
+    from kvfabric.cacheserver.transport.residencyfeed import ResidencyFeed
+
+    held: set[BlockId] = set()
+    feed = ResidencyFeed(lambda bid: ["dram"] if bid in held else [], known=lambda ns: True)
+    bids = [BlockId.parse(NS, digest("len", n)) for n in range(1, 50)]
+    for n, bid in enumerate(bids, start=1):
+        feed.describe(bid, ChunkMeta((b"h",), None, tuple(range(n)), n))
+        held.add(bid)
+        feed.changed([bid])
+    assert len(feed._lengths[NS]) == 49
+    held.clear()
+    feed.changed(bids)
+    assert NS not in feed._lengths
+    assert feed.match(NS, list(range(10))) == {"dram": 0, "local_disk": 0, "shared": 0, "object": 0, "any": 0}

@@ -399,6 +399,8 @@ class _ResidencyCollector(Collector):
 
 
 MAX_QUERY_BYTES = 4 << 20
+HTTP_TIMEOUT_SECONDS = 10.0  # a client silent this long mid-request is dropped (its thread freed)
+MAX_TOKEN_ID = 2**32 - 1  # token ids are uint32 (the feed packs them so)
 QueryFn = Callable[[str, list[int], str | None], dict[str, int]]
 
 
@@ -414,8 +416,8 @@ def parse_query(body: bytes) -> tuple[str, list[int], str | None]:
     if not isinstance(namespace, str) or not re.fullmatch(r"[0-9a-f]{64}", namespace):
         raise ValueError("namespace: 64 lower-case hex characters (the namespace digest)")
     tokens = doc.get("token_ids")
-    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
-        raise ValueError("token_ids: an array of non-negative integers")
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens):
+        raise ValueError(f"token_ids: an array of integers from 0 to {MAX_TOKEN_ID}")
     lora = doc.get("lora_name")
     if lora is not None and not isinstance(lora, str):
         raise ValueError("lora_name: a string or null")
@@ -437,12 +439,20 @@ class ProbeServer:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = HTTP_TIMEOUT_SECONDS  # the socket's: a stalled client cannot hold a thread
+
             def do_POST(self) -> None:
                 if self.path.split("?", 1)[0] != "/query" or query is None:
                     self._send(404, b"not found\n", "text/plain")
                     return
-                length = int(self.headers.get("Content-Length") or 0)
+                raw_length = (self.headers.get("Content-Length") or "").strip()
+                if not raw_length.isdigit():  # negative, or not a number: read(-1) would wait for EOF
+                    self.close_connection = True
+                    self._send(400, b"Content-Length: a non-negative integer is required\n", "text/plain")
+                    return
+                length = int(raw_length)
                 if length > MAX_QUERY_BYTES:
+                    self.close_connection = True
                     self._send(413, b"a query body holds at most 4 MiB\n", "text/plain")
                     return
                 try:

@@ -38,7 +38,7 @@ import secrets
 import socket
 import threading
 from array import array
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,7 +160,7 @@ class ResidencyFeed:
         # (namespace, parent hash, digest of the tokens, LoRA) -> the resident block they name, for
         # plain-text chunks (no extra keys), and per namespace the token lengths chunks have.
         self._by_content: dict[_ContentKey, BlockId] = {}
-        self._lengths: dict[str, set[int]] = {}
+        self._lengths: dict[str, Counter[int]] = {}  # -> how many described chunks have each length
         self.records = 0
         """Records queued to subscribers (each subscriber counted), snapshots included."""
 
@@ -232,15 +232,22 @@ class ResidencyFeed:
         """Attach (or with None drop) ``bid``'s metadata, keeping the content index equal to it."""
         old = self._walk.pop(bid, None)
         self._bins.pop(bid, None)
-        if old is not None and old.content is not None and self._by_content.get(old.content) == bid:
-            del self._by_content[old.content]
+        if old is not None and old.content is not None:
+            if self._by_content.get(old.content) == bid:
+                del self._by_content[old.content]
+            lengths = self._lengths[bid.namespace]
+            lengths[old.tokens] -= 1
+            if lengths[old.tokens] <= 0:  # the query walks only the lengths chunks have now
+                del lengths[old.tokens]
+                if not lengths:
+                    del self._lengths[bid.namespace]
         if walk is None or raw is None:
             return
         self._walk[bid] = walk
         self._bins[bid] = raw
         if walk.content is not None:
             self._by_content[walk.content] = bid
-            self._lengths.setdefault(bid.namespace, set()).add(walk.tokens)
+            self._lengths.setdefault(bid.namespace, Counter())[walk.tokens] += 1
 
     def match(self, namespace: str, token_ids: list[int], lora_name: str | None = None) -> dict[str, int]:
         """Tokens of the longest prefix of ``token_ids`` resident per tier, and in any tier (``any``).

@@ -17,6 +17,7 @@ import pytest
 from kvfabric.client import CacheClient
 from kvfabric.client.errors import CacheUnavailable
 from kvfabric.client.residency import FeedMessage, ResidencyFeedClient
+from kvfabric.connector.keys import NamespaceSpec
 from kvfabric.rpc.kvevents import msgpack_encode
 from kvfabric.rpc.kvledger import ChunkMeta
 from kvfabric.rpc.residency import Change, frame, residency_socket_for
@@ -24,7 +25,8 @@ from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
-NS = digest("residency-ns")
+SPEC = NamespaceSpec("meta-llama/Llama-3.1-8B", "0e9e39f", "bfloat16", 32, 8, 128, 16, 256)
+NS = SPEC.digest()  # described over gRPC where a test attaches metadata before the store
 META = ChunkMeta(block_hashes=(b"h0", b"h1"), parent_block_hash=None, token_ids=(1, 2, 3, 4), block_size=2)
 
 
@@ -224,6 +226,7 @@ def test_the_query_endpoint_answers_matched_tokens_per_tier(
         ]
         salted = ChunkMeta((40, 41), None, (1, 2, 3, 4), 2, extra_keys=(("salt",), None))
         with CacheClient(srv.unix_target) as client:
+            client.describe(NS, SPEC.canonical().decode(), timeout=10)  # as a connector does first
             for k, m in zip(keys, metas, strict=True):
                 f.client.describe(k, m)
             _store(client, keys)
@@ -262,3 +265,193 @@ def test_the_query_endpoint_answers_matched_tokens_per_tier(
 def test_the_query_endpoint_is_off_by_default(srv: ServerProcess) -> None:
     status, _ = _query(srv, {"namespace": NS, "token_ids": [1]})
     assert status == 404
+
+
+def _rss_bytes(srv: ServerProcess) -> int:
+    assert srv.proc is not None
+    from pathlib import Path
+
+    for line in Path(f"/proc/{srv.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _pending_meta_bytes(srv: ServerProcess) -> float:
+    for line in _get(srv.metrics_url + "/metrics").splitlines():
+        if line.startswith("kvfabric_residency_pending_meta_bytes "):
+            return float(line.split()[1])
+    raise AssertionError("no kvfabric_residency_pending_meta_bytes metric")
+
+
+def test_pending_metadata_flood_leaves_the_server_bounded_and_serving(
+    srv: ServerProcess, follow: Callable[[ServerProcess], Follower]
+) -> None:
+    """Thousands of large metadata messages for chunks never stored: bounded bytes, oversize refused."""
+    import socket
+
+    from kvfabric.cacheserver.transport.residencyfeed import MAX_PENDING_BYTES
+    from kvfabric.rpc.residency import MAX_META_BYTES, encode_meta
+
+    f = follow(srv)
+    with CacheClient(srv.unix_target) as client:
+        _store(client, [digest("known", 0)])  # the namespace is known: pending metadata is kept
+    f.until(lambda: digest("known", 0) in f.tiers, "the store")
+    big = encode_meta(ChunkMeta((b"h" * 32,), None, tuple(range(15_000)), 15_000))  # ~60 KiB, the tokens
+    assert len(big) < MAX_META_BYTES
+    rss_before = _rss_bytes(srv)
+    sock_path = str(residency_socket_for(srv.config.listen.unix_socket))
+    count = 1200  # ~70 MiB in all: over four times the pending bound
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(60)
+        s.connect(sock_path)
+        s.sendall(frame(["sub", NS]))
+        for i in range(count):
+            s.sendall(frame(["meta", digest("never-stored", i), big]))
+        # A made-up namespace reserves nothing.
+        other = digest("made-up")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as t:
+            t.settimeout(60)
+            t.connect(sock_path)
+            t.sendall(frame(["sub", other]))
+            for i in range(50):
+                t.sendall(frame(["meta", digest("made-up", i), big]))
+            # One chunk's metadata larger than it can legitimately be is refused, naming the field.
+            t.sendall(frame(["meta", digest("made-up", 999), bytes(MAX_META_BYTES + 64)]))
+            reply = b""
+            while b"error" not in reply:
+                data = t.recv(65536)
+                if not data:
+                    break
+                reply += data
+        assert b"meta: at most" in reply
+        # Messages are handled in order: the error answering a bad one means the flood was read.
+        s.sendall(frame(["bogus"]))
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while data := s.recv(1 << 20):
+            got += data
+        assert b"only" in got
+    assert _rss_bytes(srv) - rss_before < MAX_PENDING_BYTES + (32 << 20)
+    assert MAX_PENDING_BYTES - len(big) - 200 < _pending_meta_bytes(srv) <= MAX_PENDING_BYTES
+    # Still serving: a store reaches the follower.
+    with CacheClient(srv.unix_target) as client:
+        _store(client, [digest("known", 1)])
+    f.until(lambda: digest("known", 1) in f.tiers, "a store after the flood")
+
+
+def test_a_process_hoarding_connections_leaves_another_processs_subscription_working(
+    srv: ServerProcess,
+) -> None:
+    """256 connections from this process (the total bound) cannot keep another process off the feed."""
+    import socket
+    import subprocess
+    import sys
+
+    from kvfabric.cacheserver.transport.residencyfeed import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_PEER
+
+    path = str(residency_socket_for(srv.config.listen.unix_socket))
+    hoard: list[socket.socket] = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            s.sendall(frame(["sub", NS]))
+            hoard.append(s)
+        script = (
+            "import sys\n"
+            "from kvfabric.client.residency import ResidencyFeedClient\n"
+            "c = ResidencyFeedClient(sys.argv[1], sys.argv[2])\n"
+            "got = []\n"
+            "while ('synced', None) not in got:\n"
+            "    got += c.read(5.0)\n"
+            "print('synced')\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script, path, NS], capture_output=True, timeout=60, check=False
+        )
+        assert done.stdout.decode().strip() == "synced", done.stderr.decode()[-2000:]
+        # The oldest of ours were closed to keep us within our own bound: read them to the hang-up.
+        open_ones = 0
+        for s in hoard:
+            s.settimeout(1.0)
+            try:
+                while s.recv(65536):
+                    pass
+            except TimeoutError:
+                open_ones += 1  # still subscribed (an evicted one reads its hang-up at once)
+        assert open_ones == MAX_CONNECTIONS_PER_PEER
+    finally:
+        for s in hoard:
+            s.close()
+
+
+def test_a_snapshot_larger_than_the_queue_bound_still_reaches_synced() -> None:
+    """The snapshot does not count against the live bound: any namespace size can be followed."""
+    from kvfabric.cacheserver.engine.ids import BlockId
+    from kvfabric.cacheserver.transport.residencyfeed import ResidencyFeed
+
+    bids = [BlockId.parse(NS, digest("big", i)) for i in range(2000)]
+    feed = ResidencyFeed(lambda bid: ["dram"], max_queued_bytes=64 << 10)
+    feed.changed(bids)
+    sub = feed.subscribe(NS)
+    frames = sub.take(1.0)
+    assert frames is not None, "the subscriber was closed by its own snapshot"
+    assert len(frames) == 2 + len(bids)
+    assert frames[-1] == frame(["synced"])
+    # Live records still count: falling 64 KiB behind closes it.
+    feed.changed([BlockId.parse(NS, digest("more", i)) for i in range(1000)])
+    assert sub.take(0.0) is None
+
+
+def _raw_http(srv: ServerProcess, request: bytes, *, wait: float = 30.0) -> bytes:
+    """Send ``request`` as is; what the server answers before it closes (or ``wait`` runs out)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(srv.metrics_url)
+    with socket.create_connection((url.hostname, url.port), timeout=wait) as s:
+        s.sendall(request)
+        got = b""
+        while data := s.recv(65536):
+            got += data
+        return got
+
+
+def test_the_query_endpoint_refuses_bad_lengths_stalled_clients_and_huge_token_ids() -> None:
+    overrides = {"metrics.residency_query": True}
+    with cache_server(dram_bytes=8 * MiB, local_disk_bytes=8 * MiB, overrides=overrides) as srv:
+        body = b'{"namespace": "' + NS.encode() + b'", "token_ids": [1]}'
+        # A negative Content-Length would read to the end of the stream: a 400 naming it, at once.
+        reply = _raw_http(srv, b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n" + body)
+        assert reply.startswith(b"HTTP/1.0 400"), reply
+        assert b"Content-Length" in reply
+        # A client that stops mid-body is dropped by the socket timeout (not a thread held forever).
+        start = time.monotonic()
+        reply = _raw_http(srv, b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{", wait=60)
+        assert time.monotonic() - start < 30
+        # Token ids are uint32: a larger one is a 400 naming the field, not a dropped connection.
+        status, text = _query(srv, {"namespace": NS, "token_ids": [2**32]})
+        assert (status, "token_ids" in str(text)) == (400, True)
+        # Still serving.
+        status, _ = _query(srv, {"namespace": NS, "token_ids": [1, 2]})
+        assert status == 200
+
+
+def test_the_query_walks_only_the_lengths_resident_chunks_have() -> None:
+    """A namespace's chunk lengths shrink with its chunks (the walk tries each length per position)."""
+    from kvfabric.cacheserver.engine.ids import BlockId
+    from kvfabric.cacheserver.transport.residencyfeed import ResidencyFeed
+
+    held: set[BlockId] = set()
+    feed = ResidencyFeed(lambda bid: ["dram"] if bid in held else [], known=lambda ns: True)
+    bids = [BlockId.parse(NS, digest("len", n)) for n in range(1, 50)]
+    for n, bid in enumerate(bids, start=1):
+        feed.describe(bid, ChunkMeta((b"h",), None, tuple(range(n)), n))
+        held.add(bid)
+        feed.changed([bid])
+    assert len(feed._lengths[NS]) == 49
+    held.clear()
+    feed.changed(bids)
+    assert NS not in feed._lengths
+    assert feed.match(NS, list(range(10))) == {"dram": 0, "local_disk": 0, "shared": 0, "object": 0, "any": 0}

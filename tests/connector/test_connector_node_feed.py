@@ -9,8 +9,10 @@ scripted feed: prefix order, the per-step announcement budget, a lost connection
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,7 +20,9 @@ import pytest
 from kvfabric.client import CacheClient
 from kvfabric.client.errors import CacheUnavailable
 from kvfabric.connector import vllmevents
-from kvfabric.connector.nodefeed import NodeResidency, node_residency_for
+from kvfabric.connector.keys import NamespaceSpec
+from kvfabric.connector.nodefeed import MAX_RETRY_SECONDS, NodeResidency, node_residency_for
+from kvfabric.connector.steps import SaveSpec
 from kvfabric.rpc import kvevents as kv
 from kvfabric.rpc.kvledger import ChunkMeta, EventLedger
 from kvfabric.rpc.residency import Change
@@ -26,7 +30,8 @@ from kvfabric.testing.routerindex import RouterIndexModel
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
 
 BLOCK = 2
-NS = digest("engines-ns")
+SPEC = NamespaceSpec("meta-llama/Llama-3.1-8B", "0e9e39f", "bfloat16", 32, 8, 128, 16, 256)
+NS = SPEC.digest()  # described over gRPC before metadata is attached, as a connector does
 
 
 def _meta(i: int, parent: int | None) -> ChunkMeta:
@@ -195,6 +200,58 @@ def test_without_a_feed_the_log_announces_stores_itself() -> None:
     assert node.ledger.take() == []
 
 
+def _connects_over(feed: Callable[[], ScriptedFeed], seconds: float) -> list[float]:
+    """When a follower polled every 0.1 s opened ``feed`` over ``seconds`` (a fake clock)."""
+    now = [0.0]
+    opened: list[float] = []
+
+    def connect() -> ScriptedFeed:
+        opened.append(now[0])
+        return feed()
+
+    node = NodeResidency(connect, EventLedger(), clock=lambda: now[0])
+    while now[0] < seconds:
+        node.poll()
+        now[0] = round(now[0] + 0.1, 1)
+    return opened
+
+
+def test_a_feed_that_fails_repeatedly_is_retried_with_growing_delay() -> None:
+    """Refused, or lost right after its snapshot: retried ever later, not every step."""
+
+    def refused() -> ScriptedFeed:
+        raise CacheUnavailable("refused")
+
+    def lost_at_once() -> ScriptedFeed:
+        feed = ScriptedFeed([("hello", 1), ("synced", None)])
+        feed.gone = True  # hangs up as soon as it is read (evicted, overflowing)
+        return feed
+
+    for make in (refused, lost_at_once):
+        opened = _connects_over(make, 100.0)
+        gaps = [round(b - a, 1) for a, b in itertools.pairwise(opened)]
+        assert gaps == sorted(gaps), gaps  # never sooner than the last time
+        assert gaps[-1] == MAX_RETRY_SECONDS  # growing up to the cap
+        assert len(opened) <= 10, opened  # polled 1,000 times
+
+
+def test_a_feed_raising_anything_never_breaks_a_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``build_connector_meta`` calls ``stored()``: a feed raising OSError (EMFILE) falls back."""
+    monkeypatch.setattr(vllmevents, "_VLLM", True)
+    monkeypatch.setattr(vllmevents, "to_vllm", lambda e: e)
+
+    def emfile() -> ScriptedFeed:
+        raise OSError(24, "Too many open files")
+
+    events = vllmevents.KVEventLog(BLOCK, enabled=True, follow=lambda ledger: NodeResidency(emfile, ledger))
+    request = SimpleNamespace(block_hashes=[0, 1, 10, 11], all_token_ids=list(range(8)), lora_request=None)
+    events.stored(request, SaveSpec("r", ["k0", "k1"], [[5, 6], [7, 8]], first_blocks=[0, 2]))
+    assert events.node is None  # no longer followed
+    assert events.failures == 1
+    stored = [e for e in events.take() if isinstance(e, kv.BlockStored)]
+    assert [e.block_hashes for e in stored] == [(0, 1), (10, 11)]  # both announced, as without a feed
+
+
 # ----------------------------------------------------------------------------------------- process
 
 
@@ -291,6 +348,7 @@ def test_sibling_engines_announce_the_nodes_residency_and_follow_every_change(
         return router.entries(0) == want and router.entries(1) == want
 
     with CacheClient(srv.unix_target) as client:
+        client.describe(NS, SPEC.canonical().decode(), timeout=10)
         # Engine A names what it stores (as build_connector_meta does) and stores it, prefix first;
         # 40 x 256 KiB through 8 MiB of DRAM: the oldest are evicted to disk on the way.
         assert a.node is not None

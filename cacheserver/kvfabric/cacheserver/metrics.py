@@ -184,8 +184,8 @@ class Metrics:
         """Export ``kvfabric_listener_up`` from ``probes``."""
         self.registry.register(_ListenerCollector(probes))
 
-    def watch_residency(self, read: Callable[[], tuple[int, int]]) -> None:
-        """Export the residency feed's subscribers and records sent; ``read()`` gives both."""
+    def watch_residency(self, read: Callable[[], tuple[int, int, int]]) -> None:
+        """Export the residency feed's subscribers, records sent and pending metadata bytes (``read()``)."""
         self.registry.register(_ResidencyCollector(read))
 
     def exposition(self) -> bytes:
@@ -375,11 +375,11 @@ class _ListenerCollector(Collector):
 class _ResidencyCollector(Collector):
     """The residency feed (docs/routing.md): whether same-node engines follow it, and how much it sent."""
 
-    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, read: Callable[[], tuple[int, int, int]]) -> None:
         self._read = read
 
     def collect(self) -> Iterable[Metric]:
-        subscribers, records = self._read()
+        subscribers, records, pending_bytes = self._read()
         gauge = GaugeMetricFamily(
             "kvfabric_residency_subscribers",
             "Connections following the residency feed (one per engine that announces this node's tiers)",
@@ -390,10 +390,17 @@ class _ResidencyCollector(Collector):
             "Residency records (stored, removed) queued to subscribers, snapshots included",
         )
         sent.add_metric([], records)
-        yield from (gauge, sent)
+        pending = GaugeMetricFamily(
+            "kvfabric_residency_pending_meta_bytes",
+            "Bytes of chunk metadata held for chunks not stored yet (bounded; the oldest goes first)",
+        )
+        pending.add_metric([], pending_bytes)
+        yield from (gauge, sent, pending)
 
 
 MAX_QUERY_BYTES = 4 << 20
+HTTP_TIMEOUT_SECONDS = 10.0  # a client silent this long mid-request is dropped (its thread freed)
+MAX_TOKEN_ID = 2**32 - 1  # token ids are uint32 (the feed packs them so)
 QueryFn = Callable[[str, list[int], str | None], dict[str, int]]
 
 
@@ -409,8 +416,8 @@ def parse_query(body: bytes) -> tuple[str, list[int], str | None]:
     if not isinstance(namespace, str) or not re.fullmatch(r"[0-9a-f]{64}", namespace):
         raise ValueError("namespace: 64 lower-case hex characters (the namespace digest)")
     tokens = doc.get("token_ids")
-    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
-        raise ValueError("token_ids: an array of non-negative integers")
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens):
+        raise ValueError(f"token_ids: an array of integers from 0 to {MAX_TOKEN_ID}")
     lora = doc.get("lora_name")
     if lora is not None and not isinstance(lora, str):
         raise ValueError("lora_name: a string or null")
@@ -432,12 +439,20 @@ class ProbeServer:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = HTTP_TIMEOUT_SECONDS  # the socket's: a stalled client cannot hold a thread
+
             def do_POST(self) -> None:
                 if self.path.split("?", 1)[0] != "/query" or query is None:
                     self._send(404, b"not found\n", "text/plain")
                     return
-                length = int(self.headers.get("Content-Length") or 0)
+                raw_length = (self.headers.get("Content-Length") or "").strip()
+                if not raw_length.isdigit():  # negative, or not a number: read(-1) would wait for EOF
+                    self.close_connection = True
+                    self._send(400, b"Content-Length: a non-negative integer is required\n", "text/plain")
+                    return
+                length = int(raw_length)
                 if length > MAX_QUERY_BYTES:
+                    self.close_connection = True
                     self._send(413, b"a query body holds at most 4 MiB\n", "text/plain")
                     return
                 try:

@@ -36,7 +36,9 @@ from kvfabric.rpc.kvevents import DecodeError, msgpack_decode, msgpack_encode, m
 from kvfabric.rpc.kvledger import ChunkMeta
 
 __all__ = [
+    "MAX_CLIENT_FRAME",
     "MAX_FRAME",
+    "MAX_META_BYTES",
     "Change",
     "FrameReader",
     "decode_meta",
@@ -49,6 +51,11 @@ __all__ = [
 ]
 
 MAX_FRAME = 4 << 20  # a chunk's metadata is a few KiB (its tokens); anything far larger is refused
+MAX_META_BYTES = 64 << 10
+"""The most one chunk's encoded metadata may take: 16,384 tokens (4 bytes each, a chunk holds a few
+hundred to a few thousand) plus their block hashes and extra keys. Larger is refused (the feed closes
+the connection with an error naming ``meta``)."""
+MAX_CLIENT_FRAME = MAX_META_BYTES + 256  # what a server reads from a client: a meta message and its key
 _LEN = struct.Struct(">I")
 
 
@@ -69,9 +76,10 @@ def frame(message: list[Any]) -> bytes:
 class FrameReader:
     """Reassembles frames from a byte stream, however it is cut."""
 
-    def __init__(self) -> None:
-        """An empty buffer."""
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        """An empty buffer; a frame announced longer than ``max_frame`` is a DecodeError."""
         self._buf = bytearray()
+        self._max = max_frame
 
     def feed(self, data: bytes) -> list[list[Any]]:
         """Add ``data``; return the messages now complete (DecodeError for a malformed one)."""
@@ -79,8 +87,8 @@ class FrameReader:
         out = []
         while len(self._buf) >= _LEN.size:
             (n,) = _LEN.unpack_from(self._buf)
-            if n > MAX_FRAME:
-                raise DecodeError(f"a residency frame of {n} bytes (at most {MAX_FRAME})")
+            if n > self._max:
+                raise DecodeError(f"a residency frame of {n} bytes (at most {self._max})")
             if len(self._buf) < _LEN.size + n:
                 break
             message = msgpack_decode(bytes(self._buf[_LEN.size : _LEN.size + n]))

@@ -4,7 +4,9 @@
 process stores, and reads the server's ordered changes without blocking the caller longer than
 the timeout it passes. A closed connection (the server restarted or went away) reads as
 :class:`~kvfabric.client.errors.CacheUnavailable`; the caller reconnects and starts again from the
-new snapshot (a new ``epoch``).
+new snapshot (a new ``epoch``). So does a server that stops reading: metadata waiting to be sent is
+bounded (:data:`MAX_OUTBOUND`), and past it the connection counts as lost. One :meth:`read` parses
+at most :data:`MAX_READ_PER_CALL` bytes, so a caller's step stays short however much arrived.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from kvfabric.client.errors import CacheUnavailable
 from kvfabric.rpc.kvledger import ChunkMeta
 from kvfabric.rpc.residency import Change, FrameReader, encode_meta, frame
 
-__all__ = ["FeedMessage", "ResidencyFeedClient"]
+__all__ = ["MAX_OUTBOUND", "MAX_READ_PER_CALL", "FeedMessage", "ResidencyFeedClient"]
+
+MAX_OUTBOUND = 8 << 20  # bytes of metadata not yet taken by the server (a hung server is lost past it)
+MAX_READ_PER_CALL = 4 << 20  # bytes received and parsed per read(); the rest waits for the next
 
 FeedMessage = Change | tuple[str, Any]
 """A change, or ``("hello", epoch)`` / ``("synced", None)`` / ``("error", text)``."""
@@ -32,7 +37,11 @@ class ResidencyFeedClient:
         """Connect to the feed socket at ``path`` and subscribe to ``namespace``."""
         self.namespace = namespace
         self.epoch: int | None = None
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            # Inside the try: out of descriptors (EMFILE) is an unavailable feed, like any other.
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        except OSError as exc:
+            raise CacheUnavailable(f"residency feed at {path}: {exc}") from exc
         try:
             self._sock.settimeout(connect_timeout)
             self._sock.connect(str(path))
@@ -53,10 +62,15 @@ class ResidencyFeedClient:
         """Attach ``meta`` (or its :func:`~kvfabric.rpc.residency.encode_meta` bytes) to the chunk ``key``.
 
         Queued; sent now as far as the socket takes it, the rest by :meth:`read` or :meth:`flush`.
+        CacheUnavailable once more than :data:`MAX_OUTBOUND` bytes wait (the server stopped reading).
         """
         raw = meta if isinstance(meta, bytes) else encode_meta(meta)
         self._out += frame(["meta", key, raw])
         self.flush()
+        if len(self._out) > MAX_OUTBOUND:
+            self._out.clear()
+            self._eof = True
+            raise CacheUnavailable(f"the residency feed took no metadata for {MAX_OUTBOUND} bytes: lost")
 
     def flush(self) -> None:
         """Send what the socket takes now without blocking."""
@@ -76,9 +90,10 @@ class ResidencyFeedClient:
         self.flush()
         ready, _, _ = select.select([self._sock], [], [], timeout)
         out: list[FeedMessage] = []
-        while ready:
+        budget = MAX_READ_PER_CALL
+        while ready and budget > 0:
             try:
-                data = self._sock.recv(1 << 20)
+                data = self._sock.recv(min(1 << 20, budget))
             except BlockingIOError:
                 break
             except OSError as exc:
@@ -88,6 +103,7 @@ class ResidencyFeedClient:
                 if not out:
                     raise CacheUnavailable("the cache server closed its residency feed")
                 break
+            budget -= len(data)
             for message in self._reader.feed(data):
                 out.append(self._parse(message))
         return out

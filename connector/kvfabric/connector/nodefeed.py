@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 
 ANNOUNCED_TIERS = ("dram", "local_disk")
 ANNOUNCE_PER_STEP = 128  # chunks decoded and announced per engine step (~0.1 ms each)
-RETRY_SECONDS = 1.0
+RETRY_SECONDS = 1.0  # after a failed connect; doubled per failure in a row, up to MAX_RETRY_SECONDS
+MAX_RETRY_SECONDS = 30.0
+STABLE_SECONDS = 30.0  # a connection that lived this long ends a run of failures (reconnect at once)
 CONFIRM_SECONDS = 3.0  # a store the feed has not confirmed by then was dropped: withdrawn
 CONNECT_TIMEOUT_SECONDS = 0.05
 MAX_ORPHANS = 4096  # parents awaited by siblings' chunks (the oldest is given up)
@@ -85,6 +87,8 @@ class NodeResidency:
         self._clock = clock
         self._client: FeedClient | None = None
         self._next_try = 0.0
+        self._failures = 0  # connects failed or connections lost in a row (the backoff's exponent)
+        self._synced_at: float | None = None
         self.epoch: int | None = None
         self._snapshot: list[Change] | None = None  # being read (between hello and synced)
         self.resident: dict[str, set[str]] = {}  # what the server said, announced tiers only
@@ -187,10 +191,16 @@ class NodeResidency:
         try:
             self._client = self._connect()
         except CacheUnavailable as exc:
-            self._next_try = self._clock() + self.retry_seconds
+            self._back_off()
             log.debug("no residency feed", extra={"error": str(exc)})
             return
         self.synced = False
+
+    def _back_off(self) -> None:
+        """Wait longer before each retry of a feed that keeps failing (a restart is retried at once)."""
+        delay = 0.0 if self._failures == 0 else self.retry_seconds * 2 ** (self._failures - 1)
+        self._failures = min(self._failures + 1, 32)
+        self._next_try = self._clock() + min(delay, MAX_RETRY_SECONDS)
 
     def _lost(self) -> None:
         """The server hung up: it restarted or went away, and its DRAM with it."""
@@ -199,7 +209,12 @@ class NodeResidency:
         self._client = None
         self.synced = False
         self._snapshot = None
-        self._next_try = self._clock()  # reconnect on the next step
+        if self._synced_at is not None and self._clock() - self._synced_at >= STABLE_SECONDS:
+            self._failures = 0  # it served a while: a restart, reconnect on the next step
+        self._synced_at = None
+        # A feed lost again and again (refused, evicted, overflowing) is retried ever later, rather
+        # than withdrawing and re-announcing this engine's DRAM credit every step.
+        self._back_off()
         self.ledger.cleared("dram")
         self._unconfirmed.clear()
         for tiers in self.resident.values():
@@ -258,6 +273,7 @@ class NodeResidency:
         )
         self._backlog = deque(self._prefix_order([(c.key, c.tier) for c in snapshot]))
         self.synced = True
+        self._synced_at = self._clock()
         # A restarted server lost the metadata of what its disk kept: describe what this engine knows.
         if self._client is not None:
             for change in snapshot:

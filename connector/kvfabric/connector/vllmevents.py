@@ -21,6 +21,7 @@ ledger's events into vLLM's event objects (:func:`to_vllm`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -111,6 +112,8 @@ class KVEventLog:
         self.block_size = block_size
         self.ledger = EventLedger(max_keys=_MAX_ANNOUNCED if max_keys is None else max_keys)
         self.node = follow(self.ledger) if self.enabled and follow is not None else None
+        self.failures = 0
+        """Failures of the events path (the feed, naming a chunk) survived by falling back."""
 
     def stored(self, request: Any, save: SaveSpec) -> None:
         """Announce what ``save`` stores of ``request``: its whole chunks and its tail blocks.
@@ -121,13 +124,35 @@ class KVEventLog:
         if not self.enabled:
             return
         for key, first, blocks in zip(save.keys, save.first_blocks, save.block_ids, strict=False):
-            meta = self.meta(request, first, first + len(blocks)) if blocks else None
+            try:
+                meta = self.meta(request, first, first + len(blocks)) if blocks else None
+            except Exception:  # the cache never breaks inference: this chunk goes unannounced
+                self._failed("naming a stored chunk for KV events failed; it is not announced")
+                continue
             if meta is None:  # vLLM hashed no such blocks (no prefix caching)
                 continue
             if self.node is not None:
-                self.node.describe(key, meta)  # announced now, confirmed (or withdrawn) by the feed
-            else:
-                self.ledger.stored(key, "dram", meta)
+                try:
+                    self.node.describe(key, meta)  # announced now, confirmed (or withdrawn) by the feed
+                    continue
+                except Exception:  # the cache never breaks inference: stop following, as take() does
+                    self._failed("following the node's residency feed failed; KV events fall back to stores")
+                    self._drop_node()
+            self.ledger.stored(key, "dram", meta)
+
+    def _failed(self, what: str) -> None:
+        """Count a failure of the events path; log the first with its traceback, the rest quietly."""
+        self.failures += 1
+        if self.failures == 1:
+            log.exception(what)
+        else:
+            log.debug(what, exc_info=True)
+
+    def _drop_node(self) -> None:
+        if self.node is not None:
+            with contextlib.suppress(Exception):
+                self.node.close()
+            self.node = None
 
     def meta(self, request: Any, first: int, end: int) -> ChunkMeta | None:
         """What a router needs to name blocks ``first:end`` of ``request``, or None if unhashed."""
@@ -162,7 +187,6 @@ class KVEventLog:
             try:
                 self.node.poll()
             except Exception:  # the cache never breaks inference: stop following, announce as before
-                log.exception("following the node's residency feed failed; KV events fall back to stores")
-                self.node.close()
-                self.node = None
+                self._failed("following the node's residency feed failed; KV events fall back to stores")
+                self._drop_node()
         return [to_vllm(e) for e in self.ledger.take()]

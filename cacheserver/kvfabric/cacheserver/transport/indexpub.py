@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfabric.cacheserver.engine.ids import BlockId
-from kvfabric.cacheserver.transport.indexregistry import Admit, TableRegistry
+from kvfabric.cacheserver.transport.indexregistry import Admit, TableRegistry, connection_to_evict
 from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc import indextable as it
 
@@ -550,13 +550,10 @@ class IndexSocket:
         none to one hoarding many. Peers seen with pid 0 (another pid namespace) share one bound per
         uid, as large as the total: their processes cannot be told apart.
         """
-        own = self._by_peer.get(peer, {})
-        if len(own) >= peer_bound(peer):
-            victim = next(iter(own.values()))
-        elif len(self._held) >= MAX_CONNECTIONS:
-            most = max(self._by_peer.values(), key=len)
-            victim = next(iter(most.values()))
-        else:
+        victim = connection_to_evict(
+            self._by_peer, peer, len(self._held), own_bound=peer_bound(peer), total_bound=MAX_CONNECTIONS
+        )
+        if victim is None:
             return
         with contextlib.suppress(OSError):
             victim.sock.send(
@@ -621,9 +618,11 @@ def peer_key(peer: Peer) -> tuple[int, int]:
     return (peer.uid, max(peer.pid, 0))
 
 
-def peer_bound(key: tuple[int, int]) -> int:
+def peer_bound(
+    key: tuple[int, int], per_peer: int = MAX_CONNECTIONS_PER_PEER, total: int = MAX_CONNECTIONS
+) -> int:
     """Held connections one peer may have: a process's bound, or the total for a uid-only peer."""
-    return MAX_CONNECTIONS_PER_PEER if key[1] else MAX_CONNECTIONS
+    return per_peer if key[1] else total
 
 
 def peer_of(conn: socket.socket) -> Peer:

@@ -20,14 +20,40 @@ handed out by rule, ranked by how recently a client *asked* for it (storing a bl
   its last use.
 
 The caller passes ``now`` (monotonic seconds) so that the model-based test drives time.
+
+:func:`connection_to_evict` is the rule both same-node sockets (index and residency feed) bound
+held connections by: per peer process and in all, the oldest of whoever holds most giving way.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-__all__ = ["Admit", "Decision", "TableRegistry"]
+__all__ = ["Admit", "Decision", "TableRegistry", "connection_to_evict"]
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def connection_to_evict(
+    held_by_peer: Mapping[_K, Mapping[Any, _V]], peer: _K, held: int, *, own_bound: int, total_bound: int
+) -> _V | None:
+    """Before ``peer`` holds one more connection: the one to close first, or None if there is room.
+
+    ``held_by_peer``: each peer's held connections, oldest first; ``held``: all of them. Over its own
+    bound, the peer's own oldest goes; at the total bound, the oldest of the peer holding the most.
+    Nobody is refused, and a peer holding few connections (an engine) loses none to one hoarding many.
+    """
+    own = held_by_peer.get(peer, {})
+    if len(own) >= own_bound:
+        return next(iter(own.values()))
+    if held >= total_bound and held_by_peer:
+        most = max(held_by_peer.values(), key=len)
+        return next(iter(most.values()))
+    return None
 
 
 class Admit(enum.Enum):

@@ -10,16 +10,23 @@ subscriber sees one order and the last record for a block is its current state.
 
 Connectors attach :class:`~kvfabric.rpc.kvledger.ChunkMeta` (the engine's block hashes, parent,
 tokens, ``extra_keys``, LoRA) to the chunks they store; the feed keeps it while any tier holds the
-chunk (metadata for a chunk not resident yet waits in a bounded table) and sends it with every
-``stored`` record, so an engine can announce a chunk its sibling stored. The metadata lives in
-memory: after a restart, chunks on disk are re-described by the connectors that remember them.
+chunk (metadata for a chunk not resident yet waits in a table bounded in entries and bytes, the
+oldest dropped first, and only for a namespace the server knows) and sends it with every
+``stored`` record, so an engine can announce a chunk its sibling stored. One chunk's metadata is at
+most :data:`~kvfabric.rpc.residency.MAX_META_BYTES`. The metadata lives in memory: after a restart,
+chunks on disk are re-described by the connectors that remember them.
 
 :class:`FeedSocket` serves it on a Unix stream socket beside the gRPC socket
 (:func:`kvfabric.rpc.residency.residency_socket_for`), same exposure as the index socket (mode
 0666 in the server-owned directory; ``authorize(namespace, peer)`` decides which namespaces a peer
-may follow, all by default). A subscriber that falls :data:`MAX_QUEUED` frames behind is
-disconnected: it reconnects and starts again from a snapshot, rather than the server buffering
-without bound.
+may follow, all by default). Connections are bounded per peer process
+(:data:`MAX_CONNECTIONS_PER_PEER`) and in all (:data:`MAX_CONNECTIONS`), by the index socket's rule
+(:func:`~kvfabric.cacheserver.transport.indexregistry.connection_to_evict`): the oldest connection
+of the peer holding the most is closed to make room, so one process hoarding connections cannot
+keep an engine off the feed. A subscriber that falls :data:`MAX_QUEUED_BYTES` of live records
+behind is disconnected: it reconnects and starts again from a snapshot, rather than the server
+buffering without bound (the snapshot itself does not count against that bound, so a namespace
+larger than it still reaches ``synced``).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import secrets
 import socket
 import threading
 from array import array
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,43 +46,60 @@ from typing import Any
 
 from kvfabric.cacheserver.engine.base import TierName
 from kvfabric.cacheserver.engine.ids import BlockId, InvalidId
-from kvfabric.cacheserver.transport.indexpub import Peer, listen_unix, peer_of
+from kvfabric.cacheserver.transport.indexpub import Peer, listen_unix, peer_bound, peer_key, peer_of
+from kvfabric.cacheserver.transport.indexregistry import connection_to_evict
 from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc.kvevents import DecodeError
 from kvfabric.rpc.kvledger import ChunkMeta
-from kvfabric.rpc.residency import Change, FrameReader, decode_meta, encode_meta, frame
+from kvfabric.rpc.residency import (
+    MAX_CLIENT_FRAME,
+    MAX_META_BYTES,
+    Change,
+    FrameReader,
+    decode_meta,
+    encode_meta,
+    frame,
+)
 
 __all__ = ["FeedSocket", "ResidencyFeed", "Subscription"]
 
 log = logging.getLogger(__name__)
 
-MAX_QUEUED = 100_000  # frames one subscriber may be behind before it is disconnected
-MAX_PENDING_META = 65_536  # metadata for chunks not (yet) resident
+MAX_QUEUED_BYTES = 32 << 20  # live records one subscriber may be behind before it is disconnected
+MAX_PENDING_META = 65_536  # metadata entries for chunks not (yet) resident
+MAX_PENDING_BYTES = 16 << 20  # and their bytes (the oldest goes first past either)
+_OVERHEAD = 96  # bytes a queued frame or a pending entry costs beyond its payload (objects, links)
 MAX_CONNECTIONS = 256
+MAX_CONNECTIONS_PER_PEER = 16  # one engine process follows the few namespaces it serves
 REQUEST_DEADLINE_SECONDS = 2.0
 
 
 class Subscription:
     """One subscriber's queue of frames."""
 
-    def __init__(self, namespace: str, max_queued: int) -> None:
+    def __init__(self, namespace: str, max_queued_bytes: int) -> None:
         """An open subscription to ``namespace``."""
         self.namespace = namespace
         self._frames: deque[bytes] = deque()
         self._cond = threading.Condition()
-        self._max = max_queued
+        self._max = max_queued_bytes
+        self._bytes = 0  # live bytes queued (the snapshot is not counted)
         self.closed = False
         self.overflowed = False
 
-    def push(self, frames: Iterable[bytes]) -> None:
-        """Queue ``frames`` (overflow closes the subscription)."""
+    def push(self, frames: Iterable[bytes], *, counted: bool = True) -> None:
+        """Queue ``frames``; past the byte bound (``counted`` ones only) the subscription closes."""
         with self._cond:
             if self.closed:
                 return
-            self._frames.extend(frames)
-            if len(self._frames) > self._max:
+            for f in frames:
+                self._frames.append(f)
+                if counted:
+                    self._bytes += len(f) + _OVERHEAD
+            if self._bytes > self._max:
                 self.overflowed = self.closed = True
                 self._frames.clear()
+                self._bytes = 0
             self._cond.notify()
 
     def take(self, timeout: float) -> list[bytes] | None:
@@ -87,6 +111,7 @@ class Subscription:
                 return None
             out = list(self._frames)
             self._frames.clear()
+            self._bytes = 0
             return out
 
     def close(self) -> None:
@@ -103,13 +128,26 @@ class ResidencyFeed:
         self,
         tiers_of: Callable[[BlockId], list[str]],
         *,
-        max_queued: int = MAX_QUEUED,
+        max_queued_bytes: int = MAX_QUEUED_BYTES,
         max_pending_meta: int = MAX_PENDING_META,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
+        known: Callable[[str], bool] | None = None,
     ) -> None:
-        """``tiers_of(bid)``: the tiers indexing ``bid`` now, fastest first (index only)."""
+        """``tiers_of(bid)``: the tiers indexing ``bid`` now, fastest first (index only).
+
+        ``known(namespace)``: whether a client described the namespace (metadata for a chunk not
+        resident yet is kept only for it, or for a namespace with a resident chunk).
+        """
         self._tiers_of = tiers_of
-        self._max_queued = max_queued
+        self._max_queued = max_queued_bytes
         self._max_pending = max_pending_meta
+        self._max_pending_bytes = max_pending_bytes
+        self._known = known or (lambda namespace: False)
+        self.pending_bytes = 0
+        """Bytes of the metadata waiting for its chunk (bounded by ``max_pending_bytes``)."""
+        self.refused = 0
+        """Metadata dropped: for a namespace the server does not know."""
+        self._resident_per_ns: dict[str, int] = {}
         self.epoch = secrets.randbits(63)
         self._lock = threading.Lock()
         self._tiers: dict[BlockId, tuple[str, ...]] = {}
@@ -117,12 +155,12 @@ class ResidencyFeed:
         # plus what :meth:`match` walks by: the content key, the chunk's token count, its last hash.
         self._bins: dict[BlockId, bytes] = {}
         self._walk: dict[BlockId, _Walk] = {}
-        self._pending: OrderedDict[BlockId, tuple[_Walk, bytes]] = OrderedDict()
+        self._pending: OrderedDict[BlockId, tuple[_Walk, bytes]] = OrderedDict()  # oldest first
         self._subs: dict[str, set[Subscription]] = {}
         # (namespace, parent hash, digest of the tokens, LoRA) -> the resident block they name, for
         # plain-text chunks (no extra keys), and per namespace the token lengths chunks have.
         self._by_content: dict[_ContentKey, BlockId] = {}
-        self._lengths: dict[str, set[int]] = {}
+        self._lengths: dict[str, Counter[int]] = {}  # -> how many described chunks have each length
         self.records = 0
         """Records queued to subscribers (each subscriber counted), snapshots included."""
 
@@ -135,11 +173,16 @@ class ResidencyFeed:
                 if now == prev:
                     continue
                 if now:
+                    if not prev:
+                        self._resident_per_ns[bid.namespace] = self._resident_per_ns.get(bid.namespace, 0) + 1
                     self._tiers[bid] = now
                     if bid in self._pending:
-                        self._set_meta(bid, *self._pending.pop(bid))
+                        self._set_meta(bid, *self._pop_pending(bid))
                 else:
                     del self._tiers[bid]
+                    left = self._resident_per_ns.pop(bid.namespace) - 1
+                    if left:
+                        self._resident_per_ns[bid.namespace] = left
                     self._set_meta(bid, None, None)
                 subs = self._subs.get(bid.namespace)
                 if subs:
@@ -154,13 +197,21 @@ class ResidencyFeed:
     def describe(self, bid: BlockId, meta: ChunkMeta, raw: bytes | None = None) -> None:
         """Attach ``meta`` (``raw``: its encoding) to ``bid``; subscribers get it per tier holding it."""
         raw = encode_meta(meta) if raw is None else raw
+        if len(raw) > MAX_META_BYTES:
+            raise ValueError(f"meta: at most {MAX_META_BYTES} bytes per chunk, this one {len(raw)}")
+        known = self._known(bid.namespace)  # outside the lock: it takes its own
         with self._lock:
             tiers = self._tiers.get(bid)
             if tiers is None:
+                if not (known or bid.namespace in self._resident_per_ns):
+                    self.refused += 1  # a made-up namespace reserves nothing
+                    return
+                if bid in self._pending:
+                    self._pop_pending(bid)
                 self._pending[bid] = (_walk_of(bid.namespace, meta), raw)
-                self._pending.move_to_end(bid)
-                while len(self._pending) > self._max_pending:
-                    self._pending.popitem(last=False)
+                self.pending_bytes += len(raw) + _OVERHEAD
+                while len(self._pending) > self._max_pending or self.pending_bytes > self._max_pending_bytes:
+                    self._pop_pending(next(iter(self._pending)))
                 return
             if self._bins.get(bid) == raw:
                 return
@@ -172,19 +223,31 @@ class ResidencyFeed:
                 for sub in subs:
                     sub.push(frames)
 
+    def _pop_pending(self, bid: BlockId) -> tuple[_Walk, bytes]:
+        walk, raw = self._pending.pop(bid)
+        self.pending_bytes -= len(raw) + _OVERHEAD
+        return walk, raw
+
     def _set_meta(self, bid: BlockId, walk: _Walk | None, raw: bytes | None) -> None:
         """Attach (or with None drop) ``bid``'s metadata, keeping the content index equal to it."""
         old = self._walk.pop(bid, None)
         self._bins.pop(bid, None)
-        if old is not None and old.content is not None and self._by_content.get(old.content) == bid:
-            del self._by_content[old.content]
+        if old is not None and old.content is not None:
+            if self._by_content.get(old.content) == bid:
+                del self._by_content[old.content]
+            lengths = self._lengths[bid.namespace]
+            lengths[old.tokens] -= 1
+            if lengths[old.tokens] <= 0:  # the query walks only the lengths chunks have now
+                del lengths[old.tokens]
+                if not lengths:
+                    del self._lengths[bid.namespace]
         if walk is None or raw is None:
             return
         self._walk[bid] = walk
         self._bins[bid] = raw
         if walk.content is not None:
             self._by_content[walk.content] = bid
-            self._lengths.setdefault(bid.namespace, set()).add(walk.tokens)
+            self._lengths.setdefault(bid.namespace, Counter())[walk.tokens] += 1
 
     def match(self, namespace: str, token_ids: list[int], lora_name: str | None = None) -> dict[str, int]:
         """Tokens of the longest prefix of ``token_ids`` resident per tier, and in any tier (``any``).
@@ -231,7 +294,9 @@ class ResidencyFeed:
                     frames += [frame(Change("stored", bid.key, t, meta_bin=raw).to_wire()) for t in tiers]
             frames.append(frame(["synced"]))
             self.records += len(frames) - 2
-            sub.push(frames)
+            # Not counted against the live bound: a namespace larger than it still reaches synced
+            # (what it costs is bounded by the namespace's resident chunks and the connection bounds).
+            sub.push(frames, counted=False)
             self._subs.setdefault(namespace, set()).add(sub)
         return sub
 
@@ -262,10 +327,10 @@ class ResidencyFeed:
         with self._lock:
             return sum(len(s) for s in self._subs.values())
 
-    def stats(self) -> tuple[int, int]:
-        """Open subscriptions and records queued so far (the metrics)."""
+    def stats(self) -> tuple[int, int, int]:
+        """Open subscriptions, records queued so far and pending metadata bytes (the metrics)."""
         with self._lock:
-            return sum(len(s) for s in self._subs.values()), self.records
+            return sum(len(s) for s in self._subs.values()), self.records, self.pending_bytes
 
 
 class FeedSocket:
@@ -278,16 +343,21 @@ class FeedSocket:
         *,
         authorize: Callable[[str, Peer], bool] | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
     ) -> None:
         """Serve ``feed`` at ``path`` (bound by :meth:`start`)."""
         self.path = path
         self.feed = feed
         self.authorize = authorize or (lambda namespace, peer: True)
         self.max_connections = max_connections
+        self.max_connections_per_peer = max_connections_per_peer
         self._sock: socket.socket | None = None
         self._file: SocketFile | None = None
         self._stop = threading.Event()
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, tuple[int, int]] = {}  # -> its peer
+        self._by_peer: dict[tuple[int, int], dict[socket.socket, socket.socket]] = {}  # oldest first
+        self.evicted = 0
+        """Connections closed to make room for another (per-peer or total bound)."""
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -318,18 +388,33 @@ class FeedSocket:
                     return
                 self._stop.wait(0.1)  # EMFILE and the like: pause rather than spin
                 continue
+            try:
+                peer = peer_key(peer_of(conn))
+            except OSError:
+                conn.close()
+                continue
             with self._lock:
-                if len(self._conns) >= self.max_connections:
-                    conn.close()
-                    continue
-                self._conns.add(conn)
+                victim = connection_to_evict(
+                    self._by_peer,
+                    peer,
+                    len(self._conns),
+                    own_bound=peer_bound(peer, self.max_connections_per_peer, self.max_connections),
+                    total_bound=self.max_connections,
+                )
+                if victim is not None:
+                    self._forget(victim)
+                    self.evicted += 1
+                    with contextlib.suppress(OSError):
+                        victim.shutdown(socket.SHUT_RDWR)  # its threads end and close it
+                self._conns[conn] = peer
+                self._by_peer.setdefault(peer, {})[conn] = conn
             threading.Thread(target=self._serve, args=(conn,), name="residency-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         sub: Subscription | None = None
         try:
             conn.settimeout(REQUEST_DEADLINE_SECONDS)
-            reader = FrameReader()
+            reader = FrameReader(MAX_CLIENT_FRAME)
             messages: list[list[Any]] = []
             while not messages:
                 data = conn.recv(65536)
@@ -365,10 +450,21 @@ class FeedSocket:
             if sub is not None:
                 self.feed.unsubscribe(sub)
             with self._lock:
-                self._conns.discard(conn)
+                self._forget(conn)
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
             conn.close()
+
+    def _forget(self, conn: socket.socket) -> None:
+        """Stop counting ``conn`` (under ``_lock``; idempotent)."""
+        peer = self._conns.pop(conn, None)
+        if peer is None:
+            return
+        mine = self._by_peer.get(peer)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self._by_peer[peer]
 
     def _handle(self, namespace: str, message: list[Any]) -> None:
         if message[0] != "meta" or len(message) != 3 or not isinstance(message[1], str):
@@ -377,7 +473,10 @@ class FeedSocket:
             bid = BlockId.parse(namespace, message[1])
         except InvalidId as exc:
             raise ValueError(f"meta key: {exc}") from None
-        self.feed.describe(bid, decode_meta(message[2]), message[2])
+        raw = message[2]
+        if isinstance(raw, bytes) and len(raw) > MAX_META_BYTES:  # before decoding it
+            raise ValueError(f"meta: at most {MAX_META_BYTES} bytes per chunk, this one {len(raw)}")
+        self.feed.describe(bid, decode_meta(raw), raw)
 
     def _send(self, conn: socket.socket, sub: Subscription) -> None:
         try:

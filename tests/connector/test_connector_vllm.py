@@ -224,9 +224,9 @@ def test_scheduler_output_translation_and_version_shim() -> None:
     )
     step = kvvllm.step_input_from_vllm(so)
     assert step.scheduled == (
-        ScheduledRequest("a", 16, 20, (1, 2, 3), replaces_blocks=True),
-        ScheduledRequest("b", 32, 1, (7,), replaces_blocks=False),
-        ScheduledRequest("c", 0, 40, (8, 9), replaces_blocks=True),
+        ScheduledRequest("a", 16, 20, ((1, 2, 3),), replaces_blocks=True),
+        ScheduledRequest("b", 32, 1, ((7,),), replaces_blocks=False),
+        ScheduledRequest("c", 0, 40, ((8, 9),), replaces_blocks=True),
         ScheduledRequest("d", 48, 0, None, replaces_blocks=False),
     )
     assert step.finished_req_ids == frozenset({"z"})

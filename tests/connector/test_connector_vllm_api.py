@@ -82,7 +82,15 @@ def test_prometheus_metrics_count_loaded_and_failed_tokens_per_engine() -> None:
     assert isinstance(prom, KVFabricPromMetrics)
     prom.observe(
         stats_payload(
-            {"loaded_chunks": 3, "loaded_bytes": 4096, "fallback_chunks.unavailable": 2, "lookups": 5},
+            {
+                "loaded_chunks": 3,
+                "loaded_bytes.full": 4096,
+                "loaded_bytes.sliding_window": 1024,
+                "stored_bytes.sliding_window": 512,
+                "null_block_writes_refused": 1,
+                "fallback_chunks.unavailable": 2,
+                "lookups": 5,
+            },
             256,
             0.1,
         )
@@ -97,9 +105,26 @@ def test_prometheus_metrics_count_loaded_and_failed_tokens_per_engine() -> None:
     )
     assert registry.get_sample_value("vllm:kvfabric_restore_seconds_total", labels) == pytest.approx(0.1)
     assert registry.get_sample_value("vllm:kvfabric_events_total", {**labels, "event": "lookups"}) == 5
-    assert registry.get_sample_value("vllm:kvfabric_loaded_bytes_total", labels) == 4096
+    assert registry.get_sample_value("vllm:kvfabric_loaded_bytes_total", {**labels, "kind": "full"}) == 4096
+    assert (
+        registry.get_sample_value("vllm:kvfabric_loaded_bytes_total", {**labels, "kind": "sliding_window"})
+        == 1024
+    )
+    assert (
+        registry.get_sample_value("vllm:kvfabric_stored_bytes_total", {**labels, "kind": "sliding_window"})
+        == 512
+    )
+    assert registry.get_sample_value("vllm:kvfabric_null_block_writes_refused_total", labels) == 1
     # Each quantity is counted once: what has a metric of its own is not an event too.
-    for own in ("loaded_bytes", "loaded_tokens", "restore_seconds", "load_failed_tokens.unavailable"):
+    for own in (
+        "loaded_bytes.full",
+        "loaded_bytes.sliding_window",
+        "stored_bytes.sliding_window",
+        "null_block_writes_refused",
+        "loaded_tokens",
+        "restore_seconds",
+        "load_failed_tokens.unavailable",
+    ):
         assert registry.get_sample_value("vllm:kvfabric_events_total", {**labels, "event": own}) is None, own
 
 
@@ -145,11 +170,23 @@ def test_expandable_segments_detected() -> None:
     assert not kvvllm.expandable_segments_on({})
 
 
-def test_hybrid_models_are_refused_with_the_reason() -> None:
-    kvvllm.refuse_hybrid_kv_cache(SimpleNamespace(kv_cache_groups=[object()]))
-    kvvllm.refuse_hybrid_kv_cache(None)
-    with pytest.raises(ValueError, match="one KV cache group; this one has 2"):
-        kvvllm.refuse_hybrid_kv_cache(SimpleNamespace(kv_cache_groups=[object(), object()]))
+def test_recurrent_state_groups_are_refused_with_the_reason() -> None:
+    class MambaSpec:
+        block_size = 128
+        shapes = ((3, 256), (4, 32, 32))
+
+    class FullAttentionSpec:
+        block_size = 128
+
+    config = SimpleNamespace(
+        kv_cache_groups=[
+            SimpleNamespace(layer_names=["l0"], kv_cache_spec=MambaSpec()),
+            SimpleNamespace(layer_names=["l1"], kv_cache_spec=FullAttentionSpec()),
+        ]
+    )
+    with pytest.raises(ValueError, match=r"recurrent \(Mamba / linear-attention\) state"):
+        kvvllm.group_plan_from_vllm(SimpleNamespace(cache_config=SimpleNamespace(block_size=16)), config)
+    assert kvvllm.group_plan_from_vllm(None, None) is None
 
 
 def test_sleep_mode_is_declined() -> None:

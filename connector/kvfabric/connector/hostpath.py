@@ -33,6 +33,7 @@ import torch
 from kvfabric.client.mappings import Lease, release_all
 from kvfabric.connector import layout
 from kvfabric.connector.datapath import LoadResult
+from kvfabric.connector.groups import GroupPlan
 from kvfabric.connector.resilient import Counters, LoadOutcome, Reason, ResilientCache
 from kvfabric.connector.steps import LoadSpec, SaveSpec
 
@@ -100,11 +101,18 @@ class HostStagingPath:
         store_queue_bytes: int,
         counters: Counters,
         mac_key: bytes = layout.PUBLIC_KEY,
+        plan: GroupPlan | None = None,
     ) -> None:
         """Move the chunks of ``namespace`` through ``cache`` (``None``: nothing ever moves).
 
-        Chunks are sealed and verified with ``mac_key`` (the pool's payload key).
+        Chunks are sealed and verified with ``mac_key`` (the pool's payload key). ``plan``: a hybrid
+        model's group plan (specs then name, per key, the kind's object it is).
         """
+        self.plan = plan if plan is not None and not plan.plain else None
+        # Hybrid: layer name -> (kind, position in the kind's body, position of its group in the kind).
+        self._places: dict[str, tuple[int, int, int]] = self.plan.layer_places() if self.plan else {}
+        self._kind_layers: list[list[tuple[int, str]]] = []  # per kind: (global index, name) in body order
+        self._kind_geos: dict[tuple[int, int], layout.ChunkGeometry] = {}
         self.cache = cache
         self.mac_key = mac_key
         self.namespace = namespace
@@ -142,10 +150,52 @@ class HostStagingPath:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Adopt the per-layer KV tensors (forward order) and derive the payload geometry."""
         self._kv = dict(kv_caches)
+        if self.plan is not None:
+            # Each layer's blocks are of its own group's size: the whole-chunk geometry only
+            # counts the layers (every layer's hook must run before a step's saves are stored).
+            self.geometry = layout.ChunkGeometry(
+                tuple(
+                    layout.LayerGeometry(n, layout.block_dim_of(t), (), t.dtype) for n, t in self._kv.items()
+                ),
+                1,
+                self.block_size,
+            )
+            self.block_geometry = self.geometry
+            index = {name: i for i, name in enumerate(self._kv)}
+            self._kind_layers = [
+                [(index[n], n) for n in kind.layer_names if n in index] for kind in self.plan.kinds
+            ]
+            self._kind_geos = {}
+            return
         self.geometry = layout.ChunkGeometry.from_kv_caches(
             self._kv, block_size=self.block_size, chunk_tokens=self.chunk_tokens
         )
         self.block_geometry = dataclasses.replace(self.geometry, blocks_per_chunk=1)
+
+    def _kind_geometry(self, kind: int, blocks: int) -> layout.ChunkGeometry:
+        """The body of kind ``kind``'s object holding ``blocks`` blocks per layer (hybrid)."""
+        geo = self._kind_geos.get((kind, blocks))
+        if geo is None:
+            assert self.plan is not None
+            layers = []
+            for _, name in self._kind_layers[kind]:
+                t = self._kv[name]
+                bd = layout.block_dim_of(t)
+                shape = list(t.shape)
+                del shape[bd]
+                layers.append(layout.LayerGeometry(name, bd, tuple(shape), t.dtype))
+            geo = layout.ChunkGeometry(tuple(layers), blocks, self.plan.kinds[kind].block_size)
+            self._kind_geos[(kind, blocks)] = geo
+        return geo
+
+    def _spec_shapes(self, spec: LoadSpec | SaveSpec) -> tuple[list[int], list[int], list[int]]:
+        """Per key of ``spec``: payload bytes, tokens in its header, layers in its header."""
+        objs = spec.objects
+        if objs is None:
+            sizes, tokens = self._sizes(spec.whole, spec.tail)
+            return sizes, tokens, [self.num_layers] * len(sizes)
+        geos = [self._kind_geometry(k, n) for k, n in zip(objs.kinds, objs.stored, strict=True)]
+        return [g.payload_bytes for g in geos], list(objs.tokens), [len(g.layers) for g in geos]
 
     def _sizes(self, whole: int, tail: int) -> tuple[list[int], list[int]]:
         """Payload bytes and tokens of ``whole`` chunks followed by ``tail`` tail blocks."""
@@ -210,7 +260,7 @@ class HostStagingPath:
         pool = self._loader()
         lend = self.cache is not None and self.cache.lends
         for spec in loads:
-            sizes, tokens = self._sizes(spec.whole, spec.tail)
+            sizes, tokens, nlayers = self._spec_shapes(spec)
             if lend:
                 pl = _PendingLoad(spec, None, [], [])
                 pl.futures = [
@@ -219,8 +269,9 @@ class HostStagingPath:
                         pl,
                         g,
                         spec.keys[g : g + GROUP_CHUNKS],
-                        sizes[g : g + GROUP_CHUNKS],
-                        tokens[g : g + GROUP_CHUNKS],
+                        sizes=sizes[g : g + GROUP_CHUNKS],
+                        tokens=tokens[g : g + GROUP_CHUNKS],
+                        nlayers=nlayers[g : g + GROUP_CHUNKS],
                     )
                     for g in range(0, len(spec.keys), GROUP_CHUNKS)
                 ]
@@ -237,13 +288,22 @@ class HostStagingPath:
                     spec.keys[g : g + GROUP_CHUNKS],
                     buffers[g : g + GROUP_CHUNKS],
                     tokens[g : g + GROUP_CHUNKS],
+                    nlayers[g : g + GROUP_CHUNKS],
                 )
                 for g in range(0, len(spec.keys), GROUP_CHUNKS)
             ]
-            self._loads.append(_PendingLoad(spec, staging, buffers, futures, spec.whole * geo.payload_bytes))
+            tail_offset = spec.whole * geo.payload_bytes if spec.objects is None else 0
+            self._loads.append(_PendingLoad(spec, staging, buffers, futures, tail_offset))
 
     def _lend_group(
-        self, pl: _PendingLoad, first: int, keys: list[str], sizes: list[int], tokens: list[int]
+        self,
+        pl: _PendingLoad,
+        first: int,
+        keys: list[str],
+        *,
+        sizes: list[int],
+        tokens: list[int],
+        nlayers: list[int],
     ) -> LoadOutcome:
         """Borrow and verify one group of chunks in place (loader thread); keeps the intact leading ones."""
         geo, cache = self.geometry, self.cache
@@ -265,7 +325,7 @@ class HostStagingPath:
                     namespace=self.namespace,
                     key=keys[i],
                     num_tokens=tokens[i],
-                    num_layers=len(geo.layers),
+                    num_layers=nlayers[i],
                     mac_key=self.mac_key,
                 )
                 kept = i + 1
@@ -280,7 +340,9 @@ class HostStagingPath:
         pl.lent[first] = leases
         return LoadOutcome(len(leases), got.reason)
 
-    def _load_group(self, keys: list[str], buffers: list[memoryview], tokens: list[int]) -> LoadOutcome:
+    def _load_group(
+        self, keys: list[str], buffers: list[memoryview], tokens: list[int], nlayers: list[int]
+    ) -> LoadOutcome:
         """Load and verify one group of chunks (loader thread); the count is of *intact* chunks."""
         geo, cache = self.geometry, self.cache
         if cache is None or geo is None:
@@ -299,7 +361,7 @@ class HostStagingPath:
                     namespace=self.namespace,
                     key=keys[i],
                     num_tokens=tokens[i],
-                    num_layers=len(geo.layers),
+                    num_layers=nlayers[i],
                     mac_key=self.mac_key,
                 )
             except layout.PayloadError as exc:
@@ -318,7 +380,7 @@ class HostStagingPath:
             return results
         for pl in self._loads:
             t0 = time.monotonic()
-            valid, reason, lent_bytes = 0, None, 0
+            valid, reason = 0, None
             for g, fut in enumerate(pl.futures):
                 try:
                     outcome = fut.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
@@ -327,7 +389,9 @@ class HostStagingPath:
                     self.counters.add("load_abandoned")
                 first = g * GROUP_CHUNKS
                 if pl.staging is None:
-                    lent_bytes += self._scatter_lent(pl, first, outcome.count)
+                    self._scatter_lent(pl, first, outcome.count)
+                elif pl.spec.objects is not None:
+                    self._scatter_objects(pl, first, first + outcome.count)
                 else:
                     self._scatter(pl, first, first + outcome.count)
                 valid += outcome.count
@@ -339,14 +403,98 @@ class HostStagingPath:
                         later.cancel()
                     break
             if pl.staging is None:
-                self.counters.add("loaded_bytes", lent_bytes)
                 self.counters.add("loads_lent")
                 pl.release()
-            else:
-                self.counters.add("loaded_bytes", sum(len(b) for b in pl.buffers[:valid]))
+            self._count_loaded(pl.spec, valid)
             failed = len(pl.spec.keys) - valid
             results.append(LoadResult(valid, reason if failed else None, time.monotonic() - t0))
         return results
+
+    def _count_loaded(self, spec: LoadSpec | SaveSpec, count: int, what: str = "loaded_bytes") -> None:
+        """Count the payload bytes of the first ``count`` keys of ``spec``, per kind."""
+        sizes = self._spec_shapes(spec)[0][:count]
+        if spec.objects is None or self.plan is None:
+            if sizes:
+                self.counters.add(f"{what}.full", sum(sizes))
+            return
+        by_kind: dict[str, int] = {}
+        for kind, size in zip(spec.objects.kinds, sizes, strict=False):
+            name = self.plan.kinds[kind].type.value
+            by_kind[name] = by_kind.get(name, 0) + size
+        for name, n in by_kind.items():
+            self.counters.add(f"{what}.{name}", n)
+
+    def spec_bytes(self, spec: LoadSpec | SaveSpec, count: int) -> int:
+        """Payload bytes of the first ``count`` keys of ``spec`` (what a load of them moved)."""
+        return sum(self._spec_shapes(spec)[0][:count])
+
+    def _object_ids(self, spec: LoadSpec | SaveSpec, i: int, group: int) -> list[int]:
+        """The engine blocks of group ``group`` (position in its kind) of object ``i`` of ``spec``."""
+        objs = spec.objects
+        assert objs is not None
+        n = objs.stored[i] - objs.skips[i]
+        return list(spec.block_ids[i][group * n : (group + 1) * n])
+
+    def _runs(self, spec: LoadSpec | SaveSpec, begin: int, end: int) -> list[tuple[int, int]]:
+        """Maximal runs ``[a, b)`` within ``[begin, end)`` of objects with one kind and block count."""
+        objs = spec.objects
+        assert objs is not None
+        runs: list[tuple[int, int]] = []
+        a = begin
+        for i in range(begin + 1, end + 1):
+            if i == end or (objs.kinds[i], objs.stored[i], objs.skips[i] > 0) != (
+                objs.kinds[a],
+                objs.stored[a],
+                objs.skips[a] > 0,
+            ):
+                runs.append((a, i))
+                a = i
+        return [r for r in runs if r[0] < r[1]]
+
+    def _scatter_objects(self, pl: _PendingLoad, begin: int, end: int) -> None:
+        """Write objects ``begin..end`` of a hybrid load: each layer with its own group's blocks."""
+        spec, objs = pl.spec, pl.spec.objects
+        assert objs is not None
+        assert pl.staging is not None
+        offsets = [0]
+        for buf in pl.buffers:
+            offsets.append(offsets[-1] + len(buf))
+        for a, b in self._runs(spec, begin, end):
+            kind, n, skip = objs.kinds[a], objs.stored[a], objs.skips[a]
+            geo = self._kind_geometry(kind, n)
+            for pos, (_, name) in enumerate(self._kind_layers[kind]):
+                kv = self._kv[name]
+                group = self._places[name][2]
+                if skip:
+                    for i in range(a, b):
+                        layout.scatter_layer(
+                            geo,
+                            pos,
+                            pl.buffers[i],
+                            kv,
+                            self._object_ids(spec, i, group),
+                            first_block=objs.skips[i],
+                        )
+                    continue
+                layout.scatter_chunks(
+                    geo,
+                    pos,
+                    memoryview(pl.staging)[offsets[a] :],
+                    kv,
+                    [self._object_ids(spec, i, group) for i in range(a, b)],
+                )
+
+    def _scatter_lent_objects(self, pl: _PendingLoad, first: int, leases: list[Lease]) -> None:
+        """Write leased objects of a hybrid load, layer by layer with each layer's group's blocks."""
+        objs = pl.spec.objects
+        assert objs is not None
+        for j, lease in enumerate(leases):
+            i = first + j
+            kind, n, skip = objs.kinds[i], objs.stored[i], objs.skips[i]
+            geo = self._kind_geometry(kind, n)
+            for pos, (_, name) in enumerate(self._kind_layers[kind]):
+                ids = self._object_ids(pl.spec, i, self._places[name][2])
+                layout.scatter_layer(geo, pos, lease.view, self._kv[name], ids, first_block=skip)
 
     def _scatter(self, pl: _PendingLoad, begin: int, end: int) -> None:
         """Copy chunks ``begin..end`` of ``pl`` into every registered layer (tail blocks: their block)."""
@@ -390,6 +538,9 @@ class HostStagingPath:
         assert geo is not None
         assert bgeo is not None
         leases = pl.lent.get(first, [])[:count]
+        if pl.spec.objects is not None:
+            self._scatter_lent_objects(pl, first, leases)
+            return sum(len(x.view) for x in leases)
         kvs = list(self._kv.values())
         for j, lease in enumerate(leases):
             i = first + j
@@ -442,7 +593,7 @@ class HostStagingPath:
         """
         self.abandon_saves()  # a step that never submitted must not keep its reservations
         for spec in saves:
-            staging = self._reserve_save_staging(sum(self._sizes(spec.whole, spec.tail)[0]))
+            staging = self._reserve_save_staging(sum(self._spec_shapes(spec)[0]))
             if staging is None:
                 self.counters.add("store_dropped_backlog", len(spec.keys))
                 continue
@@ -453,12 +604,41 @@ class HostStagingPath:
         geo, bgeo = self.geometry, self.block_geometry
         assert geo is not None
         assert bgeo is not None
+        if self.plan is not None:
+            self._save_layer_objects(geo.layers[layer].name, kv_layer)
+            return
         for spec, staging in self._saves:
             whole = spec.whole
             layout.gather_chunks(geo, layer, kv_layer, spec.block_ids[:whole], staging)
             if spec.tail:
                 tail_view = memoryview(staging)[whole * geo.payload_bytes :]
                 layout.gather_chunks(bgeo, layer, kv_layer, spec.block_ids[whole:], tail_view)
+
+    def _save_layer_objects(self, name: str, kv_layer: torch.Tensor) -> None:
+        """Gather one layer into the hybrid objects of its kind, with its own group's blocks."""
+        place = self._places.get(name)
+        if place is None:
+            return
+        kind, pos, group = place
+        for spec, staging in self._saves:
+            objs = spec.objects
+            if objs is None:
+                continue
+            sizes = self._spec_shapes(spec)[0]
+            offsets = [0]
+            for size in sizes:
+                offsets.append(offsets[-1] + size)
+            for a, b in self._runs(spec, 0, len(spec.keys)):
+                if objs.kinds[a] != kind:
+                    continue
+                geo = self._kind_geometry(kind, objs.stored[a])
+                layout.gather_chunks(
+                    geo,
+                    pos,
+                    kv_layer,
+                    [self._object_ids(spec, i, group) for i in range(a, b)],
+                    memoryview(staging)[offsets[a] : offsets[b]],
+                )
 
     def abandon_saves(self) -> int:
         """Drop the prepared chunks (and their reservations); return how many."""
@@ -493,22 +673,24 @@ class HostStagingPath:
         try:
             assert geo is not None
             assert cache is not None
-            sizes, tokens = self._sizes(spec.whole, spec.tail)
+            sizes, tokens, nlayers = self._spec_shapes(spec)
             payloads, offset = [], 0
             for size in sizes:
                 payloads.append(memoryview(staging)[offset : offset + size])
                 offset += size
-            for key, payload, num_tokens in zip(spec.keys, payloads, tokens, strict=True):
+            for key, payload, num_tokens, layers in zip(spec.keys, payloads, tokens, nlayers, strict=True):
                 layout.seal(
                     payload,
                     namespace=self.namespace,
                     key=key,
                     num_tokens=num_tokens,
-                    num_layers=len(geo.layers),
+                    num_layers=layers,
                     mac_key=self.mac_key,
                 )
             result = cache.store(self.namespace, spec.keys, payloads, self.store_deadline_s)
             store_finished = result is not None
+            if store_finished:
+                self._count_loaded(spec, len(spec.keys), "stored_bytes")
         except Exception:  # a failed store costs a future recompute, never the engine
             log.exception("store of %d chunks failed", len(spec.keys))
         finally:

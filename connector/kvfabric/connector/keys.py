@@ -101,6 +101,12 @@ class NamespaceSpec:
     e.g. ``LBHNC``; older: ``NHD``/``HND``)."""
     payload_format: int = PAYLOAD_FORMAT_VERSION
     """kvfabric's chunk payload format version."""
+    groups: str = ""
+    """The canonical group plan of a hybrid or sliding-window model
+    (:meth:`kvfabric.connector.groups.GroupPlan.document`: per kind its spec, window or attention
+    chunk, block size, page bytes and layers), empty for one full-attention group. A model served
+    with and without vLLM's hybrid KV cache manager keeps other blocks, so lands in another
+    namespace. ``block_size`` is then the scheduler block (the groups' least common multiple)."""
 
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0 or self.block_size <= 0 or self.chunk_tokens % self.block_size:
@@ -115,11 +121,14 @@ class NamespaceSpec:
         """The description that :meth:`digest` hashes (what the connector tells its cache server).
 
         An empty ``key_scope`` is left out, so an unscoped consumer keeps the digest it had before
-        key scopes existed (and shares its chunks with consumers not yet upgraded).
+        key scopes existed (and shares its chunks with consumers not yet upgraded); so is an empty
+        ``groups`` (a model with one full-attention group keeps its namespace and keys).
         """
         doc: dict[str, str | int] = {"scheme": KEY_SCHEME_VERSION, **asdict(self)}
         if not self.key_scope:
             del doc["key_scope"]
+        if not self.groups:  # one full-attention group: the digest it always had
+            del doc["groups"]
         return doc
 
     def canonical(self) -> bytes:

@@ -23,14 +23,18 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from kvfabric.connector import hybridplan as hp
 from kvfabric.connector import keys as keyslib
 from kvfabric.connector import layout
 from kvfabric.connector.costmodel import CostModel, PrefillSample, RestoreSample
+from kvfabric.connector.groups import GroupPlan, KindType, cdiv, kind_key
 from kvfabric.connector.resilient import Counters, LookupOutcome, Reason, ResilientCache
 from kvfabric.connector.settings import ConnectorSettings
 from kvfabric.connector.steps import (
     LoadSpec,
+    ObjectLayout,
     RequestInfo,
     Role,
     SaveSpec,
@@ -80,6 +84,23 @@ class _ReqState:
     absent: list[str] = field(default_factory=list)
     background: bool = False  # the engine waits for this request's load (asynchronous load)
     had_background: bool = False  # it already had one (a retry loads synchronously)
+    # Hybrid models: the block table per KV cache group (groups[0] is block_ids), the hit's local
+    # prefix, the tiers of the objects it reads, and the tokens up to which objects were planned.
+    groups: list[list[int]] = field(default_factory=list)
+    hit_local: int = 0
+    hit_tiers: list[str] = field(default_factory=list)
+    planned_to: int = 0
+    key_tiers: dict[str, str] = field(default_factory=dict)
+
+
+def per_group(block_ids: Sequence[Sequence[int]] | Sequence[int] | None) -> list[list[int]] | None:
+    """Block ids per KV cache group; a flat sequence of ints is one group's."""
+    if block_ids is None:
+        return None
+    ids: list[Any] = list(block_ids)
+    if ids and not isinstance(ids[0], (list, tuple)):
+        return [[int(b) for b in ids]]
+    return [[int(b) for b in g] for g in ids]
 
 
 def keyed_spec(spec: keyslib.NamespaceSpec, settings: ConnectorSettings) -> keyslib.NamespaceSpec:
@@ -120,11 +141,14 @@ class SchedulerHalf:
         spec: keyslib.NamespaceSpec,
         *,
         cache: ResilientCache | None = None,
+        plan: GroupPlan | None = None,
     ) -> None:
         """Create the half for the namespace ``spec`` (the namespace of TP rank 0).
 
         A worker rank that lacks a chunk found here reports a load error for it and the engine
-        recomputes.
+        recomputes. ``plan``: the model's KV cache groups; a hybrid or sliding-window plan stores
+        one object per kind (:mod:`kvfabric.connector.hybridplan`), a plain one (or none) whole
+        chunks of its one group.
         """
         if spec.chunk_tokens != settings.chunk_tokens:
             raise ValueError("spec.chunk_tokens must equal settings.chunk_tokens")
@@ -136,6 +160,13 @@ class SchedulerHalf:
         """What the chunk keys chain from (``keys.chain_namespace``): keyed for a scope key."""
         self.chunk_tokens = spec.chunk_tokens
         self.block_size = spec.block_size
+        self.plan: GroupPlan | None = plan if plan is not None and not plan.plain else None
+        """The group plan of a hybrid or sliding-window model (None: one full-attention group)."""
+        if self.plan is not None and self.plan.scheduler_block != self.block_size:
+            raise ValueError(
+                f"spec.block_size {self.block_size} is not the plan's scheduler block "
+                f"{self.plan.scheduler_block}"
+            )
         self.counters = cache.counters if cache is not None else Counters()
         self.cache = usable_cache(cache, settings, self.counters)
         if self.cache is not None:
@@ -207,6 +238,8 @@ class SchedulerHalf:
         if ceiling_tokens == 0 or ceiling_tokens <= num_computed_tokens:
             st.hit_tokens, st.matched_chunks = 0, 0
             return 0
+        if self.plan is not None:
+            return self._hybrid_lookup(st, num_computed_tokens, ceiling_tokens)
         ceiling = self.settings.lookup_deadline_ms / 1000
         deadline = self.costs.lookup_deadline(n, ceiling) if self.costs else ceiling
         started = time.monotonic()
@@ -256,6 +289,252 @@ class SchedulerHalf:
             self.counters.add("tail_hit_blocks", st.matched_tail)
         return hit - num_computed_tokens
 
+    # ------------------------------------------------------------ hybrid models
+
+    def _set_groups(self, st: _ReqState, groups: list[list[int]]) -> None:
+        st.groups = groups
+        st.block_ids = groups[0] if groups else []
+
+    def _span_key(self, st: _ReqState, span: hp.Span) -> str:
+        """The chunk key (whole chunk) or tail key (tail block) of ``span``."""
+        if span.tail == 0:
+            return st.keys[span.chunk]
+        return self._tail_keys(st, span.chunk)[span.tail - 1]
+
+    def _object_key(self, st: _ReqState, span: hp.Span, kind: int) -> str:
+        assert self.plan is not None
+        return kind_key(self._span_key(st, span), kind, self.plan)
+
+    def _needed_keys(self, st: _ReqState, hit: int, local: int) -> list[str]:
+        assert self.plan is not None
+        needs = hp.needed_objects(self.plan, hit, local, self.chunk_tokens, self.block_size)
+        return [self._object_key(st, n.span, n.kind) for n in needs]
+
+    def _hybrid_lookup(self, st: _ReqState, local: int, ceiling_tokens: int) -> int:
+        """The deepest boundary every kind can restore (hybrid models); see :mod:`hybridplan`.
+
+        Candidates are tried largest first; the keys a candidate needs that are not known yet are
+        asked in one lookup (prefix semantics: the first absent key is learnt absent too), so an
+        all-present hit costs one lookup and each further one rules a key out.
+        """
+        assert self.cache is not None
+        c, s = self.chunk_tokens, self.block_size
+        cands = hp.candidates(local, ceiling_tokens, c, s, tails=self.settings.tail)
+        ceiling = self.settings.lookup_deadline_ms / 1000
+        deadline = time.monotonic() + (
+            self.costs.lookup_deadline(len(st.token_ids), ceiling) if self.costs else ceiling
+        )
+        present: dict[str, bool] = {}
+        tiers: dict[str, str] = {}
+        reason: Reason | None = None
+        missing_chunk: int | None = None  # a whole full-attention chunk known absent
+        hit, hit_keys = 0, []
+        asked = False
+        for h in cands:
+            if missing_chunk is not None and h // c > missing_chunk:
+                continue
+            keys = self._needed_keys(st, h, local)
+            if any(present.get(k) is False for k in keys):
+                continue
+            unknown = list(dict.fromkeys(k for k in keys if k not in present))
+            if unknown:
+                budget = deadline - time.monotonic()
+                if budget <= 0:
+                    reason = Reason.TIMEOUT
+                    break
+                out = self.cache.lookup(self.namespace, unknown, budget)
+                asked = True
+                if out.reason not in (None, Reason.NOT_FOUND):
+                    reason = out.reason
+                    break
+                for i, k in enumerate(unknown[: out.matched]):
+                    present[k] = True
+                    tiers[k] = out.tiers[i] if i < len(out.tiers) else ""
+                if out.matched < len(unknown):
+                    absent = unknown[out.matched]
+                    present[absent] = False
+                    missing_chunk = self._absent_full_chunk(st, h, local, absent, missing_chunk)
+                    continue
+            hit, hit_keys = h, keys
+            break
+        if hit and self.costs is not None and reason is None:
+            hit, hit_keys = self._cost_cap(st, local, hit, hit_keys, present=present, tiers=tiers)
+        st.hit_tiers = [tiers.get(k, "") for k in hit_keys]
+        st.key_tiers = {k: tiers.get(k, "") for k in hit_keys}
+        st.hit_local = local
+        st.absent = [k for k, v in present.items() if not v] if reason is None else []
+        st.last_reason = reason if reason is not None else (None if hit else Reason.NOT_FOUND)
+        st.matched_chunks, st.tail_chunk = hit // c, hit // c
+        st.matched_tail = (hit % c) // s
+        if asked:
+            self.counters.add("lookups")
+        if reason is not None:
+            self.counters.miss(reason, max(1, len(cands)))
+            hit = 0
+        elif hit and hit < self.settings.min_hit_tokens:
+            self.counters.add("miss.below_min_hit_tokens")
+            hit = 0
+        elif st.last_reason is Reason.NOT_FOUND:
+            self.counters.miss(Reason.NOT_FOUND, 1)
+        st.hit_tokens = hit
+        if hit <= local:
+            st.hit_tokens = 0
+            return 0
+        self.counters.add("hit_tokens", hit - local)
+        return hit - local
+
+    def _absent_full_chunk(
+        self, st: _ReqState, hit: int, local: int, key: str, known: int | None
+    ) -> int | None:
+        """If ``key`` is a full-attention kind's whole chunk, its index: no later boundary can hold."""
+        assert self.plan is not None
+        for need in hp.needed_objects(self.plan, hit, local, self.chunk_tokens, self.block_size):
+            full = need.span.tail == 0 and self.plan.kinds[need.kind].type is KindType.FULL
+            if full and self._object_key(st, need.span, need.kind) == key:
+                return need.span.chunk if known is None else min(known, need.span.chunk)
+        return known
+
+    def _cost_cap(
+        self,
+        st: _ReqState,
+        local: int,
+        hit: int,
+        keys: list[str],
+        *,
+        present: dict[str, bool],
+        tiers: dict[str, str],
+    ) -> tuple[int, list[str]]:
+        """Shorten a hybrid hit to what the cost model expects to be worth loading (whole chunks)."""
+        assert self.costs is not None
+        c = self.chunk_tokens
+        slowest = slowest_tier([tiers.get(k, "") for k in keys]) or "dram"
+        plan = self.costs.plan([slowest] * (hit // c), computed=local)
+        if plan.explore:
+            self.counters.add("cost_model_explore")
+        if plan.chunks >= hit // c:
+            st.load_deadline_s = self.costs.load_deadline(plan, self.settings.load_deadline_ms / 1000)
+            return hit, keys
+        cap = plan.chunks * c
+        for h in hp.candidates(local, cap, c, self.block_size, tails=False):
+            kept = self._needed_keys(st, h, local)
+            if all(present.get(k, False) for k in kept):
+                self.counters.add(f"miss_chunks.{Reason.RECOMPUTE_FASTER.value}", (hit - h) // c)
+                st.load_deadline_s = self.costs.load_deadline(plan, self.settings.load_deadline_ms / 1000)
+                return h, kept
+        self.counters.miss(Reason.RECOMPUTE_FASTER, max(1, (hit - local) // c))
+        return 0, []
+
+    def _any_load_spec(self, req_id: str, st: _ReqState, start: int, end: int) -> LoadSpec:
+        if self.plan is not None:
+            return self._hybrid_load_spec(req_id, st, start, end)
+        return self._load_spec(req_id, st, start, end)
+
+    def _hybrid_load_spec(self, req_id: str, st: _ReqState, start: int, end: int) -> LoadSpec:
+        """The objects of the hit ``[start, end)`` and the blocks they write (never block 0).
+
+        A hit the block tables contradict loads nothing: every block of it is reported failed
+        (``null_block_writes_refused``) and the engine recomputes.
+        """
+        assert self.plan is not None
+        c, s = self.chunk_tokens, self.block_size
+        loads, why = hp.load_objects(self.plan, end, start, c, s, tables=st.groups)
+        if why is not None:
+            log.warning("kvfabric: hit of request %s refused (%s); the engine recomputes", req_id, why)
+            self.counters.add("null_block_writes_refused")
+            real = sorted(
+                {
+                    b
+                    for kind in self.plan.kinds
+                    for g in kind.groups
+                    if g < len(st.groups)
+                    for b in st.groups[g][start // kind.block_size : cdiv(end, kind.block_size)]
+                    if b != hp.NULL_BLOCK
+                }
+            )
+            return LoadSpec(req_id, [], [real], refused=True)
+        keys = [self._object_key(st, o.span, o.kind) for o in loads]
+        objects = ObjectLayout(
+            kinds=[o.kind for o in loads],
+            stored=[o.stored for o in loads],
+            skips=[o.skip for o in loads],
+            tokens=[o.span.end - o.span.start for o in loads],
+            span_chunks=(end // c) - (start // c),
+            span_tails=(end % c) // s,
+        )
+        return LoadSpec(
+            req_id,
+            keys,
+            [list(o.block_ids) for o in loads],
+            tiers=[st.key_tiers.get(k, "") for k in keys],
+            deadline_s=st.load_deadline_s,
+            objects=objects,
+        )
+
+    def _plan_hybrid(self, plan: StepPlan, req_id: str, st: _ReqState, computed: int, scheduled: int) -> None:
+        """Load the pending hit; save every object whose span ends in this step's tokens.
+
+        Only in the step that computes a span's end: the sliding-window and local blocks it reads
+        are alive then, and may belong to another request in any later step.
+        """
+        assert self.plan is not None
+        if computed < st.progress:
+            st.planned_to = min(st.planned_to, computed)  # rolled back: what it recomputes is saved
+        if st.pending_load is not None:
+            start, end = st.pending_load
+            st.pending_load = None
+            spec = self._hybrid_load_spec(req_id, st, start, end)
+            if spec.keys or spec.refused:
+                plan.loads.append(spec)
+        n = len(st.token_ids)
+        done = min(computed + scheduled, n)
+        lo = max(computed, st.planned_to)
+        spans = self._spans_ending_in(st, lo, done)
+        if spans:
+            saves, dropped = hp.save_objects(self.plan, spans, st.groups)
+            if dropped:
+                self.counters.add("save_null_block_skipped", dropped)
+            if saves:
+                keys = [self._object_key(st, o.span, o.kind) for o in saves]
+                objects = ObjectLayout(
+                    kinds=[o.kind for o in saves],
+                    stored=[o.stored for o in saves],
+                    skips=[0] * len(saves),
+                    tokens=[o.span.end - o.span.start for o in saves],
+                )
+                tails = sum(1 for o in saves if o.span.tail)
+                if tails:
+                    self.counters.add("tail_saved_blocks", tails)
+                plan.saves.append(
+                    SaveSpec(
+                        req_id,
+                        keys,
+                        [list(o.block_ids) for o in saves],
+                        first_blocks=[o.span.start // self.block_size for o in saves],
+                        objects=objects,
+                    )
+                )
+        st.planned_to = max(st.planned_to, done)
+        st.progress = done
+
+    def _spans_ending_in(self, st: _ReqState, lo: int, hi: int) -> list[hp.Span]:
+        """Spans whose end is in ``(lo, hi]``.
+
+        Whole chunks, and (``tail`` on) the tail blocks of chunks that are not whole in the prompt.
+        """
+        c, s = self.chunk_tokens, self.block_size
+        spans: list[hp.Span] = []
+        for chunk in range(lo // c, hi // c + 1):
+            start = chunk * c
+            if lo < start + c <= hi and chunk < len(st.keys):
+                spans.append(hp.Span(chunk, 0, start, start + c))
+            if not self.settings.tail or start + c <= st.prompt_len:
+                continue
+            for j in range(1, c // s):
+                end = start + j * s
+                if lo < end <= hi and j <= len(self._tail_keys(st, chunk)):
+                    spans.append(hp.Span(chunk, j, end - s, end))
+        return spans
+
     def _lookup_tail(self, st: _ReqState, outcome: LookupOutcome, budget_s: float) -> None:
         """Find the longest stored tail of the chunk after the matched whole chunks (one lookup).
 
@@ -286,12 +565,19 @@ class SchedulerHalf:
             self.counters.add(f"tail_lookup_failed.{tail.reason.value}")
 
     def update_state_after_alloc(
-        self, request: RequestInfo, block_ids: Sequence[int] | None, num_external_tokens: int
+        self,
+        request: RequestInfo,
+        block_ids: Sequence[Sequence[int]] | Sequence[int] | None,
+        num_external_tokens: int,
     ) -> None:
-        """Remember the request's blocks and, if ``num_external_tokens`` > 0, the range to load."""
+        """Remember the request's blocks and, if ``num_external_tokens`` > 0, the range to load.
+
+        ``block_ids``: per KV cache group, or one group's as a flat sequence.
+        """
         st = self._state(request)
-        if block_ids is not None:
-            st.block_ids = list(block_ids)
+        groups = per_group(block_ids)
+        if groups is not None:
+            self._set_groups(st, groups)
         if num_external_tokens > 0 and st.hit_tokens > 0:
             st.pending_load = (st.hit_tokens - num_external_tokens, st.hit_tokens)
 
@@ -314,24 +600,36 @@ class SchedulerHalf:
             st = self._reqs.get(s.req_id)
             if st is None:
                 continue
-            if s.block_ids is not None:
+            groups = per_group(s.group_block_ids)
+            if groups is not None:
                 if s.replaces_blocks:
-                    st.block_ids = list(s.block_ids)
+                    self._set_groups(st, groups)
                 else:
-                    st.block_ids.extend(s.block_ids)
+                    while len(st.groups) < len(groups):
+                        st.groups.append([])
+                    for mine, new in zip(st.groups, groups, strict=False):
+                        mine.extend(new)
+                    if st.groups:
+                        st.block_ids = st.groups[0]
+            if s.current_block_ids is not None and self.plan is not None:
+                # The engine's current table: no stale ids at positions it freed and reused.
+                self._set_groups(st, [list(g) for g in s.current_block_ids])
             if s.new_token_ids:
                 self._extend_tokens(st, s)
             progress[s.req_id] = s.num_computed_tokens
             scheduled[s.req_id] = s.num_scheduled_tokens
         for req_id, computed in progress.items():
-            self._plan_request(plan, req_id, self._reqs[req_id], computed, scheduled[req_id])
+            if self.plan is not None:
+                self._plan_hybrid(plan, req_id, self._reqs[req_id], computed, scheduled[req_id])
+            else:
+                self._plan_request(plan, req_id, self._reqs[req_id], computed, scheduled[req_id])
         # Asynchronous loads: the engine allocated the blocks and waits for them, unscheduled. The
         # spec goes to the worker even when empty: only the worker's report releases the request.
         for req_id, st in self._reqs.items():
             if st.background and st.pending_load is not None and req_id not in progress:
                 start, end = st.pending_load
                 st.pending_load = None
-                spec = self._load_spec(req_id, st, start, end)
+                spec = self._any_load_spec(req_id, st, start, end)
                 spec.background = True
                 plan.loads.append(spec)
                 # As if computed: when the engine schedules it with fewer tokens (a failed load),
@@ -491,6 +789,8 @@ class SchedulerHalf:
         st = self._reqs.get(req_id)
         if st is None or not st.hit_tokens:
             return None
+        if self.plan is not None:
+            return slowest_tier(st.hit_tiers)
         return slowest_tier(st.tiers[: st.matched_chunks] + st.tail_tiers[: st.matched_tail])
 
     def lookup_reason(self, req_id: str) -> Reason | None:

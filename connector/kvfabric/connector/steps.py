@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvfabric.connector.keys import RequestInputs
 
@@ -45,8 +46,9 @@ class ScheduledRequest:
     """Tokens whose KV is in the engine's cache before this step (computed, hit or loaded)."""
     num_scheduled_tokens: int
     """Tokens the engine computes in this step."""
-    block_ids: tuple[int, ...] | None = None
-    """Blocks the engine gave the request in this step (``None``: none)."""
+    block_ids: tuple[tuple[int, ...], ...] | tuple[int, ...] | None = None
+    """Blocks the engine gave the request in this step, per KV cache group (``None``: none). A flat
+    tuple of ints is one group's (an engine with a single group)."""
     replaces_blocks: bool = False
     """True when ``block_ids`` is the request's whole block table (a new or a resumed request);
     False when the blocks are appended to the table it already has."""
@@ -56,6 +58,21 @@ class ScheduledRequest:
     token_offset: int = 0
     """Position of ``new_token_ids[0]`` in the request's tokens (the prompt first). The half
     appends them only where they continue exactly what it knows."""
+    current_block_ids: tuple[tuple[int, ...], ...] | None = None
+    """The request's whole block table per group as the engine holds it now (vLLM:
+    ``kv_connector_block_state.resolve_block_ids``), when the engine offers it: saves read it in
+    preference to the table kept from appended ``block_ids`` (whose sliding-window positions may be
+    stale: the engine frees and reuses them without telling)."""
+
+    @property
+    def group_block_ids(self) -> tuple[tuple[int, ...], ...] | None:
+        """``block_ids`` per group (one group for a flat tuple)."""
+        ids: tuple[Any, ...] | None = self.block_ids
+        if ids is None:
+            return None
+        if ids and not isinstance(ids[0], tuple):
+            return (tuple(int(b) for b in ids),)
+        return tuple(tuple(int(b) for b in g) for g in ids)
 
 
 @dataclass(frozen=True)
@@ -65,6 +82,29 @@ class StepInput:
     scheduled: tuple[ScheduledRequest, ...] = ()
     finished_req_ids: frozenset[str] = frozenset()
     """Requests that finished since the previous step."""
+
+
+@dataclass
+class ObjectLayout:
+    """Per key of a load or save spec of a hybrid model: the kind's object it is.
+
+    ``block_ids[i]`` of the spec then lists, group after group of the kind, the engine blocks of
+    each group (``stored[i] - skips[i]`` per group). An object's body holds, for every layer of its
+    kind, ``stored[i]`` blocks.
+    """
+
+    kinds: list[int]
+    """Index of the object's kind in the group plan."""
+    stored: list[int]
+    """Blocks per group the object holds."""
+    skips: list[int]
+    """Leading blocks (per group) of the object not written: the engine holds them already."""
+    tokens: list[int]
+    """Tokens the object covers (a chunk's, or one tail block's): part of its header."""
+    span_chunks: int = 0
+    """Load: whole chunks the hit spans (its tokens, for the loaded-token counters)."""
+    span_tails: int = 0
+    """Load: tail blocks the hit spans after them."""
 
 
 @dataclass
@@ -88,6 +128,13 @@ class LoadSpec:
     """Load in the background (vLLM's asynchronous load): the request is not in this step, and the
     worker reports it finished (:meth:`~kvfabric.connector.worker.WorkerHalf.take_finished_loads`)
     only once nothing more is written into its blocks."""
+    objects: ObjectLayout | None = None
+    """Per key, which kind's object it is and how many blocks it holds (hybrid models; ``None``:
+    every key is a whole chunk or a tail block of the one full-attention group)."""
+    refused: bool = False
+    """Planning found the hit inconsistent with the engine's block table (a null block where a
+    block must be written, or a real block no object covers): load nothing, report every block
+    failed so that the engine recomputes."""
 
     @property
     def whole(self) -> int:
@@ -109,6 +156,8 @@ class SaveSpec:
     """Trailing keys that are single-block tail blocks, not whole chunks."""
     first_blocks: list[int] = field(default_factory=list)
     """Per key, the position in the request's sequence of its first block (for KV events)."""
+    objects: ObjectLayout | None = None
+    """Per key, which kind's object it is and how many blocks it holds (hybrid models)."""
 
     @property
     def whole(self) -> int:

@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvfabric.connector.groups import GroupPlan, plan_from_kv_cache_config
 from kvfabric.connector.keys import MultiModalSpan, NamespaceSpec, RequestInputs
 from kvfabric.connector.resilient import Reason, build_cache
 from kvfabric.connector.scheduler import SchedulerHalf
@@ -106,6 +108,14 @@ except ImportError:  # vLLM is not installed (no GPU here): use the stand-ins be
 
         def has_connector_metadata(self) -> bool:
             return self._connector_metadata is not None
+
+
+try:  # pragma: no cover - depends on the environment
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA as _SupportsHMA
+except ImportError:
+
+    class _SupportsHMA:  # type: ignore[no-redef]
+        """Stand-in for ``SupportsHMA`` (vLLM keeps its hybrid KV cache manager on for such connectors)."""
 
 
 try:  # pragma: no cover - depends on the environment (vLLM >= 0.33 has worker -> scheduler metadata)
@@ -191,14 +201,37 @@ def request_info_from_vllm(request: Any) -> RequestInfo:
     return RequestInfo(str(request.request_id), tuple(token_ids or ()), inputs)
 
 
-def _first_group(block_ids: Any) -> tuple[int, ...] | None:
-    # vLLM gives block ids per KV-cache group; the connector uses one group (no hybrid allocator).
-    return tuple(block_ids[0]) if block_ids else None
+def _all_groups(block_ids: Any) -> tuple[tuple[int, ...], ...] | None:
+    """VLLM's block ids per KV cache group (``tuple[list[int], ...]``), as plain tuples."""
+    if not block_ids:
+        return None
+    return tuple(tuple(int(b) for b in group) for group in block_ids)
+
+
+def _current_tables(scheduler_output: Any) -> Any:
+    """``resolve_block_ids(req_id)`` of the scheduler's current tables (vLLM >= 0.32), or None."""
+    state = getattr(scheduler_output, "kv_connector_block_state", None)
+    resolve = getattr(state, "resolve_block_ids", None)
+    return resolve if callable(resolve) else None
+
+
+def _resolved(resolve: Any, req_id: str) -> tuple[tuple[int, ...], ...] | None:
+    if resolve is None:
+        return None
+    try:
+        return _all_groups(resolve(req_id))
+    except Exception:  # a request the state does not know: keep the appended table
+        return None
 
 
 def step_input_from_vllm(scheduler_output: Any) -> StepInput:
-    """Translate vLLM's ``SchedulerOutput`` into a :class:`~kvfabric.connector.steps.StepInput`."""
+    """Translate vLLM's ``SchedulerOutput`` into a :class:`~kvfabric.connector.steps.StepInput`.
+
+    Block ids of every KV cache group; with ``kv_connector_block_state`` (scheduler side, vLLM
+    0.32+) also each request's current table, which saves of sliding-window groups read.
+    """
     num_scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    resolve = _current_tables(scheduler_output)
     scheduled: list[ScheduledRequest] = []
     for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
         scheduled.append(
@@ -206,8 +239,9 @@ def step_input_from_vllm(scheduler_output: Any) -> StepInput:
                 new.req_id,
                 int(new.num_computed_tokens),
                 int(num_scheduled.get(new.req_id, 0)),
-                _first_group(new.block_ids),
+                _all_groups(new.block_ids),
                 replaces_blocks=True,
+                current_block_ids=_resolved(resolve, new.req_id),
             )
         )
     cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
@@ -220,8 +254,9 @@ def step_input_from_vllm(scheduler_output: Any) -> StepInput:
                     req_id,
                     int(cached.num_computed_tokens[i]),
                     int(num_scheduled.get(req_id, 0)),
-                    _first_group(cached.new_block_ids[i]),
+                    _all_groups(cached.new_block_ids[i]),
                     replaces_blocks=req_id in resumed,
+                    current_block_ids=_resolved(resolve, req_id),
                 )
             )
     finished = getattr(scheduler_output, "finished_req_ids", None) or ()
@@ -329,10 +364,25 @@ def kv_layout_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> str:
 
 
 def block_size_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> int:
-    """Tokens per KV-cache block as allocated (the KV-cache group's spec when vLLM passes one)."""
+    """The scheduler block: the least common multiple of the KV cache groups' block sizes.
+
+    Every group's own block size when vLLM passes the ``KVCacheConfig`` (groups can differ:
+    Gemma 4's sliding-window layers 256, its full-attention layers 128); else ``cache_config``'s.
+    """
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-    spec_block = getattr(getattr(groups[0], "kv_cache_spec", None), "block_size", None) if groups else None
-    return int(spec_block or vllm_config.cache_config.block_size)
+    sizes = [int(getattr(getattr(g, "kv_cache_spec", None), "block_size", 0) or 0) for g in groups]
+    sizes = [b for b in sizes if b > 0]
+    return math.lcm(*sizes) if sizes else int(vllm_config.cache_config.block_size)
+
+
+def group_plan_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> GroupPlan | None:
+    """The group plan of ``kv_cache_config`` (None without groups).
+
+    Raises, naming the reason, for groups kvfabric cannot store
+    (:class:`~kvfabric.connector.groups.UnsupportedGroupsError`).
+    """
+    fallback = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 0)
+    return plan_from_kv_cache_config(kv_cache_config, fallback_block_size=fallback)
 
 
 def attention_backends_of_layers(vllm_config: Any, layer_names: list[str]) -> set[str]:
@@ -351,11 +401,17 @@ def attention_backends_of_layers(vllm_config: Any, layer_names: list[str]) -> se
 
 
 def namespace_spec_from_vllm(
-    vllm_config: Any, settings: ConnectorSettings, tp_rank: int, kv_cache_config: Any = None
+    vllm_config: Any,
+    settings: ConnectorSettings,
+    tp_rank: int,
+    kv_cache_config: Any = None,
+    plan: GroupPlan | None = None,
 ) -> NamespaceSpec:
     """Derive the compatibility namespace from what vLLM reports it uses.
 
-    Model, cache and parallel configuration, device, attention backend and KV-cache layout.
+    Model, cache and parallel configuration, device, attention backend and KV-cache layout; for a
+    hybrid or sliding-window model the group plan (``plan``). ``chunk_tokens`` is rounded up to a
+    multiple of the scheduler block.
     """
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     kv_dtype = str(getattr(cache, "cache_dtype", "auto"))
@@ -366,7 +422,7 @@ def namespace_spec_from_vllm(
     if chunk % block_size:
         chunk = -(-chunk // block_size) * block_size
         log.warning(
-            "chunk_tokens %d is not a multiple of block_size %d; using %d",
+            "chunk_tokens %d is not a multiple of the scheduler block %d; using %d",
             settings.chunk_tokens,
             block_size,
             chunk,
@@ -386,6 +442,7 @@ def namespace_spec_from_vllm(
         device_type=device_type_from_vllm(vllm_config),
         attn_backend=attention_backend_from_vllm(vllm_config),
         kv_layout=kv_layout_from_vllm(vllm_config, kv_cache_config),
+        groups=plan.namespace_field() if plan is not None else "",
     )
 
 
@@ -403,24 +460,13 @@ def expandable_segments_on(environ: dict[str, str] | None = None) -> bool:
     return opts.get("expandable_segments", "").lower() == "true"
 
 
-def refuse_hybrid_kv_cache(kv_cache_config: Any) -> None:
-    """Refuse, naming the reason, a model with several KV cache groups (hybrid attention).
+class KVFabricConnector(_VllmBase, _SupportsHMA):  # type: ignore[misc]
+    """kvfabric as a vLLM KV connector: prefix chunks from the node's cache server, stored back async.
 
-    kvfabric is not ``SupportsHMA``: its chunks hold one group's blocks. vLLM therefore disables its
-    hybrid allocator for this connector; a model that still needs several groups (sliding-window
-    plus full attention, or SSM layers) would mix blocks of different groups into one chunk.
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on. Each KV cache group's blocks are
+    stored as the group plan says (:mod:`kvfabric.connector.groups`): full attention whole,
+    sliding-window and chunked-local layers only what a later hit needs.
     """
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-    if len(groups) > 1:
-        raise ValueError(
-            f"kvfabric supports models with one KV cache group; this one has {len(groups)} "
-            "(hybrid attention: sliding-window, chunked-local or SSM layers beside full attention). "
-            "Remove --kv-transfer-config for this model, or serve it without kvfabric."
-        )
-
-
-class KVFabricConnector(_VllmBase):  # type: ignore[misc]
-    """kvfabric as a vLLM KV connector: prefix chunks from the node's cache server, stored back async."""
 
     # Hits are attributed per request by get_external_cache_hit_sources; this is vLLM's fallback.
     if _CacheHitSource is not None:
@@ -429,12 +475,15 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         """Construct one half (vLLM builds one per role); reads settings from env + extra config.
 
-        Refuses (``ValueError``) a hybrid-attention model and warns about expandable segments,
-        both at start-up, naming the reason.
+        Refuses (``ValueError``) a model whose KV cache groups the plan cannot serve (recurrent
+        state, unknown specs) and warns about expandable segments, both at start-up, naming the
+        reason.
         """
         super().__init__(vllm_config, role, kv_cache_config)
         adopt_vllm_logging()
-        refuse_hybrid_kv_cache(kv_cache_config)
+        plan = group_plan_from_vllm(vllm_config, kv_cache_config)
+        if plan is not None:
+            log.info("kvfabric group plan: %s", plan.describe())
         if expandable_segments_on():
             log.warning("kvfabric: %s", EXPANDABLE_SEGMENTS_REASON)
         ktc = getattr(vllm_config, "kv_transfer_config", None)
@@ -442,10 +491,11 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         settings = ConnectorSettings.load(extra)
         our_role = _role_of(role)
         rank = _tp_rank() if our_role is Role.WORKER else 0
-        spec = namespace_spec_from_vllm(vllm_config, settings, rank, kv_cache_config)
+        spec = namespace_spec_from_vllm(vllm_config, settings, rank, kv_cache_config, plan)
         if spec.chunk_tokens != settings.chunk_tokens:
             settings = settings.model_copy(update={"chunk_tokens": spec.chunk_tokens})
-        rank0 = namespace_spec_from_vllm(vllm_config, settings, 0, kv_cache_config)
+        rank0 = namespace_spec_from_vllm(vllm_config, settings, 0, kv_cache_config, plan)
+        self.plan = plan
         self.settings = settings
         self._vllm_config = vllm_config
         cache = build_cache(settings)
@@ -453,9 +503,9 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         self._worker: WorkerHalf | None = None
         self._half: SchedulerHalf | WorkerHalf
         if our_role is Role.SCHEDULER:
-            self._half = self._scheduler = SchedulerHalf(settings, rank0, cache=cache)
+            self._half = self._scheduler = SchedulerHalf(settings, rank0, cache=cache, plan=plan)
         else:
-            self._half = self._worker = WorkerHalf(settings, spec, cache=cache)
+            self._half = self._worker = WorkerHalf(settings, spec, cache=cache, plan=plan)
         self._deltas = CounterDeltas.of(self._half.counters)
         events_cfg = getattr(vllm_config, "kv_events_config", None)
         self._events = KVEventLog(spec.block_size, bool(getattr(events_cfg, "enable_kv_cache_events", False)))
@@ -572,8 +622,8 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         return {source: num_external_tokens}
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Remember the blocks the hit must fill."""
-        ids = _first_group(blocks.get_block_ids()) if blocks is not None else None
+        """Remember the blocks (every group's) the hit must fill."""
+        ids = _all_groups(blocks.get_block_ids()) if blocks is not None else None
         self.scheduler_half.update_state_after_alloc(
             request_info_from_vllm(request), ids, num_external_tokens
         )
@@ -587,6 +637,8 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         drop_overwritten_from_zeroing(scheduler_output, plan)
         if self._events.enabled:
             for save in plan.saves:
+                if save.objects is not None:
+                    continue  # per-kind objects: their KV events need the group fields (not yet)
                 request = self._requests.get(save.req_id)
                 if request is not None:
                     self._events.stored(request, save)
@@ -630,6 +682,12 @@ class KVFabricConnector(_VllmBase):  # type: ignore[misc]
         self._requests.pop(str(request.request_id), None)
         self._known_tokens.pop(str(request.request_id), None)
         return False, None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``'s finish (every group's blocks): free them at once, as :meth:`request_finished`."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     # ---------------- worker side ----------------
 

@@ -151,7 +151,10 @@ _PLAIN_COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:kvfabric_loaded_tokens",
         "Prompt tokens whose KV kvfabric loaded into the KV cache (failed loads excluded)",
     ),
-    "loaded_bytes": ("vllm:kvfabric_loaded_bytes", "Payload bytes kvfabric loaded into the KV cache"),
+    "null_block_writes_refused": (
+        "vllm:kvfabric_null_block_writes_refused",
+        "Hits not loaded because they would have written vLLM's null block (recomputed instead)",
+    ),
     "restore_seconds": (
         "vllm:kvfabric_restore_seconds",
         "Seconds engine steps spent blocked restoring KV from kvfabric",
@@ -176,6 +179,18 @@ class KVFabricPromMetrics(_VllmPromMetrics):  # type: ignore[misc]
             key: self._counter_cls(name=name, documentation=doc, labelnames=labels)
             for key, (name, doc) in _PLAIN_COUNTERS.items()
         }
+        self._bytes = {
+            "loaded_bytes": self._counter_cls(
+                name="vllm:kvfabric_loaded_bytes",
+                documentation="Payload bytes kvfabric loaded into the KV cache, by KV cache group kind",
+                labelnames=[*labels, "kind"],
+            ),
+            "stored_bytes": self._counter_cls(
+                name="vllm:kvfabric_stored_bytes",
+                documentation="Payload bytes kvfabric stored in its cache, by KV cache group kind",
+                labelnames=[*labels, "kind"],
+            ),
+        }
         self._failed = self._counter_cls(
             name="vllm:kvfabric_load_failed_tokens",
             documentation="Prompt tokens kvfabric promised but could not load (recomputed), by reason",
@@ -193,8 +208,11 @@ class KVFabricPromMetrics(_VllmPromMetrics):  # type: ignore[misc]
         for name, value in transfer_stats_data.items():
             if not value or value < 0:
                 continue
+            what, _, kind = name.partition(".")
             if name in self._plain:
                 self._plain[name].labels(*values).inc(value)
+            elif what in self._bytes:  # per kind (full, sliding_window, chunked_local); bare: full
+                self._bytes[what].labels(*values, kind or "full").inc(value)
             elif name.startswith("load_failed_tokens."):
                 self._failed.labels(*values, name.removeprefix("load_failed_tokens.")).inc(value)
             else:  # a key with a metric of its own is not repeated as an event (a byte count among

@@ -35,7 +35,9 @@ import torch
 from kvfabric.connector import keys as keyslib
 from kvfabric.connector import layout
 from kvfabric.connector.datapath import DataPath, LoadResult
+from kvfabric.connector.groups import GroupPlan
 from kvfabric.connector.hostpath import HostStagingPath
+from kvfabric.connector.hybridplan import NULL_BLOCK
 from kvfabric.connector.resilient import Counters, Reason, ResilientCache
 from kvfabric.connector.scheduler import keyed_spec, slowest_tier, usable_cache
 from kvfabric.connector.settings import ConnectorSettings
@@ -73,15 +75,18 @@ class WorkerHalf:
         cache: ResilientCache | None = None,
         datapath: DataPath | None = None,
         background_datapath: Callable[[], DataPath] | None = None,
+        plan: GroupPlan | None = None,
     ) -> None:
         """Create the half for this rank's namespace ``spec``; ``datapath`` defaults to host staging.
 
         ``background_datapath`` makes the data path of background loads (default: host staging),
-        created at the first one.
+        created at the first one. ``plan``: the model's KV cache groups (a hybrid or
+        sliding-window plan: one object per kind, each layer indexed with its own group's blocks).
         """
         if spec.chunk_tokens != settings.chunk_tokens:
             raise ValueError("spec.chunk_tokens must equal settings.chunk_tokens")
         self.settings = settings
+        self.plan: GroupPlan | None = plan if plan is not None and not plan.plain else None
         spec = keyed_spec(spec, settings)
         if not spec.payload_key_id and settings.configured:
             log.warning("no payload key (KVFABRIC_PAYLOAD_KEY): chunks are checked for damage, not forgery")
@@ -118,7 +123,8 @@ class WorkerHalf:
         # Timing of the current step, for the scheduler's cost model (WorkerFeedback).
         self._step_t0: float | None = None
         self._save_s = 0.0
-        self._step_loads: list[tuple[str | None, int, bool]] = []  # (tier, chunks loaded, all intact)
+        # (tier, chunks loaded, all intact, bytes moved when the data path knows them)
+        self._step_loads: list[tuple[str | None, int, bool, int | None]] = []
         self._feedback: WorkerFeedback | None = None
 
     def _host_path(self) -> DataPath:
@@ -132,6 +138,7 @@ class WorkerHalf:
             store_queue_bytes=self.settings.store_queue_bytes,
             counters=self.counters,
             mac_key=self.settings.mac_key,
+            plan=self.plan,
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -151,11 +158,36 @@ class WorkerHalf:
         devices = {t.device.type for t in kv_caches.values()}
         if self.spec.device_type and devices and devices != {self.spec.device_type}:
             self.disable(f"the KV cache is on {sorted(devices)}, the namespace says {self.spec.device_type}")
+        if self.plan is not None:
+            self._check_groups(kv_caches)
+            return
         blocks = {layout.block_size_of(t) for t in kv_caches.values()}
         if blocks and blocks != {self.spec.block_size}:
             self.disable(
                 f"the KV cache has blocks of {sorted(blocks)} tokens, the namespace says {self.block_size}"
             )
+
+    def _check_groups(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Check each layer against its own group: planned, its block size, one block count."""
+        assert self.plan is not None
+        places = self.plan.layer_places()
+        missing = sorted(set(places) - set(kv_caches))
+        if missing:
+            self.disable(f"the plan's layers {missing[:4]} have no KV cache")
+            return
+        counts = set()
+        for name, t in kv_caches.items():
+            place = places.get(name)
+            if place is None:
+                continue  # a layer of a group kvfabric does not store
+            want = self.plan.kinds[place[0]].block_size
+            got = layout.block_size_of(t)
+            if got != want:
+                self.disable(f"layer {name} has blocks of {got} tokens, its group's spec says {want}")
+                return
+            counts.add(int(t.shape[layout.block_dim_of(t)]))
+        if len(counts) > 1:
+            self.disable(f"the layers have different block counts {sorted(counts)}")
 
     def disable(self, why: str) -> None:
         """Never load or store again (the engine's KV cache does not match the namespace)."""
@@ -206,6 +238,7 @@ class WorkerHalf:
         for spec in plan.loads:
             if spec.background:
                 self._start_background(spec)
+        self._drop_null_writes()
         loads = self._sync_loads()
         if not loads or not self.datapath.num_layers:
             return
@@ -220,7 +253,30 @@ class WorkerHalf:
 
     def _sync_loads(self) -> list[LoadSpec]:
         plan = self._plan
-        return [] if plan is None else [spec for spec in plan.loads if not spec.background]
+        if plan is None:
+            return []
+        return [spec for spec in plan.loads if not spec.background and not self._refused(spec)]
+
+    def _refused(self, spec: LoadSpec) -> bool:
+        """Whether ``spec`` must not be loaded: refused by the scheduler, or it would write block 0.
+
+        Block 0 is vLLM's null block, shared by every request's table (hybrid models only: an
+        engine with one full-attention group, like the reference engine, may use block 0).
+        """
+        if spec.refused:
+            return True
+        return self.plan is not None and any(NULL_BLOCK in ids for ids in spec.block_ids)
+
+    def _drop_null_writes(self) -> None:
+        """Report the blocks of this step's refused loads failed (the engine recomputes them)."""
+        plan = self._plan
+        for spec in plan.loads if plan is not None else ():
+            if spec.background or not self._refused(spec):
+                continue
+            if not spec.refused:  # the scheduler counted its own refusals
+                self.counters.add("null_block_writes_refused")
+            self._failed_reqs.add(spec.req_id)
+            self._load_errors.update(b for b in _all_blocks(spec) if b != NULL_BLOCK)
 
     def _budget(self, loads: list[LoadSpec]) -> float:
         """Seconds the loads may take (``load_deadline_ms``, or less by the cost model).
@@ -250,6 +306,11 @@ class WorkerHalf:
         request waiting until then (an empty spec, or one that cannot be queued, at once).
         """
         try:
+            if self._refused(spec):
+                if not spec.refused:
+                    self.counters.add("null_block_writes_refused")
+                self._finish_background(spec.req_id, {b for b in _all_blocks(spec) if b != NULL_BLOCK}, None)
+                return
             if not spec.keys:
                 self._finish_background(spec.req_id, set(), None)
                 return
@@ -364,13 +425,19 @@ class WorkerHalf:
         errors: set[int] = set()
         failed = len(spec.keys) - res.loaded
         # Whole chunks and tail blocks are counted apart: vLLM's metrics turn them into tokens.
+        whole, tail = spec.whole, spec.tail
         whole_loaded = min(res.loaded, spec.whole)
         tail_loaded = res.loaded - whole_loaded
+        if spec.objects is not None:
+            # A hybrid hit counts the chunks and tail blocks it spans, all or nothing (the engine
+            # recomputes from the earliest failed block).
+            whole, tail = spec.objects.span_chunks, spec.objects.span_tails
+            whole_loaded, tail_loaded = (0, 0) if failed else (whole, tail)
         if failed:
             reason = res.reason or Reason.NOT_FOUND
-            self.counters.fallback(reason, spec.whole - whole_loaded)
-            if spec.tail - tail_loaded:
-                self.counters.add(f"fallback_tail_blocks.{reason.value}", spec.tail - tail_loaded)
+            self.counters.fallback(reason, whole - whole_loaded)
+            if tail - tail_loaded:
+                self.counters.add(f"fallback_tail_blocks.{reason.value}", tail - tail_loaded)
             for blocks in spec.block_ids[res.loaded :]:
                 errors.update(blocks)
         self.counters.add("loaded_chunks", whole_loaded)
@@ -378,7 +445,9 @@ class WorkerHalf:
             self.counters.add("loaded_tail_blocks", tail_loaded)
         tier = slowest_tier(spec.tiers[: res.loaded])
         if not spec.background:  # the step's restore timing covers the loads the step waited for
-            self._step_loads.append((tier, whole_loaded, not failed))
+            moved = getattr(self.datapath, "spec_bytes", None)
+            nbytes = moved(spec, res.loaded) if moved is not None else None
+            self._step_loads.append((tier, whole_loaded, not failed, nbytes))
         report = LoadReport(
             spec.req_id, len(spec.keys), res.loaded, tier, res.reason if failed else None, res.wait_s
         )
@@ -449,13 +518,18 @@ class WorkerHalf:
         forward = t_end - t0 - self.restore_s - self._save_s
         restores = []
         geo = getattr(self.datapath, "geometry", None)
-        chunks = sum(n for _, n, _ in self._step_loads)
-        tiers = [t for t, n, _ in self._step_loads if t is not None and n]
+        chunks = sum(n for _, n, _, _ in self._step_loads)
+        tiers = [t for t, n, _, _ in self._step_loads if t is not None and n]
         # A load that failed measured a fault, not a bandwidth (its deadline bounds what it cost).
-        if chunks and tiers and geo is not None and all(ok for _, _, ok in self._step_loads):
+        if chunks and tiers and geo is not None and all(ok for _, _, ok, _ in self._step_loads):
             tier = slowest_tier(tiers)
             assert tier is not None
-            restores.append(RestoreTiming(tier, chunks * geo.payload_bytes, chunks, self.restore_s))
+            # The bytes really moved (a hybrid hit moves only the sliding windows' blocks).
+            moved = [b for _, _, _, b in self._step_loads]
+            nbytes = chunks * geo.payload_bytes
+            if None not in moved:
+                nbytes = sum(b for b in moved if b is not None)
+            restores.append(RestoreTiming(tier, nbytes, chunks, self.restore_s))
         return WorkerFeedback(
             plan.work_tokens, plan.work_attention, forward if forward > 0 else None, restores
         )

@@ -6,6 +6,8 @@ lines under ``$KVF_SPY_DIR``:
 
 - ``init``: the role, whether vLLM kept its hybrid KV cache manager on, and the KV cache groups it
   made (spec class, block size, window, attention chunk, layer names);
+- ``keys`` (scheduler): the namespace, the key chain and the group plan's kinds in order, from which
+  a test computes the key of any stored object (to delete it in the cache server);
 - ``block0``: every step (at ``wait_for_save``, after the forward and every synchronous load) in
   which block 0 of some layer differs from its bytes at ``register_kv_caches``. Block 0 is vLLM's
   null block: every sliding-window or chunked-local table points its out-of-window positions at
@@ -73,6 +75,20 @@ class RecordingConnector(KVFabricConnector):
         self._caches: dict[str, torch.Tensor] = {}
         self._steps = 0
         super().__init__(vllm_config, role, kv_cache_config)
+        if self._spy_role == "scheduler":
+            half = self.scheduler_half
+            plan = getattr(half, "plan", None)
+            kinds = [str(k.type.value) for k in plan.kinds] if plan is not None else ["full"]
+            self._record(
+                "keys",
+                {
+                    "namespace": half.namespace,
+                    "key_chain": half.key_chain,
+                    "kinds": kinds,
+                    "chunk_tokens": half.chunk_tokens,
+                    "block_size": half.block_size,
+                },
+            )
 
     def _record(self, what: str, data: dict[str, Any]) -> None:
         with open(self._spy_path, "a") as f:

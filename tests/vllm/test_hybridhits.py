@@ -8,7 +8,10 @@ from hypothesis import strategies as st
 from kvfabric.testing.hybridhits import (
     Kind,
     loaded_bytes,
+    object_bytes,
+    objects_read,
     predicted_hit,
+    read_bytes,
     stored_bytes,
     stored_units,
 )
@@ -107,3 +110,17 @@ def test_bytes_per_kind_follow_the_table() -> None:
     assert loaded_bytes(0, 896, swa(200)) == 2 * 2 * PAGE
     assert loaded_bytes(0, 896, local(384)) == 1 * 3 * PAGE
     assert loaded_bytes(0, 768, local(384)) == 0
+
+
+def test_a_hit_reads_whole_objects_of_the_units_it_needs() -> None:
+    units = stored_units(1011, C, B)
+    header = 128
+    # Window 200 at a tail boundary: [697, 896) reads chunk 512-768 (two blocks, one needed) and the tail.
+    assert objects_read(units, 0, 896, swa(200)) == [(512, 768), (768, 896)]
+    assert read_bytes(units, 0, 896, swa(200), header) == (2 + 1) * 2 * PAGE + 2 * header
+    assert loaded_bytes(0, 896, swa(200)) == 2 * 2 * PAGE
+    # Local 384 at 768 reads nothing; full reads every unit below the hit.
+    assert objects_read(units, 0, 768, local(384)) == []
+    assert read_bytes(units, 256, 768, FULL, header) == 4 * 2 * PAGE + 2 * header
+    assert stored_bytes(units, swa(128), header) == 4 * 2 * PAGE + 4 * header
+    assert object_bytes((512, 768), local(384), header) == 0  # 768 = 2A: nothing stored, no object

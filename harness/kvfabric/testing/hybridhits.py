@@ -17,7 +17,9 @@ whole ``S``-token tail units up to ``K // S * S``. Each unit is stored once per 
 A hit at boundary ``H`` above the engine's own hit ``L`` needs, per kind, every unit overlapping
 ``[L, H)`` (full), ``[max(L, H-w+1), H)`` (window) or ``[max(L, H // A * A), H)`` (local); the hit is
 the largest unit end ``H <= n - 1`` (``n`` the prompt's tokens: one token is always computed) whose
-units are all present. It loads, per kind, only the blocks vLLM's table keeps real at ``H``.
+units are all present. It reads, per kind, the whole objects of those units (each object carries
+its own MAC, so it is read and verified whole: :func:`read_bytes`) and writes only the blocks
+vLLM's table keeps real at ``H`` (:func:`loaded_bytes`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,18 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Kind", "Unit", "loaded_bytes", "predicted_hit", "stored_bytes", "stored_units"]
+__all__ = [
+    "Kind",
+    "Unit",
+    "loaded_bytes",
+    "object_blocks",
+    "object_bytes",
+    "objects_read",
+    "predicted_hit",
+    "read_bytes",
+    "stored_bytes",
+    "stored_units",
+]
 
 FULL, WINDOW, LOCAL = "full", "sliding_window", "chunked_local"
 
@@ -115,24 +128,44 @@ def _restorable(
     return covered >= boundary
 
 
-def stored_bytes(units: Sequence[Unit], kind: Kind) -> int:
-    """Bytes kvfabric stores of ``kind`` for ``units``."""
-    total = 0
-    for s, e in units:
-        if kind.name == WINDOW:
-            assert kind.window is not None
-            blocks = min((e - s) // kind.block, _cdiv(kind.window - 1, kind.block))
-        elif kind.name == LOCAL:
-            assert kind.attention_chunk is not None
-            blocks = (e - max(s, e // kind.attention_chunk * kind.attention_chunk)) // kind.block
-        else:
-            blocks = (e - s) // kind.block
-        total += blocks * kind.layers * kind.page_bytes
-    return total
+def object_blocks(unit: Unit, kind: Kind) -> int:
+    """Blocks per layer ``kind``'s object of ``unit`` holds (0: no object is stored)."""
+    s, e = unit
+    if kind.name == WINDOW:
+        assert kind.window is not None
+        return min((e - s) // kind.block, _cdiv(kind.window - 1, kind.block))
+    if kind.name == LOCAL:
+        assert kind.attention_chunk is not None
+        return (e - max(s, e // kind.attention_chunk * kind.attention_chunk)) // kind.block
+    return (e - s) // kind.block
+
+
+def object_bytes(unit: Unit, kind: Kind, header: int = 0) -> int:
+    """The payload of ``kind``'s object of ``unit``: its blocks of every layer, plus ``header`` bytes."""
+    blocks = object_blocks(unit, kind)
+    return blocks * kind.layers * kind.page_bytes + header if blocks else 0
+
+
+def stored_bytes(units: Sequence[Unit], kind: Kind, header: int = 0) -> int:
+    """Bytes kvfabric stores of ``kind`` for ``units`` (``header``: per object, on top of the KV)."""
+    return sum(object_bytes(u, kind, header) for u in units)
+
+
+def objects_read(units: Sequence[Unit], local: int, hit: int, kind: Kind) -> list[Unit]:
+    """The units whose ``kind`` object a hit from ``local`` to ``hit`` reads (whole: each has one MAC)."""
+    if hit <= local:
+        return []
+    first = kind.needed_from(local, hit)
+    return [u for u in units if u[1] > first and u[0] < hit and object_blocks(u, kind) > 0]
+
+
+def read_bytes(units: Sequence[Unit], local: int, hit: int, kind: Kind, header: int = 0) -> int:
+    """Bytes a hit moves from the cache server for ``kind``: the whole objects it reads."""
+    return sum(object_bytes(u, kind, header) for u in objects_read(units, local, hit, kind))
 
 
 def loaded_bytes(local: int, hit: int, kind: Kind) -> int:
-    """Bytes kvfabric loads of ``kind`` for a hit from ``local`` to ``hit`` tokens."""
+    """The design's KV bytes written into vLLM for ``kind`` by a hit from ``local`` to ``hit``."""
     if hit <= local:
         return 0
     return kind.kept_blocks(local, hit, local) * kind.layers * kind.page_bytes

@@ -184,6 +184,9 @@ def _run_model(
             "stored",
             work / "spy-stored",
         )
+        # A worker that disabled itself stores nothing: say why rather than fail on a missing object.
+        disabled = [ln for ln in (work / "stored.log").read_text().splitlines() if "worker disabled" in ln]
+        assert not disabled, disabled[0]
         store_records = read_records(work / "spy-stored")
         partial = ModelRuns(model, {}, stored, {}, "", store_records, [], None)
         victim = _victim(partial.kinds(), partial.step())

@@ -460,6 +460,24 @@ def kv_cache_tokens(log: str) -> int | None:
     return int(found[-1].replace(",", "")) if found else None
 
 
+def _settle(count: Any, floor: float, quiet_s: float = 3.0, timeout: float = 180.0) -> float:
+    """Wait until ``count()`` reached ``floor`` and then stayed the same for ``quiet_s`` seconds.
+
+    A hybrid model stores one object per chunk and kind, so the number of objects is not known in
+    advance: stores are over when the cache server's store counter stops moving.
+    """
+    end = time.monotonic() + timeout
+    last, since = count(), time.monotonic()
+    while time.monotonic() < end:
+        time.sleep(0.5)
+        now = count()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif now >= floor and time.monotonic() - since >= quiet_s:
+            return float(now)
+    raise TimeoutError(f"the stores did not settle in {timeout}s (at {last}, expected at least {floor})")
+
+
 def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
@@ -563,7 +581,7 @@ def _hybrid_model(args: argparse.Namespace, env: Any, name: str) -> dict[str, An
                 warm.append(_ttft(s1, p))
         finally:
             s1.stop()
-        wait_until(lambda: stored() >= repeats * (n // 256), 120, what="the stores to land")
+        _settle(stored, repeats * (n // 256))
 
         s2 = server("kvfabric_restarted")
         try:
@@ -593,7 +611,7 @@ def _hybrid_model(args: argparse.Namespace, env: Any, name: str) -> dict[str, An
                 stores0 = stored()
                 for p in off_prompts:
                     s3.complete(p, 4)
-                wait_until(lambda: stored() >= stores0 + repeats * (n // 256), 120, what="the stores to land")
+                _settle(stored, stores0 + repeats * (n // 256))
                 # vLLM's own prefix cache forgets the prompts (kvfabric's cache is not reset).
                 req = urllib.request.Request(s3.url + "/reset_prefix_cache", method="POST")  # noqa: S310
                 urllib.request.urlopen(req, timeout=30).close()  # noqa: S310 - loopback

@@ -582,9 +582,10 @@ def _hybrid_model(args: argparse.Namespace, env: Any, name: str) -> dict[str, An
             for p in prompts:
                 cold.append(_ttft(s1, p))
                 warm.append(_ttft(s1, p))
+            # Stores run in the connector's background: let them land before vLLM stops.
+            line["objects_stored"] = _settle(stored, repeats * (n // 256))
         finally:
             s1.stop()
-        line["objects_stored"] = _settle(stored, repeats * (n // 256))
 
         s2 = server("kvfabric_restarted")
         try:

@@ -214,12 +214,19 @@ def test_a_request_gets_at_most_one_background_load(monkeypatch: pytest.MonkeyPa
     half = sched.scheduler_half
 
     def hit(info: RequestInfo, computed: int) -> int:
-        half._state(info)  # a lookup that found 64 tokens (no server here)
+        st = half._state(info)  # a lookup that found 64 tokens (no server here)
+        st.hit_tokens, st.matched_chunks = 64, 2
         return 64
 
     monkeypatch.setattr(half, "num_new_matched_tokens", hit)
     req = SimpleNamespace(request_id="r", prompt_token_ids=list(range(100)), lora_request=None)
     assert sched.get_num_new_matched_tokens(req, 0) == (64, True)
+    # Asked again before its load was planned (vLLM could not allocate its blocks yet): still async.
+    assert sched.get_num_new_matched_tokens(req, 0) == (64, True)
+    half.update_state_after_alloc(RequestInfo("r", tuple(range(100))), list(range(1, 8)), 64)
+    half.cache = half.cache or SimpleNamespace(close=lambda: None)  # type: ignore[assignment]  # (plan anyway)
+    (spec,) = half.build_plan(StepInput()).loads
+    assert spec.background
     assert sched.get_num_new_matched_tokens(req, 0) == (64, False), "the retry loads synchronously"
     sched.request_finished(req, [])
     assert sched.get_num_new_matched_tokens(req, 0) == (64, True), "a new request may load asynchronously"

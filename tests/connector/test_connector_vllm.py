@@ -128,8 +128,10 @@ def test_device_backend_layout_and_block_size_change_namespace() -> None:
     cuda = fake_vllm_config()
     cuda.device_config.device_type = "cuda"
     flash, flashinfer, cpu_attn = fake_vllm_config(), fake_vllm_config(), fake_vllm_config()
+    # GPU backends are named on a GPU (vLLM's CPU platform ignores them: the platform's choice).
     flash.attention_config = SimpleNamespace(backend=SimpleNamespace(name="FLASH_ATTN"))
     flashinfer.attention_config = SimpleNamespace(backend=SimpleNamespace(name="FLASHINFER"))
+    flash.device_config.device_type = flashinfer.device_config.device_type = "cuda"
     cpu_attn.attention_config = SimpleNamespace(backend="CPU_ATTN")
     hnc, nhc = fake_vllm_config(), fake_vllm_config()
     hnc.cache_config.kv_cache_layout = "LBHNC"
@@ -143,7 +145,7 @@ def test_device_backend_layout_and_block_size_change_namespace() -> None:
     assert len(set(digests)) == len(digests)
     spec = kvvllm.namespace_spec_from_vllm(flash, s, 0, group)
     assert (spec.device_type, spec.attn_backend, spec.kv_layout, spec.block_size) == (
-        "cpu",
+        "cuda",
         "FLASH_ATTN",
         "default",
         32,
@@ -159,6 +161,7 @@ def test_worker_whose_layers_use_another_backend_never_loads_or_stores(
     monkeypatch.setattr(kvvllm, "attention_backends_of_layers", lambda cfg, names: {"CPU_ATTN"})
     cfg = fake_vllm_config(chunk_tokens=32, socket="/nonexistent/kvfabric.sock")
     cfg.attention_config = SimpleNamespace(backend="FLASH_ATTN")
+    cfg.device_config.device_type = "cuda"  # (on CPU vLLM ignores a GPU backend: not a mismatch)
     worker = kvvllm.KVFabricConnector(cfg, SimpleNamespace(name="WORKER"))
     worker.register_kv_caches({"l0": torch.zeros(8, 2, 16, 32), "l1": torch.zeros(8, 2, 16, 32)})
     half = worker.worker_half

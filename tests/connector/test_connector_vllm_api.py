@@ -294,3 +294,18 @@ def test_only_faults_of_the_cache_log_lookups_as_failing(
     assert "lookups working again (after unavailable)" in messages[1]
     cache.close()
     sched.shutdown()
+
+
+def test_a_gpu_backend_configured_on_cpu_is_named_as_the_platforms_choice() -> None:
+    """vLLM's CPU platform runs its own attention whatever a model configures (Gemma 4 asks for
+    TRITON_ATTN): naming the configured one made every worker disable itself."""
+
+    def cfg(device: str, backend: str | None) -> Any:
+        return SimpleNamespace(
+            attention_config=SimpleNamespace(backend=backend),
+            device_config=SimpleNamespace(device_type=device),
+        )
+
+    assert kvvllm.attention_backend_from_vllm(cfg("cpu", "TRITON_ATTN")).startswith("auto:cpu:")
+    assert kvvllm.attention_backend_from_vllm(cfg("cpu", "CPU_ATTN")) == "CPU_ATTN"
+    assert kvvllm.attention_backend_from_vllm(cfg("cuda", "TRITON_ATTN")) == "TRITON_ATTN"

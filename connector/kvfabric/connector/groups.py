@@ -61,6 +61,9 @@ class KindType(enum.StrEnum):
     FULL = "full"
     SLIDING_WINDOW = "sliding_window"
     CHUNKED_LOCAL = "chunked_local"
+    STATE = "state"
+    """Recurrent state (Mamba, linear attention) in vLLM's ``align`` mode: one block holds the state
+    after exactly the tokens up to its end; an object is a checkpoint at a span's end."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ class Kind:
     """Tokens retained behind the window (vLLM's ``extra_retained_tokens``)."""
     attention_chunk: int = 0
     """Attention chunk ``A`` (chunked-local kinds)."""
+    state_bytes: int = 0
+    """Bytes of one layer's state, unpadded (state kinds)."""
     spec: str = ""
     """Canonical description of the groups' spec (class and fields), for the namespace."""
 
@@ -98,6 +103,8 @@ class Kind:
             return max(start, end - keep)
         if self.type is KindType.CHUNKED_LOCAL:
             return max(start, (end // self.attention_chunk) * self.attention_chunk // b * b)
+        if self.type is KindType.STATE:
+            return max(start, end - b)  # the one block holding the state after ``end`` tokens
         return start
 
     def stored_blocks(self, start: int, end: int) -> int:
@@ -111,6 +118,8 @@ class Kind:
             first = max(0, hit - self.window + 1 - self.extra) // b * b
         elif self.type is KindType.CHUNKED_LOCAL:
             first = (hit // self.attention_chunk) * self.attention_chunk // b * b
+        elif self.type is KindType.STATE:
+            first = hit - b  # block hit/B - 1 receives the state after ``hit`` tokens
         else:
             first = 0
         return max(local, first)
@@ -124,6 +133,7 @@ class Kind:
             "window": self.window,
             "extra": self.extra,
             "attention_chunk": self.attention_chunk,
+            "state_bytes": self.state_bytes,
             "spec": self.spec,
             "layers": [list(names) for names in self.layers],
         }
@@ -141,6 +151,22 @@ class GroupPlan:
     def scheduler_block(self) -> int:
         """``S``: the least common multiple of the kinds' block sizes."""
         return math.lcm(*(k.block_size for k in self.kinds))
+
+    @property
+    def request_level_failures(self) -> bool:
+        """Whether a failed load can only be reported per request, not per block.
+
+        vLLM (0.32, 0.33) refuses block-level load failures with several KV cache groups (block
+        ids are unique only within a group: it raises); it takes failed *asynchronous* loads per
+        request (``failed_recving``) and recomputes them from the start. So such models load in
+        the background, always.
+        """
+        return self.num_groups > 1
+
+    @property
+    def has_state(self) -> bool:
+        """Whether some kind is recurrent state (loaded before the forward, saved after it)."""
+        return any(k.type is KindType.STATE for k in self.kinds)
 
     @property
     def plain(self) -> bool:
@@ -235,6 +261,9 @@ def _spec_doc(spec: Any) -> str:
         "sink_len",
         "kv_quant_mode",
         "page_size_padded",
+        "shapes",
+        "dtypes",
+        "mamba_cache_mode",
     )
     doc = {n: str(_field(spec, n)) for n in names if _field(spec, n) is not None}
     return type(spec).__name__ + json.dumps(doc, sort_keys=True, separators=(",", ":"))
@@ -245,9 +274,16 @@ def _page_bytes(spec: Any) -> int:
     return int(value) if isinstance(value, int) else 0
 
 
-def _kind_of_spec(spec: Any) -> tuple[KindType, int, int, int]:
+def _kind_of_spec(spec: Any, *, allow_state: bool = False) -> tuple[KindType, int, int, int]:
     """(type, window, extra, attention chunk) of a spec, or :class:`UnsupportedGroupsError`."""
     name = type(spec).__name__
+    if ("Mamba" in name or _field(spec, "shapes") is not None) and allow_state:
+        if _field(spec, "mamba_cache_mode") != "align":
+            raise UnsupportedGroupsError(
+                f"KV cache group spec {name} keeps recurrent state outside vLLM's 'align' mode "
+                "(mamba_cache_mode must be 'align': states exist only at block boundaries there)"
+            )
+        return KindType.STATE, 0, 0, 0
     if "Mamba" in name or _field(spec, "shapes") is not None:
         raise UnsupportedGroupsError(
             f"KV cache group spec {name} holds recurrent (Mamba / linear-attention) state: kvfabric "
@@ -265,12 +301,17 @@ def _kind_of_spec(spec: Any) -> tuple[KindType, int, int, int]:
     raise UnsupportedGroupsError(f"KV cache group spec {name} is not one kvfabric knows how to store")
 
 
-def plan_from_kv_cache_config(kv_cache_config: Any, *, fallback_block_size: int = 0) -> GroupPlan | None:
+def plan_from_kv_cache_config(
+    kv_cache_config: Any, *, fallback_block_size: int = 0, allow_state: bool = False
+) -> GroupPlan | None:
     """Build the plan from vLLM's ``KVCacheConfig`` (None when it has no groups: a stand-in config).
 
     Groups not in ``prefix_cacheable_group_ids`` (when vLLM names them) are left out. Raises
     :class:`UnsupportedGroupsError`, naming the reason, for what the plan cannot serve: recurrent-state
     groups, packed or host-resident groups, EAGLE draft groups beside others, unknown specs.
+    ``allow_state`` plans recurrent-state groups in ``align`` mode as state checkpoints instead: the
+    path is unit-tested on vLLM-shaped objects only, so the connector never asks for it until a
+    real model proves it.
     """
     groups: Sequence[Any] = _field(kv_cache_config, "kv_cache_groups", None) or ()
     if not groups:
@@ -281,7 +322,7 @@ def plan_from_kv_cache_config(kv_cache_config: Any, *, fallback_block_size: int 
     except TypeError:
         keep = set(range(len(groups)))
     by_spec: dict[tuple[Any, ...], list[int]] = {}
-    facts: dict[tuple[Any, ...], tuple[KindType, int, int, int, int, int, str]] = {}
+    facts: dict[tuple[Any, ...], tuple[KindType, int, int, int, int, int, str, int]] = {}
     for gid, group in enumerate(groups):
         if gid not in keep:
             continue
@@ -290,7 +331,7 @@ def plan_from_kv_cache_config(kv_cache_config: Any, *, fallback_block_size: int 
             raise UnsupportedGroupsError(f"KV cache group {gid} is host-resident (HiSparse): not supported")
         if _field(group, "is_eagle_group", False) and len(groups) > 1:
             raise UnsupportedGroupsError(f"KV cache group {gid} holds EAGLE/MTP draft layers: not supported")
-        ktype, window, extra, chunk = _kind_of_spec(spec)
+        ktype, window, extra, chunk = _kind_of_spec(spec, allow_state=allow_state)
         block = int(_field(spec, "block_size", 0) or fallback_block_size)
         if block <= 0:
             raise UnsupportedGroupsError(f"KV cache group {gid} has no block size")
@@ -302,12 +343,13 @@ def plan_from_kv_cache_config(kv_cache_config: Any, *, fallback_block_size: int 
         doc = _spec_doc(spec)
         ident = (doc, ktype, window, extra, chunk, block)
         by_spec.setdefault(ident, []).append(gid)
-        facts[ident] = (ktype, window, extra, chunk, block, _page_bytes(spec), doc)
+        state = int(_field(spec, "real_page_size_bytes", 0) or 0) if ktype is KindType.STATE else 0
+        facts[ident] = (ktype, window, extra, chunk, block, _page_bytes(spec), doc, state)
     if not by_spec:
         raise UnsupportedGroupsError("no KV cache group is prefix-cacheable")
     kinds = []
     for ident, gids in by_spec.items():
-        ktype, window, extra, chunk, block, page, doc = facts[ident]
+        ktype, window, extra, chunk, block, page, doc, state = facts[ident]
         kinds.append(
             Kind(
                 type=ktype,
@@ -318,9 +360,29 @@ def plan_from_kv_cache_config(kv_cache_config: Any, *, fallback_block_size: int 
                 window=window,
                 extra=extra,
                 attention_chunk=chunk,
+                state_bytes=state,
                 spec=doc,
             )
         )
     # Canonical order: by the first group id (full attention first when it is group 0).
     kinds.sort(key=lambda k: k.groups[0])
-    return GroupPlan(tuple(kinds), len(groups))
+    plan = GroupPlan(tuple(kinds), len(groups))
+    if not plan.plain and _block_outermost(kv_cache_config):
+        raise UnsupportedGroupsError(
+            "the KV cache is packed block-outermost (each block holds every layer's page): kvfabric's "
+            "per-kind objects are not proven on it; serve this model with a layer-outermost layout"
+        )
+    return plan
+
+
+def _block_outermost(kv_cache_config: Any) -> bool:
+    """Whether some ``KVCacheTensor`` packs several layers' pages inside each block."""
+    for tensor in _field(kv_cache_config, "kv_cache_tensors", None) or ():
+        layers = _field(tensor, "layers", None) or ()
+        layer_stride = _field(tensor, "layer_stride", None)
+        block_stride = _field(tensor, "block_stride", None)
+        if not isinstance(layer_stride, int) or not isinstance(block_stride, int):
+            continue
+        if len(layers) > 1 and 0 < layer_stride < block_stride:
+            return True
+    return False

@@ -33,7 +33,7 @@ import torch
 from kvfabric.client.mappings import Lease, release_all
 from kvfabric.connector import layout
 from kvfabric.connector.datapath import LoadResult
-from kvfabric.connector.groups import GroupPlan
+from kvfabric.connector.groups import GroupPlan, KindType
 from kvfabric.connector.resilient import Counters, LoadOutcome, Reason, ResilientCache
 from kvfabric.connector.steps import LoadSpec, SaveSpec
 
@@ -113,6 +113,7 @@ class HostStagingPath:
         self._places: dict[str, tuple[int, int, int]] = self.plan.layer_places() if self.plan else {}
         self._kind_layers: list[list[tuple[int, str]]] = []  # per kind: (global index, name) in body order
         self._kind_geos: dict[tuple[int, int], layout.ChunkGeometry] = {}
+        self._regrouped: set[str] = set()  # layers whose kernel blocks are viewed as whole blocks
         self.cache = cache
         self.mac_key = mac_key
         self.namespace = namespace
@@ -151,6 +152,16 @@ class HostStagingPath:
         """Adopt the per-layer KV tensors (forward order) and derive the payload geometry."""
         self._kv = dict(kv_caches)
         if self.plan is not None:
+            # Each layer in whole blocks of its own group (vLLM may hand kernel blocks).
+            self._regrouped = set()
+            for name, (kind, _, _) in self._places.items():
+                t = self._kv.get(name)
+                if t is None or self.plan.kinds[kind].type is KindType.STATE:
+                    continue  # a state block is one page: whatever its "tokens", one row
+                view = layout.in_blocks_of(t, self.plan.kinds[kind].block_size)
+                if view is not None and view is not t:
+                    self._kv[name] = view
+                    self._regrouped.add(name)
             # Each layer's blocks are of its own group's size: the whole-chunk geometry only
             # counts the layers (every layer's hook must run before a step's saves are stored).
             self.geometry = layout.ChunkGeometry(
@@ -180,7 +191,7 @@ class HostStagingPath:
             layers = []
             for _, name in self._kind_layers[kind]:
                 t = self._kv[name]
-                bd = layout.block_dim_of(t)
+                bd = 0 if name in self._regrouped else layout.block_dim_of(t)
                 shape = list(t.shape)
                 del shape[bd]
                 layers.append(layout.LayerGeometry(name, bd, tuple(shape), t.dtype))
@@ -605,7 +616,9 @@ class HostStagingPath:
         assert geo is not None
         assert bgeo is not None
         if self.plan is not None:
-            self._save_layer_objects(geo.layers[layer].name, kv_layer)
+            name = geo.layers[layer].name
+            # The registered view of the same tensor: in whole blocks of the layer's group.
+            self._save_layer_objects(name, self._kv.get(name, kv_layer))
             return
         for spec, staging in self._saves:
             whole = spec.whole

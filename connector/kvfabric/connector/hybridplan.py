@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvfabric.connector.groups import GroupPlan
+from kvfabric.connector.groups import GroupPlan, KindType
 
 NULL_BLOCK = 0
 """vLLM's null block: the id of every position a group does not keep."""
@@ -164,17 +164,28 @@ class ObjectSave:
 
 
 def save_objects(
-    plan: GroupPlan, spans: Sequence[Span], tables: Sequence[Sequence[int]]
+    plan: GroupPlan,
+    spans: Sequence[Span],
+    tables: Sequence[Sequence[int]],
+    states: Mapping[tuple[int, int], int] | None = None,
 ) -> tuple[list[ObjectSave], int]:
     """The objects of ``spans`` (computed this step) to save, kind after kind, from ``tables``.
 
     Returns the saves and how many objects were dropped because a block they read is the null
     block or missing from the table (never stored: a later hit would load someone else's bytes).
+    A state kind's object is the checkpoint the engine handed over for the span's end, ``states``
+    ``(group, tokens) -> block``, read by exact block id; a span without one has none.
     """
     saves: list[ObjectSave] = []
     dropped = 0
     for k, kind in enumerate(plan.kinds):
         b = kind.block_size
+        if kind.type is KindType.STATE:
+            for span in spans:
+                held = [(states or {}).get((g, span.end)) for g in kind.groups]
+                if all(h is not None and h != NULL_BLOCK for h in held):
+                    saves.append(ObjectSave(span, k, 1, tuple(int(h) for h in held if h is not None)))
+            continue
         for span in spans:
             stored = kind.stored_blocks(span.start, span.end)
             if stored == 0:

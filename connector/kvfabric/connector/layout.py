@@ -68,6 +68,24 @@ def block_size_of(tensor: torch.Tensor) -> int:
     return int(tensor.shape[2]) if tensor.dim() > 3 else 0
 
 
+def in_blocks_of(tensor: torch.Tensor, block_size: int) -> torch.Tensor | None:
+    """``tensor`` viewed in blocks of ``block_size`` tokens, or None if it cannot be.
+
+    vLLM splits a group's blocks into smaller *kernel blocks* when its attention backend needs them
+    (``[num_blocks * k, H, block_size / k, C]``); block ``b`` is then kernel blocks ``b*k .. b*k+k-1``,
+    so the view ``[num_blocks, k, H, block_size / k, C]`` indexes whole blocks on dimension 0.
+    """
+    if block_dim_of(tensor) != 0:
+        return tensor if block_size_of(tensor) == block_size else None
+    kernel = block_size_of(tensor)
+    if kernel == block_size:
+        return tensor
+    if kernel <= 0 or block_size % kernel or tensor.shape[0] % (block_size // kernel):
+        return None
+    k = block_size // kernel
+    return tensor.view(tensor.shape[0] // k, k, *tensor.shape[1:])
+
+
 @dataclass(frozen=True)
 class LayerGeometry:
     """Shape facts about one registered layer tensor."""

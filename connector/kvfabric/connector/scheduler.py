@@ -357,25 +357,30 @@ class SchedulerHalf:
                     continue
             hit, hit_keys = h, keys
             break
+        declined = False
         if hit and self.costs is not None and reason is None:
             hit, hit_keys = self._cost_cap(st, local, hit, hit_keys, present=present, tiers=tiers)
+            declined = hit == 0
         st.hit_tiers = [tiers.get(k, "") for k in hit_keys]
         st.key_tiers = {k: tiers.get(k, "") for k in hit_keys}
         st.hit_local = local
-        st.absent = [k for k, v in present.items() if not v] if reason is None else []
+        # KV events name whole chunks of one group; per-kind objects wait for the group fields.
+        st.absent = []
         st.last_reason = reason if reason is not None else (None if hit else Reason.NOT_FOUND)
+        if declined:
+            st.last_reason = Reason.RECOMPUTE_FASTER  # (counted by the cost cap)
         st.matched_chunks, st.tail_chunk = hit // c, hit // c
         st.matched_tail = (hit % c) // s
         if asked:
             self.counters.add("lookups")
         if reason is not None:
-            self.counters.miss(reason, max(1, len(cands)))
+            self.counters.miss(reason, max(1, ceiling_tokens // c))
             hit = 0
         elif hit and hit < self.settings.min_hit_tokens:
             self.counters.add("miss.below_min_hit_tokens")
             hit = 0
         elif st.last_reason is Reason.NOT_FOUND:
-            self.counters.miss(Reason.NOT_FOUND, 1)
+            self.counters.miss(Reason.NOT_FOUND, max(1, ceiling_tokens // c))
         st.hit_tokens = hit
         if hit <= local:
             st.hit_tokens = 0
@@ -470,7 +475,16 @@ class SchedulerHalf:
             objects=objects,
         )
 
-    def _plan_hybrid(self, plan: StepPlan, req_id: str, st: _ReqState, computed: int, scheduled: int) -> None:
+    def _plan_hybrid(
+        self,
+        plan: StepPlan,
+        req_id: str,
+        st: _ReqState,
+        computed: int,
+        scheduled: int,
+        *,
+        states: dict[tuple[int, int], int] | None = None,
+    ) -> None:
         """Load the pending hit; save every object whose span ends in this step's tokens.
 
         Only in the step that computes a span's end: the sliding-window and local blocks it reads
@@ -490,7 +504,7 @@ class SchedulerHalf:
         lo = max(computed, st.planned_to)
         spans = self._spans_ending_in(st, lo, done)
         if spans:
-            saves, dropped = hp.save_objects(self.plan, spans, st.groups)
+            saves, dropped = hp.save_objects(self.plan, spans, st.groups, states)
             if dropped:
                 self.counters.add("save_null_block_skipped", dropped)
             if saves:
@@ -620,7 +634,10 @@ class SchedulerHalf:
             scheduled[s.req_id] = s.num_scheduled_tokens
         for req_id, computed in progress.items():
             if self.plan is not None:
-                self._plan_hybrid(plan, req_id, self._reqs[req_id], computed, scheduled[req_id])
+                states = {(g, t): b for g, b, t in step.state_offloads.get(req_id, ())}
+                self._plan_hybrid(
+                    plan, req_id, self._reqs[req_id], computed, scheduled[req_id], states=states
+                )
             else:
                 self._plan_request(plan, req_id, self._reqs[req_id], computed, scheduled[req_id])
         # Asynchronous loads: the engine allocated the blocks and waits for them, unscheduled. The
@@ -631,6 +648,7 @@ class SchedulerHalf:
                 st.pending_load = None
                 spec = self._any_load_spec(req_id, st, start, end)
                 spec.background = True
+                st.had_background = True
                 plan.loads.append(spec)
                 # As if computed: when the engine schedules it with fewer tokens (a failed load),
                 # the roll-back below re-saves what it recomputes.
@@ -764,6 +782,22 @@ class SchedulerHalf:
         """Forget the request. Saves copy blocks out during the step, so blocks can be freed now."""
         self._reqs.pop(req_id, None)
 
+    @property
+    def request_level_failures(self) -> bool:
+        """Loads must run in the background and fail per request (see ``GroupPlan``)."""
+        return self.plan is not None and self.plan.request_level_failures
+
+    def drop_hit(self, req_id: str) -> None:
+        """Forget the request's hit: it is recomputed.
+
+        A retry after a failed background load of a model whose failures vLLM takes only per
+        request (a synchronous retry could not report failing).
+        """
+        st = self._reqs.get(req_id)
+        if st is not None and st.hit_tokens:
+            self.counters.add("miss.retry_recomputed")
+            st.hit_tokens, st.pending_load = 0, None
+
     def load_in_background(self, req_id: str, wanted: bool = True) -> bool:
         """Decide whether the engine loads this request's hit asynchronously (it waits, unscheduled).
 
@@ -775,8 +809,8 @@ class SchedulerHalf:
         st = self._reqs.get(req_id)
         if st is None:
             return False
+        # Only a load that was planned counts: vLLM may ask again before it admits the request.
         st.background = wanted and not st.had_background
-        st.had_background |= st.background
         return st.background
 
     def absent_keys(self, req_id: str) -> list[str]:

@@ -82,6 +82,9 @@ class StepInput:
     scheduled: tuple[ScheduledRequest, ...] = ()
     finished_req_ids: frozenset[str] = frozenset()
     """Requests that finished since the previous step."""
+    state_offloads: dict[str, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
+    """Per request, the recurrent-state checkpoints this step's forward writes: (group, block,
+    tokens the state covers) (vLLM: ``kv_connector_block_state.boundary_state_offloads``)."""
 
 
 @dataclass

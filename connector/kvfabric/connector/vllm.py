@@ -110,6 +110,21 @@ except ImportError:  # vLLM is not installed (no GPU here): use the stand-ins be
             return self._connector_metadata is not None
 
 
+try:  # pragma: no cover - depends on the environment (vLLM >= 0.32)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorTransferResults as _TransferResults,
+    )
+except ImportError:
+
+    @dataclass
+    class _TransferResults:  # type: ignore[no-redef]
+        """Stand-in for ``KVConnectorTransferResults``."""
+
+        finished_sending: set[str] = dataclasses.field(default_factory=set)
+        finished_recving: set[str] = dataclasses.field(default_factory=set)
+        failed_recving: set[str] = dataclasses.field(default_factory=set)
+
+
 try:  # pragma: no cover - depends on the environment
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA as _SupportsHMA
 except ImportError:
@@ -209,10 +224,17 @@ def _all_groups(block_ids: Any) -> tuple[tuple[int, ...], ...] | None:
 
 
 def _current_tables(scheduler_output: Any) -> Any:
-    """``resolve_block_ids(req_id)`` of the scheduler's current tables (vLLM >= 0.32), or None."""
+    """The lookup of the scheduler's current tables (``kv_connector_block_state``, vLLM >= 0.32).
+
+    ``get_block_ids`` (None for a request it does not cover), else ``resolve_block_ids``; None
+    when the scheduler output has no block state.
+    """
     state = getattr(scheduler_output, "kv_connector_block_state", None)
-    resolve = getattr(state, "resolve_block_ids", None)
-    return resolve if callable(resolve) else None
+    for name in ("get_block_ids", "resolve_block_ids"):
+        lookup = getattr(state, name, None)
+        if callable(lookup):
+            return lookup
+    return None
 
 
 def _resolved(resolve: Any, req_id: str) -> tuple[tuple[int, ...], ...] | None:
@@ -260,7 +282,13 @@ def step_input_from_vllm(scheduler_output: Any) -> StepInput:
                 )
             )
     finished = getattr(scheduler_output, "finished_req_ids", None) or ()
-    return StepInput(tuple(scheduled), frozenset(finished))
+    state = getattr(scheduler_output, "kv_connector_block_state", None)
+    offloads = getattr(state, "boundary_state_offloads", None) or {}
+    states = {
+        str(req_id): tuple((int(g), int(b), int(t)) for g, b, t in items)
+        for req_id, items in offloads.items()
+    }
+    return StepInput(tuple(scheduled), frozenset(finished), states)
 
 
 def drop_overwritten_from_zeroing(scheduler_output: Any, plan: StepPlan) -> None:
@@ -320,13 +348,20 @@ def attention_backend_from_vllm(vllm_config: Any) -> str:
     generation and release, from model facts that are already in the namespace; then the name says
     ``auto`` and where, e.g. ``auto:cuda:sm90:vllm-0.33.0``. The worker checks the name against the
     backend its attention layers really use (:meth:`KVFabricConnector.register_kv_caches`).
+
+    On the CPU platform a configured backend that is not a CPU one is ignored by vLLM (it logs
+    "Cannot use ... backend on CPU" and runs its own): some models configure one regardless (Gemma 4
+    asks for ``TRITON_ATTN``), so the name is then the platform's automatic choice.
     """
     attention_config = getattr(vllm_config, "attention_config", None)
     backend = getattr(attention_config, "backend", None) or os.environ.get("VLLM_ATTENTION_BACKEND")
+    device = device_type_from_vllm(vllm_config)
     if backend:
-        return _enum_name(backend)
+        name = _enum_name(backend)
+        if device != "cpu" or name.startswith(("CPU_", "AMX_")):
+            return name
     platform = _platform()
-    where = [device_type_from_vllm(vllm_config)]
+    where = [device]
     try:
         capability = platform.get_device_capability() if platform is not None else None
     except Exception:  # no device visible in this process
@@ -600,8 +635,16 @@ class KVFabricConnector(_VllmBase, _SupportsHMA):  # type: ignore[misc]
         lookups = half.counters.get("lookups")
         hit = half.num_new_matched_tokens(info, num_computed_tokens)
         # Asynchronous loads: vLLM then keeps the request waiting, unscheduled, until get_finished
-        # reports its load over; the other requests keep stepping meanwhile.
-        background = half.load_in_background(info.req_id, self.settings.load_async and hit > 0)
+        # reports its load over; the other requests keep stepping meanwhile. With several KV cache
+        # groups always: vLLM takes their failures only per request, for background loads.
+        per_request = half.request_level_failures
+        background = half.load_in_background(
+            info.req_id, (self.settings.load_async or per_request) and hit > 0
+        )
+        if per_request and hit > 0 and not background:
+            # A retry after a failed background load: a synchronous one could not report failing.
+            half.drop_hit(info.req_id)
+            hit = 0
         if half.counters.get("lookups") > lookups:  # a lookup really ran (not skipped as too short)
             reason = half.lookup_reason(info.req_id)
             # Only faults of the cache count as failing: a miss, or a hit the cost model declined
@@ -670,7 +713,7 @@ class KVFabricConnector(_VllmBase, _SupportsHMA):  # type: ignore[misc]
                 scheduled.append(sr_new)
                 continue
             scheduled.append(sr)
-        return StepInput(tuple(scheduled), step.finished_req_ids)
+        return dataclasses.replace(step, scheduled=tuple(scheduled))
 
     def take_events(self) -> list[Any]:
         """KV events (``BlockStored``/``BlockRemoved``, medium ``CPU``) since the last step."""
@@ -748,9 +791,33 @@ class KVFabricConnector(_VllmBase, _SupportsHMA):  # type: ignore[misc]
             return None, None
         return None, self._worker.take_finished_loads() or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Finished background loads (vLLM >= 0.32); with several KV cache groups also the failed ones.
+
+        vLLM takes a hybrid model's failed load only per request (``failed_recving``: it recomputes
+        the request from its start); block-level failures (``get_block_ids_with_load_errors``) it
+        refuses with several groups. A failed request is also finished (vLLM's contract).
+        """
+        if self._worker is None:
+            return _TransferResults()
+        if self._worker.plan is not None and self._worker.plan.request_level_failures:
+            done, failed = self._worker.take_load_results()
+            return _TransferResults(finished_recving=done, failed_recving=failed)
+        return _TransferResults(finished_recving=self._worker.take_finished_loads())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks vLLM must recompute (``kv_load_failure_policy="recompute"``)."""
-        return self.worker_half.take_load_errors()
+        """Blocks vLLM must recompute (``kv_load_failure_policy="recompute"``).
+
+        Never any with several KV cache groups (vLLM raises on them): those loads all run in the
+        background and fail per request (:meth:`get_transfer_results`).
+        """
+        errors = self.worker_half.take_load_errors()
+        plan = self.worker_half.plan
+        if errors and plan is not None and plan.request_level_failures:
+            log.error("kvfabric: %d failed blocks outside a background load cannot be reported", len(errors))
+            self.worker_half.counters.add("internal_error.unreportable_load_errors")
+            return set()
+        return errors
 
     def build_connector_worker_meta(self) -> KVFabricWorkerMetadata | None:
         """The step's forward and restore timing, for the scheduler half's cost model."""

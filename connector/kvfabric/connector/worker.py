@@ -35,7 +35,7 @@ import torch
 from kvfabric.connector import keys as keyslib
 from kvfabric.connector import layout
 from kvfabric.connector.datapath import DataPath, LoadResult
-from kvfabric.connector.groups import GroupPlan
+from kvfabric.connector.groups import GroupPlan, KindType
 from kvfabric.connector.hostpath import HostStagingPath
 from kvfabric.connector.hybridplan import NULL_BLOCK
 from kvfabric.connector.resilient import Counters, Reason, ResilientCache
@@ -180,12 +180,17 @@ class WorkerHalf:
             place = places.get(name)
             if place is None:
                 continue  # a layer of a group kvfabric does not store
-            want = self.plan.kinds[place[0]].block_size
-            got = layout.block_size_of(t)
-            if got != want:
+            kind = self.plan.kinds[place[0]]
+            if kind.type is KindType.STATE:  # [num_blocks, 1, 1, state bytes] int8, padded pages
+                counts.add(int(t.shape[0]))
+                continue
+            want = kind.block_size
+            blocks = layout.in_blocks_of(t, want)
+            if blocks is None:
+                got = layout.block_size_of(t)
                 self.disable(f"layer {name} has blocks of {got} tokens, its group's spec says {want}")
                 return
-            counts.add(int(t.shape[layout.block_dim_of(t)]))
+            counts.add(int(blocks.shape[0]))
         if len(counts) > 1:
             self.disable(f"the layers have different block counts {sorted(counts)}")
 
@@ -227,6 +232,29 @@ class WorkerHalf:
             self._fail_step("start_load_kv")
 
     def _start_load(self) -> None:
+        self._start_loads()
+        if self.plan is not None and self.plan.has_state:
+            # No hook runs before a recurrent layer: its state must be in place before the
+            # forward, and its saves cannot wait for layer 0's hook (layer 0 may be recurrent).
+            if self._loads_pending:
+                t0 = time.perf_counter()
+                self._finish_loads()
+                self.restore_s += time.perf_counter() - t0
+            self._begin_saves()
+
+    def _begin_saves(self) -> None:
+        """Prepare this step's saves (a request whose load failed this step saves nothing)."""
+        plan = self._plan
+        self._saved_layers = set()
+        if plan is None or not plan.saves or not self.datapath.num_layers or self.cache is None:
+            return
+        if self.disabled is not None:
+            return
+        # A request whose load failed computed this step on missing KV: saving it would poison
+        # the cache. The engine recomputes it in a later step, which saves it then.
+        self.datapath.begin_saves([s for s in plan.saves if s.req_id not in self._failed_reqs])
+
+    def _start_loads(self) -> None:
         t0 = time.perf_counter()
         self._step_t0, self._save_s, self._step_loads = t0, 0.0, []
         self.datapath.abandon_loads()
@@ -380,6 +408,19 @@ class WorkerHalf:
                 self._background_paths[ident] = path
         return path
 
+    def take_load_results(self) -> tuple[set[str], set[str]]:
+        """Return (and forget) the background loads that are over, and those of them that failed.
+
+        For engines that take a failed load per request (vLLM with several KV cache groups): the
+        request is recomputed from its start, so its failed blocks are not reported at all.
+        """
+        with self._results_lock:
+            done, self._background_done = self._background_done, set()
+            failed = {r for r in done if r in self._background_errors}
+            for r in failed:
+                del self._background_errors[r]
+            return done, failed
+
     def take_finished_loads(self) -> set[str]:
         """Return (and forget) the requests whose background load is over.
 
@@ -476,12 +517,9 @@ class WorkerHalf:
         idx = self._layer_index.get(layer_name)
         if idx is None:
             return
+        if idx == 0 and not (self.plan is not None and self.plan.has_state):
+            self._begin_saves()  # (with recurrent state: begun in start_load_kv)
         self._saved_layers.add(idx)
-        if idx == 0:
-            self._saved_layers = {0}
-            # A request whose load failed computed this step on missing KV: saving it would poison
-            # the cache. The engine recomputes it in a later step, which saves it then.
-            self.datapath.begin_saves([s for s in plan.saves if s.req_id not in self._failed_reqs])
         self.datapath.save_layer(idx, kv_layer)
 
     def wait_for_save(self) -> None:
@@ -492,6 +530,7 @@ class WorkerHalf:
         except Exception:
             log.exception("kvfabric step timing failed")
         try:
+            self._save_state_layers()
             layers, self._saved_layers = self._saved_layers, set()
             if len(layers) != self.datapath.num_layers:
                 # Some layer's hook did not run (e.g. a full CUDA-graph replay): the payloads are
@@ -505,6 +544,22 @@ class WorkerHalf:
             log.exception("kvfabric wait_for_save failed; this step stores nothing")
             self.counters.add("internal_error.wait_for_save")
             self.datapath.abandon_saves()
+
+    def _save_state_layers(self) -> None:
+        """Copy the recurrent layers' checkpoints out (after the forward that wrote them)."""
+        plan, gp = self._plan, self.plan
+        if gp is None or not gp.has_state or plan is None or not plan.saves or self.disabled is not None:
+            return
+        if self.cache is None or not self.datapath.num_layers:
+            return
+        for kind in gp.kinds:
+            if kind.type is not KindType.STATE:
+                continue
+            for name in kind.layer_names:
+                idx = self._layer_index.get(name)
+                if idx is not None:
+                    self.datapath.save_layer(idx, self._kv_caches[name])
+                    self._saved_layers.add(idx)
 
     def wait_for_stores(self, timeout: float) -> bool:
         """Wait until background stores are done (tests, shutdown); return whether they all finished."""

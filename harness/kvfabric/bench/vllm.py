@@ -608,7 +608,8 @@ def _hybrid_model(args: argparse.Namespace, env: Any, name: str) -> dict[str, An
         try:
             s3 = server("kvfabric_hybrid_manager_off", extra=["--disable-hybrid-kv-cache-manager"], dev=True)
         except (RuntimeError, TimeoutError) as exc:  # a model vLLM cannot serve without it
-            line["hybrid_off_error"] = str(exc).splitlines()[0][:200]
+            errors = [ln for ln in str(exc).splitlines() if "Error" in ln] or str(exc).splitlines()[:1]
+            line["hybrid_off_error"] = errors[0][-300:]  # the root cause vLLM logs first
         else:
             try:
                 line["kv_cache_tokens_kvfabric_hybrid_off"] = kv_cache_tokens(s3.logs())

@@ -29,6 +29,23 @@ long prompts (8k tokens); then, per mode, a fresh server on the same cache serve
 decodes while those prompts arrive one by one as kvfabric hits. Printed per mode: the decoders'
 gaps between streamed tokens while the loads ran (p50/p99/max) against their gaps before, and the
 hits' TTFT.
+
+``--model gemma3|gemma4|gptoss|mistral-swa|llama4``: instead, one tiny hybrid-attention model
+(:mod:`kvfabric.testing.hybridmodels`; several may be given, comma-separated) and what kvfabric
+costs or saves it. Per model, four vLLM servers in turn, all with the same KV memory
+(``VLLM_CPU_KVCACHE_SPACE``) and CPU binding:
+
+- **vLLM alone**: its KV cache capacity in tokens (the "KV cache size" vLLM logs);
+- **with kvfabric**: its capacity (the goal: equal to vLLM alone's, which vLLM gives only to a
+  connector that keeps its hybrid manager on); per prompt the **cold** TTFT (computed, stored)
+  and **vLLM's own prefix-cache hit**;
+- **with kvfabric, restarted**: the same prompts are **kvfabric hits after a restart**; the bytes
+  loaded per hit (``vllm:kvfabric_loaded_bytes``);
+- **with kvfabric, hybrid manager off** (``--disable-hybrid-kv-cache-manager``): its capacity, and
+  the bytes loaded per hit (prompts stored, then vLLM's prefix cache reset, then asked again), to
+  compare: with the manager on, window and local layers move only what they attend to.
+
+``--repeats`` prompts per model (default 3), medians with min and max.
 """
 
 from __future__ import annotations
@@ -37,11 +54,13 @@ import argparse
 import itertools
 import json
 import random
+import re
 import statistics
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +91,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--sessions", type=int, default=6, help="--chat: conversations, sent round-robin (default 6)"
     )
     parser.add_argument("--rounds", type=int, default=4, help="--chat: rounds per conversation (default 4)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="tiny hybrid model(s), comma-separated: gemma3, gemma4, gptoss, mistral-swa, llama4 "
+        "(default: the Llama length table)",
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=2048, help="--model: prompt length before the new turn"
+    )
     parser.add_argument(
         "--kv-blocks",
         type=int,
@@ -338,6 +366,8 @@ def run(args: argparse.Namespace) -> int:
         return run_chat(args)
     if args.co_running:
         return run_co_running(args)
+    if args.model:
+        return run_hybrid(args)
     from kvfabric.testing.serverproc import cache_server, wait_until
     from kvfabric.testing.vllmenv import BENCH, VllmServer, connector_config, make_tiny_model
     from kvfabric.testing.vllmenv import metric_sum as msum
@@ -419,3 +449,200 @@ def run(args: argparse.Namespace) -> int:
             },
         )
     return 0
+
+
+_KV_CACHE_SIZE = re.compile(r"KV cache size: ([\d,]+) tokens")
+
+
+def kv_cache_tokens(log: str) -> int | None:
+    """VLLM's logged KV cache capacity in tokens (the last "KV cache size: N tokens"), or None."""
+    found = _KV_CACHE_SIZE.findall(log)
+    return int(found[-1].replace(",", "")) if found else None
+
+
+def _settle(count: Any, floor: float, quiet_s: float = 3.0, patience_s: float = 60.0) -> float:
+    """Wait until the cache server's store counter ``count()`` stopped moving; return it.
+
+    A hybrid model stores one object per chunk and kind, so the number of objects is not known in
+    advance: stores are over when the counter stayed the same for ``quiet_s`` seconds, once it
+    reached ``floor`` (one object per chunk) or, failing that, after ``patience_s`` (a store may be
+    dropped: the caller reports the count).
+    """
+    start = time.monotonic()
+    last, since = count(), start
+    while True:
+        time.sleep(0.5)
+        now = count()
+        if now != last:
+            last, since = now, time.monotonic()
+            continue
+        quiet = time.monotonic() - since >= quiet_s
+        if quiet and (now >= floor or time.monotonic() - start >= patience_s):
+            return float(now)
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+def _loaded_by_kind(metrics: str) -> dict[str, float]:
+    """``vllm:kvfabric_loaded_bytes`` per ``kind`` label (``total``: every sample)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {"total": 0.0}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name in ("vllm:kvfabric_loaded_bytes", "vllm:kvfabric_loaded_bytes_total"):
+                kind = sample.labels.get("kind")
+                out["total"] += sample.value
+                if kind:
+                    out[kind] = out.get(kind, 0.0) + sample.value
+    return out
+
+
+# vLLM sizes a sliding-window group for the window plus one step's tokens, and reports its capacity
+# as the requests of max_model_len tokens that fit: the models' full context and 512-token steps
+# (the probes' settings) let the window layers' saving show.
+HYBRID_MAX_MODEL_LEN = 4096
+HYBRID_SERVER_ARGS = ["--max-num-batched-tokens", "512"]
+
+
+def run_hybrid(args: argparse.Namespace) -> int:
+    """``--model``: capacity, TTFT and bytes per hit of tiny hybrid models, with and without kvfabric."""
+    from kvfabric.testing import hybridmodels
+
+    names = [n.strip() for n in args.model.split(",") if n.strip()]
+    unknown = [n for n in names if n not in hybridmodels.MODELS]
+    if unknown:
+        print(f"--model: unknown {unknown}; known: {', '.join(hybridmodels.MODELS)}", file=sys.stderr)
+        return 2
+    env = _vllm_env()
+    if env is None:
+        return 2
+    for name in names:
+        _out(args, _hybrid_model(args, env, name))
+    return 0
+
+
+def _hybrid_model(args: argparse.Namespace, env: Any, name: str) -> dict[str, Any]:
+    """One model's four servers (see the module docstring); the result line."""
+    from kvfabric.testing import hybridmodels
+    from kvfabric.testing.serverproc import cache_server, wait_until
+    from kvfabric.testing.vllmenv import VllmServer, connector_config
+    from kvfabric.testing.vllmenv import metric_sum as msum
+
+    repeats = args.repeats or 3
+    n = args.prompt_tokens + SUFFIX
+    path = hybridmodels.build(env, hybridmodels.MODELS[name])
+    prompts = [hybridmodels.prompt_tokens(100 * i + 1, n) for i in range(repeats)]
+    off_prompts = [hybridmodels.prompt_tokens(100 * i + 2, n) for i in range(repeats)]
+    line: dict[str, Any] = {"model": name, "prompt_tokens": n, "vllm": env.installed_version()}
+    cold: list[float] = []
+    warm: list[float] = []
+    hit: list[float] = []
+    with (
+        tempfile.TemporaryDirectory(prefix=f"kvf-bench-{name}-") as tmp,
+        cache_server(server_id=f"bench-{name}", dram_bytes=1 << 30, local_disk_bytes=None) as srv,
+    ):
+        work = Path(tmp)
+        kv = connector_config(srv.config.listen.unix_socket, load_deadline_ms=30000, cost_model=False)
+
+        def server(
+            arm: str, *, with_cache: bool = True, extra: Sequence[str] = (), dev: bool = False
+        ) -> VllmServer:
+            s = VllmServer(
+                env,
+                path,
+                work / f"{arm}.log",
+                kv if with_cache else None,
+                [*HYBRID_SERVER_ARGS, *extra],
+                extra_env={"VLLM_SERVER_DEV_MODE": "1"} if dev else {},
+                max_model_len=HYBRID_MAX_MODEL_LEN,
+            )
+            t0 = time.monotonic()
+            s.start()
+            _out(
+                args,
+                {"event": "started", "model": name, "arm": arm, "startup_s": round(time.monotonic() - t0, 1)},
+            )
+            return s
+
+        def stored() -> float:
+            with urllib.request.urlopen(srv.metrics_url + "/metrics", timeout=10) as r:  # noqa: S310
+                return msum(r.read().decode(), "kvfabric_cache_stores")
+
+        alone = server("vllm_alone", with_cache=False)
+        alone.stop()
+        line["kv_cache_tokens_vllm_alone"] = kv_cache_tokens(alone.logs())
+
+        s1 = server("kvfabric")
+        try:
+            line["kv_cache_tokens_kvfabric"] = kv_cache_tokens(s1.logs())
+            line["hybrid_manager_kept"] = "turning off hybrid kv cache manager" not in s1.logs().lower()
+            for p in prompts:
+                cold.append(_ttft(s1, p))
+                warm.append(_ttft(s1, p))
+            # Stores run in the connector's background: let them land before vLLM stops.
+            line["objects_stored"] = _settle(stored, repeats * (n // 256))
+        finally:
+            s1.stop()
+
+        s2 = server("kvfabric_restarted")
+        try:
+            before = _loaded_by_kind(s2.metrics())
+            hit.extend(_ttft(s2, p) for p in prompts)
+            try:
+                wait_until(
+                    lambda: _loaded_by_kind(s2.metrics())["total"] > before["total"],
+                    60,
+                    what="the loads' counters",
+                )
+            except TimeoutError:  # nothing was loaded (a miss, or a worker that disabled itself)
+                line["warning"] = "no kvfabric loads after the restart: see the server log"
+            time.sleep(2.0)  # the last steps' statistics
+            moved = _delta(before, _loaded_by_kind(s2.metrics()))
+        finally:
+            s2.stop()
+
+        moved_off: dict[str, float] = {}
+        try:
+            s3 = server("kvfabric_hybrid_manager_off", extra=["--disable-hybrid-kv-cache-manager"], dev=True)
+        except (RuntimeError, TimeoutError) as exc:  # a model vLLM cannot serve without it
+            errors = [ln for ln in str(exc).splitlines() if "Error" in ln] or str(exc).splitlines()[:1]
+            line["hybrid_off_error"] = errors[0][-300:]  # the root cause vLLM logs first
+        else:
+            try:
+                line["kv_cache_tokens_kvfabric_hybrid_off"] = kv_cache_tokens(s3.logs())
+                stores0 = stored()
+                for p in off_prompts:
+                    s3.complete(p, 4)
+                line["objects_stored_hybrid_off"] = _settle(stored, stores0 + repeats * (n // 256)) - stores0
+                # vLLM's own prefix cache forgets the prompts (kvfabric's cache is not reset).
+                req = urllib.request.Request(s3.url + "/reset_prefix_cache", method="POST")  # noqa: S310
+                urllib.request.urlopen(req, timeout=30).close()  # noqa: S310 - loopback
+                before_off = _loaded_by_kind(s3.metrics())
+                for p in off_prompts:
+                    s3.complete(p, 4)
+                time.sleep(2.0)
+                moved_off = _delta(before_off, _loaded_by_kind(s3.metrics()))
+            finally:
+                s3.stop()
+    c, w, h = statistics.median(cold), statistics.median(warm), statistics.median(hit)
+    alone_tokens, with_tokens = line["kv_cache_tokens_vllm_alone"], line["kv_cache_tokens_kvfabric"]
+    per_hit = {k: round(v / repeats) for k, v in moved.items()}
+    per_hit.setdefault("total", 0)
+    per_hit_off = round(moved_off.get("total", 0.0) / repeats)
+    line.update(
+        {
+            "capacity_ratio": round(with_tokens / alone_tokens, 3) if alone_tokens and with_tokens else None,
+            "cold_s": _summary(cold),
+            "vllm_prefix_cache_s": _summary(warm),
+            "kvfabric_hit_after_restart_s": _summary(hit),
+            "kvfabric_vs_vllm_warm": round(h / w, 2),
+            "speedup_vs_cold": round(c / h, 1),
+            "bytes_per_hit": per_hit,
+            "bytes_per_hit_hybrid_off": per_hit_off,
+            "bytes_ratio_vs_hybrid_off": round(per_hit["total"] / per_hit_off, 3) if per_hit_off else None,
+        }
+    )
+    return line

@@ -4,9 +4,14 @@
 
 ``SPEC`` is ``{"model": dir, "kv_transfer": {...} | null, "llm": {...extra LLM kwargs},
 "requests": [{"id", "prompt": [ids], "max_tokens"}], "conversations": [{"id", "turns": [[ids]...],
-"max_tokens"}]}``. Requests run one at a time, in order, each greedy (``ignore_eos``); a
+"max_tokens"}], "batches": [[{"id", "prompt", "max_tokens"}, ...], ...], "metrics": bool}``.
+Requests run one at a time, in order, each greedy (``ignore_eos``); then each batch's requests are
+submitted together in one ``generate`` call (they run concurrently, sharing steps and blocks); a
 conversation's round r prompt is :func:`next_prompt` of round r-1. ``OUT`` gets ``{"outputs": {id:
-[ids]}, "cached": {id: n}, "conversations": {id: [[ids] per round]}, "version": ...}``.
+[ids]}, "cached": {id: n}, "conversations": {id: [[ids] per round]}, "version": ...,
+"hybrid_kv_cache_manager": bool, "kv_cache_blocks": n}``; with ``"metrics": true`` (statistics on)
+also ``"metrics"``: the Prometheus exposition of vLLM's metrics, kvfabric's ``vllm:kvfabric_*``
+included, read once they stopped changing.
 
 vLLM on CPU starts its engine core with ``spawn``, hence the ``__main__`` guard: without it the
 engine core re-imports this module and fails ("Engine core initialization failed").
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +54,8 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:  # pragma: no cover - runs ins
     }
     if spec.get("kv_transfer"):
         kwargs["kv_transfer_config"] = spec["kv_transfer"]
+    if spec.get("metrics"):
+        kwargs["disable_log_stats"] = False
     llm = LLM(**kwargs)
 
     def generate(prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
@@ -55,11 +63,29 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:  # pragma: no cover - runs ins
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
 
-    result: dict[str, Any] = {"outputs": {}, "cached": {}, "conversations": {}, "version": vllm.__version__}
+    config = llm.llm_engine.vllm_config
+    result: dict[str, Any] = {
+        "outputs": {},
+        "cached": {},
+        "conversations": {},
+        "version": vllm.__version__,
+        "hybrid_kv_cache_manager": not config.scheduler_config.disable_hybrid_kv_cache_manager,
+        "kv_cache_blocks": int(config.cache_config.num_gpu_blocks or 0),
+    }
     for req in spec.get("requests", []):
         tokens, cached = generate(list(req["prompt"]), int(req["max_tokens"]))
         result["outputs"][req["id"]] = tokens
         result["cached"][req["id"]] = cached
+    for batch in spec.get("batches", []):
+        params_list = [
+            SamplingParams(max_tokens=int(r["max_tokens"]), temperature=0.0, ignore_eos=True) for r in batch
+        ]
+        batch_outs = llm.generate(
+            [{"prompt_token_ids": list(r["prompt"])} for r in batch], params_list, use_tqdm=False
+        )
+        for r, out in zip(batch, batch_outs, strict=True):
+            result["outputs"][r["id"]] = list(out.outputs[0].token_ids)
+            result["cached"][r["id"]] = int(out.num_cached_tokens or 0)
     for conv in spec.get("conversations", []):
         outs: list[list[int]] = []
         prompt: list[int] = []
@@ -69,7 +95,34 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:  # pragma: no cover - runs ins
             outs.append(tokens)
             result["cached"][f"{conv['id']}/{r}"] = cached
         result["conversations"][conv["id"]] = outs
+    if spec.get("metrics"):
+        result["metrics"] = _settled_metrics(lambda: generate([3, 4, 5, 6], 1))
     return result
+
+
+def _settled_metrics(poke: Any, quiet_rounds: int = 3, timeout: float = 60.0) -> str:  # pragma: no cover
+    """VLLM's Prometheus text once kvfabric's counters stopped changing.
+
+    Stores finish in the connector's background and their counters travel with later steps'
+    statistics, so tiny requests (too short to store anything) keep steps coming until the
+    ``vllm:kvfabric_*`` samples have been the same ``quiet_rounds`` times in a row.
+    """
+    from prometheus_client import REGISTRY, generate_latest
+
+    def kvfabric_lines() -> list[str]:
+        text = generate_latest(REGISTRY).decode()
+        return [line for line in text.splitlines() if line.startswith("vllm:kvfabric")]
+
+    last: list[str] | None = None
+    same = 0
+    end = time.monotonic() + timeout
+    while same < quiet_rounds and time.monotonic() < end:
+        time.sleep(0.5)
+        poke()
+        now = kvfabric_lines()
+        same = same + 1 if now == last else 0
+        last = now
+    return str(generate_latest(REGISTRY).decode())
 
 
 def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - runs inside vLLM

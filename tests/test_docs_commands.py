@@ -57,7 +57,8 @@ def blocks(doc: Path) -> list[Block]:
         while i < len(lines) and not lines[i].strip().startswith("```"):
             body.append(lines[i][len(m.group(1)) :])
             i += 1
-        found.append(Block(doc, start + 1, m.group(2), "\n".join(body)))
+        # A shell line continued with a trailing backslash is one command.
+        found.append(Block(doc, start + 1, m.group(2), "\n".join(body).replace("\\\n", " ")))
         i += 1
     return found
 

@@ -64,7 +64,18 @@ def test_server_side_apply_twice_changes_nothing(cluster: ClusterHandle, crd: No
         )
         assert diff.returncode == 0, diff.stdout
     finally:
-        cluster.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-", input=text, check=False)
+        # Waited for: a later test that needs kvfabric-system (the kind overlay's dry run) must not
+        # find it still terminating.
+        cluster.kubectl(
+            "delete",
+            "--ignore-not-found",
+            "--wait=true",
+            "--timeout=180s",
+            "-f",
+            "-",
+            input=text,
+            check=False,
+        )
 
 
 @pytest.mark.cluster

@@ -178,9 +178,9 @@ def test_no_block_is_a_file_and_another_uid_cannot_take_the_servers_descriptors(
     key = digest("no-files")
     _store(srv, key, payload_for(key, 64 * 1024))
     sock = srv.config.listen.unix_socket
-    # The directory consumers mount holds the server's three sockets and nothing else.
+    # The directory consumers mount holds the server's four sockets and nothing else.
     here = {p.name for p in sock.parent.iterdir() if p.name.startswith(sock.name)}
-    assert here == {sock.name, sock.name + ".index", sock.name + ".blocks"}
+    assert here == {sock.name, sock.name + ".index", sock.name + ".blocks", sock.name + ".residency"}
     assert all(stat_is_socket(sock.parent / n) for n in here)
     # The hand-over socket (which gives a successor every block) is elsewhere: a directory only the
     # server's uid may enter, and a socket only it may connect to.
@@ -258,7 +258,7 @@ def test_through_the_read_only_mount_consumers_get_a_root_client_loads_but_canno
         from kvfabric.client import CacheClient
         with CacheClient("unix://{sock}", shared_memory=True) as c:
             assert c.load({NS!r}, [{key!r}], timeout=10) == [{payload!r}], "load through the mount"
-        for victim in ("{sock}", "{sock}.blocks", "{sock}.index"):
+        for victim in ("{sock}", "{sock}.blocks", "{sock}.index", "{sock}.residency"):
             try:
                 os.unlink(victim)
             except OSError as exc:

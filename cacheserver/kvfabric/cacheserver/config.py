@@ -581,8 +581,12 @@ class ServerConfig(_Model):
         return cls.model_validate(data)
 
     def to_yaml(self) -> str:
-        """Render as YAML, exactly as the operator writes it."""
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        """Render as YAML, as the operator writes it: only the fields that differ from their defaults.
+
+        So a server of the previous release reads the configuration of a newer operator (or harness)
+        as long as none of the newer fields is set: its model forbids fields it does not know.
+        """
+        return yaml.safe_dump(self.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
 
 
 def _is_loopback(host: str) -> bool:

@@ -160,8 +160,12 @@ def _listen(pool: KVCachePool, socket: str) -> dict[str, Any]:
 
 
 def config_yaml(config: server_config.ServerConfig) -> str:
-    """Return the ConfigMap payload: the model dumped to JSON-compatible data, as YAML."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=True)
+    """Return the ConfigMap payload: the fields that differ from their defaults, as YAML.
+
+    Defaults are left to the server, so a pool whose image is a release behind the operator still
+    starts (its configuration model forbids fields it does not know) unless the pool sets a newer one.
+    """
+    return yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True), sort_keys=True)
 
 
 def config_hash(text: str) -> str:

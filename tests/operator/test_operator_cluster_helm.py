@@ -294,9 +294,18 @@ def test_helm_install_upgrade_and_uninstall_with_the_operator_reconciling(
     # installing and removing the chart's would break test_operator_cluster_host_path_roots.py (and
     # the reverse). That test and the dry run above cover the policy; this one everything else.
     values = ("--set", "admission.enabled=false")
-    # The session's CRD (and any cluster-scoped object an earlier test left) is adopted, not refused.
+    # The session's CRD (and any cluster-scoped object an earlier test left, e.g. the CSI plugin's
+    # ClusterRoleBinding another test applied with its own field manager) is adopted, not refused.
     install = helm(
-        "install", "kvfabric", str(CHART), "-n", rel, "--create-namespace", "--take-ownership", *values
+        "install",
+        "kvfabric",
+        str(CHART),
+        "-n",
+        rel,
+        "--create-namespace",
+        "--take-ownership",
+        "--force-conflicts",
+        *values,
     )
     assert "STATUS: deployed" in install.stdout
     rendered = _by_key(_template(helm, "admission.enabled=false", namespace=rel))

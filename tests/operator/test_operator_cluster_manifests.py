@@ -39,7 +39,9 @@ def test_server_side_apply_twice_changes_nothing(cluster: ClusterHandle, crd: No
     text = yaml.safe_dump_all(rest)
     args = ("apply", "--server-side", "--field-manager=kvfabric-install", "-f", "-")
     try:
-        cluster.kubectl(*args, input=text)
+        # The first apply takes over what earlier tests of the session (or a Helm release) applied
+        # under other field managers; the second must then change nothing.
+        cluster.kubectl(*args, "--force-conflicts", input=text)
         versions = {
             (d["kind"], d["metadata"]["name"]): cluster.get_json(
                 d["kind"].lower(),

@@ -46,11 +46,16 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "kvfabric"
 
 
+def pins_digest(pins: dict[str, str], *scripts: Path) -> str:
+    """A short digest of ``pins`` and the build scripts that use them: a built tool's cache key."""
+    built_by = b"".join(s.read_bytes() for s in scripts)
+    return hashlib.sha256(json.dumps(pins, sort_keys=True).encode() + built_by).hexdigest()[:10]
+
+
 def pin_key() -> str:
     """A short digest of the pins and the build script, part of the cache directory's name."""
     here = Path(__file__).parent
-    script = (here / "build-binaries.sh").read_bytes() + (here / "go-progress.sh").read_bytes()
-    digest = hashlib.sha256(json.dumps(PINS, sort_keys=True).encode() + script).hexdigest()[:10]
+    digest = pins_digest(PINS, here / "build-binaries.sh", here / "go-progress.sh")
     return f"k8s-{KUBERNETES_VERSION}-{digest}"
 
 

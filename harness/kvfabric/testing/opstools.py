@@ -13,8 +13,6 @@ which the bootstrap installs; :func:`prometheus_binaries` finds them.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -23,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from kvfabric.localcluster.versions import cache_root
+from kvfabric.localcluster.versions import cache_root, pins_digest
 
 __all__ = [
     "HELM_VERSION",
@@ -52,9 +50,7 @@ class OpsToolsError(RuntimeError):
 
 def opstools_dir() -> Path:
     """Where the pinned tools live (they may not be built yet)."""
-    scripts = _SCRIPT.read_bytes() + _PROGRESS.read_bytes()
-    digest = hashlib.sha256(json.dumps(PINS, sort_keys=True).encode() + scripts).hexdigest()[:10]
-    return cache_root() / f"opstools-{digest}"
+    return cache_root() / f"opstools-{pins_digest(PINS, _SCRIPT, _PROGRESS)}"
 
 
 def helm_path() -> Path:

@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from kvfabric.testing.opstools import prometheus_binaries
-from kvfabric.testing.serverproc import free_port, wait_until
+from kvfabric.testing.serverproc import free_port, wait_http_ok, wait_until
 
 __all__ = ["PrometheusServer", "Target", "prometheus_server", "rules_without_delay"]
 
@@ -100,16 +100,7 @@ class PrometheusServer:
                 stderr=subprocess.STDOUT,
             )
 
-        def ready() -> bool:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited {self.proc.returncode}:\n{self.logs()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as r:  # noqa: S310
-                    return bool(r.status == 200)
-            except OSError:
-                return False
-
-        wait_until(ready, timeout, what="prometheus to be ready")
+        wait_http_ok(f"{self.url}/-/ready", self.proc, self.logs, timeout, "prometheus")
 
     def logs(self) -> str:
         """Prometheus' own log."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import secrets
@@ -38,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from kvfabric.localcluster.versions import cache_root
+from kvfabric.localcluster.versions import cache_root, pins_digest
 
 __all__ = [
     "PINS",
@@ -65,9 +64,7 @@ class S3BuildError(RuntimeError):
 
 def weed_path() -> Path:
     """Where the pinned ``weed`` binary lives (it may not be built yet)."""
-    scripts = _SCRIPT.read_bytes() + _PROGRESS.read_bytes()
-    digest = hashlib.sha256(json.dumps(PINS, sort_keys=True).encode() + scripts).hexdigest()[:10]
-    return cache_root() / f"seaweedfs-{digest}" / "bin" / "weed"
+    return cache_root() / f"seaweedfs-{pins_digest(PINS, _SCRIPT, _PROGRESS)}" / "bin" / "weed"
 
 
 def ensure_weed(*, quiet: bool = False) -> Path:

@@ -63,6 +63,24 @@ def wait_until(pred: Any, timeout: float = 30.0, interval: float = 0.05, what: s
         time.sleep(interval)
 
 
+def wait_http_ok(
+    url: str, proc: subprocess.Popen[bytes] | None, logs: Any, timeout: float, what: str
+) -> None:
+    """Poll ``url`` until it answers 200; raise (with ``logs()``'s tail) if ``proc`` exits first."""
+    import urllib.request
+
+    def ok() -> bool:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{logs()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:  # noqa: S310
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    wait_until(ok, timeout, what=f"{what} to answer {url}")
+
+
 class ServerProcess:
     """A cache-server subprocess and everything needed to talk to it."""
 
@@ -186,18 +204,7 @@ class ServerProcess:
 
     def wait_own_ready(self, timeout: float = 60.0) -> None:
         """Block until this server's own readiness probe says ready (raises if the process died)."""
-        import urllib.request
-
-        def ready() -> bool:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"cache server exited with {self.proc.returncode}:\n{self.logs()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.metrics_url}/readyz", timeout=1) as r:  # noqa: S310
-                    return bool(r.status == 200)
-            except OSError:
-                return False
-
-        wait_until(ready, timeout, what="the successor to be ready")
+        wait_http_ok(f"{self.metrics_url}/readyz", self.proc, self.logs, timeout, "cache server")
 
     def restart(self, timeout: float = 60.0) -> None:
         """Stop (if running) and start again on the same directories and ports."""

@@ -442,8 +442,11 @@ class ProbeServer:
             timeout = HTTP_TIMEOUT_SECONDS  # the socket's: a stalled client cannot hold a thread
 
             def do_POST(self) -> None:
-                if self.path.split("?", 1)[0] != "/query" or query is None:
+                if self.path.split("?", 1)[0] != "/query":
                     self._send(404, b"not found\n", "text/plain")
+                    return
+                if query is None:
+                    self._send(404, b"/query is off: set metrics.residency_query: true\n", "text/plain")
                     return
                 raw_length = (self.headers.get("Content-Length") or "").strip()
                 if not raw_length.isdigit():  # negative, or not a number: read(-1) would wait for EOF

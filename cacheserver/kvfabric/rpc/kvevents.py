@@ -50,7 +50,6 @@ __all__ = [
     "Scope",
     "decode_batch",
     "encode_batch",
-    "encode_event",
     "msgpack_decode",
     "msgpack_encode",
     "msgpack_prefix_decoder",
@@ -176,11 +175,6 @@ def _as_map(event: Event) -> dict[str, Any]:
             continue  # omit_defaults: every default is None
         out[name] = value
     return out
-
-
-def encode_event(event: Event) -> bytes:
-    """One event's msgpack bytes, as vLLM's msgspec class encodes it."""
-    return msgpack_encode(_as_map(event))
 
 
 def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int | None = None) -> bytes:

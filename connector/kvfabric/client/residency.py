@@ -54,10 +54,6 @@ class ResidencyFeedClient:
         self._out = bytearray()
         self._eof = False
 
-    def fileno(self) -> int:
-        """The socket's descriptor (for a caller's own ``select``)."""
-        return self._sock.fileno()
-
     def describe(self, key: str, meta: ChunkMeta | bytes) -> None:
         """Attach ``meta`` (or its :func:`~kvfabric.rpc.residency.encode_meta` bytes) to the chunk ``key``.
 

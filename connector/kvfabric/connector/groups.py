@@ -173,13 +173,6 @@ class GroupPlan:
         """One full-attention group: today's layout, namespace and keys, unchanged."""
         return self.num_groups == 1 and len(self.kinds) == 1 and self.kinds[0].type is KindType.FULL
 
-    def kind_of_group(self, group: int) -> int | None:
-        """The kind index of vLLM group ``group`` (None: not stored)."""
-        for i, kind in enumerate(self.kinds):
-            if group in kind.groups:
-                return i
-        return None
-
     def layer_places(self) -> dict[str, tuple[int, int, int]]:
         """Layer name -> (kind, position in the kind's body, position of its group in the kind)."""
         places: dict[str, tuple[int, int, int]] = {}

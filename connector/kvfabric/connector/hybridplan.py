@@ -7,15 +7,15 @@ chunk ``H//C``. Each span has one object per kind of the :class:`~kvfabric.conne
 (none where the kind stores no block of it, see :meth:`~kvfabric.connector.groups.Kind.stored_blocks`).
 
 A hit at ``H`` over a local prefix ``L`` is usable only if every kind can be restored there:
-:func:`needed_objects` lists the objects that takes, :func:`best_boundary` picks the largest
-candidate whose objects are all present (like vLLM's own coordinator, right to left: full
+:func:`needed_objects` lists the objects that takes; the scheduler picks the largest candidate
+whose objects are all present (like vLLM's own coordinator, right to left: full
 attention is prefix-closed, sliding windows and local chunks are not), and :func:`load_objects`
 checks the hit against the engine's block tables, never writing block 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvfabric.connector.groups import GroupPlan, KindType
@@ -81,16 +81,6 @@ def needed_objects(plan: GroupPlan, hit: int, local: int, chunk_tokens: int, blo
                 continue
             out.append(Need(span, k, max(first, span.start)))
     return out
-
-
-def best_boundary(
-    cands: Sequence[int], needs: Callable[[int], Sequence[str]], present: Mapping[str, bool]
-) -> int:
-    """The largest of ``cands`` whose needed keys are all present (0: none); unknown keys are absent."""
-    for hit in cands:
-        if all(present.get(key, False) for key in needs(hit)):
-            return hit
-    return 0
 
 
 @dataclass(frozen=True)

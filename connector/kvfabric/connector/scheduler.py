@@ -87,7 +87,6 @@ class _ReqState:
     # Hybrid models: the block table per KV cache group (groups[0] is block_ids), the hit's local
     # prefix, the tiers of the objects it reads, and the tokens up to which objects were planned.
     groups: list[list[int]] = field(default_factory=list)
-    hit_local: int = 0
     hit_tiers: list[str] = field(default_factory=list)
     planned_to: int = 0
     key_tiers: dict[str, str] = field(default_factory=dict)
@@ -363,7 +362,6 @@ class SchedulerHalf:
             declined = hit == 0
         st.hit_tiers = [tiers.get(k, "") for k in hit_keys]
         st.key_tiers = {k: tiers.get(k, "") for k in hit_keys}
-        st.hit_local = local
         # KV events name whole chunks of one group; per-kind objects wait for the group fields.
         st.absent = []
         st.last_reason = reason if reason is not None else (None if hit else Reason.NOT_FOUND)

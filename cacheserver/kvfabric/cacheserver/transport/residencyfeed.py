@@ -310,23 +310,6 @@ class ResidencyFeed:
                 if not subs:
                     del self._subs[sub.namespace]
 
-    def resident(self, namespace: str) -> dict[str, tuple[str, ...]]:
-        """Key -> tiers of every block of ``namespace`` (tests, the query endpoint)."""
-        with self._lock:
-            return {b.key: t for b, t in self._tiers.items() if b.namespace == namespace}
-
-    def meta_of(self, bid: BlockId) -> ChunkMeta | None:
-        """The metadata attached to ``bid``, if any."""
-        with self._lock:
-            raw = self._bins.get(bid)
-        return None if raw is None else decode_meta(raw)
-
-    @property
-    def subscribers(self) -> int:
-        """Open subscriptions."""
-        with self._lock:
-            return sum(len(s) for s in self._subs.values())
-
     def stats(self) -> tuple[int, int, int]:
         """Open subscriptions, records queued so far and pending metadata bytes (the metrics)."""
         with self._lock:
@@ -491,12 +474,6 @@ class FeedSocket:
         finally:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)  # wakes the reader: the connection is over
-
-    @property
-    def connections(self) -> int:
-        """Open connections."""
-        with self._lock:
-            return len(self._conns)
 
     def close(self) -> None:
         """Stop accepting, close every connection and remove the socket file."""

@@ -26,6 +26,8 @@ SPEC = NamespaceSpec("meta-llama/Llama-3.1-8B", "0e9e39f", "bfloat16", 32, 8, 12
 NS = SPEC.digest()
 OTHER = NamespaceSpec("meta-llama/Llama-3.1-8B", "0e9e39f", "float16", 32, 8, 128, 16, 256).digest()
 SIZE = 256 << 10
+# Write-backs must land whatever else fills this machine's disk (the tier refuses below 5 % free).
+ROOMY = {"tiers.local_disk.min_free_fraction": 0.0}
 # What connectors send: bytes and integer hashes, a parent, extra keys (salt, multimodal), LoRA.
 METAS = [
     ChunkMeta((b"\x01" * 32, b"\x02" * 32), None, tuple(range(8)), 4),
@@ -68,7 +70,7 @@ class Follower:
 
 @pytest.fixture
 def srv() -> Iterator[ServerProcess]:
-    with cache_server(dram_bytes=8 * MiB, local_disk_bytes=64 * MiB) as s:
+    with cache_server(dram_bytes=8 * MiB, local_disk_bytes=64 * MiB, overrides=ROOMY) as s:
         yield s
 
 
@@ -119,7 +121,9 @@ def test_names_kept_with_disk_copies_survive_a_sigkill_and_stay_in_their_namespa
     finally:
         other.close()
     # Another pool's server (its own directories, as the operator renders them) has none of them.
-    with cache_server(server_id="other", dram_bytes=8 * MiB, local_disk_bytes=64 * MiB) as pool_b:
+    with cache_server(
+        server_id="other", dram_bytes=8 * MiB, local_disk_bytes=64 * MiB, overrides=ROOMY
+    ) as pool_b:
         h = Follower(pool_b)
         try:
             assert h.tiers == {}

@@ -1,6 +1,6 @@
 """The upgrade promise of the block format: version-1 headers (written before generations) still read,
 as generation 0 — an upgraded server keeps the blocks an older one left on its volumes, and a later
-delete supersedes them, across a restart too."""
+delete supersedes them, across a restart too. A block without names is still written as version 2."""
 
 from __future__ import annotations
 
@@ -14,12 +14,17 @@ import xxhash
 from kvfabric.cacheserver.engine.blockfile import (
     HEADER_SIZE,
     MAGIC,
+    MAX_META_BYTES,
     BlockHeader,
     CorruptBlock,
+    aligned_buffer,
     pack_header,
     payload_checksum,
+    read_block_into,
     read_header,
+    read_meta,
     unpack_header,
+    write_block,
 )
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.ttl import bucket_of
@@ -100,3 +105,62 @@ def test_an_upgraded_server_serves_version_1_blocks_and_a_delete_supersedes_them
             client.close()
         finally:
             srv.stop()
+
+
+V2 = struct.Struct("<8sHH32s32sQ16sdqQ")
+
+
+def test_a_block_without_names_is_written_as_version_2_and_one_with_names_is_verified_apart(
+    tmp_path: Path,
+) -> None:
+    """Blocks without names keep the version-2 bytes (a server before names reads them); names after
+    the payload are bound to the header and checked on their own: damaged, they are dropped, and the
+    payload still reads."""
+    bid = BlockId(NS, digest("named"))
+    payload = payload_for(bid.key, 10_000)
+    plain = pack_header(BlockHeader(bid, len(payload), payload_checksum(payload), 1.5, 2, gen=7))
+    body = V2.pack(
+        MAGIC,
+        2,
+        0,
+        bytes.fromhex(NS),
+        bytes.fromhex(bid.key),
+        len(payload),
+        payload_checksum(payload),
+        1.5,
+        2,
+        7,
+    )
+    assert plain == (body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))).ljust(HEADER_SIZE, b"\0")
+
+    names = b"\x93names" * 100
+    path = tmp_path / bid.filename
+    header = write_block(tmp_path, path, bid, payload, created_at=1.5, bucket=2, gen=7, meta=names)
+    assert header is not None
+    assert path.stat().st_size == HEADER_SIZE + len(payload) + len(names) == header.file_size
+    assert read_header(path) == header
+    assert read_meta(path, header) == names
+    buf = aligned_buffer(len(payload))
+    try:
+        read_block_into(path, bid, memoryview(buf), length=len(payload))
+        assert buf[: len(payload)] == payload
+    finally:
+        buf.close()
+    # The header checksum covers the names' length and checksum.
+    raw = bytearray(path.read_bytes())
+    raw[V2.size] ^= 1  # the first byte of meta_len
+    with pytest.raises(CorruptBlock):
+        unpack_header(bytes(raw[:HEADER_SIZE]))
+    # Damaged names are dropped; the header and the payload still verify.
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(bytes(raw))
+    assert read_meta(path, read_header(path)) is None
+    buf = aligned_buffer(len(payload))
+    try:
+        read_block_into(path, bid, memoryview(buf), length=len(payload))
+        assert buf[: len(payload)] == payload
+    finally:
+        buf.close()
+    with pytest.raises(ValueError, match="names"):
+        write_block(tmp_path, path, bid, payload, created_at=1.5, bucket=2, meta=bytes(MAX_META_BYTES + 1))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -79,7 +80,9 @@ def follow() -> Iterator[Callable[[ServerProcess], Follower]]:
 
 @pytest.fixture
 def srv() -> Iterator[ServerProcess]:
-    with cache_server(dram_bytes=8 * MiB, local_disk_bytes=64 * MiB) as s:
+    # Write-backs must land whatever else fills this machine's disk (the tier refuses below 5 % free).
+    roomy = {"tiers.local_disk.min_free_fraction": 0.0}
+    with cache_server(dram_bytes=8 * MiB, local_disk_bytes=64 * MiB, overrides=roomy) as s:
         yield s
 
 
@@ -118,11 +121,15 @@ def test_store_write_back_metadata_eviction_and_delete_each_reach_every_subscrib
         metrics = _get(srv.metrics_url + "/metrics")
         assert "kvfabric_residency_subscribers 2.0" in metrics
         assert "kvfabric_residency_records_total" in metrics
-        # Every key's last word is its current residency: the feed and the server agree.
+        # Every key's last word is its current residency: the feed and the server agree. Every
+        # store was written back (64 MiB of disk holds all 41), so every key is on disk; DRAM holds
+        # what its 8 MiB kept, and the feed says which, as the server's lookup does.
+        a.until(lambda: all("local_disk" in a.tiers.get(k, ()) for k in others), "every write-back")
         time.sleep(0.5)
         a.pump()
-        lookup = client.lookup(NS, [*others], timeout=10)
-        assert lookup.matched >= 1
+        lookup = client.lookup(NS, others, timeout=10)
+        assert lookup.matched == len(others)
+        assert lookup.tiers == ["dram" if "dram" in a.tiers[k] else "local_disk" for k in others]
     # Stores, removals and metadata in the one order: no subscriber saw a removal of a tier it
     # was never told the key was stored in.
     for f in (a, b):
@@ -135,7 +142,7 @@ def test_store_write_back_metadata_eviction_and_delete_each_reach_every_subscrib
 
 
 def test_ttl_expiry_removes_the_disk_copy(follow: Callable[[ServerProcess], Follower]) -> None:
-    overrides = {"ttl_seconds": 2, "bucket_seconds": 1}
+    overrides = {"ttl_seconds": 2, "bucket_seconds": 1, "tiers.local_disk.min_free_fraction": 0.0}
     with cache_server(dram_bytes=64 * MiB, local_disk_bytes=64 * MiB, overrides=overrides) as srv:
         f = follow(srv)
         key = digest("expiring")
@@ -169,17 +176,56 @@ def test_a_restart_is_a_new_epoch_whose_snapshot_has_lost_dram(
     assert g.tiers == {key: {"local_disk"}}
 
 
+def _error_for(srv: ServerProcess, *messages: list[Any]) -> str:
+    """The error the feed answers ``messages`` with (each fault names its own field)."""
+    import socket
+
+    from kvfabric.rpc.residency import FrameReader
+
+    reader = FrameReader()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(residency_socket_for(srv.config.listen.unix_socket)))
+        s.sendall(b"".join(frame(m) for m in messages))
+        while True:
+            data = s.recv(65536)
+            assert data, "the feed hung up without an error"
+            for reply in reader.feed(data):
+                if reply[0] == "error":
+                    return str(reply[1])
+
+
 def test_bad_requests_get_an_error_naming_what_is_wrong(
     srv: ServerProcess, follow: Callable[[ServerProcess], Follower]
 ) -> None:
-    import socket
-
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(5)
-        s.connect(str(residency_socket_for(srv.config.listen.unix_socket)))
-        s.sendall(frame(["sub", "not-a-namespace"]))
-        reply = s.recv(4096)
-    assert b"namespace" in reply
+    sub: list[Any] = ["sub", NS]
+    key = digest("k")
+    errors = {
+        "first kind": _error_for(srv, ["meta", key, b""]),
+        "sub arity": _error_for(srv, ["sub", NS, "extra"]),
+        "sub type": _error_for(srv, ["sub", 7]),
+        "sub hex": _error_for(srv, ["sub", "not-a-namespace"]),
+        "later kind": _error_for(srv, sub, ["sub", NS]),
+        "meta arity": _error_for(srv, sub, ["meta", key]),
+        "key type": _error_for(srv, sub, ["meta", 7, b""]),
+        "key hex": _error_for(srv, sub, ["meta", "k", b""]),
+        "meta type": _error_for(srv, sub, ["meta", key, "not bytes"]),
+        "extra keys": _error_for(
+            srv, sub, ["meta", key, msgpack_encode([[1], None, bytes(8), 2, ["salt"], None, None])]
+        ),
+    }
+    assert errors.pop("meta type").startswith("meta: msgpack bytes (a bin) of the chunk's")
+    assert errors == {
+        "first kind": "message kind: the first message is [\"sub\", <namespace>], not 'meta'",
+        "sub arity": 'sub message: ["sub", <namespace>], not 3 fields',
+        "sub type": "sub namespace: a string of 64 hex digits",
+        "sub hex": "sub namespace: namespace must be 64 lower-case hex characters, got 'not-a-namespace'",
+        "later kind": 'message kind: after "sub" only "meta" messages are read, not \'sub\'',
+        "meta arity": 'meta message: ["meta", <key>, <meta>], not 2 fields',
+        "key type": "meta key: a string of 64 hex digits",
+        "key hex": "meta key: key must be 64 lower-case hex characters, got 'k'",
+        "extra keys": "meta.extra_keys: each entry an array or nil",
+    }
     f = follow(srv)
     f.client.describe(digest("k"), ChunkMeta((1,), None, (1, 2), 2))
     f.client._out += frame(["meta", digest("k"), msgpack_encode([[1], None, bytes(8), 0, None, None, None])])
@@ -215,7 +261,7 @@ def _query(srv: ServerProcess, body: object) -> tuple[int, object]:
 def test_the_query_endpoint_answers_matched_tokens_per_tier(
     follow: Callable[[ServerProcess], Follower],
 ) -> None:
-    overrides = {"metrics.residency_query": True}
+    overrides = {"metrics.residency_query": True, "tiers.local_disk.min_free_fraction": 0.0}
     with cache_server(dram_bytes=64 * MiB, local_disk_bytes=64 * MiB, overrides=overrides) as srv:
         f = follow(srv)
         keys = [digest("q", i) for i in range(3)]

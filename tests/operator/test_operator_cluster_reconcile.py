@@ -408,3 +408,47 @@ def test_disabling_metrics_prunes_the_metrics_service(
         message="status without metrics Service",
     )
     assert pool["metadata"]["generation"] == 2
+
+
+def test_routing_events_render_the_router_configmap_and_turning_them_off_prunes_it(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess
+) -> None:
+    """What an operator pipes into llm-d's EPP: ``kubectl get cm <pool>-router`` on the real API server."""
+    doc = sample()
+    doc["spec"].setdefault("consumers", {})["routingEvents"] = {
+        "port": 6556,
+        "replayPort": 6557,
+        "modelName": "llama-8b",
+    }
+    cluster.apply(doc, namespace=namespace)
+    router = names.router_configmap_name("pool-a")
+
+    def epp_config() -> dict[str, Any] | None:
+        got = cluster.kubectl(
+            "get",
+            "configmap",
+            router,
+            "-n",
+            namespace,
+            "-o",
+            "jsonpath={.data.epp-config\\.yaml}",
+            check=False,
+        )
+        return yaml.safe_load(got.stdout) if got.returncode == 0 and got.stdout.strip() else None
+
+    config = wait_for(epp_config, timeout=30, message="the router ConfigMap")
+    assert config is not None
+    by_type = {p["type"]: p for p in config["plugins"]}
+    assert by_type["token-producer"]["parameters"]["modelName"] == "llama-8b"
+    discovery = by_type["precise-prefix-cache-producer"]["parameters"]["kvEventsConfig"]["podDiscoveryConfig"]
+    assert (discovery["socketPort"], discovery["replaySocketPort"]) == (6556, 6557)
+    owner = cluster.get_json("configmap", router, "-n", namespace)["metadata"]["ownerReferences"]
+    assert [(o["kind"], o["name"]) for o in owner] == [("KVCachePool", "pool-a")]
+    # Turned off: the router ConfigMap goes, the server's configuration stays.
+    cluster.kubectl(
+        "patch", "kvp", "pool-a", "-n", namespace, "--type=json",
+        "-p", '[{"op":"remove","path":"/spec/consumers/routingEvents"}]',
+    )  # fmt: skip
+    wait_for(lambda: epp_config() is None, timeout=30, message="the router ConfigMap pruned")
+    got = cluster.kubectl("get", "configmap", names.configmap_name("pool-a"), "-n", namespace, check=False)
+    assert got.returncode == 0

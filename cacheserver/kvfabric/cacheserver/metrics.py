@@ -52,6 +52,11 @@ _ENGINE_COUNTERS: dict[str, tuple[str, str, str]] = {
         "Block writes abandoned before their rename: a newer copy or a delete of the key is known",
         "1",
     ),
+    "meta_failures": (
+        "kvfabric.cache.names_dropped",
+        "Chunk names read back from a block file that failed their checksum: dropped, the block still serves",
+        "1",
+    ),
     "bytes_written": ("kvfabric.cache.tier_written", "Payload bytes written back to a disk tier", "By"),
     "stores": ("kvfabric.cache.stores", "Blocks stored into DRAM", "1"),
     "adopted_blocks": (

@@ -248,6 +248,9 @@ async def serve(
     if not store.set_listener(_listeners(publisher, feed)):
         log.warning("a tier cannot report index changes: same-node lookups go over RPC, no residency feed")
         publisher = feed = None
+    if feed is not None:
+        # The local disk keeps each chunk's names with its copy; its scan hands them back to the feed.
+        store.set_names(feed.encoded, feed.restore)
     sock = config.listen.unix_socket
     handover_path = _handover_path(config) if config.handover.enabled else None
     # A predecessor still serving on this node (a rolling update's old pod) hands over its DRAM

@@ -50,6 +50,7 @@ __all__ = [
     "Scope",
     "decode_batch",
     "encode_batch",
+    "extra_key_tuples",
     "msgpack_decode",
     "msgpack_encode",
     "msgpack_prefix_decoder",
@@ -230,7 +231,9 @@ def _build(cls: type, values: dict[str, Any]) -> Event:
         lora_id=values["lora_id"],
         medium=values["medium"],
         lora_name=values["lora_name"],
-        extra_keys=None if extra is None else tuple(None if k is None else _tuples(k) for k in extra),
+        extra_keys=None
+        if extra is None
+        else tuple(None if k is None else extra_key_tuples(k) for k in extra),
         group_idx=values["group_idx"],
         kv_cache_spec_kind=values["kv_cache_spec_kind"],
         kv_cache_spec_sliding_window=values["kv_cache_spec_sliding_window"],
@@ -240,9 +243,14 @@ def _build(cls: type, values: dict[str, Any]) -> Event:
     )
 
 
-def _tuples(items: list[Any]) -> tuple[Any, ...]:
-    """Arrays inside ``extra_keys`` back to the tuples vLLM built them from."""
-    return tuple(_tuples(i) if isinstance(i, list) else i for i in items)
+def extra_key_tuples(items: Any, field: str = "extra_keys") -> tuple[Any, ...]:
+    """One block's ``extra_keys`` entry as msgpack decodes it (arrays) back to the tuples vLLM built.
+
+    :class:`DecodeError` naming ``field`` for an entry that is not an array.
+    """
+    if not isinstance(items, list):
+        raise DecodeError(f"{field}: each entry an array or nil")
+    return tuple(extra_key_tuples(i, field) if isinstance(i, list) else i for i in items)
 
 
 # ------------------------------------------------------------------------------------------- msgpack

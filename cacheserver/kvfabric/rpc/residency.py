@@ -32,7 +32,13 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from kvfabric.rpc.kvevents import DecodeError, msgpack_decode, msgpack_encode, msgpack_prefix_decoder
+from kvfabric.rpc.kvevents import (
+    DecodeError,
+    extra_key_tuples,
+    msgpack_decode,
+    msgpack_encode,
+    msgpack_prefix_decoder,
+)
 from kvfabric.rpc.kvledger import ChunkMeta
 
 __all__ = [
@@ -143,7 +149,9 @@ def meta_from_wire(raw: Any) -> ChunkMeta:
         parent_block_hash=parent,
         token_ids=tuple(tokens),
         block_size=block_size,
-        extra_keys=None if extra is None else tuple(None if k is None else _tuples(k) for k in extra),
+        extra_keys=None
+        if extra is None
+        else tuple(None if k is None else extra_key_tuples(k, "meta.extra_keys") for k in extra),
         lora_name=lora_name,
         lora_id=lora_id,
     )
@@ -158,12 +166,6 @@ def meta_head(raw: bytes) -> tuple[tuple[Any, ...], Any]:
     if not isinstance(hashes, list):
         raise DecodeError("meta.block_hashes: an array")
     return tuple(hashes), parent
-
-
-def _tuples(items: Any) -> tuple[Any, ...]:
-    if not isinstance(items, list):
-        raise ValueError("meta.extra_keys: each entry an array or nil")
-    return tuple(_tuples(i) if isinstance(i, list) else i for i in items)
 
 
 def encode_meta(meta: ChunkMeta) -> bytes:

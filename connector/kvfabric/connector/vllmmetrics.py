@@ -11,6 +11,10 @@ deltas since the previous step, taken from the connector's :class:`~kvfabric.con
 them). vLLM's own ``vllm:external_prefix_cache_hits`` counts the promise at admission, before the
 load, so under faults only these two are exact.
 
+``vllm:kvfabric_node_cache_serving`` (a gauge, per engine) is 1 while the node's cache server
+answers the engine's Unix socket as serving, 0 while it is stopped, killed or restarting
+(:mod:`kvfabric.connector.nodehealth`): a router can steer around the node without kvfabric code.
+
 vLLM is imported conditionally, as in :mod:`kvfabric.connector.vllm`.
 """
 
@@ -23,7 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfabric.connector.nodehealth import NodeServingProbe
 from kvfabric.connector.resilient import Counters
+from kvfabric.connector.settings import ConnectorSettings
 
 try:  # pragma: no cover - depends on the environment
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -201,6 +207,24 @@ class KVFabricPromMetrics(_VllmPromMetrics):  # type: ignore[misc]
             documentation="Every kvfabric connector counter (lookups, misses by reason, stores, ...)",
             labelnames=[*labels, "event"],
         )
+        self.node_probe: NodeServingProbe | None = None
+        socket = node_socket_of(vllm_config)
+        if socket is not None:
+            serving = self._gauge_cls(
+                name="vllm:kvfabric_node_cache_serving",
+                documentation="1 while the node's kvfabric cache server serves this engine's Unix socket, "
+                "0 while it is stopped, killed or restarting",
+                labelnames=labels,
+                multiprocess_mode="mostrecent",
+            )
+
+            def set_all(up: bool) -> None:
+                for values in self.per_engine_labelvalues.values():
+                    serving.labels(*[str(v) for v in values]).set(1 if up else 0)
+
+            set_all(False)  # until the first probe says otherwise
+            self.node_probe = NodeServingProbe(socket, set_all)
+            self.node_probe.start()
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Add one interval's payload to the metrics of engine ``engine_idx``."""
@@ -218,6 +242,17 @@ class KVFabricPromMetrics(_VllmPromMetrics):  # type: ignore[misc]
             else:  # a key with a metric of its own is not repeated as an event (a byte count among
                 # event counts inflated every sum over vllm:kvfabric_events)
                 self._events.labels(*values, name).inc(value)
+
+
+def node_socket_of(vllm_config: Any) -> str | None:
+    """The node cache server's Unix socket the engine's connector uses (settings), or None."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+    try:
+        settings = ConnectorSettings.load(extra)
+    except ValueError:  # the connector itself refuses these settings, naming the field
+        return None
+    return settings.socket if settings.enabled else None
 
 
 # kvfabric tier -> vLLM's CacheHitSource value (``prompt_tokens_cached_by_source``): the node's DRAM

@@ -40,7 +40,7 @@ from kvfabric.operator.status import Event, Observed, compute_status, strip_time
 log = logging.getLogger("kvfabric.operator.reconcile")
 
 # Kinds a pool may own and that are pruned when no longer rendered (e.g. metrics disabled).
-_PRUNABLE: Final = ("Service", "PersistentVolumeClaim")
+_PRUNABLE: Final = ("Service", "PersistentVolumeClaim", "ConfigMap")
 PoolKey = tuple[str, str]  # (namespace, name)
 
 

@@ -17,6 +17,7 @@ tombstone of its key. That is how the ordering invariant holds on every tier.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -24,6 +25,7 @@ from kvfabric.cacheserver.engine.ids import BlockId
 
 __all__ = [
     "BackingTier",
+    "KeepsNames",
     "MissReason",
     "ReadResult",
     "Tier",
@@ -220,6 +222,33 @@ class ConfirmsPresence(Protocol):
 
     def confirm(self, bid: BlockId) -> bool:
         """Whether the indexed copy of ``bid`` is still there (dropping the entry when it is not)."""
+        ...
+
+
+@runtime_checkable
+class KeepsNames(Protocol):
+    """A backing tier that keeps a chunk's names with its copy, across restarts (the local disk).
+
+    The names are the residency metadata a connector attached to the chunk (encoded, at most
+    64 KiB): a write-back hands them over with the payload, and the tier's start-up scan hands the
+    names of every copy it indexed, verified, to ``on_meta``, so the residency feed serves them
+    again after a restart.
+    """
+
+    on_meta: Callable[[BlockId, bytes], None] | None
+
+    def write(
+        self,
+        bid: BlockId,
+        payload: memoryview,
+        *,
+        gen: int,
+        bucket: int,
+        created_at: float,
+        checksum: bytes,
+        meta: bytes | None = None,
+    ) -> bool:
+        """:meth:`BackingTier.write`, with the chunk's names (None: it has none)."""
         ...
 
 

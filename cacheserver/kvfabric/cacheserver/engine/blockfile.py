@@ -1,4 +1,4 @@
-r"""The on-disk block format: a 4 KiB header, then the payload.
+r"""The on-disk block format: a 4 KiB header, the payload, then the chunk's names (optional).
 
 Layout (little-endian), padded with zeros to :data:`HEADER_SIZE` so the payload starts on an
 O_DIRECT-aligned offset::
@@ -13,11 +13,21 @@ O_DIRECT-aligned offset::
     created_at d    shared-volume time (seconds) when the block was written
     bucket     q    TTL bucket at write time (the directory is authoritative after a refresh)
     generation Q    the copy's generation (version 2; see ordering.py) — version 1 headers read as 0
+    meta_len   I    bytes of the names after the payload (version 3 only)
+    meta_sum   Q    xxh3-64 of those bytes (version 3 only)
     header_sum Q    xxh3-64 of every header byte before this field
 
+A block written with names (the residency metadata a connector attached: the engine's block hashes,
+tokens, extra keys; :mod:`kvfabric.rpc.residency`) carries them after the payload, at most
+:data:`MAX_META_BYTES`, and a version-3 header; one without them is written exactly as version 2, so
+an older server still reads it. The names are checksummed by ``meta_sum``, which the header checksum
+covers: they are bound to this header (namespace, key, generation, payload checksum) and verified
+apart from the payload, so names that fail their check are dropped while the payload still serves
+(it has its own checksum; the names only tell routers what the block is).
+
 Blocks are written to a temporary name, fsynced and renamed into place, so a reader never sees half a
-block. The payload checksum is verified on every read; the header checksum lets the start-up scan trust
-a header without reading the payload.
+block (payload and names alike). The payload checksum is verified on every read; the header checksum
+lets the start-up scan trust a header without reading the payload.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ __all__ = [
     "ALIGN",
     "FORMAT_VERSION",
     "HEADER_SIZE",
+    "MAX_META_BYTES",
     "BlockHeader",
     "CorruptBlock",
     "DestinationFailed",
@@ -48,16 +59,22 @@ __all__ = [
     "read_block_into",
     "read_block_to_fd",
     "read_header",
+    "read_meta",
     "unpack_header",
     "write_block",
 ]
 
 MAGIC = b"KVFBLK\x00\x01"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+"""The newest version this code writes (only for a block with names; version 2 otherwise)."""
 HEADER_SIZE = 4096
 ALIGN = 4096
+MAX_META_BYTES = 64 << 10
+"""The most names one block carries (the residency feed's bound on one chunk's metadata)."""
 _FMT_V1 = struct.Struct("<8sHH32s32sQ16sdq")
-_FMT = struct.Struct("<8sHH32s32sQ16sdqQ")
+_FMT_V2 = struct.Struct("<8sHH32s32sQ16sdqQ")
+_FMT = struct.Struct("<8sHH32s32sQ16sdqQIQ")
+_FORMATS = {1: _FMT_V1, 2: _FMT_V2, 3: _FMT}
 _VERSION = struct.Struct("<8sH")
 _SUM = struct.Struct("<Q")
 # Largest single read/write request. A 32 MiB chunk is read in one O_DIRECT request, which the kernel
@@ -79,19 +96,20 @@ class BlockHeader:
     created_at: float
     bucket: int
     gen: int = 0
+    meta_length: int = 0
+    """Bytes of names after the payload (0: none)."""
+    meta_sum: int = 0
+    """xxh3-64 of the names."""
 
     @property
     def file_size(self) -> int:
         """Size of the whole block file."""
-        return HEADER_SIZE + self.length
+        return HEADER_SIZE + self.length + self.meta_length
 
 
 def pack_header(h: BlockHeader) -> bytes:
-    """Encode a header into exactly :data:`HEADER_SIZE` bytes."""
-    body = _FMT.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        0,
+    """Encode a header into exactly :data:`HEADER_SIZE` bytes (version 2 unless it has names)."""
+    fields = (
         bytes.fromhex(h.bid.namespace),
         bytes.fromhex(h.bid.key),
         h.length,
@@ -100,6 +118,10 @@ def pack_header(h: BlockHeader) -> bytes:
         h.bucket,
         h.gen,
     )
+    if h.meta_length:
+        body = _FMT.pack(MAGIC, 3, 0, *fields, h.meta_length, h.meta_sum)
+    else:  # what servers before names wrote, so one of them still reads it
+        body = _FMT_V2.pack(MAGIC, 2, 0, *fields)
     body += _SUM.pack(xxhash.xxh3_64_intdigest(body))
     return body.ljust(HEADER_SIZE, b"\0")
 
@@ -109,19 +131,25 @@ def unpack_header(data: bytes | memoryview) -> BlockHeader:
     if len(data) < _FMT.size + _SUM.size:
         raise CorruptBlock("short header")
     magic, version = _VERSION.unpack_from(data)
-    fmt = _FMT_V1 if version == 1 else _FMT
+    fmt = _FORMATS.get(version, _FMT)
     body = bytes(data[: fmt.size])
     (want,) = _SUM.unpack_from(data, fmt.size)
     if xxhash.xxh3_64_intdigest(body) != want:
         raise CorruptBlock("header checksum mismatch")
-    if magic != MAGIC or version not in (1, FORMAT_VERSION):
+    if magic != MAGIC or version not in _FORMATS:
         raise CorruptBlock(f"bad magic/version {magic!r}/{version}")
-    gen = 0
+    gen = meta_length = meta_sum = 0
     if version == 1:  # written before generations: older than any copy stored since
         _m, _v, _flags, ns, key, length, checksum, created_at, bucket = fmt.unpack(body)
-    else:
+    elif version == 2:
         _m, _v, _flags, ns, key, length, checksum, created_at, bucket, gen = fmt.unpack(body)
-    return BlockHeader(BlockId(ns.hex(), key.hex()), length, checksum, created_at, bucket, gen)
+    else:
+        *fields, meta_length, meta_sum = fmt.unpack(body)
+        _m, _v, _flags, ns, key, length, checksum, created_at, bucket, gen = fields
+        if meta_length > MAX_META_BYTES:
+            raise CorruptBlock(f"names of {meta_length} bytes (at most {MAX_META_BYTES})")
+    bid = BlockId(ns.hex(), key.hex())
+    return BlockHeader(bid, length, checksum, created_at, bucket, gen, meta_length, meta_sum)
 
 
 def payload_checksum(data: bytes | bytearray | memoryview | mmap.mmap) -> bytes:
@@ -140,8 +168,9 @@ def write_block(
     checksum: bytes | None = None,
     gen: int = 0,
     commit: Callable[[Path, Path], bool] | None = None,
+    meta: bytes | None = None,
 ) -> BlockHeader | None:
-    """Write a block atomically and durably.
+    """Write a block atomically and durably (with ``meta``, its names, after the payload).
 
     Temp file in ``tmp_dir`` (same filesystem), fsync, rename, fsync of the directory. ``commit``
     replaces the plain rename: it renames ``tmp`` to ``final`` itself, or returns False to abandon the
@@ -151,6 +180,9 @@ def write_block(
     Returns the header written. On any error the temporary file is removed and the error re-raised.
     """
     view = memoryview(payload).cast("B")
+    meta = meta or b""
+    if len(meta) > MAX_META_BYTES:
+        raise ValueError(f"names of {len(meta)} bytes (at most {MAX_META_BYTES})")
     header = BlockHeader(
         bid=bid,
         length=len(view),
@@ -158,12 +190,16 @@ def write_block(
         created_at=created_at,
         bucket=bucket,
         gen=gen,
+        meta_length=len(meta),
+        meta_sum=xxhash.xxh3_64_intdigest(meta) if meta else 0,
     )
     tmp = tmp_dir / f"{os.urandom(8).hex()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         _write_all(fd, memoryview(pack_header(header)), 0)
         _write_all(fd, view, HEADER_SIZE)
+        if meta:
+            _write_all(fd, memoryview(meta), HEADER_SIZE + len(view))
         os.fsync(fd)
         os.close(fd)
         fd = -1
@@ -236,6 +272,22 @@ def read_header(path: Path) -> BlockHeader:
     if size != header.file_size:
         raise CorruptBlock(f"file is {size} bytes, header says {header.file_size}")
     return header
+
+
+def read_meta(path: Path, header: BlockHeader) -> bytes | None:
+    """The names after ``header``'s payload in ``path``, verified; None if it has none or they fail.
+
+    Names that fail their checksum (or are cut short) are dropped, never returned: the payload, which
+    has its own checksum, still serves. ``FileNotFoundError`` if the file is gone.
+    """
+    if not header.meta_length:
+        return None
+    with open(path, "rb", buffering=0) as f:
+        f.seek(HEADER_SIZE + header.length)
+        meta = f.read(header.meta_length)
+    if len(meta) != header.meta_length or xxhash.xxh3_64_intdigest(meta) != header.meta_sum:
+        return None
+    return meta
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:

@@ -5,7 +5,8 @@ Layout under the tier's root::
     buckets/<bucket>/<namespace>_<key>.blk   block files (see blockfile.py), one directory per TTL bucket
     tmp/<server_id>/<random>.tmp             blocks being written (renamed into a bucket when complete)
 
-The index lives in memory and is rebuilt at start-up from block headers only. Reads verify both
+The index lives in memory and is rebuilt at start-up from block headers only (and the names a block
+carries after its payload, handed to ``on_meta``: the residency feed serves them again). Reads verify both
 checksums; a block that fails is deleted, counted and reported as a miss (with a reason: corrupt,
 stale, stale-handle, io-error). Ordering: every entry carries its copy's generation; a write commits
 (renames into place) only if no newer copy is indexed and no newer delete is known, checked under the
@@ -43,6 +44,7 @@ from kvfabric.cacheserver.engine.blockfile import (
     read_block_into,
     read_block_to_fd,
     read_header,
+    read_meta,
     write_block,
 )
 from kvfabric.cacheserver.engine.faults import IoFaults
@@ -64,14 +66,16 @@ class DiskEntry:
 
     bucket: int
     size: int
-    """Whole file size (header + payload)."""
+    """Whole file size (header + payload + names)."""
     gen: int = 0
     """Generation of the copy (block header)."""
+    meta_size: int = 0
+    """Bytes of the names after the payload."""
 
     @property
     def length(self) -> int:
         """Payload bytes."""
-        return self.size - HEADER_SIZE
+        return self.size - HEADER_SIZE - self.meta_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +149,8 @@ class DiskTier:
         self._index: OrderedDict[BlockId, DiskEntry] = OrderedDict()
         self.on_change: Callable[[list[BlockId]], None] | None = None
         """Called with a block whenever the index gains or loses it (the published index listens)."""
+        self.on_meta: Callable[[BlockId, bytes], None] | None = None
+        """Called by :meth:`scan` with the names a block file carries (verified), after indexing it."""
         # Lock-free contains() for the lookup hot path: the index's own C-level membership test (128
         # keys per lookup; a Python method around it cost 4x). Atomic under the GIL; a moment stale at
         # worst, which a lookup tolerates (the load that follows re-checks under the lock).
@@ -175,7 +181,7 @@ class DiskTier:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(e.path)
                 removed_tmp += 1
-        found: list[tuple[BlockId, int, int, float, int]] = []
+        found: list[tuple[BlockId, int, BlockHeader]] = []
         for bdir in os.scandir(self.buckets_dir):
             if bdir.name.startswith(EXPIRED_PREFIX):
                 # A bucket claimed for expiry by a server that died mid-delete: finish the job.
@@ -205,10 +211,11 @@ class DiskTier:
                         os.unlink(f.path)
                     continue
                 self.generations.observe(header.gen)
-                found.append((bid, bucket, header.file_size, header.created_at, header.gen))
-        found.sort(key=lambda t: (t[1], t[3]))  # oldest first: LRU order approximated by age
+                found.append((bid, bucket, header))
+        found.sort(key=lambda t: (t[1], t[2].created_at))  # oldest first: LRU order approximated by age
         with self._lock:
-            for bid, bucket, size, _, gen in found:
+            for bid, bucket, header in found:
+                gen = header.gen
                 old = self._index.get(bid)
                 if old is not None:
                     # Two copies (a concurrent write into another bucket): keep the newer one.
@@ -218,12 +225,35 @@ class DiskTier:
                     if old.gen > gen:
                         continue
                     self._drop_locked(bid)
-                self._add_locked(bid, DiskEntry(bucket, size, gen))
+                self._add_locked(bid, DiskEntry(bucket, header.file_size, gen, header.meta_length))
+        if self.on_meta is not None:
+            self._restore_meta([(bid, bucket, h) for bid, bucket, h in found if h.meta_length])
         log.info(
             "tier index rebuilt",
             extra={"tier": self.name, "blocks": len(found), "removed_tmp": removed_tmp, "used": self._used},
         )
         return len(found)
+
+    def _restore_meta(self, named: list[tuple[BlockId, int, BlockHeader]]) -> None:
+        """Hand ``on_meta`` the names of the indexed copies among ``named`` that pass their check.
+
+        Names that fail it are dropped and counted (``meta_failures``); the block still serves: its
+        payload has its own checksum, and the names only tell routers what it is.
+        """
+        assert self.on_meta is not None
+        for bid, bucket, header in named:
+            entry = self._index.get(bid)
+            if entry is None or entry.bucket != bucket or entry.gen != header.gen:
+                continue  # the other copy of two won
+            try:
+                meta = read_meta(self._path(bid, bucket), header)
+            except OSError:
+                meta = None
+            if meta is None:
+                log.warning("dropping a block's names that fail their checksum", extra={"key": bid.key})
+                self.counters.inc("meta_failures", self.name)
+                continue
+            self.on_meta(bid, meta)
 
     def reap_stale_tmp(self, older_than_s: float, clock_of: Callable[[str], float | None]) -> int:
         """Remove temp files older than ``older_than_s`` seconds (left by servers that died mid-write).
@@ -434,17 +464,18 @@ class DiskTier:
         bucket: int,
         created_at: float,
         checksum: bytes,
+        meta: bytes | None = None,
     ) -> bool:
-        """Write a copy of generation ``gen`` atomically into ``bucket``.
+        """Write a copy of generation ``gen`` atomically into ``bucket`` (``meta``: its names).
 
         False if it does not fit (budget or disk full), or if a newer copy or delete of the key is
         known when it would commit: the final rename happens under the commit lock after re-checking
         both, and a copy left in another bucket is removed with it.
         """
-        return (
-            self.write_header(bid, payload, gen=gen, bucket=bucket, created_at=created_at, checksum=checksum)
-            is not None
+        header = self.write_header(
+            bid, payload, gen=gen, bucket=bucket, created_at=created_at, checksum=checksum, meta=meta
         )
+        return header is not None
 
     def write_header(
         self,
@@ -455,10 +486,12 @@ class DiskTier:
         bucket: int,
         created_at: float,
         checksum: bytes | None = None,
+        meta: bytes | None = None,
     ) -> BlockHeader | None:
         """:meth:`write`, returning the header written (None when refused)."""
         length = memoryview(payload).nbytes
-        size = HEADER_SIZE + length
+        meta_size = len(meta) if meta else 0
+        size = HEADER_SIZE + length + meta_size
         if not self._fresh(bid, gen):
             return None
         if not self._reserve(size):
@@ -477,7 +510,7 @@ class DiskTier:
                     old = self._index.get(bid)
                     if old is not None and old.bucket != bucket:
                         stale_copy.append(self._path(bid, old.bucket))
-                    self._add_locked(bid, DiskEntry(bucket, size, gen))
+                    self._add_locked(bid, DiskEntry(bucket, size, gen, meta_size))
                 for p in stale_copy:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(p)
@@ -498,6 +531,7 @@ class DiskTier:
                     checksum=checksum,
                     gen=gen,
                     commit=commit,
+                    meta=meta,
                 )
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -656,7 +690,7 @@ class DiskTier:
         with self._lock:
             cur = self._index.get(bid)
             if cur is not None and cur.bucket == old_bucket:
-                self._add_locked(bid, DiskEntry(bucket, cur.size, cur.gen))
+                self._add_locked(bid, DiskEntry(bucket, cur.size, cur.gen, cur.meta_size))
         return True
 
     def expire_bucket(self, bucket: int) -> list[BlockId] | None:

@@ -39,6 +39,7 @@ from kvfabric.cacheserver.engine.base import (
     BackingTier,
     ClosesForSuccessor,
     ConfirmsPresence,
+    KeepsNames,
     MissReason,
     Quiesces,
     ReadsIntoFiles,
@@ -129,6 +130,7 @@ class TieredStore:
             on_delete=self._deleted_elsewhere,
         )
         self.backing: tuple[BackingTier, ...] = tuple(backing(ctx))
+        self._names_of: Callable[[BlockId], bytes | None] | None = None  # set_names()
         self.tiers: tuple[Tier, ...] = (self.dram, *self.backing)
         self._has = tuple((tier.name, tier.has) for tier in self.tiers)
         self._has_rest = self._has[1:]
@@ -185,6 +187,20 @@ class TieredStore:
         for target in targets:
             target.on_change = on_change
         return True
+
+    def set_names(
+        self, names_of: Callable[[BlockId], bytes | None], restore: Callable[[BlockId, bytes], None]
+    ) -> None:
+        """Keep chunks' names with their copies in the tiers that can (before start()).
+
+        A write-back into such a tier (:class:`~kvfabric.cacheserver.engine.base.KeepsNames`: the
+        local disk) writes ``names_of(bid)`` (the residency feed's encoded metadata, or None) with
+        the payload; its start-up scan hands each copy's names back to ``restore(bid, names)``.
+        """
+        self._names_of = names_of
+        for tier in self.backing:
+            if isinstance(tier, KeepsNames):
+                tier.on_meta = restore
 
     def tier_of(self, bid: BlockId) -> str | None:
         """The fastest tier indexing ``bid`` now (index only), or None."""
@@ -556,9 +572,22 @@ class TieredStore:
                     held = tier.generation(job.bid)
                     if held is not None and held >= gen:
                         continue  # this copy, or a newer one, is there already
-                    if not tier.write(
-                        job.bid, view, gen=gen, bucket=bucket, created_at=now, checksum=checksum
-                    ):
+                    if isinstance(tier, KeepsNames) and self._names_of is not None:
+                        # Looked up now, not when queued: names that arrived meanwhile are kept too.
+                        written = tier.write(
+                            job.bid,
+                            view,
+                            gen=gen,
+                            bucket=bucket,
+                            created_at=now,
+                            checksum=checksum,
+                            meta=self._names_of(job.bid),
+                        )
+                    else:
+                        written = tier.write(
+                            job.bid, view, gen=gen, bucket=bucket, created_at=now, checksum=checksum
+                        )
+                    if not written:
                         self.counters.inc("dropped_writebacks", tier.name)
                         continue
                     self.counters.inc("bytes_written", tier.name, job.handle.length)

@@ -13,8 +13,10 @@ tokens, ``extra_keys``, LoRA) to the chunks they store; the feed keeps it while 
 chunk (metadata for a chunk not resident yet waits in a table bounded in entries and bytes, the
 oldest dropped first, and only for a namespace the server knows) and sends it with every
 ``stored`` record, so an engine can announce a chunk its sibling stored. One chunk's metadata is at
-most :data:`~kvfabric.rpc.residency.MAX_META_BYTES`. The metadata lives in memory: after a restart,
-chunks on disk are re-described by the connectors that remember them.
+most :data:`~kvfabric.rpc.residency.MAX_META_BYTES`. The local disk keeps each chunk's metadata with
+its copy (:meth:`ResidencyFeed.encoded` is what a write-back writes; the start-up scan hands it back
+to :meth:`ResidencyFeed.restore`), so after a restart the snapshot names what the disk kept; chunks
+written before their metadata arrived are re-described by the connectors that remember them.
 
 :class:`FeedSocket` serves it on a Unix stream socket beside the gRPC socket
 (:func:`kvfabric.rpc.residency.residency_socket_for`), same exposure as the index socket (mode
@@ -152,10 +154,11 @@ class ResidencyFeed:
         self._lock = threading.Lock()
         self._tiers: dict[BlockId, tuple[str, ...]] = {}
         # Metadata is kept encoded (about 1.6 KiB for 256 tokens, sent as is with every record),
-        # plus what :meth:`match` walks by: the content key, the chunk's token count, its last hash.
-        self._bins: dict[BlockId, bytes] = {}
-        self._walk: dict[BlockId, _Walk] = {}
-        self._pending: OrderedDict[BlockId, tuple[_Walk, bytes]] = OrderedDict()  # oldest first
+        # with what :meth:`match` walks by: the content key, the chunk's token count, its last hash.
+        self._names: dict[BlockId, _Names] = {}
+        self._pending: OrderedDict[BlockId, _Names] = OrderedDict()  # oldest first
+        self.restore_failures = 0
+        """Metadata read back from disk that did not decode (dropped)."""
         self._subs: dict[str, set[Subscription]] = {}
         # (namespace, parent hash, digest of the tokens, LoRA) -> the resident block they name, for
         # plain-text chunks (no extra keys), and per namespace the token lengths chunks have.
@@ -177,16 +180,16 @@ class ResidencyFeed:
                         self._resident_per_ns[bid.namespace] = self._resident_per_ns.get(bid.namespace, 0) + 1
                     self._tiers[bid] = now
                     if bid in self._pending:
-                        self._set_meta(bid, *self._pop_pending(bid))
+                        self._set_meta(bid, self._pop_pending(bid))
                 else:
                     del self._tiers[bid]
                     left = self._resident_per_ns.pop(bid.namespace) - 1
                     if left:
                         self._resident_per_ns[bid.namespace] = left
-                    self._set_meta(bid, None, None)
+                    self._set_meta(bid, None)
                 subs = self._subs.get(bid.namespace)
                 if subs:
-                    raw = self._bins.get(bid)
+                    raw = self._raw(bid)
                     changes = [Change("stored", bid.key, t, meta_bin=raw) for t in now if t not in prev]
                     changes += [Change("removed", bid.key, t) for t in prev if t not in now]
                     frames = [frame(c.to_wire()) for c in changes]
@@ -208,14 +211,14 @@ class ResidencyFeed:
                     return
                 if bid in self._pending:
                     self._pop_pending(bid)
-                self._pending[bid] = (_walk_of(bid.namespace, meta), raw)
+                self._pending[bid] = _names_of(bid.namespace, meta, raw)
                 self.pending_bytes += len(raw) + _OVERHEAD
                 while len(self._pending) > self._max_pending or self.pending_bytes > self._max_pending_bytes:
                     self._pop_pending(next(iter(self._pending)))
                 return
-            if self._bins.get(bid) == raw:
+            if self._raw(bid) == raw:
                 return
-            self._set_meta(bid, _walk_of(bid.namespace, meta), raw)
+            self._set_meta(bid, _names_of(bid.namespace, meta, raw))
             subs = self._subs.get(bid.namespace)
             if subs:
                 frames = [frame(Change("stored", bid.key, t, meta_bin=raw).to_wire()) for t in tiers]
@@ -223,15 +226,38 @@ class ResidencyFeed:
                 for sub in subs:
                     sub.push(frames)
 
-    def _pop_pending(self, bid: BlockId) -> tuple[_Walk, bytes]:
-        walk, raw = self._pending.pop(bid)
-        self.pending_bytes -= len(raw) + _OVERHEAD
-        return walk, raw
+    def encoded(self, bid: BlockId) -> bytes | None:
+        """``bid``'s metadata as a connector sent it, while a tier holds it (what the disk keeps)."""
+        return self._raw(bid)
 
-    def _set_meta(self, bid: BlockId, walk: _Walk | None, raw: bytes | None) -> None:
+    def restore(self, bid: BlockId, raw: bytes) -> None:
+        """Attach metadata kept with ``bid``'s copy on disk (the start-up scan).
+
+        Metadata that does not decode is dropped and counted (:attr:`restore_failures`), never
+        served: the chunk is then announced only once a connector describes it again.
+        """
+        try:
+            if len(raw) > MAX_META_BYTES:
+                raise ValueError(f"meta: at most {MAX_META_BYTES} bytes per chunk, this one {len(raw)}")
+            meta = decode_meta(raw)
+        except ValueError as exc:
+            self.restore_failures += 1
+            log.warning("dropping metadata read back from disk", extra={"key": bid.key, "error": str(exc)})
+            return
+        self.describe(bid, meta, raw)
+
+    def _raw(self, bid: BlockId) -> bytes | None:
+        names = self._names.get(bid)
+        return None if names is None else names.raw
+
+    def _pop_pending(self, bid: BlockId) -> _Names:
+        names = self._pending.pop(bid)
+        self.pending_bytes -= len(names.raw) + _OVERHEAD
+        return names
+
+    def _set_meta(self, bid: BlockId, names: _Names | None) -> None:
         """Attach (or with None drop) ``bid``'s metadata, keeping the content index equal to it."""
-        old = self._walk.pop(bid, None)
-        self._bins.pop(bid, None)
+        old = self._names.pop(bid, None)
         if old is not None and old.content is not None:
             if self._by_content.get(old.content) == bid:
                 del self._by_content[old.content]
@@ -241,13 +267,12 @@ class ResidencyFeed:
                 del lengths[old.tokens]
                 if not lengths:
                     del self._lengths[bid.namespace]
-        if walk is None or raw is None:
+        if names is None:
             return
-        self._walk[bid] = walk
-        self._bins[bid] = raw
-        if walk.content is not None:
-            self._by_content[walk.content] = bid
-            self._lengths.setdefault(bid.namespace, Counter())[walk.tokens] += 1
+        self._names[bid] = names
+        if names.content is not None:
+            self._by_content[names.content] = bid
+            self._lengths.setdefault(bid.namespace, Counter())[names.tokens] += 1
 
     def match(self, namespace: str, token_ids: list[int], lora_name: str | None = None) -> dict[str, int]:
         """Tokens of the longest prefix of ``token_ids`` resident per tier, and in any tier (``any``).
@@ -272,7 +297,7 @@ class ResidencyFeed:
                         if bid is not None:
                             break
                 tiers = self._tiers.get(bid) if bid is not None else None
-                walk = self._walk.get(bid) if bid is not None else None
+                walk = self._names.get(bid) if bid is not None else None
                 if tiers is None or walk is None:
                     break
                 alive = set(tiers) if alive is None else alive & set(tiers)
@@ -290,7 +315,7 @@ class ResidencyFeed:
             frames = [frame(["hello", self.epoch, namespace])]
             for bid, tiers in self._tiers.items():
                 if bid.namespace == namespace:
-                    raw = self._bins.get(bid)
+                    raw = self._raw(bid)
                     frames += [frame(Change("stored", bid.key, t, meta_bin=raw).to_wire()) for t in tiers]
             frames.append(frame(["synced"]))
             self.records += len(frames) - 2
@@ -405,12 +430,9 @@ class FeedSocket:
                     return
                 messages = reader.feed(data)
             first, rest = messages[0], messages[1:]
-            namespace = _namespace_of(first)
-            if namespace is None or not self.authorize(namespace, peer_of(conn)):
-                _send_error(
-                    conn,
-                    'the first message must be ["sub", <namespace: 64 hex>] for a namespace you may read',
-                )
+            namespace = _namespace_of(first)  # ValueError naming what is wrong
+            if not self.authorize(namespace, peer_of(conn)):
+                _send_error(conn, f"sub namespace: this process may not follow {namespace}")
                 return
             sub = self.feed.subscribe(namespace)
             sender = threading.Thread(target=self._send, args=(conn, sub), name="residency-send", daemon=True)
@@ -450,8 +472,12 @@ class FeedSocket:
                 del self._by_peer[peer]
 
     def _handle(self, namespace: str, message: list[Any]) -> None:
-        if message[0] != "meta" or len(message) != 3 or not isinstance(message[1], str):
-            raise ValueError('after the subscription only ["meta", <key: 64 hex>, <meta>] messages are read')
+        if message[0] != "meta":
+            raise ValueError(f'message kind: after "sub" only "meta" messages are read, not {message[0]!r}')
+        if len(message) != 3:
+            raise ValueError(f'meta message: ["meta", <key>, <meta>], not {len(message)} fields')
+        if not isinstance(message[1], str):
+            raise ValueError("meta key: a string of 64 hex digits")
         try:
             bid = BlockId.parse(namespace, message[1])
         except InvalidId as exc:
@@ -495,9 +521,13 @@ _ContentKey = tuple[str, Any, bytes, str | None]
 
 
 @dataclass(frozen=True, slots=True)
-class _Walk:
-    """What :meth:`ResidencyFeed.match` needs of a chunk (its decoded metadata is not kept)."""
+class _Names:
+    """A chunk's metadata as sent (``raw``), and what :meth:`ResidencyFeed.match` walks by.
 
+    The decoded metadata is not kept: only the content key, the token count and the last hash.
+    """
+
+    raw: bytes
     content: _ContentKey | None  # None: a chunk the query must never match
     tokens: int
     last_hash: Any
@@ -507,21 +537,26 @@ def _tokens_digest(tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(array("I", tokens).tobytes(), digest_size=16).digest()
 
 
-def _walk_of(namespace: str, meta: ChunkMeta) -> _Walk:
+def _names_of(namespace: str, meta: ChunkMeta, raw: bytes) -> _Names:
     plain = meta.extra_keys is None or all(k is None or k == (meta.lora_name,) for k in meta.extra_keys)
     content = (
         (namespace, meta.parent_block_hash, _tokens_digest(meta.token_ids), meta.lora_name) if plain else None
     )
-    return _Walk(content, len(meta.token_ids), meta.block_hashes[-1])
+    return _Names(raw, content, len(meta.token_ids), meta.block_hashes[-1])
 
 
-def _namespace_of(message: list[Any]) -> str | None:
-    if message[0] != "sub" or len(message) != 2 or not isinstance(message[1], str):
-        return None
+def _namespace_of(message: list[Any]) -> str:
+    """The namespace a ``["sub", <namespace>]`` message follows; ValueError naming what is wrong."""
+    if message[0] != "sub":
+        raise ValueError(f'message kind: the first message is ["sub", <namespace>], not {message[0]!r}')
+    if len(message) != 2:
+        raise ValueError(f'sub message: ["sub", <namespace>], not {len(message)} fields')
+    if not isinstance(message[1], str):
+        raise ValueError("sub namespace: a string of 64 hex digits")
     try:
         BlockId.parse(message[1], "0" * 64)
-    except InvalidId:
-        return None
+    except InvalidId as exc:
+        raise ValueError(f"sub namespace: {exc}") from None
     return message[1]
 
 

@@ -1,4 +1,4 @@
-"""Render a pool's children: ConfigMap, DaemonSet, node-local Service, metrics Service, shared PVC.
+"""Render a pool's children: ConfigMaps, DaemonSet, node-local Service, metrics Service, shared PVC.
 
 Each function returns a complete server-side-apply body: every field the operator owns is present,
 fields it does not care about are absent (so other managers, e.g. an autoscaler, may own them).
@@ -18,6 +18,7 @@ from kvfabric.cacheserver import config as server_config
 from kvfabric.operator.api.v1alpha1 import POOL_LABEL, KVCachePool, LabelSelector
 from kvfabric.operator.quantity import QuantityError, format_bytes, to_bytes
 from kvfabric.operator.render import names
+from kvfabric.operator.render.router import router_data
 
 _GiB: Final = 1 << 30
 _MiB: Final = 1 << 20
@@ -662,6 +663,19 @@ def render_shared_claim(pool: KVCachePool) -> dict[str, Any] | None:
     }
 
 
+def render_router_configmap(pool: KVCachePool) -> dict[str, Any] | None:
+    """The ConfigMap ``<pool>-router`` (llm-d's and Dynamo's router settings); None without routing events."""
+    data = router_data(pool)
+    if data is None:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(pool, names.router_configmap_name(pool.name), "router-config"),
+        "data": data,
+    }
+
+
 def render_children(pool: KVCachePool) -> RenderedChildren:
     """Return every child ``pool`` should have; raise :class:`ConfigError` for an unusable spec."""
     text = config_yaml(build_server_config(pool))
@@ -677,4 +691,7 @@ def render_children(pool: KVCachePool) -> RenderedChildren:
     claim = render_shared_claim(pool)
     if claim is not None:
         objects.append(claim)
+    router = render_router_configmap(pool)
+    if router is not None:
+        objects.append(router)
     return RenderedChildren(config_hash=revision, objects=objects)

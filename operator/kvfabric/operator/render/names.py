@@ -134,6 +134,11 @@ def configmap_name(pool: str) -> str:
     return f"{pool}-config"
 
 
+def router_configmap_name(pool: str) -> str:
+    """Return the ConfigMap holding the router configuration (a pool with routing events)."""
+    return f"{pool}-router"
+
+
 def daemonset_name(pool: str) -> str:
     """Return the DaemonSet running one cache server per selected node."""
     return f"{pool}-cache"

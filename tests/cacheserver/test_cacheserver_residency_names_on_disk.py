@@ -1,0 +1,153 @@
+"""A chunk's names (the residency metadata a connector attaches) are kept with its local-disk copy.
+
+After a SIGKILL and a restart, a fresh subscriber's snapshot names the chunks the disk kept exactly
+as the connector sent them, with no connector describing them again; names that fail their checksum
+are dropped while the block still serves; another namespace on the server, and another pool's server
+(its own directories), never see them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvfabric.client import CacheClient
+from kvfabric.client.residency import FeedMessage, ResidencyFeedClient
+from kvfabric.connector.keys import NamespaceSpec
+from kvfabric.rpc.kvledger import ChunkMeta
+from kvfabric.rpc.residency import Change, residency_socket_for
+from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
+
+pytestmark = [pytest.mark.process, pytest.mark.slow]
+
+SPEC = NamespaceSpec("meta-llama/Llama-3.1-8B", "0e9e39f", "bfloat16", 32, 8, 128, 16, 256)
+NS = SPEC.digest()
+OTHER = NamespaceSpec("meta-llama/Llama-3.1-8B", "0e9e39f", "float16", 32, 8, 128, 16, 256).digest()
+SIZE = 256 << 10
+# Write-backs must land whatever else fills this machine's disk (the tier refuses below 5 % free).
+ROOMY = {"tiers.local_disk.min_free_fraction": 0.0}
+# What connectors send: bytes and integer hashes, a parent, extra keys (salt, multimodal), LoRA.
+METAS = [
+    ChunkMeta((b"\x01" * 32, b"\x02" * 32), None, tuple(range(8)), 4),
+    ChunkMeta((7, 8), 6, tuple(range(100, 108)), 4, extra_keys=(("salt",), None), lora_name="a", lora_id=3),
+    ChunkMeta((b"h",), b"\x02" * 32, (5, 6, 7, 2**32 - 1), 4, extra_keys=((("mm", 0),),)),
+]
+
+
+class Follower:
+    """A subscriber to one namespace: each key's tiers and names as the feed says."""
+
+    def __init__(self, srv: ServerProcess, namespace: str = NS) -> None:
+        self.client = ResidencyFeedClient(residency_socket_for(srv.config.listen.unix_socket), namespace)
+        self.log: list[FeedMessage] = []
+        self.tiers: dict[str, set[str]] = {}
+        self.metas: dict[str, ChunkMeta | None] = {}
+        self.until(lambda: ("synced", None) in self.log, "the snapshot")
+
+    def pump(self) -> None:
+        for message in self.client.read(0.05):
+            self.log.append(message)
+            if isinstance(message, Change):
+                tiers = self.tiers.setdefault(message.key, set())
+                if message.op == "stored":
+                    tiers.add(message.tier)
+                    self.metas[message.key] = message.meta
+                else:
+                    tiers.discard(message.tier)
+
+    def until(self, pred: object, what: str, timeout: float = 30.0) -> None:
+        def check() -> bool:
+            self.pump()
+            return bool(pred())  # type: ignore[operator]
+
+        wait_until(check, timeout=timeout, what=what)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@pytest.fixture
+def srv() -> Iterator[ServerProcess]:
+    with cache_server(dram_bytes=8 * MiB, local_disk_bytes=64 * MiB, overrides=ROOMY) as s:
+        yield s
+
+
+def _store_named(srv: ServerProcess, keys: list[str], metas: list[ChunkMeta]) -> None:
+    """Describe, then store, as a connector does (its names reach the server before the payload)."""
+    f = Follower(srv)
+    try:
+        with CacheClient(srv.unix_target) as client:
+            client.describe(
+                NS, SPEC.canonical().decode(), timeout=10
+            )  # a namespace the server knows keeps early names
+            for key, meta in zip(keys, metas, strict=True):
+                f.client.describe(key, meta)
+            f.client.read(0.2)  # flushes what describe queued
+            result = client.store(NS, keys, [payload_for(k, SIZE) for k in keys], timeout=10)
+            assert result.accepted == len(keys)
+        f.until(lambda: all(f.tiers.get(k) == {"dram", "local_disk"} for k in keys), "store and write-back")
+        assert f.metas == dict(zip(keys, metas, strict=True))
+    finally:
+        f.close()
+
+
+def _block_file(srv: ServerProcess, key: str) -> Path:
+    disk = srv.config.tiers.local_disk
+    assert disk is not None
+    (path,) = (disk.path / "buckets").glob(f"*/{NS}_{key}.blk")
+    return path
+
+
+def test_names_kept_with_disk_copies_survive_a_sigkill_and_stay_in_their_namespace_and_pool(
+    srv: ServerProcess,
+) -> None:
+    keys = [digest("named", i) for i in range(len(METAS))]
+    _store_named(srv, keys, METAS)
+    srv.kill()  # SIGKILL: nothing is flushed or handed over; DRAM and the server's memory are gone
+    srv.start()
+    g = Follower(srv)
+    try:
+        # No connector described anything to the new process: the names come from the disk.
+        assert g.tiers == {k: {"local_disk"} for k in keys}
+        assert g.metas == dict(zip(keys, METAS, strict=True))
+    finally:
+        g.close()
+    # Another namespace on the same server sees none of them.
+    other = Follower(srv, OTHER)
+    try:
+        assert other.tiers == {}
+    finally:
+        other.close()
+    # Another pool's server (its own directories, as the operator renders them) has none of them.
+    with cache_server(
+        server_id="other", dram_bytes=8 * MiB, local_disk_bytes=64 * MiB, overrides=ROOMY
+    ) as pool_b:
+        h = Follower(pool_b)
+        try:
+            assert h.tiers == {}
+            assert h.metas == {}
+        finally:
+            h.close()
+
+
+def test_names_that_fail_their_checksum_are_dropped_and_the_block_still_serves(srv: ServerProcess) -> None:
+    keys = [digest("damaged", 0), digest("intact", 0)]
+    _store_named(srv, keys, METAS[:2])
+    srv.stop()
+    path = _block_file(srv, keys[0])
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # inside the names after the payload
+    path.write_bytes(bytes(data))
+    srv.start()
+    g = Follower(srv)
+    try:
+        assert g.tiers == {k: {"local_disk"} for k in keys}
+        # Dropped, never served wrongly; the other block's names are intact.
+        assert g.metas == {keys[0]: None, keys[1]: METAS[1]}
+    finally:
+        g.close()
+    with CacheClient(srv.unix_target) as client:
+        # The payload has its own checksum: the block serves, byte for byte.
+        assert client.load(NS, keys, timeout=10) == [payload_for(k, SIZE) for k in keys]

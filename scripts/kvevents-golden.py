@@ -103,6 +103,39 @@ CASES: dict[str, dict[str, Any]] = {
             }
         ],
     },
+    "hybrid_groups": {
+        "ts": 3.0,
+        "rank": None,
+        "events": [
+            {
+                "type": "BlockStored",
+                "block_hashes": [_b(H32), _b(H32[::-1])],
+                "parent_block_hash": _b(bytes(32)),
+                "token_ids": list(range(64)),
+                "block_size": 32,
+                "lora_id": None,
+                "medium": "CPU",
+                "lora_name": None,
+                "group_idx": 0,
+                "kv_cache_spec_kind": "sliding_window",
+                "kv_cache_spec_sliding_window": 200,
+            },
+            {
+                "type": "BlockStored",
+                "block_hashes": [_b(H32)],
+                "parent_block_hash": None,
+                "token_ids": list(range(16)),
+                "block_size": 16,
+                "lora_id": None,
+                "medium": "CPU",
+                "lora_name": None,
+                "group_idx": 1,
+                "kv_cache_spec_kind": "full_attention",
+            },
+            {"type": "BlockRemoved", "block_hashes": [_b(H32)], "medium": "CPU", "group_idx": 0},
+            {"type": "BlockRemoved", "block_hashes": [7], "medium": "CPU", "group_idx": 3},
+        ],
+    },
 }
 
 

@@ -82,11 +82,14 @@ def boot(
     blocks: int = 400,
     kernel: int = 0,
     page: int = PAGE,
+    events: bool = False,
     **extra: Any,
 ) -> Driver:
-    """Start one simulated vLLM process (engine + both connector halves)."""
+    """Start one simulated vLLM process (engine + both connector halves); ``events``: KV events on."""
     engine = Engine(specs, layers, blocks, page, kernel)
     cfg = vllm_config(chunk, **extra)
+    if events:
+        cfg.kv_events_config = SimpleNamespace(enable_kv_cache_events=True)
     sched = kvvllm.KVFabricConnector(cfg, SimpleNamespace(name="SCHEDULER"), engine.config)
     worker = kvvllm.KVFabricConnector(cfg, SimpleNamespace(name="WORKER"), engine.config)
     return Driver(engine, sched, worker)
@@ -570,3 +573,113 @@ def test_probed_gemma4_shape_sliding_256_full_128(store: MemoryTransport) -> Non
     assert b.hit == 1024
     assert counters(second).get("null_block_writes_refused", 0) == 0
     assert second.engine.checked_positions > 0
+
+
+# ------------------------------------------------------------------------------ KV events per group
+
+_VLLM_KINDS = {
+    "FullAttentionSpec": "full_attention",
+    "SlidingWindowSpec": "sliding_window",
+    "ChunkedLocalAttentionSpec": "chunked_local_attention",
+}
+
+
+@pytest.fixture
+def kv_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KV events on without vLLM: its event classes are kvfabric's wire records, its spec-kind
+    functions stand-ins that answer as vLLM's ``get_kv_cache_spec_kind`` / ``..._sliding_window``
+    do for these spec classes (the real ones are checked inside vLLM, ``tests/vllm``)."""
+    from kvfabric.connector import vllmevents
+    from kvfabric.rpc import kvevents as kv
+
+    monkeypatch.setattr(vllmevents, "_VLLM", True)
+    monkeypatch.setattr(vllmevents, "BlockStored", kv.BlockStored)
+    monkeypatch.setattr(vllmevents, "BlockRemoved", kv.BlockRemoved)
+    monkeypatch.setattr(
+        vllmevents,
+        "get_kv_cache_spec_kind",
+        lambda s: SimpleNamespace(value=_VLLM_KINDS[type(s).__name__]),
+        raising=False,
+    )
+    monkeypatch.setattr(
+        vllmevents,
+        "get_kv_cache_spec_sliding_window",
+        lambda s: getattr(s, "sliding_window", None),
+        raising=False,
+    )
+
+
+def hashed(req: Req, hash_block: int) -> Req:
+    """``req`` with vLLM's block hashes: one per ``hash_block`` tokens, chained (here: its index)."""
+    req.block_hashes = [f"h{i}".encode() for i in range(len(req.prompt_token_ids) // hash_block)]  # type: ignore[attr-defined]
+    return req
+
+
+@pytest.mark.parametrize(("swa_block", "full_block"), [(16, 16), (32, 16)])
+def test_kv_events_name_each_group_as_vllm_does_and_only_the_blocks_it_holds(
+    store: MemoryTransport, kv_events: None, swa_block: int, full_block: int
+) -> None:
+    """Gemma 3 shape (window 200, blocks 16) and Gemma 4 shape (sliding-window blocks 32 beside 16).
+
+    Every ``BlockStored`` carries its group's ``group_idx``, ``kv_cache_spec_kind`` and
+    ``kv_cache_spec_sliding_window`` and its group's block size; per group, the blocks announced
+    are exactly those its objects hold: full attention every block up to the last stored boundary,
+    sliding window only the trailing ``cdiv(w - 1, B)`` blocks of each span (vLLM names a block of
+    ``B`` tokens by the request's hash at its end). Each (group, block) is announced once, and a
+    lookup that finds an object gone withdraws its blocks from its groups only.
+    """
+    from kvfabric.rpc import kvevents as kv
+
+    d = boot(swa_full(200, swa_block=swa_block, full_block=full_block), 256, events=True)
+    hash_block = min(swa_block, full_block)  # vLLM's gcd of the groups' block sizes
+    d.run([hashed(Req("a", prompt(1260)), hash_block)], budget=512)
+    events = d.sched.take_events()
+    stored = [e for e in events if isinstance(e, kv.BlockStored)]
+    assert len(stored) == len(events)
+    fields = {
+        (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, e.block_size) for e in stored
+    }
+    assert fields == {
+        (0, "sliding_window", 200, swa_block),
+        (1, "full_attention", None, full_block),
+    }
+    step = max(swa_block, full_block)  # the scheduler block: tails are of this size
+    last = (1259 // step) * step  # the last boundary stored: the prompt's whole scheduler blocks
+    # Spans: whole chunks of 256, then tail blocks of `step` tokens up to `last`.
+    spans = [(c * 256, c * 256 + 256) for c in range(last // 256)]
+    spans += [(e - step, e) for e in range(last // 256 * 256 + step, last + 1, step)]
+    keep = -(-199 // swa_block)
+    want = {
+        1: {t // full_block for s, e in spans for t in range(s, e, full_block)},
+        0: {t // swa_block for s, e in spans for t in range(max(s, e - keep * swa_block), e, swa_block)},
+    }
+    for group, block in ((0, swa_block), (1, full_block)):
+        mine = [e for e in stored if e.group_idx == group]
+        announced = [h for e in mine for h in e.block_hashes]
+        assert len(announced) == len(set(announced))  # each block once per group
+        scale = block // hash_block
+        assert set(announced) == {f"h{(b + 1) * scale - 1}".encode() for b in want[group]}
+        for e in mine:  # chained as vLLM chains a group's blocks, tokens covering them exactly
+            first = int(bytes(e.block_hashes[0])[1:]) // scale
+            assert e.parent_block_hash == (f"h{first * scale - 1}".encode() if first else None)
+            tokens = prompt(1260)[first * block : (first + len(e.block_hashes)) * block]
+            assert list(e.token_ids) == tokens
+    # The window's objects hold strictly fewer blocks than the full kind's.
+    assert len(want[0]) * swa_block < len(want[1]) * full_block
+    # The last sliding-window object goes (evicted): the next lookup finds it absent and withdraws
+    # its one block from group 0 alone (the full group's copy of the block stays credited).
+    saves = [
+        (k, kind)
+        for m in d.plans
+        for sv in m.saves
+        for k, kind in zip(sv.keys, sv.objects.kinds, strict=True)
+    ]
+    victim = [k for k, kind in saves if kind == 0][-1]
+    ns = next(n for n, k in store.blocks if k == victim)
+    del store.blocks[(ns, victim)]
+    b = hashed(Req("b", prompt(1260)), hash_block)
+    d.run([b], budget=512)
+    assert b.hit < last
+    removed = [e for e in d.sched.take_events() if isinstance(e, kv.BlockRemoved)]
+    last_swa = f"h{(last // swa_block) * (swa_block // hash_block) - 1}".encode()
+    assert [(list(e.block_hashes), e.medium, e.group_idx) for e in removed] == [([last_swa], "CPU", 0)]

@@ -24,7 +24,7 @@ from kvfabric.connector.keys import NamespaceSpec
 from kvfabric.connector.nodefeed import MAX_RETRY_SECONDS, NodeResidency, node_residency_for
 from kvfabric.connector.steps import SaveSpec
 from kvfabric.rpc import kvevents as kv
-from kvfabric.rpc.kvledger import ChunkMeta, EventLedger
+from kvfabric.rpc.kvledger import ChunkMeta, EventLedger, GroupTag
 from kvfabric.rpc.residency import Change
 from kvfabric.testing.routerindex import RouterIndexModel
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
@@ -177,6 +177,33 @@ def test_a_siblings_chunk_whose_prefix_is_gone_is_not_announced() -> None:
     # This engine's own chunk is announced whatever the feed holds of its prefix (vLLM announced it).
     node.describe("mine", _meta(5, 4))
     assert [e.block_hashes for e in node.ledger.take() if isinstance(e, kv.BlockStored)] == [(50, 51)]
+
+
+def test_a_siblings_window_object_is_relayed_with_its_groups_once_its_parent_is_known() -> None:
+    """A hybrid model's sliding-window object starts inside its span: its parent is a middle block
+    of the full-attention object of the same span. Relayed before that object, it waits; once the
+    full object is announced it follows, with the group fields the storing engine gave it."""
+    full = GroupTag(1, "full_attention", None)
+    window = GroupTag(0, "sliding_window", 3)
+    chunk = ChunkMeta((0, 1, 2, 3), None, tuple(range(8)), BLOCK, groups=(full,))
+    tail = ChunkMeta((2, 3), 1, tuple(range(4, 8)), BLOCK, groups=(window,))
+    feed = ScriptedFeed([("hello", 1), ("synced", None)])
+    node = _follower([feed])
+    node.poll()
+    feed.messages = [Change("stored", "window", "dram", tail)]
+    node.poll()
+    assert node.ledger.take() == []  # its parent (block 1) is not known to a router yet
+    feed.messages = [Change("stored", "full", "dram", chunk)]
+    node.poll()
+    events = [e for e in node.ledger.take() if isinstance(e, kv.BlockStored)]
+    assert [(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in events] == [
+        (1, "full_attention", None),
+        (0, "sliding_window", 3),
+    ]
+    assert [e.block_hashes for e in events] == [(0, 1, 2, 3), (2, 3)]
+    feed.messages = [Change("removed", "window", "dram")]
+    node.poll()
+    assert node.ledger.take() == [kv.BlockRemoved((2, 3), "CPU", group_idx=0)]
 
 
 def test_a_store_of_a_chunk_the_server_holds_is_credited_as_the_feed_says() -> None:

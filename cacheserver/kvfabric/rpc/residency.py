@@ -39,7 +39,7 @@ from kvfabric.rpc.kvevents import (
     msgpack_encode,
     msgpack_prefix_decoder,
 )
-from kvfabric.rpc.kvledger import ChunkMeta
+from kvfabric.rpc.kvledger import ChunkMeta, GroupTag
 
 __all__ = [
     "MAX_CLIENT_FRAME",
@@ -106,10 +106,16 @@ class FrameReader:
 
 
 def meta_to_wire(meta: ChunkMeta) -> list[Any]:
-    """``meta`` as a msgpack array (positional, in field order; the tokens packed as uint32 LE)."""
+    """``meta`` as a msgpack array (positional, in field order; the tokens packed as uint32 LE).
+
+    Seven fields; a hybrid model's object adds an eighth, its KV cache groups as
+    ``[group_idx, kind, sliding_window]`` arrays (metadata without groups keeps the seven-field
+    form every server release reads).
+    """
     tokens = array("I", meta.token_ids)
     if sys.byteorder == "big":
         tokens.byteswap()
+    groups = [[g.group_idx, g.kind, g.sliding_window] for g in meta.groups]
     return [
         list(meta.block_hashes),
         meta.parent_block_hash,
@@ -118,14 +124,15 @@ def meta_to_wire(meta: ChunkMeta) -> list[Any]:
         None if meta.extra_keys is None else list(meta.extra_keys),
         meta.lora_name,
         meta.lora_id,
+        *([groups] if groups else []),
     ]
 
 
 def meta_from_wire(raw: Any) -> ChunkMeta:
     """Inverse of :func:`meta_to_wire`; ValueError naming the field that is wrong."""
-    if not isinstance(raw, list) or len(raw) != 7:
-        raise ValueError("meta: an array of 7 fields")
-    hashes, parent, packed, block_size, extra, lora_name, lora_id = raw
+    if not isinstance(raw, list) or len(raw) not in (7, 8):
+        raise ValueError("meta: an array of 7 fields (8 with KV cache groups)")
+    hashes, parent, packed, block_size, extra, lora_name, lora_id = raw[:7]
     if not isinstance(hashes, list) or not hashes or not all(isinstance(h, bytes | int) for h in hashes):
         raise ValueError("meta.block_hashes: a non-empty array of bytes or integers")
     if parent is not None and not isinstance(parent, bytes | int):
@@ -154,15 +161,30 @@ def meta_from_wire(raw: Any) -> ChunkMeta:
         else tuple(None if k is None else extra_key_tuples(k, "meta.extra_keys") for k in extra),
         lora_name=lora_name,
         lora_id=lora_id,
+        groups=_groups_from_wire(raw[7]) if len(raw) == 8 else (),
     )
 
 
-_meta_head = msgpack_prefix_decoder(7)
+def _groups_from_wire(raw: Any) -> tuple[GroupTag, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("meta.groups: a non-empty array of [group_idx, kind, sliding_window]")
+    tags = []
+    for g in raw:
+        if not isinstance(g, list) or len(g) != 3:
+            raise ValueError("meta.groups: each entry an array [group_idx, kind, sliding_window]")
+        tags.append(GroupTag(*g))  # ValueError naming the field that is wrong
+    return tuple(tags)
+
+
+_meta_heads = (msgpack_prefix_decoder(7), msgpack_prefix_decoder(8))
 
 
 def meta_head(raw: bytes) -> tuple[tuple[Any, ...], Any]:
     """The block hashes and parent hash of encoded metadata, without decoding the rest."""
-    hashes, parent, *_ = _meta_head(raw)
+    try:
+        hashes, parent, *_ = _meta_heads[0](raw)
+    except DecodeError:
+        hashes, parent, *_ = _meta_heads[1](raw)
     if not isinstance(hashes, list):
         raise DecodeError("meta.block_hashes: an array")
     return tuple(hashes), parent
@@ -176,7 +198,7 @@ def encode_meta(meta: ChunkMeta) -> bytes:
 def decode_meta(raw: Any) -> ChunkMeta:
     """Inverse of :func:`encode_meta`; ValueError naming the field that is wrong."""
     if not isinstance(raw, bytes):
-        raise ValueError("meta: msgpack bytes (a bin) of the chunk's 7 fields")
+        raise ValueError("meta: msgpack bytes (a bin) of the chunk's 7 (or 8) fields")
     return meta_from_wire(msgpack_decode(raw))
 
 

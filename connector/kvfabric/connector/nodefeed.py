@@ -336,9 +336,12 @@ class NodeResidency:
             return 0
         self.ledger.stored(key, tier, meta)
         n = 1
-        for child, child_tier in self._orphans.pop(meta.block_hashes[-1], []):
-            if child_tier in self.resident.get(child, ()):
-                n += self._announce(child, child_tier)
+        # Any of its blocks may be a waiting chunk's parent: a hybrid model's sliding-window object
+        # starts inside the span whose full-attention object holds its parent.
+        for h in meta.block_hashes:
+            for child, child_tier in self._orphans.pop(h, []):
+                if child_tier in self.resident.get(child, ()):
+                    n += self._announce(child, child_tier)
         return n
 
 

@@ -362,8 +362,8 @@ class SchedulerHalf:
             declined = hit == 0
         st.hit_tiers = [tiers.get(k, "") for k in hit_keys]
         st.key_tiers = {k: tiers.get(k, "") for k in hit_keys}
-        # KV events name whole chunks of one group; per-kind objects wait for the group fields.
-        st.absent = []
+        # What KV events withdraw: the objects the lookups found absent (none known if one failed).
+        st.absent = [k for k, here in present.items() if not here] if reason is None else []
         st.last_reason = reason if reason is not None else (None if hit else Reason.NOT_FOUND)
         if declined:
             st.last_reason = Reason.RECOMPUTE_FASTER  # (counted by the cost cap)

@@ -49,7 +49,7 @@ from kvfabric.connector.steps import (
     StepPlan,
     WorkerFeedback,
 )
-from kvfabric.connector.vllmevents import KVEventLog
+from kvfabric.connector.vllmevents import KVEventLog, group_tags, hash_block_size_of
 from kvfabric.connector.vllmmetrics import (
     CounterDeltas,
     KVFabricPromMetrics,
@@ -552,6 +552,9 @@ class KVFabricConnector(_VllmBase, _SupportsHMA):  # type: ignore[misc]
             follow=partial(node_residency_for, settings.socket, self._half.namespace)
             if our_role is Role.SCHEDULER
             else None,
+            plan=plan,
+            tags=group_tags(kv_cache_config),
+            hash_block_size=hash_block_size_of(kv_cache_config, spec.block_size),
         )
         self._requests: dict[str, Any] = {}  # vLLM's Request objects of the requests in flight
         # Scheduler: req_id -> how many of its token ids the half has been given.
@@ -689,8 +692,6 @@ class KVFabricConnector(_VllmBase, _SupportsHMA):  # type: ignore[misc]
         drop_overwritten_from_zeroing(scheduler_output, plan)
         if self._events.enabled:
             for save in plan.saves:
-                if save.objects is not None:
-                    continue  # per-kind objects: their KV events need the group fields (not yet)
                 request = self._requests.get(save.req_id)
                 if request is not None:
                     self._events.stored(request, save)

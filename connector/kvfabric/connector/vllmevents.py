@@ -17,19 +17,29 @@ ledger's events into vLLM's event objects (:func:`to_vllm`).
   (a store can still be dropped under back-pressure; a router that routes on it at worst finds a miss).
 - ``BlockRemoved``: a lookup found an announced key gone (evicted, expired or lost with a restart),
   or the bounded bookkeeping forgot it (credit is withdrawn rather than left behind).
+
+Hybrid models (several KV cache groups, :mod:`kvfabric.connector.groups`): each stored object of a
+kind is announced once per vLLM KV cache group of the kind, with the fields vLLM's own KV cache
+manager gives that group's events (``group_idx``, ``kv_cache_spec_kind``,
+``kv_cache_spec_sliding_window``, from vLLM's ``get_kv_cache_spec_kind`` and
+``get_kv_cache_spec_sliding_window``), the group's block size, and only the blocks the object
+holds (a sliding-window object names the blocks inside its window, named by vLLM's hashes at the
+group's block size).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvfabric.connector.groups import GroupPlan
 from kvfabric.connector.nodefeed import NodeResidency
 from kvfabric.connector.steps import SaveSpec
 from kvfabric.rpc import kvevents as kv
-from kvfabric.rpc.kvledger import DEFAULT_MAX_KEYS, ChunkMeta, EventLedger
+from kvfabric.rpc.kvledger import DEFAULT_MAX_KEYS, ChunkMeta, EventLedger, GroupTag
 
 try:  # pragma: no cover - depends on the environment
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -44,6 +54,11 @@ except ImportError:  # the stand-ins keep the module importable (and testable) w
     _VLLM = False
     BlockStored = BlockRemoved = AllBlocksCleared = None
     generate_block_hash_extra_keys = to_event_extra_keys = None
+
+try:  # pragma: no cover - depends on the environment
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+except ImportError:  # vLLM without the group fields (or none): groups are named by index only
+    get_kv_cache_spec_kind = get_kv_cache_spec_sliding_window = None
 
     def maybe_convert_block_hash(hash_bytes: Any) -> Any:
         """Stand-in: vLLM's external form of a block hash."""
@@ -68,13 +83,53 @@ def to_vllm(event: kv.Event) -> Any:
             medium=event.medium,
             lora_name=event.lora_name,
             extra_keys=None if event.extra_keys is None else list(event.extra_keys),
+            group_idx=event.group_idx,
+            kv_cache_spec_kind=event.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
             locality=event.locality,
         )
     if isinstance(event, kv.BlockRemoved):
         return BlockRemoved(
-            block_hashes=list(event.block_hashes), medium=event.medium, locality=event.locality
+            block_hashes=list(event.block_hashes),
+            medium=event.medium,
+            group_idx=event.group_idx,
+            locality=event.locality,
         )
     raise ValueError(f"kvfabric never sends {type(event).__name__} on an engine's behalf")
+
+
+def group_tags(kv_cache_config: Any) -> tuple[GroupTag, ...]:
+    """Per vLLM KV cache group, the fields vLLM's own events carry for it.
+
+    vLLM's KV cache manager annotates its ``BlockStored`` with ``get_kv_cache_spec_kind(spec).value``
+    and ``get_kv_cache_spec_sliding_window(spec)`` of the event's group (``kv_cache_event_metadata``);
+    the same functions name kvfabric's. Without them (no vLLM) only the index is known.
+    """
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    tags = []
+    for gid, group in enumerate(groups):
+        spec = getattr(group, "kv_cache_spec", None)
+        kind = window = None
+        if get_kv_cache_spec_kind is not None and get_kv_cache_spec_sliding_window is not None:
+            kind = str(get_kv_cache_spec_kind(spec).value)
+            window = get_kv_cache_spec_sliding_window(spec)
+        tags.append(GroupTag(gid, kind, window))
+    return tuple(tags)
+
+
+def hash_block_size_of(kv_cache_config: Any, default: int) -> int:
+    """Tokens per entry of vLLM's ``Request.block_hashes``.
+
+    ``kv_cache_config.hash_block_size`` where vLLM set it, else the greatest common divisor of the
+    groups' block sizes (vLLM's rule for several groups), else ``default``.
+    """
+    value = getattr(kv_cache_config, "hash_block_size", None)
+    if isinstance(value, int) and value > 0:
+        return value
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    sizes = [int(getattr(getattr(g, "kv_cache_spec", None), "block_size", 0) or 0) for g in groups]
+    sizes = [b for b in sizes if b > 0]
+    return math.gcd(*sizes) if len(sizes) > 1 else default
 
 
 def block_extra_keys(request: Any, first: int, end: int, block_size: int) -> tuple[Any, ...] | None:
@@ -90,6 +145,11 @@ def block_extra_keys(request: Any, first: int, end: int, block_size: int) -> tup
     return tuple(to_event_extra_keys(per_block) or ())
 
 
+def _h(hashes: Sequence[Any], i: int) -> Any:
+    """VLLM's external form of hash ``i``."""
+    return maybe_convert_block_hash(hashes[i])
+
+
 class KVEventLog:
     """The events of one scheduler between two ``take_events()`` calls, and what was announced."""
 
@@ -100,6 +160,9 @@ class KVEventLog:
         *,
         max_keys: int | None = None,
         follow: Callable[[EventLedger], NodeResidency | None] | None = None,
+        plan: GroupPlan | None = None,
+        tags: tuple[GroupTag, ...] = (),
+        hash_block_size: int | None = None,
     ) -> None:
         """Track events of keys that span whole blocks of vLLM's ``block_size`` tokens.
 
@@ -107,9 +170,16 @@ class KVEventLog:
         while it is followed, the feed decides what is announced and withdrawn, and this log only
         names the chunks this engine stores. Without one (or while the feed is down) stores are
         announced as they are handed over and withdrawn when a lookup finds them gone.
+
+        A hybrid model's ``plan`` (saves of per-kind objects), ``tags`` (:func:`group_tags`, per vLLM
+        group) and ``hash_block_size`` (tokens per entry of the request's ``block_hashes``,
+        :func:`hash_block_size_of`; ``block_size`` by default).
         """
         self.enabled = enabled and _VLLM
         self.block_size = block_size
+        self.plan = plan if plan is not None and not plan.plain else None
+        self.tags = tags
+        self.hash_block_size = hash_block_size or block_size
         self.ledger = EventLedger(max_keys=_MAX_ANNOUNCED if max_keys is None else max_keys)
         self.node = follow(self.ledger) if self.enabled and follow is not None else None
         self.failures = 0
@@ -123,9 +193,14 @@ class KVEventLog:
         """
         if not self.enabled:
             return
-        for key, first, blocks in zip(save.keys, save.first_blocks, save.block_ids, strict=False):
+        for i, (key, first, blocks) in enumerate(
+            zip(save.keys, save.first_blocks, save.block_ids, strict=False)
+        ):
             try:
-                meta = self.meta(request, first, first + len(blocks)) if blocks else None
+                if save.objects is not None:
+                    meta = self._object_meta(request, save, i)
+                else:
+                    meta = self.meta(request, first, first + len(blocks)) if blocks else None
             except Exception:  # the cache never breaks inference: this chunk goes unannounced
                 self._failed("naming a stored chunk for KV events failed; it is not announced")
                 continue
@@ -154,24 +229,52 @@ class KVEventLog:
                 self.node.close()
             self.node = None
 
-    def meta(self, request: Any, first: int, end: int) -> ChunkMeta | None:
-        """What a router needs to name blocks ``first:end`` of ``request``, or None if unhashed."""
+    def _object_meta(self, request: Any, save: SaveSpec, i: int) -> ChunkMeta | None:
+        """What names object ``i`` of a hybrid ``save``: the blocks it holds, in its kind's groups."""
+        assert save.objects is not None
+        if self.plan is None:
+            return None  # per-kind objects without the plan: nothing to name them by
+        kind = self.plan.kinds[save.objects.kinds[i]]
+        end = save.first_blocks[i] * self.block_size + save.objects.tokens[i]
+        b = kind.block_size
+        start = end - save.objects.stored[i] * b
+        groups = tuple(self.tags[g] if g < len(self.tags) else GroupTag(g) for g in kind.groups)
+        return self.meta(request, start // b, end // b, block_size=b, groups=groups)
+
+    def meta(
+        self,
+        request: Any,
+        first: int,
+        end: int,
+        *,
+        block_size: int | None = None,
+        groups: tuple[GroupTag, ...] = (),
+    ) -> ChunkMeta | None:
+        """What a router needs to name blocks ``first:end`` of ``request``, or None if unhashed.
+
+        Blocks of ``block_size`` tokens (the log's by default), named as vLLM names a group's blocks
+        of that size: by the hash of the request's last ``hash_block_size`` block inside each.
+        """
         hashes = list(getattr(request, "block_hashes", None) or ())
-        if len(hashes) < end:
+        bs = block_size or self.block_size
+        scale = bs // self.hash_block_size
+        if scale <= 0 or bs % self.hash_block_size or len(hashes) < end * scale:
             return None
         tokens = getattr(request, "all_token_ids", None) or getattr(request, "prompt_token_ids", None) or ()
         lora = getattr(request, "lora_request", None)
-        bs = self.block_size
         if len(tokens) < end * bs:
             return None  # vLLM hashes whole blocks only; never let a stand-in request raise here
         return ChunkMeta(
-            block_hashes=tuple(maybe_convert_block_hash(h) for h in hashes[first:end]),
-            parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first > 0 else None,
+            block_hashes=tuple(
+                maybe_convert_block_hash(hashes[(b + 1) * scale - 1]) for b in range(first, end)
+            ),
+            parent_block_hash=_h(hashes, first * scale - 1) if first > 0 else None,
             token_ids=tuple(tokens[first * bs : end * bs]),
             block_size=bs,
             extra_keys=block_extra_keys(request, first, end, bs),
             lora_name=getattr(lora, "name", None),
             lora_id=getattr(lora, "adapter_id", None),
+            groups=groups,
         )
 
     def found_missing(self, keys: Sequence[str]) -> None:

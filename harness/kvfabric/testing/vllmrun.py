@@ -54,6 +54,10 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:  # pragma: no cover - runs ins
     }
     if spec.get("kv_transfer"):
         kwargs["kv_transfer_config"] = spec["kv_transfer"]
+    if spec.get("kv_events"):  # LLM() takes no dict for it
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events"])
     if spec.get("metrics"):
         kwargs["disable_log_stats"] = False
     llm = LLM(**kwargs)

@@ -79,4 +79,7 @@ uv run --frozen python -m kvfabric.testing.s3server build >/dev/null
 # About 3 minutes cold on two cores, nothing when cached.
 say "building or finding the pinned Helm and the Prometheus Operator's CRDs"
 uv run --frozen python -m kvfabric.testing.opstools build >/dev/null
+# Dynamo's KV indexer, the independent router index of the routing tests (a PyPI wheel, own venv).
+say "installing or finding Dynamo's KV indexer (routing tests)"
+uv run --frozen python -m kvfabric.testing.dynamoindexer build >/dev/null
 say "done"

@@ -32,10 +32,14 @@ import argparse
 import contextlib
 import json
 import random
+import sys
 import time
 from typing import Any
 
+from kvfabric.bench import routingeffect
 from kvfabric.bench.report import summary
+
+PARTS = ("churn", "effect", "cost", "startup")
 
 MIB = 1 << 20
 BLOCK = 16  # tokens per engine block
@@ -54,6 +58,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="a short run (8 s) for a smoke check")
     parser.add_argument("--json", action="store_true", help="print only the final JSON line")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=PARTS,
+        help="run only this part (repeatable; default: all of " + ", ".join(PARTS) + ")",
+    )
+    routingeffect.configure(parser)
 
 
 def _meta(prompt: int, index: int, shared: int) -> Any:
@@ -74,7 +85,42 @@ def _meta(prompt: int, index: int, shared: int) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the scenario and print the measurements."""
+    """Run the parts asked for and print the measurements (the last line: one JSON object)."""
+    parts = args.only or list(PARTS)
+    if args.quick:
+        args.repeats = min(args.repeats, 2)
+        args.conversations = min(args.conversations, 6)
+        args.rounds = min(args.rounds, 4)
+        args.cost_seconds = min(args.cost_seconds, 2.0)
+        args.startup_dram_mib = min(args.startup_dram_mib, 16)
+
+    def progress(text: str) -> None:
+        if not args.json:
+            print(f"# {text}", file=sys.stderr, flush=True)
+
+    result: dict[str, Any] = {}
+    if "churn" in parts:
+        progress("churn: precision, recall, removal latency, restarts")
+        result["churn"] = _churn(args)
+    if "effect" in parts:
+        result["routing_effect"] = routingeffect.routing_effect(args, progress)
+    if "cost" in parts:
+        progress(f"event cost at {args.cost_stores:g} stores/s")
+        result["event_cost_per_node"] = routingeffect.event_cost(args)
+    if "startup" in parts:
+        progress("start-up announcement of a full DRAM tier")
+        result["startup_announcement"] = routingeffect.startup_announcement(args)
+    if not args.json:
+        for part, values in result.items():
+            print(f"{part}:")
+            for key, value in values.items():
+                print(f"  {key}: {value}")
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+def _churn(args: argparse.Namespace) -> dict[str, Any]:
+    """The churn scenario (module docstring): precision, recall, latencies, restarts, event rates."""
     from kvfabric.client import CacheClient
     from kvfabric.client.errors import CacheUnavailable
     from kvfabric.client.residency import ResidencyFeedClient
@@ -344,11 +390,7 @@ def run(args: argparse.Namespace) -> int:
         "stores_dropped_by_server": dropped,
         "resident_blocks_at_end": resident_blocks,
     }
-    if not args.json:
-        for key, value in result.items():
-            print(f"{key}: {value}")
-    print(json.dumps(result, sort_keys=True))
-    return 0
+    return result
 
 
 def _low(samples: list[float]) -> dict[str, float] | None:

@@ -85,6 +85,12 @@ class LocalIndex:
         self._lock = threading.Lock()
         self.answered = 0
         """Lookups answered from a table (for benchmarks and tests)."""
+        self.epoch: int | None = None
+        """The epoch (a random number per server process) of the table mapped last."""
+        self.restarts = 0
+        """How often the server process ended (hung up) or a table came from another one (a restart).
+
+        Not counted: a hung server (a stale heartbeat), which is the same process when it recovers."""
 
     def lookup(self, namespace: str, raw_keys: bytes, *, fetch: bool = True) -> LookupResult | None:
         """Leading present keys of ``raw_keys`` (the keys' 32-byte digests, concatenated), or None.
@@ -121,6 +127,7 @@ class LocalIndex:
                 self._drop(namespace, m)
                 if evicted:  # the server lives: ask over RPC, fetch the table again later
                     return None
+                self.restarts += 1  # its successor, if any, is another process
                 raise CacheUnavailable("the cache server closed its index socket (it exited)")
             age = time.monotonic_ns() - words[it.W_HEARTBEAT]
             if age > self.stale_ns:
@@ -166,8 +173,16 @@ class LocalIndex:
             if m is None:
                 self._next_fetch[namespace] = time.monotonic() + self.refetch_interval
                 return None
-            self._maps[namespace] = m
+            self._install(namespace, m)
             return m
+
+    def _install(self, namespace: str, m: _Mapped) -> None:
+        # Under the lock. Another epoch is another server process: it knows none of what this
+        # process's clients told the old one (namespace descriptions), which the client sends again.
+        self._maps[namespace] = m
+        if self.epoch is not None and m.epoch != self.epoch:
+            self.restarts += 1
+        self.epoch = m.epoch
 
     def _replace(self, namespace: str, old: _Mapped) -> _Mapped | None:
         with self._lock:
@@ -206,7 +221,7 @@ class LocalIndex:
                         if self._closed:
                             m.close()  # the reader was closed meanwhile: nobody would close it
                         elif old is None or old.epoch != m.epoch or old.words[it.W_STATE] != it.LIVE:
-                            self._maps[namespace] = m
+                            self._install(namespace, m)
                             if old is not None:
                                 old.conn.close()
                         else:

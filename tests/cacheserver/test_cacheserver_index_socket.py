@@ -141,7 +141,7 @@ def test_tables_are_served_with_more_than_1024_descriptors_open_and_hung_up_clie
     holding = indexpub.MAX_CONNECTIONS_PER_PEER
     held = [request(path, ns) for _ in range(holding)]
     for _, msg, fds_ in held:
-        assert msg == b"\x00"
+        assert msg == it.REPORTS_ACCEPTED
         assert len(fds_) == 1
         os.close(fds_[0])
     wait_until(
@@ -210,7 +210,7 @@ def test_a_trickling_client_delays_no_other(busy_server: ServerProcess) -> None:
         # The trickler has not finished (nor been cut off): another client is served meanwhile.
         s, msg, fds = request(path, ns, timeout=10)
         assert poller.poll(0) == [], "the trickling client was still connected when the other was served"
-        assert msg == b"\x00"
+        assert msg == it.REPORTS_ACCEPTED
         assert len(fds) == 1
         os.close(fds[0])
         s.close()
@@ -290,7 +290,7 @@ def test_processes_hoarding_held_connections_cannot_keep_an_engine_from_its_tabl
         # Every held place is taken by the hogs, yet an engine asking is served, and so is the probe.
         s, msg, fds = request(path, real)
         try:
-            assert msg == b"\x00", f"the engine was refused: {msg!r}"
+            assert msg == it.REPORTS_ACCEPTED, f"the engine was refused: {msg!r}"
             assert len(fds) == 1
             assert table_lists(fds[0], [digest("r")]) == [it.TIER_CODES["dram"]]
         finally:
@@ -331,7 +331,7 @@ def test_blocks_under_a_tables_worth_of_made_up_namespaces_keep_no_engine_from_i
         assert c.store(stored, keys, [payload_for(k, 4096) for k in keys], timeout=10).accepted == 3
     assert got_table(path, described), "an engine that asks for its described namespace gets a table"
     s, msg, fds = request(path, stored)
-    assert msg == b"\x00", f"refused: {msg!r}"
+    assert msg == it.REPORTS_ACCEPTED, f"refused: {msg!r}"
     # Its table lists the blocks stored while it had none: no false negative.
     assert table_lists(fds[0], keys) == [it.TIER_CODES["dram"]] * 3
     os.close(fds[0])
@@ -339,7 +339,7 @@ def test_blocks_under_a_tables_worth_of_made_up_namespaces_keep_no_engine_from_i
     # A made-up namespace evicted meanwhile lists its block again when asked for: nothing was lost.
     for i, ns in enumerate(made_up[:4]):
         s, msg, fds = request(path, ns)
-        assert msg == b"\x00"
+        assert msg == it.REPORTS_ACCEPTED
         assert table_lists(fds[0], [digest("m", i)]) == [it.TIER_CODES["dram"]]
         os.close(fds[0])
         s.close()

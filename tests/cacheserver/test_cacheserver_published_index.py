@@ -18,6 +18,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvfabric.cacheserver.config import ServerConfig
 from kvfabric.cacheserver.engine.ids import BlockId
@@ -193,6 +194,59 @@ def test_the_connector_looks_up_on_its_own_thread_and_sees_a_crash_at_once() -> 
             assert cache.counters.get("error.local.unavailable") >= 1
         finally:
             cache.close()
+
+
+@pytest.mark.process
+def test_lookups_answered_from_the_published_index_count_in_the_pools_hit_rate() -> None:
+    """With the published index, the server's lookup metrics and the pool's hit rate (the operator's
+    fold of them) count same-node lookups exactly as RPC ones."""
+    import urllib.request
+
+    from kvfabric.connector.keys import NamespaceSpec
+    from kvfabric.connector.resilient import build_cache
+    from kvfabric.connector.settings import ConnectorSettings
+    from kvfabric.operator.cacheinsight import parse_metrics, summarize
+    from kvfabric.testing.serverproc import cache_server, wait_until
+
+    spec = NamespaceSpec("hit-rate", "r", "float32", 2, 1, 4, 16, 32)
+    ns = spec.digest()
+    keys = [digest("rate", i) for i in range(8)]
+    with cache_server(server_id="rate") as srv:
+        settings = ConnectorSettings(socket=str(srv.config.listen.unix_socket), local_index=True)
+        cache = build_cache(settings, shared=False)
+        assert cache is not None
+        try:
+            cache.describe(ns, spec.canonical().decode())
+            assert cache.store(ns, keys[:4], [payload_for(k, 1024) for k in keys[:4]], 30) is not None
+            for _ in range(5):
+                assert cache.lookup(ns, keys, 5.0).matched == 4  # 4 hits, 4 misses
+            for _ in range(3):
+                assert cache.lookup(ns, keys[4:], 5.0).matched == 0  # 4 misses
+            assert cache.counters.get("lookup_local") >= 7  # (the first may have connected over RPC)
+        finally:
+            cache.close()  # the client reports what it counted before it hangs up
+
+        def scrape() -> str:
+            with urllib.request.urlopen(srv.metrics_url + "/metrics", timeout=10) as resp:
+                return str(resp.read().decode())
+
+        def counted() -> tuple[int, int]:
+            node = parse_metrics(scrape())
+            return node.lookup_hits, node.lookup_misses
+
+        wait_until(lambda: counted() == (20, 32), 30, 0.05, "the server to count the reported lookups")
+        text = scrape()
+        pool = summarize({"node-a": parse_metrics(text)}, "now")
+        assert (pool.lookup_hits, pool.lookup_misses, pool.hit_rate) == (20, 32, "38.5%")
+        [row] = pool.namespaces
+        assert (row.lookup_hits, row.lookup_misses, row.hit_rate) == (20, 32, "38.5%")
+        lookups = [
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "kvfabric_cache_lookups_total"
+        ]
+        assert lookups == [8]
 
 
 def test_a_table_is_handed_out_read_only_or_not_at_all(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,29 +15,34 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.transport.indexpub import F_SEAL_FUTURE_WRITE, IndexPublisher, IndexSocket, Peer
 from kvfabric.client.errors import CacheUnavailable
 from kvfabric.client.localindex import LocalIndex
 from kvfabric.rpc import indextable as it
-from kvfabric.testing.serverproc import digest
+from kvfabric.testing.serverproc import digest, wait_until
 
 NS = digest("ns-a")
 OTHER = digest("ns-b")
 
 
 class Fabric:
-    def __init__(self, tmp: Path, **kw: object) -> None:
+    def __init__(self, tmp: Path, on_lookups: Any = None, **kw: object) -> None:
         self.truth: dict[BlockId, str] = {}
         # Described to the server: an empty namespace gets a table only then.
         self.described = {NS, OTHER}
         kw.setdefault("known", self.described.__contains__)
         self.pub = IndexPublisher(self.truth.get, **kw)  # type: ignore[arg-type]
         self.denied: set[str] = set()
-        self.sock = IndexSocket(tmp / "cache.sock.index", self.pub, authorize=self._authorize)
+        self.sock = IndexSocket(
+            tmp / "cache.sock.index", self.pub, authorize=self._authorize, on_lookups=on_lookups
+        )
         self.peers: list[Peer] = []
         self.sock.start()
 
@@ -242,3 +247,86 @@ def test_a_connection_evicted_for_another_is_ask_over_rpc_not_a_dead_server(fabr
     for s in held:
         s.close()
     reader.close()
+
+
+def test_lookups_answered_from_a_table_are_reported_to_a_server_that_counts_them(tmp_path: Path) -> None:
+    counted: list[tuple[str, int, int, int]] = []
+
+    def on_lookups(namespace: str, lookups: int, hits: int, misses: int) -> None:
+        counted.append((namespace, lookups, hits, misses))
+
+    f = Fabric(tmp_path, on_lookups=on_lookups)
+    f.pub.start()
+    keys = [digest("r", i) for i in range(4)]
+    for k in keys[:3]:
+        f.put(NS, k)
+    reader = LocalIndex(f.sock.path, report_interval_s=3600)  # one batch: reported only when asked
+    try:
+        for n in (4, 2, 1):
+            assert reader.lookup(NS, _raw(keys[:n])) is not None
+        assert reader.lookup(NS, _raw([keys[3], keys[0]])) is not None  # a miss at once: 0 of 2
+        assert reader.lookup(OTHER, _raw(keys)) is not None  # another table, another connection
+        reader.close()  # reports what each table counted before hanging up
+        wait_until(lambda: len(counted) == 2, 10, 0.01, "two reports")
+        # Lookups, hit keys, missed keys: (3+2+1+0, 1+0+0+2) for NS; nothing stored in OTHER.
+        assert sorted(counted) == sorted([(NS, 4, 6, 3), (OTHER, 1, 0, 4)])
+    finally:
+        reader.close()
+        f.close()
+
+
+def test_a_server_that_does_not_count_is_sent_no_report_and_keeps_the_connection(fabric: Fabric) -> None:
+    # An older server took any byte on a held connection for a hang-up: its clients send none.
+    fabric.put(NS, digest("k", 1))
+    reader = LocalIndex(fabric.sock.path, report_interval_s=0.0)  # would report after every lookup
+    try:
+        assert reader.lookup(NS, _raw([digest("k", 1)])) is not None  # maps the table
+        wait_until(lambda: fabric.sock.connections == 1, 10, 0.01, "the connection to be held")
+        for _ in range(3):
+            got = reader.lookup(NS, _raw([digest("k", 1)]))
+            assert got is not None
+            assert got.matched == 1
+        time.sleep(0.2)  # time for the server to read (and close on) anything the reader sent
+        assert fabric.sock.connections == 1
+        assert reader.alive(NS) is True
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        b"r 1 2\n",
+        b"r 1 2 3 4\n",
+        b"r -1 2 3\n",
+        b"x 1 2 3\n",
+        b"r " + b"9" * 70,
+        b"r 1 2 99999999999999999\n",
+    ],
+)
+def test_a_malformed_report_closes_that_connection_and_counts_nothing(tmp_path: Path, junk: bytes) -> None:
+    counted: list[tuple[str, int, int, int]] = []
+    f = Fabric(tmp_path, on_lookups=lambda *a: counted.append(a))
+    f.pub.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(str(f.sock.path))
+            s.sendall(it.REQUEST_PREFIX + NS.encode() + b"\n")
+            msg, fds, _, _ = socket.recv_fds(s, 128, 1)
+            assert msg == it.REPORTS_ACCEPTED
+            os.close(fds[0])
+            s.sendall(it.encode_report(1, 2, 3) + junk)
+            assert s.recv(16) == b""  # closed by the server
+        assert counted == [(NS, 1, 2, 3)]  # the good line before the junk, and nothing after
+        assert f.sock.connections == 0
+    finally:
+        f.close()
+
+
+@given(st.integers(0, (1 << 48) - 1), st.integers(0, (1 << 48) - 1), st.integers(0, (1 << 48) - 1))
+def test_a_report_line_reads_back_as_written(lookups: int, hits: int, misses: int) -> None:
+    line = it.encode_report(lookups, hits, misses)
+    assert line.endswith(b"\n")
+    assert len(line) < it.MAX_REPORT_LINE
+    assert it.parse_report(line[:-1]) == (lookups, hits, misses)

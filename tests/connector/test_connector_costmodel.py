@@ -100,6 +100,17 @@ def test_chunks_the_engine_already_has_save_nothing() -> None:
     assert partial.expected_saved_s < full.expected_saved_s / 3
 
 
+@pytest.mark.parametrize("measured", [False, True])
+def test_a_hit_within_the_engines_own_prefix_is_never_recompute_faster(measured: bool) -> None:
+    # A hybrid model's hit may end inside the chunk after the engine's prefix: no whole chunk is left
+    # to weigh, and the model, measured or not, must not call that a skip (it did, unmeasured).
+    m = _model() if measured else CostModel(chunk_tokens=CHUNK)
+    if measured:
+        _restore(m, "dram", gbps=0.001, overhead_s=1.0)  # restores that would lose to recompute
+    assert m.plan(["dram"] * 2, computed=2 * CHUNK) == Plan(2, None)
+    assert m.plan(["dram"], computed=3 * CHUNK) == Plan(1, None)
+
+
 def test_a_skipped_tier_is_still_measured_now_and_then() -> None:
     m = _model(alpha=25e-6, beta=1e-9, explore_every=4)
     _restore(m, "shared", gbps=0.01, overhead_s=0.05)
@@ -127,6 +138,53 @@ def test_a_planned_load_is_always_expected_to_win(tiers: list[str], computed_chu
         assert plan.expected_saved_s > plan.expected_restore_s
     else:
         assert plan.reason == "recompute_faster"
+
+
+@settings(deadline=None)
+@given(
+    alpha=st.floats(1e-7, 1e-3),
+    beta=st.floats(0, 1e-8),
+    gamma=st.floats(0, 0.05),
+    rates=st.lists(st.tuples(st.floats(0.001, 50), st.floats(0, 0.1)), min_size=3, max_size=3),
+    tiers=st.lists(st.sampled_from(["dram", "local_disk", "shared"]), min_size=1, max_size=40),
+    computed_chunks=st.integers(0, 40),
+)
+def test_a_hit_is_never_skipped_where_the_models_own_costs_say_loading_wins(
+    alpha: float,
+    beta: float,
+    gamma: float,
+    rates: list[tuple[float, float]],
+    tiers: list[str],
+    computed_chunks: int,
+) -> None:
+    # The default is on: a skip must never turn a hit into a recompute the model itself expects to
+    # be slower. For every prefix the plan could load, by the model's own predictions: a skip means
+    # none saves more than it costs, and a load takes the prefix that gains the most.
+    m = _model(alpha, beta, gamma, explore_every=0)
+    for tier, (gbps, overhead) in zip(["dram", "local_disk", "shared"], rates, strict=True):
+        _restore(m, tier, gbps=gbps, overhead_s=overhead)
+    computed = min(computed_chunks, len(tiers)) * CHUNK
+    first = computed // CHUNK
+    gains = {}
+    for k in range(first + 1, len(tiers) + 1):
+        recompute = m.prefill_seconds(computed, k * CHUNK - computed)
+        fixed = m.prefill_seconds(computed, 0)  # the per-step constant: paid either way
+        restore = m.restore_seconds(tiers[first:k])
+        assert recompute is not None
+        assert fixed is not None
+        assert restore is not None
+        gains[k] = (recompute - fixed) - restore
+    plan = m.plan(tiers, computed=computed)
+    if not gains:  # every matched chunk is in the engine already: nothing to weigh, never a skip
+        assert plan == Plan(len(tiers), None)
+        return
+    eps = 1e-9 * (1 + max(abs(g) for g in gains.values()))
+    if plan.chunks == 0:
+        assert plan.reason == "recompute_faster"
+        assert all(g <= eps for g in gains.values())
+    else:
+        assert gains[plan.chunks] > 0
+        assert gains[plan.chunks] >= max(gains.values()) - eps
 
 
 def test_deadlines_follow_the_expected_prefill() -> None:

@@ -189,6 +189,18 @@ class Metrics:
         """Export ``kvfabric_listener_up`` from ``probes``."""
         self.registry.register(_ListenerCollector(probes))
 
+    def count_lookups(self, namespace: str, lookups: int, hits: int, misses: int) -> bool:
+        """Count ``lookups`` lookups of ``namespace`` that found ``hits`` keys and missed ``misses``.
+
+        Both ways a lookup is answered feed the same counters: the RPC, and the same-node clients'
+        reports of lookups they answered from the published index. Returns whether the namespace is
+        described (False: ask the client to describe it).
+        """
+        self.lookups.add(lookups)
+        self.lookup_keys.add(hits, {"result": "hit"})
+        self.lookup_keys.add(misses, {"result": "miss"})
+        return self.namespaces.count_lookup(namespace, hits, misses)
+
     def watch_residency(self, read: Callable[[], tuple[int, int, int]]) -> None:
         """Export the residency feed's subscribers, records sent and pending metadata bytes (``read()``)."""
         self.registry.register(_ResidencyCollector(read))

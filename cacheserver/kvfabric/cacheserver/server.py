@@ -298,7 +298,9 @@ async def serve(
         await s.start()
     index_socket = None
     if publisher is not None:
-        index_socket = IndexSocket(index_socket_for(sock.absolute()), publisher)
+        index_socket = IndexSocket(
+            index_socket_for(sock.absolute()), publisher, on_lookups=metrics.count_lookups
+        )
         index_socket.start(publish=False)
     feed_socket = None
     if feed is not None:

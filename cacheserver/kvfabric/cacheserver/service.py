@@ -291,11 +291,8 @@ class CacheService(pb_grpc.CacheServicer):
         bids = await self._ids(request.namespace, list(request.keys), context)
         tiers = self.s.store.lookup(bids)
         m = self.s.metrics
-        m.lookups.add(1)
-        m.lookup_keys.add(len(tiers), {"result": "hit"})
-        m.lookup_keys.add(len(bids) - len(tiers), {"result": "miss"})
         m.lookup_duration.record(time.perf_counter() - t0)
-        described = m.namespaces.count_lookup(request.namespace, len(tiers), len(bids) - len(tiers))
+        described = m.count_lookups(request.namespace, 1, len(tiers), len(bids) - len(tiers))
         return pb.LookupResponse(
             matched=len(tiers), tiers=[_TIER_ENUM[t] for t in tiers], describe=not described
         )

@@ -45,6 +45,9 @@ __all__ = [
     "HEADER_WORDS",
     "LIVE",
     "MAGIC",
+    "MAX_REPORT_LINE",
+    "REPORTS_ACCEPTED",
+    "REPORT_PREFIX",
     "REQUEST_PREFIX",
     "RETIRED",
     "TIER_CODES",
@@ -56,6 +59,7 @@ __all__ = [
     "W_STATE",
     "Inconsistent",
     "TableWriter",
+    "encode_report",
     "fingerprint",
     "fingerprints",
     "fingerprints_raw",
@@ -63,6 +67,7 @@ __all__ = [
     "index_socket_for",
     "init_table",
     "lookup_prefix",
+    "parse_report",
     "table_bytes",
 ]
 
@@ -88,6 +93,38 @@ byte and a message line)."""
 EVICTED = b"\x06evicted\n"
 """Sent on a held connection that the server then closes to make room for another client's (not a
 hang-up: the server still serves; the client drops that table and may fetch it again)."""
+
+
+REPORTS_ACCEPTED = b"\x00r"
+"""The ok reply of a server that counts the lookups its clients answer from the table: the status
+byte then ``r``. Only to such a server does a client send reports (an older server would take any
+byte on a held connection for a hang-up)."""
+
+REPORT_PREFIX = b"r "
+"""A client reports lookups it answered from a table on the connection that holds the table, as
+``r <lookups> <hit keys> <missed keys>\n`` (decimal), in batches: the server adds them to the
+lookup counters an RPC lookup feeds, so its metrics and the pool's hit rate see same-node lookups."""
+
+MAX_REPORT_LINE = 64
+_MAX_REPORTED = 1 << 48  # per number and line: beyond any honest batch, small enough to sum safely
+
+
+def encode_report(lookups: int, hits: int, misses: int) -> bytes:
+    """One report line (see :data:`REPORT_PREFIX`)."""
+    return b"%s%d %d %d\n" % (REPORT_PREFIX, lookups, hits, misses)
+
+
+def parse_report(line: bytes) -> tuple[int, int, int] | None:
+    """``(lookups, hits, misses)`` of one report line without its newline; None if malformed."""
+    if not line.startswith(REPORT_PREFIX) or len(line) >= MAX_REPORT_LINE:
+        return None
+    parts = line[len(REPORT_PREFIX) :].split(b" ")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        return None
+    lookups, hits, misses = (int(p) for p in parts)
+    if max(lookups, hits, misses) >= _MAX_REPORTED:
+        return None
+    return lookups, hits, misses
 
 
 def index_socket_for(unix_socket: str | os.PathLike[str]) -> Path:

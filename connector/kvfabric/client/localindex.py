@@ -9,6 +9,11 @@ hung up its index socket (the process died) or whose heartbeat stopped (a hung s
 :class:`CacheUnavailable` at once, so a dead or hung server costs a lookup microseconds, not its
 deadline. A false positive (a fingerprint collision, or a block
 evicted after the answer) is a load miss, which the connector already handles.
+
+The lookups answered from a table are reported to the server in batches (at most one small write per
+``report_interval_s`` and table, on the connection that holds the table, never waiting), so its
+lookup metrics and the pool's hit rate count them as they count RPC lookups; a server too old to
+count them is sent none.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import select
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfabric.client.errors import CacheUnavailable
@@ -42,6 +47,45 @@ class _Mapped:
     conn: socket.socket
     """The connection the table came over: the server keeps it open while it lives."""
     poll: select.poll
+    reports: bool = False
+    """Whether the server counts the lookups reported on ``conn``."""
+    counts: list[int] = field(default_factory=lambda: [0, 0, 0])
+    """Lookups, hit keys and missed keys answered from the table and not reported yet."""
+    reported_at: int = field(default_factory=time.monotonic_ns)
+    unsent: bytes = b""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, hits: int, keys: int, now_ns: int, interval_ns: int) -> None:
+        """Count one lookup answered from the table; report the batch once ``interval_ns`` passed."""
+        with self.lock:
+            c = self.counts
+            c[0] += 1
+            c[1] += hits
+            c[2] += keys - hits
+            if now_ns - self.reported_at >= interval_ns:
+                self._report(now_ns)
+
+    def report(self) -> None:
+        """Report what was counted now (before the connection is closed, or for a test)."""
+        with self.lock:
+            self._report(time.monotonic_ns())
+
+    def _report(self, now_ns: int) -> None:
+        # Never waits: a full socket buffer keeps the rest for the next report, a broken connection
+        # loses the batch (metrics, not answers).
+        self.reported_at = now_ns
+        c = self.counts
+        data = self.unsent + (it.encode_report(*c) if c[0] else b"")
+        self.counts = [0, 0, 0]
+        if not data:
+            return
+        try:
+            sent = self.conn.send(data, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            sent = len(data)
+        self.unsent = data[sent:]
 
     def server_gone(self) -> bool:
         """Whether the server hung up (its process exited): one non-blocking poll."""
@@ -55,11 +99,17 @@ class _Mapped:
             return False
         return notice == it.EVICTED
 
+    def hang_up(self) -> None:
+        """Report what is counted, then close the connection (the mapping stays: a reader may use it)."""
+        if self.reports:
+            self.report()
+        self.conn.close()
+
     def close(self) -> None:
         self.words.release()
         with contextlib.suppress(BufferError):
             self.map.close()
-        self.conn.close()
+        self.hang_up()
 
 
 class LocalIndex:
@@ -72,12 +122,14 @@ class LocalIndex:
         stale_after_s: float = 0.5,
         fetch_timeout_s: float = 0.25,
         refetch_interval_s: float = 1.0,
+        report_interval_s: float = 1.0,
     ) -> None:
         """``socket_path`` is the server's index socket; ``stale_after_s`` how old a heartbeat may be."""
         self.path = Path(socket_path)
         self.stale_ns = int(stale_after_s * 1e9)
         self.fetch_timeout = fetch_timeout_s
         self.refetch_interval = refetch_interval_s
+        self.report_ns = int(report_interval_s * 1e9)
         self._maps: dict[str, _Mapped] = {}
         self._next_fetch: dict[str, float] = {}
         self._fetching: set[str] = set()
@@ -85,6 +137,12 @@ class LocalIndex:
         self._lock = threading.Lock()
         self.answered = 0
         """Lookups answered from a table (for benchmarks and tests)."""
+        self.epoch: int | None = None
+        """The epoch (a random number per server process) of the table mapped last."""
+        self.restarts = 0
+        """How often the server process ended (hung up) or a table came from another one (a restart).
+
+        Not counted: a hung server (a stale heartbeat), which is the same process when it recovers."""
 
     def lookup(self, namespace: str, raw_keys: bytes, *, fetch: bool = True) -> LookupResult | None:
         """Leading present keys of ``raw_keys`` (the keys' 32-byte digests, concatenated), or None.
@@ -121,14 +179,18 @@ class LocalIndex:
                 self._drop(namespace, m)
                 if evicted:  # the server lives: ask over RPC, fetch the table again later
                     return None
+                self.restarts += 1  # its successor, if any, is another process
                 raise CacheUnavailable("the cache server closed its index socket (it exited)")
-            age = time.monotonic_ns() - words[it.W_HEARTBEAT]
+            now = time.monotonic_ns()
+            age = now - words[it.W_HEARTBEAT]
             if age > self.stale_ns:
                 self._refetch_later(namespace)
                 raise CacheUnavailable(
                     f"the cache server's published index has had no heartbeat for {age / 1e6:.0f} ms"
                 )
             self.answered += 1
+            if m.reports:
+                m.count(len(codes), len(fps), now, self.report_ns)
             return LookupResult(len(codes), list(map(_NAMES.__getitem__, codes)))
         return None
 
@@ -166,8 +228,16 @@ class LocalIndex:
             if m is None:
                 self._next_fetch[namespace] = time.monotonic() + self.refetch_interval
                 return None
-            self._maps[namespace] = m
+            self._install(namespace, m)
             return m
+
+    def _install(self, namespace: str, m: _Mapped) -> None:
+        # Under the lock. Another epoch is another server process: it knows none of what this
+        # process's clients told the old one (namespace descriptions), which the client sends again.
+        self._maps[namespace] = m
+        if self.epoch is not None and m.epoch != self.epoch:
+            self.restarts += 1
+        self.epoch = m.epoch
 
     def _replace(self, namespace: str, old: _Mapped) -> _Mapped | None:
         with self._lock:
@@ -175,7 +245,7 @@ class LocalIndex:
                 del self._maps[namespace]
                 self._next_fetch.pop(namespace, None)
         # The mapping is left to the garbage collector: another thread may still be reading it.
-        old.conn.close()
+        old.hang_up()
         return self._fetch_now(namespace)
 
     def _drop(self, namespace: str, old: _Mapped) -> None:
@@ -206,9 +276,9 @@ class LocalIndex:
                         if self._closed:
                             m.close()  # the reader was closed meanwhile: nobody would close it
                         elif old is None or old.epoch != m.epoch or old.words[it.W_STATE] != it.LIVE:
-                            self._maps[namespace] = m
+                            self._install(namespace, m)
                             if old is not None:
-                                old.conn.close()
+                                old.hang_up()
                         else:
                             m.conn.close()
             finally:
@@ -240,6 +310,7 @@ class LocalIndex:
         try:
             if msg[:1] != b"\x00":
                 return None
+            reports = msg[:2] == it.REPORTS_ACCEPTED
             size = os.fstat(fd).st_size
             if size < it.table_bytes(2):
                 return None
@@ -257,7 +328,7 @@ class LocalIndex:
             return None
         poll = select.poll()
         poll.register(conn, select.POLLIN | select.POLLHUP | select.POLLERR)
-        return _Mapped(mp, words, hdr["epoch"], conn, poll)
+        return _Mapped(mp, words, hdr["epoch"], conn, poll, reports)
 
     def close(self) -> None:
         """Unmap every table (and any a background fetch still brings)."""

@@ -106,6 +106,7 @@ class CacheClient:
         # not know yet: described before this client's next call (see announce()).
         self._specs: dict[str, str] = {}
         self._undescribed: set[str] = set()
+        self._restarts_seen = 0  # the published index's restart count when descriptions were last due
         self._describe_lock = threading.Lock()  # guards the two above
         self._sending = threading.Lock()  # held by the one thread sending descriptions
 
@@ -201,7 +202,19 @@ class CacheClient:
 
     @property
     def describes_pending(self) -> bool:
-        """Whether a description is due before this client's next call (see :meth:`announce`)."""
+        """Whether a description is due before this client's next call (see :meth:`announce`).
+
+        With the published index, a table from another server process (a restart) makes every
+        description due: the new process knows none, and lookups answered from its table would never
+        hear it ask. A server that is only hung or gone is not a new one: its lookups stay on the
+        table, which answers "unavailable" in microseconds, instead of an RPC that would wait its
+        deadline to send a description nobody reads.
+        """
+        index = self._index
+        if index is not None and index.restarts != self._restarts_seen:
+            with self._describe_lock:
+                self._restarts_seen = index.restarts
+                self._undescribed = set(self._specs)
         return bool(self._undescribed)
 
     def _describe_due(self, deadline: float) -> None:
@@ -210,7 +223,7 @@ class CacheClient:
         One thread sends; a call on another thread meanwhile goes ahead without waiting (a lookup
         must never wait behind a description to a hung server).
         """
-        if not self._undescribed or not self._sending.acquire(blocking=False):
+        if not self.describes_pending or not self._sending.acquire(blocking=False):
             return
         try:
             with self._describe_lock:
@@ -247,7 +260,7 @@ class CacheClient:
         deadline = time.monotonic() + timeout
         self._describe_due(deadline)
         if self._index is not None:
-            local = self._published(namespace, raw)
+            local = self._index.lookup(namespace, raw)
             if local is not None:
                 return local
         req = pb.LookupRequest(namespace=namespace, keys=keys)
@@ -261,20 +274,9 @@ class CacheClient:
 
         Raises :class:`~kvfabric.client.errors.CacheUnavailable` when the server is gone or hung.
         """
-        if self._index is None or self._undescribed:
+        if self._index is None or self.describes_pending:
             return None  # a description is due: the call that sends it first is an RPC lookup
-        return self._published(namespace, c.check_ids(namespace, keys), fetch=False)
-
-    def _published(self, namespace: str, raw: bytes, *, fetch: bool = True) -> LookupResult | None:
-        assert self._index is not None
-        try:
-            return self._index.lookup(namespace, raw, fetch=fetch)
-        except CacheUnavailable:
-            # The server process is gone: the one that replaces it knows no description, and
-            # lookups answered from its published table would never hear it ask.
-            with self._describe_lock:
-                self._undescribed = set(self._specs)
-            raise
+        return self._index.lookup(namespace, c.check_ids(namespace, keys), fetch=False)
 
     def load(self, namespace: str, keys: Sequence[str], *, timeout: float) -> list[bytes]:
         """Payloads of the leading present keys (stops at the first miss)."""

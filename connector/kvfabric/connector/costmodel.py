@@ -238,6 +238,10 @@ class CostModel:
             return Plan(0, None)
         c = self.chunk_tokens
         first = computed // c  # chunks before this one are already in the engine
+        if first >= len(tiers):
+            # No whole chunk beyond the engine's own prefix: nothing to weigh (what is left of the hit
+            # is part of a chunk, which a hybrid model's lookup may still load). Never a skip.
+            return Plan(len(tiers), None)
         best_k, best_gain = 0, 0.0
         best_saved = best_restore = 0.0
         measured = True

@@ -26,6 +26,9 @@ The table layout is :mod:`kvfabric.rpc.indextable`. This module owns the tables 
   descriptor sent is a read-only reopening of it, so no client can write the table others read.
   ``authorize(namespace, peer)`` (the peer's ``SO_PEERCRED``) decides which namespaces a peer may
   see; it allows all by default, like the gRPC socket today.
+  With ``on_lookups``, a client holding a table reports the lookups it answered from it, in batches
+  on that connection (:data:`~kvfabric.rpc.indextable.REPORT_PREFIX`), and the server adds them to the
+  lookup counters an RPC lookup feeds: its metrics and the pool's hit rate see same-node lookups.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ MAX_TABLES = 256  # namespaces with a table (a descriptor each); see indexregist
 TABLE_IDLE_SECONDS = 60.0  # an empty table no connection holds is dropped this long after its last use
 RECLAIM_INTERVAL_SECONDS = 1.0
 _SLOT_FP = ~3  # a slot holds the fingerprint with its low 2 bits replaced by the tier code
+REPORT_READ_BYTES = 4096  # per wake and held connection: a flood of reports delays no other client
 IDLE_WAKE_SECONDS = 0.25  # the serving loop wakes at least this often (expiry, stop)
 ACCEPTS_PER_WAKE = 64
 ACCEPT_PAUSE_SECONDS = 0.1  # after a failed accept (EMFILE...): the listener is not watched meanwhile
@@ -360,8 +364,9 @@ class IndexSocket:
     descriptor numbers, unlike ``select``). A request must arrive whole within
     :data:`REQUEST_DEADLINE_SECONDS` of the accept, whatever pace the client sends it at, and at most
     :data:`MAX_PENDING` requests wait at once (the oldest goes first), so a slow or silent client
-    delays no other. A connection handed a table is kept, and closed as soon as it is readable (its
-    client hung up or sent more than one request).
+    delays no other. A connection handed a table is kept; what its client sends on it afterwards is
+    lookup reports (with ``on_lookups``; anything else, or any byte without it, closes it, as does the
+    client hanging up).
     """
 
     def __init__(
@@ -371,9 +376,12 @@ class IndexSocket:
         *,
         authorize: Callable[[str, Peer], bool] | None = None,
         request_deadline: float = REQUEST_DEADLINE_SECONDS,
+        on_lookups: Callable[[str, int, int, int], object] | None = None,
     ) -> None:
+        """``on_lookups(namespace, lookups, hit_keys, missed_keys)``: count lookups a client reports."""
         self.path = path
         self.publisher = publisher
+        self.on_lookups = on_lookups
         self.authorize = authorize or (lambda namespace, peer: True)
         self.request_deadline = request_deadline
         self._sock: socket.socket | None = None
@@ -475,8 +483,8 @@ class IndexSocket:
 
     def _readable(self, conn: _Conn) -> None:
         if conn.namespace:
-            # A held connection is readable only when its client hung up (or broke the protocol).
-            self._close(conn)
+            # A held connection: lookup reports, or its client hung up (or broke the protocol).
+            self._reports(conn)
             return
         try:
             part = conn.sock.recv(MAX_REQUEST - len(conn.buf))
@@ -501,12 +509,37 @@ class IndexSocket:
                 log.exception("index socket: answering a request failed; that connection is closed")
                 served = False
             if served:
+                conn.buf = b""  # from now on: the start of a lookup report
                 # Kept open: when this process dies the kernel closes it, and the client knows at
                 # once (its next lookup polls it) instead of after a heartbeat timeout.
                 self._held[conn.sock.fileno()] = conn
                 self._by_peer.setdefault(conn.peer, {})[conn.sock.fileno()] = conn
             else:
                 self._close(conn, pending=False)
+
+    def _reports(self, conn: _Conn) -> None:
+        """Count the whole report lines a held connection sent; close it on a hang-up or anything else."""
+        try:
+            part = conn.sock.recv(REPORT_READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            part = b""
+        if not part or self.on_lookups is None:
+            self._close(conn, pending=False)
+            return
+        *lines, conn.buf = (conn.buf + part).split(b"\n")
+        for line in lines:
+            counts = it.parse_report(line)
+            if counts is None:
+                self._close(conn, pending=False)
+                return
+            try:
+                self.on_lookups(conn.namespace, *counts)
+            except Exception:  # counting must never end the loop that serves every engine's tables
+                log.exception("index socket: counting reported lookups failed")
+        if len(conn.buf) >= it.MAX_REPORT_LINE:  # no line is that long
+            self._close(conn, pending=False)
 
     def _answer(self, conn: _Conn) -> bool:
         """Answer a whole request; True if a table was sent (the connection then holds it)."""
@@ -532,7 +565,8 @@ class IndexSocket:
             conn.peer = peer_key(peer)
             self._make_room(conn.peer)
             # A fresh connection's send buffer always has room for one byte and a descriptor.
-            socket.send_fds(conn.sock, [b"\x00"], [fd])
+            ok = it.REPORTS_ACCEPTED if self.on_lookups is not None else b"\x00"
+            socket.send_fds(conn.sock, [ok], [fd])
         except BaseException:
             self.publisher.release(namespace, token)
             raise

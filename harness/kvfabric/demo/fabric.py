@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfabric.localcluster.cluster import LocalCluster, free_port
-from kvfabric.localcluster.podrunner.runner import pod_request
+from kvfabric.localcluster.podrunner.runner import add_image, pod_request
 from kvfabric.localcluster.testing import ClusterHandle, external_cluster, pod_runner, stop_process, wait_for
 from kvfabric.testing.s3server import S3Server, s3_server
 
@@ -48,6 +48,18 @@ class Fabric:
     object_store: S3Server | None = None
     """The S3 server of the object tier (``running_fabric(object_store=True)``), reachable at
     ``object_store.endpoint`` from the operator and from every pod."""
+    operator: OperatorProcess | None = None
+    """The operator process (None on an existing cluster, whose operator is its own)."""
+
+    def add_image(self, image: str, env: dict[str, str]) -> None:
+        """Make containers of ``image`` run with ``env`` added (a release's ``PYTHONPATH``: its code).
+
+        Only where the pod runner runs the pods: it has no images, every container runs this host's
+        files (:func:`kvfabric.localcluster.podrunner.runner.add_image`).
+        """
+        if self.runner_base is None:
+            raise RuntimeError("an existing cluster runs real images: the fabric cannot choose their code")
+        add_image(self.runner_base, image, env)
 
     def request(
         self, pod: dict[str, Any], port: int, path: str, data: str | None = None, timeout: float = 120
@@ -92,37 +104,54 @@ def install(cluster: ClusterHandle, root: Path) -> None:
     cluster.wait_crd_established("kvcachepools.kvfabric.io")
 
 
-@contextlib.contextmanager
-def _operator_process(cluster: ClusterHandle, workdir: Path, progress: Progress) -> Iterator[Path]:
-    workdir.mkdir(parents=True, exist_ok=True)
-    log_path = workdir / "operator.log"
-    health = free_port()
-    args = [
-        sys.executable,
-        "-m",
-        "kvfabric.cli",
-        "operator",
-        "--kubeconfig",
-        str(cluster.kubeconfig),
-        "-A",
-        "--register-webhook",
-        "--webhook-port",
-        str(free_port()),
-        "--webhook-cert-dir",
-        str(workdir / "certs"),
-        "--liveness",
-        f"http://127.0.0.1:{health}/healthz",
-        "--resync-seconds",
-        "5",
-    ]
-    progress("starting the operator (reconciler + injection webhook on 127.0.0.1)")
-    with log_path.open("ab") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
-    try:
+class OperatorProcess:
+    """The fabric's operator: a local process with its injection webhook registered on 127.0.0.1.
+
+    Restartable as another release (``env={"PYTHONPATH": tree.pythonpath}``, see
+    :mod:`kvfabric.testing.release`) or as another identity (``kubeconfig``: a ServiceAccount's), so a
+    test can upgrade it, or run it as a Helm install's operator would run.
+    """
+
+    def __init__(self, cluster: ClusterHandle, workdir: Path, progress: Progress) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.cluster = cluster
+        self.workdir = workdir
+        self.log_path = workdir / "operator.log"
+        self.progress = progress
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, *, env: dict[str, str] | None = None, kubeconfig: Path | None = None) -> None:
+        """Start the operator (``env`` added to this process's) and wait until it serves."""
+        assert self._proc is None, "the operator is already running"
+        health = free_port()
+        args = [
+            sys.executable,
+            "-m",
+            "kvfabric.cli",
+            "operator",
+            "--kubeconfig",
+            str(kubeconfig or self.cluster.kubeconfig),
+            "-A",
+            "--register-webhook",
+            "--webhook-port",
+            str(free_port()),
+            "--webhook-cert-dir",
+            str(self.workdir / "certs"),
+            "--liveness",
+            f"http://127.0.0.1:{health}/healthz",
+            "--resync-seconds",
+            "5",
+        ]
+        self.progress("starting the operator (reconciler + injection webhook on 127.0.0.1)")
+        with self.log_path.open("ab") as out:
+            proc = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
+        self._proc = proc
 
         def up() -> bool:
             if proc.poll() is not None:
-                raise RuntimeError(f"the operator exited:\n{log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"the operator exited:\n{self.log_path.read_text()[-3000:]}")
             import urllib.request
 
             try:
@@ -131,19 +160,46 @@ def _operator_process(cluster: ClusterHandle, workdir: Path, progress: Progress)
             except OSError:
                 return False
 
-        wait_for(up, timeout=90, message="the operator's health endpoint")
-        wait_for(
-            lambda: (
-                cluster.kubectl(
-                    "get", "mutatingwebhookconfiguration", "kvfabric-pod-injector", check=False
-                ).returncode
-                == 0
-            ),
-            message="the webhook registration",
-        )
-        yield log_path
+        try:
+            wait_for(up, timeout=90, message="the operator's health endpoint")
+            wait_for(
+                lambda: (
+                    self.cluster.kubectl(
+                        "get", "mutatingwebhookconfiguration", "kvfabric-pod-injector", check=False
+                    ).returncode
+                    == 0
+                ),
+                message="the webhook registration",
+            )
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def pid(self) -> int | None:
+        """The running operator's process id (None while stopped)."""
+        return self._proc.pid if self._proc is not None else None
+
+    def stop(self) -> None:
+        """Stop the operator (its webhook stays registered: it fails open until the next one serves)."""
+        if self._proc is not None:
+            stop_process(self._proc, grace=20)
+            self._proc = None
+
+    def restart(self, *, env: dict[str, str] | None = None, kubeconfig: Path | None = None) -> None:
+        """Stop the operator and start it again, as ``start`` would."""
+        self.stop()
+        self.start(env=env, kubeconfig=kubeconfig)
+
+
+@contextlib.contextmanager
+def _operator_process(cluster: ClusterHandle, workdir: Path, progress: Progress) -> Iterator[OperatorProcess]:
+    operator = OperatorProcess(cluster, workdir, progress)
+    operator.start()
+    try:
+        yield operator
     finally:
-        stop_process(proc, grace=20)
+        operator.stop()
         # The webhook fails open, but leaving it registered would slow every later pod creation.
         cluster.kubectl(
             "delete",
@@ -212,13 +268,14 @@ def _running_fabric(base: Path, gpu_nodes: int, progress: Progress, s3: S3Server
                     for i in range(SHARED_VOLUMES)
                 )
             )
-            with _operator_process(handle, base / "operator", progress) as op_log:
+            with _operator_process(handle, base / "operator", progress) as operator:
                 yield Fabric(
                     cluster=handle,
                     runner_base=runner_base,
                     gpu_nodes=names,
-                    operator_log=op_log,
+                    operator_log=operator.log_path,
                     object_store=s3,
+                    operator=operator,
                 )
     finally:
         progress("stopping the cluster")

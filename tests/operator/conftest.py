@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from kvfabric.localcluster.testing import ClusterHandle, wait_for
 
@@ -206,28 +204,6 @@ def watch_pool(cluster: ClusterHandle, namespace: str, name: str) -> Iterator[li
             idx = end
             while idx < len(text) and text[idx].isspace():
                 idx += 1
-
-
-def token_kubeconfig(cluster: ClusterHandle, ns: str, path: Path, account: str = "kvfabric-operator") -> Path:
-    """A kubeconfig that authenticates as a ServiceAccount (a short-lived token from the API server)."""
-    token = cluster.kubectl("create", "token", account, "-n", ns, "--duration=1h").stdout.strip()
-    admin = yaml.safe_load(cluster.kubeconfig.read_text())
-    cluster_entry = admin["clusters"][0]["cluster"]
-    ca = cluster_entry.get("certificate-authority-data")
-    if ca is None:
-        ca = base64.b64encode(Path(cluster_entry["certificate-authority"]).read_bytes()).decode()
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {"name": "c", "cluster": {"server": cluster_entry["server"], "certificate-authority-data": ca}}
-        ],
-        "users": [{"name": "operator", "user": {"token": token}}],
-        "contexts": [{"name": "operator", "context": {"cluster": "c", "user": "operator"}}],
-        "current-context": "operator",
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 def patch_pod_status(cluster: ClusterHandle, namespace: str, pod: str, status: dict[str, Any]) -> None:

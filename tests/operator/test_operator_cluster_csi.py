@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 import yaml
-from tests.operator.conftest import OperatorProcess, token_kubeconfig
+from tests.operator.conftest import OperatorProcess
 
 from kvfabric.contract.consumer_env import CONSUMER_KEYS_SECRET, consumer_keys_entry
 from kvfabric.contract.consumer_keys import consumer_root, encode_key
 from kvfabric.csi.access import ApiAuthorizer
 from kvfabric.csi.publish import Code, Publication, Refused
-from kvfabric.localcluster.testing import ClusterHandle
+from kvfabric.localcluster.testing import ClusterHandle, token_kubeconfig
 
 pytestmark = [pytest.mark.cluster]
 

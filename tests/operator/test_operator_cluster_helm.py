@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import yaml
-from tests.operator.conftest import OperatorProcess, get_pool, token_kubeconfig
+from tests.operator.conftest import OperatorProcess, get_pool
 
-from kvfabric.localcluster.testing import ClusterHandle, wait_for
+from kvfabric.localcluster.testing import ClusterHandle, token_kubeconfig, wait_for
 from kvfabric.testing.opstools import Helm, ensure_helm, prometheus_operator_crds
 
 pytestmark = [pytest.mark.cluster]

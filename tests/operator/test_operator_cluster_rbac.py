@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import yaml
-from tests.operator.conftest import OperatorProcess, condition, get_pool, is_ready, token_kubeconfig
+from tests.operator.conftest import OperatorProcess, condition, get_pool, is_ready
 
-from kvfabric.localcluster.testing import ClusterHandle, wait_for
+from kvfabric.localcluster.testing import ClusterHandle, token_kubeconfig, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

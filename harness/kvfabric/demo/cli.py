@@ -11,6 +11,7 @@ node than the last. It prints the hit rate per round, TTFT cold vs warm, bytes p
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -35,6 +36,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turn-tokens", type=int, default=128, help="tokens a user adds per round")
     parser.add_argument("--answer-tokens", type=int, default=16, help="tokens the engine answers per round")
     parser.add_argument("--preset", default="bench", help="reference-engine model size (tiny or bench)")
+    parser.add_argument(
+        "--install",
+        choices=("kustomize", "helm"),
+        default=os.environ.get("KVFABRIC_INSTALL") or "kustomize",
+        help="install kvfabric from the CRDs in crds/ (kustomize) or with the Helm chart charts/kvfabric "
+        "(helm: its CRD, RBAC, admission policy, the operator running as the chart's ServiceAccount) "
+        "(default: $KVFABRIC_INSTALL, else kustomize)",
+    )
     parser.add_argument(
         "--object-store",
         action="store_true",

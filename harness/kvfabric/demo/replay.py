@@ -236,7 +236,12 @@ def deploy_and_replay(
 def main(base: Path, args: argparse.Namespace, progress: Progress) -> int:
     """Bring the fabric up, deploy, replay, report, tear down (unless ``--keep``)."""
     start = time.monotonic()
-    with running_fabric(base, progress=progress, object_store=getattr(args, "object_store", False)) as fabric:
+    with running_fabric(
+        base,
+        progress=progress,
+        object_store=getattr(args, "object_store", False),
+        install=getattr(args, "install", "kustomize"),
+    ) as fabric:
         cluster = fabric.cluster
         cluster.kubectl("create", "namespace", NAMESPACE, check=False)
         wait_for(

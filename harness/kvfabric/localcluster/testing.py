@@ -6,6 +6,7 @@ the suites at an existing cluster (for example kind) instead of starting a local
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -220,3 +221,27 @@ def pod_runner(
         yield base
     finally:
         stop_process(proc, grace=60)
+
+
+def token_kubeconfig(
+    cluster: ClusterHandle, ns: str, path: Path, account: str = "kvfabric-operator", duration: str = "1h"
+) -> Path:
+    """A kubeconfig that authenticates as a ServiceAccount (a token from the API server, for ``duration``)."""
+    token = cluster.kubectl("create", "token", account, "-n", ns, f"--duration={duration}").stdout.strip()
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    cluster_entry = admin["clusters"][0]["cluster"]
+    ca = cluster_entry.get("certificate-authority-data")
+    if ca is None:
+        ca = base64.b64encode(Path(cluster_entry["certificate-authority"]).read_bytes()).decode()
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": "c", "cluster": {"server": cluster_entry["server"], "certificate-authority-data": ca}}
+        ],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "c", "user": "operator"}}],
+        "current-context": "operator",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path

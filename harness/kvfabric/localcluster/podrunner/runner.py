@@ -6,6 +6,7 @@ import base64
 import contextlib
 import datetime as dt
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -33,6 +34,25 @@ _MAX_BACKOFF = 10.0
 
 def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+IMAGES_FILE = "images.json"
+"""In the runner's base: the images the runner knows, ``{image: {VAR: value}}`` (:func:`add_image`)."""
+
+
+def add_image(base: Path, image: str, env: dict[str, str]) -> None:
+    """Teach the runner serving ``base`` an image: its containers start with ``env`` added.
+
+    The runner runs every container from this host's filesystem (it has no images), so an image is
+    only what its environment selects: a release's ``PYTHONPATH`` makes a container of
+    ``kvfabric:<release>`` run that release's code. Read at each container's start (later pods see it).
+    """
+    path = base / IMAGES_FILE
+    table = json.loads(path.read_text()) if path.exists() else {}
+    table[image] = env
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table))
+    tmp.replace(path)
 
 
 def netns_name(pod_uid: str) -> str:
@@ -202,6 +222,7 @@ class PodWorker(threading.Thread):
                 "HOME": "/root",
                 "LANG": "C.UTF-8",
                 "HOSTNAME": self.name,
+                **self.runner.image_env(c.get("image", "")),
                 **env,
             }
             user, group, groups = (
@@ -524,6 +545,13 @@ class PodRunner:
         self.workers: dict[str, PodWorker] = {}
         self._ips = itertools.count(2)
         self._stop = threading.Event()
+
+    def image_env(self, image: str) -> dict[str, str]:
+        """The environment ``image`` selects (:func:`add_image`); empty for one it was not taught."""
+        path = self.base / IMAGES_FILE
+        if not path.exists():
+            return {}
+        return dict(json.loads(path.read_text()).get(image, {}))
 
     def lookup(self, kind: str, namespace: str, name: str) -> dict[str, str] | None:
         """``data`` of a ConfigMap or (decoded) Secret, or ``None``."""

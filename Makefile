@@ -16,7 +16,7 @@ test: bootstrap lint ## Install what is needed, lint, and run every test (every 
 ##@ Pieces
 
 # One target per level of the test ladder (markers assigned by kvfabric.testing.levels).
-.PHONY: test-unit test-process test-images test-cluster test-fabric test-kubelet test-vllm
+.PHONY: test-unit test-process test-images test-cluster test-fabric test-kubelet test-vllm test-kind
 test-unit: ## Only the unit tests (pure functions, in-process objects): well under a minute
 	$(UV) pytest tests -m unit -q $(PYTEST_ARGS)
 test-process: ## Only the tests that run real cache-server and engine processes
@@ -31,6 +31,8 @@ test-kubelet: bootstrap ## Only the tests on real kubelets (the built images as 
 	$(UV) pytest e2e -m kubelet $(PYTEST_ARGS)
 test-vllm: bootstrap ## Only the tests inside real vLLM (CPU; the bootstrap builds its pinned env), in the fabric too
 	$(UV) pytest tests e2e -m vllm $(PYTEST_ARGS)
+test-kind: bootstrap ## Only the kind cluster from the offline node image (built first: KVFABRIC_KIND=1)
+	KVFABRIC_KIND=$${KVFABRIC_KIND:-1} $(UV) pytest e2e -m kind $(PYTEST_ARGS)
 
 .PHONY: bootstrap bootstrap-demo
 bootstrap-demo: ## Install only what the demo and the local cluster need (.venv, control-plane binaries)

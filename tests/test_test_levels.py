@@ -98,7 +98,7 @@ def test_every_collected_test_of_the_suite_carries_exactly_one_level_marker(tmp_
     wrong = {nodeid: levels for nodeid, levels in found.items() if len(levels) != 1}
     assert wrong == {}
     under_e2e = {levels[0] for nodeid, levels in found.items() if nodeid.startswith("e2e/")}
-    assert under_e2e <= {"fabric", "kubelet", "vllm"}
+    assert under_e2e <= {"fabric", "kubelet", "vllm", "kind"}
 
 
 INI = "[pytest]\naddopts = -p kvfabric.testing.levels\n"

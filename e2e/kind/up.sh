@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Run kvfabric's e2e suite on a kind cluster: create the cluster (e2e/kind/kind-config.yaml), make its
 # workers look like GPU nodes, build and load the images (images/), install the operator
-# (manifests/overlays/kind) and the shared-tier volumes, then run `pytest e2e` against it.
+# (manifests/overlays/kind) and the shared-tier volumes, then run the e2e tests meant for an existing
+# cluster (`pytest e2e -m fabric`; the real-kubelet and vLLM levels run their own nodes and engines on
+# this host, so they are not selected, and a guard in e2e/conftest.py refuses any kubelet, container
+# runtime, control-plane or pod-runner process the run would start on the host).
 #
 #   e2e/kind/up.sh                 # everything; extra arguments go to pytest (e.g. -k hit -x)
 #   SKIP_BUILD=1 e2e/kind/up.sh    # reuse images already loaded into the cluster
 #   SKIP_TESTS=1 e2e/kind/up.sh    # leave a ready cluster, run nothing
+#   KIND_NODE_IMAGE=kvfabric.local/kind-node:v1.36.3-… e2e/kind/up.sh   # a locally built node image
 #   e2e/kind/down.sh               # delete the cluster
 #
 # Needs: Docker (a running engine), kind v0.33.x, kubectl, uv, and network access for the base images,
@@ -14,6 +18,10 @@
 #
 # Environment:
 #   KIND_CLUSTER_NAME         cluster name (default: kvfabric)
+#   KIND_NODE_IMAGE           the node image (default: kindest/node:<the Kubernetes pin of
+#                             harness/kvfabric/localcluster/versions.py>, pulled from Docker Hub);
+#                             `kvfabric kind image` builds one with no registry at all
+#   IMAGES                    image directories of images/images.txt to build and load (default: all)
 #   KVFABRIC_KIND_HOST_DIR    host directory for the NVMe stand-ins and the shared tier
 #                             (default: /tmp/kvfabric-kind; it must be shared with Docker)
 #   KVFABRIC_KIND_KUBECONFIG  kubeconfig written for the cluster (default: $KVFABRIC_KIND_HOST_DIR/kubeconfig);
@@ -37,6 +45,9 @@ CERT_MANAGER_VERSION="${CERT_MANAGER_VERSION:-v1.21.2}"
 OPERATOR_NAMESPACE="${OPERATOR_NAMESPACE:-kvfabric-system}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 KIND_VERSION_WANTED="v0.33."
+# The Kubernetes version everything else is tested with (the local control plane, the kubelet tier).
+KUBERNETES_PIN="$(sed -n 's/^KUBERNETES_VERSION: Final = "\(.*\)"$/\1/p' "${root}/harness/kvfabric/localcluster/versions.py")"
+NODE_IMAGE="${KIND_NODE_IMAGE:-kindest/node:${KUBERNETES_PIN}}"
 GPU_LABEL="nvidia.com/gpu.present"
 
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
@@ -63,8 +74,9 @@ preflight() {
   version="$(kind version 2>/dev/null | awk '{print $2}')"
   case "${version}" in
     "${KIND_VERSION_WANTED}"*) ;;
-    *) say "warning: kind ${version:-?} found; kind-config.yaml pins the node image of kind ${KIND_VERSION_WANTED}x" ;;
+    *) say "warning: kind ${version:-?} found; up.sh is tested with kind ${KIND_VERSION_WANTED}x" ;;
   esac
+  [ -n "${KUBERNETES_PIN}" ] || die "cannot read KUBERNETES_VERSION from harness/kvfabric/localcluster/versions.py"
 }
 
 kc() { kubectl --kubeconfig "${KUBECONFIG_FILE}" "$@"; }
@@ -79,12 +91,23 @@ create_cluster() {
   chmod 1777 "${HOST_DIR}/nvme-gpu-1" "${HOST_DIR}/nvme-gpu-2" "${HOST_DIR}/shared"
   local config="${HOST_DIR}/kind-config.yaml"
   sed "s#/tmp/kvfabric-kind#${HOST_DIR}#g" "${here}/kind-config.yaml" >"${config}"
+  # Kubernetes >= 1.35 kubelets refuse cgroup v1 unless told otherwise; kind does not tell them.
+  if [ "$(docker info --format '{{.CgroupVersion}}' 2>/dev/null)" = 1 ]; then
+    say "the Docker engine runs on cgroup v1: the kubelets get failCgroupV1: false"
+    cat >>"${config}" <<'YAML'
+kubeadmConfigPatches:
+  - |
+    kind: KubeletConfiguration
+    failCgroupV1: false
+YAML
+  fi
   if kind get clusters 2>/dev/null | grep -qx "${CLUSTER}"; then
     say "reusing the kind cluster '${CLUSTER}'"
     kind get kubeconfig --name "${CLUSTER}" >"${KUBECONFIG_FILE}"
   else
-    say "creating the kind cluster '${CLUSTER}' (1 control plane, 2 GPU workers, 1 CPU worker)"
-    kind create cluster --name "${CLUSTER}" --config "${config}" --kubeconfig "${KUBECONFIG_FILE}" --wait 180s
+    say "creating the kind cluster '${CLUSTER}' (1 control plane, 2 GPU workers, 1 CPU worker) from ${NODE_IMAGE}"
+    kind create cluster --name "${CLUSTER}" --config "${config}" --image "${NODE_IMAGE}" \
+      --kubeconfig "${KUBECONFIG_FILE}" --wait 180s
   fi
   kc wait --for=condition=Ready node --all --timeout=180s >/dev/null
 }
@@ -115,6 +138,7 @@ build_and_load() {
   revision="$(git -C "${root}" rev-parse HEAD 2>/dev/null || echo unknown)"
   while read -r dir repo; do
     case "${dir}" in '' | '#'*) continue ;; esac
+    case " ${IMAGES:-${dir}} " in *" ${dir} "*) ;; *) continue ;; esac
     image="${repo}:${tag}"
     if [ "${SKIP_BUILD:-0}" != 1 ]; then
       say "building ${image} (images/${dir}/Dockerfile)"
@@ -181,9 +205,9 @@ run_tests() {
     say "SKIP_TESTS=1: the cluster is ready; KUBECONFIG=${KUBECONFIG_FILE}"
     return
   fi
-  say "running the e2e suite against kind (KVFABRIC_TEST_KUBECONFIG=${KUBECONFIG_FILE})"
+  say "running the e2e tests meant for an existing cluster against kind (KVFABRIC_TEST_KUBECONFIG=${KUBECONFIG_FILE})"
   cd "${root}"
-  KVFABRIC_TEST_KUBECONFIG="${KUBECONFIG_FILE}" uv run pytest e2e "$@"
+  KVFABRIC_TEST_KUBECONFIG="${KUBECONFIG_FILE}" uv run pytest e2e -m fabric "$@"
 }
 
 main() {

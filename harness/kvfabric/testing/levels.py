@@ -1,7 +1,7 @@
 """Pytest plugin: every test gets exactly one level of the test ladder as a marker.
 
 The levels, cheapest first (README, "Tests"), are ``unit``, ``process``, ``images``, ``cluster``,
-``fabric``, ``kubelet`` and ``vllm``. A test's level is the most expensive of:
+``fabric``, ``kubelet``, ``vllm`` and ``kind``. A test's level is the most expensive of:
 
 - an explicit level marker on the test or its module (``pytestmark = pytest.mark.process``);
 - ``fabric`` for everything under ``e2e/``;
@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-LEVELS: tuple[str, ...] = ("unit", "process", "images", "cluster", "fabric", "kubelet", "vllm")
+LEVELS: tuple[str, ...] = ("unit", "process", "images", "cluster", "fabric", "kubelet", "vllm", "kind")
 DESCRIPTIONS: dict[str, str] = {
     "unit": "pure functions and in-process objects; no child process (enforced), no network beyond loopback",
     "process": "child processes: real cache servers and engines on loopback and Unix sockets, scripts",
@@ -42,6 +42,7 @@ DESCRIPTIONS: dict[str, str] = {
     "fabric": "the whole fabric: operator, cache-server DaemonSet and engines run by the pod runner",
     "kubelet": "built images run by a real kubelet on the local control plane",
     "vllm": "real vLLM (CPU) with the kvfabric connector",
+    "kind": "a kind cluster from the offline node image (kvfabric kind), the e2e suite run against it",
 }
 CLUSTER_FIXTURES = frozenset({"cluster"})
 # The audit events (sys.audit) that start a child process, by any route (subprocess, asyncio,

@@ -60,7 +60,6 @@ __all__ = [
     "read_block_to_fd",
     "read_header",
     "read_header_and_meta",
-    "read_meta",
     "unpack_header",
     "write_block",
 ]
@@ -287,20 +286,6 @@ def read_header_and_meta(path: Path, *, with_meta: bool = True) -> tuple[BlockHe
     if len(meta) != header.meta_length or xxhash.xxh3_64_intdigest(meta) != header.meta_sum:
         return header, None
     return header, meta
-
-
-def read_meta(path: Path, header: BlockHeader) -> bytes | None:
-    """The names after ``header``'s payload in ``path``, verified; None if it has none or they fail.
-
-    ``FileNotFoundError`` if the file is gone.
-    """
-    if not header.meta_length:
-        return None
-    with open(path, "rb", buffering=0) as f:
-        meta = os.pread(f.fileno(), header.meta_length, HEADER_SIZE + header.length)
-    if len(meta) != header.meta_length or xxhash.xxh3_64_intdigest(meta) != header.meta_sum:
-        return None
-    return meta
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:

@@ -22,7 +22,7 @@ from kvfabric.cacheserver.engine.blockfile import (
     payload_checksum,
     read_block_into,
     read_header,
-    read_meta,
+    read_header_and_meta,
     unpack_header,
     write_block,
 )
@@ -139,7 +139,7 @@ def test_a_block_without_names_is_written_as_version_2_and_one_with_names_is_ver
     assert header is not None
     assert path.stat().st_size == HEADER_SIZE + len(payload) + len(names) == header.file_size
     assert read_header(path) == header
-    assert read_meta(path, header) == names
+    assert read_header_and_meta(path) == (header, names)
     buf = aligned_buffer(len(payload))
     try:
         read_block_into(path, bid, memoryview(buf), length=len(payload))
@@ -155,7 +155,7 @@ def test_a_block_without_names_is_written_as_version_2_and_one_with_names_is_ver
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 1
     path.write_bytes(bytes(raw))
-    assert read_meta(path, read_header(path)) is None
+    assert read_header_and_meta(path)[1] is None
     buf = aligned_buffer(len(payload))
     try:
         read_block_into(path, bid, memoryview(buf), length=len(payload))

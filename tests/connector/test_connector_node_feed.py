@@ -282,10 +282,22 @@ def test_a_feed_raising_anything_never_breaks_a_store(monkeypatch: pytest.Monkey
 # ----------------------------------------------------------------------------------------- process
 
 
+# Write-backs must land whatever else fills this machine's disk (the tier refuses below 5 % free).
+ROOMY = {"tiers.local_disk.min_free_fraction": 0.0}
+
+
 @pytest.fixture
 def srv() -> Iterator[ServerProcess]:
-    with cache_server(dram_bytes=8 * MiB, local_disk_bytes=64 * MiB) as s:
+    with cache_server(dram_bytes=8 * MiB, local_disk_bytes=64 * MiB, overrides=ROOMY) as s:
         yield s
+
+
+def _engine_log(srv: ServerProcess) -> vllmevents.KVEventLog:
+    """An engine's event log following ``srv`` (``to_vllm`` patched: events as kvfabric's records)."""
+    sock = str(srv.config.listen.unix_socket)
+    return vllmevents.KVEventLog(
+        BLOCK, enabled=True, follow=lambda ledger: node_residency_for(sock, NS, ledger)
+    )
 
 
 @pytest.fixture
@@ -293,11 +305,7 @@ def engines(monkeypatch: pytest.MonkeyPatch, srv: ServerProcess) -> Iterator[lis
     """Two engines' event logs following ``srv`` (events as kvfabric's wire records)."""
     monkeypatch.setattr(vllmevents, "_VLLM", True)
     monkeypatch.setattr(vllmevents, "to_vllm", lambda e: e)
-    sock = str(srv.config.listen.unix_socket)
-    logs = [
-        vllmevents.KVEventLog(BLOCK, enabled=True, follow=lambda ledger: node_residency_for(sock, NS, ledger))
-        for _ in range(2)
-    ]
+    logs = [_engine_log(srv) for _ in range(2)]
     yield logs
     for log in logs:
         assert log.node is not None
@@ -405,6 +413,43 @@ def test_sibling_engines_announce_the_nodes_residency_and_follow_every_change(
         assert m.violations.double_stores == 0
         assert m.violations.removals_of_unheld == 0
         assert m.violations.clears == 0
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_an_engine_started_after_a_sigkill_announces_the_disk_no_connector_remembers(
+    monkeypatch: pytest.MonkeyPatch, srv: ServerProcess
+) -> None:
+    """The storing engine is gone and the server was SIGKILLed: the names kept on disk name the chunks."""
+    monkeypatch.setattr(vllmevents, "_VLLM", True)
+    monkeypatch.setattr(vllmevents, "to_vllm", lambda e: e)
+    keys = [digest("kept", i) for i in range(4)]
+    metas = {k: _meta(i, i - 1 if i else None) for i, k in enumerate(keys)}
+    storing = _engine_log(srv)
+    router = Router()
+    assert storing.node is not None
+    wait_until(lambda: router.step([storing]) and storing.node.connected, what="the storing engine follows")
+    with CacheClient(srv.unix_target) as client:
+        client.describe(NS, SPEC.canonical().decode(), timeout=10)
+        for k in keys:
+            storing.node.describe(k, metas[k])
+        assert client.store(NS, keys, [payload_for(k, 256 << 10) for k in keys], timeout=10).accepted == 4
+    wait_until(lambda: all("local_disk" in _resident(srv).get(k, ()) for k in keys), what="write-backs")
+    storing.node.close()  # the engine that remembers the names is gone
+    srv.kill()
+    srv.start()
+    fresh, seen = _engine_log(srv), Router()  # a new engine: its router index starts empty
+    try:
+        want = {("storage", h) for k in keys for h in metas[k].block_hashes}
+        wait_until(
+            lambda: seen.step([fresh]) and seen.entries(0) == want, timeout=30, what="the disk announced"
+        )
+        for m in seen.models:
+            assert m.violations.double_stores == 0
+            assert m.violations.orphan_parents == 0
+    finally:
+        assert fresh.node is not None
+        fresh.node.close()
 
 
 def test_a_feed_that_sends_garbage_or_fails_never_breaks_take_events(monkeypatch: pytest.MonkeyPatch) -> None:

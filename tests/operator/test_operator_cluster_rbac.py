@@ -265,6 +265,7 @@ def test_operator_works_with_the_shipped_least_privilege_rbac(
                     "memory": {"size": "1Gi"},
                     "shared": {"claimTemplate": {"size": "1Gi"}, "capacity": "1Gi"},
                 },
+                "consumers": {"routingEvents": {}},
             },
         },
         namespace=namespace,
@@ -311,3 +312,16 @@ def test_operator_works_with_the_shipped_least_privilege_rbac(
     pool = get_pool(cluster, namespace, "pool-a")
     assert condition(pool, "StorageReady")["reason"] == "ClaimPending"
     assert not is_ready(cluster, namespace, "pool-a")
+    # The router ConfigMap a pool with routing events owns is pruned when they are turned off.
+    wait_for(
+        lambda: _exists(cluster, "configmap", "pool-a-router", namespace), timeout=30, message="router CM"
+    )
+    cluster.kubectl(
+        "patch", "kvp", "pool-a", "-n", namespace, "--type=json",
+        "-p", '[{"op":"remove","path":"/spec/consumers/routingEvents"}]',
+    )  # fmt: skip
+    wait_for(
+        lambda: not _exists(cluster, "configmap", "pool-a-router", namespace),
+        timeout=30,
+        message="the router ConfigMap pruned under the shipped role",
+    )

@@ -40,6 +40,10 @@ USES: dict[tuple[str, str, str], list[tuple[str, str]]] = {
     ("", "configmaps", "watch"): [("controller.py", r'OWNED_KINDS = \(.*"ConfigMap"'), _INFORMER],
     ("", "configmaps", "create"): [("render/children.py", r'"kind": "ConfigMap"'), _APPLY],
     ("", "configmaps", "patch"): [("render/children.py", r'"kind": "ConfigMap"'), _APPLY],
+    ("", "configmaps", "delete"): [
+        ("reconcile.py", r'_PRUNABLE: Final = \(.*"ConfigMap"'),
+        ("reconcile.py", r"client\.delete\("),
+    ],
     ("", "services", "list"): [("reconcile.py", r'_PRUNABLE: Final = \(.*"Service"')],
     ("", "services", "watch"): [("controller.py", r'OWNED_KINDS = \(.*"Service"'), _INFORMER],
     ("", "services", "create"): [("render/children.py", r'"kind": "Service"'), _APPLY],

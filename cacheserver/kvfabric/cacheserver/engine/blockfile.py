@@ -59,7 +59,7 @@ __all__ = [
     "read_block_into",
     "read_block_to_fd",
     "read_header",
-    "read_meta",
+    "read_header_and_meta",
     "unpack_header",
     "write_block",
 ]
@@ -264,30 +264,28 @@ def _write_all(fd: int, view: memoryview, offset: int) -> None:
 
 
 def read_header(path: Path) -> BlockHeader:
-    """Read and verify only the header of a block file (the start-up scan uses this)."""
-    with open(path, "rb", buffering=0) as f:
-        data = f.read(HEADER_SIZE)
-    header = unpack_header(data)
-    size = os.stat(path).st_size
-    if size != header.file_size:
-        raise CorruptBlock(f"file is {size} bytes, header says {header.file_size}")
-    return header
+    """Read and verify only the header of a block file."""
+    return read_header_and_meta(path, with_meta=False)[0]
 
 
-def read_meta(path: Path, header: BlockHeader) -> bytes | None:
-    """The names after ``header``'s payload in ``path``, verified; None if it has none or they fail.
+def read_header_and_meta(path: Path, *, with_meta: bool = True) -> tuple[BlockHeader, bytes | None]:
+    """The verified header of a block file and, with ``with_meta``, its names (the start-up scan).
 
-    Names that fail their checksum (or are cut short) are dropped, never returned: the payload, which
-    has its own checksum, still serves. ``FileNotFoundError`` if the file is gone.
+    One open for both. The names are None when the block has none or they fail their checksum
+    (dropped, never returned: the payload, which has its own checksum, still serves); a header
+    that fails, or a file whose size is not the header's, is a :class:`CorruptBlock`.
     """
-    if not header.meta_length:
-        return None
     with open(path, "rb", buffering=0) as f:
-        f.seek(HEADER_SIZE + header.length)
-        meta = f.read(header.meta_length)
+        header = unpack_header(f.read(HEADER_SIZE))
+        size = os.fstat(f.fileno()).st_size
+        if size != header.file_size:
+            raise CorruptBlock(f"file is {size} bytes, header says {header.file_size}")
+        if not (with_meta and header.meta_length):
+            return header, None
+        meta = os.pread(f.fileno(), header.meta_length, HEADER_SIZE + header.length)
     if len(meta) != header.meta_length or xxhash.xxh3_64_intdigest(meta) != header.meta_sum:
-        return None
-    return meta
+        return header, None
+    return header, meta
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:

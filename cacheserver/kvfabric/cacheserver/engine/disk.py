@@ -44,7 +44,7 @@ from kvfabric.cacheserver.engine.blockfile import (
     read_block_into,
     read_block_to_fd,
     read_header,
-    read_meta,
+    read_header_and_meta,
     write_block,
 )
 from kvfabric.cacheserver.engine.faults import IoFaults
@@ -181,7 +181,8 @@ class DiskTier:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(e.path)
                 removed_tmp += 1
-        found: list[tuple[BlockId, int, BlockHeader]] = []
+        found: list[tuple[BlockId, int, BlockHeader, bytes | None]] = []
+        with_meta = self.on_meta is not None
         for bdir in os.scandir(self.buckets_dir):
             if bdir.name.startswith(EXPIRED_PREFIX):
                 # A bucket claimed for expiry by a server that died mid-delete: finish the job.
@@ -195,7 +196,7 @@ class DiskTier:
                 if bid is None:
                     continue
                 try:
-                    header = read_header(Path(f.path))
+                    header, meta = read_header_and_meta(Path(f.path), with_meta=with_meta)
                     if header.bid != bid:
                         raise CorruptBlock("header names another block")
                 except CorruptBlock as exc:
@@ -211,10 +212,13 @@ class DiskTier:
                         os.unlink(f.path)
                     continue
                 self.generations.observe(header.gen)
-                found.append((bid, bucket, header))
+                if with_meta and header.meta_length and meta is None:
+                    log.warning("dropping a block's names that fail their checksum", extra={"key": bid.key})
+                    self.counters.inc("meta_failures", self.name)
+                found.append((bid, bucket, header, meta))
         found.sort(key=lambda t: (t[1], t[2].created_at))  # oldest first: LRU order approximated by age
         with self._lock:
-            for bid, bucket, header in found:
+            for bid, bucket, header, _ in found:
                 gen = header.gen
                 old = self._index.get(bid)
                 if old is not None:
@@ -227,32 +231,25 @@ class DiskTier:
                     self._drop_locked(bid)
                 self._add_locked(bid, DiskEntry(bucket, header.file_size, gen, header.meta_length))
         if self.on_meta is not None:
-            self._restore_meta([(bid, bucket, h) for bid, bucket, h in found if h.meta_length])
+            self._restore_meta([(bid, bucket, h, m) for bid, bucket, h, m in found if m is not None])
         log.info(
             "tier index rebuilt",
             extra={"tier": self.name, "blocks": len(found), "removed_tmp": removed_tmp, "used": self._used},
         )
         return len(found)
 
-    def _restore_meta(self, named: list[tuple[BlockId, int, BlockHeader]]) -> None:
-        """Hand ``on_meta`` the names of the indexed copies among ``named`` that pass their check.
+    def _restore_meta(self, named: list[tuple[BlockId, int, BlockHeader, bytes]]) -> None:
+        """Hand ``on_meta`` the names of the copies among ``named`` the index kept (verified when read).
 
-        Names that fail it are dropped and counted (``meta_failures``); the block still serves: its
-        payload has its own checksum, and the names only tell routers what it is.
+        Names that failed their check were dropped and counted (``meta_failures``) by the scan; the
+        block still serves: its payload has its own checksum, and the names only tell routers what
+        it is.
         """
         assert self.on_meta is not None
-        for bid, bucket, header in named:
+        for bid, bucket, header, meta in named:
             entry = self._index.get(bid)
             if entry is None or entry.bucket != bucket or entry.gen != header.gen:
                 continue  # the other copy of two won
-            try:
-                meta = read_meta(self._path(bid, bucket), header)
-            except OSError:
-                meta = None
-            if meta is None:
-                log.warning("dropping a block's names that fail their checksum", extra={"key": bid.key})
-                self.counters.inc("meta_failures", self.name)
-                continue
             self.on_meta(bid, meta)
 
     def reap_stale_tmp(self, older_than_s: float, clock_of: Callable[[str], float | None]) -> int:

@@ -50,6 +50,20 @@ GROUP_CHUNKS = 256
 _QUARANTINE = 16
 
 
+@dataclass(frozen=True)
+class _ObjectRun:
+    """A run of one hybrid save's objects of one kind and block count, planned once per step."""
+
+    kind: int
+    geometry: layout.ChunkGeometry
+    staging: bytearray
+    start: int
+    end: int
+    """The run's bytes in ``staging``."""
+    block_ids: tuple[list[list[int]], ...]
+    """Per group of the kind (its position), the engine blocks of each object of the run."""
+
+
 @dataclass
 class _PendingLoad:
     spec: LoadSpec
@@ -134,6 +148,7 @@ class HostStagingPath:
         self._load_pool: cf.ThreadPoolExecutor | None = None
         # saves: per save spec, one staging buffer holding its payloads back to back
         self._saves: list[tuple[SaveSpec, bytearray]] = []
+        self._object_runs: list[_ObjectRun] = []  # hybrid saves, per run: what each layer gathers
         self._store_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvfabric-store")
         self._store_lock = threading.Lock()
         self._store_inflight_bytes = 0
@@ -543,15 +558,15 @@ class HostStagingPath:
                     pl.spec.block_ids[t_first:end],
                 )
 
-    def _scatter_lent(self, pl: _PendingLoad, first: int, count: int) -> int:
-        """Scatter the ``count`` verified leased payloads of the group at chunk ``first``; their bytes."""
+    def _scatter_lent(self, pl: _PendingLoad, first: int, count: int) -> None:
+        """Scatter the ``count`` verified leased payloads of the group at chunk ``first``."""
         geo, bgeo = self.geometry, self.block_geometry
         assert geo is not None
         assert bgeo is not None
         leases = pl.lent.get(first, [])[:count]
         if pl.spec.objects is not None:
             self._scatter_lent_objects(pl, first, leases)
-            return sum(len(x.view) for x in leases)
+            return
         kvs = list(self._kv.values())
         for j, lease in enumerate(leases):
             i = first + j
@@ -562,7 +577,6 @@ class HostStagingPath:
                 layout.scatter_payload(geo, kvs, lease.view, ids, first_block=skip)
             else:
                 layout.scatter_payload(bgeo, kvs, lease.view, ids)
-        return sum(len(x.view) for x in leases)
 
     def abandon_loads(self) -> None:
         """Forget the started loads (their staging is reused only if their calls finished)."""
@@ -604,11 +618,42 @@ class HostStagingPath:
         """
         self.abandon_saves()  # a step that never submitted must not keep its reservations
         for spec in saves:
-            staging = self._reserve_save_staging(sum(self._spec_shapes(spec)[0]))
+            sizes = self._spec_shapes(spec)[0]
+            staging = self._reserve_save_staging(sum(sizes))
             if staging is None:
                 self.counters.add("store_dropped_backlog", len(spec.keys))
                 continue
             self._saves.append((spec, staging))
+            if spec.objects is not None:
+                self._object_runs += self._plan_object_runs(spec, staging, sizes)
+
+    def _plan_object_runs(self, spec: SaveSpec, staging: bytearray, sizes: list[int]) -> list[_ObjectRun]:
+        """Once per step: each run's body geometry, bytes in ``staging`` and blocks per group.
+
+        Every layer of a kind gathers the same objects from its own group's blocks; computing that
+        here leaves each layer's hook only the copies.
+        """
+        objs = spec.objects
+        assert objs is not None
+        assert self.plan is not None
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        runs = []
+        for a, b in self._runs(spec, 0, len(spec.keys)):
+            kind = objs.kinds[a]
+            groups = len(self.plan.kinds[kind].groups)
+            runs.append(
+                _ObjectRun(
+                    kind,
+                    self._kind_geometry(kind, objs.stored[a]),
+                    staging,
+                    offsets[a],
+                    offsets[b],
+                    tuple([self._object_ids(spec, i, g) for i in range(a, b)] for g in range(groups)),
+                )
+            )
+        return runs
 
     def save_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         """Gather ``layer`` of every prepared chunk (and tail block) from ``kv_layer`` into its payload."""
@@ -633,29 +678,15 @@ class HostStagingPath:
         if place is None:
             return
         kind, pos, group = place
-        for spec, staging in self._saves:
-            objs = spec.objects
-            if objs is None:
-                continue
-            sizes = self._spec_shapes(spec)[0]
-            offsets = [0]
-            for size in sizes:
-                offsets.append(offsets[-1] + size)
-            for a, b in self._runs(spec, 0, len(spec.keys)):
-                if objs.kinds[a] != kind:
-                    continue
-                geo = self._kind_geometry(kind, objs.stored[a])
-                layout.gather_chunks(
-                    geo,
-                    pos,
-                    kv_layer,
-                    [self._object_ids(spec, i, group) for i in range(a, b)],
-                    memoryview(staging)[offsets[a] : offsets[b]],
-                )
+        for run in self._object_runs:
+            if run.kind == kind:
+                view = memoryview(run.staging)[run.start : run.end]
+                layout.gather_chunks(run.geometry, pos, kv_layer, run.block_ids[group], view)
 
     def abandon_saves(self) -> int:
         """Drop the prepared chunks (and their reservations); return how many."""
         saves, self._saves = self._saves, []
+        self._object_runs = []
         for _, staging in saves:
             self._unreserve(len(staging))
         return sum(len(spec.keys) for spec, _ in saves)
@@ -663,6 +694,7 @@ class HostStagingPath:
     def submit_saves(self) -> None:
         """Hand the prepared payloads to the background storer (their bytes were reserved at begin)."""
         saves, self._saves = self._saves, []
+        self._object_runs = []
         for spec, staging in saves:
             if self.cache is None:
                 self._unreserve(len(staging))

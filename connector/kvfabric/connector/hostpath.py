@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 # dominate), so a request is one RPC unless it exceeds this many chunks (64k tokens at 256/chunk).
 GROUP_CHUNKS = 256
 
+SHUTDOWN_DRAIN_S = 4.0
+"""How long a closing worker waits for its queued stores (within vLLM's 5-second shutdown grace)."""
+
 # Staging buffers of abandoned loads kept aside until their transport calls end (then reused).
 # Beyond this many they are dropped for good: never reused, freed when the last call lets go.
 _QUARANTINE = 16
@@ -155,7 +158,7 @@ class HostStagingPath:
         """Save staging reserved: this step's saves, and the stores queued or running."""
         self.save_bytes_peak = 0
         """The most save staging bytes ever held at once (reserved plus kept for reuse)."""
-        self._store_futures: set[cf.Future[None]] = set()
+        self._store_futures: dict[cf.Future[None], int] = {}  # queued or running store -> its chunks
         self._save_pool: list[bytearray] = []
 
     @property
@@ -705,12 +708,12 @@ class HostStagingPath:
                 self._unreserve(len(staging))
                 continue
             with self._store_lock:
-                self._store_futures.add(fut)
+                self._store_futures[fut] = len(spec.keys)
             fut.add_done_callback(self._store_done)
 
     def _store_done(self, fut: cf.Future[None]) -> None:
         with self._store_lock:
-            self._store_futures.discard(fut)
+            self._store_futures.pop(fut, None)
 
     def _store(self, spec: SaveSpec, staging: bytearray) -> None:
         geo, cache = self.geometry, self.cache
@@ -752,8 +755,21 @@ class HostStagingPath:
         _done, not_done = cf.wait(pending, timeout=timeout)
         return not not_done
 
-    def close(self) -> None:
-        """Stop the threads (pending stores finish first, bounded by their deadline)."""
-        self._store_pool.shutdown(wait=True, cancel_futures=False)
+    def close(self, drain_s: float = SHUTDOWN_DRAIN_S) -> None:
+        """Stop the threads: queued stores get ``drain_s`` seconds to finish, the rest are dropped.
+
+        vLLM gives a worker a few seconds to exit (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, 5 by
+        default) before it terminates it, and waiting for a long backlog of stores to a slow server
+        would be cut short there anyway. A store still running at the deadline ends within its own
+        deadline; the stores not started are dropped and counted (``store_dropped_shutdown``, chunks).
+        """
+        self.wait_for_stores(drain_s)
+        with self._store_lock:
+            pending = list(self._store_futures.items())
+        dropped = sum(n for fut, n in pending if fut.cancel())  # (its callback takes the lock)
+        if dropped:
+            self.counters.add("store_dropped_shutdown", dropped)
+            log.warning("kvfabric: %d chunks not stored at shutdown (queued past %.1f s)", dropped, drain_s)
+        self._store_pool.shutdown(wait=False, cancel_futures=True)
         if self._load_pool is not None:
             self._load_pool.shutdown(wait=False, cancel_futures=True)

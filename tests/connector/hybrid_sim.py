@@ -74,6 +74,20 @@ def attended(spec: Any, p: int) -> range:
     return range(p)
 
 
+def expected_checks(specs: list[Any], layers_per_group: int, start: int, n: int, budget: int) -> int:
+    """Positions :class:`Engine` checks for one request computed alone from ``start`` to ``n``.
+
+    Steps of ``budget`` tokens; each step checks, per layer, every position its first token attends
+    to (an attention layer) or the one state it starts from (a recurrent layer, unless at 0).
+    """
+    total = 0
+    for first in range(start, n, budget):
+        for spec in specs:
+            seen = (1 if first else 0) if isinstance(spec, MambaSpec) else len(attended(spec, first))
+            total += layers_per_group * seen
+    return total
+
+
 def skipped(spec: Any, computed: int) -> int:
     """vLLM's ``get_num_skipped_tokens``."""
     if isinstance(spec, MambaSpec):

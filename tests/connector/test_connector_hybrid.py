@@ -26,6 +26,7 @@ from tests.connector.hybrid_sim import (
     MambaSpec,
     Req,
     SlidingWindowSpec,
+    expected_checks,
     vllm_config,
 )
 
@@ -107,6 +108,13 @@ def counters(d: Driver) -> dict[str, int]:
     return out
 
 
+def assert_checked_exactly(d: Driver, req: Req, budget: int) -> None:
+    """Every step of ``req`` (run alone from its hit) checked every position it attends to."""
+    layers = len(d.engine.config.kv_cache_groups[0].layer_names)
+    want = expected_checks(d.engine.specs, layers, req.hit, len(req.prompt_token_ids), budget)
+    assert d.engine.checked_positions == want
+
+
 def load_block_ids(d: Driver) -> list[int]:
     return [b for meta in d.plans for spec in meta.loads for ids in spec.block_ids for b in ids]
 
@@ -134,7 +142,7 @@ def test_single_sliding_window_group_never_writes_block_0_and_hits_equal_recompu
     assert b.hit == 1248
     assert 0 not in load_block_ids(second)
     assert second.engine.null_block_clean()
-    assert second.engine.checked_positions > 0
+    assert_checked_exactly(second, b, budget=2048)
     # Only the window's blocks moved: cdiv(127, 16) = 8 blocks of each of 2 layers.
     blocks = sum(len(ids) for meta in second.plans for spec in meta.loads for ids in spec.block_ids)
     assert blocks == 8
@@ -211,7 +219,7 @@ def test_gemma3_shape_hits_equal_recompute_and_move_only_the_window(
     assert got["loaded_bytes.sliding_window"] == want
     assert got.get("null_block_writes_refused", 0) == 0
     assert 0 not in load_block_ids(second)
-    assert second.engine.checked_positions > 0
+    assert_checked_exactly(second, b, budget=512)
     assert (got.get("loads_lent", 0) > 0) == isinstance(store, LendingTransport)
     # Two groups: the load ran in the background (vLLM takes its failure only per request).
     assert got["background_loads"] == 1
@@ -280,7 +288,7 @@ def test_a_missing_sliding_window_object_drops_the_hit_to_the_previous_valid_bou
     b = Req("b", prompt(600))
     second.run([b], budget=1024)
     assert b.hit == 576
-    assert second.engine.checked_positions > 0
+    assert_checked_exactly(second, b, budget=1024)
 
 
 def hybrid_span(base: int, block: int, tail: int) -> Any:
@@ -296,7 +304,7 @@ def test_cost_model_on_keeps_a_hybrid_hit_it_has_not_measured(store: MemoryTrans
     b = Req("b", prompt(500))
     second.run([b], budget=256)
     assert b.hit == 496
-    assert second.engine.checked_positions > 0
+    assert_checked_exactly(second, b, budget=256)
 
 
 # ------------------------------------------------------------------------ guards and the interface
@@ -364,7 +372,7 @@ def test_a_failed_background_load_of_a_hybrid_model_is_recomputed_from_the_start
     second.run([b], budget=128)
     assert b.failed_loads == 1
     assert counters(second)["miss.retry_recomputed"] == 1
-    assert second.engine.checked_positions > 0
+    assert_checked_exactly(second, b, budget=128)
     assert second.engine.null_block_clean()
 
 
@@ -452,7 +460,7 @@ def test_a_hit_behind_the_engines_own_prefix_writes_only_what_it_lacks(
     second.run([b], budget=512)
     assert b.hit == 1248
     assert counters(second).get("null_block_writes_refused", 0) == 0
-    assert second.engine.checked_positions > 0
+    assert_checked_exactly(second, b, budget=512)
     written = [bid for meta in second.plans for spec in meta.loads for ids in spec.block_ids for bid in ids]
     full_group = len(specs) - 1
     # The full-attention group is written from L on, nothing before it.
@@ -470,7 +478,10 @@ def test_asynchronous_hybrid_loads_equal_recompute(store: MemoryTransport) -> No
     assert [r.hit for r in reqs] == [1248, 896]
     assert all(r.loaded for r in reqs)
     assert counters(second)["background_loads"] == 2
-    assert second.engine.checked_positions > 0
+    # Each finishes in the one step after its load (fewer tokens left than the budget): their checks add.
+    specs, n = second.engine.specs, [len(r.prompt_token_ids) for r in reqs]
+    want = sum(expected_checks(specs, 2, r.hit, m, 512) for r, m in zip(reqs, n, strict=True))
+    assert second.engine.checked_positions == want
 
 
 # ------------------------------------------------------------- recurrent state (unit-tested only)
@@ -516,7 +527,7 @@ def test_state_checkpoints_restore_the_recurrent_state_at_a_handed_off_boundary(
     assert got["loaded_bytes.state"] == 3 * 256 + HEADER  # one checkpoint, three layers
     assert got["loaded_bytes.full"] == 4 * (4 * PAGE + HEADER)  # four chunks of 4 blocks, 1 layer
     assert got.get("null_block_writes_refused", 0) == 0
-    assert second.engine.checked_positions > 0
+    assert_checked_exactly(second, b, budget=64)
     assert second.engine.null_block_clean()
 
 
@@ -533,7 +544,7 @@ def test_a_missing_checkpoint_drops_the_hit_to_the_previous_one(store: MemoryTra
     b = Req("b", prompt(300))
     second.run([b], budget=64)
     assert b.hit == 192
-    assert second.engine.checked_positions > 0
+    assert_checked_exactly(second, b, budget=64)
 
 
 # ------------------------------------------------------- the shapes vLLM 0.32 was seen to make
@@ -558,7 +569,7 @@ def test_probed_gemma3_shape_block_128(store: MemoryTransport) -> None:
     assert 0 not in swa[8:]
     assert 0 not in full
     assert b.hit == 1152
-    assert second.engine.checked_positions > 0
+    assert_checked_exactly(second, b, budget=512)
 
 
 def test_probed_gemma4_shape_sliding_256_full_128(store: MemoryTransport) -> None:
@@ -572,7 +583,7 @@ def test_probed_gemma4_shape_sliding_256_full_128(store: MemoryTransport) -> Non
     second.run([b], budget=512)
     assert b.hit == 1024
     assert counters(second).get("null_block_writes_refused", 0) == 0
-    assert second.engine.checked_positions > 0
+    assert_checked_exactly(second, b, budget=512)
 
 
 # ------------------------------------------------------------------------------ KV events per group

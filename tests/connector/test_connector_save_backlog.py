@@ -108,3 +108,54 @@ def test_a_hung_server_bounds_the_save_staging_and_steps_go_on(tmp_path: Path) -
         assert w.counters.get("store_accepted") > before
         w.shutdown()
         cache.close()
+
+
+def test_shutdown_stores_what_is_queued_and_gives_a_hung_server_only_its_drain_deadline() -> None:
+    """A worker's shutdown lets its queued stores land (a restarted engine hits them), within a bound.
+
+    Healthy: the stores of the last steps, queued and not awaited, are all stored when ``shutdown``
+    returns. Hung (SIGSTOP; the breaker kept closed so each store waits its full 400 ms deadline):
+    ten queued saves would take four seconds; shutdown returns after the 1 s drain and the store
+    running then, and drops the saves not started (``store_dropped_shutdown``, whole saves of
+    ``CHUNKS_PER_STEP`` chunks). Before the deadline existed it waited for every one.
+    """
+    with cache_server(dram_bytes=64 * MiB) as srv:
+        settings = ConnectorSettings(
+            socket=str(srv.config.listen.unix_socket),
+            chunk_tokens=CHUNK,
+            store_deadline_ms=400,
+            store_queue_bytes=64 * MiB,
+            breaker_failures=1000,
+        )
+        kv = kv_caches()
+
+        def worker() -> WorkerHalf:
+            cache = build_cache(settings, shared=False)
+            assert cache is not None
+            w = WorkerHalf(settings, SPEC, cache=cache)
+            w.register_kv_caches(kv)
+            return w
+
+        healthy = worker()
+        for s in range(3):
+            save_step(healthy, kv, s)
+        healthy.shutdown(drain_s=30)
+        assert healthy.counters.get("store_accepted") == 3 * CHUNKS_PER_STEP
+        assert healthy.counters.get("store_dropped_shutdown") == 0
+
+        hung = worker()
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGSTOP)
+        try:
+            for s in range(100, 110):
+                save_step(hung, kv, s)
+            t0 = time.monotonic()
+            hung.shutdown(drain_s=1.0)
+            elapsed = time.monotonic() - t0
+        finally:
+            srv.proc.send_signal(signal.SIGCONT)
+        assert elapsed < 1.0 + 0.4 + 1.0, f"shutdown took {elapsed:.1f} s"
+        dropped = hung.counters.get("store_dropped_shutdown")
+        # At most ceil((1.0 + 0.4) / 0.4) = 4 saves started (run or ran) by then; the rest dropped whole.
+        assert dropped % CHUNKS_PER_STEP == 0
+        assert 6 * CHUNKS_PER_STEP <= dropped <= 9 * CHUNKS_PER_STEP

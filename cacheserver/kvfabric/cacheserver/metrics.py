@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import threading
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvfabric.cacheserver.engine.base import READ_MISSES, MissReason, TierUsage
+from kvfabric.cacheserver.engine.ids import is_hex64
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.tiered import TieredStore
 from kvfabric.cacheserver.health import ListenerProbes
@@ -430,7 +430,7 @@ def parse_query(body: bytes) -> tuple[str, list[int], str | None]:
     if not isinstance(doc, dict):
         raise ValueError("the body must be a JSON object")
     namespace = doc.get("namespace")
-    if not isinstance(namespace, str) or not re.fullmatch(r"[0-9a-f]{64}", namespace):
+    if not isinstance(namespace, str) or not is_hex64(namespace):
         raise ValueError("namespace: 64 lower-case hex characters (the namespace digest)")
     tokens = doc.get("token_ids")
     if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens):

@@ -92,6 +92,6 @@ class DataPath(Protocol):
         """Wait until background stores are done (tests, shutdown); return whether they all finished."""
         ...
 
-    def close(self) -> None:
-        """Stop background work (pending stores finish first, bounded by their deadline)."""
+    def close(self, drain_s: float = ...) -> None:
+        """Stop background work; queued stores get ``drain_s`` seconds to finish, the rest are dropped."""
         ...

@@ -45,9 +45,26 @@ log = logging.getLogger(__name__)
 # dominate), so a request is one RPC unless it exceeds this many chunks (64k tokens at 256/chunk).
 GROUP_CHUNKS = 256
 
+SHUTDOWN_DRAIN_S = 4.0
+"""How long a closing worker waits for its queued stores (within vLLM's 5-second shutdown grace)."""
+
 # Staging buffers of abandoned loads kept aside until their transport calls end (then reused).
 # Beyond this many they are dropped for good: never reused, freed when the last call lets go.
 _QUARANTINE = 16
+
+
+@dataclass(frozen=True)
+class _ObjectRun:
+    """A run of one hybrid save's objects of one kind and block count, planned once per step."""
+
+    kind: int
+    geometry: layout.ChunkGeometry
+    staging: bytearray
+    start: int
+    end: int
+    """The run's bytes in ``staging``."""
+    block_ids: tuple[list[list[int]], ...]
+    """Per group of the kind (its position), the engine blocks of each object of the run."""
 
 
 @dataclass
@@ -134,13 +151,14 @@ class HostStagingPath:
         self._load_pool: cf.ThreadPoolExecutor | None = None
         # saves: per save spec, one staging buffer holding its payloads back to back
         self._saves: list[tuple[SaveSpec, bytearray]] = []
+        self._object_runs: list[_ObjectRun] = []  # hybrid saves, per run: what each layer gathers
         self._store_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvfabric-store")
         self._store_lock = threading.Lock()
         self._store_inflight_bytes = 0
         """Save staging reserved: this step's saves, and the stores queued or running."""
         self.save_bytes_peak = 0
         """The most save staging bytes ever held at once (reserved plus kept for reuse)."""
-        self._store_futures: set[cf.Future[None]] = set()
+        self._store_futures: dict[cf.Future[None], int] = {}  # queued or running store -> its chunks
         self._save_pool: list[bytearray] = []
 
     @property
@@ -543,15 +561,15 @@ class HostStagingPath:
                     pl.spec.block_ids[t_first:end],
                 )
 
-    def _scatter_lent(self, pl: _PendingLoad, first: int, count: int) -> int:
-        """Scatter the ``count`` verified leased payloads of the group at chunk ``first``; their bytes."""
+    def _scatter_lent(self, pl: _PendingLoad, first: int, count: int) -> None:
+        """Scatter the ``count`` verified leased payloads of the group at chunk ``first``."""
         geo, bgeo = self.geometry, self.block_geometry
         assert geo is not None
         assert bgeo is not None
         leases = pl.lent.get(first, [])[:count]
         if pl.spec.objects is not None:
             self._scatter_lent_objects(pl, first, leases)
-            return sum(len(x.view) for x in leases)
+            return
         kvs = list(self._kv.values())
         for j, lease in enumerate(leases):
             i = first + j
@@ -562,7 +580,6 @@ class HostStagingPath:
                 layout.scatter_payload(geo, kvs, lease.view, ids, first_block=skip)
             else:
                 layout.scatter_payload(bgeo, kvs, lease.view, ids)
-        return sum(len(x.view) for x in leases)
 
     def abandon_loads(self) -> None:
         """Forget the started loads (their staging is reused only if their calls finished)."""
@@ -604,11 +621,42 @@ class HostStagingPath:
         """
         self.abandon_saves()  # a step that never submitted must not keep its reservations
         for spec in saves:
-            staging = self._reserve_save_staging(sum(self._spec_shapes(spec)[0]))
+            sizes = self._spec_shapes(spec)[0]
+            staging = self._reserve_save_staging(sum(sizes))
             if staging is None:
                 self.counters.add("store_dropped_backlog", len(spec.keys))
                 continue
             self._saves.append((spec, staging))
+            if spec.objects is not None:
+                self._object_runs += self._plan_object_runs(spec, staging, sizes)
+
+    def _plan_object_runs(self, spec: SaveSpec, staging: bytearray, sizes: list[int]) -> list[_ObjectRun]:
+        """Once per step: each run's body geometry, bytes in ``staging`` and blocks per group.
+
+        Every layer of a kind gathers the same objects from its own group's blocks; computing that
+        here leaves each layer's hook only the copies.
+        """
+        objs = spec.objects
+        assert objs is not None
+        assert self.plan is not None
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        runs = []
+        for a, b in self._runs(spec, 0, len(spec.keys)):
+            kind = objs.kinds[a]
+            groups = len(self.plan.kinds[kind].groups)
+            runs.append(
+                _ObjectRun(
+                    kind,
+                    self._kind_geometry(kind, objs.stored[a]),
+                    staging,
+                    offsets[a],
+                    offsets[b],
+                    tuple([self._object_ids(spec, i, g) for i in range(a, b)] for g in range(groups)),
+                )
+            )
+        return runs
 
     def save_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         """Gather ``layer`` of every prepared chunk (and tail block) from ``kv_layer`` into its payload."""
@@ -633,29 +681,15 @@ class HostStagingPath:
         if place is None:
             return
         kind, pos, group = place
-        for spec, staging in self._saves:
-            objs = spec.objects
-            if objs is None:
-                continue
-            sizes = self._spec_shapes(spec)[0]
-            offsets = [0]
-            for size in sizes:
-                offsets.append(offsets[-1] + size)
-            for a, b in self._runs(spec, 0, len(spec.keys)):
-                if objs.kinds[a] != kind:
-                    continue
-                geo = self._kind_geometry(kind, objs.stored[a])
-                layout.gather_chunks(
-                    geo,
-                    pos,
-                    kv_layer,
-                    [self._object_ids(spec, i, group) for i in range(a, b)],
-                    memoryview(staging)[offsets[a] : offsets[b]],
-                )
+        for run in self._object_runs:
+            if run.kind == kind:
+                view = memoryview(run.staging)[run.start : run.end]
+                layout.gather_chunks(run.geometry, pos, kv_layer, run.block_ids[group], view)
 
     def abandon_saves(self) -> int:
         """Drop the prepared chunks (and their reservations); return how many."""
         saves, self._saves = self._saves, []
+        self._object_runs = []
         for _, staging in saves:
             self._unreserve(len(staging))
         return sum(len(spec.keys) for spec, _ in saves)
@@ -663,6 +697,7 @@ class HostStagingPath:
     def submit_saves(self) -> None:
         """Hand the prepared payloads to the background storer (their bytes were reserved at begin)."""
         saves, self._saves = self._saves, []
+        self._object_runs = []
         for spec, staging in saves:
             if self.cache is None:
                 self._unreserve(len(staging))
@@ -673,12 +708,12 @@ class HostStagingPath:
                 self._unreserve(len(staging))
                 continue
             with self._store_lock:
-                self._store_futures.add(fut)
+                self._store_futures[fut] = len(spec.keys)
             fut.add_done_callback(self._store_done)
 
     def _store_done(self, fut: cf.Future[None]) -> None:
         with self._store_lock:
-            self._store_futures.discard(fut)
+            self._store_futures.pop(fut, None)
 
     def _store(self, spec: SaveSpec, staging: bytearray) -> None:
         geo, cache = self.geometry, self.cache
@@ -720,8 +755,21 @@ class HostStagingPath:
         _done, not_done = cf.wait(pending, timeout=timeout)
         return not not_done
 
-    def close(self) -> None:
-        """Stop the threads (pending stores finish first, bounded by their deadline)."""
-        self._store_pool.shutdown(wait=True, cancel_futures=False)
+    def close(self, drain_s: float = SHUTDOWN_DRAIN_S) -> None:
+        """Stop the threads: queued stores get ``drain_s`` seconds to finish, the rest are dropped.
+
+        vLLM gives a worker a few seconds to exit (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, 5 by
+        default) before it terminates it, and waiting for a long backlog of stores to a slow server
+        would be cut short there anyway. A store still running at the deadline ends within its own
+        deadline; the stores not started are dropped and counted (``store_dropped_shutdown``, chunks).
+        """
+        self.wait_for_stores(drain_s)
+        with self._store_lock:
+            pending = list(self._store_futures.items())
+        dropped = sum(n for fut, n in pending if fut.cancel())  # (its callback takes the lock)
+        if dropped:
+            self.counters.add("store_dropped_shutdown", dropped)
+            log.warning("kvfabric: %d chunks not stored at shutdown (queued past %.1f s)", dropped, drain_s)
+        self._store_pool.shutdown(wait=False, cancel_futures=True)
         if self._load_pool is not None:
             self._load_pool.shutdown(wait=False, cancel_futures=True)

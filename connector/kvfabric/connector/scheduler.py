@@ -84,10 +84,9 @@ class _ReqState:
     absent: list[str] = field(default_factory=list)
     background: bool = False  # the engine waits for this request's load (asynchronous load)
     had_background: bool = False  # it already had one (a retry loads synchronously)
-    # Hybrid models: the block table per KV cache group (groups[0] is block_ids), the hit's local
-    # prefix, the tiers of the objects it reads, and the tokens up to which objects were planned.
+    # Hybrid models: the block table per KV cache group (groups[0] is block_ids), the tokens up to
+    # which objects were planned, and the tier of each object the hit reads.
     groups: list[list[int]] = field(default_factory=list)
-    hit_tiers: list[str] = field(default_factory=list)
     planned_to: int = 0
     key_tiers: dict[str, str] = field(default_factory=dict)
 
@@ -294,6 +293,13 @@ class SchedulerHalf:
         st.groups = groups
         st.block_ids = groups[0] if groups else []
 
+    def _extend_groups(self, st: _ReqState, groups: list[list[int]]) -> None:
+        """Append a step's newly allocated blocks to each group's table."""
+        tables = st.groups + [[] for _ in range(len(groups) - len(st.groups))]
+        for table, new in zip(tables, groups, strict=False):
+            table.extend(new)
+        self._set_groups(st, tables)
+
     def _span_key(self, st: _ReqState, span: hp.Span) -> str:
         """The chunk key (whole chunk) or tail key (tail block) of ``span``."""
         if span.tail == 0:
@@ -360,7 +366,6 @@ class SchedulerHalf:
         if hit and self.costs is not None and reason is None:
             hit, hit_keys = self._cost_cap(st, local, hit, hit_keys, present=present, tiers=tiers)
             declined = hit == 0
-        st.hit_tiers = [tiers.get(k, "") for k in hit_keys]
         st.key_tiers = {k: tiers.get(k, "") for k in hit_keys}
         # What KV events withdraw: the objects the lookups found absent (none known if one failed).
         st.absent = [k for k, here in present.items() if not here] if reason is None else []
@@ -617,12 +622,7 @@ class SchedulerHalf:
                 if s.replaces_blocks:
                     self._set_groups(st, groups)
                 else:
-                    while len(st.groups) < len(groups):
-                        st.groups.append([])
-                    for mine, new in zip(st.groups, groups, strict=False):
-                        mine.extend(new)
-                    if st.groups:
-                        st.block_ids = st.groups[0]
+                    self._extend_groups(st, groups)
             if s.current_block_ids is not None and self.plan is not None:
                 # The engine's current table: no stale ids at positions it freed and reused.
                 self._set_groups(st, [list(g) for g in s.current_block_ids])
@@ -780,11 +780,6 @@ class SchedulerHalf:
         """Forget the request. Saves copy blocks out during the step, so blocks can be freed now."""
         self._reqs.pop(req_id, None)
 
-    @property
-    def request_level_failures(self) -> bool:
-        """Loads must run in the background and fail per request (see ``GroupPlan``)."""
-        return self.plan is not None and self.plan.request_level_failures
-
     def drop_hit(self, req_id: str) -> None:
         """Forget the request's hit: it is recomputed.
 
@@ -822,7 +817,7 @@ class SchedulerHalf:
         if st is None or not st.hit_tokens:
             return None
         if self.plan is not None:
-            return slowest_tier(st.hit_tiers)
+            return slowest_tier(list(st.key_tiers.values()))
         return slowest_tier(st.tiers[: st.matched_chunks] + st.tail_tiers[: st.matched_tail])
 
     def lookup_reason(self, req_id: str) -> Reason | None:

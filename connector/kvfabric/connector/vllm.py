@@ -533,6 +533,8 @@ class KVFabricConnector(_VllmBase, _SupportsHMA):  # type: ignore[misc]
             settings = settings.model_copy(update={"chunk_tokens": spec.chunk_tokens})
         rank0 = namespace_spec_from_vllm(vllm_config, settings, 0, kv_cache_config, plan)
         self.plan = plan
+        self._per_request_failures = plan is not None and plan.request_level_failures
+        """vLLM takes this model's failed loads only per request (``GroupPlan.request_level_failures``)."""
         self.settings = settings
         self._vllm_config = vllm_config
         cache = build_cache(settings)
@@ -649,7 +651,7 @@ class KVFabricConnector(_VllmBase, _SupportsHMA):  # type: ignore[misc]
         # Asynchronous loads: vLLM then keeps the request waiting, unscheduled, until get_finished
         # reports its load over; the other requests keep stepping meanwhile. With several KV cache
         # groups always: vLLM takes their failures only per request, for background loads.
-        per_request = half.request_level_failures
+        per_request = self._per_request_failures
         background = half.load_in_background(
             info.req_id, (self.settings.load_async or per_request) and hit > 0
         )
@@ -810,7 +812,7 @@ class KVFabricConnector(_VllmBase, _SupportsHMA):  # type: ignore[misc]
         """
         if self._worker is None:
             return _TransferResults()
-        if self._worker.plan is not None and self._worker.plan.request_level_failures:
+        if self._per_request_failures:
             done, failed = self._worker.take_load_results()
             return _TransferResults(finished_recving=done, failed_recving=failed)
         return _TransferResults(finished_recving=self._worker.take_finished_loads())
@@ -822,8 +824,7 @@ class KVFabricConnector(_VllmBase, _SupportsHMA):  # type: ignore[misc]
         background and fail per request (:meth:`get_transfer_results`).
         """
         errors = self.worker_half.take_load_errors()
-        plan = self.worker_half.plan
-        if errors and plan is not None and plan.request_level_failures:
+        if errors and self._per_request_failures:
             log.error("kvfabric: %d failed blocks outside a background load cannot be reported", len(errors))
             self.worker_half.counters.add("internal_error.unreportable_load_errors")
             return set()

@@ -55,14 +55,15 @@ except ImportError:  # the stand-ins keep the module importable (and testable) w
     BlockStored = BlockRemoved = AllBlocksCleared = None
     generate_block_hash_extra_keys = to_event_extra_keys = None
 
+    def maybe_convert_block_hash(hash_bytes: Any) -> Any:
+        """Stand-in: vLLM's external form of a block hash."""
+        return hash_bytes
+
+
 try:  # pragma: no cover - depends on the environment
     from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 except ImportError:  # vLLM without the group fields (or none): groups are named by index only
     get_kv_cache_spec_kind = get_kv_cache_spec_sliding_window = None
-
-    def maybe_convert_block_hash(hash_bytes: Any) -> Any:
-        """Stand-in: vLLM's external form of a block hash."""
-        return hash_bytes
 
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from kvfabric.connector import keys as keyslib
 from kvfabric.connector import layout
 from kvfabric.connector.datapath import DataPath, LoadResult
 from kvfabric.connector.groups import GroupPlan, KindType
-from kvfabric.connector.hostpath import HostStagingPath
+from kvfabric.connector.hostpath import SHUTDOWN_DRAIN_S, HostStagingPath
 from kvfabric.connector.hybridplan import NULL_BLOCK
 from kvfabric.connector.resilient import Counters, Reason, ResilientCache
 from kvfabric.connector.scheduler import keyed_spec, slowest_tier, usable_cache
@@ -615,13 +615,17 @@ class WorkerHalf:
             reports, self._reports = self._reports, []
         return reports
 
-    def shutdown(self) -> None:
-        """Stop background threads (pending stores finish first, bounded by their deadline)."""
+    def shutdown(self, drain_s: float = SHUTDOWN_DRAIN_S) -> None:
+        """Stop background threads; queued stores get ``drain_s`` seconds to finish.
+
+        Stores a request's last step queued are what a restarted engine hits; those still queued
+        at the deadline are dropped (vLLM would kill the worker soon after anyway).
+        """
         if self._background_pool is not None:
             self._background_pool.shutdown(wait=True)  # each load is bounded by its deadline
         for path in self._background_paths.values():
-            path.close()
-        self.datapath.close()
+            path.close(drain_s)
+        self.datapath.close(drain_s)
         if self.cache is not None:
             self.cache.close()
 

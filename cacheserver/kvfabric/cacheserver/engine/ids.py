@@ -5,10 +5,15 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-__all__ = ["BlockId", "InvalidId", "parse_ids"]
+__all__ = ["BlockId", "InvalidId", "is_hex64", "parse_ids"]
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _new_tuple = tuple.__new__
+
+
+def is_hex64(value: str) -> bool:
+    """Whether ``value`` is 64 lower-case hex characters (a namespace or key digest)."""
+    return _HEX64.fullmatch(value) is not None
 
 
 class InvalidId(ValueError):  # noqa: N818 - reads better at the call sites than InvalidIdError

@@ -501,3 +501,26 @@ def test_the_query_walks_only_the_lengths_resident_chunks_have() -> None:
     feed.changed(bids)
     assert NS not in feed._lengths
     assert feed.match(NS, list(range(10))) == {"dram": 0, "local_disk": 0, "shared": 0, "object": 0, "any": 0}
+
+
+def test_the_query_of_a_hybrid_chunk_follows_its_full_attention_object_not_its_window_object() -> None:
+    """A hybrid chunk's objects share parent and tokens; the window object (a few blocks) never answers."""
+    from kvfabric.cacheserver.engine.ids import BlockId
+    from kvfabric.cacheserver.transport.residencyfeed import ResidencyFeed
+    from kvfabric.rpc.kvledger import GroupTag
+
+    tiers: dict[BlockId, list[str]] = {}
+    feed = ResidencyFeed(lambda bid: tiers.get(bid, []), known=lambda ns: True)
+    full = BlockId.parse(NS, digest("hybrid", "full"))
+    window = BlockId.parse(NS, digest("hybrid", "window"))
+    tokens = tuple(range(16))
+    tiers[full] = ["dram"]
+    tiers[window] = ["local_disk"]
+    feed.describe(full, ChunkMeta((b"a", b"b"), None, tokens, 8, groups=(GroupTag(0, "full_attention"),)))
+    feed.describe(window, ChunkMeta((b"a", b"b"), None, tokens, 8, groups=(GroupTag(1, "sliding_window", 8),)))
+    feed.changed([full, window])
+    assert feed.match(NS, list(tokens)) == {"dram": 16, "local_disk": 0, "shared": 0, "object": 0, "any": 16}
+    # The full-attention object gone, the window object alone answers nothing.
+    del tiers[full]
+    feed.changed([full])
+    assert feed.match(NS, list(tokens)) == {"dram": 0, "local_disk": 0, "shared": 0, "object": 0, "any": 0}

@@ -539,6 +539,10 @@ def _tokens_digest(tokens: Sequence[int]) -> bytes:
 
 def _names_of(namespace: str, meta: ChunkMeta, raw: bytes) -> _Names:
     plain = meta.extra_keys is None or all(k is None or k == (meta.lora_name,) for k in meta.extra_keys)
+    # A hybrid chunk is stored as one object per group kind, all named by the same parent and tokens:
+    # only the full-attention object holds the whole chunk, so only it may answer the query (a
+    # sliding-window or chunked-local object filed under the same content would replace it).
+    plain = plain and all(g.kind in (None, "full_attention") for g in meta.groups)
     content = (
         (namespace, meta.parent_block_hash, _tokens_digest(meta.token_ids), meta.lora_name) if plain else None
     )

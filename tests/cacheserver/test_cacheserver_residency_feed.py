@@ -517,7 +517,9 @@ def test_the_query_of_a_hybrid_chunk_follows_its_full_attention_object_not_its_w
     tiers[full] = ["dram"]
     tiers[window] = ["local_disk"]
     feed.describe(full, ChunkMeta((b"a", b"b"), None, tokens, 8, groups=(GroupTag(0, "full_attention"),)))
-    feed.describe(window, ChunkMeta((b"a", b"b"), None, tokens, 8, groups=(GroupTag(1, "sliding_window", 8),)))
+    feed.describe(
+        window, ChunkMeta((b"a", b"b"), None, tokens, 8, groups=(GroupTag(1, "sliding_window", 8),))
+    )
     feed.changed([full, window])
     assert feed.match(NS, list(tokens)) == {"dram": 16, "local_disk": 0, "shared": 0, "object": 0, "any": 16}
     # The full-attention object gone, the window object alone answers nothing.

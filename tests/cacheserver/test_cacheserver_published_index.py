@@ -198,8 +198,8 @@ def test_the_connector_looks_up_on_its_own_thread_and_sees_a_crash_at_once() -> 
 
 @pytest.mark.process
 def test_lookups_answered_from_the_published_index_count_in_the_pools_hit_rate() -> None:
-    """With the published index, the server's lookup metrics and the pool's hit rate (the operator's
-    fold of them) count same-node lookups exactly as RPC ones."""
+    """With the connector's defaults (the published index on), the server's lookup metrics and the
+    pool's hit rate (the operator's fold of them) count same-node lookups exactly as RPC ones."""
     import urllib.request
 
     from kvfabric.connector.keys import NamespaceSpec
@@ -212,7 +212,8 @@ def test_lookups_answered_from_the_published_index_count_in_the_pools_hit_rate()
     ns = spec.digest()
     keys = [digest("rate", i) for i in range(8)]
     with cache_server(server_id="rate") as srv:
-        settings = ConnectorSettings(socket=str(srv.config.listen.unix_socket), local_index=True)
+        settings = ConnectorSettings(socket=str(srv.config.listen.unix_socket))
+        assert settings.local_index  # the default under test
         cache = build_cache(settings, shared=False)
         assert cache is not None
         try:

@@ -111,6 +111,18 @@ def test_a_hit_within_the_engines_own_prefix_is_never_recompute_faster(measured:
     assert m.plan(["dram"], computed=3 * CHUNK) == Plan(1, None)
 
 
+def test_a_tail_is_weighed_by_its_bytes_and_by_the_fixed_cost_only_when_loaded_alone() -> None:
+    m = CostModel(chunk_tokens=CHUNK)
+    assert m.tail_worth_loading(0, 64, "dram", alone=True)  # unmeasured: load, and so measure
+    m = _model(alpha=20e-6, beta=0.0, gamma=0.0)  # 64 tokens: 1.28 ms of prefill
+    _restore(m, "dram", gbps=10, overhead_s=0.005)  # 64 tokens' bytes: 13 us, and 5 ms per load
+    assert not m.tail_worth_loading(0, 64, "dram", alone=True)
+    assert m.tail_worth_loading(CHUNK, 64, "dram", alone=False)  # behind loaded chunks: bytes only
+    assert m.tail_worth_loading(0, 64, "local_disk", alone=True)  # a tier never measured
+    # Nothing beyond the engine's own prefix: nothing to weigh, never a skip.
+    assert m.tail_worth_loading(0, 64, "dram", alone=True, computed=64)
+
+
 def test_a_skipped_tier_is_still_measured_now_and_then() -> None:
     m = _model(alpha=25e-6, beta=1e-9, explore_every=4)
     _restore(m, "shared", gbps=0.01, overhead_s=0.05)

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvfabric.connector.costmodel import PrefillSample, RestoreSample
 from kvfabric.connector.keys import NamespaceSpec, RequestInputs, chunk_keys, tail_keys
 from kvfabric.connector.resilient import CircuitBreaker, Endpoint, ResilientCache
 from kvfabric.connector.scheduler import SchedulerHalf
@@ -160,6 +161,31 @@ def test_the_same_prompt_again_hits_its_tail_but_keeps_a_token_to_compute() -> N
     short = tuple(range(1, 2 * BLOCK + 1))  # no whole chunk at all: a tail of chunk 0
     _run(half, store, RequestInfo("c", short))
     assert _run(half, store, RequestInfo("d", (*short, 7)))[0] == 2 * BLOCK
+
+
+@pytest.mark.parametrize("restore_loses", [False, True])
+def test_with_the_cost_model_a_tail_only_hit_is_weighed_not_dropped(restore_loses: bool) -> None:
+    # The cost model is on by default. It used to drop every tail-only hit unweighed (no whole chunk
+    # kept, so the tail was never looked up); now the tail is looked up and weighed like a chunk:
+    # loaded unless the model's own costs say its restore loses to recomputing it.
+    store = MemoryTransport()
+    half = _half(store)
+    assert half.costs is not None
+    if restore_loses:
+        for start, tokens in ((0, 8), (0, 32), (8, 16)):  # 1 ms per token of prefill
+            half.costs.observe_prefill(PrefillSample.single(start, tokens, tokens * 1e-3))
+        for chunks in (1, 4):  # and a second per load, whatever its size
+            half.costs.observe_restore(RestoreSample("dram", chunks * 4096, 1.0 + chunks * 1e-6), chunks)
+    short = tuple(range(1, 2 * BLOCK + 1))  # no whole chunk: a tail of chunk 0
+    _run(half, store, RequestInfo("a", short))
+    hit, _ = _run(half, store, RequestInfo("b", (*short, 7)))
+    if restore_loses:
+        assert hit == 0
+        assert half.counters.get("tail_skipped_blocks.recompute-faster") == 2
+        assert half.counters.get("miss.recompute-faster") == 1
+    else:
+        assert hit == 2 * BLOCK
+        assert half.counters.get("tail_hit_blocks") == 2
 
 
 @settings(max_examples=60, deadline=None)

@@ -265,6 +265,26 @@ class CostModel:
             return Plan(0, "recompute_faster")
         return Plan(best_k, None, best_saved, best_restore)
 
+    def tail_worth_loading(
+        self, start: int, tokens: int, tier: str, *, alone: bool, computed: int = 0
+    ) -> bool:
+        """Whether restoring ``tokens`` tokens of tail blocks after ``start`` beats recomputing them.
+
+        ``tier``: the slowest of the tail's blocks; ``alone``: no chunk is loaded with them, so the
+        load's fixed cost is theirs. Unmeasured: True (load, and so measure), as for chunks.
+        """
+        begin, end = max(start, computed), start + tokens
+        if end <= begin:
+            return True  # nothing beyond the engine's own prefix: nothing to weigh, never a skip
+        saved = self._prefill.saved(begin, end)
+        r = self._restore.get(tier)
+        if saved is None or r is None or r.seconds_per_byte is None or self.chunk_bytes is None:
+            return True
+        restore = (
+            r.overhead if alone else 0.0
+        ) + self.chunk_bytes * tokens / self.chunk_tokens * r.seconds_per_byte
+        return saved > restore
+
     def lookup_deadline(self, prompt_tokens: int, ceiling_s: float) -> float:
         """A lookup may take ``lookup_fraction`` of the prompt's expected prefill, within bounds."""
         expected = self._prefill.seconds(0, prompt_tokens)

@@ -262,14 +262,10 @@ class SchedulerHalf:
             st.load_deadline_s = (
                 self.costs.load_deadline(plan, self.settings.load_deadline_ms / 1000) if plan.chunks else None
             )
-        # With the cost model a tail is probed only behind a kept chunk: a tail-only hit is short,
-        # and the model has no say on it.
-        if (
-            self.settings.tail
-            and st.matched_chunks == outcome.matched
-            and (self.costs is None or st.matched_chunks > 0)
-        ):
+        if self.settings.tail and st.matched_chunks == outcome.matched:
             self._lookup_tail(st, outcome, deadline - (time.monotonic() - started))
+            if self.costs is not None and st.matched_tail:
+                self._weigh_tail(st, num_computed_tokens)
         hit = st.matched_chunks * self.chunk_tokens + st.matched_tail * self.block_size
         if st.last_reason is not None and st.last_reason is not Reason.RECOMPUTE_FASTER:
             self.counters.miss(st.last_reason, loadable)
@@ -552,12 +548,37 @@ class SchedulerHalf:
                     spans.append(hp.Span(chunk, j, end - s, end))
         return spans
 
+    def _weigh_tail(self, st: _ReqState, num_computed_tokens: int) -> None:
+        """Keep a tail hit only where the cost model expects its restore to beat recomputing it.
+
+        A tail-only hit is short, so its load's fixed cost may exceed the prefill it saves; behind
+        loaded chunks only its bytes count. Unmeasured, it is loaded (and so measured).
+        """
+        assert self.costs is not None
+        start = st.matched_chunks * self.chunk_tokens
+        slowest = slowest_tier(st.tail_tiers) or "dram"
+        worth = self.costs.tail_worth_loading(
+            start,
+            st.matched_tail * self.block_size,
+            slowest,
+            alone=st.matched_chunks == 0,
+            computed=num_computed_tokens,
+        )
+        if worth:
+            return
+        self.counters.add(f"tail_skipped_blocks.{Reason.RECOMPUTE_FASTER.value}", st.matched_tail)
+        st.matched_tail, st.tail_chunk, st.tail_tiers = 0, -1, []
+        if st.matched_chunks == 0:
+            st.last_reason = Reason.RECOMPUTE_FASTER
+            self.counters.miss(Reason.RECOMPUTE_FASTER, 1)
+
     def _lookup_tail(self, st: _ReqState, outcome: LookupOutcome, budget_s: float) -> None:
         """Find the longest stored tail of the chunk after the matched whole chunks (one lookup).
 
         Only where the whole-chunk lookup worked (found all it could, or stopped at a missing
         chunk) and the cost model kept every chunk it found: a tail is usable only behind a prefix
         that is in the engine's cache. A failed tail lookup costs the tail, never the whole hit.
+        With the cost model, :meth:`_weigh_tail` then decides whether the tail is worth its load.
         """
         if outcome.reason not in (None, Reason.NOT_FOUND):
             return

@@ -127,11 +127,12 @@ class ConnectorSettings(BaseSettings):
     min_hit_tokens: int = Field(default=0, ge=0)
     """Hits shorter than this are reported as misses: for short prefixes the fixed cost of a load
     exceeds the prefill it saves (about 1-2k tokens on an H100)."""
-    cost_model: bool = False
+    cost_model: bool = True
     """Load a hit only where restoring it is expected to beat recomputing it, by the prefill and
-    restore costs measured as the engine runs; lookup and load deadlines then follow the expected
-    prefill time (``lookup_deadline_ms`` and ``load_deadline_ms`` stay the ceilings). Skipped hits are
-    counted as ``miss.recompute-faster``."""
+    restore costs measured as the engine runs (until both are measured, every hit is loaded); lookup
+    and load deadlines then follow the expected prefill time (``lookup_deadline_ms`` and
+    ``load_deadline_ms`` stay the ceilings). Skipped hits are counted as ``miss.recompute-faster``.
+    False: load every hit, with the fixed deadlines."""
     tail: bool = True
     """No lost tail: store each prompt's partial last chunk, cut to whole engine blocks, as tail blocks
     (``keys.tail_keys``) and load the longest stored tail after the whole chunks, so the next round of
@@ -141,9 +142,12 @@ class ConnectorSettings(BaseSettings):
     engine keeps stepping the others, instead of the whole step waiting for the load; failed chunks
     are still recomputed. False: loads are synchronous (the step that computes the rest of the
     prompt waits for them)."""
-    local_index: bool = False
+    local_index: bool = True
     """Same node: answer lookups from the index the cache server publishes in shared memory (no call
-    per lookup); remote endpoints always use the RPC."""
+    per lookup; a hung or dead server is "unavailable" in microseconds, and loads in flight notice it
+    too); remote endpoints always use the RPC. The lookups answered this way are reported to the
+    server in batches, so its lookup metrics and the pool's hit rate count them. False: every lookup
+    is an RPC."""
     shm_mapping_cache_mb: int = Field(default=512, ge=0)
     """Same node, shared memory: keep the read-only mappings of loaded blocks across loads, up to this
     many MiB, so a hot prefix loaded again is one memcpy instead of a mapping built and torn down per

@@ -19,9 +19,10 @@ the kvfabric connector, against real cache-server processes on this machine:
   recomputing the same prompt, one ratio per round (the two alternate), so "a hit is never slower
   than recompute" is judged on the worst round.
 - ``hung_server_added_ms``: a cache server that stops answering (SIGSTOP) with the connector's
-  default deadlines: the time each of the first requests after the hang spends inside connector
-  calls (the cached prompt first, where a lookup finds a hit); the TTFT difference to the
-  connector-off engine is printed beside it.
+  default settings (the published index and the cost model on): the time each of the first requests
+  after the hang spends inside connector calls (the cached prompt first, where a lookup finds a hit);
+  the TTFT difference to the connector-off engine is printed beside it. ``hung_server_added_ms_rpc``:
+  the same with every lookup an RPC (``local_index`` off, as for a remote endpoint).
 - a projection for Llama-3.1-8B and -70B on an H100 from the measured bandwidths and the prefill
   rates of the reference (``reference/vllm-connector-api.md`` section 11).
 
@@ -139,7 +140,7 @@ def _hung_server(
     off: Any,
     rounds: int,
     emit: Any,
-    local_index: bool = False,
+    local_index: bool = True,
 ) -> list[float]:
     """TTFT added by a cache server that stopped answering (SIGSTOP), per request, in ms.
 
@@ -148,7 +149,8 @@ def _hung_server(
     (lookup, metadata, restore). The first half of the
     requests repeat a prompt the server holds (a lookup that answers finds a hit, so a hung load is
     possible), the rest are new prompts; each is paired with the connector-off engine.
-    ``local_index``: the same with the published index on (lookups read it; loads watch its heartbeat).
+    ``local_index`` (the default): lookups read the published index and loads watch its heartbeat;
+    False: every lookup is an RPC.
     """
     from kvfabric.connector.settings import ConnectorSettings
     from kvfabric.refengine.engine import Engine
@@ -192,7 +194,7 @@ def _hung_server(
                         "ttft_delta_ms": (r_on.ttft_s - t_off) * 1000,
                         "reason": r_on.fallback_reason,
                     },
-                    f"  hung server{' (published index)' if local_index else ''}, request {i}: "
+                    f"  hung server{'' if local_index else ' (RPC lookups)'}, request {i}: "
                     f"connector time {added[-1]:8.1f} ms, TTFT "
                     f"{(r_on.ttft_s - t_off) * 1000:+8.1f} ms against recompute "
                     f"({'cached prompt' if p is cached else 'new prompt'}, "
@@ -323,8 +325,8 @@ def run(args: argparse.Namespace) -> int:
         stored = 0
         hit_vs: dict[int, list[float]] = {n: [] for n in sizes}
         hit_kind: dict[int, list[str]] = {n: [] for n in sizes}
-        hung_added: list[float] = []
-        hung_local: list[float] = []  # the same with the published index on
+        hung_added: list[float] = []  # the connector's defaults (the published index on)
+        hung_rpc: list[float] = []  # the same with every lookup an RPC (local_index off)
         try:
             off = engine(None)
             off.generate(prompt(256, 0, cfg.vocab_size), 1)  # warm up torch's kernels
@@ -445,7 +447,7 @@ def run(args: argparse.Namespace) -> int:
                     settle(stored)
             on.close()
             if not args.skip_hung:
-                for local, sink in ((False, hung_added), (True, hung_local)):
+                for local, sink in ((True, hung_added), (False, hung_rpc)):
                     sink.extend(
                         _hung_server(
                             fresh,
@@ -518,9 +520,9 @@ def run(args: argparse.Namespace) -> int:
     spreads["hit_over_recompute_worst"] = spread([max(r) for r in zip(*hit_vs.values(), strict=True)])
     if hung_added:
         spreads["hung_server_added_ms"] = spread(hung_added, 2)
-    if hung_local:
-        spreads["hung_server_added_ms_local_index"] = spread(hung_local, 2)
-        result["hung_server_added_ms_local_index_per_request"] = [round(x, 2) for x in hung_local]
+    if hung_rpc:
+        spreads["hung_server_added_ms_rpc"] = spread(hung_rpc, 2)
+        result["hung_server_added_ms_rpc_per_request"] = [round(x, 2) for x in hung_rpc]
     effs = [c.effective_bw / c.raw_bw for c in warm_cases if c.prompt_tokens >= big and c.raw_bw]
     spreads["restore_efficiency"] = spread(effs)  # spread over the >= 16k cases (tiers x lengths)
     result["hit_outcomes"] = {str(n): k for n, k in hit_kind.items()}
@@ -534,9 +536,9 @@ def run(args: argparse.Namespace) -> int:
                "<=", 1.0, stat="worst"),
         Target("hit / recompute TTFT, worst prompt length", "hit_over_recompute_worst", "<=", 1.0,
                stat="worst"),
-        Target("hung cache server: TTFT added per request (ms)", "hung_server_added_ms", "<=", 5.0,
-               stat="worst"),
-        Target("... with the published index (local_index)", "hung_server_added_ms_local_index", "<=", 5.0,
+        Target("hung cache server: TTFT added per request, default settings (ms)", "hung_server_added_ms",
+               "<=", 5.0, stat="worst"),
+        Target("... with RPC lookups (local_index off)", "hung_server_added_ms_rpc", "<=", 5.0,
                stat="worst"),
     ]  # fmt: skip
     result["targets"] = judge(targets, spreads)

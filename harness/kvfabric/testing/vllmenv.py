@@ -197,8 +197,12 @@ def make_tiny_model(env: VllmEnv, out: Path, config: Mapping[str, Any] = TINY, s
 
 
 def connector_config(socket: str | Path | None, **extra: Any) -> dict[str, Any]:
-    """VLLM's ``kv_transfer_config`` for kvfabric's connector on a node-local cache server."""
-    cfg: dict[str, Any] = {"chunk_tokens": 256, **extra}
+    """VLLM's ``kv_transfer_config`` for kvfabric's connector on a node-local cache server.
+
+    The cost model is off unless ``extra`` turns it on: the tests assert exactly which prompts hit,
+    and its decisions follow this machine's timings.
+    """
+    cfg: dict[str, Any] = {"chunk_tokens": 256, "cost_model": False, **extra}
     if socket is not None:
         cfg["socket"] = str(socket)
     return {

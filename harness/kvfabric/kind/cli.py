@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             say("deleting the cluster")
             subprocess.run(["bash", str(scripts / "down.sh")], env=env, check=False)
+            unload_images(eng, names)
 
 
 def load_images(eng: DockerEngine, names: Sequence[str], say: Callable[[str], None]) -> None:
@@ -120,3 +121,11 @@ def load_images(eng: DockerEngine, names: Sequence[str], say: Callable[[str], No
     for tar in tars:
         say(f"loading {tar.name} into kind's engine")
         eng.docker("load", "-i", str(tar))
+
+
+def unload_images(eng: DockerEngine, names: Sequence[str]) -> None:
+    """Remove the images :func:`load_images` copied (the saved tars stay; loading them takes seconds)."""
+    from kvfabric.containers.build import images
+
+    refs = [i.ref for i in images() if i.directory in names]
+    eng.docker("image", "rm", *refs, check=False)

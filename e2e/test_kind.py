@@ -72,7 +72,7 @@ def kind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KindRun]:
             "no kind node image built for the current pins: `kvfabric kind image`, or KVFABRIC_KIND=1"
         )
     from kvfabric.kind import nodeimage
-    from kvfabric.kind.cli import DEFAULT_IMAGES, load_images, tool_dir, unload_images
+    from kvfabric.kind.cli import DEFAULT_IMAGES, after_cluster, load_images, tool_dir
     from kvfabric.kind.engine import kind_engine
 
     def say(msg: str) -> None:
@@ -123,7 +123,7 @@ def kind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KindRun]:
                 subprocess.run(
                     ["bash", str(ROOT / "e2e" / "kind" / "down.sh")], env=env, timeout=300, check=False
                 )
-            unload_images(eng, DEFAULT_IMAGES)
+            after_cluster(eng, DEFAULT_IMAGES)
 
 
 def test_up_sh_ran_the_tests_for_an_existing_cluster_and_started_no_node_on_this_host(kind: KindRun) -> None:

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             say("deleting the cluster")
             subprocess.run(["bash", str(scripts / "down.sh")], env=env, check=False)
-            unload_images(eng, names)
+            after_cluster(eng, names)
 
 
 def load_images(eng: DockerEngine, names: Sequence[str], say: Callable[[str], None]) -> None:
@@ -123,9 +123,14 @@ def load_images(eng: DockerEngine, names: Sequence[str], say: Callable[[str], No
         eng.docker("load", "-i", str(tar))
 
 
-def unload_images(eng: DockerEngine, names: Sequence[str]) -> None:
-    """Remove the images :func:`load_images` copied (the saved tars stay; loading them takes seconds)."""
+def after_cluster(eng: DockerEngine, names: Sequence[str]) -> None:
+    """Once the cluster is deleted: remove what it left in kind's engine.
+
+    The images :func:`load_images` copied (the saved tars stay; loading them takes seconds), and
+    kind's network, whose bridge interface would otherwise outlive the engine on the host.
+    """
     from kvfabric.containers.build import images
 
     refs = [i.ref for i in images() if i.directory in names]
     eng.docker("image", "rm", *refs, check=False)
+    eng.docker("network", "rm", "kind", check=False)

@@ -72,7 +72,7 @@ def kind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KindRun]:
             "no kind node image built for the current pins: `kvfabric kind image`, or KVFABRIC_KIND=1"
         )
     from kvfabric.kind import nodeimage
-    from kvfabric.kind.cli import DEFAULT_IMAGES, after_cluster, load_images, tool_dir
+    from kvfabric.kind.cli import DEFAULT_IMAGES, after_cluster, host_lib_modules, load_images, tool_dir
     from kvfabric.kind.engine import kind_engine
 
     def say(msg: str) -> None:
@@ -87,7 +87,7 @@ def kind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KindRun]:
     else:
         host_dir = tmp_path_factory.mktemp("kind")
     kubeconfig = host_dir / "kubeconfig"
-    with kind_engine() as eng, pytest.MonkeyPatch.context() as mp:
+    with kind_engine() as eng, host_lib_modules(), pytest.MonkeyPatch.context() as mp:
         tag = nodeimage.ensure_image(eng, say)
         load_images(eng, DEFAULT_IMAGES, say)
         path = f"{tool_dir(nodeimage.kind_binary())}:{os.environ['PATH']}"

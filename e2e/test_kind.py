@@ -72,7 +72,7 @@ def kind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KindRun]:
             "no kind node image built for the current pins: `kvfabric kind image`, or KVFABRIC_KIND=1"
         )
     from kvfabric.kind import nodeimage
-    from kvfabric.kind.cli import DEFAULT_IMAGES, load_images, tool_dir
+    from kvfabric.kind.cli import DEFAULT_IMAGES, after_cluster, host_lib_modules, load_images, tool_dir
     from kvfabric.kind.engine import kind_engine
 
     def say(msg: str) -> None:
@@ -87,7 +87,7 @@ def kind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KindRun]:
     else:
         host_dir = tmp_path_factory.mktemp("kind")
     kubeconfig = host_dir / "kubeconfig"
-    with kind_engine() as eng, pytest.MonkeyPatch.context() as mp:
+    with kind_engine() as eng, host_lib_modules(), pytest.MonkeyPatch.context() as mp:
         tag = nodeimage.ensure_image(eng, say)
         load_images(eng, DEFAULT_IMAGES, say)
         path = f"{tool_dir(nodeimage.kind_binary())}:{os.environ['PATH']}"
@@ -123,6 +123,7 @@ def kind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KindRun]:
                 subprocess.run(
                     ["bash", str(ROOT / "e2e" / "kind" / "down.sh")], env=env, timeout=300, check=False
                 )
+            after_cluster(eng, DEFAULT_IMAGES)
 
 
 def test_up_sh_ran_the_tests_for_an_existing_cluster_and_started_no_node_on_this_host(kind: KindRun) -> None:

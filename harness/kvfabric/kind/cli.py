@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[kind] {msg}", file=sys.stderr, flush=True)
 
     scripts = Path(__file__).resolve().parents[3] / "e2e" / "kind"
-    with kind_engine() as eng:
+    with kind_engine() as eng, host_lib_modules():
         say(f"docker engine at {eng.paths.host} (data {eng.paths.data_root})")
         if args.action == "down":
             env = {**eng.env, "PATH": f"{tool_dir(nodeimage.kind_binary())}:{os.environ['PATH']}"}
@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             say("deleting the cluster")
             subprocess.run(["bash", str(scripts / "down.sh")], env=env, check=False)
+            after_cluster(eng, names)
 
 
 def load_images(eng: DockerEngine, names: Sequence[str], say: Callable[[str], None]) -> None:
@@ -120,3 +121,28 @@ def load_images(eng: DockerEngine, names: Sequence[str], say: Callable[[str], No
     for tar in tars:
         say(f"loading {tar.name} into kind's engine")
         eng.docker("load", "-i", str(tar))
+
+
+@contextlib.contextmanager
+def host_lib_modules(modules: Path = Path("/lib/modules")) -> Iterator[None]:
+    """Remove the empty ``/lib/modules`` Docker creates on a host without one (kind binds it into nodes)."""
+    existed = modules.exists()
+    try:
+        yield
+    finally:
+        if not existed:
+            with contextlib.suppress(OSError):  # not empty, or not ours to remove: leave it
+                modules.rmdir()
+
+
+def after_cluster(eng: DockerEngine, names: Sequence[str]) -> None:
+    """Once the cluster is deleted: remove what it left in kind's engine.
+
+    The images :func:`load_images` copied (the saved tars stay; loading them takes seconds), and
+    kind's network, whose bridge interface would otherwise outlive the engine on the host.
+    """
+    from kvfabric.containers.build import images
+
+    refs = [i.ref for i in images() if i.directory in names]
+    eng.docker("image", "rm", *refs, check=False)
+    eng.docker("network", "rm", "kind", check=False)

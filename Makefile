@@ -10,8 +10,8 @@ demo: bootstrap-demo ## Run the whole fabric on the local cluster with its defau
 	$(UV) kvfabric demo
 
 .PHONY: test
-test: bootstrap lint ## Install what is needed, lint, and run every test (every level of the ladder)
-	$(UV) pytest tests e2e $(PYTEST_ARGS)
+test: bootstrap lint ## Install what is needed, lint, and run every test (every level of the ladder, kind included)
+	KVFABRIC_KIND=$${KVFABRIC_KIND:-1} $(UV) pytest tests e2e $(PYTEST_ARGS)
 
 ##@ Pieces
 

@@ -138,7 +138,9 @@ def _upgrade_while_serving(fabric: Fabric, ns: str, previous: ReleaseTree) -> No
     pool = pool_manifest(POOL, chunk_tokens=CHUNK)
     pool["spec"]["image"] = {"repository": REPOSITORY, "tag": previous.tag}
     fabric.cluster.apply(pool, namespace=ns)
-    wait_pool_ready(fabric.cluster, ns, POOL)
+    # Generous: the previous release's operator and servers start from source on a loaded machine
+    # (once, with a load average of 16 on two cores, this took more than the default 180 s).
+    wait_pool_ready(fabric.cluster, ns, POOL, timeout=360)
     fabric.cluster.apply(engine_deployment("engine-upgrade", POOL), namespace=ns)
     engines = wait_for(
         lambda: len(e := ready_pods(fabric.cluster, ns, "app=engine-upgrade")) == 2 and e,

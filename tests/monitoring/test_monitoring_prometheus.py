@@ -4,8 +4,8 @@ Two servers stand for two nodes of a pool, labelled as the PodMonitor labels the
 to fire by the fault it is for (a corrupt block, a disk tier too small for a block, a staging arena
 too small for a batch, a listener whose socket is gone, a killed server), none fires while all is well,
 and every dashboard query that reads the cache servers returns data. The engine's queries
-(``vllm:…``) and the operator's are checked to be valid PromQL here; their data needs vLLM, and the
-operator (test_operator_cluster_metrics.py).
+(``vllm:…``) and the operator's are checked to be valid PromQL here; their data needs vLLM
+(e2e/test_fabric_vllm.py), and the operator (test_operator_cluster_metrics.py).
 
 The live rules are the shipped ones with every ``for`` cut to 1 s (a test cannot wait 15 minutes);
 the ``for`` durations and thresholds themselves are unit-tested by ``promtool test rules``
@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -29,7 +27,15 @@ from kvfabric.client import CacheClient
 from kvfabric.connector.keys import NamespaceSpec
 from kvfabric.rpc.blockproto import block_socket_for
 from kvfabric.testing.opstools import prometheus_binaries
-from kvfabric.testing.prometheus import PrometheusServer, Target, prometheus_server, rules_without_delay
+from kvfabric.testing.prometheus import (
+    PrometheusServer,
+    Target,
+    dashboard_queries,
+    grafana_expr,
+    has_data,
+    prometheus_server,
+    rules_without_delay,
+)
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
@@ -38,10 +44,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MONITORING = ROOT / "charts" / "kvfabric" / "files" / "monitoring"
 SPEC = NamespaceSpec("meta-llama/Llama-3.1-8B", "0e9e39f", "bfloat16", 32, 8, 128, 16, 256)
 NS = SPEC.digest()
-# What Grafana substitutes: every namespace, pool and node; a rate window of a few scrapes.
 # Queries on metrics that are not the cache servers': the engines' and the operator's.
 OTHER_JOBS = ("vllm:", "kvfabric_operator_")
-GRAFANA_VARS = {"$namespace": ".*", "$pool": ".*", "$node": ".*", "$__rate_interval": "1m", "$__range": "5m"}
 
 
 def _labels(node: str, pod: str) -> dict[str, str]:
@@ -51,19 +55,6 @@ def _labels(node: str, pod: str) -> dict[str, str]:
 
 def _target(srv: ServerProcess, node: str, pod: str) -> Target:
     return Target(srv.metrics_url.removeprefix("http://"), _labels(node, pod))
-
-
-def dashboard_queries() -> list[tuple[str, str]]:
-    """(panel title, query) of every query of every panel of the dashboard."""
-    dash = json.loads((MONITORING / "dashboard.json").read_text())
-    return [(p["title"], t["expr"]) for p in dash["panels"] if p["type"] != "row" for t in p["targets"]]
-
-
-def _substitute(expr: str) -> str:
-    for var, value in GRAFANA_VARS.items():
-        expr = expr.replace(var, value)
-    assert "$" not in expr, f"a Grafana variable the test does not know: {expr}"
-    return expr
 
 
 @pytest.fixture
@@ -145,15 +136,11 @@ def _empty_panels(prom: PrometheusServer) -> list[tuple[str, str]]:
     return data here (test_operator_cluster_metrics.py scrapes the operator).
     """
     empty = []
-    for title, expr in dashboard_queries():
-        got = prom.query(_substitute(expr))
-        if not any(other in expr for other in OTHER_JOBS) and not _has_data(got):
+    for title, expr in dashboard_queries(MONITORING / "dashboard.json"):
+        got = prom.query(grafana_expr(expr))
+        if not any(other in expr for other in OTHER_JOBS) and not has_data(got):
             empty.append((title, expr))
     return empty
-
-
-def _has_data(series: list[dict[str, Any]]) -> bool:
-    return any(not math.isnan(float(s["value"][1])) for s in series)
 
 
 def test_every_panel_returns_data_and_every_alert_fires_under_its_fault(prom: PrometheusServer) -> None:
@@ -228,9 +215,7 @@ def test_every_panel_returns_data_and_every_alert_fires_under_its_fault(prom: Pr
                 what="the hand-over to be scraped",
             )
             wait_until(
-                lambda: _has_data(
-                    prom.query('rate(kvfabric_cache_bytes_out_bytes_total{node="node-a"}[1m])')
-                ),
+                lambda: has_data(prom.query('rate(kvfabric_cache_bytes_out_bytes_total{node="node-a"}[1m])')),
                 60,
                 interval=0.5,
                 what="the successor's traffic to be scraped",
@@ -261,7 +246,7 @@ def test_dashboard_variables_find_their_labels(prom: PrometheusServer) -> None:
             expected = _labels("node-a", "pool-a-aaaaa")[label]
             wait_until(
                 lambda s=selector, lab=label, e=expected: (
-                    {r["metric"].get(lab) for r in prom.query(_substitute(s))} == {e}
+                    {r["metric"].get(lab) for r in prom.query(grafana_expr(s))} == {e}
                 ),
                 60,
                 interval=0.5,

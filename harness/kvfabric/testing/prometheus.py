@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import subprocess
 import tempfile
@@ -30,7 +31,20 @@ import yaml
 from kvfabric.testing.opstools import prometheus_binaries
 from kvfabric.testing.serverproc import free_port, wait_http_ok, wait_until
 
-__all__ = ["PrometheusServer", "Target", "prometheus_server", "rules_without_delay"]
+__all__ = [
+    "GRAFANA_VARS",
+    "PrometheusServer",
+    "Target",
+    "dashboard_queries",
+    "grafana_expr",
+    "has_data",
+    "prometheus_server",
+    "rules_without_delay",
+]
+
+GRAFANA_VARS = {"$namespace": ".*", "$pool": ".*", "$node": ".*", "$__rate_interval": "1m", "$__range": "5m"}
+"""What Grafana substitutes in the dashboard's queries: every namespace, pool and node; a rate window of
+a few scrapes."""
 
 
 @dataclass(frozen=True)
@@ -196,3 +210,23 @@ def rules_without_delay(rules: Path, dest: Path) -> Path:
                 rule["for"] = "1s"
     dest.write_text(yaml.safe_dump(doc))
     return dest
+
+
+def dashboard_queries(dashboard: Path) -> list[tuple[str, str]]:
+    """(panel title, query) of every query of every panel of a Grafana dashboard (JSON)."""
+    dash = json.loads(dashboard.read_text())
+    return [(p["title"], t["expr"]) for p in dash["panels"] if p["type"] != "row" for t in p["targets"]]
+
+
+def grafana_expr(expr: str) -> str:
+    """A dashboard query as Grafana sends it (:data:`GRAFANA_VARS` substituted)."""
+    for var, value in GRAFANA_VARS.items():
+        expr = expr.replace(var, value)
+    if "$" in expr:
+        raise ValueError(f"a Grafana variable the tests do not know: {expr}")
+    return expr
+
+
+def has_data(series: list[dict[str, Any]]) -> bool:
+    """Whether a query's result holds a number (NaN, from a ratio of empty rates, is none)."""
+    return any(not math.isnan(float(s["value"][1])) for s in series)

@@ -128,6 +128,18 @@ def test_prometheus_metrics_count_loaded_and_failed_tokens_per_engine() -> None:
         assert registry.get_sample_value("vllm:kvfabric_events_total", {**labels, "event": own}) is None, own
 
 
+def test_every_failure_reason_is_exported_at_zero_before_its_first_failure() -> None:
+    """Prometheus sees a failure reason's first increase only if the series existed before it."""
+    registry = CollectorRegistry()
+    kvvllm.KVFabricConnector.build_prom_metrics(
+        None, _metric_types(registry), ["model_name", "engine"], {0: ["tiny", 0], 1: ["tiny", 1]}
+    )
+    for engine in ("0", "1"):
+        for reason in Reason:
+            labels = {"model_name": "tiny", "engine": engine, "reason": reason.value}
+            assert registry.get_sample_value("vllm:kvfabric_load_failed_tokens_total", labels) == 0, labels
+
+
 def test_hit_sources_name_kvfabric_tiers() -> None:
     assert hit_source("dram") == "host"
     assert hit_source("local_disk") == "disk"

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfabric.connector.nodehealth import NodeServingProbe
-from kvfabric.connector.resilient import Counters
+from kvfabric.connector.resilient import Counters, Reason
 from kvfabric.connector.settings import ConnectorSettings
 
 try:  # pragma: no cover - depends on the environment
@@ -202,6 +202,12 @@ class KVFabricPromMetrics(_VllmPromMetrics):  # type: ignore[misc]
             documentation="Prompt tokens kvfabric promised but could not load (recomputed), by reason",
             labelnames=[*labels, "reason"],
         )
+        # Every reason starts at 0: a counter whose series appears only with its first increment has
+        # no earlier sample, so rate() and increase() miss that first failure and an alert on it stays
+        # silent for the first burst of every engine and reason.
+        for values in self.per_engine_labelvalues.values():
+            for reason in Reason:
+                self._failed.labels(*[str(v) for v in values], reason.value)
         self._events = self._counter_cls(
             name="vllm:kvfabric_events",
             documentation="Every kvfabric connector counter (lookups, misses by reason, stores, ...)",

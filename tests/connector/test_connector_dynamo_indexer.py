@@ -90,7 +90,13 @@ class Engine:
 
 @pytest.fixture
 def srv() -> Iterator[ServerProcess]:
-    overrides = {"ttl_seconds": TTL, "bucket_seconds": 2, "janitor_interval_seconds": 0.5}
+    # min_free_fraction 0: write-back must not depend on how full this machine's disk happens to be.
+    overrides = {
+        "ttl_seconds": TTL,
+        "bucket_seconds": 2,
+        "janitor_interval_seconds": 0.5,
+        "tiers.local_disk.min_free_fraction": 0,
+    }
     with cache_server(dram_bytes=8 * MiB, local_disk_bytes=64 * MiB, overrides=overrides) as s:
         yield s
 

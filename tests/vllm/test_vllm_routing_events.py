@@ -231,7 +231,13 @@ def test_dynamos_indexer_follows_real_vllm_and_the_cache_server_through_churn(
                 max_model_len=2048,
             )
 
-        def follow(worker: int, name: str) -> None:
+        def follow(worker: int, name: str, vllm: VllmServer) -> None:
+            """Register a started engine with Dynamo and wait until Dynamo indexes its events.
+
+            Each try is a new 130-token prompt: its whole block is a GPU ``BlockStored`` (and a
+            tail block kvfabric stores); a batch Dynamo missed while its socket was joining is
+            recovered through the replay socket once a later one shows the gap.
+            """
             indexer.register(
                 worker,
                 f"tcp://127.0.0.1:{ports[name]}",
@@ -239,12 +245,19 @@ def test_dynamos_indexer_follows_real_vllm_and_the_cache_server_through_churn(
                 block_size=BLOCK,
                 replay_endpoint=f"tcp://127.0.0.1:{ports[name + 'r']}",
             )
+            tries = iter(range(1000))
+
+            def indexed() -> bool:
+                vllm.complete(workload.tokens(7000 + 100 * worker + next(tries), 130), 1)
+                return bool(indexer.entries().get(worker, {}).get("device"))
+
+            wait_until(indexed, timeout=120, interval=1.0, what=f"Dynamo to index engine {name}")
 
         e1 = engine("e1")
-        follow(1, "e1")  # before the engine binds: Dynamo's socket reconnects until it does
         e1.start()
         truth: Residency | None = None
         try:
+            follow(1, "e1", e1)
             namespace = next(r["namespace"] for r in read_records(spy) if r["what"] == "keys")
             truth = Residency(srv, namespace)
             last: dict[str, Any] = {}
@@ -327,9 +340,9 @@ def test_dynamos_indexer_follows_real_vllm_and_the_cache_server_through_churn(
             e1.stop()
             indexer.unregister(1)
             e2 = engine("e2")
-            follow(2, "e2")
             e2.start()
             try:
+                follow(2, "e2", e2)
                 agreed(e2, 2, "an engine restart", lambda h: in_tier("local_disk")(h) > 0)
                 # TTL expiry: the server restarts with a 2-second TTL; every chunk expires.
                 srv.stop()

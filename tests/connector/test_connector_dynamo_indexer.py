@@ -5,8 +5,10 @@ An independent consumer: NVIDIA Dynamo's standalone indexer (``python -m dynamo.
 dials two engines' ZMQ publishers, decodes the frames with Dynamo's parser and files the blocks in
 its per-tier radix trees. The engines are the connector's event path (``KVEventLog`` following a real
 cache-server process, as inside vLLM) publishing vLLM's three-frame messages. Through stores that
-evict to local disk, a delete, a cache-server SIGKILL and restart, and TTL expiry, Dynamo's index of
-each engine's host and disk tiers must equal the server's residency, block for block.
+evict to local disk, a delete, a cache-server SIGKILL and restart, an engine restart (a new engine,
+a new identity for the router, announcing the node from the feed's snapshot) and TTL expiry,
+Dynamo's index of each engine's host and disk tiers must equal the server's residency, block for
+block.
 """
 
 from __future__ import annotations
@@ -90,7 +92,13 @@ class Engine:
 
 @pytest.fixture
 def srv() -> Iterator[ServerProcess]:
-    overrides = {"ttl_seconds": TTL, "bucket_seconds": 2, "janitor_interval_seconds": 0.5}
+    # min_free_fraction 0: write-back must not depend on how full this machine's disk happens to be.
+    overrides = {
+        "ttl_seconds": TTL,
+        "bucket_seconds": 2,
+        "janitor_interval_seconds": 0.5,
+        "tiers.local_disk.min_free_fraction": 0,
+    }
     with cache_server(dram_bytes=8 * MiB, local_disk_bytes=64 * MiB, overrides=overrides) as s:
         yield s
 
@@ -121,20 +129,20 @@ def engines(monkeypatch: pytest.MonkeyPatch, srv: ServerProcess) -> Iterator[lis
         e.close()
 
 
-def _subscribed(idx: DynamoIndexer, engines: list[Engine]) -> None:
-    """Register every engine and wait until Dynamo reads each publisher (ZMQ's slow joiner)."""
-    for w, e in enumerate(engines):
+def _subscribed(idx: DynamoIndexer, workers: dict[int, Engine]) -> None:
+    """Register engines and wait until Dynamo reads each publisher (ZMQ's slow joiner)."""
+    for w, e in workers.items():
         idx.register(w, e.endpoint, model=MODEL, block_size=BLOCK)
     probe = kv.BlockStored((7,), None, (1, 2, 3, 4), BLOCK, None, kv.MEDIUM_GPU, None)
 
     def seen() -> bool:
-        for e in engines:
+        for e in workers.values():
             e.publish([probe])
         got = idx.entries()
-        return all(7 in got[w]["device"] for w in range(len(engines)))
+        return all(7 in got[w]["device"] for w in workers)
 
-    wait_until(seen, timeout=30, interval=0.2, what="Dynamo's indexer to read both publishers")
-    for e in engines:
+    wait_until(seen, timeout=30, interval=0.2, what="Dynamo's indexer to read the publishers")
+    for e in workers.values():
         e.publish([kv.BlockRemoved((7,), kv.MEDIUM_GPU)])
 
 
@@ -153,22 +161,23 @@ def test_dynamos_indexer_holds_exactly_the_nodes_residency_through_churn(
     srv: ServerProcess, indexer: DynamoIndexer, engines: list[Engine]
 ) -> None:
     a = engines[0]
+    workers = dict(enumerate(engines))  # Dynamo's worker id -> the engine it follows
     wait_until(
         lambda: all(e.step() and e.log.node is not None and e.log.node.connected for e in engines),
         what="both engines follow the feed",
     )
-    _subscribed(indexer, engines)
+    _subscribed(indexer, workers)
     keys = [digest("dyn-chunk", i) for i in range(40)]
     metas = {k: _meta(i) for i, k in enumerate(keys)}
     last: dict[str, object] = {}
 
     def agree(settled: Callable[[dict[str, set[int]]], bool] = lambda want: True) -> bool:
-        for e in engines:
+        for e in workers.values():
             e.step()
         want = _expected(srv, metas)
         got = indexer.entries()
         last.update(want=want, got=got)
-        same = all({t: got[w][t] for t in want} == want and not got[w]["device"] for w in range(2))
+        same = all({t: got[w][t] for t in want} == want and not got[w]["device"] for w in workers)
         return same and settled(want)
 
     def agreed(what: str, settled: Callable[[dict[str, set[int]]], bool]) -> dict[str, set[int]]:
@@ -205,8 +214,8 @@ def test_dynamos_indexer_holds_exactly_the_nodes_residency_through_churn(
     srv.kill()
     wait_until(
         lambda: (
-            all([e.step() for e in engines])
-            and not any(indexer.entries()[w]["host_pinned"] for w in range(2))
+            all([e.step() for e in workers.values()])
+            and not any(indexer.entries()[w]["host_pinned"] for w in workers)
         ),
         timeout=30,
         what="DRAM withdrawn from Dynamo's index after the SIGKILL",
@@ -215,6 +224,18 @@ def test_dynamos_indexer_holds_exactly_the_nodes_residency_through_churn(
     # Local disk survived the restart and is credited again; a restarted server holds no DRAM.
     want = agreed("the restart", lambda w: {1, 2} <= w["disk"])
     assert not want["host_pinned"]
+    # Engine A restarts: a new process (a new identity for the router, as a new pod) that stored
+    # nothing announces the node's residency from the feed's snapshot, the names included.
+    del workers[0]
+    indexer.unregister(0)
+    sock = str(srv.config.listen.unix_socket)
+    fresh = Engine(
+        vllmevents.KVEventLog(BLOCK, enabled=True, follow=lambda ledger: node_residency_for(sock, NS, ledger))
+    )
+    engines.append(fresh)  # closed by the fixture
+    workers[2] = fresh
+    _subscribed(indexer, {2: fresh})
+    agreed("an engine restart", lambda w: {1, 2} <= w["disk"])
     # TTL expiry: nothing was hit since the stores; every block leaves the disk and the index.
     try:
         wait_until(lambda: agree(lambda w: not any(w.values())), timeout=TTL + 30, interval=0.5)

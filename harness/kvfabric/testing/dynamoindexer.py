@@ -14,9 +14,10 @@ the version the project locks, so it lives in its own virtual environment under
 ``~/.cache/kvfabric/dynamo-indexer-<digest of the pins>/``; ``python -m kvfabric.testing.dynamoindexer
 build`` makes it (``scripts/bootstrap.sh`` calls it) and tests skip, saying so, without it.
 
-Dynamo's parser reads block hashes as integers only: an engine it follows must publish with
-``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` (vLLM's default, 32-byte hashes, fail to decode with
-"data did not match any variant of untagged enum BlockHashValue").
+Dynamo's parser reads block hashes as integers only: vLLM's default
+(``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: the hash's low 64 bits) works; an engine that publishes
+the raw hash bytes (``=0``) has every batch dropped ("data did not match any variant of untagged enum
+BlockHashValue" in the indexer's log).
 
 The indexer binds its HTTP port on every interface (it has no option for loopback only); tests
 send it requests on 127.0.0.1 only.
@@ -125,6 +126,7 @@ def ensure_env(*, quiet: bool = False) -> Path:
     return python
 
 
+_U64: Final = (1 << 64) - 1  # vLLM's integer hashes are unsigned 64-bit; read any sign the same way
 Entries = dict[int, dict[str, set[int]]]
 """worker id -> Dynamo tier -> the block hashes (vLLM's, as the engine published them) it holds."""
 
@@ -238,7 +240,7 @@ class DynamoIndexer:
                     continue
                 tiers = out.setdefault(int(ev["worker_id"]), {t: set() for t in TIERS})
                 tiers.setdefault(ev["storage_tier"], set()).update(
-                    int(b["block_hash"]) for b in stored["blocks"]
+                    int(b["block_hash"]) & _U64 for b in stored["blocks"]
                 )
         return out
 

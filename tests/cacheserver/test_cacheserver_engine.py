@@ -387,3 +387,60 @@ def test_tiered_store_writes_back_promotes_and_expires_local_buckets(tmp_path: P
         assert store.lookup([b]) == ["dram"]
     finally:
         store.close()
+
+
+def test_put_sealed_owns_the_memfd_takes_only_a_sealed_one_and_writes_it_back(tmp_path: Path) -> None:
+    """A staging memfd becomes the block itself; refused or dropped, its descriptor is closed all the same."""
+    from kvfabric.cacheserver.engine.dram import OpenBlock, new_memfd, seal
+    from kvfabric.cacheserver.engine.tiered import TieredStore
+
+    def memfd(data: bytes, *, sealed: bool = True) -> int:
+        fd = new_memfd("test", len(data))
+        assert fd is not None
+        os.pwrite(fd, data, 0)
+        if sealed:
+            seal(fd)
+        return fd
+
+    def closed(fd: int) -> bool:
+        try:
+            os.fstat(fd)
+        except OSError:
+            return True
+        return False
+
+    cfg = _dram_and_disk(
+        tmp_path, dram=1 << 20, disk=1 << 22, max_payload=1 << 20, janitor_interval_seconds=3600
+    )
+    store = TieredStore(cfg)
+    store.start()
+    try:
+        good, unsealed, short, frozen = (bid(f"sealed-{i}") for i in range(4))
+        data = payload_for(good.key, 10_000)
+        fd = memfd(data)
+        ino = os.fstat(fd).st_ino
+        assert store.put_sealed(good, fd, len(data))
+        handle = store.open_block(good)
+        assert handle is not None
+        with handle:
+            assert isinstance(handle, OpenBlock)
+            assert handle.read() == data
+            assert os.fstat(handle.fd).st_ino == ino  # the memfd itself, not a copy
+        assert store.flush()
+        assert store.tier("local_disk").contains(good)  # written back like any put
+        # An unsealed memfd (it could still change) or one of another length is refused, and closed.
+        for b, fd, n in (
+            (unsealed, memfd(data, sealed=False), len(data)),
+            (short, memfd(data), len(data) + 1),
+        ):
+            assert not store.put_sealed(b, fd, n)
+            assert closed(fd)
+            assert store.lookup([b]) == []
+        # Frozen for a hand-over: dropped, and closed.
+        assert store.freeze(5)
+        fd = memfd(data)
+        assert not store.put_sealed(frozen, fd, len(data))
+        assert closed(fd)
+        store.thaw(reclaim=False)
+    finally:
+        store.close()

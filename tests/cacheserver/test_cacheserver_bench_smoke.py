@@ -23,6 +23,7 @@ KEYS = (
     "lookup_rpc_c2_p999_ms",
     "lookup_rpc_paced_p99_ms",
     "shm_load_over_memcpy",
+    "shm_store_over_memcpy",
     "disk_tier_over_raw",
 )
 
@@ -44,7 +45,8 @@ def test_bench_storage_reports_every_measurement() -> None:
         assert key in result, key
         if key != "redis_get_gbps":  # null when redis-server is not installed, by design
             assert result[key] > 0, key
-    assert len(result["targets"]) == 5  # the table (the object tier's row only when measured)
+    assert len(result["targets"]) == 6  # the table (the object tier's row only when measured)
+    assert result["spread"]["shm_store_over_memcpy"]["rounds"] == 1  # one ratio per round
     for name, s in result["spread"].items():
         assert s["min"] <= s["median"] <= s["max"], name
     for label, verdict in result["targets"].items():

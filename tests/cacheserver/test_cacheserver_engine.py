@@ -444,3 +444,49 @@ def test_put_sealed_owns_the_memfd_takes_only_a_sealed_one_and_writes_it_back(tm
         store.thaw(reclaim=False)
     finally:
         store.close()
+
+
+def test_staging_pages_the_server_cannot_allocate_drop_the_key_and_committed_ones_leave_the_arena(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of memory at ``ShmStoreBegin`` (the server allocates staging pages there) is a dropped key."""
+    import errno
+
+    from kvfabric.cacheserver.engine.stats import Counters
+    from kvfabric.cacheserver.engine.tiered import TieredStore
+    from kvfabric.cacheserver.transport.arena import StagingArena
+    from kvfabric.client.blocks import write_all
+
+    counters = Counters()
+    arena = StagingArena(1 << 20, 30.0, counters)
+    keys = [bid(f"staged-{i}") for i in range(2)]
+    real = os.posix_fallocate
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "no space")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    res = arena.begin(keys, [8192, 8192], [False, False])
+    assert (res.names, res.dropped, arena.used_bytes) == (["", ""], 2, 0)
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    store = TieredStore(_dram_and_disk(tmp_path, dram=1 << 20, disk=1 << 22, max_payload=1 << 20))
+    store.start()
+    try:
+        res = arena.begin(keys, [8192, 8192], [False, False])
+        assert res.dropped == 0
+        assert arena.used_bytes == 2 * 8192
+        for name, b in zip(res.names, keys, strict=True):
+            got = arena.dup_by_name(name)
+            assert got is not None
+            assert os.fstat(got[0]).st_blocks * 512 >= 8192  # allocated before the client writes
+            write_all(got[0], memoryview(payload_for(b.key, 8192)))
+        assert arena.commit(res.lease_id, store) == (2, 0, 2 * 8192)
+        assert arena.used_bytes == 0  # the blocks are the DRAM tier's now, not staging
+        for b in keys:
+            handle = store.open_block(b)
+            assert handle is not None
+            with handle:
+                assert handle.read() == payload_for(b.key, 8192)
+    finally:
+        store.close()
+        arena.close()

@@ -170,7 +170,7 @@ class StagingArena:
         return lease
 
     def commit(self, lease_id: str, store: TieredStore) -> tuple[int, int, int]:
-        """Seal and copy staged payloads into DRAM blocks; returns ``(accepted, dropped, bytes stored)``."""
+        """Seal staged payloads and put each memfd into DRAM as its block; ``(accepted, dropped, bytes)``."""
         lease = self._take(lease_id)
         accepted, dropped, nbytes = lease.present, lease.dropped, 0
         try:

@@ -490,3 +490,74 @@ def test_staging_pages_the_server_cannot_allocate_drop_the_key_and_committed_one
     finally:
         store.close()
         arena.close()
+
+
+def _resident_pages(path: Path) -> list[bool]:
+    """Which pages of ``path`` are in the page cache now (``mincore`` of a mapping nobody touches)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        try:
+            vec = ctypes.create_string_buffer(pages)
+            assert libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
+            return [bool(b & 1) for b in vec.raw[:pages]]
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def test_a_write_back_from_dram_puts_no_copy_of_the_payload_into_the_page_cache(tmp_path: Path) -> None:
+    """The write-back writes a block's whole pages with O_DIRECT: no copy into the page cache.
+
+    Reads of a tier are O_DIRECT, so a cached copy would only cost a pass over the bytes and push
+    other files out of the cache. Only the header page and the last, partial page go through it.
+    """
+    from kvfabric.cacheserver.engine.tiered import TieredStore
+
+    probe = tmp_path / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        pytest.skip(f"{tmp_path} has no O_DIRECT (tmpfs?): the write is buffered there by design")
+    size = 2 * (1 << 20) + 100
+    cfg = _dram_and_disk(tmp_path, dram=8 << 20, disk=16 << 20, max_payload=4 << 20)
+    store = TieredStore(cfg)
+    store.start()
+    try:
+        b = bid("direct")
+        data = payload_for(b.key, size)
+        assert store.put(b, data)
+        assert store.flush()
+        (path,) = (tmp_path / "local").rglob("*.blk")
+        resident = _resident_pages(path)
+        whole = size // blockfile.ALIGN
+        assert not any(resident[1 : 1 + whole]), (
+            f"{sum(resident[1 : 1 + whole])} of {whole} payload pages cached"
+        )
+        # And it reads back verified, from the disk (DRAM emptied).
+        assert store.tier("dram").delete(b)
+        handle = store.open_block(b)
+        assert handle is not None
+        with handle:
+            assert handle.read() == data
+    finally:
+        store.close()

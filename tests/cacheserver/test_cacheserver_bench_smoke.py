@@ -27,6 +27,7 @@ KEYS = (
     "lookup_local_c1_p99_ms",
     "lookup_local_c1_client_cpu_us",
     "shm_load_over_memcpy",
+    "shm_store_over_memcpy",
     "disk_tier_over_raw",
 )
 
@@ -52,10 +53,11 @@ def test_bench_storage_reports_every_measurement() -> None:
     assert result["lookup_local_c1_server_cpu_us"] >= 0
     # The table (the object tier's row only when measured), with the p99 at the most clients
     # of 1 and 2 that the machine has cores for.
-    assert len(result["targets"]) == 7
+    assert len(result["targets"]) == 8
     assert any(
         v["measure"] in ("lookup_best_c1_p99_ms", "lookup_best_c2_p99_ms") for v in result["targets"].values()
     )
+    assert result["spread"]["shm_store_over_memcpy"]["rounds"] == 1  # one ratio per round
     for name, s in result["spread"].items():
         assert s["min"] <= s["median"] <= s["max"], name
     for label, verdict in result["targets"].items():

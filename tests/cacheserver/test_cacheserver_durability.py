@@ -103,8 +103,12 @@ def test_kill_9_during_store_storm_then_restart(ns: str, tmp_path: Path) -> None
         for w in workers:
             w.start()
         local_root = srv.config.tiers.local_disk.path  # type: ignore[union-attr]
-        # Kill once blocks are landing on disk, i.e. in the middle of write-backs.
-        wait_until(lambda: len(_block_files(local_root)) >= 20, what="write-backs to reach disk")
+        # Kill once blocks are landing on disk, i.e. in the middle of write-backs, and the flusher has
+        # been told of some durable ones (fast write-backs can land 20 files before its first answer).
+        wait_until(
+            lambda: len(_block_files(local_root)) >= 20 and bool(durable),
+            what="write-backs to reach disk and a flush to report some",
+        )
         srv.kill()
         stop.set()
         for w in workers:

@@ -387,3 +387,177 @@ def test_tiered_store_writes_back_promotes_and_expires_local_buckets(tmp_path: P
         assert store.lookup([b]) == ["dram"]
     finally:
         store.close()
+
+
+def test_put_sealed_owns_the_memfd_takes_only_a_sealed_one_and_writes_it_back(tmp_path: Path) -> None:
+    """A staging memfd becomes the block itself; refused or dropped, its descriptor is closed all the same."""
+    from kvfabric.cacheserver.engine.dram import OpenBlock, new_memfd, seal
+    from kvfabric.cacheserver.engine.tiered import TieredStore
+
+    def memfd(data: bytes, *, sealed: bool = True) -> int:
+        fd = new_memfd("test", len(data))
+        assert fd is not None
+        os.pwrite(fd, data, 0)
+        if sealed:
+            seal(fd)
+        return fd
+
+    def closed(fd: int) -> bool:
+        try:
+            os.fstat(fd)
+        except OSError:
+            return True
+        return False
+
+    cfg = _dram_and_disk(
+        tmp_path, dram=1 << 20, disk=1 << 22, max_payload=1 << 20, janitor_interval_seconds=3600
+    )
+    store = TieredStore(cfg)
+    store.start()
+    try:
+        good, unsealed, short, frozen = (bid(f"sealed-{i}") for i in range(4))
+        data = payload_for(good.key, 10_000)
+        fd = memfd(data)
+        ino = os.fstat(fd).st_ino
+        assert store.put_sealed(good, fd, len(data))
+        handle = store.open_block(good)
+        assert handle is not None
+        with handle:
+            assert isinstance(handle, OpenBlock)
+            assert handle.read() == data
+            assert os.fstat(handle.fd).st_ino == ino  # the memfd itself, not a copy
+        assert store.flush()
+        assert store.tier("local_disk").contains(good)  # written back like any put
+        # An unsealed memfd (it could still change) or one of another length is refused, and closed.
+        for b, fd, n in (
+            (unsealed, memfd(data, sealed=False), len(data)),
+            (short, memfd(data), len(data) + 1),
+        ):
+            assert not store.put_sealed(b, fd, n)
+            assert closed(fd)
+            assert store.lookup([b]) == []
+        # Frozen for a hand-over: dropped, and closed.
+        assert store.freeze(5)
+        fd = memfd(data)
+        assert not store.put_sealed(frozen, fd, len(data))
+        assert closed(fd)
+        store.thaw(reclaim=False)
+    finally:
+        store.close()
+
+
+def test_staging_pages_the_server_cannot_allocate_drop_the_key_and_committed_ones_leave_the_arena(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of memory at ``ShmStoreBegin`` (the server allocates staging pages there) is a dropped key."""
+    import errno
+
+    from kvfabric.cacheserver.engine.stats import Counters
+    from kvfabric.cacheserver.engine.tiered import TieredStore
+    from kvfabric.cacheserver.transport.arena import StagingArena
+    from kvfabric.client.blocks import write_all
+
+    counters = Counters()
+    arena = StagingArena(1 << 20, 30.0, counters)
+    keys = [bid(f"staged-{i}") for i in range(2)]
+    real = os.posix_fallocate
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "no space")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    res = arena.begin(keys, [8192, 8192], [False, False])
+    assert (res.names, res.dropped, arena.used_bytes) == (["", ""], 2, 0)
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    store = TieredStore(_dram_and_disk(tmp_path, dram=1 << 20, disk=1 << 22, max_payload=1 << 20))
+    store.start()
+    try:
+        res = arena.begin(keys, [8192, 8192], [False, False])
+        assert res.dropped == 0
+        assert arena.used_bytes == 2 * 8192
+        for name, b in zip(res.names, keys, strict=True):
+            got = arena.dup_by_name(name)
+            assert got is not None
+            assert os.fstat(got[0]).st_blocks * 512 >= 8192  # allocated before the client writes
+            write_all(got[0], memoryview(payload_for(b.key, 8192)))
+        assert arena.commit(res.lease_id, store) == (2, 0, 2 * 8192)
+        assert arena.used_bytes == 0  # the blocks are the DRAM tier's now, not staging
+        for b in keys:
+            handle = store.open_block(b)
+            assert handle is not None
+            with handle:
+                assert handle.read() == payload_for(b.key, 8192)
+    finally:
+        store.close()
+        arena.close()
+
+
+def _resident_pages(path: Path) -> list[bool]:
+    """Which pages of ``path`` are in the page cache now (``mincore`` of a mapping nobody touches)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        try:
+            vec = ctypes.create_string_buffer(pages)
+            assert libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
+            return [bool(b & 1) for b in vec.raw[:pages]]
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def test_a_write_back_from_dram_puts_no_copy_of_the_payload_into_the_page_cache(tmp_path: Path) -> None:
+    """The write-back writes a block's whole pages with O_DIRECT: no copy into the page cache.
+
+    Reads of a tier are O_DIRECT, so a cached copy would only cost a pass over the bytes and push
+    other files out of the cache. Only the header page and the last, partial page go through it.
+    """
+    from kvfabric.cacheserver.engine.tiered import TieredStore
+
+    probe = tmp_path / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        pytest.skip(f"{tmp_path} has no O_DIRECT (tmpfs?): the write is buffered there by design")
+    size = 2 * (1 << 20) + 100
+    cfg = _dram_and_disk(tmp_path, dram=8 << 20, disk=16 << 20, max_payload=4 << 20)
+    store = TieredStore(cfg)
+    store.start()
+    try:
+        b = bid("direct")
+        data = payload_for(b.key, size)
+        assert store.put(b, data)
+        assert store.flush()
+        (path,) = (tmp_path / "local").rglob("*.blk")
+        resident = _resident_pages(path)
+        whole = size // blockfile.ALIGN
+        assert not any(resident[1 : 1 + whole]), (
+            f"{sum(resident[1 : 1 + whole])} of {whole} payload pages cached"
+        )
+        # And it reads back verified, from the disk (DRAM emptied).
+        assert store.tier("dram").delete(b)
+        handle = store.open_block(b)
+        assert handle is not None
+        with handle:
+            assert handle.read() == data
+    finally:
+        store.close()

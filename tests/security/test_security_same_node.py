@@ -145,6 +145,46 @@ def test_staging_written_after_the_commit_or_mapped_through_it_never_reaches_a_b
         assert c.health(timeout=5), "the server keeps serving"
 
 
+def test_a_committed_store_is_the_servers_own_staging_memfd_not_a_copy(srv: ServerProcess) -> None:
+    """The commit puts the staging memfd itself into DRAM; its pages were the server's before any write.
+
+    The server allocates the staging pages (so they are charged to its memory cgroup, not the
+    engine's) before it names them, and the block a load hands out afterwards is that same memfd:
+    no second allocation, no second copy of the payload.
+    """
+    key = digest("adopted")
+    size = 1 * MiB + 123
+    payload = payload_for(key, size)
+    with grpc.insecure_channel(srv.unix_target) as ch:
+        stub = _stub(ch)
+        resp = stub.ShmStoreBegin(
+            pb.ShmStoreBeginRequest(namespace=NS, keys=[key], lengths=[size]), timeout=10
+        )
+        with _blocks(srv) as chan:
+            (staging,) = chan.fetch([resp.slots[0].name], deadline=time.monotonic() + 10)
+        assert staging is not None
+        try:
+            # Every page exists before the client writes a byte: allocated by the server.
+            assert os.fstat(staging).st_blocks * 512 >= size
+            os.pwrite(staging, payload, 0)
+            done = stub.ShmStoreCommit(pb.ShmStoreCommitRequest(lease_id=resp.lease_id), timeout=10)
+            assert (done.accepted, done.dropped) == (1, 0)
+            loaded, length = _load_fd(srv, key)
+            try:
+                assert length == size
+                same = os.fstat(loaded), os.fstat(staging)
+                assert (same[0].st_dev, same[0].st_ino) == (same[1].st_dev, same[1].st_ino)
+                assert os.pread(loaded, size + 1, 0) == payload
+            finally:
+                os.close(loaded)
+            with pytest.raises(PermissionError):
+                os.pwrite(staging, b"poison", 0)
+        finally:
+            os.close(staging)
+    with CacheClient(srv.unix_target, shared_memory=True) as c:
+        assert c.load(NS, [key], timeout=10) == [payload]
+
+
 def _counter(srv: ServerProcess, name: str) -> int:
     with CacheClient(srv.unix_target) as c:
         counters = c.stats(timeout=5)["counters"]

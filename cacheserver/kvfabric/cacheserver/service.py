@@ -515,7 +515,7 @@ class CacheService(pb_grpc.CacheServicer):
     async def ShmStoreBegin(
         self, request: pb.ShmStoreBeginRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ShmStoreBeginResponse:
-        """Hand out staging files for the keys the server can take now."""
+        """Hand out staging memfds, their pages allocated, for the keys the server can take now."""
         await _check(request, context)
         await self._require_shm(context)
         bids = await self._ids(request.namespace, list(request.keys), context)
@@ -549,7 +549,7 @@ class CacheService(pb_grpc.CacheServicer):
     async def ShmStoreCommit(
         self, request: pb.ShmStoreCommitRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.StoreResponse:
-        """Copy a lease's staging files into DRAM (or abort it)."""
+        """Seal a lease's staging memfds and put them into DRAM as the blocks (or abort it)."""
         await _check(request, context)
         await self._require_shm(context)
         t0 = time.perf_counter()

@@ -12,7 +12,10 @@ cProfile summaries (top functions by own time) of
 5. cold disk promotions, the ways of filling a fresh memfd from a block file;
 6. a 16k-token restore into the reference engine's KV tensors from kept mappings of sealed blocks:
    through the connector's staging buffer (today: copy, verify, scatter), against verifying
-   and scattering in place from the mappings (no staging copy), with memcpy of the same bytes.
+   and scattering in place from the mappings (no staging copy), with memcpy of the same bytes;
+7. the same-node store path stage by stage, in-process with the real pieces (the connector's MAC,
+   the arena's handshake, the client's write, the commit with its index publication, the
+   write-back's checksum and disk write): CPU time per MiB of each stage, beside memcpy.
 
 Not a benchmark (no targets, nothing judged): the evidence behind docs/performance.md.
 """
@@ -403,9 +406,142 @@ def restore_paths(
         os.close(fd)
 
 
+def store_paths(rounds: int = 5, blocks: int = 4, chunk: int = 32 * MiB) -> None:
+    """Part 7: CPU (process time: the MAC's threads count) and wall time per MiB of each store stage.
+
+    Each round stores ``blocks`` fresh keys through a real :class:`StagingArena` into a real
+    :class:`TieredStore` whose listener is a real :class:`IndexPublisher`; the write-back's two
+    steps (checksum, disk write) run here on the blocks just stored, as the write-back thread runs
+    them, so that each stage is timed on its own. The stages run one after the other in this
+    thread, so a noisy machine inflates wall times much more than CPU times.
+    """
+    import statistics
+
+    from kvfabric.cacheserver.config import ServerConfig
+    from kvfabric.cacheserver.engine.blockfile import payload_checksum, write_block
+    from kvfabric.cacheserver.engine.ids import BlockId
+    from kvfabric.cacheserver.engine.stats import Counters
+    from kvfabric.cacheserver.engine.tiered import TieredStore
+    from kvfabric.cacheserver.transport.arena import BeginResult, StagingArena
+    from kvfabric.cacheserver.transport.indexpub import IndexPublisher
+    from kvfabric.client.blocks import write_all
+    from kvfabric.connector import layout
+    from kvfabric.testing.serverproc import digest
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvf-prof-", dir="/var/tmp"))
+    cfg = ServerConfig.model_validate(
+        {
+            "server_id": "prof",
+            "listen": {"unix_socket": str(tmp / "s.sock")},
+            "tiers": {"dram": {"capacity_bytes": 4 * blocks * chunk}, "write_back": "none"},
+            "limits": {"max_payload_bytes": chunk},
+            "janitor_interval_seconds": 3600,
+        }
+    )
+    st = TieredStore(cfg)
+    pub = IndexPublisher(st.tier_of, known=lambda ns: True)
+    published = [0]
+
+    def changed(bids: list[BlockId]) -> None:
+        t = time.process_time_ns()
+        pub.changed(bids)
+        published[0] += time.process_time_ns() - t
+
+    st.set_listener(changed)
+    st.start()
+    pub.start()
+    arena = StagingArena(2 * blocks * chunk, 60.0, Counters())
+    ns = digest("prof-store")
+    src = [bytearray(os.urandom(MiB) * (chunk // MiB)) for _ in range(blocks)]
+    dst = bytearray(chunk)
+    mac_key = os.urandom(32)
+    mib = blocks * chunk / MiB
+    names = ["memcpy", "mac", "begin", "client_write", "commit", "of_which_publish"]
+    names += ["wb_checksum", "wb_write"]
+    cpu: dict[str, list[float]] = {k: [] for k in names}
+    wall: dict[str, list[float]] = {k: [] for k in names}
+    wb = tmp / "wb"
+    wb.mkdir()
+
+    def stage(name: str, fn: Callable[[], None]) -> None:
+        w, c = time.perf_counter_ns(), time.process_time_ns()
+        fn()
+        cpu[name].append((time.process_time_ns() - c) / mib / 1e3)
+        wall[name].append((time.perf_counter_ns() - w) / mib / 1e3)
+
+    try:
+        for r in range(rounds):
+            bids = [BlockId(ns, digest("s", r, i)) for i in range(blocks)]
+            staged: list[BeginResult] = []
+            sums: list[bytes] = []
+
+            def memcpy() -> None:
+                for s in src:
+                    dst[:] = s
+
+            def mac(bids: list[BlockId] = bids) -> None:
+                for b, s in zip(bids, src, strict=True):
+                    layout.seal(s, namespace=ns, key=b.key, num_tokens=256, num_layers=32, mac_key=mac_key)
+
+            def begin(bids: list[BlockId] = bids, staged: list[BeginResult] = staged) -> None:
+                staged.append(arena.begin(bids, [chunk] * blocks, [False] * blocks))
+
+            def client_write(staged: list[BeginResult] = staged) -> None:
+                for name, s in zip(staged[0].names, src, strict=True):
+                    got = arena.dup_by_name(name)
+                    assert got is not None
+                    write_all(got[0], memoryview(s))
+
+            def commit(staged: list[BeginResult] = staged) -> None:
+                if arena.commit(staged[0].lease_id, st)[0] != blocks:
+                    raise RuntimeError("a store was dropped")
+
+            stage("memcpy", memcpy)
+            stage("mac", mac)
+            stage("begin", begin)
+            stage("client_write", client_write)
+            published[0] = 0
+            stage("commit", commit)
+            cpu["of_which_publish"].append(published[0] / mib / 1e3)
+            handles = [h for h in (st.dram.open(b) for b in bids) if h is not None]
+            views = [h.view() for h in handles]
+
+            def checksum(views: list[memoryview] = views, sums: list[bytes] = sums) -> None:
+                sums.extend(payload_checksum(v) for v in views)
+
+            def write(
+                bids: list[BlockId] = bids, views: list[memoryview] = views, sums: list[bytes] = sums
+            ) -> None:
+                for b, v, s in zip(bids, views, sums, strict=True):
+                    write_block(wb, wb / b.key, b, v, created_at=0.0, bucket=0, checksum=s)
+
+            stage("wb_checksum", checksum)
+            stage("wb_write", write)
+            for v in views:
+                v.release()
+            for h in handles:
+                h.close()
+            for b in bids:
+                st.delete(b)
+                os.unlink(wb / b.key)
+    finally:
+        st.close()
+        arena.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    load = os.getloadavg()[0]
+    print(f"== the store path, {blocks} x {chunk // MiB} MiB per round, {rounds} rounds, load {load:.1f}")
+    print(f"{'stage':18s} {'CPU us/MiB':>24s} {'wall us/MiB':>24s}")
+    for k in names:
+        c, w = cpu[k], wall[k]
+        cs = f"{statistics.median(c):8.1f} ({min(c):.1f}-{max(c):.1f})"
+        ws = f"{statistics.median(w):8.1f} ({min(w):.1f}-{max(w):.1f})" if w else ""
+        print(f"{k:18s} {cs:>24s} {ws:>24s}")
+
+
 if __name__ == "__main__":
     lookups_and_shm()
     disk_promotion()
     copy_paths()
     promotion_paths()
     restore_paths()
+    store_paths()

@@ -33,6 +33,7 @@ lets the start-up scan trust a header without reading the payload.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import queue
@@ -169,8 +170,12 @@ def write_block(
     gen: int = 0,
     commit: Callable[[Path, Path], bool] | None = None,
     meta: bytes | None = None,
+    direct: bool = True,
 ) -> BlockHeader | None:
     """Write a block atomically and durably (with ``meta``, its names, after the payload).
+
+    With ``direct``, the payload's whole pages are written with ``O_DIRECT`` where the source and the
+    filesystem allow it (see :func:`_write_payload`), as the tiers read them.
 
     Temp file in ``tmp_dir`` (same filesystem), fsync, rename, fsync of the directory. ``commit``
     replaces the plain rename: it renames ``tmp`` to ``final`` itself, or returns False to abandon the
@@ -197,7 +202,7 @@ def write_block(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         _write_all(fd, memoryview(pack_header(header)), 0)
-        _write_all(fd, view, HEADER_SIZE)
+        _write_payload(tmp, fd, view, direct=direct)
         if meta:
             _write_all(fd, memoryview(meta), HEADER_SIZE + len(view))
         os.fsync(fd)
@@ -255,6 +260,49 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def _write_payload(path: Path, fd: int, view: memoryview, *, direct: bool = True) -> None:
+    """Write the payload at :data:`HEADER_SIZE`: its whole pages straight to the device where possible.
+
+    With ``O_DIRECT`` the bytes go from the caller's memory to the disk without a copy into the page
+    cache (and without pushing other files out of it): a block's reads are ``O_DIRECT`` anyway, so a
+    cached copy would serve no one. That needs a page-aligned source — a DRAM block's mapping, what a
+    write-back writes — and a filesystem that supports it; otherwise (a ``bytes`` payload, tmpfs) it
+    is written buffered. The part after the last whole page is always written buffered. ``fsync`` on
+    ``fd`` then makes both durable (one file).
+    """
+    whole = len(view) // ALIGN * ALIGN
+    offset = HEADER_SIZE
+    if direct and whole and _write_direct(path, view[:whole], offset):
+        view, offset = view[whole:], offset + whole
+    _write_all(fd, view, offset)
+
+
+def _write_direct(path: Path, view: memoryview, offset: int) -> bool:
+    """Write ``view`` at ``offset`` of ``path`` with ``O_DIRECT``; False if that is not possible here.
+
+    ``EINVAL`` (no ``O_DIRECT`` on this filesystem, or a source not aligned for it) writes nothing
+    usable; the caller then writes the same range buffered, over whatever part was written.
+    """
+    o_direct = getattr(os, "O_DIRECT", 0)
+    if not o_direct:
+        return False
+    try:
+        dfd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | o_direct)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    try:
+        _write_all(dfd, view, offset)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    finally:
+        os.close(dfd)
+    return True
 
 
 def _write_all(fd: int, view: memoryview, offset: int) -> None:

@@ -529,6 +529,7 @@ class DiskTier:
                     gen=gen,
                     commit=commit,
                     meta=meta,
+                    direct=self.direct_io,
                 )
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):

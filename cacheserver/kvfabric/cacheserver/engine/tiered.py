@@ -519,6 +519,34 @@ class TieredStore:
             self._queue_writeback(bid, self.backing)
         return True
 
+    def put_sealed(self, bid: BlockId, fd: int, length: int) -> bool:
+        """Store a filled memfd, sealed as blocks are (``BLOCK_SEALS``), as the block itself: no copy.
+
+        The store owns ``fd`` from here on, whatever the outcome (closed when refused). Only a memfd
+        of exactly ``length`` bytes sealed against every change is taken (see
+        :meth:`DramTier.adopt`); write-back is queued as for :meth:`put_with`. False if dropped.
+        """
+        owned = [fd]
+        try:
+            with self._mutation():
+                return self._put_sealed(bid, owned, length)
+        except HandingOver:
+            self.counters.inc("handover_dropped_stores", TierName.DRAM)
+            return False
+        finally:
+            if owned:  # refused before the tier took it
+                os.close(owned.pop())
+
+    def _put_sealed(self, bid: BlockId, owned: list[int], length: int) -> bool:
+        gen = self.generations.next()
+        if not self.dram.adopt(bid, owned.pop(), length, gen):  # the tier owns the fd now
+            self.counters.inc("dropped_stores", TierName.DRAM)
+            return False
+        self.counters.inc("stores")
+        if self.config.tiers.write_back == "all" and self.backing:
+            self._queue_writeback(bid, self.backing)
+        return True
+
     def put(self, bid: BlockId, payload: bytes | bytearray | memoryview) -> bool:
         """Store a payload from memory."""
         view = memoryview(payload).cast("B")

@@ -1,16 +1,24 @@
 """Store staging for same-node clients: the handshake, through memfds the server owns.
 
-1. ``ShmStoreBegin`` — the server creates one staging memfd per key it can take and returns a
-   128-bit random name for each under a lease. Keys already stored, or that do not fit in
-   ``arena_bytes``, get no name (present / dropped).
+1. ``ShmStoreBegin`` — the server creates one staging memfd per key it can take, *allocates its
+   pages* (``fallocate``), and returns a 128-bit random name for each under a lease. Keys already
+   stored, or that do not fit in ``arena_bytes``, get no name (present / dropped).
 2. The client trades the names for writable descriptors on the block socket
-   (:mod:`kvfabric.cacheserver.transport.blocksock`) and writes each payload into its memfd (one copy).
+   (:mod:`kvfabric.cacheserver.transport.blocksock`) and writes each payload into its memfd (one
+   copy, into pages that already exist).
 3. ``ShmStoreCommit`` — the server *seals* each staging memfd (no write, resize or writable mapping
-   is possible afterwards, by anyone), checks its size, and copies it into a fresh DRAM block
-   (in-kernel ``copy_file_range``). A client still mapping its memfd writable, or one that resized it,
-   has that key refused (``invalid_staging``), never a torn block. The copy, rather than adopting the
-   memfd, keeps the cached block's memory charged to the cache server's cgroup, not to the engine pod
-   that wrote it (which would otherwise pay for the cache in its own memory limit).
+   is possible afterwards, by anyone), checks its size, and puts the memfd itself into DRAM as the
+   block (:meth:`TieredStore.put_sealed`): no second copy. A client still mapping its memfd writable,
+   or one that resized it, has that key refused (``invalid_staging``), never a torn block.
+
+Why the pages are allocated by the server at step 1: a memfd's pages are charged to the memory cgroup
+of the process that allocates them, and stay charged there. Allocated by the server, the block's
+memory counts against the cache server's limit, not the engine pod's that writes into it — which is
+what the commit's copy into a fresh block used to ensure, at the price of a second page allocation
+and a second copy of every stored byte. (A client that frees pages of its memfd before the commit,
+by shrinking it or punching holes, and writes them again allocates those pages itself: it pays for
+them, no one else does.) A client that keeps its staging descriptor after the commit holds the
+block's descriptor, as a client that loaded the block does.
 
 No file exists anywhere: a client can reach only the memfds named to it, and only until the commit.
 A lease not committed in ``slot_lease_seconds`` (client died, hung, or lost the reply) is reclaimed by
@@ -116,7 +124,7 @@ class StagingArena:
                     dropped += 1
                     names.append("")
                     continue
-                fd = new_memfd("staging", length)
+                fd = _allocated_memfd(length)
                 if fd is None:
                     with self._lock:
                         self._used -= charge
@@ -162,7 +170,7 @@ class StagingArena:
         return lease
 
     def commit(self, lease_id: str, store: TieredStore) -> tuple[int, int, int]:
-        """Seal and copy staged payloads into DRAM blocks; returns ``(accepted, dropped, bytes stored)``."""
+        """Seal staged payloads and put each memfd into DRAM as its block; ``(accepted, dropped, bytes)``."""
         lease = self._take(lease_id)
         accepted, dropped, nbytes = lease.present, lease.dropped, 0
         try:
@@ -192,15 +200,9 @@ class StagingArena:
             self.counters.inc("invalid_staging")
             return False
 
-        def fill(dst: int) -> None:
-            done = 0
-            while done < slot.length:
-                n = _copy(src, dst, slot.length - done, done)
-                if n <= 0:
-                    raise OSError("staging memfd shorter than announced")
-                done += n
-
-        return store.put_with(slot.bid, slot.length, fill)
+        # The memfd becomes the block: the store owns the descriptor from here on.
+        slot.fd = -1
+        return store.put_sealed(slot.bid, src, slot.length)
 
     def abort(self, lease_id: str) -> tuple[int, int]:
         """Discard a lease's staging memfds; returns ``(accepted, dropped)`` as a commit would report.
@@ -213,7 +215,8 @@ class StagingArena:
 
     def _release(self, lease: _Lease) -> None:
         for slot in lease.slots:
-            os.close(slot.fd)
+            if slot.fd >= 0:  # -1: committed, the store owns it
+                os.close(slot.fd)
         with self._lock:
             self._used -= lease.nbytes
             self._slots -= len(lease.slots)
@@ -243,10 +246,22 @@ class StagingArena:
             self._release(lease)
 
 
-def _copy(src: int, dst: int, count: int, offset: int) -> int:
+def _allocated_memfd(length: int) -> int | None:
+    """A staging memfd of ``length`` bytes whose pages this process allocated (charged to its cgroup).
+
+    None when out of descriptors or memory, as for :func:`new_memfd`: the key is dropped.
+    """
+    fd = new_memfd("staging", length)
+    if fd is None or not length:
+        return fd
     try:
-        return os.copy_file_range(src, dst, count, offset, offset)
-    except OSError:
-        # Kernels without copy_file_range between memfds: copy through memory.
-        data = os.pread(src, min(count, 8 << 20), offset)
-        return os.pwrite(dst, data, offset) if data else 0
+        os.posix_fallocate(fd, 0, length)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
+            return None
+        raise
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -209,21 +209,34 @@ async def test_the_prune_passes_by_labelled_objects_the_pool_does_not_own() -> N
 
 
 @pytest.mark.asyncio
-async def test_a_child_name_held_by_an_object_not_the_pools_stops_every_apply() -> None:
+@pytest.mark.parametrize(
+    ("kind", "name"),
+    [
+        ("ConfigMap", names.router_configmap_name("p")),
+        ("ConfigMap", names.configmap_name("p")),
+        ("Service", names.service_name("p")),
+        ("DaemonSet", names.daemonset_name("p")),
+    ],
+)
+async def test_a_child_name_held_by_an_object_not_the_pools_stops_every_apply(kind: str, name: str) -> None:
     kube = FakeKube()
     add_pool(kube, consumers={"routingEvents": {}})
-    theirs = {"kind": "ConfigMap", "metadata": {"name": "p-router", "namespace": "ns"}, "data": {"x": "y"}}
-    kube.objects[("ConfigMap", "ns", "p-router")] = copy.deepcopy(theirs)
+    theirs = {
+        "kind": kind,
+        "metadata": {"name": name, "namespace": "ns", "labels": {"team": "t"}},
+        "data": {"x": "y"},
+    }
+    kube.objects[(kind, "ns", name)] = copy.deepcopy(theirs)
     result = await run(kube)
     assert result is not None
-    assert result.object_conflicts == ("ConfigMap p-router",)
+    assert result.object_conflicts == (f"{kind} {name}",)
     assert result.applied == 0
-    assert kube.objects[("ConfigMap", "ns", "p-router")] == theirs
-    assert not [k for k in kube.objects if k[0] == "DaemonSet"]
+    assert kube.objects[(kind, "ns", name)] == theirs
+    assert [k for k in kube.objects if k[0] not in ("KVCachePool", "Event")] == [(kind, "ns", name)]
     status = kube.objects[("KVCachePool", "ns", "p")]["status"]
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "ObjectConflict")
-    assert "ConfigMap p-router" in degraded["message"]
+    assert f"{kind} {name}" in degraded["message"]
 
 
 @pytest.mark.asyncio

@@ -42,8 +42,8 @@ log = logging.getLogger("kvfabric.operator.reconcile")
 # Kinds a pool may own and that are pruned when no longer rendered (e.g. metrics disabled).
 _PRUNABLE: Final = ("Service", "PersistentVolumeClaim", "ConfigMap")
 # Kinds whose rendered names are checked for someone else's object before applying: those the
-# operator may read by name (its role has no get on Services or NetworkPolicies).
-_OWNERSHIP_CHECKED: Final = ("ConfigMap", "PersistentVolumeClaim", "DaemonSet")
+# operator may read by name (its role has no get on NetworkPolicies).
+_OWNERSHIP_CHECKED: Final = ("ConfigMap", "PersistentVolumeClaim", "DaemonSet", "Service")
 PoolKey = tuple[str, str]  # (namespace, name)
 
 

@@ -247,3 +247,31 @@ def test_a_background_load_that_cannot_be_queued_is_finished_with_every_block_fa
         assert rig.worker.take_finished_loads() == set(), "its failed blocks come first"
         assert rig.worker.take_load_errors() == set(DST)
         assert rig.worker.take_finished_loads() == {"r3"}
+
+
+def test_shutdown_with_a_load_in_flight_and_a_hung_server_ends_within_its_one_deadline() -> None:
+    """Shutdown takes one deadline when it starts, shared by the load in flight and the stores' drain.
+
+    The server hangs with a background load in flight (its own deadline 8 s) and a save queued behind
+    it. vLLM terminates a worker that has not exited within its grace, so shutdown must return within
+    ``drain_s`` (1 s here), whatever the load's deadline. Before, it waited for the load's whole
+    deadline and only then started a drain of ``drain_s`` for each data path.
+    """
+    with Rig(load_deadline_ms=8000) as rig:
+        plan = rig.request_background_load()
+        # A new request will compute and save its prompt (looked up while the server still answers).
+        other = tuple(range(500, 500 + 2 * CHUNK))
+        fresh = RequestInfo("r3", other)
+        assert rig.sched.num_new_matched_tokens(fresh, 0) == 0
+        blocks = tuple(range(24, 32))
+        rig.sched.update_state_after_alloc(fresh, blocks, 0)
+        saving = rig.sched.build_plan(StepInput((ScheduledRequest("r3", 0, len(other), blocks, True),)))
+        rig.store.hang.set()
+        t0 = time.monotonic()
+        rig._step(plan)
+        rig._step(saving)  # its store queues behind the hung server
+        assert rig.worker.take_load_reports() == [], "the load is still in flight"
+        rig.worker.shutdown(drain_s=1.0)
+        elapsed = time.monotonic() - t0
+        # Generous for a loaded machine, far below the load's 8 s deadline it used to wait for.
+        assert elapsed < 1.0 + 2.0, f"the steps and shutdown took {elapsed:.1f} s"

@@ -44,6 +44,7 @@ USES: dict[tuple[str, str, str], list[tuple[str, str]]] = {
         ("reconcile.py", r'_PRUNABLE: Final = \(.*"ConfigMap"'),
         ("reconcile.py", r"client\.delete\("),
     ],
+    ("", "services", "get"): [("reconcile.py", r'_OWNERSHIP_CHECKED: Final = \(.*"Service"')],
     ("", "services", "list"): [("reconcile.py", r'_PRUNABLE: Final = \(.*"Service"')],
     ("", "services", "watch"): [("controller.py", r'OWNED_KINDS = \(.*"Service"'), _INFORMER],
     ("", "services", "create"): [("render/children.py", r'"kind": "Service"'), _APPLY],

@@ -185,6 +185,61 @@ async def test_prunes_children_no_longer_rendered() -> None:
 
 
 @pytest.mark.asyncio
+async def test_the_prune_passes_by_labelled_objects_the_pool_does_not_own() -> None:
+    """Labels select, the owner reference decides: a copy of the labels deletes nothing."""
+    kube = FakeKube()
+    add_pool(kube)
+    await run(kube)
+    (mine,) = [o for (k, _, n), o in kube.objects.items() if k == "ConfigMap" and n == "p-config"]
+    for name, refs in (("decoy", []), ("earlier", [{"kind": "KVCachePool", "name": "p", "uid": "u0"}])):
+        kube.objects[("ConfigMap", "ns", name)] = {
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": name,
+                "namespace": "ns",
+                "labels": mine["metadata"]["labels"],
+                "ownerReferences": refs,
+            },
+        }
+    result = await run(kube)
+    assert result is not None
+    assert result.pruned == 0
+    assert ("ConfigMap", "ns", "decoy") in kube.objects
+    assert ("ConfigMap", "ns", "earlier") in kube.objects
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("kind", "name"),
+    [
+        ("ConfigMap", names.router_configmap_name("p")),
+        ("ConfigMap", names.configmap_name("p")),
+        ("Service", names.service_name("p")),
+        ("DaemonSet", names.daemonset_name("p")),
+    ],
+)
+async def test_a_child_name_held_by_an_object_not_the_pools_stops_every_apply(kind: str, name: str) -> None:
+    kube = FakeKube()
+    add_pool(kube, consumers={"routingEvents": {}})
+    theirs = {
+        "kind": kind,
+        "metadata": {"name": name, "namespace": "ns", "labels": {"team": "t"}},
+        "data": {"x": "y"},
+    }
+    kube.objects[(kind, "ns", name)] = copy.deepcopy(theirs)
+    result = await run(kube)
+    assert result is not None
+    assert result.object_conflicts == (f"{kind} {name}",)
+    assert result.applied == 0
+    assert kube.objects[(kind, "ns", name)] == theirs
+    assert [k for k in kube.objects if k[0] not in ("KVCachePool", "Event")] == [(kind, "ns", name)]
+    status = kube.objects[("KVCachePool", "ns", "p")]["status"]
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ObjectConflict")
+    assert f"{kind} {name}" in degraded["message"]
+
+
+@pytest.mark.asyncio
 async def test_invalid_server_config_keeps_children_and_reports(monkeypatch: pytest.MonkeyPatch) -> None:
     kube = FakeKube()
     add_pool(kube)
@@ -350,7 +405,12 @@ async def test_the_first_rollout_onto_hand_over_stops_first_then_the_next_one_su
     # A DaemonSet of a version without hand-over: no annotation on its template, stop-first strategy.
     kube.objects[("DaemonSet", "ns", names.daemonset_name("p"))] = {
         "kind": "DaemonSet",
-        "metadata": {"name": names.daemonset_name("p"), "namespace": "ns", "generation": 1},
+        "metadata": {
+            "name": names.daemonset_name("p"),
+            "namespace": "ns",
+            "generation": 1,
+            "ownerReferences": [{"kind": "KVCachePool", "name": "p", "uid": "u1"}],  # the pool's
+        },
         "spec": {
             "updateStrategy": {"rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}},
             "template": {"metadata": {"annotations": {}}},

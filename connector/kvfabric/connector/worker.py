@@ -104,6 +104,7 @@ class WorkerHalf:
         # One data path per loader thread (a data path's staging is per load in flight), made lazily.
         self._background_paths: dict[int, DataPath] = {}
         self._background_pool: cf.ThreadPoolExecutor | None = None
+        self._background_running: set[cf.Future[None]] = set()  # queued or running (shutdown waits)
         self._kv_caches: dict[str, torch.Tensor] = {}
         # Guards what background loads hand to the engine thread: errors, reports, finished ids.
         self._results_lock = threading.Lock()
@@ -348,11 +349,18 @@ class WorkerHalf:
                 )
             deadline = time.monotonic() + self._budget([spec])
             self.counters.add("background_loads")
-            self._background_pool.submit(self._run_background, spec, deadline)
+            future = self._background_pool.submit(self._run_background, spec, deadline)
+            with self._results_lock:
+                self._background_running.add(future)
+            future.add_done_callback(self._background_over)
         except Exception:
             log.exception("kvfabric could not queue the background load of request %s", spec.req_id)
             self.counters.add("internal_error.background_load")
             self._finish_background(spec.req_id, _all_blocks(spec), None)
+
+    def _background_over(self, future: cf.Future[None]) -> None:
+        with self._results_lock:
+            self._background_running.discard(future)
 
     def _finish_background(self, req_id: str, errors: set[int], report: LoadReport | None) -> None:
         """Publish one background load's outcome to the engine thread (errors before the finish)."""
@@ -616,16 +624,29 @@ class WorkerHalf:
         return reports
 
     def shutdown(self, drain_s: float = SHUTDOWN_DRAIN_S) -> None:
-        """Stop background threads; queued stores get ``drain_s`` seconds to finish.
+        """Stop background threads within ``drain_s`` seconds, every step included.
 
         Stores a request's last step queued are what a restarted engine hits; those still queued
-        at the deadline are dropped (vLLM would kill the worker soon after anyway).
+        at the deadline are dropped. One deadline, taken now, bounds the wait for loads in flight and
+        the stores' drain together: vLLM terminates a worker that has not exited within its grace
+        (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``), so waiting longer would only be cut short there.
+        A load or store still running at the deadline is left to end within its own deadline.
         """
+        deadline = time.monotonic() + drain_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         if self._background_pool is not None:
-            self._background_pool.shutdown(wait=True)  # each load is bounded by its deadline
-        for path in self._background_paths.values():
-            path.close(drain_s)
-        self.datapath.close(drain_s)
+            with self._results_lock:
+                running = list(self._background_running)
+            cf.wait(running, timeout=left())
+            self._background_pool.shutdown(wait=False, cancel_futures=True)
+        with self._results_lock:
+            paths = list(self._background_paths.values())
+        for path in paths:
+            path.close(left())
+        self.datapath.close(left())
         if self.cache is not None:
             self.cache.close()
 

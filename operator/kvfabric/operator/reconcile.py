@@ -41,6 +41,9 @@ log = logging.getLogger("kvfabric.operator.reconcile")
 
 # Kinds a pool may own and that are pruned when no longer rendered (e.g. metrics disabled).
 _PRUNABLE: Final = ("Service", "PersistentVolumeClaim", "ConfigMap")
+# Kinds whose rendered names are checked for someone else's object before applying: those the
+# operator may read by name (its role has no get on NetworkPolicies).
+_OWNERSHIP_CHECKED: Final = ("ConfigMap", "PersistentVolumeClaim", "DaemonSet", "Service")
 PoolKey = tuple[str, str]  # (namespace, name)
 
 
@@ -60,6 +63,8 @@ class ReconcileResult:
     ready: bool = False
     # Secrets with the pool's names that are not the pool's: nothing else was applied (the status says).
     secret_conflicts: tuple[str, ...] = ()
+    # Children's names ("Kind name") held by objects that are not the pool's: nothing was applied.
+    object_conflicts: tuple[str, ...] = ()
 
 
 class Reader(Protocol):
@@ -124,6 +129,12 @@ async def _apply_children(
     configmaps = children.by_kind("ConfigMap")
     others = [obj for obj in children.objects if obj["kind"] != "ConfigMap"]
     rejected: list[str] = []
+    foreign = await _foreign_children(client, reader, pool, children.objects)
+    if foreign:
+        # Applying with force would take the object over (labels, owner reference): pruning or the
+        # garbage collector would then delete someone else's object. Nothing is applied or pruned.
+        result.object_conflicts = foreign
+        return None
 
     async def apply(obj: dict[str, Any]) -> None:
         try:
@@ -148,11 +159,35 @@ async def _apply_children(
             # Pods of a version without hand-over still run: this rollout stops them first.
             others = [without_surge(o, pool) if o["kind"] == "DaemonSet" else o for o in others]
     pruned, *_ = await asyncio.gather(
-        _prune(client, reader, namespace, name, children.objects), *(apply(obj) for obj in others)
+        _prune(client, reader, pool, children.objects), *(apply(obj) for obj in others)
     )
     result.applied = len(configmaps) + len(others) - len(rejected)
     result.pruned = cast(int, pruned)
     return "; ".join(rejected) or None
+
+
+async def _foreign_children(
+    client: KubeClient, reader: Reader, pool: KVCachePool, objects: list[dict[str, Any]]
+) -> tuple[str, ...]:
+    """Return ``"Kind name"`` of each rendered child whose name is held by an object not the pool's.
+
+    The pool's own children carry an owner reference to its uid (not merely its labels, which anyone
+    can copy). The informers cache only labelled objects, so a name they do not hold is checked
+    against the API server: a user's object without our labels is found there.
+    """
+    uid = str(pool.metadata.get("uid", ""))
+
+    async def foreign(obj: dict[str, Any]) -> str | None:
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        found = await reader.get(kind, pool.namespace, name)
+        if found is None and reader is not client:
+            found = await client.get(kind, pool.namespace, name)
+        if found is None or owned_by(found, uid):
+            return None
+        return f"{kind} {name}"
+
+    held = await asyncio.gather(*(foreign(o) for o in objects if o["kind"] in _OWNERSHIP_CHECKED))
+    return tuple(sorted(h for h in held if h is not None))
 
 
 async def _failed_create(
@@ -186,6 +221,7 @@ async def _observe(
     *,
     apply_error: str | None,
     secret_conflicts: tuple[str, ...] = (),
+    object_conflicts: tuple[str, ...] = (),
     injection_enabled: bool,
     webhook_not_after: dt.datetime | None = None,
     scraper: Scraper | None = None,
@@ -220,6 +256,7 @@ async def _observe(
         previous_status=dict(raw.get("status") or {}),
         apply_error=apply_error,
         secret_conflicts=secret_conflicts,
+        object_conflicts=object_conflicts,
         pod_problems=diagnose(servers, failed_create, missing),
         progress_deadline_seconds=plan.progress_deadline_seconds,
         cache=cache,
@@ -263,6 +300,7 @@ async def reconcile_pool(
         plan,
         apply_error=apply_error,
         secret_conflicts=result.secret_conflicts,
+        object_conflicts=result.object_conflicts,
         injection_enabled=injection_enabled,
         webhook_not_after=webhook_not_after,
         scraper=scraper,
@@ -353,9 +391,13 @@ class RetryNow(Exception):  # noqa: N818 - a control-flow signal, not an error
     """Reconcile again right away (the pool changed under us)."""
 
 
-async def _prune(
-    client: KubeClient, reader: Reader, namespace: str, name: str, desired: list[dict[str, Any]]
-) -> int:
+async def _prune(client: KubeClient, reader: Reader, pool: KVCachePool, desired: list[dict[str, Any]]) -> int:
+    """Delete the pool's children it no longer renders: only those owned by the pool's uid.
+
+    The labels select, the owner reference decides: a labelled object that is not the pool's (a
+    copied manifest, or labels added to make the operator delete it) is left alone.
+    """
+    namespace, name, uid = pool.namespace, pool.name, str(pool.metadata.get("uid", ""))
     wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in desired}
     selector = f"{names.OWNER_POOL_LABEL}={name},{names.MANAGED_BY}={names.MANAGED_BY_VALUE}"
     listed = await asyncio.gather(
@@ -365,7 +407,11 @@ async def _prune(
     for kind, objs in zip(_PRUNABLE, listed, strict=True):
         for obj in objs:
             obj_name = obj["metadata"]["name"]
-            if (kind, obj_name) not in wanted and await client.delete(kind, namespace, obj_name):
+            if (
+                (kind, obj_name) not in wanted
+                and owned_by(obj, uid)
+                and await client.delete(kind, namespace, obj_name)
+            ):
                 pruned += 1
     return pruned
 

@@ -46,7 +46,10 @@ DEADLINE_EXCEEDED: Final = "ProgressDeadlineExceeded"
 # Degraded reasons that get their own Warning event (the others already have one: PoolNotReady,
 # InvalidServerConfig, ClaimNotFound...), and a Normal "Recovered" event when they clear.
 SECRET_CONFLICT: Final = "SecretConflict"  # noqa: S105 - a condition reason, not a secret
-FAILURE_EVENT_REASONS: Final = frozenset({"ApplyFailed", SECRET_CONFLICT, DEADLINE_EXCEEDED, *PRIORITY})
+OBJECT_CONFLICT: Final = "ObjectConflict"
+FAILURE_EVENT_REASONS: Final = frozenset(
+    {"ApplyFailed", SECRET_CONFLICT, OBJECT_CONFLICT, DEADLINE_EXCEEDED, *PRIORITY}
+)
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ class Observed:
     apply_error: str | None = None
     # The pool's Secret names held by Secrets that are not the pool's (left alone; nothing applied).
     secret_conflicts: tuple[str, ...] = ()
+    # The pool's children's names ("Kind name") held by objects that are not the pool's (left alone).
+    object_conflicts: tuple[str, ...] = ()
     # Why cache-server pods are not serving (kvfabric.operator.podhealth.diagnose), worst first.
     pod_problems: list[PodProblem] = field(default_factory=list)
     # spec.updateStrategy.progressDeadlineSeconds
@@ -288,6 +293,17 @@ def secret_conflict_message(observed: Observed) -> str:
     )
 
 
+def object_conflict_message(observed: Observed) -> str:
+    """Name the objects in the way, and what to do about them."""
+    them = ", ".join(observed.object_conflicts)
+    one = len(observed.object_conflicts) == 1
+    return (
+        f"{them} already exist{'s' if one else ''} and {'is' if one else 'are'} not this pool's (no owner "
+        f"reference to it): the operator leaves {'it' if one else 'them'} as {'it is' if one else 'they are'}"
+        " and applies nothing for the pool; rename the pool, or give that object another name"
+    )
+
+
 def degraded_verdict(observed: Observed, rollout: Rollout, storage: Verdict, progressing: Verdict) -> Verdict:
     """Degraded: something is wrong that waiting for the rollout will not fix."""
     n = rollout.nodes
@@ -297,6 +313,8 @@ def degraded_verdict(observed: Observed, rollout: Rollout, storage: Verdict, pro
         return Verdict(True, "ApplyFailed", observed.apply_error)
     if observed.secret_conflicts:
         return Verdict(True, SECRET_CONFLICT, secret_conflict_message(observed))
+    if observed.object_conflicts:
+        return Verdict(True, OBJECT_CONFLICT, object_conflict_message(observed))
     if storage.reason in ("ClaimNotFound", "ClaimLost"):
         return storage._replace(ok=True)
     if observed.pod_problems:
@@ -358,6 +376,8 @@ def ready_verdict(observed: Observed, rollout: Rollout, storage: Verdict) -> Ver
         return Verdict(False, "ApplyFailed", observed.apply_error)
     if observed.secret_conflicts:
         return Verdict(False, SECRET_CONFLICT, secret_conflict_message(observed))
+    if observed.object_conflicts:
+        return Verdict(False, OBJECT_CONFLICT, object_conflict_message(observed))
     if not rollout.exists:
         return Verdict(False, "Creating", "the DaemonSet does not exist yet")
     if rollout.generation_seen and n.desired == 0:

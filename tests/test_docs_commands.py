@@ -25,6 +25,7 @@ import yaml
 
 from kvfabric.cli.main import build_parser
 from kvfabric.localcluster.testing import ClusterHandle
+from kvfabric.testing.opstools import prometheus_operator_crds
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", ROOT / "images" / "README.md", *(ROOT / "docs").glob("*.md")])
@@ -264,6 +265,13 @@ def test_every_apply_shown_passes_a_server_side_dry_run(cluster: ClusterHandle, 
     # A server-side dry run creates nothing: the CRD and the namespaces the commands use must exist.
     cluster.kubectl("apply", "--server-side", "--field-manager=kvfabric-tests", "-k", str(ROOT / "crds"))
     cluster.wait_crd_established("kvcachepools.kvfabric.io")
+    # The monitoring overlay the operations guide applies needs the Prometheus Operator's CRDs, as a
+    # cluster with the Prometheus Operator has them (this test must not rely on another test's install).
+    for path in prometheus_operator_crds(quiet=True):
+        kind = path.stem.removeprefix("monitoring.coreos.com_")
+        if kind in ("podmonitors", "servicemonitors", "prometheusrules"):
+            cluster.kubectl("apply", "--server-side", "--field-manager=kvfabric-tests", "-f", str(path))
+            cluster.wait_crd_established(f"{kind}.monitoring.coreos.com")
     created = []
     for ns in ("kvfabric-system", "llm"):
         if cluster.kubectl("get", "namespace", ns, check=False).returncode:

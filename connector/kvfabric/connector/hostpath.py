@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfabric.client.mappings import Lease, release_all
-from kvfabric.connector import layout
+from kvfabric.connector import layout, stagetimes
 from kvfabric.connector.datapath import LoadResult
 from kvfabric.connector.groups import GroupPlan, KindType
 from kvfabric.connector.resilient import Counters, LoadOutcome, Reason, ResilientCache
@@ -340,24 +340,26 @@ class HostStagingPath:
             return LoadOutcome(0, Reason.UNAVAILABLE)
         if time.monotonic() >= self._load_deadline:
             return LoadOutcome(0, Reason.TIMEOUT)
-        got = cache.load_views(self.namespace, keys, sizes, self._load_deadline)
+        with stagetimes.stage("load_rpc"):
+            got = cache.load_views(self.namespace, keys, sizes, self._load_deadline)
         leases = got.leases
         kept = 0
         try:
-            for i, lease in enumerate(leases):
-                if len(lease.view) != sizes[i]:
-                    raise layout.PayloadError(
-                        "corrupt", f"payload is {len(lease.view)} bytes, not {sizes[i]}"
+            with stagetimes.stage("verify"):
+                for i, lease in enumerate(leases):
+                    if len(lease.view) != sizes[i]:
+                        raise layout.PayloadError(
+                            "corrupt", f"payload is {len(lease.view)} bytes, not {sizes[i]}"
+                        )
+                    layout.verify(
+                        lease.view,
+                        namespace=self.namespace,
+                        key=keys[i],
+                        num_tokens=tokens[i],
+                        num_layers=nlayers[i],
+                        mac_key=self.mac_key,
                     )
-                layout.verify(
-                    lease.view,
-                    namespace=self.namespace,
-                    key=keys[i],
-                    num_tokens=tokens[i],
-                    num_layers=nlayers[i],
-                    mac_key=self.mac_key,
-                )
-                kept = i + 1
+                    kept = i + 1
         except layout.PayloadError as exc:
             log.warning("chunk %s: %s", keys[kept][:12], exc)
             release_all(leases[kept:])
@@ -378,24 +380,26 @@ class HostStagingPath:
             return LoadOutcome(0, Reason.UNAVAILABLE)
         if time.monotonic() >= self._load_deadline:
             return LoadOutcome(0, Reason.TIMEOUT)
-        outcome = cache.load_into(self.namespace, keys, buffers, self._load_deadline)
+        with stagetimes.stage("load_rpc"):
+            outcome = cache.load_into(self.namespace, keys, buffers, self._load_deadline)
         if not outcome.settled:
             # A call that was given up may still write: nothing in these buffers can be trusted,
             # and verifying now would not cover its later writes.
             return LoadOutcome(0, outcome.reason or Reason.TIMEOUT, outcome.inflight)
-        for i in range(outcome.count):
-            try:
-                layout.verify(
-                    buffers[i],
-                    namespace=self.namespace,
-                    key=keys[i],
-                    num_tokens=tokens[i],
-                    num_layers=nlayers[i],
-                    mac_key=self.mac_key,
-                )
-            except layout.PayloadError as exc:
-                log.warning("chunk %s: %s", keys[i][:12], exc)
-                return LoadOutcome(i, Reason(exc.reason), outcome.inflight)
+        with stagetimes.stage("verify"):
+            for i in range(outcome.count):
+                try:
+                    layout.verify(
+                        buffers[i],
+                        namespace=self.namespace,
+                        key=keys[i],
+                        num_tokens=tokens[i],
+                        num_layers=nlayers[i],
+                        mac_key=self.mac_key,
+                    )
+                except layout.PayloadError as exc:
+                    log.warning("chunk %s: %s", keys[i][:12], exc)
+                    return LoadOutcome(i, Reason(exc.reason), outcome.inflight)
         return outcome
 
     def finish_loads(self) -> list[LoadResult]:
@@ -412,17 +416,19 @@ class HostStagingPath:
             valid, reason = 0, None
             for g, fut in enumerate(pl.futures):
                 try:
-                    outcome = fut.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
+                    with stagetimes.stage("wait"):
+                        outcome = fut.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
                 except cf.TimeoutError:
                     outcome = LoadOutcome(0, Reason.TIMEOUT)
                     self.counters.add("load_abandoned")
                 first = g * GROUP_CHUNKS
-                if pl.staging is None:
-                    self._scatter_lent(pl, first, outcome.count)
-                elif pl.spec.objects is not None:
-                    self._scatter_objects(pl, first, first + outcome.count)
-                else:
-                    self._scatter(pl, first, first + outcome.count)
+                with stagetimes.stage("scatter"):
+                    if pl.staging is None:
+                        self._scatter_lent(pl, first, outcome.count)
+                    elif pl.spec.objects is not None:
+                        self._scatter_objects(pl, first, first + outcome.count)
+                    else:
+                        self._scatter(pl, first, first + outcome.count)
                 valid += outcome.count
                 if outcome.reason is not None or outcome.count < len(
                     pl.spec.keys[first : first + GROUP_CHUNKS]

@@ -3,13 +3,14 @@
 Off unless ``KVFABRIC_STAGE_TIMES=1`` is in the engine's environment when this module is imported;
 off, every call is one test of a module-level flag (nothing is timed or stored). On, each stage
 adds its wall time and the CPU time of the thread that ran it (``time.thread_time``), and the
-worker writes one line per step that loaded anything to the ``kvfabric.stages`` logger at DEBUG
+worker writes one line per step that loaded anything (the scheduler one per lookup: it may run in
+another process) to the ``kvfabric.stages`` logger at DEBUG
 (the logger is given its own stderr handler, so vLLM's logging settings need not change):
 
     kvfabric stages: lookup=1.23/1.10 load_rpc=... verify=... wait=... scatter=... step=...
 
 Each value is ``wall_ms/cpu_ms``, summed over the step (a stage run on several threads sums their
-CPU). Stages: ``lookup`` (the scheduler's lookup, since the previous line), ``load_rpc`` (the
+CPU). Stages: ``lookup`` (the scheduler's lookup of one request), ``load_rpc`` (the
 loader thread's fetch or borrow of the payloads), ``verify`` (their checksums and MACs),
 ``wait`` (the engine thread waiting for the loader), ``scatter`` (the engine thread writing the
 payloads into the paged KV cache) and ``step`` (the whole step, from ``start_load_kv`` to

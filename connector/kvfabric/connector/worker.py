@@ -385,6 +385,7 @@ class WorkerHalf:
             log.exception("kvfabric background load of request %s failed; the engine recomputes", spec.req_id)
             self.counters.add("internal_error.background_load")
             errors = _all_blocks(spec)
+        stagetimes.flush("load_rpc")  # a background load has no step of its own: its line is its own
         self._finish_background(spec.req_id, errors, report)
 
     def _settle_device(self) -> None:

@@ -3,8 +3,8 @@
 Off unless ``KVFABRIC_STAGE_TIMES=1`` is in the engine's environment when this module is imported;
 off, every call is one test of a module-level flag (nothing is timed or stored). On, each stage
 adds its wall time and the CPU time of the thread that ran it (``time.thread_time``), and the
-worker writes one line per step that loaded anything (the scheduler one per lookup: it may run in
-another process) to the ``kvfabric.stages`` logger at DEBUG
+worker writes one line per step that loaded anything and one per background load (the scheduler
+one per lookup: it may run in another process) to the ``kvfabric.stages`` logger at DEBUG
 (the logger is given its own stderr handler, so vLLM's logging settings need not change):
 
     kvfabric stages: lookup=1.23/1.10 load_rpc=... verify=... wait=... scatter=... step=...

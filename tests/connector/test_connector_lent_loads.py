@@ -6,7 +6,10 @@ What is promised (kvfabric.connector.hostpath, docs/performance.md "Restores in 
 - every lease is released: after the scatter, after a damaged payload (a miss, as on the staging
   path), and, for a call given up at its deadline, when that call ends; a lease never outlives
   its use, or the server would keep the block held and charged to this client;
-- a load given up at its deadline places nothing, and a later load is unaffected.
+- a load given up at its deadline places nothing it had not verified by then, and a later load is
+  unaffected;
+- a verified payload is placed while the next one is still being verified (the engine's copies
+  overlap the loader's verification).
 """
 
 from __future__ import annotations
@@ -288,3 +291,90 @@ def test_from_an_endpoint_that_does_not_lend_load_views_loads_into_buffers_of_it
     assert [bytes(x.view) for x in second.leases] == [blocks[KEY_B]]
     assert all(x.view.obj is not y.view.obj for x in first.leases for y in second.leases)
     assert transport.copied == 2
+
+
+KEY_D = "d" * 64
+
+
+def _two_payload_step(
+    w: WorkerHalf,
+    kv: dict[str, torch.Tensor],
+    transport: Lender,
+    monkeypatch: pytest.MonkeyPatch,
+    hold_s: float,
+) -> tuple[set[int], list[bool]]:
+    """Load B then D; D's verification waits (up to ``hold_s``) for B to be placed first.
+
+    Returns the step's load errors and, per verification of D, whether B was in place by then.
+    """
+    geo = layout.ChunkGeometry.from_kv_caches(kv, block_size=BLOCK, chunk_tokens=CHUNK)
+    transport.blocks[KEY_D] = payload(geo, KEY_D, 4.0)
+    placed_b = threading.Event()
+    seen: list[bool] = []
+    verify, scatter = layout.verify, layout.scatter_payload
+
+    def slow_verify(payload: bytes | memoryview, **kw: object) -> None:
+        if kw["key"] == KEY_D:
+            seen.append(placed_b.wait(hold_s))
+        verify(payload, **kw)  # type: ignore[arg-type]
+
+    def spy_scatter(
+        geometry: layout.ChunkGeometry,
+        kvs: Sequence[torch.Tensor],
+        p: memoryview,
+        ids: Sequence[int],
+        **kw: int,
+    ) -> None:
+        scatter(geometry, kvs, p, ids, **kw)
+        if ids[0] == 4:
+            placed_b.set()
+
+    monkeypatch.setattr(layout, "verify", slow_verify)
+    monkeypatch.setattr(layout, "scatter_payload", spy_scatter)
+    w.bind_plan(StepPlan(loads=[LoadSpec("r", [KEY_B, KEY_D], [[4, 5], [6, 7]])]))
+    w.start_load()
+    for name in kv:
+        w.wait_for_layer_load(name)
+    errors = w.take_load_errors()
+    w.clear_plan()
+    return errors, seen
+
+
+def test_a_lent_payload_is_placed_while_the_next_is_still_being_verified(
+    worker: tuple[WorkerHalf, dict[str, torch.Tensor], Lender], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w, kv, transport = worker
+    errors, seen = _two_payload_step(w, kv, transport, monkeypatch, hold_s=0.5)
+    assert errors == set()
+    assert seen == [True], "the engine waited for every payload's verification before placing the first"
+    for layer in kv.values():
+        assert torch.equal(layer[4:6], torch.full_like(layer[4:6], 2.0))
+        assert torch.equal(layer[6:8], torch.full_like(layer[6:8], 4.0))
+    assert transport.out == 0
+
+
+def test_a_lent_load_cut_by_its_deadline_keeps_the_payloads_verified_and_placed_before_it(
+    worker: tuple[WorkerHalf, dict[str, torch.Tensor], Lender], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w, kv, transport = worker
+    geo = layout.ChunkGeometry.from_kv_caches(kv, block_size=BLOCK, chunk_tokens=CHUNK)
+    transport.blocks[KEY_D] = payload(geo, KEY_D, 4.0)
+    verify = layout.verify
+
+    def slow_verify(payload: bytes | memoryview, **kw: object) -> None:
+        if kw["key"] == KEY_D:
+            time.sleep(1.5)  # past the step's 1 s deadline
+        verify(payload, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(layout, "verify", slow_verify)
+    w.bind_plan(StepPlan(loads=[LoadSpec("r", [KEY_B, KEY_D], [[4, 5], [6, 7]])]))
+    w.start_load()
+    for name in kv:
+        w.wait_for_layer_load(name)
+    assert w.take_load_errors() == {6, 7}, "B, verified and placed before the deadline, is a hit"
+    w.clear_plan()
+    assert w.counters.get("fallback_chunks.timeout") == 1
+    for layer in kv.values():
+        assert torch.equal(layer[4:6], torch.full_like(layer[4:6], 2.0))
+        assert torch.equal(layer[6:8], torch.zeros_like(layer[6:8])), "a payload verified late was placed"
+    wait_until(lambda: transport.out == 0, 10, what="the late payload's lease to be let go")

@@ -3,7 +3,8 @@
 Loads: one loader thread fetches each request's chunks through the resilient cache. From a
 same-node server whose blocks this client keeps mapped, they are *lent*, not copied: each payload
 is verified in the sealed mapping itself (it cannot change afterwards) and the engine thread
-scatters it from there, one payload at a time, then lets the lease go. Otherwise (the gRPC stream,
+scatters it from there as soon as it is verified (while the loader verifies the next one), one
+payload at a time, then lets the lease go. Otherwise (the gRPC stream,
 or no kept mappings) they land in a private staging buffer, are verified there, and the engine
 thread scatters the verified chunks of each layer with one indexed copy per layer.
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfabric.client.mappings import Lease, release_all
-from kvfabric.connector import layout
+from kvfabric.connector import layout, stagetimes
 from kvfabric.connector.datapath import LoadResult
 from kvfabric.connector.groups import GroupPlan, KindType
 from kvfabric.connector.resilient import Counters, LoadOutcome, Reason, ResilientCache
@@ -77,7 +78,24 @@ class _PendingLoad:
     tail_offset: int = 0
     """Where the tail blocks' payloads start in ``staging`` (after the whole chunks')."""
     lent: dict[int, list[Lease]] = dataclasses.field(default_factory=dict)
-    """A lent load: per group, the leases of its verified leading payloads (set by its loader task)."""
+    """A lent load: per group, the leases of its verified leading payloads.
+
+    Its loader task appends each lease once it is verified (under ``ready``), so the engine thread
+    scatters payload i while payload i+1 is verified; the engine never reads past what is there.
+    """
+    ready: threading.Condition = dataclasses.field(default_factory=threading.Condition)
+    """Notified when a verified lease is appended to ``lent``, and when a loader task ends."""
+
+    def publish(self, first: int, lease: Lease) -> None:
+        """Hand one verified lease of the group at chunk ``first`` to the engine thread."""
+        with self.ready:
+            self.lent.setdefault(first, []).append(lease)
+            self.ready.notify_all()
+
+    def notify(self, _fut: object = None) -> None:
+        """Wake the engine thread (a loader task ended)."""
+        with self.ready:
+            self.ready.notify_all()
 
     def release(self) -> None:
         """Let go of every lease this load holds (idempotent)."""
@@ -340,33 +358,36 @@ class HostStagingPath:
             return LoadOutcome(0, Reason.UNAVAILABLE)
         if time.monotonic() >= self._load_deadline:
             return LoadOutcome(0, Reason.TIMEOUT)
-        got = cache.load_views(self.namespace, keys, sizes, self._load_deadline)
+        with stagetimes.stage("load_rpc"):
+            got = cache.load_views(self.namespace, keys, sizes, self._load_deadline)
         leases = got.leases
         kept = 0
         try:
             for i, lease in enumerate(leases):
-                if len(lease.view) != sizes[i]:
-                    raise layout.PayloadError(
-                        "corrupt", f"payload is {len(lease.view)} bytes, not {sizes[i]}"
+                with stagetimes.stage("verify"):
+                    if len(lease.view) != sizes[i]:
+                        raise layout.PayloadError(
+                            "corrupt", f"payload is {len(lease.view)} bytes, not {sizes[i]}"
+                        )
+                    layout.verify(
+                        lease.view,
+                        namespace=self.namespace,
+                        key=keys[i],
+                        num_tokens=tokens[i],
+                        num_layers=nlayers[i],
+                        mac_key=self.mac_key,
                     )
-                layout.verify(
-                    lease.view,
-                    namespace=self.namespace,
-                    key=keys[i],
-                    num_tokens=tokens[i],
-                    num_layers=nlayers[i],
-                    mac_key=self.mac_key,
-                )
                 kept = i + 1
+                # Verified, and sealed (it cannot change): the engine may scatter it now.
+                pl.publish(first, lease)
         except layout.PayloadError as exc:
             log.warning("chunk %s: %s", keys[kept][:12], exc)
             release_all(leases[kept:])
-            pl.lent[first] = leases[:kept]
             return LoadOutcome(kept, Reason(exc.reason))
         except BaseException:
-            release_all(leases)  # nothing of this group is used: no lease may stay out
+            # The published leases are the engine's to release (pl.release); the rest are let go.
+            release_all(leases[kept:])
             raise
-        pl.lent[first] = leases
         return LoadOutcome(len(leases), got.reason)
 
     def _load_group(
@@ -378,24 +399,26 @@ class HostStagingPath:
             return LoadOutcome(0, Reason.UNAVAILABLE)
         if time.monotonic() >= self._load_deadline:
             return LoadOutcome(0, Reason.TIMEOUT)
-        outcome = cache.load_into(self.namespace, keys, buffers, self._load_deadline)
+        with stagetimes.stage("load_rpc"):
+            outcome = cache.load_into(self.namespace, keys, buffers, self._load_deadline)
         if not outcome.settled:
             # A call that was given up may still write: nothing in these buffers can be trusted,
             # and verifying now would not cover its later writes.
             return LoadOutcome(0, outcome.reason or Reason.TIMEOUT, outcome.inflight)
-        for i in range(outcome.count):
-            try:
-                layout.verify(
-                    buffers[i],
-                    namespace=self.namespace,
-                    key=keys[i],
-                    num_tokens=tokens[i],
-                    num_layers=nlayers[i],
-                    mac_key=self.mac_key,
-                )
-            except layout.PayloadError as exc:
-                log.warning("chunk %s: %s", keys[i][:12], exc)
-                return LoadOutcome(i, Reason(exc.reason), outcome.inflight)
+        with stagetimes.stage("verify"):
+            for i in range(outcome.count):
+                try:
+                    layout.verify(
+                        buffers[i],
+                        namespace=self.namespace,
+                        key=keys[i],
+                        num_tokens=tokens[i],
+                        num_layers=nlayers[i],
+                        mac_key=self.mac_key,
+                    )
+                except layout.PayloadError as exc:
+                    log.warning("chunk %s: %s", keys[i][:12], exc)
+                    return LoadOutcome(i, Reason(exc.reason), outcome.inflight)
         return outcome
 
     def finish_loads(self) -> list[LoadResult]:
@@ -411,18 +434,16 @@ class HostStagingPath:
             t0 = time.monotonic()
             valid, reason = 0, None
             for g, fut in enumerate(pl.futures):
-                try:
-                    outcome = fut.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
-                except cf.TimeoutError:
-                    outcome = LoadOutcome(0, Reason.TIMEOUT)
-                    self.counters.add("load_abandoned")
                 first = g * GROUP_CHUNKS
                 if pl.staging is None:
-                    self._scatter_lent(pl, first, outcome.count)
-                elif pl.spec.objects is not None:
-                    self._scatter_objects(pl, first, first + outcome.count)
+                    outcome = self._scatter_lent_as_verified(pl, first, fut)
                 else:
-                    self._scatter(pl, first, first + outcome.count)
+                    outcome = self._wait_group(fut)
+                    with stagetimes.stage("scatter"):
+                        if pl.spec.objects is not None:
+                            self._scatter_objects(pl, first, first + outcome.count)
+                        else:
+                            self._scatter(pl, first, first + outcome.count)
                 valid += outcome.count
                 if outcome.reason is not None or outcome.count < len(
                     pl.spec.keys[first : first + GROUP_CHUNKS]
@@ -561,12 +582,55 @@ class HostStagingPath:
                     pl.spec.block_ids[t_first:end],
                 )
 
-    def _scatter_lent(self, pl: _PendingLoad, first: int, count: int) -> None:
-        """Scatter the ``count`` verified leased payloads of the group at chunk ``first``."""
+    def _wait_group(self, fut: cf.Future[LoadOutcome]) -> LoadOutcome:
+        """Wait (until the deadline) for a staged group's loader task."""
+        try:
+            with stagetimes.stage("wait"):
+                return fut.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
+        except cf.TimeoutError:
+            self.counters.add("load_abandoned")
+            return LoadOutcome(0, Reason.TIMEOUT)
+
+    def _scatter_lent_as_verified(
+        self, pl: _PendingLoad, first: int, fut: cf.Future[LoadOutcome]
+    ) -> LoadOutcome:
+        """Scatter the group at chunk ``first`` lease by lease as its loader task verifies them.
+
+        The engine thread's copies overlap the loader's verification of the next payloads (both
+        release the GIL). Returns the group's outcome; at the deadline, the leading payloads
+        already placed still count (each was verified before it was read).
+        """
+        placed = 0
+        fut.add_done_callback(pl.notify)
+        while True:
+            with pl.ready, stagetimes.stage("wait"):
+                while len(pl.lent.get(first, ())) <= placed and not fut.done():
+                    left = self._load_deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    pl.ready.wait(left)
+                ready = pl.lent.get(first, [])[placed:]
+            if ready:
+                with stagetimes.stage("scatter"):
+                    self._scatter_leases(pl, first + placed, ready)
+                placed += len(ready)
+                continue
+            if not fut.done():
+                self.counters.add("load_abandoned")
+                return LoadOutcome(placed, Reason.TIMEOUT)
+            break
+        if fut.cancelled():
+            return LoadOutcome(placed, Reason.TIMEOUT)
+        outcome = fut.result()  # raises what the task raised, as waiting on it did
+        if outcome.count != placed:
+            raise RuntimeError(f"lent load placed {placed} payloads, its task reported {outcome.count}")
+        return outcome
+
+    def _scatter_leases(self, pl: _PendingLoad, first: int, leases: list[Lease]) -> None:
+        """Scatter verified leased payloads ``first..`` of ``pl`` into every registered layer."""
         geo, bgeo = self.geometry, self.block_geometry
         assert geo is not None
         assert bgeo is not None
-        leases = pl.lent.get(first, [])[:count]
         if pl.spec.objects is not None:
             self._scatter_lent_objects(pl, first, leases)
             return

@@ -27,7 +27,7 @@ from typing import Any
 
 from kvfabric.connector import hybridplan as hp
 from kvfabric.connector import keys as keyslib
-from kvfabric.connector import layout
+from kvfabric.connector import layout, stagetimes
 from kvfabric.connector.costmodel import CostModel, PrefillSample, RestoreSample
 from kvfabric.connector.groups import GroupPlan, KindType, cdiv, kind_key
 from kvfabric.connector.resilient import Counters, LookupOutcome, Reason, ResilientCache
@@ -212,7 +212,11 @@ class SchedulerHalf:
         Never raises: any failure is "no hit" (the engine recomputes).
         """
         try:
-            return self._num_new_matched_tokens(request, num_computed_tokens)
+            with stagetimes.stage("lookup"):
+                hit = self._num_new_matched_tokens(request, num_computed_tokens)
+            # The scheduler may live in another process than the worker: its line is its own.
+            stagetimes.flush("lookup")
+            return hit
         except Exception:
             log.exception("lookup for request %s failed", request.req_id)
             self.counters.add("internal_error.lookup")

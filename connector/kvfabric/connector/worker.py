@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfabric.connector import keys as keyslib
-from kvfabric.connector import layout
+from kvfabric.connector import layout, stagetimes
 from kvfabric.connector.datapath import DataPath, LoadResult
 from kvfabric.connector.groups import GroupPlan, KindType
 from kvfabric.connector.hostpath import SHUTDOWN_DRAIN_S, HostStagingPath
@@ -123,6 +123,7 @@ class WorkerHalf:
         """Seconds the last step spent blocked restoring KV (waiting, verifying, scattering)."""
         # Timing of the current step, for the scheduler's cost model (WorkerFeedback).
         self._step_t0: float | None = None
+        self._step_cpu0 = 0.0  # the engine thread's CPU time at the step's start (stage timings only)
         self._save_s = 0.0
         # (tier, chunks loaded, all intact, bytes moved when the data path knows them)
         self._step_loads: list[tuple[str | None, int, bool, int | None]] = []
@@ -258,6 +259,7 @@ class WorkerHalf:
     def _start_loads(self) -> None:
         t0 = time.perf_counter()
         self._step_t0, self._save_s, self._step_loads = t0, 0.0, []
+        self._step_cpu0 = time.thread_time() if stagetimes.ENABLED else 0.0
         self.datapath.abandon_loads()
         self._loads_pending, self._failed_reqs = False, set()
         self.restore_s = 0.0
@@ -391,6 +393,7 @@ class WorkerHalf:
             log.exception("kvfabric background load of request %s failed; the engine recomputes", spec.req_id)
             self.counters.add("internal_error.background_load")
             errors = _all_blocks(spec)
+        stagetimes.flush("load_rpc")  # a background load has no step of its own: its line is its own
         self._finish_background(spec.req_id, errors, report)
 
     def _settle_device(self) -> None:
@@ -533,6 +536,9 @@ class WorkerHalf:
     def wait_for_save(self) -> None:
         """Hand this step's complete payloads to the background storer (never blocks)."""
         t_end = time.perf_counter()
+        if stagetimes.ENABLED and self._step_t0 is not None and self._step_loads:
+            stagetimes.add("step", t_end - self._step_t0, time.thread_time() - self._step_cpu0)
+            stagetimes.flush("step")
         try:
             self._feedback = self._step_feedback(t_end)
         except Exception:

@@ -234,6 +234,31 @@ def test_bad_requests_get_an_error_naming_what_is_wrong(
     assert "meta.block_size" in str(error[1])
 
 
+def test_metadata_naming_more_groups_than_a_model_has_is_refused_naming_meta_groups(
+    srv: ServerProcess, follow: Callable[[ServerProcess], Follower]
+) -> None:
+    """One message naming 8,000 groups would be relayed by every engine as 8,000 events: refused."""
+    sub: list[Any] = ["sub", NS]
+    key = digest("k")
+
+    def meta(groups: list[Any]) -> bytes:
+        return msgpack_encode([[1], None, bytes(8), 2, None, None, None, groups])
+
+    errors = {
+        "count": _error_for(srv, sub, ["meta", key, meta([[g, None, None] for g in range(8000)])]),
+        "bool": _error_for(srv, sub, ["meta", key, meta([[True, "full_attention", None]])]),
+        "kind": _error_for(srv, sub, ["meta", key, meta([[0, "k" * 1000, None]])]),
+        "window": _error_for(srv, sub, ["meta", key, meta([[0, "sliding_window", -5]])]),
+    }
+    assert errors["count"] == "meta.groups: an array of 1 to 64 [group_idx, kind, sliding_window] arrays"
+    assert errors["bool"].startswith("meta.groups.group_idx: an integer from 0 to 63")
+    assert errors["kind"].startswith("meta.groups.kind: a lower-case name of at most 64 characters")
+    assert errors["window"].startswith("meta.groups.sliding_window: an integer from 1 to")
+    # Nothing of them reached a subscriber.
+    f = follow(srv)
+    assert [m for m in f.log if isinstance(m, Change)] == []
+
+
 def _get(url: str) -> str:
     import urllib.request
 

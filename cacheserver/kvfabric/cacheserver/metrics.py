@@ -144,6 +144,13 @@ class Metrics:
             unit="1",
             description="Keys asked for in lookups, by result (hit/miss)",
         )
+        self.lookup_reports_dropped = meter.create_counter(
+            "kvfabric.cache.lookup_reports_dropped",
+            unit="1",
+            description="Lookup reports from same-node clients dropped uncounted, by reason "
+            "(implausible: more keys than its lookups could ask for; rate: beyond what the connection "
+            "could have looked up over RPC)",
+        )
         self.bytes_out = meter.create_counter(
             "kvfabric.cache.bytes_out", unit="By", description="Payload bytes served, by transport"
         )
@@ -200,6 +207,10 @@ class Metrics:
         self.lookup_keys.add(hits, {"result": "hit"})
         self.lookup_keys.add(misses, {"result": "miss"})
         return self.namespaces.count_lookup(namespace, hits, misses)
+
+    def count_dropped_report(self, reason: str) -> None:
+        """Count a same-node client's lookup report dropped for ``reason`` (it claimed too much)."""
+        self.lookup_reports_dropped.add(1, {"reason": reason})
 
     def watch_residency(self, read: Callable[[], tuple[int, int, int]]) -> None:
         """Export the residency feed's subscribers, records sent and pending metadata bytes (``read()``)."""

@@ -299,7 +299,11 @@ async def serve(
     index_socket = None
     if publisher is not None:
         index_socket = IndexSocket(
-            index_socket_for(sock.absolute()), publisher, on_lookups=metrics.count_lookups
+            index_socket_for(sock.absolute()),
+            publisher,
+            on_lookups=metrics.count_lookups,
+            on_report_dropped=metrics.count_dropped_report,
+            max_keys_per_lookup=config.limits.max_keys_per_request,
         )
         index_socket.start(publish=False)
     feed_socket = None

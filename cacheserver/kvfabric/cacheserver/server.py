@@ -244,7 +244,11 @@ async def serve(
         store.tier_of, known=lambda ns: ns == PROBE_NAMESPACE or metrics.namespaces.known(ns)
     )
     # Same-node connectors follow each chunk's tiers here to announce them to routers (KV events).
-    feed: ResidencyFeed | None = ResidencyFeed(store.tiers_holding, known=metrics.namespaces.known)
+    feed: ResidencyFeed | None = ResidencyFeed(
+        store.tiers_holding,
+        known=metrics.namespaces.known,
+        max_names_bytes=config.limits.max_resident_names_bytes,
+    )
     if not store.set_listener(_listeners(publisher, feed)):
         log.warning("a tier cannot report index changes: same-node lookups go over RPC, no residency feed")
         publisher = feed = None

@@ -259,6 +259,51 @@ def test_metadata_naming_more_groups_than_a_model_has_is_refused_naming_meta_gro
     assert [m for m in f.log if isinstance(m, Change)] == []
 
 
+def _subscribers(srv: ServerProcess) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{srv.metrics_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    gauge = "kvfabric_residency_subscribers "
+    values = [line.split()[-1] for line in text.splitlines() if line.startswith(gauge)]
+    return float(values[0]) if values else -1.0  # -1: not registered yet (once every listener answers)
+
+
+def test_only_followers_of_a_namespace_the_server_knows_count_as_routing_subscribers(
+    srv: ServerProcess, follow: Callable[[ServerProcess], Follower]
+) -> None:
+    """The pool's routingSubscribers (hence RoutingEvents and the router's podCacheSize) come from
+    this gauge: connections following made-up namespaces are nobody's engine and do not count."""
+    import socket
+
+    from kvfabric.rpc.residency import FrameReader
+
+    with CacheClient(srv.unix_target) as client:
+        client.describe(NS, SPEC.canonical().decode(), timeout=10)
+    made_up = []
+    for i in range(5):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect(str(residency_socket_for(srv.config.listen.unix_socket)))
+        s.sendall(frame(["sub", digest("made-up", i)]))
+        reader = FrameReader()
+        got: list[list[Any]] = []
+        while ["synced"] not in got:
+            data = s.recv(65536)
+            assert data
+            got += reader.feed(data)
+        made_up.append(s)
+    try:
+        wait_until(lambda: _subscribers(srv) >= 0, what="the gauge")
+        assert _subscribers(srv) == 0
+        follow(srv)  # an engine following the namespace it described
+        wait_until(lambda: _subscribers(srv) == 1, what="the engine counted")
+        assert _subscribers(srv) == 1
+    finally:
+        for s in made_up:
+            s.close()
+
+
 def _get(url: str) -> str:
     import urllib.request
 

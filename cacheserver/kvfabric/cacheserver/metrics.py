@@ -412,7 +412,8 @@ class _ResidencyCollector(Collector):
         subscribers, records, pending_bytes = stats.subscribers, stats.records, stats.pending_bytes
         gauge = GaugeMetricFamily(
             "kvfabric_residency_subscribers",
-            "Connections following the residency feed (one per engine that announces this node's tiers)",
+            "Connections following the residency feed for a namespace this server knows, their snapshot "
+            "delivered (one per engine that announces this node's tiers)",
         )
         gauge.add_metric([], subscribers)
         sent = CounterMetricFamily(

@@ -81,7 +81,8 @@ class FeedStats(NamedTuple):
     """The feed's numbers as the metrics export them."""
 
     subscribers: int
-    """Open subscriptions."""
+    """Subscriptions to a namespace the server knows (described, or holding a chunk) whose snapshot
+    was delivered: the engines following the feed."""
     records: int
     """Records queued to subscribers so far."""
     pending_bytes: int
@@ -104,6 +105,8 @@ class Subscription:
         self._bytes = 0  # live bytes queued (the snapshot is not counted)
         self.closed = False
         self.overflowed = False
+        self.delivered = False
+        """Whether its snapshot (through ``synced``) was written to the subscriber's socket."""
 
     def push(self, frames: Iterable[bytes], *, counted: bool = True) -> None:
         """Queue ``frames``; past the byte bound (``counted`` ones only) the subscription closes."""
@@ -372,8 +375,15 @@ class ResidencyFeed:
     def stats(self) -> FeedStats:
         """What the metrics export (:class:`FeedStats`)."""
         with self._lock:
+            delivered = {ns: sum(s.delivered for s in subs) for ns, subs in self._subs.items()}
+            resident = set(self._resident_per_ns)
+        # Only followers of a namespace the server knows, their snapshot delivered, count as engines
+        # (status.cache.routingSubscribers): a connection to a made-up namespace is nobody's engine.
+        # known() takes its own lock: called outside ours.
+        followers = sum(n for ns, n in delivered.items() if n and (ns in resident or self._known(ns)))
+        with self._lock:
             return FeedStats(
-                subscribers=sum(len(s) for s in self._subs.values()),
+                subscribers=followers,
                 records=self.records,
                 pending_bytes=self.pending_bytes,
                 names_bytes=self.names_bytes,
@@ -535,6 +545,7 @@ class FeedSocket:
                     break
                 if frames:
                     conn.sendall(b"".join(frames))
+                    sub.delivered = True  # the first batch holds the whole snapshot, synced included
         except OSError:
             pass
         finally:

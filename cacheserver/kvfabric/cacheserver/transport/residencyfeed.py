@@ -377,18 +377,12 @@ class ResidencyFeed:
         with self._lock:
             delivered = {ns: sum(s.delivered for s in subs) for ns, subs in self._subs.items()}
             resident = set(self._resident_per_ns)
+            stats = FeedStats(0, self.records, self.pending_bytes, self.names_bytes, dict(self.names_dropped))
         # Only followers of a namespace the server knows, their snapshot delivered, count as engines
         # (status.cache.routingSubscribers): a connection to a made-up namespace is nobody's engine.
         # known() takes its own lock: called outside ours.
         followers = sum(n for ns, n in delivered.items() if n and (ns in resident or self._known(ns)))
-        with self._lock:
-            return FeedStats(
-                subscribers=followers,
-                records=self.records,
-                pending_bytes=self.pending_bytes,
-                names_bytes=self.names_bytes,
-                names_dropped=dict(self.names_dropped),
-            )
+        return stats._replace(subscribers=followers)
 
 
 class FeedSocket:

@@ -339,6 +339,12 @@ class NodeResidency:
         meta = decode_meta(raw)
         if key not in self._own and not self.groups.issuperset(meta.groups):
             self.foreign_groups_dropped += 1
+            if self.foreign_groups_dropped == 1:  # the first only: a forger would flood the log
+                log.warning(
+                    "the residency feed relayed a chunk named in KV cache groups this model lacks; "
+                    "it is not announced",
+                    extra={"key": key},
+                )
             del self._metas[key]  # not this model's: never decoded again
             return 0
         parent = meta.parent_block_hash

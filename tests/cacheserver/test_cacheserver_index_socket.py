@@ -343,3 +343,51 @@ def test_blocks_under_a_tables_worth_of_made_up_namespaces_keep_no_engine_from_i
         assert table_lists(fds[0], [digest("m", i)]) == [it.TIER_CODES["dram"]]
         os.close(fds[0])
         s.close()
+
+
+def _metric(text: str, name: str, label: str = "") -> float:
+    """The sum of a metric's samples carrying ``label`` (e.g. ``reason="rate"``) in an exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        if sample.split("{")[0] == name and label in sample:
+            total += float(value)
+    return total
+
+
+def test_forged_lookup_reports_are_dropped_counted_and_bounded_by_what_rpc_could_look_up() -> None:
+    """A process holding a table may claim only what it could have looked up: each line at most
+    ``max_keys_per_request`` keys per lookup, all lines at most the connection's rate budget."""
+    import urllib.request
+
+    limit = 64  # limits.max_keys_per_request: what one RPC lookup may ask for
+    with cache_server(
+        dram_bytes=8 * MiB, local_disk_bytes=None, tcp=False, overrides={"limits.max_keys_per_request": limit}
+    ) as srv:
+        with CacheClient(srv.unix_target) as c:
+            ns = describe(c, "reporting-model")
+        s, msg, fds = request(index_path(srv), ns)
+        assert msg == it.REPORTS_ACCEPTED
+        os.close(fds[0])
+        lines = [
+            it.encode_report(0, (1 << 48) - 1, 0),  # no lookups, 2^48 hits
+            it.encode_report(1, limit + 1, 0),  # more keys than one lookup may ask for
+            it.encode_report(1_000_000, 0, 1_000_000),  # more lookups than any second's budget
+            it.encode_report(2, 3, limit * 2 - 3),  # plausible, within the budget: counted
+        ]
+        s.sendall(b"".join(lines))
+
+        def scrape() -> str:
+            with urllib.request.urlopen(f"{srv.metrics_url}/metrics", timeout=10) as r:
+                return str(r.read().decode())
+
+        dropped = "kvfabric_cache_lookup_reports_dropped_total"
+        wait_until(lambda: _metric(scrape(), "kvfabric_cache_lookups_total") == 2, what="the good line")
+        text = scrape()
+        assert _metric(text, dropped, 'reason="implausible"') == 2
+        assert _metric(text, dropped, 'reason="rate"') == 1
+        assert _metric(text, "kvfabric_cache_lookup_keys_total", 'result="hit"') == 3
+        assert _metric(text, "kvfabric_cache_lookup_keys_total", 'result="miss"') == limit * 2 - 3
+        s.sendall(it.encode_report(1, 1, 0))  # the connection is kept: it still reports
+        wait_until(lambda: _metric(scrape(), "kvfabric_cache_lookups_total") == 3, what="a later line")
+        s.close()

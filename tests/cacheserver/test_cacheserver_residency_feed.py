@@ -234,6 +234,76 @@ def test_bad_requests_get_an_error_naming_what_is_wrong(
     assert "meta.block_size" in str(error[1])
 
 
+def test_metadata_naming_more_groups_than_a_model_has_is_refused_naming_meta_groups(
+    srv: ServerProcess, follow: Callable[[ServerProcess], Follower]
+) -> None:
+    """One message naming 8,000 groups would be relayed by every engine as 8,000 events: refused."""
+    sub: list[Any] = ["sub", NS]
+    key = digest("k")
+
+    def meta(groups: list[Any]) -> bytes:
+        return msgpack_encode([[1], None, bytes(8), 2, None, None, None, groups])
+
+    errors = {
+        "count": _error_for(srv, sub, ["meta", key, meta([[g, None, None] for g in range(8000)])]),
+        "bool": _error_for(srv, sub, ["meta", key, meta([[True, "full_attention", None]])]),
+        "kind": _error_for(srv, sub, ["meta", key, meta([[0, "k" * 1000, None]])]),
+        "window": _error_for(srv, sub, ["meta", key, meta([[0, "sliding_window", -5]])]),
+    }
+    assert errors["count"] == "meta.groups: an array of 1 to 64 [group_idx, kind, sliding_window] arrays"
+    assert errors["bool"].startswith("meta.groups.group_idx: an integer from 0 to 63")
+    assert errors["kind"].startswith("meta.groups.kind: a lower-case name of at most 64 characters")
+    assert errors["window"].startswith("meta.groups.sliding_window: an integer from 1 to")
+    # Nothing of them reached a subscriber.
+    f = follow(srv)
+    assert [m for m in f.log if isinstance(m, Change)] == []
+
+
+def _subscribers(srv: ServerProcess) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{srv.metrics_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    gauge = "kvfabric_residency_subscribers "
+    values = [line.split()[-1] for line in text.splitlines() if line.startswith(gauge)]
+    return float(values[0]) if values else -1.0  # -1: not registered yet (once every listener answers)
+
+
+def test_only_followers_of_a_namespace_the_server_knows_count_as_routing_subscribers(
+    srv: ServerProcess, follow: Callable[[ServerProcess], Follower]
+) -> None:
+    """The pool's routingSubscribers (hence RoutingEvents and the router's podCacheSize) come from
+    this gauge: connections following made-up namespaces are nobody's engine and do not count."""
+    import socket
+
+    from kvfabric.rpc.residency import FrameReader
+
+    with CacheClient(srv.unix_target) as client:
+        client.describe(NS, SPEC.canonical().decode(), timeout=10)
+    made_up = []
+    for i in range(5):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect(str(residency_socket_for(srv.config.listen.unix_socket)))
+        s.sendall(frame(["sub", digest("made-up", i)]))
+        reader = FrameReader()
+        got: list[list[Any]] = []
+        while ["synced"] not in got:
+            data = s.recv(65536)
+            assert data
+            got += reader.feed(data)
+        made_up.append(s)
+    try:
+        wait_until(lambda: _subscribers(srv) >= 0, what="the gauge")
+        assert _subscribers(srv) == 0
+        follow(srv)  # an engine following the namespace it described
+        wait_until(lambda: _subscribers(srv) == 1, what="the engine counted")
+        assert _subscribers(srv) == 1
+    finally:
+        for s in made_up:
+            s.close()
+
+
 def _get(url: str) -> str:
     import urllib.request
 

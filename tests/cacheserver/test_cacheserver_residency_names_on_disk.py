@@ -3,21 +3,28 @@
 After a SIGKILL and a restart, a fresh subscriber's snapshot names the chunks the disk kept exactly
 as the connector sent them, with no connector describing them again; names that fail their checksum
 are dropped while the block still serves; another namespace on the server, and another pool's server
-(its own directories), never see them.
+(its own directories), never see them. The names of resident chunks take at most
+``limits.max_resident_names_bytes``, restored ones included; what is dropped is counted.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import xxhash
 
+from kvfabric.cacheserver.engine.blockfile import HEADER_SIZE, pack_header, unpack_header
+from kvfabric.cacheserver.engine.ids import BlockId
+from kvfabric.cacheserver.transport.residencyfeed import ResidencyFeed
 from kvfabric.client import CacheClient
 from kvfabric.client.residency import FeedMessage, ResidencyFeedClient
 from kvfabric.connector.keys import NamespaceSpec
 from kvfabric.rpc.kvledger import ChunkMeta
-from kvfabric.rpc.residency import Change, residency_socket_for
+from kvfabric.rpc.residency import Change, encode_meta, residency_socket_for
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
@@ -151,3 +158,93 @@ def test_names_that_fail_their_checksum_are_dropped_and_the_block_still_serves(s
     with CacheClient(srv.unix_target) as client:
         # The payload has its own checksum: the block serves, byte for byte.
         assert client.load(NS, keys, timeout=10) == [payload_for(k, SIZE) for k in keys]
+
+
+def _metric(srv: ServerProcess, name: str, label: str) -> float:
+    with urllib.request.urlopen(f"{srv.metrics_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(value)
+        for sample, _, value in (line.rpartition(" ") for line in text.splitlines())
+        if sample.split("{")[0] == name and label in sample
+    )
+
+
+def test_names_with_a_valid_checksum_that_do_not_decode_are_dropped_counted_and_the_block_serves(
+    srv: ServerProcess,
+) -> None:
+    keys = [digest("undecodable", 0), digest("intact", 1)]
+    _store_named(srv, keys, METAS[:2])
+    srv.stop()
+    path = _block_file(srv, keys[0])
+    data = bytearray(path.read_bytes())
+    header = unpack_header(bytes(data[:HEADER_SIZE]))
+    # Names of the same length that are no msgpack at all (0xc1 is never used), checksummed anew:
+    # the scan reads them back as intact, the feed cannot decode them.
+    junk = b"\xc1" * header.meta_length
+    data[HEADER_SIZE + header.length :] = junk
+    data[:HEADER_SIZE] = pack_header(dataclasses.replace(header, meta_sum=xxhash.xxh3_64_intdigest(junk)))
+    path.write_bytes(bytes(data))
+    srv.start()
+    g = Follower(srv)
+    try:
+        assert g.tiers == {k: {"local_disk"} for k in keys}
+        assert g.metas == {keys[0]: None, keys[1]: METAS[1]}
+    finally:
+        g.close()
+    dropped = "kvfabric_residency_names_dropped_total"
+    wait_until(lambda: _metric(srv, dropped, 'reason="undecodable"') == 1, what="the drop counted")
+    assert _metric(srv, "kvfabric_cache_names_dropped_total", "") == 0  # their checksum held
+    with CacheClient(srv.unix_target) as client:
+        assert client.load(NS, keys, timeout=10) == [payload_for(k, SIZE) for k in keys]
+
+
+def test_names_restored_from_disk_are_bounded_and_what_is_dropped_is_counted(srv: ServerProcess) -> None:
+    """Names of resident chunks persist across restarts: restoring them honours the same bound."""
+    keys = [digest("bounded", i) for i in range(len(METAS))]
+    _store_named(srv, keys, METAS)
+    srv.stop()
+    sizes = sorted(len(encode_meta(m)) + 96 for m in METAS)  # each entry's bytes and its overhead
+    bound = sizes[-1]  # room for any one of them, never for two
+    assert sizes[0] + sizes[1] > bound
+    srv.config.limits.max_resident_names_bytes = bound
+    srv.start()
+    g = Follower(srv)
+    try:
+        assert g.tiers == {k: {"local_disk"} for k in keys}  # every chunk still resident
+        named = {k: m for k, m in g.metas.items() if m is not None}
+        assert len(named) == 1
+        ((key, meta),) = named.items()
+        assert meta == METAS[keys.index(key)]
+    finally:
+        g.close()
+    # (The feed's metrics are registered once every listener answers: wait for them.)
+    dropped = "kvfabric_residency_names_dropped_total"
+    wait_until(lambda: _metric(srv, dropped, "memory_bound") == 2, what="the drops counted")
+    assert _metric(srv, "kvfabric_residency_names_bytes", "") <= bound
+    with CacheClient(srv.unix_target) as client:  # unannounced, still served
+        assert client.load(NS, keys, timeout=10) == [payload_for(k, SIZE) for k in keys]
+
+
+def test_the_names_of_resident_chunks_take_at_most_their_bound_the_oldest_dropped_first() -> None:
+    """Model of the bound: whatever is described, resident names stay within it; drops are counted."""
+    resident: set[BlockId] = set()
+    feed = ResidencyFeed(
+        lambda bid: ["dram"] if bid in resident else [], known=lambda ns: True, max_names_bytes=4096
+    )
+    bids = [BlockId(NS, digest("n", i)) for i in range(40)]
+    for i, bid in enumerate(bids):
+        resident.add(bid)
+        feed.changed([bid])
+        feed.describe(bid, ChunkMeta((i,), None, tuple(range(i, i + 4)), 4))
+        assert feed.names_bytes <= 4096
+    kept = [bid for bid in bids if feed.encoded(bid) is not None]
+    assert kept == bids[len(bids) - len(kept) :], "the newest are kept, the oldest dropped"
+    assert feed.stats().names_dropped == {"undecodable": 0, "memory_bound": len(bids) - len(kept)}
+    assert 0 < len(kept) < len(bids)
+    # A chunk that leaves frees its names' bytes.
+    before = feed.names_bytes
+    resident.discard(kept[-1])
+    feed.changed([kept[-1]])
+    assert feed.names_bytes < before
+    assert all(feed.encoded(b) is None for b in bids[: len(bids) - len(kept)])

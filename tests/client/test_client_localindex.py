@@ -330,3 +330,95 @@ def test_a_report_line_reads_back_as_written(lookups: int, hits: int, misses: in
     assert line.endswith(b"\n")
     assert len(line) < it.MAX_REPORT_LINE
     assert it.parse_report(line[:-1]) == (lookups, hits, misses)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_reports_are_bounded_per_connection_by_what_rpc_lookups_could_have_done(tmp_path: Path) -> None:
+    """Lines claiming more keys than their lookups could ask for, or more lookups than the connection
+    could have made since the hand-out, are dropped and counted; the connection is kept."""
+    counted: list[tuple[str, int, int, int]] = []
+    clock = _Clock()
+    truth: dict[BlockId, str] = {}
+    pub = IndexPublisher(truth.get, known={NS}.__contains__)
+    sock = IndexSocket(
+        tmp_path / "cache.sock.index",
+        pub,
+        on_lookups=lambda *a: counted.append(a),
+        max_keys_per_lookup=8,
+        clock=clock,
+    )
+    pub.start()
+    sock.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(str(sock.path))
+            s.sendall(it.REQUEST_PREFIX + NS.encode() + b"\n")
+            msg, fds, _, _ = socket.recv_fds(s, 128, 1)
+            assert msg == it.REPORTS_ACCEPTED
+            os.close(fds[0])
+            initial = it.REPORT_INITIAL_LOOKUPS
+
+            def send(*lines: tuple[int, int, int]) -> None:
+                s.sendall(b"".join(it.encode_report(*line) for line in lines))
+                done = sum(sock.reports_dropped.values()) + len(counted)
+                wait_until(
+                    lambda: sum(sock.reports_dropped.values()) + len(counted) == done + len(lines),
+                    10,
+                    0.005,
+                    "the lines read",
+                )
+
+            send((0, (1 << 48) - 1, 0), (1, 9, 0), (initial, 8 * initial, 0), (1, 0, 0))
+            assert counted == [(NS, initial, 8 * initial, 0)]  # the hand-out's allowance, no more
+            assert sock.reports_dropped == {"implausible": 2, "rate": 1}
+            clock.now += 1.0  # a second later: a second's worth
+            rate = it.REPORT_LOOKUPS_PER_SECOND
+            send((rate + 1, 0, 0), (rate, 0, 0), (1, 0, 0))
+            assert counted[1:] == [(NS, rate, 0, 0)]
+            assert sock.reports_dropped == {"implausible": 2, "rate": 3}
+            clock.now += 3600.0  # unused budget is kept for REPORT_BURST_SECONDS only
+            burst = int(rate * it.REPORT_BURST_SECONDS)
+            send((burst + 1, 0, 0), (burst, 0, 0))
+            assert counted[2:] == [(NS, burst, 0, 0)]
+            assert sock.reports_dropped == {"implausible": 2, "rate": 4}
+            assert sock.connections == 1
+    finally:
+        sock.close()
+        pub.close()
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0, 2),
+            st.integers(0, 100_000),
+            st.integers(0, 10_000_000),
+            st.integers(0, 10_000_000),
+        ),
+        max_size=40,
+    )
+)
+def test_a_report_budget_never_admits_more_than_rpc_lookups_could_have_done(
+    claims: list[tuple[float, int, int, int]],
+) -> None:
+    """Over any sequence of lines: admitted lookups and keys stay within the initial allowance plus
+    the rate times the time elapsed, and no admitted line has more keys than its lookups could ask."""
+    budget = it.ReportBudget(16, 0.0)
+    now = 0.0
+    lookups = keys = 0
+    for advance, n, hits, misses in claims:
+        now += advance
+        if budget.admit(n, hits, misses, now) is None:
+            assert hits + misses <= 16 * n
+            lookups += n
+            keys += hits + misses
+        assert lookups <= it.REPORT_INITIAL_LOOKUPS + it.REPORT_LOOKUPS_PER_SECOND * now + 1e-6
+        assert keys <= 16 * it.REPORT_INITIAL_LOOKUPS + it.REPORT_KEYS_PER_SECOND * now + 1e-6

@@ -188,7 +188,7 @@ def test_a_siblings_window_object_is_relayed_with_its_groups_once_its_parent_is_
     chunk = ChunkMeta((0, 1, 2, 3), None, tuple(range(8)), BLOCK, groups=(full,))
     tail = ChunkMeta((2, 3), 1, tuple(range(4, 8)), BLOCK, groups=(window,))
     feed = ScriptedFeed([("hello", 1), ("synced", None)])
-    node = _follower([feed])
+    node = _follower([feed], groups=(full, window))
     node.poll()
     feed.messages = [Change("stored", "window", "dram", tail)]
     node.poll()
@@ -204,6 +204,46 @@ def test_a_siblings_window_object_is_relayed_with_its_groups_once_its_parent_is_
     feed.messages = [Change("removed", "window", "dram")]
     node.poll()
     assert node.ledger.take() == [kv.BlockRemoved((2, 3), "CPU", group_idx=0)]
+
+
+def test_relayed_metadata_naming_groups_this_model_lacks_is_dropped_and_counted() -> None:
+    """A process on the node can describe a chunk with groups of its choosing: every engine would
+    relay it once per group. An engine announces only its own model's groups."""
+    full = GroupTag(1, "full_attention", None)
+    window = GroupTag(0, "sliding_window", 3)
+    forged = [GroupTag(g, "full_attention") for g in range(2, 64)]
+    feed = ScriptedFeed([("hello", 1), ("synced", None)])
+    node = _follower([feed], groups=(full, window))
+    node.poll()
+    feed.messages = [
+        Change(
+            "stored",
+            "forged",
+            "dram",
+            ChunkMeta((0, 1), None, tuple(range(4)), BLOCK, groups=(full, *forged)),
+        ),
+        Change(
+            "stored",
+            "other-window",
+            "dram",
+            ChunkMeta((0, 1), None, tuple(range(4)), BLOCK, groups=(GroupTag(0, "sliding_window", 4),)),
+        ),
+        Change("stored", "mine", "dram", ChunkMeta((5, 6), None, tuple(range(4)), BLOCK, groups=(full,))),
+        Change("stored", "plain", "dram", _meta(7, None)),
+    ]
+    node.poll()
+    events = node.ledger.take()
+    assert [(e.block_hashes, e.group_idx) for e in events if isinstance(e, kv.BlockStored)] == [
+        ((5, 6), 1),
+        ((70, 71), None),
+    ]
+    assert len(events) == 2
+    assert node.foreign_groups_dropped == 2
+    # Stored again in another tier: still never announced, and not decoded (nor counted) again.
+    feed.messages = [Change("stored", "forged", "local_disk", None)]
+    node.poll()
+    assert node.ledger.take() == []
+    assert node.foreign_groups_dropped == 2
 
 
 def test_a_store_of_a_chunk_the_server_holds_is_credited_as_the_feed_says() -> None:

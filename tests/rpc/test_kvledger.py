@@ -26,7 +26,7 @@ from kvfabric.rpc.kvevents import (
     msgpack_encode,
     scope_of_tier,
 )
-from kvfabric.rpc.kvledger import ChunkMeta, EventLedger, GroupTag
+from kvfabric.rpc.kvledger import MAX_GROUPS, ChunkMeta, EventLedger, GroupTag
 from kvfabric.rpc.residency import decode_meta, encode_meta, meta_head
 from kvfabric.testing.routerindex import RouterIndexModel
 
@@ -202,6 +202,11 @@ class Residency(RuleBasedStateMachine):
             assert self.expected(LLMD, tracked) <= self.llmd.entries("engine-a") <= self.expected(LLMD)
             assert self.expected(DYNAMO, tracked) <= self.dynamo.entries("engine-a") <= self.expected(DYNAMO)
             assert len(self.ledger) <= self.max_keys
+        # announced() is one lookup; it must agree with what is credited in any medium and group.
+        credited = {h for _, h in self.ledger.credited()}
+        for meta in self.meta.values():
+            for h in meta.block_hashes:
+                assert self.ledger.announced(h) == (h in credited)
 
 
 class BoundedResidency(Residency):
@@ -324,6 +329,17 @@ def test_the_same_blocks_in_one_group_are_counted_across_keys() -> None:
 def test_group_tags_are_validated_naming_the_field() -> None:
     with pytest.raises(ValueError, match=r"groups\.group_idx"):
         GroupTag(-1)
+    with pytest.raises(ValueError, match=r"groups\.group_idx"):
+        GroupTag(True)  # a bool is an int to Python, not a group index
+    with pytest.raises(ValueError, match=r"groups\.group_idx"):
+        GroupTag(MAX_GROUPS)
+    with pytest.raises(ValueError, match=r"groups\.kind"):
+        GroupTag(0, "x" * 65)
+    with pytest.raises(ValueError, match=r"groups\.kind"):
+        GroupTag(0, "Full Attention")
+    for window in (0, -1, True, 1 << 31):
+        with pytest.raises(ValueError, match=r"groups\.sliding_window"):
+            GroupTag(0, "sliding_window", window)
     with pytest.raises(ValueError, match=r"groups\.sliding_window"):
         GroupTag(0, "sliding_window", "200")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="groups: each KV cache group at most once"):
@@ -347,3 +363,32 @@ def test_the_residency_wire_carries_groups_and_keeps_the_seven_field_form_withou
     bad[7] = [[-3, None, None]]
     with pytest.raises(ValueError, match=r"groups\.group_idx"):
         decode_meta(msgpack_encode(bad))
+
+
+def _wire_groups(groups: list[list[object]]) -> bytes:
+    """A one-block chunk's metadata carrying ``groups`` as sent (unvalidated)."""
+    return msgpack_encode([[1], None, bytes(8), 2, None, None, None, groups])
+
+
+def test_the_residency_wire_refuses_groups_no_vllm_model_has_naming_meta_groups() -> None:
+    """One forged message naming thousands of groups would be relayed by every engine on the node,
+    one event per group: the decoder (the server's and every connector's) refuses it."""
+    assert (
+        len(decode_meta(_wire_groups([[g, "full_attention", None] for g in range(MAX_GROUPS)])).groups) == 64
+    )
+    bad: dict[str, list[list[object]]] = {
+        "too many": [[g, "full_attention", None] for g in range(8000)],
+        "empty": [],
+        "bool index": [[True, "full_attention", None]],
+        "huge index": [[1 << 40, None, None]],
+        "long kind": [[0, "k" * 4096, None]],
+        "kind type": [[0, 7, None]],
+        "window": [[0, "sliding_window", 0]],
+        "window bool": [[0, "sliding_window", True]],
+        "duplicate": [[0, None, None], [0, None, None]],
+        "entry shape": [[0, None]],
+    }
+    for what, groups in bad.items():
+        with pytest.raises(ValueError, match=r"^meta\.groups") as err:
+            decode_meta(_wire_groups(groups))
+        assert len(str(err.value)) < 200, what  # the error never echoes a huge value

@@ -493,6 +493,14 @@ class LimitsConfig(_Model):
         "least 1), so a slow or stalled client cannot starve the others. Calls beyond it: loads "
         "RESOURCE_EXHAUSTED, stores dropped (docs/security.md, Starvation).",
     )
+    max_resident_names_bytes: int = Field(
+        default=256 * MiB,
+        gt=0,
+        description="Memory for the names (metadata) of resident chunks that the residency feed hands "
+        "to same-node engines, restored ones included; beyond it the names attached longest ago are "
+        "dropped (the chunk stays served, unannounced to routers until described again) and counted "
+        'in kvfabric_residency_names_dropped{reason="memory_bound"}.',
+    )
     io_threads: int = Field(default=4, gt=0, description="Threads doing disk I/O and checksums.")
     max_described_namespaces: int = Field(
         default=64,

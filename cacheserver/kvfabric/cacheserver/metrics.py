@@ -28,6 +28,7 @@ from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.tiered import TieredStore
 from kvfabric.cacheserver.health import ListenerProbes
 from kvfabric.cacheserver.namespaces import NamespaceRegistry
+from kvfabric.cacheserver.transport.residencyfeed import FeedStats
 
 __all__ = ["Metrics", "ProbeServer", "namespace_label"]
 
@@ -144,6 +145,13 @@ class Metrics:
             unit="1",
             description="Keys asked for in lookups, by result (hit/miss)",
         )
+        self.lookup_reports_dropped = meter.create_counter(
+            "kvfabric.cache.lookup_reports_dropped",
+            unit="1",
+            description="Lookup reports from same-node clients dropped uncounted, by reason "
+            "(implausible: more keys than its lookups could ask for; rate: beyond what the connection "
+            "could have looked up over RPC)",
+        )
         self.bytes_out = meter.create_counter(
             "kvfabric.cache.bytes_out", unit="By", description="Payload bytes served, by transport"
         )
@@ -201,8 +209,12 @@ class Metrics:
         self.lookup_keys.add(misses, {"result": "miss"})
         return self.namespaces.count_lookup(namespace, hits, misses)
 
-    def watch_residency(self, read: Callable[[], tuple[int, int, int]]) -> None:
-        """Export the residency feed's subscribers, records sent and pending metadata bytes (``read()``)."""
+    def count_dropped_report(self, reason: str) -> None:
+        """Count a same-node client's lookup report dropped for ``reason`` (it claimed too much)."""
+        self.lookup_reports_dropped.add(1, {"reason": reason})
+
+    def watch_residency(self, read: Callable[[], FeedStats]) -> None:
+        """Export the residency feed's numbers (``read()``: subscribers, records, names)."""
         self.registry.register(_ResidencyCollector(read))
 
     def exposition(self) -> bytes:
@@ -392,14 +404,16 @@ class _ListenerCollector(Collector):
 class _ResidencyCollector(Collector):
     """The residency feed (docs/routing.md): whether same-node engines follow it, and how much it sent."""
 
-    def __init__(self, read: Callable[[], tuple[int, int, int]]) -> None:
+    def __init__(self, read: Callable[[], FeedStats]) -> None:
         self._read = read
 
     def collect(self) -> Iterable[Metric]:
-        subscribers, records, pending_bytes = self._read()
+        stats = self._read()
+        subscribers, records, pending_bytes = stats.subscribers, stats.records, stats.pending_bytes
         gauge = GaugeMetricFamily(
             "kvfabric_residency_subscribers",
-            "Connections following the residency feed (one per engine that announces this node's tiers)",
+            "Connections following the residency feed for a namespace this server knows, their snapshot "
+            "delivered (one per engine that announces this node's tiers)",
         )
         gauge.add_metric([], subscribers)
         sent = CounterMetricFamily(
@@ -412,7 +426,21 @@ class _ResidencyCollector(Collector):
             "Bytes of chunk metadata held for chunks not stored yet (bounded; the oldest goes first)",
         )
         pending.add_metric([], pending_bytes)
-        yield from (gauge, sent, pending)
+        names = GaugeMetricFamily(
+            "kvfabric_residency_names_bytes",
+            "Bytes of chunk metadata held for resident chunks (bounded by limits.max_resident_names_bytes)",
+        )
+        names.add_metric([], stats.names_bytes)
+        dropped = CounterMetricFamily(
+            "kvfabric_residency_names_dropped",
+            "Names of resident chunks dropped, the chunk still served but unannounced, by reason "
+            "(undecodable: read back from disk with a valid checksum but not decodable; memory_bound: "
+            "the oldest past limits.max_resident_names_bytes)",
+            labels=("reason",),
+        )
+        for reason, n in sorted(stats.names_dropped.items()):
+            dropped.add_metric([reason], n)
+        yield from (gauge, sent, pending, names, dropped)
 
 
 MAX_QUERY_BYTES = 4 << 20

@@ -244,7 +244,11 @@ async def serve(
         store.tier_of, known=lambda ns: ns == PROBE_NAMESPACE or metrics.namespaces.known(ns)
     )
     # Same-node connectors follow each chunk's tiers here to announce them to routers (KV events).
-    feed: ResidencyFeed | None = ResidencyFeed(store.tiers_holding, known=metrics.namespaces.known)
+    feed: ResidencyFeed | None = ResidencyFeed(
+        store.tiers_holding,
+        known=metrics.namespaces.known,
+        max_names_bytes=config.limits.max_resident_names_bytes,
+    )
     if not store.set_listener(_listeners(publisher, feed)):
         log.warning("a tier cannot report index changes: same-node lookups go over RPC, no residency feed")
         publisher = feed = None
@@ -299,7 +303,11 @@ async def serve(
     index_socket = None
     if publisher is not None:
         index_socket = IndexSocket(
-            index_socket_for(sock.absolute()), publisher, on_lookups=metrics.count_lookups
+            index_socket_for(sock.absolute()),
+            publisher,
+            on_lookups=metrics.count_lookups,
+            on_report_dropped=metrics.count_dropped_report,
+            max_keys_per_lookup=config.limits.max_keys_per_request,
         )
         index_socket.start(publish=False)
     feed_socket = None

@@ -127,6 +127,68 @@ def parse_report(line: bytes) -> tuple[int, int, int] | None:
     return lookups, hits, misses
 
 
+REPORT_LOOKUPS_PER_SECOND = 20_000
+"""The most lookups one held connection's reports may claim per second: about what one client
+process answers with RPC lookups over the Unix socket (tens of microseconds each), far above what an
+engine's scheduler asks (one lookup per waiting request and step)."""
+REPORT_KEYS_PER_SECOND = 4_000_000
+"""The most keys (hits and misses) one held connection's reports may claim per second."""
+REPORT_BURST_SECONDS = 2.0
+"""How much unused budget a connection keeps: a report delayed by a full socket buffer still counts."""
+REPORT_INITIAL_LOOKUPS = 16
+"""Lookups a connection may report at once after the hand-out (a client that looks up a few times
+and hangs up is counted): each table handed out is worth at most this many lookups more."""
+
+
+class ReportBudget:
+    """What one held connection's lookup reports may still claim: a bucket of lookups and keys.
+
+    A report claims lookups its client answered from the table without the server seeing them, so
+    the server cannot check them one by one; it bounds them instead to what the client could have
+    done with RPC lookups: each line at most ``max_keys_per_lookup`` keys per lookup (the RPC's
+    ``limits.max_keys_per_request``), and all lines of the connection at most
+    :data:`REPORT_LOOKUPS_PER_SECOND` lookups and :data:`REPORT_KEYS_PER_SECOND` keys per second
+    since the table was handed out (unused budget kept for :data:`REPORT_BURST_SECONDS`), plus
+    :data:`REPORT_INITIAL_LOOKUPS`. Pure: the caller passes the clock.
+    """
+
+    def __init__(
+        self,
+        max_keys_per_lookup: int,
+        now: float,
+        *,
+        lookups_per_second: float = REPORT_LOOKUPS_PER_SECOND,
+        keys_per_second: float = REPORT_KEYS_PER_SECOND,
+        burst_seconds: float = REPORT_BURST_SECONDS,
+    ) -> None:
+        """A bucket at ``now`` (monotonic seconds) with the hand-out's allowance; it fills from then on."""
+        self.max_keys_per_lookup = max_keys_per_lookup
+        self._rates = (lookups_per_second, keys_per_second)
+        self._caps = (lookups_per_second * burst_seconds, keys_per_second * burst_seconds)
+        self._lookups = float(REPORT_INITIAL_LOOKUPS)
+        self._keys = float(REPORT_INITIAL_LOOKUPS * max_keys_per_lookup)
+        self._at = now
+
+    def admit(self, lookups: int, hits: int, misses: int, now: float) -> str | None:
+        """Take one report line's claim from the budget; the reason it is refused, or None.
+
+        ``implausible``: more keys than its lookups could have asked for; ``rate``: more than the
+        connection's budget holds now. A refused line takes nothing.
+        """
+        keys = hits + misses
+        if keys > lookups * self.max_keys_per_lookup:
+            return "implausible"
+        elapsed = max(0.0, now - self._at)
+        self._at = max(self._at, now)
+        self._lookups = min(self._caps[0], self._lookups + elapsed * self._rates[0])
+        self._keys = min(self._caps[1], self._keys + elapsed * self._rates[1])
+        if lookups > self._lookups or keys > self._keys:
+            return "rate"
+        self._lookups -= lookups
+        self._keys -= keys
+        return None
+
+
 def index_socket_for(unix_socket: str | os.PathLike[str]) -> Path:
     """Where the index socket of the server listening on ``unix_socket`` is (beside it)."""
     p = Path(unix_socket)

@@ -29,6 +29,7 @@ Pure bookkeeping: no I/O, no clock, no vLLM.
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -36,12 +37,15 @@ from typing import Any
 
 from kvfabric.rpc.kvevents import BlockHash, BlockRemoved, BlockStored, Event, Scope, scope_of_tier
 
-__all__ = ["ChunkMeta", "EventLedger", "GroupTag"]
+__all__ = ["MAX_GROUPS", "MAX_SLIDING_WINDOW", "ChunkMeta", "EventLedger", "GroupTag"]
 
 DEFAULT_MAX_KEYS = 200_000
-_ANNOUNCED_SCOPES = tuple(
-    {s for s in (scope_of_tier(t) for t in ("dram", "local_disk", "shared", "object")) if s}
-)
+MAX_GROUPS = 64
+"""The most KV cache groups one chunk's metadata names, and the bound on a group index: vLLM models
+have a handful (one per attention kind, a few more for hybrid layer patterns). Every group is one
+event per announcement, so metadata naming thousands would multiply every engine's events."""
+MAX_SLIDING_WINDOW = (1 << 31) - 1  # tokens: vLLM's windows are int32
+_KIND = re.compile(r"[a-z][a-z0-9_]{0,63}")  # vLLM's KVCacheSpecKind values: short lower-case names
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,13 +61,25 @@ class GroupTag:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
-        """Refuse a tag a router could not file (negative group, non-integer window)."""
-        if not isinstance(self.group_idx, int) or self.group_idx < 0:
-            raise ValueError(f"groups.group_idx: a non-negative integer, got {self.group_idx!r}")
-        if self.kind is not None and not isinstance(self.kind, str):
-            raise ValueError(f"groups.kind: a string or None, got {self.kind!r}")
-        if self.sliding_window is not None and not isinstance(self.sliding_window, int):
-            raise ValueError(f"groups.sliding_window: an integer or None, got {self.sliding_window!r}")
+        """Refuse a tag a router could not file, or one no vLLM KV cache group could have.
+
+        ``group_idx`` a plain integer below :data:`MAX_GROUPS` (not a bool), ``kind`` a short
+        lower-case name (vLLM's ``KVCacheSpecKind`` values are), ``sliding_window`` a positive
+        integer up to :data:`MAX_SLIDING_WINDOW`.
+        """
+        idx = self.group_idx
+        if type(idx) is not int or not 0 <= idx < MAX_GROUPS:
+            raise ValueError(f"groups.group_idx: an integer from 0 to {MAX_GROUPS - 1}, got {idx!r:.40}")
+        if self.kind is not None and (type(self.kind) is not str or not _KIND.fullmatch(self.kind)):
+            raise ValueError(
+                f"groups.kind: a lower-case name of at most 64 characters or None, got {self.kind!r:.40}"
+            )
+        window = self.sliding_window
+        if window is not None and (type(window) is not int or not 0 < window <= MAX_SLIDING_WINDOW):
+            raise ValueError(
+                f"groups.sliding_window: an integer from 1 to {MAX_SLIDING_WINDOW} or None, "
+                f"got {window!r:.40}"
+            )
 
 
 _NO_GROUP: tuple[GroupTag | None, ...] = (None,)
@@ -101,6 +117,8 @@ class ChunkMeta:
             raise ValueError(
                 f"extra_keys: {len(self.extra_keys)} entries for {len(self.block_hashes)} blocks"
             )
+        if len(self.groups) > MAX_GROUPS:
+            raise ValueError(f"groups: at most {MAX_GROUPS} KV cache groups, got {len(self.groups)}")
         if len({g.group_idx for g in self.groups}) != len(self.groups):
             raise ValueError("groups: each KV cache group at most once")
 
@@ -122,7 +140,9 @@ class EventLedger:
         self._scopes: dict[Hashable, set[Scope]] = {}
         self._held: dict[tuple[Scope, int | None, BlockHash], int] = {}
         self._events: list[Event] = []
-        self._groups_seen: set[int | None] = set()  # few: the groups any key was announced in
+        # Per hash, how many (medium, group) pairs credit it: announced() is one lookup, whatever
+        # the number of groups or media.
+        self._credits: dict[BlockHash, int] = {}
 
     def __len__(self) -> int:
         """Keys credited in at least one medium."""
@@ -184,9 +204,7 @@ class EventLedger:
 
     def announced(self, h: BlockHash) -> bool:
         """Whether block ``h`` is credited in any medium and group (a router knows it as a parent)."""
-        return any(
-            (scope, group, h) in self._held for scope in _ANNOUNCED_SCOPES for group in self._groups_seen
-        )
+        return h in self._credits
 
     def credited(self) -> set[tuple[Scope, BlockHash]]:
         """The (medium, hash) pairs a router that saw every event holds now (any group)."""
@@ -207,9 +225,10 @@ class EventLedger:
         return events
 
     def _hold(self, scope: Scope, group: int | None, h: BlockHash) -> bool:
-        self._groups_seen.add(group)
         n = self._held.get((scope, group, h), 0)
         self._held[(scope, group, h)] = n + 1
+        if n == 0:
+            self._credits[h] = self._credits.get(h, 0) + 1
         return n == 0
 
     def _withdraw(self, key: Hashable, scopes: Iterable[Scope]) -> None:
@@ -241,8 +260,16 @@ class EventLedger:
                     self._held[(scope, group, h)] = n
                 else:
                     del self._held[(scope, group, h)]
+                    self._uncredit(h)
                     gone.setdefault(group, []).append(h)
         return gone
+
+    def _uncredit(self, h: BlockHash) -> None:
+        n = self._credits[h] - 1
+        if n:
+            self._credits[h] = n
+        else:
+            del self._credits[h]
 
 
 def _scope_order(scope: Scope) -> tuple[str, str]:

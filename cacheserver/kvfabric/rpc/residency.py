@@ -39,7 +39,7 @@ from kvfabric.rpc.kvevents import (
     msgpack_encode,
     msgpack_prefix_decoder,
 )
-from kvfabric.rpc.kvledger import ChunkMeta, GroupTag
+from kvfabric.rpc.kvledger import MAX_GROUPS, ChunkMeta, GroupTag
 
 __all__ = [
     "MAX_CLIENT_FRAME",
@@ -151,28 +151,37 @@ def meta_from_wire(raw: Any) -> ChunkMeta:
         raise ValueError("meta.lora_name: a string or nil")
     if lora_id is not None and not isinstance(lora_id, int):
         raise ValueError("meta.lora_id: an integer or nil")
-    return ChunkMeta(
-        block_hashes=tuple(hashes),
-        parent_block_hash=parent,
-        token_ids=tuple(tokens),
-        block_size=block_size,
-        extra_keys=None
-        if extra is None
-        else tuple(None if k is None else extra_key_tuples(k, "meta.extra_keys") for k in extra),
-        lora_name=lora_name,
-        lora_id=lora_id,
-        groups=_groups_from_wire(raw[7]) if len(raw) == 8 else (),
-    )
+    groups = _groups_from_wire(raw[7]) if len(raw) == 8 else ()
+    try:
+        return ChunkMeta(
+            block_hashes=tuple(hashes),
+            parent_block_hash=parent,
+            token_ids=tuple(tokens),
+            block_size=block_size,
+            extra_keys=None
+            if extra is None
+            else tuple(None if k is None else extra_key_tuples(k, "meta.extra_keys") for k in extra),
+            lora_name=lora_name,
+            lora_id=lora_id,
+            groups=groups,
+        )
+    except ValueError as err:  # ChunkMeta names its field ("token_ids: ..."): the wire's prefix is meta.
+        raise ValueError(str(err) if str(err).startswith("meta") else f"meta.{err}") from None
 
 
 def _groups_from_wire(raw: Any) -> tuple[GroupTag, ...]:
-    if not isinstance(raw, list) or not raw:
-        raise ValueError("meta.groups: a non-empty array of [group_idx, kind, sliding_window]")
+    if not isinstance(raw, list) or not raw or len(raw) > MAX_GROUPS:
+        raise ValueError(
+            f"meta.groups: an array of 1 to {MAX_GROUPS} [group_idx, kind, sliding_window] arrays"
+        )
     tags = []
     for g in raw:
         if not isinstance(g, list) or len(g) != 3:
             raise ValueError("meta.groups: each entry an array [group_idx, kind, sliding_window]")
-        tags.append(GroupTag(*g))  # ValueError naming the field that is wrong
+        try:
+            tags.append(GroupTag(*g))
+        except ValueError as err:  # names the field ("groups.kind: ..."): the wire's prefix is meta.
+            raise ValueError(f"meta.{err}") from None
     return tuple(tags)
 
 

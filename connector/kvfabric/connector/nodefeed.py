@@ -27,12 +27,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Protocol
 
 from kvfabric.client.errors import CacheUnavailable
 from kvfabric.client.residency import ResidencyFeedClient
-from kvfabric.rpc.kvledger import DEFAULT_MAX_KEYS, ChunkMeta, EventLedger
+from kvfabric.rpc.kvledger import DEFAULT_MAX_KEYS, ChunkMeta, EventLedger, GroupTag
 from kvfabric.rpc.residency import Change, decode_meta, encode_meta, meta_head, residency_socket_for
 
 __all__ = ["FeedClient", "NodeResidency", "node_residency_for"]
@@ -74,9 +74,18 @@ class NodeResidency:
         retry_seconds: float = RETRY_SECONDS,
         confirm_seconds: float = CONFIRM_SECONDS,
         remember: int = DEFAULT_MAX_KEYS,
+        groups: Iterable[GroupTag] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """Follow the feed ``connect()`` opens; announce into ``ledger``."""
+        """Follow the feed ``connect()`` opens; announce into ``ledger``.
+
+        ``groups``: this engine's model's KV cache groups (``vllmevents.group_tags``). Relayed
+        metadata naming any other group is not this model's (engines sharing a namespace share the
+        model): it is dropped and counted in :attr:`foreign_groups_dropped`, so one forged message
+        cannot multiply every engine's events. Metadata without groups (one full-attention group)
+        is always read.
+        """
+        self.groups = frozenset(groups)
         self._connect = connect
         self.ledger = ledger
         self.announce_per_step = announce_per_step
@@ -98,6 +107,8 @@ class NodeResidency:
         self._backlog: deque[tuple[str, str]] = deque()
         self.synced = False
         self.unconfirmed_withdrawn = 0
+        self.foreign_groups_dropped = 0
+        """Relayed chunks dropped unannounced: their metadata named groups this model does not have."""
         """Stores announced but not confirmed by the server in time (dropped there), withdrawn."""
 
     @property
@@ -326,6 +337,16 @@ class NodeResidency:
         if self.ledger.holds(key, tier):
             return 0  # announced already (this engine's own store): nothing to decode
         meta = decode_meta(raw)
+        if key not in self._own and not self.groups.issuperset(meta.groups):
+            self.foreign_groups_dropped += 1
+            if self.foreign_groups_dropped == 1:  # the first only: a forger would flood the log
+                log.warning(
+                    "the residency feed relayed a chunk named in KV cache groups this model lacks; "
+                    "it is not announced",
+                    extra={"key": key},
+                )
+            del self._metas[key]  # not this model's: never decoded again
+            return 0
         parent = meta.parent_block_hash
         if key not in self._own and parent is not None and not self.ledger.announced(parent):
             # A sibling's chunk whose prefix this engine is not credited with (yet): routers drop
@@ -345,11 +366,18 @@ class NodeResidency:
         return n
 
 
-def node_residency_for(socket: str | None, namespace: str, ledger: EventLedger) -> NodeResidency | None:
-    """The follower of the cache server at Unix socket ``socket`` (None without a socket)."""
+def node_residency_for(
+    socket: str | None, namespace: str, ledger: EventLedger, groups: Iterable[GroupTag] = ()
+) -> NodeResidency | None:
+    """The follower of the cache server at Unix socket ``socket`` (None without a socket).
+
+    ``groups``: the engine's model's KV cache groups (relayed metadata naming others is dropped).
+    """
     if socket is None:
         return None
     path = residency_socket_for(socket)
     return NodeResidency(
-        lambda: ResidencyFeedClient(path, namespace, connect_timeout=CONNECT_TIMEOUT_SECONDS), ledger
+        lambda: ResidencyFeedClient(path, namespace, connect_timeout=CONNECT_TIMEOUT_SECONDS),
+        ledger,
+        groups=groups,
     )

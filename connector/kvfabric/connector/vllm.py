@@ -547,15 +547,17 @@ class KVFabricConnector(_VllmBase, _SupportsHMA):  # type: ignore[misc]
             self._half = self._worker = WorkerHalf(settings, spec, cache=cache, plan=plan)
         self._deltas = CounterDeltas.of(self._half.counters)
         events_cfg = getattr(vllm_config, "kv_events_config", None)
+        tags = group_tags(kv_cache_config)
         self._events = KVEventLog(
             spec.block_size,
             bool(getattr(events_cfg, "enable_kv_cache_events", False)),
-            # The scheduler announces what its node's cache server holds (docs/routing.md).
-            follow=partial(node_residency_for, settings.socket, self._half.namespace)
+            # The scheduler announces what its node's cache server holds (docs/routing.md), in this
+            # model's KV cache groups only.
+            follow=partial(node_residency_for, settings.socket, self._half.namespace, groups=tags)
             if our_role is Role.SCHEDULER
             else None,
             plan=plan,
-            tags=group_tags(kv_cache_config),
+            tags=tags,
             hash_block_size=hash_block_size_of(kv_cache_config, spec.block_size),
         )
         self._requests: dict[str, Any] = {}  # vLLM's Request objects of the requests in flight

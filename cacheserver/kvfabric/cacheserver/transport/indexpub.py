@@ -29,6 +29,9 @@ The table layout is :mod:`kvfabric.rpc.indextable`. This module owns the tables 
   With ``on_lookups``, a client holding a table reports the lookups it answered from it, in batches
   on that connection (:data:`~kvfabric.rpc.indextable.REPORT_PREFIX`), and the server adds them to the
   lookup counters an RPC lookup feeds: its metrics and the pool's hit rate see same-node lookups.
+  Reports are bounded per connection (:class:`~kvfabric.rpc.indextable.ReportBudget`) to what the
+  client could have done with RPC lookups; a line beyond that is dropped and counted
+  (``on_report_dropped(reason)``), and the connection kept.
 """
 
 from __future__ import annotations
@@ -355,6 +358,7 @@ class _Conn:
     namespace: str = ""  # set once a table was handed out: the connection then holds it
     token: int = 0
     peer: tuple[int, int] = (0, 0)  # (uid, pid) of the client, pid 0 when not visible from here
+    budget: it.ReportBudget | None = None  # what its lookup reports may still claim (once held)
 
 
 class IndexSocket:
@@ -377,11 +381,24 @@ class IndexSocket:
         authorize: Callable[[str, Peer], bool] | None = None,
         request_deadline: float = REQUEST_DEADLINE_SECONDS,
         on_lookups: Callable[[str, int, int, int], object] | None = None,
+        on_report_dropped: Callable[[str], object] | None = None,
+        max_keys_per_lookup: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``on_lookups(namespace, lookups, hit_keys, missed_keys)``: count lookups a client reports."""
+        """``on_lookups(namespace, lookups, hit_keys, missed_keys)``: count lookups a client reports.
+
+        ``on_report_dropped(reason)``: a report line beyond what its client could have looked up
+        (:meth:`kvfabric.rpc.indextable.ReportBudget.admit`'s reasons) was dropped.
+        ``max_keys_per_lookup``: the RPC's bound (``limits.max_keys_per_request``).
+        """
         self.path = path
         self.publisher = publisher
         self.on_lookups = on_lookups
+        self.on_report_dropped = on_report_dropped
+        self.max_keys_per_lookup = max_keys_per_lookup
+        self._clock = clock
+        self.reports_dropped: dict[str, int] = {}
+        """Report lines dropped, by reason (``implausible``, ``rate``)."""
         self.authorize = authorize or (lambda namespace, peer: True)
         self.request_deadline = request_deadline
         self._sock: socket.socket | None = None
@@ -510,6 +527,7 @@ class IndexSocket:
                 served = False
             if served:
                 conn.buf = b""  # from now on: the start of a lookup report
+                conn.budget = it.ReportBudget(self.max_keys_per_lookup, self._clock())
                 # Kept open: when this process dies the kernel closes it, and the client knows at
                 # once (its next lookup polls it) instead of after a heartbeat timeout.
                 self._held[conn.sock.fileno()] = conn
@@ -529,17 +547,32 @@ class IndexSocket:
             self._close(conn, pending=False)
             return
         *lines, conn.buf = (conn.buf + part).split(b"\n")
+        now = self._clock()
         for line in lines:
             counts = it.parse_report(line)
             if counts is None:
                 self._close(conn, pending=False)
                 return
+            if conn.budget is None:  # pragma: no cover - every held connection has one
+                conn.budget = it.ReportBudget(self.max_keys_per_lookup, now)
+            refused = conn.budget.admit(*counts, now=now)
+            if refused is not None:
+                self._dropped_report(refused)
+                continue
             try:
                 self.on_lookups(conn.namespace, *counts)
             except Exception:  # counting must never end the loop that serves every engine's tables
                 log.exception("index socket: counting reported lookups failed")
         if len(conn.buf) >= it.MAX_REPORT_LINE:  # no line is that long
             self._close(conn, pending=False)
+
+    def _dropped_report(self, reason: str) -> None:
+        self.reports_dropped[reason] = self.reports_dropped.get(reason, 0) + 1
+        if self.on_report_dropped is not None:
+            try:
+                self.on_report_dropped(reason)
+            except Exception:  # counting must never end the loop that serves every engine's tables
+                log.exception("index socket: counting a dropped lookup report failed")
 
     def _answer(self, conn: _Conn) -> bool:
         """Answer a whole request; True if a table was sent (the connection then holds it)."""

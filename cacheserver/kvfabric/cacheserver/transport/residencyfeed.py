@@ -44,7 +44,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvfabric.cacheserver.engine.base import TierName
 from kvfabric.cacheserver.engine.ids import BlockId, InvalidId
@@ -63,17 +63,34 @@ from kvfabric.rpc.residency import (
     frame,
 )
 
-__all__ = ["FeedSocket", "ResidencyFeed", "Subscription"]
+__all__ = ["FeedSocket", "FeedStats", "ResidencyFeed", "Subscription"]
 
 log = logging.getLogger(__name__)
 
 MAX_QUEUED_BYTES = 32 << 20  # live records one subscriber may be behind before it is disconnected
 MAX_PENDING_META = 65_536  # metadata entries for chunks not (yet) resident
 MAX_PENDING_BYTES = 16 << 20  # and their bytes (the oldest goes first past either)
+MAX_NAMES_BYTES = 256 << 20  # metadata of resident chunks (limits.max_resident_names_bytes)
 _OVERHEAD = 96  # bytes a queued frame or a pending entry costs beyond its payload (objects, links)
 MAX_CONNECTIONS = 256
 MAX_CONNECTIONS_PER_PEER = 16  # one engine process follows the few namespaces it serves
 REQUEST_DEADLINE_SECONDS = 2.0
+
+
+class FeedStats(NamedTuple):
+    """The feed's numbers as the metrics export them."""
+
+    subscribers: int
+    """Subscriptions to a namespace the server knows (described, or holding a chunk) whose snapshot
+    was delivered: the engines following the feed."""
+    records: int
+    """Records queued to subscribers so far."""
+    pending_bytes: int
+    """Bytes of metadata held for chunks not stored yet."""
+    names_bytes: int
+    """Bytes of the metadata of resident chunks."""
+    names_dropped: dict[str, int]
+    """Names of resident chunks dropped, by reason (``undecodable``, ``memory_bound``)."""
 
 
 class Subscription:
@@ -88,6 +105,8 @@ class Subscription:
         self._bytes = 0  # live bytes queued (the snapshot is not counted)
         self.closed = False
         self.overflowed = False
+        self.delivered = False
+        """Whether its snapshot (through ``synced``) was written to the subscriber's socket."""
 
     def push(self, frames: Iterable[bytes], *, counted: bool = True) -> None:
         """Queue ``frames``; past the byte bound (``counted`` ones only) the subscription closes."""
@@ -133,12 +152,16 @@ class ResidencyFeed:
         max_queued_bytes: int = MAX_QUEUED_BYTES,
         max_pending_meta: int = MAX_PENDING_META,
         max_pending_bytes: int = MAX_PENDING_BYTES,
+        max_names_bytes: int = MAX_NAMES_BYTES,
         known: Callable[[str], bool] | None = None,
     ) -> None:
         """``tiers_of(bid)``: the tiers indexing ``bid`` now, fastest first (index only).
 
         ``known(namespace)``: whether a client described the namespace (metadata for a chunk not
         resident yet is kept only for it, or for a namespace with a resident chunk).
+        ``max_names_bytes``: the most the metadata of resident chunks may take; past it the names
+        attached longest ago are dropped (their chunks stay served, unannounced until described
+        again) and counted in :attr:`names_dropped`.
         """
         self._tiers_of = tiers_of
         self._max_queued = max_queued_bytes
@@ -149,16 +172,20 @@ class ResidencyFeed:
         """Bytes of the metadata waiting for its chunk (bounded by ``max_pending_bytes``)."""
         self.refused = 0
         """Metadata dropped: for a namespace the server does not know."""
+        self._max_names_bytes = max_names_bytes
+        self.names_bytes = 0
+        """Bytes of the metadata of resident chunks (bounded by ``max_names_bytes``)."""
         self._resident_per_ns: dict[str, int] = {}
         self.epoch = secrets.randbits(63)
         self._lock = threading.Lock()
         self._tiers: dict[BlockId, tuple[str, ...]] = {}
         # Metadata is kept encoded (about 1.6 KiB for 256 tokens, sent as is with every record),
         # with what :meth:`match` walks by: the content key, the chunk's token count, its last hash.
-        self._names: dict[BlockId, _Names] = {}
+        self._names: OrderedDict[BlockId, _Names] = OrderedDict()  # attached longest ago first
         self._pending: OrderedDict[BlockId, _Names] = OrderedDict()  # oldest first
-        self.restore_failures = 0
-        """Metadata read back from disk that did not decode (dropped)."""
+        self.names_dropped = {"undecodable": 0, "memory_bound": 0}
+        """Names dropped while their chunk stays resident: read back from disk and not decodable,
+        or the oldest past ``max_names_bytes``."""
         self._subs: dict[str, set[Subscription]] = {}
         # (namespace, parent hash, digest of the tokens, LoRA) -> the resident block they name, for
         # plain-text chunks (no extra keys), and per namespace the token lengths chunks have.
@@ -233,15 +260,17 @@ class ResidencyFeed:
     def restore(self, bid: BlockId, raw: bytes) -> None:
         """Attach metadata kept with ``bid``'s copy on disk (the start-up scan).
 
-        Metadata that does not decode is dropped and counted (:attr:`restore_failures`), never
-        served: the chunk is then announced only once a connector describes it again.
+        Metadata that does not decode is dropped and counted (``names_dropped["undecodable"]``),
+        never served: the chunk is then announced only once a connector describes it again. The
+        names restored count against ``max_names_bytes`` like any.
         """
         try:
             if len(raw) > MAX_META_BYTES:
                 raise ValueError(f"meta: at most {MAX_META_BYTES} bytes per chunk, this one {len(raw)}")
             meta = decode_meta(raw)
         except ValueError as exc:
-            self.restore_failures += 1
+            with self._lock:
+                self.names_dropped["undecodable"] += 1
             log.warning("dropping metadata read back from disk", extra={"key": bid.key, "error": str(exc)})
             return
         self.describe(bid, meta, raw)
@@ -258,6 +287,8 @@ class ResidencyFeed:
     def _set_meta(self, bid: BlockId, names: _Names | None) -> None:
         """Attach (or with None drop) ``bid``'s metadata, keeping the content index equal to it."""
         old = self._names.pop(bid, None)
+        if old is not None:
+            self.names_bytes -= len(old.raw) + _OVERHEAD
         if old is not None and old.content is not None:
             if self._by_content.get(old.content) == bid:
                 del self._by_content[old.content]
@@ -270,9 +301,15 @@ class ResidencyFeed:
         if names is None:
             return
         self._names[bid] = names
+        self.names_bytes += len(names.raw) + _OVERHEAD
         if names.content is not None:
             self._by_content[names.content] = bid
             self._lengths.setdefault(bid.namespace, Counter())[names.tokens] += 1
+        while self.names_bytes > self._max_names_bytes:
+            # The chunk stays resident and served; only routers stop hearing of it (a subscriber
+            # told of it already keeps what it was told; a new one gets it without names).
+            self.names_dropped["memory_bound"] += 1
+            self._set_meta(next(iter(self._names)), None)
 
     def match(self, namespace: str, token_ids: list[int], lora_name: str | None = None) -> dict[str, int]:
         """Tokens of the longest prefix of ``token_ids`` resident per tier, and in any tier (``any``).
@@ -335,10 +372,17 @@ class ResidencyFeed:
                 if not subs:
                     del self._subs[sub.namespace]
 
-    def stats(self) -> tuple[int, int, int]:
-        """Open subscriptions, records queued so far and pending metadata bytes (the metrics)."""
+    def stats(self) -> FeedStats:
+        """What the metrics export (:class:`FeedStats`)."""
         with self._lock:
-            return sum(len(s) for s in self._subs.values()), self.records, self.pending_bytes
+            delivered = {ns: sum(s.delivered for s in subs) for ns, subs in self._subs.items()}
+            resident = set(self._resident_per_ns)
+            stats = FeedStats(0, self.records, self.pending_bytes, self.names_bytes, dict(self.names_dropped))
+        # Only followers of a namespace the server knows, their snapshot delivered, count as engines
+        # (status.cache.routingSubscribers): a connection to a made-up namespace is nobody's engine.
+        # known() takes its own lock: called outside ours.
+        followers = sum(n for ns, n in delivered.items() if n and (ns in resident or self._known(ns)))
+        return stats._replace(subscribers=followers)
 
 
 class FeedSocket:
@@ -495,6 +539,7 @@ class FeedSocket:
                     break
                 if frames:
                     conn.sendall(b"".join(frames))
+                    sub.delivered = True  # the first batch holds the whole snapshot, synced included
         except OSError:
             pass
         finally:

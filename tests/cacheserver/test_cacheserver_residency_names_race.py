@@ -13,11 +13,12 @@ import time
 
 import pytest
 
+from kvfabric.cacheserver.engine.blockfile import read_header_and_meta
 from kvfabric.client import CacheClient
 from kvfabric.client.residency import ResidencyFeedClient
 from kvfabric.connector.keys import NamespaceSpec
 from kvfabric.rpc.kvledger import ChunkMeta
-from kvfabric.rpc.residency import Change, residency_socket_for
+from kvfabric.rpc.residency import Change, decode_meta, residency_socket_for
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
@@ -50,6 +51,20 @@ def _on_disk(srv: ServerProcess) -> dict[str, ChunkMeta | None]:
         client.close()
 
 
+def _in_files(srv: ServerProcess) -> dict[str, ChunkMeta | None]:
+    """The names every block file under the local disk's buckets carries (verified), per key."""
+    disk = srv.config.tiers.local_disk
+    assert disk is not None
+    out: dict[str, ChunkMeta | None] = {}
+    for path in (disk.path / "buckets").glob(f"*/{NS}_*.blk"):
+        try:
+            header, raw = read_header_and_meta(path)
+        except FileNotFoundError:  # replaced by its rewrite meanwhile: read again
+            return {}
+        out[header.bid.key] = None if raw is None else decode_meta(raw)
+    return out
+
+
 def _assert_named(srv: ServerProcess, want: dict[str, ChunkMeta], what: str) -> None:
     """Every chunk on local disk, exactly as described (waiting out write-backs still under way)."""
     end = time.monotonic() + 15
@@ -77,6 +92,13 @@ def test_names_described_right_after_each_store_stay_with_every_disk_copy_throug
         finally:
             feed.close()
         _assert_named(srv, want, "live feed")
+        # The copies themselves carry them (names that arrived after a write-back are written in
+        # the background: a SIGKILL before that loses them, as the docs say).
+        end = time.monotonic() + 15
+        while (files := _in_files(srv)) != want and time.monotonic() < end:
+            time.sleep(0.2)
+        wrong = [k for k in want if files.get(k, "absent") != want[k]]
+        assert files == want, f"block files: {len(wrong)} of {len(want)} without their names"
         srv.kill()  # SIGKILL: the server's memory is gone; only the disk copies and their names remain
         srv.start()
         _assert_named(srv, want, "after a SIGKILL and a restart")

@@ -157,6 +157,8 @@ class ResidencyFeed:
         # with what :meth:`match` walks by: the content key, the chunk's token count, its last hash.
         self._names: dict[BlockId, _Names] = {}
         self._pending: OrderedDict[BlockId, _Names] = OrderedDict()  # oldest first
+        self.on_named: Callable[[BlockId], None] | None = None
+        """Called (outside the lock) after a describe gave a resident chunk new names (disk rewrites)."""
         self.restore_failures = 0
         """Metadata read back from disk that did not decode (dropped)."""
         self._subs: dict[str, set[Subscription]] = {}
@@ -186,7 +188,12 @@ class ResidencyFeed:
                     left = self._resident_per_ns.pop(bid.namespace) - 1
                     if left:
                         self._resident_per_ns[bid.namespace] = left
+                    names = self._names.get(bid)
                     self._set_meta(bid, None)
+                    if names is not None:
+                        # Waits like names described early: a copy being written back (DRAM evicted
+                        # first) or stored again takes them back when a tier indexes it.
+                        self._pend(bid, names)
                 subs = self._subs.get(bid.namespace)
                 if subs:
                     raw = self._raw(bid)
@@ -197,8 +204,13 @@ class ResidencyFeed:
                     for sub in subs:
                         sub.push(frames)
 
-    def describe(self, bid: BlockId, meta: ChunkMeta, raw: bytes | None = None) -> None:
-        """Attach ``meta`` (``raw``: its encoding) to ``bid``; subscribers get it per tier holding it."""
+    def describe(
+        self, bid: BlockId, meta: ChunkMeta, raw: bytes | None = None, *, persist: bool = True
+    ) -> None:
+        """Attach ``meta`` (``raw``: its encoding) to ``bid``; subscribers get it per tier holding it.
+
+        With ``persist``, new names for a resident chunk are handed to :attr:`on_named` too.
+        """
         raw = encode_meta(meta) if raw is None else raw
         if len(raw) > MAX_META_BYTES:
             raise ValueError(f"meta: at most {MAX_META_BYTES} bytes per chunk, this one {len(raw)}")
@@ -209,12 +221,7 @@ class ResidencyFeed:
                 if not (known or bid.namespace in self._resident_per_ns):
                     self.refused += 1  # a made-up namespace reserves nothing
                     return
-                if bid in self._pending:
-                    self._pop_pending(bid)
-                self._pending[bid] = _names_of(bid.namespace, meta, raw)
-                self.pending_bytes += len(raw) + _OVERHEAD
-                while len(self._pending) > self._max_pending or self.pending_bytes > self._max_pending_bytes:
-                    self._pop_pending(next(iter(self._pending)))
+                self._pend(bid, _names_of(bid.namespace, meta, raw))
                 return
             if self._raw(bid) == raw:
                 return
@@ -225,6 +232,8 @@ class ResidencyFeed:
                 self.records += len(frames) * len(subs)
                 for sub in subs:
                     sub.push(frames)
+        if persist and self.on_named is not None:
+            self.on_named(bid)  # outside the lock: the disk copy may predate these names
 
     def encoded(self, bid: BlockId) -> bytes | None:
         """``bid``'s metadata as a connector sent it, while a tier holds it (what the disk keeps)."""
@@ -244,11 +253,20 @@ class ResidencyFeed:
             self.restore_failures += 1
             log.warning("dropping metadata read back from disk", extra={"key": bid.key, "error": str(exc)})
             return
-        self.describe(bid, meta, raw)
+        self.describe(bid, meta, raw, persist=False)  # the disk copy has them already
 
     def _raw(self, bid: BlockId) -> bytes | None:
         names = self._names.get(bid)
         return None if names is None else names.raw
+
+    def _pend(self, bid: BlockId, names: _Names) -> None:
+        """Keep ``names`` until a tier indexes ``bid`` (under the lock; the oldest go past the bounds)."""
+        if bid in self._pending:
+            self._pop_pending(bid)
+        self._pending[bid] = names
+        self.pending_bytes += len(names.raw) + _OVERHEAD
+        while len(self._pending) > self._max_pending or self.pending_bytes > self._max_pending_bytes:
+            self._pop_pending(next(iter(self._pending)))
 
     def _pop_pending(self, bid: BlockId) -> _Names:
         names = self._pending.pop(bid)

@@ -15,8 +15,10 @@ oldest dropped first, and only for a namespace the server knows) and sends it wi
 ``stored`` record, so an engine can announce a chunk its sibling stored. One chunk's metadata is at
 most :data:`~kvfabric.rpc.residency.MAX_META_BYTES`. The local disk keeps each chunk's metadata with
 its copy (:meth:`ResidencyFeed.encoded` is what a write-back writes; the start-up scan hands it back
-to :meth:`ResidencyFeed.restore`), so after a restart the snapshot names what the disk kept; chunks
-written before their metadata arrived are re-described by the connectors that remember them.
+to :meth:`ResidencyFeed.restore`), so after a restart the snapshot names what the disk kept; names
+that arrive after the write-back are handed to :attr:`ResidencyFeed.on_named`, which rewrites the
+disk copy with them, and a chunk that leaves every tier for a moment (DRAM evicted before its
+write-back landed) keeps its names in the pending table.
 
 :class:`FeedSocket` serves it on a Unix stream socket beside the gRPC socket
 (:func:`kvfabric.rpc.residency.residency_socket_for`), same exposure as the index socket (mode

@@ -2,9 +2,10 @@
 
 A connector describes each chunk on the feed socket right after storing it, while its write-back is
 under way and DRAM evicts to make room for the next one (1 MiB chunks, 4 MiB DRAM: every store
-evicts). Every chunk resident on local disk must carry exactly the names it was described with, in
-the live feed and, after a SIGKILL and a restart with no connector describing anything again, from
-the disk.
+evicts), and a few chunks only once their copies are on local disk already. Every chunk resident
+on local disk must carry exactly the names it was described with: in the live feed, in its block
+file and, after a SIGKILL and a restart with no connector describing anything again, from the
+disk.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ pytestmark = [pytest.mark.process, pytest.mark.slow]
 SPEC = NamespaceSpec("meta-llama/Llama-3.1-8B", "0e9e39f", "bfloat16", 32, 8, 128, 16, 256)
 NS = SPEC.digest()
 CHUNKS = 48
+LATE = 8
 SIZE = 1 * MiB
 ROOMY = {"tiers.local_disk.min_free_fraction": 0.0}  # write-backs land whatever else fills the disk
 
@@ -78,16 +80,22 @@ def _assert_named(srv: ServerProcess, want: dict[str, ChunkMeta], what: str) -> 
 
 def test_names_described_right_after_each_store_stay_with_every_disk_copy_through_a_sigkill() -> None:
     keys = [digest("race", i) for i in range(CHUNKS)]
-    want = {k: _meta(i) for i, k in enumerate(keys)}
+    late = [digest("late", i) for i in range(LATE)]  # described only once their copies are on disk
+    want = {k: _meta(i) for i, k in enumerate(keys + late)}
     with cache_server(dram_bytes=4 * MiB, local_disk_bytes=256 * MiB, overrides=ROOMY) as srv:
         feed = ResidencyFeedClient(residency_socket_for(srv.config.listen.unix_socket), NS)
         try:
             with CacheClient(srv.unix_target) as client:
                 client.describe(NS, SPEC.canonical().decode(), timeout=10)
+                for k in late:
+                    assert client.store(NS, [k], [payload_for(k, SIZE)], timeout=10).accepted == 1
+                    assert client.flush(NS, [k], timeout=10).tiers == [["local_disk"]]  # without names
                 for k in keys:
                     assert client.store(NS, [k], [payload_for(k, SIZE)], timeout=10).accepted == 1
                     feed.describe(k, want[k])  # right after the store: its write-back is under way
                     feed.flush()
+                for k in late:
+                    feed.describe(k, want[k])
                 feed.read(0.2)
         finally:
             feed.close()

@@ -255,6 +255,7 @@ async def serve(
     if feed is not None:
         # The local disk keeps each chunk's names with its copy; its scan hands them back to the feed.
         store.set_names(feed.encoded, feed.restore)
+        feed.on_named = store.names_changed  # names that arrive after the write-back reach the disk too
     sock = config.listen.unix_socket
     handover_path = _handover_path(config) if config.handover.enabled else None
     # A predecessor still serving on this node (a rolling update's old pod) hands over its DRAM

@@ -251,6 +251,10 @@ class KeepsNames(Protocol):
         """:meth:`BackingTier.write`, with the chunk's names (None: it has none)."""
         ...
 
+    def rewrite_names(self, bid: BlockId, meta: bytes | None) -> bool:
+        """Make ``meta`` the names kept with the indexed copy (names that arrived after its write)."""
+        ...
+
 
 @runtime_checkable
 class ReadsIntoFiles(Protocol):

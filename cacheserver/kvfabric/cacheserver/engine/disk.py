@@ -45,6 +45,7 @@ from kvfabric.cacheserver.engine.blockfile import (
     read_block_to_fd,
     read_header,
     read_header_and_meta,
+    unpack_header,
     write_block,
 )
 from kvfabric.cacheserver.engine.faults import IoFaults
@@ -542,6 +543,68 @@ class DiskTier:
         finally:
             with self._lock:
                 self._reserved -= size
+
+    def rewrite_names(self, bid: BlockId, meta: bytes | None) -> bool:
+        """Make ``meta`` the names kept with ``bid``'s indexed copy; True once the copy carries them.
+
+        Names that arrive after the copy was written: the copy is written again, same generation,
+        bucket and payload, with the new names, to a temp file renamed over it (the write path's
+        atomicity: a crash leaves the old file or the new one, never a mix). It commits only while
+        the index still lists that very copy; a copy already carrying ``meta`` is left alone.
+        """
+        with self._lock:
+            entry = self._index.get(bid)
+        if entry is None:
+            return False
+        path = self._path(bid, entry.bucket)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                data = f.read()
+            header = unpack_header(data)
+        except (FileNotFoundError, CorruptBlock):
+            return False
+        if header.bid != bid or header.gen != entry.gen or len(data) != header.file_size:
+            return False
+        if data[HEADER_SIZE + header.length :] == (meta or b""):
+            return True
+        payload = memoryview(data)[HEADER_SIZE : HEADER_SIZE + header.length]
+        size = HEADER_SIZE + header.length + (len(meta) if meta else 0)
+        with self._lock:
+            self._reserved += size  # the temp file, until it replaces the copy
+        try:
+
+            def commit(tmp: Path, final: Path) -> bool:
+                with self._commit_lock:
+                    with self._lock:
+                        cur = self._index.get(bid)
+                        if cur is None or cur.gen != header.gen or cur.bucket != header.bucket:
+                            return False  # evicted, deleted or replaced meanwhile: nothing to rename
+                    os.rename(tmp, final)
+                    with self._lock:
+                        self._add_locked(bid, DiskEntry(header.bucket, size, header.gen, len(meta or b"")))
+                return True
+
+            written = write_block(
+                self.tmp_dir,
+                path,
+                bid,
+                payload,
+                created_at=header.created_at,
+                bucket=header.bucket,
+                checksum=header.checksum,
+                gen=header.gen,
+                commit=commit,
+                meta=meta,
+                direct=self.direct_io,
+            )
+        except OSError as exc:
+            log.warning("could not rewrite a block's names", extra={"key": bid.key, "error": str(exc)})
+            return False
+        finally:
+            payload.release()
+            with self._lock:
+                self._reserved -= size
+        return written is not None
 
     def _fresh(self, bid: BlockId, gen: int) -> bool:
         """Whether a copy of ``gen`` is newer than the indexed one and every known delete."""

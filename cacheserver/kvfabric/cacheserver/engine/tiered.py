@@ -140,6 +140,7 @@ class TieredStore:
         self._wb_bytes = 0
         self._wb_keys: Tally[BlockId] = Tally()  # write-back jobs queued or running, per key
         self._refreshing: set[tuple[TierName, BlockId]] = set()
+        self._renaming: set[BlockId] = set()  # names rewrites queued, not started (names_changed)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         # Changes to storage in progress; a freeze waits for them, then refuses new ones.
@@ -201,6 +202,41 @@ class TieredStore:
         for tier in self.backing:
             if isinstance(tier, KeepsNames):
                 tier.on_meta = restore
+
+    def names_changed(self, bid: BlockId) -> None:
+        """Write ``bid``'s names (now) with its copies in the tiers that keep names, in the background.
+
+        For names that reach the residency feed after the write-back wrote the copy. Coalesced per
+        key: a rewrite queued and not yet started reads the names when it runs.
+        """
+        if self._names_of is None:
+            return
+        tiers = [t for t in self.backing if isinstance(t, KeepsNames) and t.has(bid)]
+        if not tiers:
+            return  # no copy yet: the write-back looks the names up when it writes
+        with self._wb_lock:
+            if bid in self._renaming:
+                return
+            self._renaming.add(bid)
+        try:
+            self._wb_pool.submit(self._rewrite_names, bid, tiers)
+        except RuntimeError:  # shutting down
+            with self._wb_lock:
+                self._renaming.discard(bid)
+
+    def _rewrite_names(self, bid: BlockId, tiers: Sequence[KeepsNames]) -> None:
+        with self._wb_lock:
+            self._renaming.discard(bid)  # a describe from now on queues another rewrite
+        assert self._names_of is not None
+        try:
+            with contextlib.suppress(HandingOver), self._mutation():
+                meta = self._names_of(bid)
+                if meta is None:
+                    return  # none in memory (bounded away): the copy keeps what it has
+                for tier in tiers:
+                    tier.rewrite_names(bid, meta)
+        except Exception:
+            log.exception("rewriting a block's names failed", extra={"key": bid.key})
 
     def tier_of(self, bid: BlockId) -> str | None:
         """The fastest tier indexing ``bid`` now (index only), or None."""
@@ -602,6 +638,7 @@ class TieredStore:
                         continue  # this copy, or a newer one, is there already
                     if isinstance(tier, KeepsNames) and self._names_of is not None:
                         # Looked up now, not when queued: names that arrived meanwhile are kept too.
+                        meta = self._names_of(job.bid)
                         written = tier.write(
                             job.bid,
                             view,
@@ -609,8 +646,12 @@ class TieredStore:
                             bucket=bucket,
                             created_at=now,
                             checksum=checksum,
-                            meta=self._names_of(job.bid),
+                            meta=meta,
                         )
+                        if written and self._names_of(job.bid) != meta:
+                            # Described while the copy was written: a describe from now on finds the
+                            # copy indexed and rewrites it itself (names_changed), one before did not.
+                            self.names_changed(job.bid)
                     else:
                         written = tier.write(
                             job.bid, view, gen=gen, bucket=bucket, created_at=now, checksum=checksum

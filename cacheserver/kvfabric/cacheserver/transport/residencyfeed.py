@@ -15,8 +15,10 @@ oldest dropped first, and only for a namespace the server knows) and sends it wi
 ``stored`` record, so an engine can announce a chunk its sibling stored. One chunk's metadata is at
 most :data:`~kvfabric.rpc.residency.MAX_META_BYTES`. The local disk keeps each chunk's metadata with
 its copy (:meth:`ResidencyFeed.encoded` is what a write-back writes; the start-up scan hands it back
-to :meth:`ResidencyFeed.restore`), so after a restart the snapshot names what the disk kept; chunks
-written before their metadata arrived are re-described by the connectors that remember them.
+to :meth:`ResidencyFeed.restore`), so after a restart the snapshot names what the disk kept; names
+that arrive after the write-back are handed to :attr:`ResidencyFeed.on_named`, which rewrites the
+disk copy with them, and a chunk that leaves every tier for a moment (DRAM evicted before its
+write-back landed) keeps its names in the pending table.
 
 :class:`FeedSocket` serves it on a Unix stream socket beside the gRPC socket
 (:func:`kvfabric.rpc.residency.residency_socket_for`), same exposure as the index socket (mode
@@ -186,6 +188,8 @@ class ResidencyFeed:
         self.names_dropped = {"undecodable": 0, "memory_bound": 0}
         """Names dropped while their chunk stays resident: read back from disk and not decodable,
         or the oldest past ``max_names_bytes``."""
+        self.on_named: Callable[[BlockId], None] | None = None
+        """Called (outside the lock) after a describe gave a resident chunk new names (disk rewrites)."""
         self._subs: dict[str, set[Subscription]] = {}
         # (namespace, parent hash, digest of the tokens, LoRA) -> the resident block they name, for
         # plain-text chunks (no extra keys), and per namespace the token lengths chunks have.
@@ -213,7 +217,12 @@ class ResidencyFeed:
                     left = self._resident_per_ns.pop(bid.namespace) - 1
                     if left:
                         self._resident_per_ns[bid.namespace] = left
+                    names = self._names.get(bid)
                     self._set_meta(bid, None)
+                    if names is not None:
+                        # Waits like names described early: a copy being written back (DRAM evicted
+                        # first) or stored again takes them back when a tier indexes it.
+                        self._pend(bid, names)
                 subs = self._subs.get(bid.namespace)
                 if subs:
                     raw = self._raw(bid)
@@ -224,8 +233,13 @@ class ResidencyFeed:
                     for sub in subs:
                         sub.push(frames)
 
-    def describe(self, bid: BlockId, meta: ChunkMeta, raw: bytes | None = None) -> None:
-        """Attach ``meta`` (``raw``: its encoding) to ``bid``; subscribers get it per tier holding it."""
+    def describe(
+        self, bid: BlockId, meta: ChunkMeta, raw: bytes | None = None, *, persist: bool = True
+    ) -> None:
+        """Attach ``meta`` (``raw``: its encoding) to ``bid``; subscribers get it per tier holding it.
+
+        With ``persist``, new names for a resident chunk are handed to :attr:`on_named` too.
+        """
         raw = encode_meta(meta) if raw is None else raw
         if len(raw) > MAX_META_BYTES:
             raise ValueError(f"meta: at most {MAX_META_BYTES} bytes per chunk, this one {len(raw)}")
@@ -236,12 +250,7 @@ class ResidencyFeed:
                 if not (known or bid.namespace in self._resident_per_ns):
                     self.refused += 1  # a made-up namespace reserves nothing
                     return
-                if bid in self._pending:
-                    self._pop_pending(bid)
-                self._pending[bid] = _names_of(bid.namespace, meta, raw)
-                self.pending_bytes += len(raw) + _OVERHEAD
-                while len(self._pending) > self._max_pending or self.pending_bytes > self._max_pending_bytes:
-                    self._pop_pending(next(iter(self._pending)))
+                self._pend(bid, _names_of(bid.namespace, meta, raw))
                 return
             if self._raw(bid) == raw:
                 return
@@ -252,6 +261,8 @@ class ResidencyFeed:
                 self.records += len(frames) * len(subs)
                 for sub in subs:
                     sub.push(frames)
+        if persist and self.on_named is not None:
+            self.on_named(bid)  # outside the lock: the disk copy may predate these names
 
     def encoded(self, bid: BlockId) -> bytes | None:
         """``bid``'s metadata as a connector sent it, while a tier holds it (what the disk keeps)."""
@@ -273,11 +284,20 @@ class ResidencyFeed:
                 self.names_dropped["undecodable"] += 1
             log.warning("dropping metadata read back from disk", extra={"key": bid.key, "error": str(exc)})
             return
-        self.describe(bid, meta, raw)
+        self.describe(bid, meta, raw, persist=False)  # the disk copy has them already
 
     def _raw(self, bid: BlockId) -> bytes | None:
         names = self._names.get(bid)
         return None if names is None else names.raw
+
+    def _pend(self, bid: BlockId, names: _Names) -> None:
+        """Keep ``names`` until a tier indexes ``bid`` (under the lock; the oldest go past the bounds)."""
+        if bid in self._pending:
+            self._pop_pending(bid)
+        self._pending[bid] = names
+        self.pending_bytes += len(names.raw) + _OVERHEAD
+        while len(self._pending) > self._max_pending or self.pending_bytes > self._max_pending_bytes:
+            self._pop_pending(next(iter(self._pending)))
 
     def _pop_pending(self, bid: BlockId) -> _Names:
         names = self._pending.pop(bid)

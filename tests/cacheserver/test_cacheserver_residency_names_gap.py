@@ -7,7 +7,7 @@ indexes it. Its names must come back with the disk copy, not be dropped with the
 from __future__ import annotations
 
 from kvfabric.cacheserver.engine.ids import BlockId
-from kvfabric.cacheserver.transport.residencyfeed import ResidencyFeed
+from kvfabric.cacheserver.transport.residencyfeed import _OVERHEAD, ResidencyFeed
 from kvfabric.rpc.kvledger import ChunkMeta
 from kvfabric.rpc.residency import encode_meta
 
@@ -32,7 +32,9 @@ def test_names_of_a_chunk_evicted_from_dram_before_its_write_back_landed_return_
     tiers[bid] = ["local_disk"]
     feed.changed([bid])
     assert feed.encoded(bid) == encode_meta(META)
-    assert feed.stats() == (0, 0, 0)  # no subscriber, no record, nothing left pending
+    stats = feed.stats()  # no subscriber, no record, nothing left pending, the names held once
+    assert (stats.subscribers, stats.records, stats.pending_bytes) == (0, 0, 0)
+    assert stats.names_bytes == len(encode_meta(META)) + _OVERHEAD
 
 
 def test_names_restored_from_disk_are_not_handed_on_to_be_written_again() -> None:

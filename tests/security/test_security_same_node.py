@@ -420,7 +420,7 @@ def _begin_and_dup(
     resp = stub.ShmStoreBegin(
         pb.ShmStoreBeginRequest(namespace=NS, keys=keys, lengths=[size] * len(keys)), timeout=10
     )
-    assert len(resp.slots) == 1 and resp.slots[0].name, "the arena has room for this staging"
+    assert [bool(sl.name) for sl in resp.slots] == [True], "the arena has room for this staging"
     with _blocks(srv) as chan:
         (fd,) = chan.fetch([resp.slots[0].name], deadline=time.monotonic() + 10)
     assert fd is not None
@@ -469,7 +469,8 @@ def test_an_abandoned_staging_memfd_a_client_kept_pins_no_server_memory(how: str
             assert _stats(s)["arena_quarantined_bytes"] == 0
         finally:
             close_all(kept)
-        assert s.proc is not None and s.proc.poll() is None, "the server is alive"
+        assert s.proc is not None
+        assert s.proc.poll() is None, "the server is alive"
 
 
 def test_staging_a_client_sealed_and_abandoned_stays_charged_to_the_arena_so_memory_stays_bounded() -> None:
@@ -501,7 +502,7 @@ def test_staging_a_client_sealed_and_abandoned_stays_charged_to_the_arena_so_mem
                     pb.ShmStoreBeginRequest(namespace=NS, keys=[digest("more", i)], lengths=[size]),
                     timeout=10,
                 )
-                assert [sl.name for sl in resp.slots] == [""] and resp.dropped == 1
+                assert ([sl.name for sl in resp.slots], resp.dropped) == ([""], 1)
             assert sum(os.fstat(fd).st_blocks * 512 for fd in kept) == arena
             assert _counter(s, "quarantined_staging") == arena
             with CacheClient(s.unix_target, shared_memory=True) as c:
@@ -510,4 +511,5 @@ def test_staging_a_client_sealed_and_abandoned_stays_charged_to_the_arena_so_mem
                 assert c.lookup(NS, [key], timeout=10).matched == 0
         finally:
             close_all(kept)
-        assert s.proc is not None and s.proc.poll() is None, "the server is alive"
+        assert s.proc is not None
+        assert s.proc.poll() is None, "the server is alive"

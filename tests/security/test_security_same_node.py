@@ -23,6 +23,7 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -507,6 +508,11 @@ def test_staging_a_client_sealed_and_abandoned_stays_charged_to_the_arena_so_mem
                 assert ([sl.name for sl in resp.slots], resp.dropped) == ([""], 1)
             assert sum(os.fstat(fd).st_blocks * 512 for fd in kept) == arena
             assert _counter(s, "quarantined_staging") == arena
+            with urllib.request.urlopen(s.metrics_url + "/metrics", timeout=10) as r:
+                exported = [
+                    ln for ln in r.read().decode().splitlines() if ln.startswith("kvfabric_arena_quarantined")
+                ]
+            assert [float(ln.split()[-1]) for ln in exported] == [arena], exported
             with CacheClient(s.unix_target, shared_memory=True) as c:
                 key = digest("honest")
                 assert c.store(NS, [key], [payload_for(key, size)], timeout=10).accepted == 0

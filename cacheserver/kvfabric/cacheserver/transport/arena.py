@@ -286,22 +286,27 @@ class StagingArena:
 def _freed(slot: _Slot) -> bool:
     """Free an abandoned staging memfd's pages, even those a client still holds a descriptor of.
 
-    False when the client sealed it against shrinking: its pages stay alive as long as the client's
-    descriptor does, and the caller keeps them charged.
+    False when it cannot be (the client sealed it against shrinking): its pages stay alive as long
+    as the client's descriptor does, and the caller keeps them charged.
     """
     try:
         os.ftruncate(slot.fd, 0)
     except OSError as exc:
-        if exc.errno != errno.EPERM:
-            raise
-        seals = fcntl.fcntl(slot.fd, fcntl.F_GET_SEALS)
+        # EPERM: sealed against shrinking. Any other failure is kept charged too: the budget must
+        # never be given back for pages that may still be alive.
+        try:
+            seals = fcntl.fcntl(slot.fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = -1
         # The client's identity is not known here (the gRPC peer of a unix socket carries none); the
         # seals say what it did. Logged per staging memfd: at most arena_bytes / page of them, ever.
         _log.warning(
-            "staging memfd %s (%d bytes) abandoned sealed against shrinking (seals 0x%x: by its client, or "
-            "resized by it during the commit): quarantined, its bytes stay charged to the staging arena",
+            "staging memfd %s (%d bytes) abandoned and cannot be freed (%s; seals 0x%x: sealed against "
+            "shrinking by its client, or resized by it during the commit): quarantined, its bytes stay "
+            "charged to the staging arena",
             slot.name[:10],
             slot.length,
+            errno.errorcode.get(exc.errno or 0, exc.errno),
             seals,
         )
         return False

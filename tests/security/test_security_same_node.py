@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import mmap
 import os
 import shutil
@@ -22,6 +23,7 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,8 +137,10 @@ def test_staging_written_after_the_commit_or_mapped_through_it_never_reaches_a_b
         # The committed one was sealed first: the descriptor the client kept writes nothing more.
         with pytest.raises(PermissionError):
             os.pwrite(kept, b"poison", 0)
-        mapping[:6] = b"poison"  # the refused memfd is the client's own memory, no block's
+        # The refused memfds are no block's, and the server freed their pages on the way out (the
+        # client's mapping would fault now: its own doing, the product's client never maps staging).
         mapping.close()
+        assert [os.fstat(fd).st_size for fd in (mapped, shrunk)] == [0, 0]
         close_all([kept, mapped, shrunk])
     with CacheClient(srv.unix_target, shared_memory=True) as c:
         assert c.load(NS, keys[:1], timeout=10) == [payload_for(keys[0], size)]
@@ -405,3 +409,115 @@ def test_many_tiny_blocks_or_stagings_cannot_take_every_descriptor() -> None:
     assert sum(1 for n in res.names if n) == 10
     arena.close()
     assert arena.used_bytes == 0
+
+
+def _stats(srv: ServerProcess) -> dict[str, object]:
+    with CacheClient(srv.unix_target) as c:
+        return c.stats(timeout=5)
+
+
+def _begin_and_dup(
+    stub: pb_grpc.CacheStub, srv: ServerProcess, keys: list[str], size: int
+) -> tuple[str, int]:
+    """A hostile engine's first half of a store: take a staging memfd and keep a dup of it."""
+    resp = stub.ShmStoreBegin(
+        pb.ShmStoreBeginRequest(namespace=NS, keys=keys, lengths=[size] * len(keys)), timeout=10
+    )
+    assert [bool(sl.name) for sl in resp.slots] == [True], "the arena has room for this staging"
+    with _blocks(srv) as chan:
+        (fd,) = chan.fetch([resp.slots[0].name], deadline=time.monotonic() + 10)
+    assert fd is not None
+    assert os.fstat(fd).st_blocks * 512 >= size, "the server allocated the pages"
+    return resp.lease_id, fd
+
+
+@pytest.mark.parametrize("how", ["abort", "expire", "refused_commit"])
+def test_an_abandoned_staging_memfd_a_client_kept_pins_no_server_memory(how: str) -> None:
+    """Abort, lease expiry and a refused commit free the staging pages, even those a client still holds.
+
+    The server allocated them (charged to its memory cgroup), so the arena's budget is what bounds
+    them: were they freed from the budget but kept alive by the client's dup, a client could pin
+    unbounded server memory by repeating begin -> dup -> abandon.
+    """
+    size = 4 * MiB
+    rounds = 8  # twice the arena
+    lease = 1.0 if how == "expire" else 60.0
+    overrides = {"shm.arena_bytes": 16 * MiB, "shm.slot_lease_seconds": lease}
+    kept: list[int] = []
+    with (
+        cache_server(dram_bytes=64 * MiB, overrides=overrides) as s,
+        grpc.insecure_channel(s.unix_target) as ch,
+    ):
+        stub = _stub(ch)
+        try:
+            for i in range(rounds):
+                key = digest("abandoned", how, i)
+                lease_id, fd = _begin_and_dup(stub, s, [key], size)
+                kept.append(fd)
+                if how == "abort":
+                    stub.ShmStoreCommit(pb.ShmStoreCommitRequest(lease_id=lease_id, abort=True), timeout=10)
+                elif how == "refused_commit":
+                    os.ftruncate(fd, size // 2)  # refused: the wrong size
+                    done = stub.ShmStoreCommit(pb.ShmStoreCommitRequest(lease_id=lease_id), timeout=10)
+                    assert (done.accepted, done.dropped) == (0, 1)
+                else:
+                    deadline = time.monotonic() + 15
+                    while _stats(s)["arena_used_bytes"] and time.monotonic() < deadline:
+                        time.sleep(0.2)
+                # Freed: the client's copy is empty, its pages gone, and the budget is back.
+                st = os.fstat(fd)
+                assert (st.st_size, st.st_blocks) == (0, 0), f"round {i}: the client's dup still pins pages"
+                assert _stats(s)["arena_used_bytes"] == 0
+            assert sum(os.fstat(fd).st_blocks for fd in kept) == 0
+            assert _stats(s)["arena_quarantined_bytes"] == 0
+        finally:
+            close_all(kept)
+        assert s.proc is not None
+        assert s.proc.poll() is None, "the server is alive"
+
+
+def test_staging_a_client_sealed_and_abandoned_stays_charged_to_the_arena_so_memory_stays_bounded() -> None:
+    """A client that seals its staging memfd against shrinking keeps its pages: the arena keeps them charged.
+
+    The server cannot free such pages, so it never gives their budget back (quarantined, counted in
+    ``arena_quarantined_bytes``): repeated, the client fills the arena and further stores are dropped
+    (engines recompute), but the server's memory stays bounded by the arena size.
+    """
+    size = 4 * MiB
+    arena = 16 * MiB
+    kept: list[int] = []
+    with (
+        cache_server(dram_bytes=64 * MiB, overrides={"shm.arena_bytes": arena}) as s,
+        grpc.insecure_channel(s.unix_target) as ch,
+    ):
+        stub = _stub(ch)
+        try:
+            for i in range(arena // size):
+                lease_id, fd = _begin_and_dup(stub, s, [digest("sealed", i)], size)
+                kept.append(fd)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+                stub.ShmStoreCommit(pb.ShmStoreCommitRequest(lease_id=lease_id, abort=True), timeout=10)
+                stats = _stats(s)
+                assert (stats["arena_quarantined_bytes"], stats["arena_used_bytes"]) == ((i + 1) * size,) * 2
+            # The arena is full of quarantined staging: every further store is dropped, none pins more.
+            for i in range(4):
+                resp = stub.ShmStoreBegin(
+                    pb.ShmStoreBeginRequest(namespace=NS, keys=[digest("more", i)], lengths=[size]),
+                    timeout=10,
+                )
+                assert ([sl.name for sl in resp.slots], resp.dropped) == ([""], 1)
+            assert sum(os.fstat(fd).st_blocks * 512 for fd in kept) == arena
+            assert _counter(s, "quarantined_staging") == arena
+            with urllib.request.urlopen(s.metrics_url + "/metrics", timeout=10) as r:
+                exported = [
+                    ln for ln in r.read().decode().splitlines() if ln.startswith("kvfabric_arena_quarantined")
+                ]
+            assert [float(ln.split()[-1]) for ln in exported] == [arena], exported
+            with CacheClient(s.unix_target, shared_memory=True) as c:
+                key = digest("honest")
+                assert c.store(NS, [key], [payload_for(key, size)], timeout=10).accepted == 0
+                assert c.lookup(NS, [key], timeout=10).matched == 0
+        finally:
+            close_all(kept)
+        assert s.proc is not None
+        assert s.proc.poll() is None, "the server is alive"

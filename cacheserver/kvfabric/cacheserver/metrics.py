@@ -66,6 +66,12 @@ _ENGINE_COUNTERS: dict[str, tuple[str, str, str]] = {
         "carried none)",
         "1",
     ),
+    "quarantined_staging": (
+        "kvfabric.arena.quarantined",
+        "Staging bytes a same-node client sealed against shrinking and abandoned: the server cannot free "
+        "them, so they stay charged to the staging arena for the server's lifetime",
+        "By",
+    ),
     "adopted_bytes": ("kvfabric.handover.adopted", "DRAM bytes taken over at a hand-over", "By"),
     "handover_dropped_stores": (
         "kvfabric.handover.dropped_stores",
@@ -86,6 +92,7 @@ _ZERO_FROM_START: dict[str, Callable[[list[str]], list[str]]] = {
     "dropped_stores": lambda tiers: ["arena", *tiers[:1]],
     "writes_refused": lambda tiers: tiers[1:],
     "stores": lambda tiers: [""],
+    "quarantined_staging": lambda tiers: [""],
     "handover_dropped_stores": lambda tiers: tiers[:1],
 }
 

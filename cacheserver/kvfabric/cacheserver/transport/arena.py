@@ -23,11 +23,21 @@ block's descriptor, as a client that loaded the block does.
 No file exists anywhere: a client can reach only the memfds named to it, and only until the commit.
 A lease not committed in ``slot_lease_seconds`` (client died, hung, or lost the reply) is reclaimed by
 :meth:`StagingArena.reap`.
+
+A staging memfd that does not become a block (aborted, expired, or refused at the commit) is
+*truncated to nothing* before the server closes it: its pages are the server's, and a client that
+kept a descriptor of it would otherwise keep them alive, charged to the server, while the arena's
+budget was already given back — begin, keep, abandon, repeat, and the server is OOM-killed. A client
+that sealed its memfd against shrinking (``F_SEAL_SHRINK``) makes the truncation fail: those bytes are
+*quarantined*, never given back to the budget for the server's lifetime, so what such a client can pin
+is bounded by ``arena_bytes`` (it fills the arena; stores are dropped and engines recompute).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import logging
 import os
 import secrets
 import threading
@@ -44,6 +54,8 @@ __all__ = ["BeginResult", "StagingArena", "UnknownLease"]
 STAGING_PREFIX = "s_"
 _PAGE = 4096
 
+_log = logging.getLogger(__name__)
+
 
 class UnknownLease(KeyError):  # noqa: N818 - mirrors NOT_FOUND
     """Commit or abort of a lease that does not exist (expired or never issued)."""
@@ -55,6 +67,11 @@ class _Slot:
     name: str
     length: int
     fd: int
+
+    @property
+    def charge(self) -> int:
+        """Bytes of the arena's budget this staging takes (at least a page)."""
+        return max(self.length, _PAGE)
 
 
 @dataclass(slots=True)
@@ -89,6 +106,7 @@ class StagingArena:
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
         self._used = 0
+        self._quarantined = 0
         self._slots = 0
         # A quarter of the descriptor limit (the DRAM tier takes half).
         self.max_slots = descriptor_budget(0.25)
@@ -96,9 +114,15 @@ class StagingArena:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of staging memfds currently leased."""
+        """Bytes of the budget taken: staging memfds leased, plus the quarantined ones."""
         with self._lock:
             return self._used
+
+    @property
+    def quarantined_bytes(self) -> int:
+        """Bytes of abandoned staging a client sealed against shrinking: charged for good (see module doc)."""
+        with self._lock:
+            return self._quarantined
 
     def begin(self, bids: list[BlockId], lengths: list[int], present: list[bool]) -> BeginResult:
         """Create staging memfds for the keys that are not present and fit in the budget."""
@@ -186,6 +210,10 @@ class StagingArena:
 
     def _commit_one(self, slot: _Slot, store: TieredStore) -> bool:
         src = slot.fd
+        if os.fstat(src).st_size != slot.length:
+            # Checked before sealing too: refused unsealed, the memfd can still be truncated (freed).
+            self.counters.inc("invalid_staging")
+            return False
         try:
             # Sealed first: the client keeps its descriptor, and must not change a byte from here on.
             seal(src)
@@ -214,12 +242,21 @@ class StagingArena:
         return lease.present, lease.dropped + len(lease.slots)
 
     def _release(self, lease: _Lease) -> None:
+        kept = 0
         for slot in lease.slots:
             if slot.fd >= 0:  # -1: committed, the store owns it
-                os.close(slot.fd)
+                try:
+                    if not _freed(slot):
+                        kept += slot.charge
+                finally:
+                    os.close(slot.fd)
+                    slot.fd = -1
         with self._lock:
-            self._used -= lease.nbytes
+            self._used -= lease.nbytes - kept
+            self._quarantined += kept
             self._slots -= len(lease.slots)
+        if kept:
+            self.counters.inc("quarantined_staging", "", kept)
 
     def reap(self) -> int:
         """Reclaim expired leases (their clients died or gave up); returns how many."""
@@ -244,6 +281,36 @@ class StagingArena:
             self._by_name.clear()
         for lease in leases:
             self._release(lease)
+
+
+def _freed(slot: _Slot) -> bool:
+    """Free an abandoned staging memfd's pages, even those a client still holds a descriptor of.
+
+    False when it cannot be (the client sealed it against shrinking): its pages stay alive as long
+    as the client's descriptor does, and the caller keeps them charged.
+    """
+    try:
+        os.ftruncate(slot.fd, 0)
+    except OSError as exc:
+        # EPERM: sealed against shrinking. Any other failure is kept charged too: the budget must
+        # never be given back for pages that may still be alive.
+        try:
+            seals = fcntl.fcntl(slot.fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = -1
+        # The client's identity is not known here (the gRPC peer of a unix socket carries none); the
+        # seals say what it did. Logged per staging memfd: at most arena_bytes / page of them, ever.
+        _log.warning(
+            "staging memfd %s (%d bytes) abandoned and cannot be freed (%s; seals 0x%x: sealed against "
+            "shrinking by its client, or resized by it during the commit): quarantined, its bytes stay "
+            "charged to the staging arena",
+            slot.name[:10],
+            slot.length,
+            errno.errorcode.get(exc.errno or 0, exc.errno),
+            seals,
+        )
+        return False
+    return True
 
 
 def _allocated_memfd(length: int) -> int | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -123,6 +124,8 @@ def kind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KindRun]:
                 subprocess.run(
                     ["bash", str(ROOT / "e2e" / "kind" / "down.sh")], env=env, timeout=300, check=False
                 )
+            # down.sh deletes only a host directory up.sh created; this one the fixture made.
+            shutil.rmtree(host_dir, ignore_errors=True)
             after_cluster(eng, DEFAULT_IMAGES)
 
 

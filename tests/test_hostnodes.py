@@ -15,10 +15,22 @@ from pathlib import Path
 
 import pytest
 
+from kvfabric.localcluster.realnodes import NODE_SCRIPT
 from kvfabric.testing.hostnodes import node_process
 
 ROOT = Path(__file__).resolve().parents[1]
 PODRUNNER = "kvfabric.localcluster.podrunner"
+# How realnodes.start_node enters a node's namespaces before its script.
+_NODE_WRAPPER = [
+    "nsenter",
+    "--net=/run/netns/kvf-n1",
+    "--",
+    "unshare",
+    "--mount",
+    "--propagation",
+    "slave",
+    "--",
+]
 
 
 @pytest.mark.parametrize(
@@ -33,6 +45,34 @@ PODRUNNER = "kvfabric.localcluster.podrunner"
             [sys.executable, "-m", "kvfabric.localcluster.podrunner", "--base", "b"],
             "kvfabric.localcluster.podrunner",
         ),
+        # Wrappers and shells: the program they run, or any node program a -c script names.
+        (["sudo", "kubelet", "--config", "c"], "kubelet"),
+        (["sudo", "-u", "root", "-E", "/usr/bin/dockerd"], "dockerd"),
+        (["env", "A=1", "dockerd"], "dockerd"),
+        (["env", "-u", "HOME", "A=1", "B=2", "kube-scheduler"], "kube-scheduler"),
+        (["sh", "-c", "etcd --data-dir d"], "etcd"),
+        (["/bin/bash", "-o", "pipefail", "-ec", "sleep 1; exec /opt/bin/kube-apiserver &"], "kube-apiserver"),
+        (["bash", "-c", "containerd & exec kubelet"], "containerd"),
+        (
+            [*_NODE_WRAPPER, "bash", "-c", "containerd & exec kubelet"],
+            "containerd",
+        ),
+        # realnodes.start_node's exact command line (its script runs containerd, then exec "$KUBELET").
+        (
+            [*_NODE_WRAPPER, "bash", "-c", NODE_SCRIPT],
+            "containerd",
+        ),
+        (["timeout", "-s", "KILL", "30", "sudo", "env", "X=y", "kubelet"], "kubelet"),
+        (["sudo", sys.executable, "-m", PODRUNNER], PODRUNNER),
+        (["kind", "create", "cluster", "--name", "kvfabric"], "kind"),
+        (["/usr/local/bin/kind", "delete", "cluster"], "kind"),
+        (["sudo", "-u", "kubelet", "ls"], None),
+        (["env", "A=1", "echo", "kubelet"], None),
+        (["timeout", "30", "kubectl", "get", "nodes"], None),
+        (["sh", "-c", "kubectl get nodes && echo ready"], None),
+        (["bash", "script.sh", "kubelet"], None),
+        (["sh", "-c", "# where the kubelet's files go\nls /tmp"], None),
+        (["sudo"], None),
         (["kubectl", "--kubeconfig", "k", "get", "nodes"], None),
         (["uv", "run", "pytest", "e2e", "-m", "kubelet"], None),
         ([sys.executable, "-m", "kvfabric.cli", "operator"], None),

@@ -17,6 +17,7 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -833,22 +834,91 @@ def test_up_sh_names_a_missing_tool_and_how_to_get_it(missing: str, tmp_path: Pa
     assert not log.exists() or "create" not in log.read_text(), "nothing ran before the check"
 
 
-def test_down_sh_deletes_the_cluster_and_the_host_directory(tmp_path: Path) -> None:
-    env, log = fake_tools(tmp_path, ["kind"])
-    env["FAKE_CLUSTERS"] = "other kvfabric"
-    (tmp_path / "host" / "shared").mkdir(parents=True)
-    proc = subprocess.run(
-        ["bash", str(KIND / "down.sh")], env=env, capture_output=True, text=True, timeout=60, check=False
+def _script(name: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(KIND / name), *args], env=env, capture_output=True, text=True, timeout=120, check=False
     )
+
+
+def test_down_sh_deletes_the_cluster_and_the_host_directory_up_sh_made(tmp_path: Path) -> None:
+    env, log = fake_tools(tmp_path, ["docker", "kind", "kubectl", "uv"])
+    env["SKIP_TESTS"] = "1"
+    host = tmp_path / "host"
+    proc = _script("up.sh", env)
+    assert proc.returncode == 0, proc.stderr
+    # Private, so no other local user reaches the world-writable directories the nodes mount.
+    assert stat.S_IMODE(host.stat().st_mode) == 0o700
+    assert (host / ".kvfabric-kind-host-dir").is_file()
+    env["FAKE_CLUSTERS"] = "other kvfabric"
+    proc = _script("down.sh", env)
     assert proc.returncode == 0, proc.stderr
     assert "kind delete cluster --name kvfabric" in log.read_text().splitlines()
-    assert not (tmp_path / "host").exists()
+    assert not host.exists()
     env["FAKE_CLUSTERS"] = "other"
-    proc = subprocess.run(
-        ["bash", str(KIND / "down.sh")], env=env, capture_output=True, text=True, timeout=60, check=False
-    )
+    proc = _script("down.sh", env)
     assert proc.returncode == 0, proc.stderr
     assert "no kind cluster named 'kvfabric'" in proc.stderr
+
+
+@pytest.mark.parametrize("marker", [False, True])
+def test_down_sh_leaves_a_directory_up_sh_did_not_make(marker: bool, tmp_path: Path) -> None:
+    """KVFABRIC_KIND_HOST_DIR may name any directory (a typo, $HOME): down.sh deletes it only with
+    up.sh's marker, and only when it and the marker are this user's."""
+    env, _ = fake_tools(tmp_path, ["kind"])
+    precious = tmp_path / "precious"
+    (precious / "shared").mkdir(parents=True)
+    (precious / "notes.txt").write_text("mine\n")
+    if marker:  # someone else's directory, with a marker they planted
+        if os.geteuid() != 0:
+            pytest.skip("giving a directory to another user needs root")
+        (precious / ".kvfabric-kind-host-dir").write_text("")
+        os.chown(precious / ".kvfabric-kind-host-dir", 65534, 65534)
+        os.chown(precious, 65534, 65534)
+    env["KVFABRIC_KIND_HOST_DIR"] = str(precious)
+    proc = _script("down.sh", env)
+    assert proc.returncode == 0, proc.stderr
+    assert (precious / "notes.txt").read_text() == "mine\n"
+    assert f"leaving {precious}" in proc.stderr
+
+
+@pytest.mark.parametrize("problem", ["others-write", "group-write", "foreign-owner", "symlink", "file"])
+def test_up_sh_refuses_a_host_directory_another_user_could_have_made(problem: str, tmp_path: Path) -> None:
+    """The default host directory is a fixed path under /tmp: another local user could make it first
+    and swap kind-config.yaml or the mounts. up.sh refuses it before creating anything."""
+    env, log = fake_tools(tmp_path, ["docker", "kind", "kubectl", "uv"])
+    env["SKIP_TESTS"] = "1"
+    host = tmp_path / "host"
+    if problem == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        host.symlink_to(tmp_path / "elsewhere")
+    elif problem == "file":
+        host.write_text("")
+    else:
+        host.mkdir(mode=0o700)
+        host.chmod({"others-write": 0o1777, "group-write": 0o770, "foreign-owner": 0o755}[problem])
+        if problem == "foreign-owner":
+            if os.geteuid() != 0:
+                pytest.skip("giving a directory to another user needs root")
+            os.chown(host, 65534, 65534)
+    proc = _script("up.sh", env)
+    assert proc.returncode == 1, proc.stderr
+    assert f"KVFABRIC_KIND_HOST_DIR={host}" in proc.stderr
+    assert not any(c.startswith("kind create") for c in log.read_text().splitlines())
+    assert not (host / "kind-config.yaml").exists()
+
+
+def test_up_sh_accepts_a_private_host_directory_of_this_user_and_down_sh_keeps_it(tmp_path: Path) -> None:
+    env, _ = fake_tools(tmp_path, ["docker", "kind", "kubectl", "uv"])
+    env["SKIP_TESTS"] = "1"
+    host = tmp_path / "host"
+    host.mkdir(mode=0o755)
+    proc = _script("up.sh", env)
+    assert proc.returncode == 0, proc.stderr
+    assert (host / "kind-config.yaml").is_file()
+    assert not (host / ".kvfabric-kind-host-dir").exists()
+    proc = _script("down.sh", env)
+    assert proc.returncode == 0, proc.stderr
+    assert (host / "kind-config.yaml").is_file()
 
 
 def test_up_sh_uses_what_exists() -> None:

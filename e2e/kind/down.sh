@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Delete the kind cluster that e2e/kind/up.sh created. The host directory (NVMe stand-ins, shared
-# tier, kubeconfig) is removed too unless KEEP_HOST_DIR=1.
+# tier, kubeconfig) is removed too unless KEEP_HOST_DIR=1, and only if up.sh created it (its marker
+# file is there and it is this user's): KVFABRIC_KIND_HOST_DIR may name any directory.
 #
 # Environment: KIND_CLUSTER_NAME (default: kvfabric), KVFABRIC_KIND_HOST_DIR (default: /tmp/kvfabric-kind).
 set -euo pipefail
@@ -20,7 +21,12 @@ else
   say "no kind cluster named '${CLUSTER}'"
 fi
 
-if [ "${KEEP_HOST_DIR:-0}" != 1 ] && [ -d "${HOST_DIR}" ]; then
+if [ "${KEEP_HOST_DIR:-0}" = 1 ] || [ ! -e "${HOST_DIR}" ]; then
+  :
+elif [ -L "${HOST_DIR}" ] || [ ! -d "${HOST_DIR}" ] || [ ! -O "${HOST_DIR}" ] ||
+  [ ! -f "${HOST_DIR}/.kvfabric-kind-host-dir" ] || [ ! -O "${HOST_DIR}/.kvfabric-kind-host-dir" ]; then
+  say "leaving ${HOST_DIR}: e2e/kind/up.sh did not create it (no .kvfabric-kind-host-dir marker of this user's)"
+else
   say "removing ${HOST_DIR}"
   # Files written by the cache servers inside the nodes may belong to another uid.
   rm -rf "${HOST_DIR}" 2>/dev/null ||

@@ -23,7 +23,9 @@
 #                             `kvfabric kind image` builds one with no registry at all
 #   IMAGES                    image directories of images/images.txt to build and load (default: all)
 #   KVFABRIC_KIND_HOST_DIR    host directory for the NVMe stand-ins and the shared tier
-#                             (default: /tmp/kvfabric-kind; it must be shared with Docker)
+#                             (default: /tmp/kvfabric-kind; it must be shared with Docker). up.sh
+#                             creates it private (0700) with a marker file, the only kind down.sh
+#                             deletes; an existing one must be this user's and writable by no one else
 #   KVFABRIC_KIND_KUBECONFIG  kubeconfig written for the cluster (default: $KVFABRIC_KIND_HOST_DIR/kubeconfig);
 #                             ~/.kube/config is not touched
 #   CERT_MANAGER              0 (default): the operator generates its webhook certificate and registers
@@ -80,6 +82,28 @@ preflight() {
 }
 
 kc() { kubectl --kubeconfig "${KUBECONFIG_FILE}" "$@"; }
+
+# The marker that says up.sh created HOST_DIR: down.sh deletes no directory without it.
+HOST_DIR_MARKER=".kvfabric-kind-host-dir"
+
+# HOST_DIR holds kind-config.yaml and world-writable directories the nodes mount: another local user
+# who made it first (the default is a fixed path under /tmp) could swap the config or the mounts.
+# Create it private, or accept an existing one only if it is ours and no one else may write to it.
+host_dir() {
+  mkdir -p "$(dirname "${HOST_DIR}")"
+  if mkdir -m 0700 "${HOST_DIR}" 2>/dev/null; then
+    printf 'created by e2e/kind/up.sh for the kind cluster %s; e2e/kind/down.sh deletes it\n' "${CLUSTER}" \
+      >"${HOST_DIR}/${HOST_DIR_MARKER}"
+    return
+  fi
+  if [ -L "${HOST_DIR}" ] || [ ! -d "${HOST_DIR}" ]; then
+    die "KVFABRIC_KIND_HOST_DIR=${HOST_DIR} exists and is not a directory (or is a symbolic link); remove it or choose another"
+  fi
+  [ -O "${HOST_DIR}" ] ||
+    die "KVFABRIC_KIND_HOST_DIR=${HOST_DIR} exists and belongs to another user; remove it or choose another"
+  [ -z "$(find "${HOST_DIR}" -maxdepth 0 -perm /022)" ] ||
+    die "KVFABRIC_KIND_HOST_DIR=${HOST_DIR} is writable by other users (chmod go-w it, or choose another)"
+}
 
 kvfabric_version() {
   sed -n 's/^__version__ = "\(.*\)"$/\1/p' "${root}/operator/kvfabric/cli/version.py"
@@ -212,7 +236,8 @@ run_tests() {
 
 main() {
   preflight
-  mkdir -p "${HOST_DIR}" "$(dirname "${KUBECONFIG_FILE}")"
+  host_dir
+  mkdir -p "$(dirname "${KUBECONFIG_FILE}")"
   create_cluster
   fake_gpus
   build_and_load

@@ -151,3 +151,43 @@ def test_a_labelled_foreign_configmap_is_not_pruned(
     )
     now = cluster.get_json("configmap", decoy, "-n", namespace)
     assert now["data"] == USERS_DATA
+
+
+def test_a_users_networkpolicy_under_the_pools_name_is_not_taken_over(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess
+) -> None:
+    """The NetworkPolicy is checked like every other child (the role reads it by name): a user's own
+    ``<pool>-cache`` policy keeps its spec and gets no owner reference; the pool reports the conflict."""
+    policy = names.network_policy_name("onp")
+    users_spec = {"podSelector": {"matchLabels": {"app": "theirs"}}, "policyTypes": ["Ingress"]}
+    cluster.apply(
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": policy, "labels": {"team": "net"}},
+            "spec": users_spec,
+        },
+        namespace=namespace,
+        server_side=False,
+    )
+    cluster.apply(_pool("onp", routing=False), namespace=namespace)
+    cond = wait_for(
+        lambda: (
+            _current(cluster, namespace, "onp", "Degraded").get("reason") == "ObjectConflict"
+            and _current(cluster, namespace, "onp", "Degraded")
+        ),
+        timeout=60,
+        message="the pool's ObjectConflict",
+    )
+    assert cond["status"] == "True", cond
+    assert f"NetworkPolicy {policy}" in cond["message"], cond
+    now = cluster.get_json("networkpolicy", policy, "-n", namespace)
+    assert now["spec"] == users_spec
+    assert "ownerReferences" not in now["metadata"], now["metadata"]
+    assert now["metadata"]["labels"] == {"team": "net"}
+    assert (
+        cluster.kubectl(
+            "get", "daemonset", names.daemonset_name("onp"), "-n", namespace, check=False
+        ).returncode
+        != 0
+    )

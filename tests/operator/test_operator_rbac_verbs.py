@@ -88,6 +88,11 @@ USES: dict[tuple[str, str, str], list[tuple[str, str]]] = {
         ("consumerkeys.py", r'client\.patch\(\s*"Secret", operator_namespace, SECRET'),
     ],
     ("", "secrets", "delete"): [("reconcile.py", r'client\.delete\("Secret"')],
+    # By name, before applying: a user's NetworkPolicy under the pool's name is not taken over.
+    ("networking.k8s.io", "networkpolicies", "get"): [
+        ("reconcile.py", r'_OWNERSHIP_CHECKED: Final = \(.*"NetworkPolicy"'),
+        ("reconcile.py", r'_UNCACHED: Final = frozenset\(\{"NetworkPolicy"\}\)'),
+    ],
     ("networking.k8s.io", "networkpolicies", "create"): [
         ("render/children.py", r'"kind": "NetworkPolicy"'),
         _APPLY,

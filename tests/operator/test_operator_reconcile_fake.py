@@ -216,6 +216,7 @@ async def test_the_prune_passes_by_labelled_objects_the_pool_does_not_own() -> N
         ("ConfigMap", names.configmap_name("p")),
         ("Service", names.service_name("p")),
         ("DaemonSet", names.daemonset_name("p")),
+        ("NetworkPolicy", names.network_policy_name("p")),
     ],
 )
 async def test_a_child_name_held_by_an_object_not_the_pools_stops_every_apply(kind: str, name: str) -> None:
@@ -237,6 +238,9 @@ async def test_a_child_name_held_by_an_object_not_the_pools_stops_every_apply(ki
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "ObjectConflict")
     assert f"{kind} {name}" in degraded["message"]
+    # A DaemonSet orphaned by an earlier pool of this name is deleted, not renamed.
+    assert "left by an earlier pool of this name" in degraded["message"]
+    assert "delete it; otherwise rename the pool" in degraded["message"]
 
 
 @pytest.mark.asyncio
@@ -360,7 +364,7 @@ class CountingKube(FakeKube):
 @pytest.mark.asyncio
 async def test_a_reconcile_from_synced_informers_lists_nothing_from_the_api_server() -> None:
     """Pods, children and cache-server pods come from the informers' indexes: no LIST per reconcile
-    (only GETs of the pool and of its credential Secrets, which are not cached)."""
+    (only GETs of the pool, of its credential Secrets and of its NetworkPolicy, which are not cached)."""
     from kvfabric.operator.controller import Controller
     from kvfabric.operator.informer import CachedReader
 
@@ -394,7 +398,7 @@ async def test_a_reconcile_from_synced_informers_lists_nothing_from_the_api_serv
     result = await reconcile.reconcile_pool(kube, "ns", "p", injection_enabled=True, reader=reader)  # type: ignore[arg-type]
     assert result is not None
     assert [r for r in kube.reads if r[0] == "list"] == [], kube.reads
-    assert {kind for _, kind in kube.reads} <= {"KVCachePool", "Secret"}, kube.reads
+    assert {kind for _, kind in kube.reads} <= {"KVCachePool", "Secret", "NetworkPolicy"}, kube.reads
     assert reader.fallbacks == 0
 
 

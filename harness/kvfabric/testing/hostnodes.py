@@ -10,6 +10,7 @@ start any of them, naming the process and the test level that runs it.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import PurePath
@@ -27,8 +28,31 @@ NODE_PROGRAMS = frozenset(
         "kube-proxy",
         "etcd",
         "kwok",
+        "kind",
     }
 )
+# Programs that run another program given later on their command line, with each one's options that
+# take a separate value (so that value is not mistaken for the program) and how many positional
+# arguments come before the program (timeout's duration, chroot's root).
+WRAPPERS: dict[str, tuple[frozenset[str], int]] = {
+    "sudo": (frozenset({"-u", "-g", "-C", "-D", "-h", "-p", "-r", "-t", "-U", "-T", "--user", "--group"}), 0),
+    "doas": (frozenset({"-u", "-C"}), 0),
+    "env": (frozenset({"-u", "--unset", "-C", "--chdir", "-S", "--split-string"}), 0),
+    "nsenter": (frozenset({"-t", "--target", "-S", "--setuid", "-G", "--setgid"}), 0),
+    "unshare": (
+        frozenset({"--propagation", "-S", "--setuid", "-G", "--setgid", "-R", "--root", "-w", "--wd"}),
+        0,
+    ),
+    "setsid": (frozenset(), 0),
+    "nohup": (frozenset(), 0),
+    "nice": (frozenset({"-n", "--adjustment"}), 0),
+    "timeout": (frozenset({"-s", "--signal", "-k", "--kill-after"}), 1),
+    "chroot": (frozenset({"--userspec", "--groups"}), 1),
+}
+SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "ash"})
+# What separates the words of a shell script, for the purpose of spotting a program's name in it.
+_SCRIPT_SEPARATORS = re.compile(r"[\s;&|()<>\"'`{}]+")
+_SCRIPT_COMMENT = re.compile(r"(?:^|(?<=\s))#[^\n]*", re.MULTILINE)
 # Python modules that run pods on this host (``python -m …``).
 NODE_MODULES = frozenset({"kvfabric.localcluster.podrunner"})
 SPAWN_EVENTS = frozenset({"subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn"})
@@ -40,16 +64,68 @@ class HostNodeError(RuntimeError):
 
 
 def node_process(argv: Sequence[str]) -> str | None:
-    """The node program or module ``argv`` would start, or None (pure)."""
-    if not argv:
+    """The node program or module ``argv`` would start, or None (pure).
+
+    Looks through wrappers (``sudo``, ``env A=1``, ``nsenter … --``, ``unshare``, ``timeout 5`` …) to
+    the program they run, and into a shell's ``-c`` script, where any word naming a node program
+    counts (``bash -c 'containerd & exec kubelet'``): a guard errs on the side of refusing.
+    """
+    args = [str(a) for a in argv]
+    if not args:
         return None
-    name = PurePath(str(argv[0])).name
+    name = PurePath(args[0]).name
     if name in NODE_PROGRAMS:
         return name
-    args = [str(a) for a in argv]
+    if name in WRAPPERS:
+        return node_process(_wrapped(name, args[1:]))
+    if name in SHELLS:
+        return _in_script(args[1:])
     for i, arg in enumerate(args[:-1]):
         if arg == "-m" and args[i + 1] in NODE_MODULES:
             return args[i + 1]
+    return None
+
+
+def _wrapped(wrapper: str, args: list[str]) -> list[str]:
+    """The command line a wrapper runs: after its options, assignments and leading positionals."""
+    takes_value, positionals = WRAPPERS[wrapper]
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            if positionals == 0:
+                return args[i + 1 :]
+        elif arg.startswith("-") and arg != "-":
+            i += 2 if arg in takes_value else 1
+            continue
+        elif wrapper in ("env", "sudo") and "=" in arg:
+            pass  # NAME=value
+        elif positionals > 0:
+            positionals -= 1
+        else:
+            return args[i:]
+        i += 1
+    return []
+
+
+def _in_script(args: list[str]) -> str | None:
+    """The first node program named by a word of a shell's ``-c`` script, or None."""
+    command = False
+    i = 0
+    while i < len(args) and args[i].startswith(("-", "+")) and args[i] != "--":
+        arg = args[i]
+        if arg in ("-o", "+o", "-O", "+O"):
+            i += 1  # the option's name
+        elif not arg.startswith("--") and "c" in arg[1:]:
+            command = True
+        i += 1
+    if i < len(args) and args[i] == "--":
+        i += 1
+    if not command or i >= len(args):
+        return None
+    for word in _SCRIPT_SEPARATORS.split(_SCRIPT_COMMENT.sub(" ", args[i])):
+        if word and PurePath(word).name in NODE_PROGRAMS:
+            return PurePath(word).name
     return None
 
 

@@ -41,9 +41,11 @@ log = logging.getLogger("kvfabric.operator.reconcile")
 
 # Kinds a pool may own and that are pruned when no longer rendered (e.g. metrics disabled).
 _PRUNABLE: Final = ("Service", "PersistentVolumeClaim", "ConfigMap")
-# Kinds whose rendered names are checked for someone else's object before applying: those the
-# operator may read by name (its role has no get on NetworkPolicies).
-_OWNERSHIP_CHECKED: Final = ("ConfigMap", "PersistentVolumeClaim", "DaemonSet", "Service")
+# Kinds whose rendered names are checked for someone else's object before applying: every kind a
+# pool renders except Secrets, which plan_secrets checks the same way.
+_OWNERSHIP_CHECKED: Final = ("ConfigMap", "PersistentVolumeClaim", "DaemonSet", "Service", "NetworkPolicy")
+# Checked kinds no informer caches: read straight from the API server (one GET by name each).
+_UNCACHED: Final = frozenset({"NetworkPolicy"})
 PoolKey = tuple[str, str]  # (namespace, name)
 
 
@@ -179,8 +181,9 @@ async def _foreign_children(
 
     async def foreign(obj: dict[str, Any]) -> str | None:
         kind, name = obj["kind"], obj["metadata"]["name"]
-        found = await reader.get(kind, pool.namespace, name)
-        if found is None and reader is not client:
+        source: Reader = client if kind in _UNCACHED else reader
+        found = await source.get(kind, pool.namespace, name)
+        if found is None and source is not client:
             found = await client.get(kind, pool.namespace, name)
         if found is None or owned_by(found, uid):
             return None

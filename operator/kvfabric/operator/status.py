@@ -300,7 +300,8 @@ def object_conflict_message(observed: Observed) -> str:
     return (
         f"{them} already exist{'s' if one else ''} and {'is' if one else 'are'} not this pool's (no owner "
         f"reference to it): the operator leaves {'it' if one else 'them'} as {'it is' if one else 'they are'}"
-        " and applies nothing for the pool; rename the pool, or give that object another name"
+        " and applies nothing for the pool; if it was left by an earlier pool of this name (e.g. deleted"
+        " with --cascade=orphan), delete it; otherwise rename the pool, or give that object another name"
     )
 
 

@@ -29,6 +29,7 @@ HARNESS = {
     "kvfabric.bench",
     "kvfabric.testing",
     "kvfabric.containers",
+    "kvfabric.kind",
 }
 
 

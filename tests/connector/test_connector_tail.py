@@ -89,10 +89,10 @@ def test_tail_keys_depend_on_inputs_and_namespace() -> None:
 # ---------------------------------------------------------------------------------------- scheduler
 
 
-def _half(store: MemoryTransport, *, tail: bool = True) -> SchedulerHalf:
+def _half(store: MemoryTransport, *, tail: bool = True, cost_model: bool = False) -> SchedulerHalf:
     cache = ResilientCache([Endpoint("m", lambda: store, CircuitBreaker(100, 60.0))])
     # Generous deadline: a timed-out lookup on a loaded machine is a correct miss these tests do not model.
-    cfg = ConnectorSettings(chunk_tokens=CHUNK, tail=tail, lookup_deadline_ms=30000)
+    cfg = ConnectorSettings(chunk_tokens=CHUNK, tail=tail, lookup_deadline_ms=30000, cost_model=cost_model)
     return SchedulerHalf(cfg, SPEC, cache=cache)
 
 
@@ -165,11 +165,11 @@ def test_the_same_prompt_again_hits_its_tail_but_keeps_a_token_to_compute() -> N
 
 @pytest.mark.parametrize("restore_loses", [False, True])
 def test_with_the_cost_model_a_tail_only_hit_is_weighed_not_dropped(restore_loses: bool) -> None:
-    # The cost model is on by default. It used to drop every tail-only hit unweighed (no whole chunk
-    # kept, so the tail was never looked up); now the tail is looked up and weighed like a chunk:
-    # loaded unless the model's own costs say its restore loses to recomputing it.
+    # With the cost model on, every tail-only hit used to be dropped unweighed (no whole chunk kept,
+    # so the tail was never looked up); now the tail is looked up and weighed like a chunk: loaded
+    # unless the model's own costs say its restore loses to recomputing it.
     store = MemoryTransport()
-    half = _half(store)
+    half = _half(store, cost_model=True)
     assert half.costs is not None
     if restore_loses:
         for start, tokens in ((0, 8), (0, 32), (8, 16)):  # 1 ms per token of prefill

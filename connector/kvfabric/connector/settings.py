@@ -127,12 +127,12 @@ class ConnectorSettings(BaseSettings):
     min_hit_tokens: int = Field(default=0, ge=0)
     """Hits shorter than this are reported as misses: for short prefixes the fixed cost of a load
     exceeds the prefill it saves (about 1-2k tokens on an H100)."""
-    cost_model: bool = True
-    """Load a hit only where restoring it is expected to beat recomputing it, by the prefill and
-    restore costs measured as the engine runs (until both are measured, every hit is loaded); lookup
-    and load deadlines then follow the expected prefill time (``lookup_deadline_ms`` and
-    ``load_deadline_ms`` stay the ceilings). Skipped hits are counted as ``miss.recompute-faster``.
-    False: load every hit, with the fixed deadlines."""
+    cost_model: bool = False
+    """Opt-in (docs/performance.md, "Defaults"): load a hit only where restoring it is expected to
+    beat recomputing it, by the prefill and restore costs measured as the engine runs (until both
+    are measured, every hit is loaded); lookup and load deadlines then follow the expected prefill
+    time (``lookup_deadline_ms`` and ``load_deadline_ms`` stay the ceilings). Skipped hits are
+    counted as ``miss.recompute-faster``. False: load every hit, with the fixed deadlines."""
     tail: bool = True
     """No lost tail: store each prompt's partial last chunk, cut to whole engine blocks, as tail blocks
     (``keys.tail_keys``) and load the longest stored tail after the whole chunks, so the next round of

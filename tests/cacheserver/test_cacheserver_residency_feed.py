@@ -17,11 +17,11 @@ import pytest
 
 from kvfabric.client import CacheClient
 from kvfabric.client.errors import CacheUnavailable
-from kvfabric.client.residency import FeedMessage, ResidencyFeedClient
 from kvfabric.connector.keys import NamespaceSpec
 from kvfabric.rpc.kvevents import msgpack_encode
 from kvfabric.rpc.kvledger import ChunkMeta
 from kvfabric.rpc.residency import Change, frame, residency_socket_for
+from kvfabric.testing import feedfollower
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
@@ -31,37 +31,11 @@ NS = SPEC.digest()  # described over gRPC where a test attaches metadata before 
 META = ChunkMeta(block_hashes=(b"h0", b"h1"), parent_block_hash=None, token_ids=(1, 2, 3, 4), block_size=2)
 
 
-class Follower:
-    """A subscriber that keeps what it read and each key's tiers as the feed says."""
+class Follower(feedfollower.Follower):
+    """A follower of this module's namespace."""
 
     def __init__(self, srv: ServerProcess) -> None:
-        self.client = ResidencyFeedClient(residency_socket_for(srv.config.listen.unix_socket), NS)
-        self.log: list[FeedMessage] = []
-        self.tiers: dict[str, set[str]] = {}
-        self.metas: dict[str, ChunkMeta] = {}
-        self.until(lambda: ("synced", None) in self.log, "the snapshot")
-
-    def pump(self) -> None:
-        for message in self.client.read(0.05):
-            self.log.append(message)
-            if isinstance(message, Change):
-                tiers = self.tiers.setdefault(message.key, set())
-                if message.op == "stored":
-                    tiers.add(message.tier)
-                    if message.meta is not None:
-                        self.metas[message.key] = message.meta
-                else:
-                    tiers.discard(message.tier)
-
-    def until(self, pred: object, what: str, timeout: float = 30.0) -> None:
-        def check() -> bool:
-            self.pump()
-            return bool(pred())  # type: ignore[operator]
-
-        wait_until(check, timeout=timeout, what=what)
-
-    def changes(self, key: str) -> list[tuple[str, str]]:
-        return [(m.op, m.tier) for m in self.log if isinstance(m, Change) and m.key == key]
+        super().__init__(srv, NS)
 
 
 @pytest.fixture

@@ -21,10 +21,10 @@ from kvfabric.cacheserver.engine.blockfile import HEADER_SIZE, pack_header, unpa
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.transport.residencyfeed import ResidencyFeed
 from kvfabric.client import CacheClient
-from kvfabric.client.residency import FeedMessage, ResidencyFeedClient
 from kvfabric.connector.keys import NamespaceSpec
 from kvfabric.rpc.kvledger import ChunkMeta
-from kvfabric.rpc.residency import Change, encode_meta, residency_socket_for
+from kvfabric.rpc.residency import encode_meta
+from kvfabric.testing import feedfollower
 from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
@@ -43,36 +43,11 @@ METAS = [
 ]
 
 
-class Follower:
-    """A subscriber to one namespace: each key's tiers and names as the feed says."""
+class Follower(feedfollower.Follower):
+    """A follower that records a name dropped (a stored record without names) as None."""
 
     def __init__(self, srv: ServerProcess, namespace: str = NS) -> None:
-        self.client = ResidencyFeedClient(residency_socket_for(srv.config.listen.unix_socket), namespace)
-        self.log: list[FeedMessage] = []
-        self.tiers: dict[str, set[str]] = {}
-        self.metas: dict[str, ChunkMeta | None] = {}
-        self.until(lambda: ("synced", None) in self.log, "the snapshot")
-
-    def pump(self) -> None:
-        for message in self.client.read(0.05):
-            self.log.append(message)
-            if isinstance(message, Change):
-                tiers = self.tiers.setdefault(message.key, set())
-                if message.op == "stored":
-                    tiers.add(message.tier)
-                    self.metas[message.key] = message.meta
-                else:
-                    tiers.discard(message.tier)
-
-    def until(self, pred: object, what: str, timeout: float = 30.0) -> None:
-        def check() -> bool:
-            self.pump()
-            return bool(pred())  # type: ignore[operator]
-
-        wait_until(check, timeout=timeout, what=what)
-
-    def close(self) -> None:
-        self.client.close()
+        super().__init__(srv, namespace, keep_unnamed=True)
 
 
 @pytest.fixture

@@ -511,14 +511,23 @@ def test_chats_beyond_the_kv_cache_reuse_evicted_prefixes(fabric: Fabric) -> Non
 def test_cache_server_killed_and_hung_mid_run(fabric: Fabric) -> None:
     """kill -9, restart and SIGSTOP/SIGCONT of the cache server during a run: no request fails.
 
-    Faults are driven by progress (after the 1st, 3rd and 5th completion), not by time. Every
-    output is identical to the reference: a fault is a recompute, never an error or a wrong token.
+    Faults are driven by progress, not by time: kill -9 after the 1st completion, restart after the
+    3rd, SIGSTOP after the 4th, SIGCONT after the 5th. The requests meant to meet a fault are sent
+    only once it is in place (requests of one batch finish in the same step, so the next ones would
+    otherwise race the fault and could all be looked up before it). Every output is identical to the
+    reference: a fault is a recompute, never an error or a wrong token.
     """
     done = threading.Semaphore(0)
     results: dict[str, list[int]] = {}
+    killed, restarted, stopped = threading.Event(), threading.Event(), threading.Event()
+    rids = list(workload.FAULTS)
+    # Which fault each request waits for before it is sent (the first three run on a healthy server).
+    gate = {rids[3]: killed, rids[4]: killed, rids[5]: restarted, rids[6]: stopped, rids[7]: stopped}
 
     def one(rid: str) -> None:
         try:
+            if rid in gate:
+                assert gate[rid].wait(120), f"{rid}: its fault never came"
             results[rid] = fabric.s1.complete(workload.FAULTS[rid], workload.MAX_TOKENS).tokens
         finally:
             done.release()
@@ -526,18 +535,21 @@ def test_cache_server_killed_and_hung_mid_run(fabric: Fabric) -> None:
     def chaos() -> None:
         done.acquire()
         fabric.a.kill(signal.SIGKILL)
+        killed.set()
         done.acquire()
         done.acquire()
         fabric.a.start()
+        restarted.set()
         done.acquire()
         assert fabric.a.proc is not None
         fabric.a.proc.send_signal(signal.SIGSTOP)
+        stopped.set()
         done.acquire()
         fabric.a.proc.send_signal(signal.SIGCONT)
 
     with ThreadPoolExecutor(3) as pool:
         faults = pool.submit(chaos)
-        list(pool.map(one, workload.FAULTS))
+        list(pool.map(one, rids))
         faults.result(timeout=120)
     for rid in workload.FAULTS:
         assert results[rid] == fabric.reference["outputs"][rid], rid

@@ -19,7 +19,11 @@ cProfile summaries (top functions by own time) of
 8. a cold disk-tier load stage by stage, in-process on real block files: the O_DIRECT read in the
    promotion's pieces, the checksum, the write into a fresh memfd, the client's first mapping and
    copy of it, and the promotion as coded (``read_block_to_fd``), each beside the raw O_DIRECT read
-   of the same file: CPU and wall time per MiB.
+   of the same file: CPU and wall time per MiB;
+9. object-tier promotions of 32 MiB objects into fresh memfds from a real S3 server (SeaweedFS on
+   loopback), four at a time as a load promotes them: through a fresh mapping (``read_into``) and
+   written part by part into the memfd (``read_into_fd``, what a promotion does), against the same
+   ranged GETs by a bare obstore client: GB/s, ratio to raw per round, and this process's CPU per MiB.
 
 Not a benchmark (no targets, nothing judged): the evidence behind docs/performance.md.
 """
@@ -672,6 +676,115 @@ def cold_load_stages(rounds: int = 5, blocks: int = 4, workdir: Path | None = No
         print(f"{k:20s} {cs:>24s} {ws:>24s} {statistics.median(w) / raw_w:10.2f}")
 
 
+def object_promotion_paths(blocks: int = 4, rounds: int = 5) -> None:
+    """Part 9: object-tier promotions into fresh memfds, two ways, against raw ranged GETs.
+
+    Needs the SeaweedFS test server (``python -m kvfabric.testing.s3server build``). The S3 server
+    runs on the same cores, so its CPU is in the wall times but not in the CPU column (this process
+    only).
+    """
+    import mmap
+    import statistics
+    from concurrent.futures import ThreadPoolExecutor
+
+    import obstore
+
+    from kvfabric.cacheserver.config import ObjectStoreTierConfig
+    from kvfabric.cacheserver.engine.blockfile import HEADER_SIZE
+    from kvfabric.cacheserver.engine.ids import BlockId
+    from kvfabric.cacheserver.engine.objectclient import make_store
+    from kvfabric.cacheserver.engine.objectstore import ObjectStoreTier, object_path, part_ranges
+    from kvfabric.cacheserver.engine.stats import Counters
+    from kvfabric.testing.s3server import s3_server
+    from kvfabric.testing.serverproc import digest
+
+    chunk = 32 * MiB
+    tmp = Path(tempfile.mkdtemp(prefix="kvf-prof-"))
+    rates: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+    try:
+        with s3_server() as s3:
+            (tmp / "ak").write_text(s3.access_key)
+            (tmp / "sk").write_text(s3.secret_key)
+            cfg = ObjectStoreTierConfig.model_validate(
+                {
+                    "endpoint": s3.endpoint,
+                    "bucket": s3.bucket,
+                    "prefix": "prof",
+                    "access_key_id_file": str(tmp / "ak"),
+                    "secret_access_key_file": str(tmp / "sk"),
+                    "capacity_bytes": 4 * blocks * (chunk + HEADER_SIZE),
+                }
+            )
+            tier = ObjectStoreTier(
+                cfg, server_id="prof", bucket_seconds=3600, ttl_seconds=86400, counters=Counters()
+            )
+            tier.start(background=False)
+            bids = [BlockId(digest("prof-ns"), digest("obj", i)) for i in range(blocks)]
+            for b in bids:
+                if not tier.put(b, os.urandom(chunk)):
+                    raise RuntimeError("upload failed")
+            store = make_store(cfg)
+            entries = [tier.entry(b) for b in bids]
+            paths = [object_path(b, e.bucket, e.gen) for b, e in zip(bids, entries, strict=True) if e]
+            gets = ThreadPoolExecutor(cfg.max_concurrent_gets)
+            loads = ThreadPoolExecutor(4)  # ShmLoad's promotions in flight (max(2, io_threads))
+
+            def raw() -> None:
+                jobs = [(p, s, e) for p in paths for s, e in part_ranges(chunk + HEADER_SIZE, cfg.part_bytes)]
+                list(gets.map(lambda j: len(obstore.get_range(store, j[0], start=j[1], end=j[2])), jobs))
+
+            def mapped(b: BlockId) -> None:
+                fd = os.memfd_create("profile", os.MFD_CLOEXEC)
+                os.ftruncate(fd, chunk)
+                with mmap.mmap(fd, chunk) as m:
+                    view = memoryview(m)
+                    ok = tier.read_into(b, view).ok
+                    view.release()
+                os.close(fd)
+                if not ok:
+                    raise RuntimeError("object read missed")
+
+            def to_fd(b: BlockId) -> None:
+                fd = os.memfd_create("profile", os.MFD_CLOEXEC)
+                ok = tier.read_into_fd(b, fd).ok
+                os.close(fd)
+                if not ok:
+                    raise RuntimeError("object read missed")
+
+            def each(fn: Callable[[BlockId], None]) -> Callable[[], None]:
+                def run() -> None:
+                    for _ in loads.map(fn, bids):  # the promotions of one load, four in flight
+                        pass
+
+                return run
+
+            ways: dict[str, Callable[[], None]] = {
+                "raw ranged GETs (baseline)": raw,
+                "into a fresh mapping (read_into)": each(mapped),
+                "pwrite per part (read_into_fd, now)": each(to_fd),
+            }
+            for _ in range(rounds):
+                for name, fn in ways.items():
+                    c, w = time.process_time(), time.perf_counter()
+                    fn()
+                    rates.setdefault(name, []).append(blocks * chunk / (time.perf_counter() - w) / 1e9)
+                    cpu.setdefault(name, []).append((time.process_time() - c) / (blocks * chunk / MiB) * 1e6)
+            tier.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    base = rates["raw ranged GETs (baseline)"]
+    load = os.getloadavg()[0]
+    print(f"== object-tier promotions, {blocks} x 32 MiB, {rounds} rounds, load {load:.1f}")
+    for name, got in rates.items():
+        ratios = [a / b for a, b in zip(got, base, strict=True)]
+        print(
+            f"{name:36s} {statistics.median(got):6.3f} GB/s ({min(got):.3f}-{max(got):.3f}), "
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) of raw, "
+            f"CPU {statistics.median(cpu[name]):.0f} us/MiB ({min(cpu[name]):.0f}-{max(cpu[name]):.0f})"
+        )
+
+
 if __name__ == "__main__":
     lookups_and_shm()
     disk_promotion()
@@ -680,3 +793,4 @@ if __name__ == "__main__":
     restore_paths()
     store_paths()
     cold_load_stages()
+    object_promotion_paths()

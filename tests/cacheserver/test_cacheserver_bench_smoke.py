@@ -51,6 +51,11 @@ def test_bench_storage_reports_every_measurement() -> None:
             assert result[key] > 0, key
     # The server's CPU is read in clock ticks (10 ms): a short round of local lookups may show none.
     assert result["lookup_local_c1_server_cpu_us"] >= 0
+    # The cold load's CPU per MiB (client and server) beside the raw read's, from the same rounds.
+    assert result["disk_tier_cpu_us_per_mib"] > 0
+    assert result["disk_raw_cpu_us_per_mib"] >= 0
+    spread = result["spread"]
+    assert spread["disk_tier_cpu_us_per_mib"]["rounds"] == spread["disk_tier_over_raw"]["rounds"]
     # The table (the object tier's row only when measured), with the p99 at the most clients
     # of 1 and 2 that the machine has cores for.
     assert len(result["targets"]) == 8
@@ -76,6 +81,10 @@ def test_bench_storage_measures_the_object_tier_against_raw_gets_and_recompute()
     result = json.loads(out.strip().splitlines()[-1])
     for key in ("object_raw_get_gbps", "object_single_get_gbps", "object_tier_load_gbps"):
         assert result[key] > 0, key
+    # The ratio is paired per round (one round here), and the CPU per MiB of both sides is reported.
+    assert result["spread"]["object_tier_over_raw"]["rounds"] == 1
+    assert result["object_tier_cpu_us_per_mib"] > 0
+    assert result["object_raw_cpu_us_per_mib"] > 0
     assert result["object_ttft_hit_tokens"] == 1024  # every whole chunk restored from the object tier
     assert result["object_ttft_s"] > 0
     assert result["recompute_ttft_s"] > 0

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvfabric.cacheserver.config import ServerConfig
 from kvfabric.cacheserver.engine import blockfile
-from kvfabric.cacheserver.engine.base import Tier
+from kvfabric.cacheserver.engine.base import MissReason, Tier, read_miss_counter
 from kvfabric.cacheserver.engine.blockfile import (
     HEADER_SIZE,
     BlockHeader,
@@ -203,6 +203,54 @@ def test_a_promotion_whose_dram_side_fails_keeps_the_disk_copy(
         assert handle is not None
         assert handle.read() == data
         handle.close()
+    finally:
+        store.close()
+
+
+def test_a_read_error_half_way_through_a_promotion_is_a_miss_and_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The disk fails (EIO) on the second piece of the overlapped read, while the first is being
+    # checksummed and written: the promotion is a miss counted as an I/O error, no DRAM block and no
+    # memfd is left, the reading thread has stopped and its piece buffers went back to the spares.
+    import errno
+
+    from kvfabric.cacheserver.engine.tiered import TieredStore
+
+    cfg = _dram_and_disk(tmp_path, dram=64 << 20, disk=64 << 20, max_payload=16 << 20)
+    store = TieredStore(cfg)
+    store.start()
+    try:
+        b = bid("eio")
+        data = payload_for(b.key, 3 * PIECE + 5)  # the overlapped path, four pieces
+        assert store.put(b, data)
+        assert store.flush()
+        assert store.tier("dram").delete(b)
+        real = os.preadv
+        reads: list[int] = []
+
+        def failing(fd: int, buffers: list[memoryview], offset: int) -> int:
+            if threading.current_thread().name == "kvfabric-block-read":
+                reads.append(offset)
+                if offset >= HEADER_SIZE + PIECE:
+                    raise OSError(errno.EIO, "Input/output error")
+            return real(fd, buffers, offset)
+
+        threads = threading.active_count()
+        fds = len(os.listdir("/proc/self/fd"))
+        spares = blockfile._spare_pieces.qsize()
+        monkeypatch.setattr(os, "preadv", failing)
+        assert store.ensure_dram(b) is None
+        monkeypatch.setattr(os, "preadv", real)
+        assert reads == [HEADER_SIZE, HEADER_SIZE + PIECE]  # it failed half-way, and read no further
+        assert store.dram.slot(b) is None
+        assert store.tier("dram").usage().used_bytes == 0
+        assert store.counters.get(read_miss_counter(MissReason.IO_ERROR), "local_disk") == 1
+        assert threading.active_count() == threads
+        assert len(os.listdir("/proc/self/fd")) == fds
+        # Every piece buffer the read took (spares first) is a spare again, none lost.
+        kept = min(max(spares, blockfile._PIPE_DEPTH), blockfile._SPARE_MAX)
+        assert blockfile._spare_pieces.qsize() == kept
     finally:
         store.close()
 

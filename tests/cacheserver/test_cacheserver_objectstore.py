@@ -4,8 +4,10 @@ TTL, journal, throttling and a hung server. No mock of the client: every request
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,10 +16,10 @@ import obstore
 import pytest
 
 from kvfabric.cacheserver.config import ObjectStoreTierConfig
-from kvfabric.cacheserver.engine.blockfile import HEADER_SIZE
+from kvfabric.cacheserver.engine.blockfile import HEADER_SIZE, DestinationFailed
 from kvfabric.cacheserver.engine.ids import BlockId
-from kvfabric.cacheserver.engine.objectclient import ObjectClient, make_store
-from kvfabric.cacheserver.engine.objectstore import ObjectStoreTier, object_path
+from kvfabric.cacheserver.engine.objectclient import ObjectClient, ObjectStoreError, make_store
+from kvfabric.cacheserver.engine.objectstore import ObjectStoreTier, object_path, part_ranges
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.ttl import bucket_of
 from kvfabric.testing.s3server import FaultProxy, S3Server, s3_server
@@ -100,8 +102,16 @@ def bid(i: object, ns: str = digest("ns")) -> BlockId:
     return BlockId(ns, digest("key", i))
 
 
-def read(t: ObjectStoreTier, b: BlockId) -> bytes | None:
-    return t.get(b)
+def read(t: ObjectStoreTier, b: BlockId, via: str = "mapping") -> bytes | None:
+    """The verified payload of ``b``: through ``read_into`` (a buffer) or ``read_into_fd`` (a memfd)."""
+    if via == "mapping":
+        return t.get(b)
+    fd = os.memfd_create("test", os.MFD_CLOEXEC)
+    try:
+        res = t.read_into_fd(b, fd)
+        return os.pread(fd, res.length, 0) if res.ok else None
+    finally:
+        os.close(fd)
 
 
 def path_of(t: ObjectStoreTier, k: BlockId) -> str:
@@ -191,12 +201,13 @@ def _flip(data: bytes, at: int) -> bytes:
     return data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1 :]
 
 
+@pytest.mark.parametrize("via", ["mapping", "memfd"])
 @pytest.mark.parametrize(
     "damage",
     ["payload_bit", "header_bit", "truncated", "header_only", "empty", "other_block"],
 )
 def test_corrupt_or_truncated_objects_are_never_served_deleted_and_counted(
-    s3: S3Server, prefix: str, tmp_path: Any, damage: str
+    s3: S3Server, prefix: str, tmp_path: Any, damage: str, via: str
 ) -> None:
     cfg = tier_config(s3, prefix, tmp_path)
     store = make_store(cfg)
@@ -225,11 +236,112 @@ def test_corrupt_or_truncated_objects_are_never_served_deleted_and_counted(
             # An object shorter than a header is caught by the start-up listing itself.
             assert not b.contains(k)
         else:
-            assert read(b, k) is None
+            assert read(b, k, via) is None
         assert b.counters.get("checksum_failures", "object") == 1
         assert not b.contains(k)
         with pytest.raises(FileNotFoundError):
             obstore.head(store, path)
+
+
+class SlowPartsClient(ObjectClient):
+    """The real client; every ranged GET waits a little (so that parts overlap) and the one at
+    ``fail_at`` fails; it counts the GETs sent and those in flight."""
+
+    def __init__(self, cfg: ObjectStoreTierConfig, fail_at: int | None = None) -> None:
+        super().__init__(cfg)
+        self.fail_at = fail_at
+        self.sent = 0
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self._count = threading.Lock()
+
+    def get_range(self, path: str, start: int, end: int, *, timeout: float) -> Any:
+        with self._count:
+            self.sent += 1
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            time.sleep(0.05)
+            if start == self.fail_at:
+                raise ObjectStoreError("injected: this part failed")
+            return super().get_range(path, start, end, timeout=timeout)
+        finally:
+            with self._count:
+                self.in_flight -= 1
+
+
+@pytest.mark.parametrize("via", ["mapping", "memfd"])
+def test_a_multi_part_object_loads_equal_to_the_object_one_get_per_part(
+    s3: S3Server, prefix: str, tmp_path: Any, via: str
+) -> None:
+    # Sizes around the 1 MiB part (and the header that shifts every part's payload) and a payload
+    # of many parts; each must come back byte for byte, in exactly as many GETs as parts, in parallel.
+    cfg = tier_config(s3, prefix, tmp_path)
+    sizes = [1, MiB - HEADER_SIZE, MiB - HEADER_SIZE + 1, 3 * MiB + 12345, 6 * MiB]
+    # Random bytes, not a repeating pattern: a part written at the wrong offset must show.
+    payloads = {n: random.Random(n).randbytes(n) for n in sizes}
+    with tier(cfg, "a") as a:
+        for n in sizes:
+            assert a.put(bid(n), payloads[n])
+    client = SlowPartsClient(cfg)
+    with tier(cfg, "b", client=client) as b:
+        for n in sizes:
+            sent = client.sent
+            assert read(b, bid(n), via) == payloads[n], n
+            assert client.sent - sent == len(part_ranges(n + HEADER_SIZE, MiB)), n
+            assert client.in_flight == 0
+        assert client.most_in_flight > 1  # the parts of one object overlap
+        assert b.counters.get("checksum_failures", "object") == 0
+
+
+@pytest.mark.parametrize("via", ["mapping", "memfd"])
+def test_a_failing_part_is_a_miss_and_no_part_runs_after_it(
+    s3: S3Server, prefix: str, tmp_path: Any, via: str
+) -> None:
+    # One GET slot: the parts queue behind each other. The first part fails: the read is a miss
+    # (an I/O error, not corruption: the object stays indexed and is not deleted), the parts not
+    # yet sent are never sent, and none is in flight once the read has returned.
+    cfg = tier_config(s3, prefix, tmp_path, max_concurrent_gets=1)
+    k, payload = bid("parts"), payload_for("parts", 6 * MiB)
+    with tier(cfg, "a") as a:
+        assert a.put(k, payload)
+    parts = len(part_ranges(len(payload) + HEADER_SIZE, MiB))
+    client = SlowPartsClient(cfg, fail_at=0)
+    with tier(cfg, "b", client=client) as b:
+        assert read(b, k, via) is None
+        assert client.in_flight == 0
+        sent = client.sent
+        assert sent <= 2 < parts  # the failing part, and at most the one the pool had started
+        time.sleep(0.3)
+        assert client.sent == sent  # nothing was left queued to run later
+        assert b.contains(k)
+        assert b.counters.get("checksum_failures", "object") == 0
+        assert b.counters.get("object_errors", "get") == 1
+        client.fail_at = None
+        assert read(b, k, via) == payload
+
+
+def test_a_destination_that_fails_is_raised_after_every_part_and_the_object_stays(
+    s3: S3Server, prefix: str, tmp_path: Any
+) -> None:
+    # A promotion whose memfd cannot take the bytes (memory full) is the DRAM side's failure: it is
+    # raised to the promotion (which counts it as a DRAM miss), never counted against the object.
+    cfg = tier_config(s3, prefix, tmp_path)
+    k, payload = bid("dest"), payload_for("dest", 3 * MiB)
+    with tier(cfg, "a") as a:
+        assert a.put(k, payload)
+    client = SlowPartsClient(cfg)
+    with tier(cfg, "b", client=client) as b:
+        fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)  # every write fails (EBADF)
+        try:
+            with pytest.raises(DestinationFailed):
+                b.read_into_fd(k, fd)
+        finally:
+            os.close(fd)
+        assert client.in_flight == 0
+        assert b.contains(k)
+        assert b.counters.get("checksum_failures", "object") == 0
+        assert read(b, k, "memfd") == payload
 
 
 # --- capacity and TTL ----------------------------------------------------------------------------------

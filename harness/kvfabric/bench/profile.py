@@ -15,7 +15,15 @@ cProfile summaries (top functions by own time) of
    and scattering in place from the mappings (no staging copy), with memcpy of the same bytes;
 7. the same-node store path stage by stage, in-process with the real pieces (the connector's MAC,
    the arena's handshake, the client's write, the commit with its index publication, the
-   write-back's checksum and disk write): CPU time per MiB of each stage, beside memcpy.
+   write-back's checksum and disk write): CPU time per MiB of each stage, beside memcpy;
+8. a cold disk-tier load stage by stage, in-process on real block files: the O_DIRECT read in the
+   promotion's pieces, the checksum, the write into a fresh memfd, the client's first mapping and
+   copy of it, and the promotion as coded (``read_block_to_fd``), each beside the raw O_DIRECT read
+   of the same file: CPU and wall time per MiB;
+9. object-tier promotions of 32 MiB objects into fresh memfds from a real S3 server (SeaweedFS on
+   loopback), four at a time as a load promotes them: through a fresh mapping (``read_into``) and
+   written part by part into the memfd (``read_into_fd``, what a promotion does), against the same
+   ranged GETs by a bare obstore client: GB/s, ratio to raw per round, and this process's CPU per MiB.
 
 Not a benchmark (no targets, nothing judged): the evidence behind docs/performance.md.
 """
@@ -538,6 +546,245 @@ def store_paths(rounds: int = 5, blocks: int = 4, chunk: int = 32 * MiB) -> None
         print(f"{k:18s} {cs:>24s} {ws:>24s}")
 
 
+def cold_load_stages(rounds: int = 5, blocks: int = 4, workdir: Path | None = None) -> None:
+    """Part 8: CPU (process time: a reader thread counts) and wall time per MiB of a cold disk load.
+
+    Every round writes ``blocks`` fresh 32 MiB block files (``write_block``: header and checksum
+    as a tier writes them; O_DIRECT reads never come from the page cache) and, per file, times:
+    the raw O_DIRECT read of the whole file into one warm buffer (the benchmark's baseline);
+    the promotion's stages one at a time (the O_DIRECT read of the payload in the promotion's
+    pieces into a warm buffer; xxh3-128 of it; its ``pwrite`` into a fresh memfd; the client's first
+    load of that memfd: map it with ``MAP_POPULATE``, copy into a warm buffer, unmap); and the
+    promotion as coded (``read_block_to_fd`` into a fresh memfd: read, checksum and write
+    overlapped), then the whole cold load (that promotion and the client's first load).
+    """
+    import mmap
+    import statistics
+
+    import xxhash
+
+    from kvfabric.cacheserver.engine import blockfile
+    from kvfabric.cacheserver.engine.ids import BlockId
+    from kvfabric.testing.serverproc import digest
+
+    n = 32 * MiB
+    piece = blockfile._PIPE_PIECE  # the promotion's own piece size
+    direct = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    names = ["raw_read", "read_pieces", "checksum", "memfd_write", "client_map_copy"]
+    names += ["promotion_as_coded", "cold_load_as_coded"]
+    cpu: dict[str, list[float]] = {k: [] for k in names}
+    wall: dict[str, list[float]] = {k: [] for k in names}
+    warm = mmap.mmap(-1, blockfile.HEADER_SIZE + n)
+    warm[:] = b"\1" * len(warm)
+    dest = memoryview(bytearray(n))
+    dest[:] = warm[:n]
+    mib = n / MiB
+
+    def stage(name: str, fn: Callable[[], None]) -> None:
+        w, c = time.perf_counter_ns(), time.process_time_ns()
+        fn()
+        cpu[name].append((time.process_time_ns() - c) / mib / 1e3)
+        wall[name].append((time.perf_counter_ns() - w) / mib / 1e3)
+
+    def fresh_memfd() -> int:
+        fd = os.memfd_create("profile", os.MFD_CLOEXEC)
+        os.ftruncate(fd, n)
+        return fd
+
+    def client_copy(fd: int) -> None:
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        with mmap.mmap(fd, n, prot=mmap.PROT_READ, flags=flags) as m:
+            dest[:] = m
+
+    with tempfile.TemporaryDirectory(prefix="kvf-prof-", dir=workdir or "/var/tmp") as tmp:
+        (Path(tmp) / "tmp").mkdir()
+        payload = os.urandom(n)
+        for r in range(rounds):
+            files: list[tuple[Path, BlockId]] = []
+            for i in range(blocks):
+                bid = BlockId(digest("prof-ns"), digest("cold", r, i))
+                path = Path(tmp) / "b" / bid.filename
+                blockfile.write_block(Path(tmp) / "tmp", path, bid, payload, created_at=0.0, bucket=0)
+                files.append((path, bid))
+            os.sync()
+            for path, bid in files:
+                view = memoryview(warm)
+
+                def raw(path: Path = path) -> None:
+                    src = os.open(path, direct)
+                    os.preadv(src, [warm], 0)
+                    os.close(src)
+
+                def read_pieces(path: Path = path, view: memoryview = view) -> None:
+                    src = os.open(path, direct)
+                    for off in range(0, n, piece):
+                        os.preadv(src, [view[off : off + piece]], blockfile.HEADER_SIZE + off)
+                    os.close(src)
+
+                def checksum(view: memoryview = view) -> None:
+                    h = xxhash.xxh3_128()
+                    for off in range(0, n, piece):
+                        h.update(view[off : off + piece])
+                    h.digest()
+
+                memfds: list[int] = []
+
+                def write(view: memoryview = view, memfds: list[int] = memfds) -> None:
+                    fd = fresh_memfd()
+                    memfds.append(fd)
+                    for off in range(0, n, piece):
+                        os.pwrite(fd, view[off : off + piece], off)
+
+                def as_coded(path: Path = path, bid: BlockId = bid, memfds: list[int] = memfds) -> None:
+                    fd = fresh_memfd()
+                    memfds.append(fd)
+                    blockfile.read_block_to_fd(path, bid, fd, length=n)
+
+                def whole(path: Path = path, bid: BlockId = bid) -> None:
+                    fd = fresh_memfd()
+                    try:
+                        blockfile.read_block_to_fd(path, bid, fd, length=n)
+                        client_copy(fd)
+                    finally:
+                        os.close(fd)
+
+                stage("raw_read", raw)
+                stage("read_pieces", read_pieces)
+                stage("checksum", checksum)
+                stage("memfd_write", write)
+
+                def map_copy(memfds: list[int] = memfds) -> None:
+                    client_copy(memfds[0])
+
+                stage("client_map_copy", map_copy)
+                stage("promotion_as_coded", as_coded)
+                stage("cold_load_as_coded", whole)
+                view.release()
+                for fd in memfds:
+                    os.close(fd)
+            for path, _ in files:
+                path.unlink()
+    warm.close()
+    load = os.getloadavg()[0]
+    print(f"== a cold disk load, {blocks} x 32 MiB per round, {rounds} rounds, load {load:.1f}")
+    raw_w = statistics.median(wall["raw_read"])
+    print(f"{'stage':20s} {'CPU us/MiB':>24s} {'wall us/MiB':>24s} {'wall / raw':>10s}")
+    for k in names:
+        c, w = cpu[k], wall[k]
+        cs = f"{statistics.median(c):8.1f} ({min(c):.1f}-{max(c):.1f})"
+        ws = f"{statistics.median(w):8.1f} ({min(w):.1f}-{max(w):.1f})"
+        print(f"{k:20s} {cs:>24s} {ws:>24s} {statistics.median(w) / raw_w:10.2f}")
+
+
+def object_promotion_paths(blocks: int = 4, rounds: int = 5) -> None:
+    """Part 9: object-tier promotions into fresh memfds, two ways, against raw ranged GETs.
+
+    Needs the SeaweedFS test server (``python -m kvfabric.testing.s3server build``). The S3 server
+    runs on the same cores, so its CPU is in the wall times but not in the CPU column (this process
+    only).
+    """
+    import mmap
+    import statistics
+    from concurrent.futures import ThreadPoolExecutor
+
+    import obstore
+
+    from kvfabric.cacheserver.config import ObjectStoreTierConfig
+    from kvfabric.cacheserver.engine.blockfile import HEADER_SIZE
+    from kvfabric.cacheserver.engine.ids import BlockId
+    from kvfabric.cacheserver.engine.objectclient import make_store
+    from kvfabric.cacheserver.engine.objectstore import ObjectStoreTier, object_path, part_ranges
+    from kvfabric.cacheserver.engine.stats import Counters
+    from kvfabric.testing.s3server import s3_server
+    from kvfabric.testing.serverproc import digest
+
+    chunk = 32 * MiB
+    tmp = Path(tempfile.mkdtemp(prefix="kvf-prof-"))
+    rates: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+    try:
+        with s3_server() as s3:
+            (tmp / "ak").write_text(s3.access_key)
+            (tmp / "sk").write_text(s3.secret_key)
+            cfg = ObjectStoreTierConfig.model_validate(
+                {
+                    "endpoint": s3.endpoint,
+                    "bucket": s3.bucket,
+                    "prefix": "prof",
+                    "access_key_id_file": str(tmp / "ak"),
+                    "secret_access_key_file": str(tmp / "sk"),
+                    "capacity_bytes": 4 * blocks * (chunk + HEADER_SIZE),
+                }
+            )
+            tier = ObjectStoreTier(
+                cfg, server_id="prof", bucket_seconds=3600, ttl_seconds=86400, counters=Counters()
+            )
+            tier.start(background=False)
+            bids = [BlockId(digest("prof-ns"), digest("obj", i)) for i in range(blocks)]
+            for b in bids:
+                if not tier.put(b, os.urandom(chunk)):
+                    raise RuntimeError("upload failed")
+            store = make_store(cfg)
+            entries = [tier.entry(b) for b in bids]
+            paths = [object_path(b, e.bucket, e.gen) for b, e in zip(bids, entries, strict=True) if e]
+            gets = ThreadPoolExecutor(cfg.max_concurrent_gets)
+            loads = ThreadPoolExecutor(4)  # ShmLoad's promotions in flight (max(2, io_threads))
+
+            def raw() -> None:
+                jobs = [(p, s, e) for p in paths for s, e in part_ranges(chunk + HEADER_SIZE, cfg.part_bytes)]
+                list(gets.map(lambda j: len(obstore.get_range(store, j[0], start=j[1], end=j[2])), jobs))
+
+            def mapped(b: BlockId) -> None:
+                fd = os.memfd_create("profile", os.MFD_CLOEXEC)
+                os.ftruncate(fd, chunk)
+                with mmap.mmap(fd, chunk) as m:
+                    view = memoryview(m)
+                    ok = tier.read_into(b, view).ok
+                    view.release()
+                os.close(fd)
+                if not ok:
+                    raise RuntimeError("object read missed")
+
+            def to_fd(b: BlockId) -> None:
+                fd = os.memfd_create("profile", os.MFD_CLOEXEC)
+                ok = tier.read_into_fd(b, fd).ok
+                os.close(fd)
+                if not ok:
+                    raise RuntimeError("object read missed")
+
+            def each(fn: Callable[[BlockId], None]) -> Callable[[], None]:
+                def run() -> None:
+                    for _ in loads.map(fn, bids):  # the promotions of one load, four in flight
+                        pass
+
+                return run
+
+            ways: dict[str, Callable[[], None]] = {
+                "raw ranged GETs (baseline)": raw,
+                "into a fresh mapping (read_into)": each(mapped),
+                "pwrite per part (read_into_fd, now)": each(to_fd),
+            }
+            for _ in range(rounds):
+                for name, fn in ways.items():
+                    c, w = time.process_time(), time.perf_counter()
+                    fn()
+                    rates.setdefault(name, []).append(blocks * chunk / (time.perf_counter() - w) / 1e9)
+                    cpu.setdefault(name, []).append((time.process_time() - c) / (blocks * chunk / MiB) * 1e6)
+            tier.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    base = rates["raw ranged GETs (baseline)"]
+    load = os.getloadavg()[0]
+    print(f"== object-tier promotions, {blocks} x 32 MiB, {rounds} rounds, load {load:.1f}")
+    for name, got in rates.items():
+        ratios = [a / b for a, b in zip(got, base, strict=True)]
+        print(
+            f"{name:36s} {statistics.median(got):6.3f} GB/s ({min(got):.3f}-{max(got):.3f}), "
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) of raw, "
+            f"CPU {statistics.median(cpu[name]):.0f} us/MiB ({min(cpu[name]):.0f}-{max(cpu[name]):.0f})"
+        )
+
+
 if __name__ == "__main__":
     lookups_and_shm()
     disk_promotion()
@@ -545,3 +792,5 @@ if __name__ == "__main__":
     promotion_paths()
     restore_paths()
     store_paths()
+    cold_load_stages()
+    object_promotion_paths()

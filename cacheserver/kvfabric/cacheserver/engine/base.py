@@ -258,10 +258,10 @@ class KeepsNames(Protocol):
 
 @runtime_checkable
 class ReadsIntoFiles(Protocol):
-    """A backing tier that can fill a file descriptor directly (the local and shared disk tiers).
+    """A backing tier that can fill a file descriptor directly (the disk tiers and the object tier).
 
     A promotion into DRAM prefers it to :meth:`BackingTier.read_into`: the tier writes the payload
-    into the block's memfd in pieces while it reads the next, instead of reading into a fresh mapping.
+    into the block's memfd in pieces as it reads them, instead of reading into a fresh mapping.
     """
 
     def read_into_fd(self, bid: BlockId, fd: int) -> ReadResult:

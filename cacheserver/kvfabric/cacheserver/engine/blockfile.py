@@ -62,6 +62,7 @@ __all__ = [
     "read_header",
     "read_header_and_meta",
     "unpack_header",
+    "write_at",
     "write_block",
 ]
 
@@ -467,7 +468,7 @@ def _read_pieces_in_turn(src: int, dst: int, n: int, padded: int, hasher: xxhash
                 r = max(os.preadv(src, [view], HEADER_SIZE + got), 0)
                 take = max(0, min(r, n - got))
                 hasher.update(view[:take])
-                _write_piece(dst, view[:take], got)
+                write_at(dst, view[:take], got)
             finally:
                 view.release()
             got += take
@@ -522,7 +523,7 @@ def _read_pieces_overlapped(src: int, dst: int, n: int, padded: int, hasher: xxh
             view = memoryview(b)[:take]
             try:
                 hasher.update(view)
-                _write_piece(dst, view, off)
+                write_at(dst, view, off)
             finally:
                 view.release()
             got = off + take
@@ -543,7 +544,11 @@ class DestinationFailed(Exception):  # noqa: N818 - a condition of the destinati
     """
 
 
-def _write_piece(fd: int, view: memoryview, offset: int) -> None:
+def write_at(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of ``view`` at ``offset`` of ``fd`` (a promotion's memfd).
+
+    Raises :class:`DestinationFailed` if that fails.
+    """
     done = 0
     try:
         while done < len(view):

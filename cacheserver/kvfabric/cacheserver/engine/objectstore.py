@@ -15,11 +15,16 @@ invariant) is in the object's name, so the start-up listing knows it without rea
   again every ``rescan_seconds`` or when a journal gap shows events were missed. Every rebuild reads
   the tombstones first (:meth:`ObjectStoreTier.rescan`): missed segments carried deletes too. Lookups
   never send a request.
-* **Reads** fetch the object with parallel ranged GETs of ``part_bytes`` straight into the
-  destination (the DRAM memfd a hit is promoted into), then verify the header checksum, the identity
-  in the header, the length and the payload checksum; parts of different versions (e-tags) are a
-  miss. A corrupt or truncated object is deleted, counted (``checksum_failures{tier=object}``) and a
-  miss. An unreachable store is a miss (``object_errors``), never an error.
+* **Reads** fetch the object with parallel ranged GETs of ``part_bytes``, each written from the
+  client's buffer straight into the destination as it arrives (a promotion ``pwrite``s into the
+  block's DRAM memfd: its pages are allocated by the write, never zeroed or mapped first), while the
+  payload checksum runs over the parts in order, each as soon as it and those before it are in:
+  the checksum of one part overlaps the GETs of the next. Then the header checksum, the identity in
+  the header, the length and the payload checksum are verified; parts of different versions
+  (e-tags) are a miss, and a part that fails cancels the parts not yet sent and is a miss once the
+  ones in flight have finished (none writes into the destination after the read returns). A
+  corrupt or truncated object is deleted, counted (``checksum_failures{tier=object}``) and a miss.
+  An unreachable store is a miss (``object_errors``), never an error.
 * **Writes** are asynchronous write-back: :meth:`ObjectStoreTier.write` (called by the store's
   write-back) copies the block into an upload body and returns at once; the upload runs on the tier's
   own pool, bounded by ``max_pending_bytes`` — beyond it the write-back is dropped and counted. A
@@ -40,8 +45,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from typing import Any
+
+import xxhash
 
 from kvfabric.cacheserver.config import ObjectStoreTierConfig
 from kvfabric.cacheserver.engine.base import MissReason, ReadResult, TierName, TierUsage, read_miss_counter
@@ -49,9 +57,11 @@ from kvfabric.cacheserver.engine.blockfile import (
     HEADER_SIZE,
     BlockHeader,
     CorruptBlock,
+    DestinationFailed,
     pack_header,
     payload_checksum,
     unpack_header,
+    write_at,
 )
 from kvfabric.cacheserver.engine.ids import BlockId, InvalidId
 from kvfabric.cacheserver.engine.journal import Event
@@ -107,6 +117,15 @@ def parse_object_path(path: str) -> tuple[BlockId, int, int] | None:
         return BlockId.parse(parts[-3], key), int(parts[-2]), int(gen)
     except InvalidId:
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """One ranged GET of a read: the object's size and e-tag as the store gave them, and its payload bytes."""
+
+    total: int
+    etag: str | None
+    body: memoryview
 
 
 def part_ranges(size: int, part_bytes: int) -> list[tuple[int, int]]:
@@ -412,6 +431,30 @@ class ObjectStoreTier:
 
         A failure is a miss with a reason, never an exception; a corrupt object is deleted.
         """
+
+        def put(offset: int, data: memoryview) -> None:
+            dest[offset : offset + len(data)] = data
+
+        return self._read(bid, put, len(dest), timeout)
+
+    def read_into_fd(self, bid: BlockId, fd: int, *, timeout: float | None = None) -> ReadResult:
+        """Like :meth:`read_into`, into the start of file ``fd`` (a promotion's fresh memfd).
+
+        Each part is ``pwrite``n at its offset as it arrives: the memfd's pages are allocated by the
+        write, without the zeroing and page faults of copying into a fresh mapping. Raises
+        :class:`~kvfabric.cacheserver.engine.blockfile.DestinationFailed` (after every part in flight
+        has finished) when writing into ``fd`` fails: the object is fine, the DRAM side is not.
+        """
+        return self._read(bid, lambda offset, data: write_at(fd, data, offset), None, timeout)
+
+    def _read(
+        self,
+        bid: BlockId,
+        put: Callable[[int, memoryview], None],
+        room: int | None,
+        timeout: float | None,
+    ) -> ReadResult:
+        """Fetch, place (``put(payload offset, bytes)``) and verify ``bid``'s payload; ``room``: dest size."""
         entry = self.entry(bid)
         if entry is None:
             return ReadResult.missed(MissReason.ABSENT)
@@ -420,7 +463,7 @@ class ObjectStoreTier:
         if not self.generations.admits(bid, entry.gen):
             self._forget(bid, entry)
             return self._miss(MissReason.STALE)
-        if len(dest) < entry.length:
+        if room is not None and room < entry.length:
             # The caller sized ``dest`` from an entry that a journal event has since replaced with a
             # longer copy: a miss (the caller asks again), never an exception (an UNKNOWN to the client).
             return self._miss(MissReason.STALE)
@@ -430,43 +473,48 @@ class ObjectStoreTier:
         ranges = part_ranges(size, part)
         head = bytearray(HEADER_SIZE)
 
-        def fetch(start: int, end: int) -> tuple[int, str | None]:
+        def fetch(start: int, end: int) -> _Part:
             data, total, etag = self.client.get_range(path, start, end, timeout=deadline - time.monotonic())
             got = memoryview(data)
             if len(got) != end - start:
                 raise CorruptBlock(f"range {start}-{end} returned {len(got)} bytes")
-            if start < HEADER_SIZE:
-                cut = HEADER_SIZE - start
-                head[start : start + min(cut, len(got))] = got[:cut]
-                if len(got) > cut:
-                    dest[0 : len(got) - cut] = got[cut:]
-            else:
-                dest[start - HEADER_SIZE : end - HEADER_SIZE] = got
-            return total, etag
+            cut = max(0, min(HEADER_SIZE - start, len(got)))
+            head[start : start + cut] = got[:cut]
+            body = got[cut:]
+            if len(body):
+                put(start + cut - HEADER_SIZE, body)
+            return _Part(total, etag, body)
 
-        futures: list[Future[tuple[int, str | None]]] = [
-            self._parts.submit(fetch, s, e) for s, e in ranges[1:]
-        ]
-        results: list[tuple[int, str | None]] = []
+        futures: list[Future[_Part]] = [self._parts.submit(fetch, s, e) for s, e in ranges[1:]]
+        hasher = xxhash.xxh3_128()
+        first: _Part | None = None
+        etags: set[str | None] = set()
         first_exc: BaseException | None = None
         try:
-            results.append(fetch(*ranges[0]))
+            # The payload checksum runs here, over the parts in order, while the later ones are
+            # still being fetched: part 0 by this thread, the rest by the pool.
+            for i in range(len(ranges)):
+                got = fetch(*ranges[0]) if i == 0 else futures[i - 1].result()
+                first = first or got
+                etags.add(got.etag)
+                hasher.update(got.body)
         except BaseException as exc:
             first_exc = exc
-        # Wait for every part, even after a failure: a part still writing into ``dest`` after we return
-        # would write into a file the caller already reuses. Each part is bounded by the request
-        # timeout and the retry budget.
-        for fut in futures:
-            try:
-                results.append(fut.result())
-            except BaseException as exc:
-                first_exc = first_exc or exc
-        if results and results[0][0] != size and not isinstance(first_exc, ObjectMissing):
+        finally:
+            # A part still writing into the destination after we return would write into a file the
+            # caller already reuses: cancel the parts not started, wait for those in flight (each is
+            # bounded by the request timeout and the retry budget).
+            for fut in futures:
+                fut.cancel()
+            wait_all(futures)
+        if first is not None and first.total != size and not isinstance(first_exc, ObjectMissing):
             # The store says the object has another size than the index: truncated or replaced.
-            return self._corrupt(bid, entry, f"object is {results[0][0]} bytes, index says {size}")
+            return self._corrupt(bid, entry, f"object is {first.total} bytes, index says {size}")
+        if isinstance(first_exc, DestinationFailed):
+            raise first_exc
         if first_exc is not None:
             return self._read_failed(bid, entry, first_exc)
-        if len({etag for _, etag in results}) > 1:
+        if len(etags) > 1:
             return self._miss(MissReason.STALE)  # overwritten between our GETs: not corruption
         try:
             header = unpack_header(memoryview(head))
@@ -474,7 +522,7 @@ class ObjectStoreTier:
             return self._corrupt(bid, entry, str(exc))
         if header.bid != bid or header.length != entry.length or header.gen != entry.gen:
             return self._corrupt(bid, entry, "header names another block, length or generation")
-        if payload_checksum(dest[: header.length]) != header.checksum:
+        if hasher.digest() != header.checksum:
             return self._corrupt(bid, entry, "payload checksum mismatch")
         if not self.generations.admits(bid, header.gen):
             self._forget(bid, entry)

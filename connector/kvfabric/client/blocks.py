@@ -490,6 +490,11 @@ class _Ahead:
         maps = self.channel.maps
         if maps is None or not self._holds(maps, ref):
             return None
+        # The keys' older blocks go first (as each would when reached): their mappings must not take
+        # the room this batch makes.
+        for later in self.refs[i:]:
+            if later.key is not None:
+                maps.named(later.key, later.name)
         names = [ref.name]
         room = charged(ref.length)
         for nxt in self.refs[i + 1 :]:

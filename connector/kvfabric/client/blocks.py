@@ -446,9 +446,6 @@ class BlockChannel:
         self.close()
 
 
-_MISSING = object()
-
-
 class _Ahead:
     """The blocks of one load, fetched ahead: one block-socket exchange for up to ``MAX_NAMES``.
 

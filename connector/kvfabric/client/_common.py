@@ -13,7 +13,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from kvfabric.client import errors
-from kvfabric.client.blocks import BlockChannel, close_all, read_all, write_all
+from kvfabric.client.blocks import BlockChannel, BlockRef, close_all, write_all
 from kvfabric.client.localindex import LocalIndex
 from kvfabric.client.results import FlushResult, LookupResult
 from kvfabric.rpc import CLIENT_ID_HEADER
@@ -333,31 +333,40 @@ def shm_slots(messages: Iterable[pb.ShmSlot]) -> Iterator[pb.ShmSlot]:
         yield from msg.more
 
 
-def shm_read_one(blocks: BlockChannel, slot: pb.ShmSlot, deadline: float) -> bytes | None:
-    """Read one named block; None if it is gone (evicted meanwhile: a miss from here on)."""
-    fd = blocks.fetch([slot.name], deadline=deadline)[0]
-    if fd is None:
-        return None
-    return read_all(fd, slot.length, slot.name)
+def shm_slot_groups(messages: Iterable[pb.ShmSlot]) -> Iterator[list[pb.ShmSlot]]:
+    """The slots of a ShmLoad answer a message at a time, in key order (``more`` after the first).
 
-
-def shm_read_one_into(
-    blocks: BlockChannel,
-    slot: pb.ShmSlot,
-    buf: memoryview,
-    index: int,
-    deadline: float,
-    *,
-    key: str | None = None,
-) -> bool:
-    """Copy one named block into ``buf`` (one copy); False if it is gone.
-
-    ``key`` (namespace and key) lets a kept mapping of the key's older block go at once.
+    The server names the blocks already resident together: a group's blocks are fetched together.
     """
-    target = as_bytes_view(buf)
-    if target.nbytes < slot.length:
-        raise errors.InvalidRequest(f"buffer {index} holds {target.nbytes} bytes, payload is {slot.length}")
-    return blocks.copy_block(slot.name, slot.length, target, deadline=deadline, key=key)
+    for msg in messages:
+        yield [msg, *msg.more]
+
+
+def shm_refs(namespace: str, keys: Sequence[str], first: int, group: Sequence[pb.ShmSlot]) -> list[BlockRef]:
+    """The blocks of ``group``, named for the keys from ``keys[first]`` on (none past the last key)."""
+    return [
+        BlockRef(slot.name, slot.length, f"{namespace}/{key}")
+        for slot, key in zip(group, keys[first:], strict=False)
+    ]
+
+
+def shm_read_into(
+    blocks: BlockChannel, refs: Sequence[BlockRef], buffers: Sequence[memoryview], first: int, deadline: float
+) -> int:
+    """Copy the leading named blocks into ``buffers`` (one copy each); how many were copied.
+
+    ``buffers[i]`` is ``refs[i]``'s, the load's buffer ``first + i``; each is checked to hold its
+    block before anything is fetched.
+    """
+    targets = []
+    for i, (ref, buf) in enumerate(zip(refs, buffers, strict=True)):
+        target = as_bytes_view(buf)
+        if target.nbytes < ref.length:
+            raise errors.InvalidRequest(
+                f"buffer {first + i} holds {target.nbytes} bytes, payload is {ref.length}"
+            )
+        targets.append(target)
+    return blocks.copy_blocks(refs, targets, deadline=deadline)
 
 
 def shm_write(

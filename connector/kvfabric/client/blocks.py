@@ -7,9 +7,11 @@ writable by this process, so a copy straight out of a read-only mapping is safe 
 One connection per client, opened on first use and again after the server restarted or closed it
 (an idle connection makes room for a newcomer at the server's connection bound): a request that
 meets a closed connection is sent once more on a fresh one, so a closed connection costs a reconnect,
-never a failed load. Requests are tiny and serialized under a lock. Each request names the client
-(its gRPC ``kvfabric-client`` id), so the server budgets its holds and connections per client; a
-server too old to know ids is asked again without one, until the next reconnect.
+never a failed load. Requests are tiny and serialized under a lock. The blocks a load names together
+(one ``ShmLoad`` message) that are not mapped here yet are fetched in one request of up to
+:data:`~kvfabric.rpc.blockproto.MAX_NAMES` names, not one each (:class:`_Ahead`). Each request names
+the client (its gRPC ``kvfabric-client`` id), so the server budgets its holds and connections per
+client; a server too old to know ids is asked again without one, until the next reconnect.
 """
 
 from __future__ import annotations
@@ -24,15 +26,31 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from kvfabric.client import errors
-from kvfabric.client.mappings import Lease, MappingCache
+from kvfabric.client.mappings import Lease, MappingCache, charged
 from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc import fdpass
 
-__all__ = ["BlockChannel", "close_all", "copy_into", "read_all", "write_all"]
+__all__ = ["BlockChannel", "BlockRef", "close_all", "copy_into", "read_all", "write_all"]
 
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+Fetched = tuple[int | None, bool, int]
+"""A block fetched on a hold request: ``(descriptor or None if gone, held, the mappings' epoch)``."""
+
+
+class BlockRef(NamedTuple):
+    """A block a load named: its handle name, its payload's length, and what it is the payload of.
+
+    ``key`` (namespace and key, any stable string) lets a kept mapping of the key's older block go
+    as soon as the key names a new one (:meth:`MappingCache.named`).
+    """
+
+    name: str
+    length: int
+    key: str | None = None
 
 
 class BlockChannel:
@@ -63,23 +81,41 @@ class BlockChannel:
     ) -> bool:
         """Copy the loaded block ``name`` into ``target`` (one copy); False if it is gone.
 
-        A kept mapping serves it without any request; otherwise the block is fetched (held, when
-        mappings are kept) and copied, and its mapping kept if the server let this client hold it.
-        ``key`` identifies what the block is the payload of (see :meth:`MappingCache.keep`).
+        See :meth:`copy_blocks`; ``key`` identifies what the block is the payload of.
         """
+        return self.copy_blocks([BlockRef(name, length, key)], [target], deadline=deadline) == 1
+
+    def copy_blocks(self, refs: Sequence[BlockRef], targets: Sequence[memoryview], *, deadline: float) -> int:
+        """Copy the leading blocks of ``refs`` into ``targets`` (one copy each); how many were copied.
+
+        Stops at the first block that is gone (the blocks before it are copied). A kept mapping
+        serves a block without any request; the others are fetched together (held, when mappings
+        are kept), one request for up to :data:`~kvfabric.rpc.blockproto.MAX_NAMES` of them, and
+        each one's mapping kept if the server let this client hold it.
+        """
+        ahead = _Ahead(self, refs, deadline, hold=True)
+        done = 0
+        try:
+            for i, target in enumerate(targets[: len(refs)]):
+                if not self._copy_one(ahead, i, target):
+                    break
+                done += 1
+        finally:
+            ahead.close()
+        return done
+
+    def _copy_one(self, ahead: _Ahead, i: int, target: memoryview) -> bool:
+        name, length, key = ahead.refs[i]
         maps = self.maps
         if maps is not None and length:
             if key is not None:
                 maps.named(key, name)
             if maps.copy(name, length, target):
                 return True
-            # Room first, so the releases ride on the hold request itself (the server applies them
-            # first): the server never refuses a hold this client has room for.
-            if maps.make_room(length):
-                got = self._fetch_held(name, deadline)
-                if got is not None:
-                    return self._copy_held(maps, name, length, target, key=key, fetched=got)
-        fd = self.fetch([name], deadline=deadline)[0]
+            got = ahead.held(i)
+            if got is not None:
+                return self._copy_held(maps, name, length, target, key=key, fetched=got)
+        fd = ahead.plain(i)
         if fd is None:
             return False
         copy_into(fd, length, target, name)
@@ -90,11 +126,39 @@ class BlockChannel:
     ) -> Lease | None:
         """Lend the loaded block ``name``'s bytes, read-only, until the lease is released; None if gone.
 
-        No copy when the block's mapping is (or can be) kept: the lease pins the sealed mapping
-        itself. A block this client cannot hold is copied once into memory the lease owns. A lease
-        must always be released (:func:`~kvfabric.client.mappings.release_all`), or the block stays
-        held and charged to this client.
+        See :meth:`borrow_blocks`.
         """
+        got = self.borrow_blocks([BlockRef(name, length, key)], deadline=deadline)
+        return got[0] if got else None
+
+    def borrow_blocks(self, refs: Sequence[BlockRef], *, deadline: float) -> list[Lease]:
+        """Lend the leading blocks of ``refs``, read-only and in order, up to the first that is gone.
+
+        No copy when a block's mapping is (or can be) kept: the lease pins the sealed mapping
+        itself. A block this client cannot hold is copied once into memory the lease owns. The
+        blocks not mapped yet are fetched together, one request for up to
+        :data:`~kvfabric.rpc.blockproto.MAX_NAMES` of them. Every lease must be released
+        (:func:`~kvfabric.client.mappings.release_all`), or its block stays held and charged to
+        this client; on an error nothing stays lent.
+        """
+        ahead = _Ahead(self, refs, deadline, hold=True)
+        out: list[Lease] = []
+        try:
+            for i in range(len(refs)):
+                lease = self._borrow_one(ahead, i)
+                if lease is None:
+                    break
+                out.append(lease)
+        except BaseException:
+            for lease in out:
+                lease.release()
+            raise
+        finally:
+            ahead.close()
+        return out
+
+    def _borrow_one(self, ahead: _Ahead, i: int) -> Lease | None:
+        name, length, key = ahead.refs[i]
         maps = self.maps
         if maps is not None and length:
             if key is not None:
@@ -102,14 +166,30 @@ class BlockChannel:
             lease = maps.borrow(name, length)
             if lease is not None:
                 return lease
-            if maps.make_room(length):
-                got = self._fetch_held(name, deadline)
-                if got is not None:
-                    return self._lend_held(maps, name, length, key=key, fetched=got)
-        fd = self.fetch([name], deadline=deadline)[0]
+            got = ahead.held(i)
+            if got is not None:
+                return self._lend_held(maps, name, length, key=key, fetched=got)
+        fd = ahead.plain(i)
         if fd is None:
             return None
         return _private_copy(fd, length, name)
+
+    def read_blocks(self, refs: Sequence[BlockRef], *, deadline: float) -> list[bytes]:
+        """The bytes of the leading blocks of ``refs``, up to the first that is gone (nothing kept).
+
+        One request for up to :data:`~kvfabric.rpc.blockproto.MAX_NAMES` blocks.
+        """
+        ahead = _Ahead(self, refs, deadline, hold=False)
+        out: list[bytes] = []
+        try:
+            for i, ref in enumerate(refs):
+                fd = ahead.plain(i)
+                if fd is None:
+                    break
+                out.append(read_all(fd, ref.length, ref.name))
+        finally:
+            ahead.close()
+        return out
 
     def _lend_held(
         self,
@@ -118,7 +198,7 @@ class BlockChannel:
         length: int,
         *,
         key: str | None,
-        fetched: tuple[int | None, bool, int],
+        fetched: Fetched,
     ) -> Lease | None:
         fd, held, epoch = fetched
         if fd is None:
@@ -159,7 +239,7 @@ class BlockChannel:
         target: memoryview,
         *,
         key: str | None,
-        fetched: tuple[int | None, bool, int],
+        fetched: Fetched,
     ) -> bool:
         fd, held, epoch = fetched
         if fd is None:
@@ -188,11 +268,15 @@ class BlockChannel:
                 maps.release_later(name, epoch)
         return True
 
-    def _fetch_held(self, name: str, deadline: float) -> tuple[int | None, bool, int] | None:
-        """``(descriptor or None, held, epoch)`` of one block fetched on a hold request.
+    def _fetch_held(self, names: Sequence[str], deadline: float) -> list[Fetched] | None:
+        """Fetch and hold the blocks ``names`` (at most ``MAX_NAMES``) in one exchange.
 
-        None: the server does not know hold requests (an older version); mappings are not kept
-        from then on, and the caller fetches the plain way.
+        One :data:`Fetched` per name, in order; the caller closes every descriptor. The caller made
+        room for them all first (:meth:`MappingCache.make_room`): the releases that made it ride on
+        this request (the server applies them first), those beyond what one request carries go just
+        before it, so the server never refuses a hold this client made room for. None: the server
+        does not know hold requests (an older version); mappings are not kept from then on, and the
+        caller fetches the plain way.
         """
         maps = self.maps
         assert maps is not None
@@ -200,11 +284,13 @@ class BlockChannel:
         if left <= 0 or not self._lock.acquire(timeout=left):
             raise errors.CacheTimeout("block socket: deadline passed")
         try:
+            while maps.pending_releases() > bp.MAX_NAMES:
+                self._send_releases(maps, deadline)
             # Releases ride on the next request: no message of their own on the load path. Taken
             # per attempt: after a reconnect, the closed connection's releases are gone with it.
             msg, fds = self._exchange(
-                lambda client: bp.encode_hold_request([name], maps.take_releases(bp.MAX_NAMES), client),
-                1,
+                lambda client: bp.encode_hold_request(names, maps.take_releases(bp.MAX_NAMES), client),
+                len(names),
                 deadline,
             )
             if msg[:1] == bytes([bp.BAD_REQUEST]):
@@ -216,8 +302,7 @@ class BlockChannel:
                 return None
             # Read after the exchange: a reconnect inside it cleared the mappings and bumped it.
             epoch = maps.epoch
-            ((fd, held),) = _assign_held([name], msg, fds)
-            return fd, held, epoch
+            return [(fd, held, epoch) for fd, held in _assign_held(names, msg, fds)]
         finally:
             self._lock.release()
 
@@ -238,20 +323,28 @@ class BlockChannel:
 
     def flush_releases(self, *, deadline: float) -> None:
         """Send every queued release now (they otherwise ride on the next fetch)."""
-        if self.maps is None:
+        maps = self.maps
+        if maps is None:
             return
         left = deadline - time.monotonic()
         if left <= 0 or not self._lock.acquire(timeout=left):
             raise errors.CacheTimeout("block socket: deadline passed")
         try:
-            while release := self.maps.take_releases(bp.MAX_NAMES):
-                msg, fds = self._exchange(functools.partial(bp.encode_hold_request, [], release), 1, deadline)
-                close_all(fds)
-                if msg != bytes([bp.RELEASED]):
-                    self._drop()
-                    raise errors.CacheCorrupt(f"block socket answered {msg[:80]!r} to a release")
+            while maps.pending_releases():
+                self._send_releases(maps, deadline)
         finally:
             self._lock.release()
+
+    def _send_releases(self, maps: MappingCache, deadline: float) -> None:
+        """Send one request of queued releases only (under the lock)."""
+        release = maps.take_releases(bp.MAX_NAMES)
+        if not release:
+            return
+        msg, fds = self._exchange(functools.partial(bp.encode_hold_request, [], release), 1, deadline)
+        close_all(fds)
+        if msg != bytes([bp.RELEASED]):
+            self._drop()
+            raise errors.CacheCorrupt(f"block socket answered {msg[:80]!r} to a release")
 
     def _fetch_batch(self, names: Sequence[str], deadline: float) -> list[int | None]:
         left = deadline - time.monotonic()
@@ -351,6 +444,112 @@ class BlockChannel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Ahead:
+    """The blocks of one load, fetched ahead: one block-socket exchange for up to ``MAX_NAMES``.
+
+    A load's first blocks after an engine restart are mapped nowhere here; fetching them one
+    exchange each cost a round trip per block, each waiting for the server's thread to be
+    scheduled (the largest stage of a hit on a busy machine). So the first block that needs a
+    fetch brings the next ones that will need one too: held in one hold request (after making room
+    for all of them, within the mapping budget), or in one plain request. What was fetched and not
+    used — the load stopped at a gone block, or failed — is closed and its holds released by
+    :meth:`close`; the descriptors are close-on-exec from their arrival (:mod:`kvfabric.rpc.fdpass`).
+    """
+
+    def __init__(
+        self, channel: BlockChannel, refs: Sequence[BlockRef], deadline: float, *, hold: bool
+    ) -> None:
+        self.channel = channel
+        self.refs = refs
+        self.deadline = deadline
+        self.hold = hold
+        self._held: dict[str, Fetched] = {}
+        self._plain: dict[str, int | None] = {}
+
+    def _holds(self, maps: MappingCache | None, ref: BlockRef) -> bool:
+        """Whether ``ref`` is fetched on a hold request (else the plain way)."""
+        return self.hold and maps is not None and ref.length > 0 and charged(ref.length) <= maps.budget
+
+    def _fetched(self, name: str) -> bool:
+        return name in self._held or name in self._plain
+
+    def held(self, i: int) -> Fetched | None:
+        """Block ``i`` fetched on a hold request (with the next ones); None: fetch it the plain way.
+
+        None when it never fits the mapping budget, or the server knows no hold requests.
+        """
+        ref = self.refs[i]
+        got = self._held.pop(ref.name, None)
+        if got is not None:
+            return got
+        maps = self.channel.maps
+        if maps is None or not self._holds(maps, ref):
+            return None
+        # The keys' older blocks go first (as each would when reached): their mappings must not take
+        # the room this batch makes.
+        for later in self.refs[i:]:
+            if later.key is not None:
+                maps.named(later.key, later.name)
+        names = [ref.name]
+        room = charged(ref.length)
+        for nxt in self.refs[i + 1 :]:
+            if len(names) == bp.MAX_NAMES:
+                break
+            if not self._holds(maps, nxt) or nxt.name in names or self._fetched(nxt.name):
+                continue
+            if maps.kept(nxt.name, nxt.length):
+                continue  # served from its mapping
+            if room + charged(nxt.length) > maps.budget:
+                break
+            names.append(nxt.name)
+            room += charged(nxt.length)
+        # Room first, for all of them, so the releases ride on the hold request itself (the server
+        # applies them first): the server never refuses a hold this client has room for.
+        if not maps.make_room(room):
+            return None
+        fetched = self.channel._fetch_held(names, self.deadline)
+        if fetched is None:
+            return None
+        self._held.update(zip(names, fetched, strict=True))
+        return self._held.pop(ref.name)
+
+    def plain(self, i: int) -> int | None:
+        """Block ``i``'s descriptor fetched the plain way (with the next ones); None: it is gone."""
+        ref = self.refs[i]
+        if ref.name in self._plain:
+            return self._plain.pop(ref.name)
+        held = self._held.pop(ref.name, None)
+        if held is not None:
+            # Fetched held, read the plain way (the server stopped knowing holds meanwhile).
+            self._release(ref.name, held)
+            return held[0]
+        maps = self.channel.maps
+        names = [ref.name]
+        for nxt in self.refs[i + 1 :]:
+            if len(names) == bp.MAX_NAMES:
+                break
+            if not self._holds(maps, nxt) and nxt.name not in names and not self._fetched(nxt.name):
+                names.append(nxt.name)
+        fds = self.channel.fetch(names, deadline=self.deadline)
+        self._plain.update(zip(names, fds, strict=True))
+        return self._plain.pop(ref.name)
+
+    def _release(self, name: str, got: Fetched) -> None:
+        _fd, held, epoch = got
+        maps = self.channel._maps
+        if held and maps is not None:
+            maps.release_later(name, epoch)
+
+    def close(self) -> None:
+        """Close what was fetched and not used, and release its holds (idempotent)."""
+        held, self._held = self._held, {}
+        plain, self._plain = self._plain, {}
+        for name, got in held.items():
+            self._release(name, got)
+        close_all([got[0] for got in held.values()])
+        close_all(list(plain.values()))
 
 
 def _reason(msg: bytes) -> str:

@@ -136,6 +136,12 @@ class MappingCache:
         with self._lock:
             return len(self._kept)
 
+    def kept(self, name: str, length: int) -> bool:
+        """Whether the block ``name`` of ``length`` bytes is kept here now (no recency change)."""
+        with self._lock:
+            kept = self._kept.get(name)
+            return kept is not None and kept.length == length
+
     def copy(self, name: str, length: int, target: memoryview) -> bool:
         """Copy the kept block ``name`` into ``target``; False when it is not kept here."""
         with self._lock:

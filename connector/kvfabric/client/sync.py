@@ -291,12 +291,13 @@ class CacheClient:
             def read_all(r: _Conn) -> None:
                 call = r.stub.ShmLoad(req, timeout=timeout, metadata=r.md)
                 with self._watch(namespace, call):
-                    for slot in c.shm_slots(call):
-                        data = c.shm_read_one(blocks, slot, deadline)
-                        if data is None:
+                    for group in c.shm_slot_groups(call):
+                        refs = c.shm_refs(namespace, keys, len(out), group)
+                        got = blocks.read_blocks(refs, deadline=deadline)
+                        out.extend(got)
+                        if len(got) < len(group):  # a block gone (a miss from here on), or too many
                             call.cancel()
                             break
-                        out.append(data)
 
             self._call(read_all)
             return out
@@ -321,15 +322,17 @@ class CacheClient:
             def read_into(r: _Conn) -> None:
                 nonlocal count
                 call = r.stub.ShmLoad(req, timeout=timeout, metadata=r.md)
-                # Copy each block as soon as it is named, while the server promotes the next one.
+                # Copy the blocks of each message as soon as they are named, while the server
+                # promotes the next ones.
                 with self._watch(namespace, call):
-                    for slot in c.shm_slots(call):
-                        if count >= len(keys) or not c.shm_read_one_into(
-                            blocks, slot, buffers[count], count, deadline, key=f"{namespace}/{keys[count]}"
-                        ):
+                    for group in c.shm_slot_groups(call):
+                        refs = c.shm_refs(namespace, keys, count, group)
+                        mine = buffers[count : count + len(refs)]
+                        got = c.shm_read_into(blocks, refs, mine, count, deadline)
+                        count += got
+                        if got < len(group):
                             call.cancel()
                             break
-                        count += 1
 
             self._call(read_into)
             return count
@@ -361,16 +364,13 @@ class CacheClient:
         def lend(r: _Conn) -> None:
             call = r.stub.ShmLoad(req, timeout=timeout, metadata=r.md)
             with self._watch(namespace, call):
-                for slot in c.shm_slots(call):
-                    lease = None
-                    if len(out) < len(keys):
-                        lease = blocks.borrow_block(
-                            slot.name, slot.length, deadline=deadline, key=f"{namespace}/{keys[len(out)]}"
-                        )
-                    if lease is None:
+                for group in c.shm_slot_groups(call):
+                    refs = c.shm_refs(namespace, keys, len(out), group)
+                    got = blocks.borrow_blocks(refs, deadline=deadline)
+                    out.extend(got)
+                    if len(got) < len(group):
                         call.cancel()
                         break
-                    out.append(lease)
 
         try:
             self._call(lend)

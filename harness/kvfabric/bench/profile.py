@@ -24,6 +24,9 @@ cProfile summaries (top functions by own time) of
    loopback), four at a time as a load promotes them: through a fresh mapping (``read_into``) and
    written part by part into the memfd (``read_into_fd``, what a promotion does), against the same
    ranged GETs by a bare obstore client: GB/s, ratio to raw per round, and this process's CPU per MiB.
+10. a fresh client's first lent load of blocks resident in DRAM (an engine's first hit after its
+    restart): the blocks fetched with one hold request each (as the client did before it batched
+    them) against one request for all of them, alternating, on the same server.
 
 Not a benchmark (no targets, nothing judged): the evidence behind docs/performance.md.
 """
@@ -785,6 +788,67 @@ def object_promotion_paths(blocks: int = 4, rounds: int = 5) -> None:
         )
 
 
+def first_loads(rounds: int = 10, blocks: int = 32, chunk: int = 2 * MiB) -> None:
+    """Part 10: wall time of a fresh client's first lent load, one hold request per block vs one in all.
+
+    ``blocks`` x ``chunk`` is the bench model's 8k-token hit (32 chunks of 2 MiB). Each round starts
+    a fresh client (nothing mapped, nothing held) whose gRPC channel is up before the timing starts;
+    the timing covers the ``ShmLoad`` stream, the block-socket exchanges and the mappings.
+    """
+    import statistics
+
+    from kvfabric.client import CacheClient
+    from kvfabric.client import _common as c
+    from kvfabric.client.mappings import Lease, release_all
+    from kvfabric.rpc.v1 import cache_pb2 as pb
+    from kvfabric.testing.serverproc import cache_server, digest, payload_for
+
+    ns = digest("prof-first")
+    keys = [digest("first", i) for i in range(blocks)]
+    overrides = {"limits.max_payload_bytes": chunk, "log_level": "WARNING"}
+    dram = 4 * blocks * chunk + 256 * MiB
+    with cache_server(server_id="prof", metrics=False, dram_bytes=dram, overrides=overrides) as srv:
+        with CacheClient(srv.unix_target, shared_memory=True) as writer:
+            for k in keys:
+                if writer.store(ns, [k], [payload_for(k, chunk)], timeout=60).accepted != 1:
+                    raise RuntimeError("store dropped")
+
+        def first_load(batched: bool) -> float:
+            with CacheClient(srv.unix_target, shared_memory=True) as client:
+                client.stats(timeout=10)
+                chan = client._blocks
+                assert chan is not None
+                conn = client._conn
+                req = pb.LoadRequest(namespace=ns, keys=keys, batch_slots=True)
+                t0 = time.perf_counter()
+                deadline = time.monotonic() + 60
+                leases: list[Lease] = []
+                for group in c.shm_slot_groups(conn.stub.ShmLoad(req, timeout=60, metadata=conn.md)):
+                    refs = c.shm_refs(ns, keys, len(leases), group)
+                    if batched:
+                        leases += chan.borrow_blocks(refs, deadline=deadline)
+                    else:
+                        for ref in refs:
+                            leases += chan.borrow_blocks([ref], deadline=deadline)
+                took = time.perf_counter() - t0
+                release_all(leases)
+                if len(leases) != blocks:
+                    raise RuntimeError("first load missed")
+                return took
+
+        ms: dict[bool, list[float]] = {False: [], True: []}
+        for r in range(rounds):
+            for batched in (r % 2 == 1, r % 2 == 0):
+                ms[batched].append(first_load(batched) * 1e3)
+    load = os.getloadavg()[0]
+    size = f"{blocks} x {chunk // MiB} MiB"
+    print(f"== a fresh client's first lent load of {size}, {rounds} rounds, load {load:.1f}")
+    for batched, name in ((False, "one hold request per block"), (True, "one hold request in all")):
+        got = ms[batched]
+        print(f"{name:30s} {statistics.median(got):7.2f} ms ({min(got):.2f}-{max(got):.2f})")
+    print(f"ratio {statistics.median(ms[True]) / statistics.median(ms[False]):.2f}")
+
+
 if __name__ == "__main__":
     lookups_and_shm()
     disk_promotion()
@@ -794,3 +858,4 @@ if __name__ == "__main__":
     store_paths()
     cold_load_stages()
     object_promotion_paths()
+    first_loads()

@@ -42,9 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=20_000)
     args = p.parse_args(argv)
 
-    from kvfabric.client import CacheClient
+    from kvfabric.client import CacheClient, indexprobe
     from kvfabric.client import _common as c
-    from kvfabric.client.results import LookupResult
     from kvfabric.connector.keys import NamespaceSpec
     from kvfabric.connector.resilient import CircuitBreaker, Endpoint, ResilientCache, transport_factory
     from kvfabric.rpc import indextable as it
@@ -74,10 +73,7 @@ def main(argv: list[str] | None = None) -> None:
             assert index is not None
             m = index._maps[ns]
             raw = c.check_ids(ns, keys)
-            fps = it.fingerprints_raw(raw)
             words = m.words
-            codes = it.lookup_prefix(words, fps)
-            names = ("", "dram", "local_disk", "shared")
             hdr = it.header(words)
             n = args.repeats
             steps: list[tuple[str, Callable[[], object]]] = [
@@ -85,15 +81,28 @@ def main(argv: list[str] | None = None) -> None:
                 ("  CacheClient.lookup_local", lambda: client.lookup_local(ns, keys)),
                 ("    check_ids (validate, hex -> bytes)", lambda: c.check_ids(ns, keys)),
                 ("    LocalIndex.lookup", lambda: index.lookup(ns, raw, fetch=False)),
-                ("      fingerprints_raw", lambda: it.fingerprints_raw(raw)),
-                ("      lookup_prefix (the probe)", lambda: it.lookup_prefix(words, fps)),
+            ]
+            if m.slots is not None:
+                slots, fa = m.slots, indexprobe.fingerprint_array(raw)
+                codes = indexprobe.lookup_prefix(words, slots, fa)
+                steps += [
+                    ("      fingerprint_array", lambda: indexprobe.fingerprint_array(raw)),
+                    (
+                        "      indexprobe.lookup_prefix (the probe)",
+                        lambda: indexprobe.lookup_prefix(words, slots, fa),
+                    ),
+                    ("      tier_names", lambda: indexprobe.tier_names(codes)),
+                ]
+            fps = it.fingerprints_raw(raw)
+            names = ("", "dram", "local_disk", "shared")
+            listed = it.lookup_prefix(words, fps)
+            steps += [
                 ("      server_gone (one poll)", m.server_gone),
                 ("      heartbeat age (monotonic_ns)", lambda: time.monotonic_ns() - words[it.W_HEARTBEAT]),
                 ("      count (batched report)", lambda: m.count(KEYS, KEYS, 0, 1 << 62)),
-                (
-                    "      LookupResult (tier names)",
-                    lambda: LookupResult(len(codes), list(map(names.__getitem__, codes))),
-                ),
+                ("    without numpy: fingerprints_raw", lambda: it.fingerprints_raw(raw)),
+                ("    without numpy: indextable.lookup_prefix", lambda: it.lookup_prefix(words, fps)),
+                ("    without numpy: tier names", lambda: list(map(names.__getitem__, listed))),
             ]
             load0 = os.getloadavg()[0]
             print(

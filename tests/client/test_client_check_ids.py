@@ -15,7 +15,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from kvfabric.client._common import check_ids
+from kvfabric.client._common import check_ids, check_raw_ids
 from kvfabric.client.errors import InvalidRequest
 
 NS = "ab" * 32
@@ -82,3 +82,18 @@ def test_a_character_moved_between_keys_is_refused() -> None:
     assert check_ids(NS, []) == b""
     with pytest.raises(InvalidRequest, match="namespace"):
         check_ids("AB" * 32, [a])
+
+
+def test_raw_keys_must_be_the_keys_digests() -> None:
+    keys = ["0" * 64, "1" * 64, "2" * 64]
+    raw = bytes.fromhex("".join(keys))
+    assert check_raw_ids(NS, keys, raw) is raw
+    assert check_raw_ids(NS, [], b"") == b""
+    with pytest.raises(InvalidRequest, match="one per key"):
+        check_raw_ids(NS, keys, raw[:-1])
+    with pytest.raises(InvalidRequest, match="one per key"):
+        check_raw_ids(NS, keys[:2], raw)
+    with pytest.raises(InvalidRequest, match="not the digests"):
+        check_raw_ids(NS, keys[::-1], raw)
+    with pytest.raises(InvalidRequest, match="namespace"):
+        check_raw_ids("x", keys, raw)

@@ -121,6 +121,24 @@ def check_ids(namespace: str, keys: Sequence[str]) -> bytes:
     raise errors.InvalidRequest("keys must be 64 lower-case hex characters")
 
 
+def check_raw_ids(namespace: str, keys: Sequence[str], raw: bytes) -> bytes:
+    """Check the namespace, and that ``raw`` is 32 bytes per key and begins and ends as ``keys`` do.
+
+    For a caller that holds the keys' digests (the connector hashes them): the whole of ``keys``
+    is not decoded again, only the first and the last key are compared with ``raw``, which catches
+    a list and digests that went out of step. Returns ``raw``. The keys are validated in full
+    before they are sent to a server (:func:`check_ids`).
+    """
+    if not isinstance(namespace, str) or not _HEX64.fullmatch(namespace):
+        raise errors.InvalidRequest(f"namespace must be 64 lower-case hex characters: {namespace!r:.80}")
+    n = len(keys)
+    if not isinstance(raw, bytes) or len(raw) != 32 * n:
+        raise errors.InvalidRequest("raw keys must be the keys' 32-byte digests, one per key")
+    if n and (raw[:32].hex() != keys[0] or raw[-32:].hex() != keys[-1]):
+        raise errors.InvalidRequest("raw keys are not the digests of the keys")
+    return raw
+
+
 CREDENTIAL_CHECK_SECONDS = 1.0
 """How often a client looks at its credential files for a rotation."""
 RETIRED_CHANNEL_GRACE_SECONDS = 60.0

@@ -86,12 +86,12 @@ def _probe(words: memoryview, slots: Words, fps: Words) -> Words:
     at_home = slots.take(home)
     # An empty home slot: that key is absent (linear probing fills runs from the home slot on), so
     # the answer ends before the first one.
-    cut = n if np.count_nonzero(at_home) == n else int(np.argmax(at_home == 0))
+    cut = n if np.count_nonzero(at_home) == n else int((at_home == 0).argmax())
     codes = at_home[:cut] & 3
     # Keys whose home slot holds another fingerprint (its bits above the tier's two differ): they
     # may sit further along the run. A few in ten at most, so each continues in Python, in key
     # order (the first absent one ends the answer), as the reference probe does.
-    moved = np.nonzero((at_home[:cut] ^ fps[:cut]) >> 2)[0]
+    moved = ((at_home[:cut] ^ fps[:cut]) >> 2).nonzero()[0]
     if not len(moved):
         return codes
     base = it.HEADER_WORDS

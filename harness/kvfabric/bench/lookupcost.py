@@ -4,7 +4,8 @@ One 128-key lookup answered from the published index, from the connector's call
 (:meth:`ResilientCache.lookup`) down, in-process against a real cache-server process: each layer and
 each step of it is run on its own many times, and its **CPU time** per call (this thread's clock,
 so waiting for a core on a busy machine does not count) is printed, outermost first, with the share
-of the whole. Then a cProfile of the connector's call (top functions by own time).
+of the first. The connector passes the keys' digests with the keys (``raw``); the hex-keys-only call
+is the client API's other form. Then a cProfile of the connector's call (top functions by own time).
 
 Not a benchmark (no targets, nothing judged): the evidence behind docs/performance.md ("Lookups
 measured reproducibly"). ``--repeats`` sets the calls per step (default 20,000).
@@ -77,32 +78,35 @@ def main(argv: list[str] | None = None) -> None:
             hdr = it.header(words)
             n = args.repeats
             steps: list[tuple[str, Callable[[], object]]] = [
-                ("ResilientCache.lookup (the connector's call)", lambda: cache.lookup(ns, keys, 5.0)),
-                ("  CacheClient.lookup_local", lambda: client.lookup_local(ns, keys)),
+                ("ResilientCache.lookup, keys and digests", lambda: cache.lookup(ns, keys, 5.0, raw=raw)),
+                ("  CacheClient.lookup_local, keys and digests", lambda: client.lookup_local(ns, keys, raw)),
+                ("    check_raw_ids", lambda: c.check_raw_ids(ns, keys, raw)),
+                ("ResilientCache.lookup, hex keys only", lambda: cache.lookup(ns, keys, 5.0)),
+                ("  CacheClient.lookup_local, hex keys only", lambda: client.lookup_local(ns, keys)),
                 ("    check_ids (validate, hex -> bytes)", lambda: c.check_ids(ns, keys)),
-                ("    LocalIndex.lookup", lambda: index.lookup(ns, raw, fetch=False)),
+                ("LocalIndex.lookup (both)", lambda: index.lookup(ns, raw, fetch=False)),
             ]
             if m.slots is not None:
                 slots, fa = m.slots, indexprobe.fingerprint_array(raw)
                 codes = indexprobe.lookup_prefix(words, slots, fa)
                 steps += [
-                    ("      fingerprint_array", lambda: indexprobe.fingerprint_array(raw)),
+                    ("  fingerprint_array", lambda: indexprobe.fingerprint_array(raw)),
                     (
-                        "      indexprobe.lookup_prefix (the probe)",
+                        "  indexprobe.lookup_prefix (the probe)",
                         lambda: indexprobe.lookup_prefix(words, slots, fa),
                     ),
-                    ("      tier_names", lambda: indexprobe.tier_names(codes)),
+                    ("  tier_names", lambda: indexprobe.tier_names(codes)),
                 ]
             fps = it.fingerprints_raw(raw)
             names = ("", "dram", "local_disk", "shared")
             listed = it.lookup_prefix(words, fps)
             steps += [
-                ("      server_gone (one poll)", m.server_gone),
-                ("      heartbeat age (monotonic_ns)", lambda: time.monotonic_ns() - words[it.W_HEARTBEAT]),
-                ("      count (batched report)", lambda: m.count(KEYS, KEYS, 0, 1 << 62)),
-                ("    without numpy: fingerprints_raw", lambda: it.fingerprints_raw(raw)),
-                ("    without numpy: indextable.lookup_prefix", lambda: it.lookup_prefix(words, fps)),
-                ("    without numpy: tier names", lambda: list(map(names.__getitem__, listed))),
+                ("  server_gone (one poll)", m.server_gone),
+                ("  heartbeat age (monotonic_ns)", lambda: time.monotonic_ns() - words[it.W_HEARTBEAT]),
+                ("  count (batched report)", lambda: m.count(KEYS, KEYS, 0, 1 << 62)),
+                ("  without numpy: fingerprints_raw", lambda: it.fingerprints_raw(raw)),
+                ("  without numpy: indextable.lookup_prefix", lambda: it.lookup_prefix(words, fps)),
+                ("  without numpy: tier names", lambda: list(map(names.__getitem__, listed))),
             ]
             load0 = os.getloadavg()[0]
             print(
@@ -118,12 +122,12 @@ def main(argv: list[str] | None = None) -> None:
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(n // 4):
-                cache.lookup(ns, keys, 5.0)
+                cache.lookup(ns, keys, 5.0, raw=raw)
             pr.disable()
             s = io.StringIO()
             pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
             out = s.getvalue()
-            print(f"== cProfile, ResilientCache.lookup x {n // 4}\n{out[out.find('ncalls') :]}")
+            print(f"== cProfile, ResilientCache.lookup with digests x {n // 4}\n{out[out.find('ncalls') :]}")
             print(f"load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
         finally:
             cache.close()

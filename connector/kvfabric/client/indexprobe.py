@@ -3,10 +3,11 @@
 :func:`lookup_prefix` answers exactly as :func:`kvfabric.rpc.indextable.lookup_prefix`. A 128-key
 lookup probed key by key in Python costs about 25 us of CPU (a bytecode loop, one memoryview read
 per slot); here every key's home slot is read in one gather over the table's mapped words, and only
-the keys whose home slot holds another key (one in ten at an eighth full, one in four at half full,
-the most the writer allows) continue in Python from the slot after it. Same layout, same seqlock,
-same answer: ``tests/client/test_client_indexprobe.py`` checks it against the reference probe on
-arbitrary tables (crowded runs, full tables, fingerprint collisions) and under a concurrent writer.
+the keys whose home slot holds another key (about one in twenty at an eighth full, one in eight at
+a quarter full, the most the writer allows) continue in Python from the slot after it. Same layout,
+same seqlock, same answer: ``tests/client/test_client_indexprobe.py`` checks it against the
+reference probe on arbitrary tables (crowded runs, full tables, fingerprint collisions) and under a
+concurrent writer.
 
 numpy comes with the connector's ``engine`` extra (and with vLLM); a client without it uses the
 reference probe (:mod:`kvfabric.client.localindex` decides).
@@ -89,7 +90,7 @@ def _probe(words: memoryview, slots: Words, fps: Words) -> Words:
     cut = n if np.count_nonzero(at_home) == n else int((at_home == 0).argmax())
     codes = at_home[:cut] & 3
     # Keys whose home slot holds another fingerprint (its bits above the tier's two differ): they
-    # may sit further along the run. A few in ten at most, so each continues in Python, in key
+    # may sit further along the run. One in eight or fewer, so each continues in Python, in key
     # order (the first absent one ends the answer), as the reference probe does.
     moved = ((at_home[:cut] ^ fps[:cut]) >> 2).nonzero()[0]
     if not len(moved):
@@ -106,8 +107,8 @@ def _probe(words: memoryview, slots: Words, fps: Words) -> Words:
                 break
             left -= 1
             if not left:
-                # Every other slot holds another key: never with a consistent table (at most half
-                # full): a torn read, which the seqlock check would reject anyway.
+                # Every other slot holds another key: never with a consistent table (at most a
+                # quarter full): a torn read, which the seqlock check would reject anyway.
                 raise it.Inconsistent
         if v == 0:  # absent: the answer ends before it
             codes[moved[: len(found)]] = found

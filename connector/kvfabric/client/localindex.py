@@ -187,10 +187,11 @@ class LocalIndex:
                 words = m.words
                 continue
             try:
-                if m.slots is None or isinstance(fps, list):  # without numpy: the reference probe
+                slots = m.slots  # (read once: close() on another thread drops it)
+                if slots is None or isinstance(fps, list):  # without numpy: the reference probe
                     tiers = list(map(_NAMES.__getitem__, it.lookup_prefix(words, list(fps))))
                 else:
-                    tiers = indexprobe.tier_names(indexprobe.lookup_prefix(words, m.slots, fps))
+                    tiers = indexprobe.tier_names(indexprobe.lookup_prefix(words, slots, fps))
             except it.Inconsistent:
                 continue
             if m.server_gone():

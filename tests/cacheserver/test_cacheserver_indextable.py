@@ -80,7 +80,7 @@ class TableMachine(RuleBasedStateMachine):
         absent = [fp for fp in POOL if fp not in self.model]
         probe = present + absent[:1] + present
         assert it.lookup_prefix(self.words, probe) == [self.model[fp] for fp in present]
-        assert 2 * self.writer.count <= self.writer.capacity
+        assert it.MAX_FILL * self.writer.count <= self.writer.capacity
 
 
 TestTableMachine = TableMachine.TestCase
@@ -95,7 +95,7 @@ def test_fingerprints_of_keys_match_the_writers_form() -> None:
 
 def test_a_reader_during_writes_never_misses_a_resident_key_nor_invents_one() -> None:
     """Permanent keys are always found, never-written keys never, while a writer churns others."""
-    words, writer = _fresh(1024)
+    words, writer = _fresh(2048)
     permanent = [(i * 0x9E3779B97F4A7C15 + 12345) & 0xFFFFFFFFFFFFFFFC for i in range(64)]
     churn = [(i * 0xC2B2AE3D27D4EB4F + 99) & 0xFFFFFFFFFFFFFFFC for i in range(200)]
     never = [(i * 0x165667B19E3779F9 + 7) & 0xFFFFFFFFFFFFFFFC for i in range(64)]
@@ -132,10 +132,10 @@ def test_init_rejects_bad_capacity() -> None:
 
     with pytest.raises(ValueError, match="power of two"):
         it.init_table(_table(12), 12, epoch=0, now_ns=0)
-    words = _table(4)
-    it.init_table(words, 4, epoch=0, now_ns=0)
+    words = _table(8)
+    it.init_table(words, 8, epoch=0, now_ns=0)
     w = it.TableWriter(words)
     w.set(4, 1)
     w.set(8, 1)
-    with pytest.raises(OverflowError, match="half full"):
+    with pytest.raises(OverflowError, match="quarter full"):
         w.set(12, 1)

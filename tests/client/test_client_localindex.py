@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.transport.indexpub import F_SEAL_FUTURE_WRITE, IndexPublisher, IndexSocket, Peer
+from kvfabric.client import localindex
 from kvfabric.client.errors import CacheUnavailable
 from kvfabric.client.localindex import LocalIndex
 from kvfabric.rpc import indextable as it
@@ -77,7 +78,11 @@ def _raw(keys: list[str]) -> bytes:
     return bytes.fromhex("".join(keys))
 
 
-def test_answers_follow_every_change_across_growth(fabric: Fabric) -> None:
+@pytest.mark.parametrize("vector", [True, False], ids=["numpy-probe", "reference-probe"])
+def test_answers_follow_every_change_across_growth(
+    fabric: Fabric, vector: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(localindex, "VECTOR_PROBE", vector)  # a client without numpy reads as before
     reader = LocalIndex(fabric.sock.path)
     keys = [digest("k", i) for i in range(100)]
     assert reader.lookup(NS, _raw(keys)) is not None  # an empty table is an answer: nothing stored
@@ -88,6 +93,7 @@ def test_answers_follow_every_change_across_growth(fabric: Fabric) -> None:
         assert got.matched == i + 1, "a key published before the read is found (no false negative)"
         assert got.tiers == [fabric.truth[BlockId(NS, x)] for x in keys[: i + 1]]
     assert it.header(reader._maps[NS].words)["capacity"] >= 256  # grew from 8 slots, refetched
+    assert (reader._maps[NS].slots is not None) == vector
     fabric.drop(NS, keys[50])
     got = reader.lookup(NS, _raw(keys))
     assert got is not None

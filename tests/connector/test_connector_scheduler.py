@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfabric.connector.keys import NamespaceSpec, num_loadable_chunks, num_whole_chunks, tail_keys
-from kvfabric.connector.resilient import CircuitBreaker, Endpoint, ResilientCache
+from kvfabric.connector.resilient import CircuitBreaker, Endpoint, LookupOutcome, ResilientCache
 from kvfabric.connector.scheduler import SchedulerHalf
 from kvfabric.connector.settings import ConnectorSettings
 from kvfabric.connector.steps import RequestInfo, ScheduledRequest, StepInput
@@ -100,3 +102,29 @@ def test_chunked_prefill_loads_the_hit_and_saves_every_other_whole_chunk_once(
     assert sorted(saved) == list(range(begin, whole))
     assert sorted(saved_tail) == (list(range(len(tkeys))) if computed >= n_tokens else [])
     cache.close()
+
+
+def test_the_scheduler_looks_up_with_the_digests_of_the_keys_it_asks_for() -> None:
+    """The keys' digests go with the lookup (no hex decoding per lookup), and they are the keys'."""
+    asked: list[tuple[list[str], bytes | None]] = []
+
+    class Spy(ResilientCache):
+        def lookup(
+            self, namespace: str, keys: Sequence[str], deadline_s: float, *, raw: bytes | None = None
+        ) -> LookupOutcome:
+            asked.append((list(keys), raw))
+            return super().lookup(namespace, keys, deadline_s, raw=raw)
+
+    store = MemoryTransport()
+    cache = Spy([Endpoint("m", lambda: store, CircuitBreaker(100, 60.0))])
+    half = SchedulerHalf(ConnectorSettings(chunk_tokens=CHUNK, lookup_deadline_ms=30000), SPEC, cache=cache)
+    for n in (3 * CHUNK + 1, 5 * CHUNK + 2):
+        req = RequestInfo(f"r{n}", tuple(range(7, 7 + n)))
+        keys = half.chunk_keys(req)
+        store.blocks[(half.namespace, keys[0])] = b"x"
+        assert half.num_new_matched_tokens(req, 0) == CHUNK
+        assert half.num_new_matched_tokens(req, 0) == CHUNK  # a waiting request, looked up again
+    chunks = [(keys, raw) for keys, raw in asked if raw is not None]  # (tail lookups send none)
+    assert [len(keys) for keys, _ in chunks] == [3, 3, 5, 5]
+    for keys, raw in chunks:
+        assert raw == bytes.fromhex("".join(keys))

@@ -18,10 +18,11 @@ Layout (host byte order: writer and readers share one machine), all fields 64-bi
     word 7  reserved
     word 8.. slots       0 = empty; else (first 8 bytes of the key as u64, low 2 bits cleared) | tier
 
-Open addressing with linear probing, at most half full (the writer grows into a new table before
-that), backward-shift deletion (no tombstones). A slot is the key's 62-bit fingerprint plus its
-fastest tier. Keys are already cryptographic digests, so their first bytes are uniform; one table
-per namespace means a client can only ever see the fingerprints of namespaces it was given.
+Open addressing with linear probing, at most a quarter full (:data:`MAX_FILL`: the writer grows
+into a new table before that), backward-shift deletion (no tombstones). A slot is the key's 62-bit
+fingerprint plus its fastest tier. Keys are already cryptographic digests, so their first bytes are
+uniform; one table per namespace means a client can only ever see the fingerprints of namespaces it
+was given.
 
 What a reader's answer means (the invariant the property tests check):
 
@@ -45,6 +46,7 @@ __all__ = [
     "HEADER_WORDS",
     "LIVE",
     "MAGIC",
+    "MAX_FILL",
     "MAX_REPORT_LINE",
     "REPORTS_ACCEPTED",
     "REPORT_PREFIX",
@@ -79,6 +81,10 @@ LIVE, RETIRED = 0, 1
 TIER_CODES = {"dram": 1, "local_disk": 2, "shared": 3}
 TIER_NAMES = {v: k for k, v in TIER_CODES.items()}
 _FP_MASK = ~3 & 0xFFFFFFFFFFFFFFFF
+MAX_FILL = 4
+"""A table holds at most ``capacity / MAX_FILL`` keys. At a quarter full about one key in eight
+(one in four at half full) is not in its home slot and costs a reader a walk along the run in
+Python (:mod:`kvfabric.client.indexprobe`); the price is 32 bytes of table per block at most."""
 
 
 class Inconsistent(Exception):  # noqa: N818 - a retry signal, not an error
@@ -265,7 +271,7 @@ def lookup_prefix(words: memoryview, fps: Sequence[int]) -> list[int]:
                     break
                 probes += 1
                 if probes > cap:
-                    # Never with a consistent table (it is at most half full): a torn read, which
+                    # Never with a consistent table (at most a quarter full): a torn read, which
                     # the seqlock check would reject anyway.
                     raise Inconsistent
             if v == 0:
@@ -290,8 +296,8 @@ class TableWriter:
         return int(self.words[W_COUNT])
 
     def needs_growth(self, extra: int = 1) -> bool:
-        """Whether adding ``extra`` keys would take the table past half full."""
-        return 2 * (self.count + extra) > self.capacity
+        """Whether adding ``extra`` keys would take the table past a quarter full (:data:`MAX_FILL`)."""
+        return MAX_FILL * (self.count + extra) > self.capacity
 
     def _find(self, fp: int) -> tuple[int, int]:
         """(slot index, value) of ``fp``'s slot, or (first empty slot, 0)."""
@@ -315,7 +321,7 @@ class TableWriter:
         if v == new:
             return
         if tier and v == 0 and self.needs_growth():
-            raise OverflowError("table is half full: grow it before inserting")
+            raise OverflowError("table is a quarter full: grow it before inserting")
         w = self.words
         w[W_SEQ] += 1  # odd: readers retry
         try:

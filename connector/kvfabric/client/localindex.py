@@ -27,13 +27,24 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvfabric.client.errors import CacheUnavailable
 from kvfabric.client.results import LookupResult
 from kvfabric.rpc import fdpass
 from kvfabric.rpc import indextable as it
 
-__all__ = ["LocalIndex"]
+try:  # numpy comes with the engine extra (and vLLM); without it, the reference probe answers
+    from kvfabric.client import indexprobe
+
+    VECTOR_PROBE = True
+except ImportError:  # pragma: no cover - every test environment has numpy
+    VECTOR_PROBE = False
+
+if TYPE_CHECKING:
+    from kvfabric.client.indexprobe import Words
+
+__all__ = ["VECTOR_PROBE", "LocalIndex"]
 
 _ATTEMPTS = 4  # seqlock retries before handing the lookup to the RPC
 _NAMES = ("", *(it.TIER_NAMES[c] for c in (1, 2, 3)))
@@ -47,6 +58,8 @@ class _Mapped:
     conn: socket.socket
     """The connection the table came over: the server keeps it open while it lives."""
     poll: select.poll
+    slots: Words | None = None
+    """The table's slots as a numpy array (:func:`indexprobe.slots_of`), None without numpy."""
     reports: bool = False
     """Whether the server counts the lookups reported on ``conn``."""
     counts: list[int] = field(default_factory=lambda: [0, 0, 0])
@@ -106,6 +119,7 @@ class _Mapped:
         self.conn.close()
 
     def close(self) -> None:
+        self.slots = None  # its view of the mapping must go before the mapping can be closed
         self.words.release()
         with contextlib.suppress(BufferError):
             self.map.close()
@@ -158,7 +172,9 @@ class LocalIndex:
             m = self._fetch_now(namespace)
             if m is None:
                 return None
-        fps = it.fingerprints_raw(raw_keys)
+        fps: Words | list[int] = (
+            indexprobe.fingerprint_array(raw_keys) if VECTOR_PROBE else it.fingerprints_raw(raw_keys)
+        )
         words = m.words
         for _ in range(_ATTEMPTS):
             if words[it.W_STATE] != it.LIVE:
@@ -171,7 +187,11 @@ class LocalIndex:
                 words = m.words
                 continue
             try:
-                codes = it.lookup_prefix(words, fps)
+                slots = m.slots  # (read once: close() on another thread drops it)
+                if slots is None or isinstance(fps, list):  # without numpy: the reference probe
+                    tiers = list(map(_NAMES.__getitem__, it.lookup_prefix(words, list(fps))))
+                else:
+                    tiers = indexprobe.tier_names(indexprobe.lookup_prefix(words, slots, fps))
             except it.Inconsistent:
                 continue
             if m.server_gone():
@@ -190,8 +210,8 @@ class LocalIndex:
                 )
             self.answered += 1
             if m.reports:
-                m.count(len(codes), len(fps), now, self.report_ns)
-            return LookupResult(len(codes), list(map(_NAMES.__getitem__, codes)))
+                m.count(len(tiers), len(fps), now, self.report_ns)
+            return LookupResult(len(tiers), tiers)
         return None
 
     def alive(self, namespace: str) -> bool | None:
@@ -328,7 +348,8 @@ class LocalIndex:
             return None
         poll = select.poll()
         poll.register(conn, select.POLLIN | select.POLLHUP | select.POLLERR)
-        return _Mapped(mp, words, hdr["epoch"], conn, poll, reports)
+        slots = indexprobe.slots_of(mp, hdr["capacity"]) if VECTOR_PROBE else None
+        return _Mapped(mp, words, hdr["epoch"], conn, poll, slots, reports)
 
     def close(self) -> None:
         """Unmap every table (and any a background fetch still brings)."""

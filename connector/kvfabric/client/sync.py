@@ -253,30 +253,42 @@ class CacheClient:
                 if namespace in self._specs:
                     self._undescribed.add(namespace)
 
-    def lookup(self, namespace: str, keys: Sequence[str], *, timeout: float) -> LookupResult:
-        """How many leading ``keys`` are stored, and in which tier each one is."""
+    def lookup(
+        self, namespace: str, keys: Sequence[str], *, timeout: float, raw: bytes | None = None
+    ) -> LookupResult:
+        """How many leading ``keys`` are stored, and in which tier each one is.
+
+        ``raw``: the keys' 32-byte digests, concatenated (``bytes.fromhex`` of each key), when the
+        caller holds them: the published index is probed with them without decoding the keys again
+        (:func:`~kvfabric.client._common.check_raw_ids`).
+        """
         c.check_timeout(timeout)
-        raw = c.check_ids(namespace, keys)
+        raw = c.check_ids(namespace, keys) if raw is None else c.check_raw_ids(namespace, keys, raw)
         deadline = time.monotonic() + timeout
         self._describe_due(deadline)
         if self._index is not None:
             local = self._index.lookup(namespace, raw)
             if local is not None:
                 return local
+        c.check_ids(namespace, keys)  # (raw given: the keys themselves are checked before they are sent)
         req = pb.LookupRequest(namespace=namespace, keys=keys)
         left = _remaining(deadline)
         resp = self._call(lambda r: r.stub.Lookup(req, timeout=left, metadata=r.md))
         self._asked_to_describe(namespace, resp)
         return c.lookup_result(resp)
 
-    def lookup_local(self, namespace: str, keys: Sequence[str]) -> LookupResult | None:
+    def lookup_local(
+        self, namespace: str, keys: Sequence[str], raw: bytes | None = None
+    ) -> LookupResult | None:
         """Answer from the published index only (microseconds, no call, no thread); None if it cannot.
 
         Raises :class:`~kvfabric.client.errors.CacheUnavailable` when the server is gone or hung.
+        ``raw`` as for :meth:`lookup`.
         """
         if self._index is None or self.describes_pending:
             return None  # a description is due: the call that sends it first is an RPC lookup
-        return self._index.lookup(namespace, c.check_ids(namespace, keys), fetch=False)
+        raw = c.check_ids(namespace, keys) if raw is None else c.check_raw_ids(namespace, keys, raw)
+        return self._index.lookup(namespace, raw, fetch=False)
 
     def load(self, namespace: str, keys: Sequence[str], *, timeout: float) -> list[bytes]:
         """Payloads of the leading present keys (stops at the first miss)."""

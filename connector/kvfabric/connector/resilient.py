@@ -412,7 +412,7 @@ class ResilientCache:
                 return result, None
         return None, last
 
-    def _lookup_local(self, namespace: str, keys: Sequence[str]) -> LookupOutcome | None:
+    def _lookup_local(self, namespace: str, keys: Sequence[str], raw: bytes | None) -> LookupOutcome | None:
         """The preferred endpoint's published index, on the caller's thread; None: make the call.
 
         A lookup answered from shared memory takes microseconds: a hop to the I/O pool would cost
@@ -429,7 +429,7 @@ class ResilientCache:
         if not ep.breaker.allow():
             return None
         try:
-            res: LookupResult | None = local(namespace, keys)
+            res: LookupResult | None = local(namespace, keys) if raw is None else local(namespace, keys, raw)
         except CacheUnavailable as exc:
             ep.breaker.failure(slow=False)
             log.debug("published index of %s: %r", ep.name, exc)
@@ -447,11 +447,17 @@ class ResilientCache:
         matched = max(0, min(res.matched, len(keys)))
         return LookupOutcome(matched, list(res.tiers[:matched]), None if matched else Reason.NOT_FOUND)
 
-    def lookup(self, namespace: str, keys: Sequence[str], deadline_s: float) -> LookupOutcome:
-        """Return how many leading ``keys`` are stored; 0 with a reason on any failure."""
+    def lookup(
+        self, namespace: str, keys: Sequence[str], deadline_s: float, *, raw: bytes | None = None
+    ) -> LookupOutcome:
+        """Return how many leading ``keys`` are stored; 0 with a reason on any failure.
+
+        ``raw``: the keys' digests, concatenated, when the caller holds them (the published index is
+        probed with them; see :meth:`kvfabric.client.CacheClient.lookup`).
+        """
         if not keys:
             return LookupOutcome(0, [])
-        local = self._lookup_local(namespace, keys)
+        local = self._lookup_local(namespace, keys, raw)
         if local is not None:
             return local
         deadline = time.monotonic() + deadline_s

@@ -55,6 +55,13 @@ def slowest_tier(tiers: Sequence[str]) -> str | None:
     return max(tiers, key=lambda t: TIER_ORDER.get(t, 4)) if tiers else None
 
 
+def _raw_keys(st: _ReqState) -> bytes:
+    """The request's chunk keys as digests: decoded once (a waiting request is looked up every step)."""
+    if len(st.raw) != 32 * len(st.keys):
+        st.raw = bytes.fromhex("".join(st.keys))
+    return st.raw
+
+
 @dataclass
 class _ReqState:
     token_ids: list[int]
@@ -89,6 +96,7 @@ class _ReqState:
     groups: list[list[int]] = field(default_factory=list)
     planned_to: int = 0
     key_tiers: dict[str, str] = field(default_factory=dict)
+    raw: bytes = b""  # the keys' digests, concatenated (decoded once per request: _raw_keys)
 
 
 def per_group(block_ids: Sequence[Sequence[int]] | Sequence[int] | None) -> list[list[int]] | None:
@@ -246,7 +254,9 @@ class SchedulerHalf:
         deadline = self.costs.lookup_deadline(n, ceiling) if self.costs else ceiling
         started = time.monotonic()
         if loadable:
-            outcome = self.cache.lookup(self.namespace, st.keys[:loadable], deadline)
+            outcome = self.cache.lookup(
+                self.namespace, st.keys[:loadable], deadline, raw=_raw_keys(st)[: 32 * loadable]
+            )
         else:
             outcome = LookupOutcome(0, [], Reason.NOT_FOUND)
         st.matched_chunks, st.tiers, st.last_reason = outcome.matched, outcome.tiers, outcome.reason

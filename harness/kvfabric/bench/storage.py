@@ -38,7 +38,8 @@ With 32 MiB chunks (one chunk of Llama-8B KV at 256 tokens), it measures:
   processes' CPU time (every thread, timed lookups only) and the server process's
   (``/proc/<pid>/stat``, the whole round: its heartbeat and janitor threads included) divided by the
   lookups of the round. Unlike latencies under load, these do not depend on what else the machine
-  runs, so another machine can reproduce them.
+  runs, so another machine can reproduce them. The ``local`` path passes the keys' digests with the
+  keys, as the connector does (where the client accepts them: ``raw``).
 
 Every measurement is taken in several rounds; the result holds the median under the plain name and
 ``spread[name] = {median, min, max, rounds}``. Paired paths (memcpy / shm load, raw read / tier load)
@@ -488,10 +489,16 @@ def _lookup_worker(job: _LookupJob) -> dict[str, Any]:
         with CacheClient(target, shared_memory=True, local_index=True) as c:
             index = c.local_index
             assert index is not None
+            # As the connector looks up: with the digests it holds (decoded once per request).
+            import inspect
+
+            kw: dict[str, Any] = {}
+            if "raw" in inspect.signature(c.lookup).parameters:
+                kw["raw"] = bytes.fromhex("".join(keys))
             # Warm up until the table is mapped (its fetch may have been refused under load).
             end = time.monotonic() + 30
             while index.answered < warmup and time.monotonic() < end:
-                check(c.lookup(ns, keys, timeout=10).matched)
+                check(c.lookup(ns, keys, timeout=10, **kw).matched)
             if index.answered < warmup:
                 raise RuntimeError("the client never answered from the published index")
             lat: list[float] = []
@@ -508,7 +515,7 @@ def _lookup_worker(job: _LookupJob) -> dict[str, Any]:
                     t0 = time.perf_counter()
                 # A starved heartbeat reads as a hung server: a miss, timed like any lookup.
                 with contextlib.suppress(CacheUnavailable):
-                    check(c.lookup(ns, keys, timeout=10).matched)
+                    check(c.lookup(ns, keys, timeout=10, **kw).matched)
                 lat.append(time.perf_counter() - t0)
             used = time.process_time() - cpu0
             # Lookups the table could not answer went over RPC: they are in the latencies too.

@@ -6,7 +6,7 @@ The table layout is :mod:`kvfabric.rpc.indextable`. This module owns the tables 
   :meth:`IndexPublisher.changed` after every change to a block's membership (put, delete, eviction,
   expiry, a promotion, another server's journal); the publisher asks the store for the block's
   fastest tier *then* (under its lock, so the last writer always publishes the latest truth) and
-  writes the slot before the store acknowledges anything. A table that would pass half full is
+  writes the slot before the store acknowledges anything. A table that would pass a quarter full is
   copied into one twice the size, which is then handed out, and the old one is marked retired.
   A heartbeat thread stamps every table, so a reader can tell a hung or dead server from a live one.
 * :class:`IndexSocket` serves the tables over a Unix socket next to the gRPC socket
@@ -217,7 +217,7 @@ class IndexPublisher:
             self._drop(gone)
         blocks = self._offline.pop(namespace, {})
         capacity = self._initial
-        while 2 * (len(blocks) + 1) > capacity:  # at most half full, room for the next block
+        while it.MAX_FILL * (len(blocks) + 1) > capacity:  # room for the next block
             capacity *= 2
         table = _Table(namespace, capacity, self.epoch)
         table.writer.load([fp | code for fp, code in blocks.items()])

@@ -349,6 +349,54 @@ def _start_operator(
         )
 
 
+def _probes(health: int) -> dict[str, Any]:
+    """The operator's kopf probes (reconciles, runtime: loop lag, GC pauses, CPU per thread); {} if down."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=5) as answer:
+            return dict(json.loads(answer.read()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _histogram_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any]:
+    """What a cumulative histogram of :mod:`kvfabric.operator.runtimestats` recorded between two reads.
+
+    The maximum is the later read's (a maximum cannot be differenced): it may predate the window.
+    """
+    if not after:
+        return {}
+    old = (before or {}).get("le_ms") or {}
+    counts = {k: int(v) - int(old.get(k, 0)) for k, v in after["le_ms"].items()}
+    total = round(float(after["total_ms"]) - float((before or {}).get("total_ms", 0.0)), 1)
+    over = {f">{k}ms": n for k, n in _tail_counts(counts).items() if n}
+    return {"n": sum(counts.values()), "total_ms": total, "max_ms_so_far": after["max_ms"], **over}
+
+
+def _tail_counts(counts: dict[str, int]) -> dict[str, int]:
+    """For each bucket bound, how many samples lay above it (``20`` -> count above 20 ms)."""
+    bounds = list(counts)
+    values = list(counts.values())
+    return {bounds[i]: sum(values[i + 1 :]) for i in range(len(bounds) - 1) if float(bounds[i]) >= 10}
+
+
+def _runtime_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The operator's loop lag, GC pauses and per-thread CPU between two reads of its ``runtime`` probe."""
+    b, a = before.get("runtime") or {}, after.get("runtime") or {}
+    if not a:
+        return {}
+    cpu_b, cpu_a = b.get("thread_cpu_s") or {}, a.get("thread_cpu_s") or {}
+    return {
+        "webhook_loop_lag": _histogram_delta(b.get("webhook_loop_lag"), a.get("webhook_loop_lag")),
+        "gc_pauses": {
+            g: _histogram_delta((b.get("gc") or {}).get(g), a["gc"][g]) for g in ("gen0", "gen1", "gen2")
+        },
+        "gc_frozen_objects": a["gc"].get("frozen_objects"),
+        "thread_cpu_s": {k: round(v - float(cpu_b.get(k, 0.0)), 2) for k, v in cpu_a.items()},
+    }
+
+
 def _proc_stats(pid: int) -> dict[str, float]:
     """RSS now and at peak (MB) and CPU seconds of a process, from /proc."""
     out: dict[str, float] = {}
@@ -369,7 +417,6 @@ async def _bench_scale(
 ) -> dict[str, Any]:
     import asyncio
     import ssl
-    import urllib.request
 
     import aiohttp
 
@@ -459,6 +506,8 @@ async def _bench_scale(
         result["all_ready_s"] = round(ready_s, 1)
         result["pools_ready"] = ready
         result["operator_after_ready"] = _proc_stats(proc.pid)
+        probes_before = _probes(health)
+        result["reconciles_until_ready"] = probes_before.get("reconciles")
 
         # The pod storm, with AdmissionReviews POSTed to the webhook beside it.
         ctx = ssl.create_default_context(cafile=str(cert_dir / "ca.crt"))
@@ -531,11 +580,7 @@ async def _bench_scale(
         await asyncio.sleep(5.0)  # let the consumer counts settle
         listed = await client.list("KVCachePool", ns)
         counted = sum(int((p.get("status") or {}).get("consumers", {}).get("injected") or 0) for p in listed)
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=5) as answer:  # noqa: ASYNC210
-                probes = json.loads(answer.read())
-        except OSError:
-            probes = {}
+        probes = _probes(health)  # kopf caches probes for 10 s: the storm and its settling outlast that
         result["storm"] = {
             "consumer_pods": args.consumer_pods,
             "created_in_s": round(storm_s, 1),
@@ -551,6 +596,7 @@ async def _bench_scale(
             "goal_p99_ms": 20,
         }
         result["operator"] = {**_proc_stats(proc.pid), "reconciles": probes.get("reconciles")}
+        result["operator_during_storm"] = _runtime_delta(probes_before, probes)
     except Exception as exc:  # report what was measured before the failure
         result["error"] = repr(exc)
         result["operator_at_error"] = _proc_stats(proc.pid)

@@ -101,6 +101,8 @@ class Controller:
         self._main: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
+        self.native_id: int | None = None
+        """The kernel's id of the controller thread, once started (its CPU time is in ``/proc``)."""
         self._client: KubeClient | None = None
         self._wipes: set[asyncio.Task[None]] = set()
         # Every node a pool's cache servers were seen on while this replica led: with foreground
@@ -141,6 +143,7 @@ class Controller:
 
     # --- on the controller's loop -------------------------------------------------------------
     def _run_thread(self) -> None:
+        self.native_id = threading.get_native_id()
         loop = asyncio.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)

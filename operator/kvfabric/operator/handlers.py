@@ -26,6 +26,7 @@ from kvfabric.operator.kube import SA_TOKEN, ApiError, KubeClient, bearer_token,
 from kvfabric.operator.opmetrics import WebhookCounter
 from kvfabric.operator.reconcile import PoolKey
 from kvfabric.operator.render import names
+from kvfabric.operator.runtimestats import GcPauses, LoopLag, current_native_id, thread_cpu_seconds
 from kvfabric.operator.servingcert import ServingCertificate
 
 log = logging.getLogger("kvfabric.operator")
@@ -92,7 +93,12 @@ class OperatorApp:
     """The node plugin's driver name when it is installed: consumers get a CSI volume, no hostPath."""
     webhook_pods: WebhookCounter = field(default_factory=WebhookCounter)
     """What the injection webhook did with each pod (``--metrics-addr`` serves it)."""
+    gc_pauses: GcPauses = field(default_factory=GcPauses)
+    loop_lag: LoopLag = field(default_factory=LoopLag)
+    """How late kopf's loop (the webhook's) wakes up: what an admission waits before it is read."""
     _serving_task: asyncio.Task[None] | None = None
+    _lag_task: asyncio.Task[None] | None = None
+    _webhook_thread: int | None = None
 
     async def pools_for(self, pod: Mapping[str, Any], namespace: str | None) -> Mapping[PoolKey, PoolTarget]:
         """The known pools, plus the pod's own pool read from the API server when it is not known yet.
@@ -125,6 +131,17 @@ class OperatorApp:
             election=self.election,
             webhook_not_after=lambda: self.serving.not_after if self.serving is not None else None,
         )
+
+    def runtime(self) -> dict[str, Any]:
+        """Loop lag, garbage-collector pauses and CPU per thread, cumulative (the ``runtime`` probe)."""
+        threads = {"controller": self.controller.native_id}
+        if self._webhook_thread is not None:
+            threads["webhook"] = self._webhook_thread
+        return {
+            "webhook_loop_lag": self.loop_lag.histogram.snapshot(),
+            "gc": self.gc_pauses.snapshot(),
+            "thread_cpu_s": thread_cpu_seconds({k: v for k, v in threads.items() if v is not None}),
+        }
 
     @property
     def reconciles(self) -> int:
@@ -185,6 +202,9 @@ def build_registry(
                     await asyncio.sleep(0.5)
         if app.serving is not None:
             app._serving_task = asyncio.get_running_loop().create_task(app.serving.run())
+        app.gc_pauses.install()
+        app._webhook_thread = current_native_id()
+        app._lag_task = asyncio.get_running_loop().create_task(app.loop_lag.run())
         app.controller.start()
 
     @kopf.on.login(registry=registry)
@@ -207,8 +227,9 @@ def build_registry(
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
-        if app._serving_task is not None:
-            app._serving_task.cancel()
+        for task in (app._serving_task, app._lag_task):
+            if task is not None:
+                task.cancel()
         # Joined off the loop: the controller releases its Lease, so a standby takes over at once.
         await asyncio.to_thread(app.controller.stop)
         await app.client.close()
@@ -216,6 +237,10 @@ def build_registry(
     @kopf.on.probe(id="reconciles", registry=registry)
     async def probe_reconciles(**_: Any) -> int:
         return app.reconciles
+
+    @kopf.on.probe(id="runtime", registry=registry)
+    async def probe_runtime(**_: Any) -> dict[str, Any]:
+        return app.runtime()
 
     @kopf.on.probe(id="leader", registry=registry)
     async def probe_leader(**_: Any) -> bool:

@@ -393,6 +393,7 @@ def _runtime_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
             g: _histogram_delta((b.get("gc") or {}).get(g), a["gc"][g]) for g in ("gen0", "gen1", "gen2")
         },
         "gc_frozen_objects": a["gc"].get("frozen_objects"),
+        "gc_tracked_objects": a["gc"].get("tracked_objects"),
         "thread_cpu_s": {k: round(v - float(cpu_b.get(k, 0.0)), 2) for k, v in cpu_a.items()},
     }
 

@@ -207,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         registration=registration,
         serving=serving,
         csi_driver=args.csi_driver,
+        freeze_gc=True,
     )
     if args.metrics_addr:
         from kvfabric.operator import opmetrics

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import gc
 import logging
 import threading
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from kvfabric.operator.leader import LeaseElector
 from kvfabric.operator.reconcile import PoolKey, ReconcileQueue, reconcile_pool
 from kvfabric.operator.render import names
 from kvfabric.operator.render.wipe import wipe_dir
+from kvfabric.operator.status import consumer_view
 from kvfabric.operator.wipe import sweep_finished_wipe_pods, wipe_deleted_pool
 
 log = logging.getLogger("kvfabric.operator.controller")
@@ -79,9 +81,15 @@ class Controller:
         election: Election | None = None,
         webhook_not_after: Callable[[], dt.datetime | None] | None = None,
         scrape_seconds: float = 60.0,
+        freeze_gc: bool = False,
     ) -> None:
         self._make_client = make_client
         self.scrape_seconds = scrape_seconds
+        # Once the caches are first complete, move everything alive then (modules, classes, kopf's
+        # and pydantic's machinery, the listed objects) out of the garbage collector's sight: its full
+        # passes then walk only what came later. Process-wide, so only the operator process sets it.
+        self.freeze_gc = freeze_gc
+        self._frozen = False
         self.scraper: Scraper | None = None
         self.injection_enabled = injection_enabled
         # Expiry of the certificate the webhook serves now (read across threads: one attribute).
@@ -257,6 +265,8 @@ class Controller:
                 index_label=POOL_LABEL,
                 namespaces=self.namespaces,
                 on_change=self._consumer_changed,
+                # Thousands of them: only what their pools' status counts (see consumer_view).
+                transform=consumer_view,
             )
         ]
         out += [
@@ -302,6 +312,12 @@ class Controller:
                 synced.cancel()
                 for task in done:
                     task.result()  # an informer crashed: re-raise
+            if self.freeze_gc and not self._frozen:
+                # Acyclic objects frozen here (cached objects) are still freed when replaced; only
+                # a cycle alive now and dropped later would stay: a one-time, start-up-sized cost.
+                gc.collect()
+                gc.freeze()
+                self._frozen = True
             queue = ReconcileQueue(work)
             self._queue = queue
             sweep = asyncio.ensure_future(sweep_finished_wipe_pods(client, self.operator_namespace))

@@ -87,6 +87,8 @@ class OperatorApp:
     controller: Controller = field(init=False)
     pools: dict[PoolKey, PoolTarget] = field(default_factory=dict)
     namespace_labels: dict[str, dict[str, str]] = field(default_factory=dict)
+    freeze_gc: bool = False
+    """Freeze the garbage collector's view once the caches are complete (the operator process does)."""
     serving: ServingCertificate | None = None
     """The webhook's serving certificate, refreshed in place on kopf's loop."""
     csi_driver: str | None = None
@@ -130,6 +132,7 @@ class OperatorApp:
             resync_seconds=self.resync_seconds,
             election=self.election,
             webhook_not_after=lambda: self.serving.not_after if self.serving is not None else None,
+            freeze_gc=self.freeze_gc,
         )
 
     def runtime(self) -> dict[str, Any]:

@@ -78,6 +78,7 @@ class GcPauses:
         """Per generation, the histogram of pauses; plus the objects the collector tracks now."""
         out: dict[str, Any] = {f"gen{g}": h.snapshot() for g, h in enumerate(self.by_generation)}
         out["frozen_objects"] = gc.get_freeze_count()
+        out["tracked_objects"] = len(gc.get_objects())
         return out
 
 

@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     import kopf
 
     from kvfabric.operator import handlers, webhookconfig
+    from kvfabric.operator.admission import PodWebhookServer
     from kvfabric.operator.kube import KubeClient
     from kvfabric.operator.servingcert import ServingCertificate
 
@@ -148,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
             ca = serving.ca_file
         else:
             serving = ServingCertificate(directory, cert_file=cert, key_file=key, ca_file=ca)
-        server = kopf.WebhookServer(
+        server = PodWebhookServer(
+            webhook_id=handlers.WEBHOOK_ID,
             addr=args.webhook_addr,
             port=args.webhook_port,
             host=host,
@@ -209,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
         csi_driver=args.csi_driver,
         freeze_gc=True,
     )
+    if server is not None:
+        server.admit = app.admit
     if args.metrics_addr:
         from kvfabric.operator import opmetrics
 

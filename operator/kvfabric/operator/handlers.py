@@ -19,9 +19,17 @@ from typing import Any, cast
 
 import kopf
 
+from kvfabric.operator.admission import injection_patch, review_response
 from kvfabric.operator.api.v1alpha1 import GROUP, PLURAL, POOL_LABEL, VERSION
 from kvfabric.operator.controller import Controller, Election
-from kvfabric.operator.injection import SKIP_NO_PAYLOAD_KEY, PoolTarget, inject, pool_key_of, pool_target
+from kvfabric.operator.injection import (
+    SKIP_NO_PAYLOAD_KEY,
+    InjectionResult,
+    PoolTarget,
+    inject,
+    pool_key_of,
+    pool_target,
+)
 from kvfabric.operator.kube import SA_TOKEN, ApiError, KubeClient, bearer_token, load_configuration
 from kvfabric.operator.opmetrics import WebhookCounter
 from kvfabric.operator.reconcile import PoolKey
@@ -100,29 +108,73 @@ class OperatorApp:
     """How late kopf's loop (the webhook's) wakes up: what an admission waits before it is read."""
     _serving_task: asyncio.Task[None] | None = None
     _lag_task: asyncio.Task[None] | None = None
+    unknown_pool_wait: float = 2.0
+    """How long an admission waits for the watch to deliver a pool it names that is not known yet."""
+    _pool_added: asyncio.Event | None = None
     _webhook_thread: int | None = None
 
     async def pools_for(self, pod: Mapping[str, Any], namespace: str | None) -> Mapping[PoolKey, PoolTarget]:
-        """The known pools, plus the pod's own pool read from the API server when it is not known yet.
+        """The known pools, once the pod's own pool is among them or :attr:`unknown_pool_wait` has passed.
 
         Right after start-up (before kopf has delivered every pool) or right after a pool was
         created, the pod's pool may be missing from :attr:`pools`: answering "pool-not-found" then
-        would silently skip a ``Fail`` pool's pod. One bounded GET settles it.
+        would silently skip a ``Fail`` pool's pod. The admission waits for the pool's watch event
+        instead of asking the API server: nothing on the admission path calls it, so a storm of pods
+        costs it no extra request and never waits behind one.
         """
         key = pool_key_of(pod, namespace)
         if key is None or key in self.pools:
             return self.pools
-        try:
-            async with asyncio.timeout(2.0):
-                raw = await self.client.get("KVCachePool", key[0], key[1])
-        except (ApiError, OSError, TimeoutError) as exc:
-            log.warning("could not read KVCachePool %s/%s for injection: %s", *key, exc)
-            return self.pools
-        target = pool_target(raw) if raw is not None else None
-        if target is None:
-            return self.pools
-        self.pools[key] = target
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.unknown_pool_wait
+        while key not in self.pools and (remaining := deadline - loop.time()) > 0:
+            if self._pool_added is None:
+                self._pool_added = asyncio.Event()
+            added = self._pool_added
+            try:
+                async with asyncio.timeout(remaining):
+                    await added.wait()
+            except TimeoutError:
+                break
         return self.pools
+
+    def pool_seen(self, key: PoolKey, target: PoolTarget) -> None:
+        """Record a pool's injection view (from its watch) and wake the admissions waiting for it."""
+        self.pools[key] = target
+        if self._pool_added is not None:
+            self._pool_added.set()
+            self._pool_added = None
+
+    async def injection(self, pod: Mapping[str, Any], namespace: str | None) -> InjectionResult | None:
+        """What the webhook does with ``pod`` (counted), or None when it failed (logged: admit unchanged)."""
+        try:
+            pools = await self.pools_for(pod, namespace)
+            result = inject(
+                pod, pools, self.namespace_labels, request_namespace=namespace, csi_driver=self.csi_driver
+            )
+        except Exception:
+            # Fail open: a bug here must never block an inference pod.
+            log.exception("injection failed; admitting the pod unchanged")
+            self.webhook_pods.count(injected=False, error=True)
+            return None
+        self.webhook_pods.count(injected=result.injected, skip_reason=result.skip_reason)
+        if result.skip_reason == SKIP_NO_PAYLOAD_KEY:
+            # An install without the CSI node plugin: the fix is the cluster admin's, say it.
+            log.warning("pod %s not injected: %s", pod.get("metadata", {}).get("name"), result.detail)
+        return result
+
+    async def admit(self, review: Mapping[str, Any]) -> dict[str, Any]:
+        """Answer an AdmissionReview of a pod creation: allowed, patched with only what was injected."""
+        request = review["request"]
+        pod = request["object"]
+        result = await self.injection(pod, request.get("namespace") or None)
+        patch = []
+        if result is not None:
+            try:
+                patch = injection_patch(pod, result.pod)
+            except Exception:  # fail open, as above
+                log.exception("could not build the injection patch; admitting the pod unchanged")
+        return review_response(review, patch)
 
     def __post_init__(self) -> None:
         self.controller = Controller(
@@ -267,7 +319,7 @@ def build_registry(
         previous = app.pools.get(key)
         if target is not None:
             # Kept here (not in a kopf index) so the webhook sees a pool as soon as it is known.
-            app.pools[key] = target
+            app.pool_seen(key, target)
         app.controller.trigger(key)
         required = target is not None and target.injection_required
         if app.registration is not None and (previous is None or previous.injection_required != required):
@@ -292,20 +344,11 @@ def build_registry(
 
         @kopf.on.mutate("", "v1", "pods", id=WEBHOOK_ID, operations=["CREATE"], registry=registry)
         async def mutate_pod(*, body: kopf.Body, patch: kopf.Patch, namespace: str | None, **_: Any) -> None:
-            try:
-                pools = await app.pools_for(body, namespace)
-                result = inject(
-                    body, pools, app.namespace_labels, request_namespace=namespace, csi_driver=app.csi_driver
-                )
-            except Exception:
-                # Fail open: a bug here must never block an inference pod.
-                log.exception("injection failed; admitting the pod unchanged")
-                app.webhook_pods.count(injected=False, error=True)
+            # Pod creations reach OperatorApp.admit directly (PodWebhookServer); this is kopf's path,
+            # for a server that does not shortcut it.
+            result = await app.injection(body, namespace)
+            if result is None:
                 return
-            app.webhook_pods.count(injected=result.injected, skip_reason=result.skip_reason)
-            if result.skip_reason == SKIP_NO_PAYLOAD_KEY:
-                # An install without the CSI node plugin: the fix is the cluster admin's, say it.
-                log.warning("pod %s not injected: %s", body.get("metadata", {}).get("name"), result.detail)
             new_pod = result.pod
 
             def replace(raw: kopf.RawBody) -> None:

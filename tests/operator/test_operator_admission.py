@@ -301,3 +301,23 @@ async def test_the_server_answers_pod_creations_itself_and_passes_the_rest_to_ko
     assert "patch" in created["response"]
     assert updated["response"]["uid"] == other["response"]["uid"] == "k"
     assert to_kopf == ["UPDATE", "CREATE"]
+
+
+@pytest.mark.asyncio
+async def test_the_watch_event_of_our_own_status_write_triggers_no_reconcile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # While pools come up every status write came back as a pool event and cost a reconcile that
+    # found nothing to do. Only that exact version is skipped: any other change is reconciled.
+    a = app()
+    triggered: list[tuple[str, str]] = []
+    monkeypatch.setattr(a.controller, "trigger", triggered.append)
+    a.controller._status_written[("team", "pool-a")] = "42"
+    body = pool()
+    for version in ("41", "42", "43"):
+        body["metadata"]["resourceVersion"] = version
+        await deliver_pool(a, body)
+    assert triggered == [("team", "pool-a"), ("team", "pool-a")]  # 41 and 43, not our own 42
+    a.controller._forget(("team", "pool-a"))
+    await deliver_pool(a, body | {"metadata": {**body["metadata"], "resourceVersion": "42"}})
+    assert len(triggered) == 3

@@ -436,3 +436,17 @@ async def test_the_first_rollout_onto_hand_over_stops_first_then_the_next_one_su
     await run(kube)
     ds = kube.objects[("DaemonSet", "ns", names.daemonset_name("p"))]
     assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+
+
+@pytest.mark.asyncio
+async def test_a_status_write_reports_the_version_it_left_the_pool_at() -> None:
+    # The controller skips the watch event of its own status write by this version (and only it).
+    kube = FakeKube()
+    add_pool(kube)
+    result = await run(kube)
+    assert result is not None
+    assert result.status_changed
+    assert result.status_version == kube.objects[("KVCachePool", "ns", "p")]["metadata"]["resourceVersion"]
+    again = await run(kube)
+    assert again is not None
+    assert again.status_version is None

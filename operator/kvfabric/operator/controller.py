@@ -18,7 +18,7 @@ import datetime as dt
 import gc
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +101,9 @@ class Controller:
         # $POD_NAMESPACE), so a namespaced install's Role there covers them.
         self.operator_namespace = election.namespace if election is not None else names.operator_namespace()
         self.reconciles = 0
+        # The resourceVersion each pool had after this replica last wrote its status: the watch event
+        # of that very write brings nothing to reconcile (read from kopf's thread: one dict lookup).
+        self._status_written: dict[PoolKey, str] = {}
         self.elector: LeaseElector | None = None
         self.reader: CachedReader | None = None
         self._known: set[PoolKey] = set()
@@ -135,6 +138,16 @@ class Controller:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._trigger, key)
 
+    def own_status_echo(self, key: PoolKey, body: Mapping[str, Any]) -> bool:
+        """Whether ``body`` is the pool exactly as this replica's last status write left it.
+
+        Its watch event then needs no reconcile: that pass already saw everything the write was
+        computed from. Any other change (spec, labels, someone else's status edit) has another
+        resourceVersion and is reconciled as always.
+        """
+        version = (body.get("metadata") or {}).get("resourceVersion")
+        return version is not None and self._status_written.get(key) == str(version)
+
     def forget(self, key: PoolKey, last: dict[str, Any] | None = None) -> None:
         """The pool is gone (thread-safe); ``last`` is its final state, whose disks a leader wipes."""
         loop = self._loop
@@ -168,6 +181,7 @@ class Controller:
 
     def _forget(self, key: PoolKey, last: dict[str, Any] | None = None) -> None:
         self._known.discard(key)
+        self._status_written.pop(key, None)
         seen = self._pool_nodes.pop(key, set())
         if self._queue is not None:
             self._queue.forget(key)
@@ -292,7 +306,7 @@ class Controller:
 
         async def work(key: PoolKey) -> None:
             self.reconciles += 1
-            await reconcile_pool(
+            result = await reconcile_pool(
                 client,
                 key[0],
                 key[1],
@@ -302,6 +316,8 @@ class Controller:
                 scraper=scraper if self.scrape_seconds > 0 else None,
                 operator_namespace=self.operator_namespace,
             )
+            if result is not None and result.status_version is not None:
+                self._status_written[key] = result.status_version
 
         tasks = [asyncio.ensure_future(i.run()) for i in informers]
         try:

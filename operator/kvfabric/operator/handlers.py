@@ -320,7 +320,10 @@ def build_registry(
         if target is not None:
             # Kept here (not in a kopf index) so the webhook sees a pool as soon as it is known.
             app.pool_seen(key, target)
-        app.controller.trigger(key)
+        if not app.controller.own_status_echo(key, body):
+            # Our own status write coming back is skipped: reconciling it would only find that
+            # nothing changed (half of all passes while pools come up, each a dozen API calls).
+            app.controller.trigger(key)
         required = target is not None and target.injection_required
         if app.registration is not None and (previous is None or previous.injection_required != required):
             try:

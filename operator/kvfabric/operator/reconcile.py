@@ -61,6 +61,8 @@ class ReconcileResult:
     applied: int = 0
     pruned: int = 0
     status_changed: bool = False
+    status_version: str | None = None
+    """The pool's resourceVersion after this pass wrote its status (None: nothing written)."""
     events: list[Event] = field(default_factory=list)
     ready: bool = False
     # Secrets with the pool's names that are not the pool's: nothing else was applied (the status says).
@@ -315,7 +317,7 @@ async def reconcile_pool(
     status, events = compute_status(observed, utcnow())
     result.ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
     if strip_times(status) != strip_times(observed.previous_status):
-        await _write_status(client, raw, status)
+        result.status_version = await _write_status(client, raw, status)
         result.status_changed = True
         result.events = events
         for event in events:
@@ -327,12 +329,15 @@ async def reconcile_pool(
     return result
 
 
-async def _write_status(client: KubeClient, raw: dict[str, Any], status: dict[str, Any]) -> None:
+async def _write_status(client: KubeClient, raw: dict[str, Any], status: dict[str, Any]) -> str | None:
+    """Write the status; return the pool's resourceVersion after the write."""
     meta = raw["metadata"]
     try:
-        await client.patch_status(
+        written = await client.patch_status(
             KIND, meta["namespace"], meta["name"], status, resource_version=meta.get("resourceVersion")
         )
+        version = ((written or {}).get("metadata") or {}).get("resourceVersion")
+        return str(version) if version else None
     except ApiError as exc:
         if exc.status == 409:
             # The pool changed while we looked: the event that changed it triggers another pass.

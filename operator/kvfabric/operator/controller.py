@@ -28,7 +28,7 @@ from kvfabric.operator.consumerkeys import forget_pool, prune_roots, read_roots
 from kvfabric.operator.informer import CachedReader, Informer
 from kvfabric.operator.kube import ApiError, KubeClient
 from kvfabric.operator.leader import LeaseElector
-from kvfabric.operator.reconcile import PoolKey, ReconcileQueue, reconcile_pool
+from kvfabric.operator.reconcile import AppliedMemo, PoolKey, ReconcileQueue, reconcile_pool
 from kvfabric.operator.render import names
 from kvfabric.operator.render.wipe import wipe_dir
 from kvfabric.operator.status import consumer_view
@@ -104,6 +104,8 @@ class Controller:
         # The resourceVersion each pool had after this replica last wrote its status: the watch event
         # of that very write brings nothing to reconcile (read from kopf's thread: one dict lookup).
         self._status_written: dict[PoolKey, str] = {}
+        # What each child was last applied as, and the version that left it at (see reconcile_pool).
+        self._applied: dict[PoolKey, AppliedMemo] = {}
         self.elector: LeaseElector | None = None
         self.reader: CachedReader | None = None
         self._known: set[PoolKey] = set()
@@ -182,6 +184,7 @@ class Controller:
     def _forget(self, key: PoolKey, last: dict[str, Any] | None = None) -> None:
         self._known.discard(key)
         self._status_written.pop(key, None)
+        self._applied.pop(key, None)
         seen = self._pool_nodes.pop(key, set())
         if self._queue is not None:
             self._queue.forget(key)
@@ -315,6 +318,7 @@ class Controller:
                 webhook_not_after=self.webhook_not_after(),
                 scraper=scraper if self.scrape_seconds > 0 else None,
                 operator_namespace=self.operator_namespace,
+                applied=self._applied.setdefault(key, {}),
             )
             if result is not None and result.status_version is not None:
                 self._status_written[key] = result.status_version

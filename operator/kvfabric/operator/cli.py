@@ -117,6 +117,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the operator until interrupted; return the exit code."""
+    import sys
+
     import kopf
 
     from kvfabric.operator import handlers, webhookconfig
@@ -124,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
     from kvfabric.operator.kube import KubeClient
     from kvfabric.operator.servingcert import ServingCertificate
 
+    # The webhook's thread asks for the GIL whenever a review arrives; while the controller thread
+    # runs Python code it gets it only after this interval (5 ms by default, per hand-over). With a
+    # thread busy beside it, 1 ms cut an event loop's median wake-up lag from 7-11 ms to 1-4 ms.
+    sys.setswitchinterval(0.001)
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
     if not args.verbose:
         # kopf logs every handler invocation at INFO; at hundreds of child events per second that is

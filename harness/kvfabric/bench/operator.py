@@ -684,7 +684,10 @@ def _run_scale(args: argparse.Namespace) -> int:
             print(json.dumps(result, indent=2))
             return 1
         w = sc["webhook_during_storm"]
-        print(f"{sc['pools']} pools on {sc['nodes']} nodes: all Ready in {sc['all_ready_s']} s")
+        print(
+            f"{sc['pools']} pools on {sc['nodes']} nodes: all Ready in {sc['all_ready_s']} s "
+            f"({sc.get('reconciles_until_ready')} reconciles)"
+        )
         print(
             f"{sc['storm']['consumer_pods']} consumer pods in {sc['storm']['created_in_s']} s, "
             f"{sc['storm']['injected_at_admission']} injected"

@@ -12,9 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvfabric.operator.cacheinsight import scrape_targets
 from kvfabric.operator.controller import Controller
 from kvfabric.operator.informer import CachedReader, Informer, parse_selector
 from kvfabric.operator.kube import ApiError, KubeClient
+from kvfabric.operator.podhealth import diagnose, server_pod_view
 from kvfabric.operator.status import consumer_counts, consumer_view
 
 
@@ -276,3 +278,101 @@ def test_consumer_counts_are_the_same_from_the_cached_view(pods: list[dict[str, 
             pod_["metadata"]["deletionTimestamp"] = "2026-12-06T00:00:00Z"
         full.append(pod_)
     assert consumer_counts([consumer_view(p) for p in full], "abc") == consumer_counts(full, "abc")
+
+
+def server_pod(i: int, state: dict[str, Any]) -> dict[str, Any]:
+    """A cache-server pod in one of many states, with the spec the API server sends."""
+    status: dict[str, Any] = {"phase": state["phase"], "conditions": []}
+    if state["ready"] is not None:
+        status["conditions"].append(
+            {"type": "Ready", "status": state["ready"], "lastTransitionTime": "2026-12-06T00:01:00Z"}
+        )
+    if state["unschedulable"]:
+        status["conditions"].append(
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "no"}
+        )
+    if state["waiting"] is not None:
+        status["containerStatuses"] = [
+            {"name": "server", "ready": False, "state": {"waiting": {"reason": state["waiting"]}}}
+        ]
+    elif state["phase"] == "Running":
+        status["containerStatuses"] = [
+            {"name": "server", "ready": True, "state": {"running": {"startedAt": "2026-12-06T00:00:00Z"}}}
+        ]
+    if state["ip"]:
+        status["podIP"] = f"10.0.0.{i}"
+    spec: dict[str, Any] = {
+        "containers": [{"name": "server", "image": "kvfabric", "env": [{"name": "A", "value": "1"}]}],
+        "volumes": [{"name": "run", "hostPath": {"path": "/run/kvfabric"}}],
+        "tolerations": [{"operator": "Exists"}],
+    }
+    if state["scheduled"]:
+        spec["nodeName"] = f"node-{i}"
+    else:
+        term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [f"node-{i}"]}]}
+        spec["affinity"] = {
+            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}
+        }
+    meta: dict[str, Any] = {
+        "name": f"p-cache-{i}",
+        "namespace": "ns",
+        "labels": {"kvfabric.io/owner-pool": "p", "app.kubernetes.io/managed-by": "kvfabric-operator"},
+        "resourceVersion": str(i + 1),
+        "managedFields": [{"manager": "kwok", "fieldsV1": {"f:status": {}}}],
+    }
+    if state["deleting"]:
+        meta["deletionTimestamp"] = "2026-12-06T00:02:00Z"
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec, "status": status}
+
+
+_server_states = st.fixed_dictionaries(
+    {
+        "phase": st.sampled_from(["Pending", "Running", "Failed"]),
+        "ready": st.sampled_from([None, "True", "False"]),
+        "unschedulable": st.booleans(),
+        "waiting": st.sampled_from([None, "CrashLoopBackOff", "ImagePullBackOff", "ContainerCreating"]),
+        "ip": st.booleans(),
+        "scheduled": st.booleans(),
+        "deleting": st.booleans(),
+    }
+)
+
+
+@given(states=st.lists(_server_states, max_size=6))
+@settings(max_examples=200, deadline=None)
+def test_what_is_read_of_server_pods_is_the_same_from_the_cached_view(states: list[dict[str, Any]]) -> None:
+    full = [server_pod(i, s) for i, s in enumerate(states)]
+    views = [server_pod_view(p) for p in full]
+    for missing in (0, 2):
+        assert diagnose(views, "FailedCreate: quota", missing) == diagnose(
+            full, "FailedCreate: quota", missing
+        )
+    assert scrape_targets(views, 9400) == scrape_targets(full, 9400)
+
+
+@pytest.mark.asyncio
+async def test_the_cache_server_pod_informer_keeps_the_server_view() -> None:
+    pod_ = server_pod(
+        1,
+        {
+            "phase": "Running",
+            "ready": "True",
+            "unschedulable": False,
+            "waiting": None,
+            "ip": True,
+            "scheduled": True,
+            "deleting": False,
+        },
+    )
+    api = FakeApi([pod_], [])
+    controller = Controller(lambda: cast(KubeClient, api), injection_enabled=True)
+    (servers,) = [
+        i
+        for i in controller.informers(cast(KubeClient, api))
+        if i.kind == "Pod" and i.index_label == "kvfabric.io/owner-pool"
+    ]
+    await run_until_idle(servers, api)
+    (cached,) = servers.objects.values()
+    assert cached == server_pod_view(pod_)
+    assert cached["spec"] == {"nodeName": "node-1"}
+    assert "managedFields" not in cached["metadata"]

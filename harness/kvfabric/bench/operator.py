@@ -392,7 +392,8 @@ def _runtime_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
     return {
         "webhook_loop_lag": _histogram_delta(b.get("webhook_loop_lag"), a.get("webhook_loop_lag")),
         "gc_pauses": {
-            g: _histogram_delta((b.get("gc") or {}).get(g), a["gc"][g]) for g in ("gen0", "gen1", "gen2")
+            g: _histogram_delta((b.get("gc") or {}).get(g), a["gc"].get(g))
+            for g in ("gen0", "gen1", "gen2", "gen0_cpu", "gen1_cpu", "gen2_cpu")
         },
         "gc_frozen_objects": a["gc"].get("frozen_objects"),
         "gc_tracked_objects": a["gc"].get("tracked_objects"),

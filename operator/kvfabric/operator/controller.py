@@ -28,6 +28,7 @@ from kvfabric.operator.consumerkeys import forget_pool, prune_roots, read_roots
 from kvfabric.operator.informer import CachedReader, Informer
 from kvfabric.operator.kube import ApiError, KubeClient
 from kvfabric.operator.leader import LeaseElector
+from kvfabric.operator.podhealth import server_pod_view
 from kvfabric.operator.reconcile import AppliedMemo, PoolKey, ReconcileQueue, reconcile_pool
 from kvfabric.operator.render import names
 from kvfabric.operator.render.wipe import wipe_dir
@@ -294,6 +295,8 @@ class Controller:
                 index_label=names.OWNER_POOL_LABEL,
                 namespaces=self.namespaces,
                 on_change=self._child_changed,
+                # One per node: only where each runs and its status (see server_pod_view).
+                transform=server_pod_view if kind == "Pod" else None,
             )
             for kind in OWNED_KINDS
         ]

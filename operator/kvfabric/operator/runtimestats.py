@@ -60,14 +60,21 @@ class GcPauses:
 
     def __init__(self) -> None:
         self.by_generation = [Histogram(), Histogram(), Histogram()]
+        """Wall time of each pass: what a waiting admission saw (the OS may deschedule the pass)."""
+        self.cpu_by_generation = [Histogram(), Histogram(), Histogram()]
+        """CPU time of each pass: the collector's own work, whatever the machine's load."""
         self._started = 0.0
+        self._started_cpu = 0.0
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
-        # Runs with the GIL held, inside the collection: keep it to a clock read and a bisect.
+        # Runs with the GIL held, inside the collection: keep it to clock reads and a bisect.
         if phase == "start":
             self._started = time.perf_counter()
+            self._started_cpu = time.thread_time()
         else:
-            self.by_generation[info["generation"]].add((time.perf_counter() - self._started) * 1000)
+            generation = info["generation"]
+            self.by_generation[generation].add((time.perf_counter() - self._started) * 1000)
+            self.cpu_by_generation[generation].add((time.thread_time() - self._started_cpu) * 1000)
 
     def install(self) -> None:
         """Start recording (idempotent)."""
@@ -77,6 +84,7 @@ class GcPauses:
     def snapshot(self) -> dict[str, Any]:
         """Per generation, the histogram of pauses; plus the objects the collector tracks now."""
         out: dict[str, Any] = {f"gen{g}": h.snapshot() for g, h in enumerate(self.by_generation)}
+        out |= {f"gen{g}_cpu": h.snapshot() for g, h in enumerate(self.cpu_by_generation)}
         out["frozen_objects"] = gc.get_freeze_count()
         out["tracked_objects"] = len(gc.get_objects())
         return out

@@ -311,7 +311,7 @@ async def test_the_watch_event_of_our_own_status_write_triggers_no_reconcile(
     # found nothing to do. Only that exact version is skipped: any other change is reconciled.
     a = app()
     triggered: list[tuple[str, str]] = []
-    monkeypatch.setattr(a.controller, "trigger", triggered.append)
+    monkeypatch.setattr(a.controller, "trigger", lambda key, version=None: triggered.append(key))
     a.controller._status_written[("team", "pool-a")] = "42"
     body = pool()
     for version in ("41", "42", "43"):

@@ -29,7 +29,7 @@ from kvfabric.operator.informer import CachedReader, Informer
 from kvfabric.operator.kube import ApiError, KubeClient
 from kvfabric.operator.leader import LeaseElector
 from kvfabric.operator.podhealth import server_pod_view
-from kvfabric.operator.reconcile import AppliedMemo, PoolKey, ReconcileQueue, reconcile_pool
+from kvfabric.operator.reconcile import AppliedMemo, PoolKey, ReconcileQueue, ReconcileResult, reconcile_pool
 from kvfabric.operator.render import names
 from kvfabric.operator.render.wipe import wipe_dir
 from kvfabric.operator.status import consumer_view
@@ -135,11 +135,15 @@ class Controller:
         self._thread.start()
         self._started.wait()
 
-    def trigger(self, key: PoolKey) -> None:
-        """Queue a reconcile of ``key`` (thread-safe; dropped while this replica does not lead)."""
+    def trigger(self, key: PoolKey, version: str | None = None) -> None:
+        """Queue a reconcile of ``key`` (thread-safe; dropped while this replica does not lead).
+
+        ``version``: the pool's resourceVersion when the trigger is its watch event; the event of the
+        controller's own status write is then dropped, even when it overtakes the write's answer.
+        """
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._trigger, key)
+            loop.call_soon_threadsafe(self._trigger, key, version)
 
     def own_status_echo(self, key: PoolKey, body: Mapping[str, Any]) -> bool:
         """Whether ``body`` is the pool exactly as this replica's last status write left it.
@@ -177,10 +181,12 @@ class Controller:
             loop.run_until_complete(self._main)
         loop.close()
 
-    def _trigger(self, key: PoolKey) -> None:
+    def _trigger(self, key: PoolKey, version: str | None = None) -> None:
         self._known.add(key)
+        if version is not None and self._status_written.get(key) == version:
+            return
         if self._queue is not None:
-            self._queue.trigger(key)
+            self._queue.trigger(key, version=version)
 
     def _forget(self, key: PoolKey, last: dict[str, Any] | None = None) -> None:
         self._known.discard(key)
@@ -310,7 +316,7 @@ class Controller:
         scraper = Scraper(interval=self.scrape_seconds, on_update=self._trigger)
         self.scraper = scraper
 
-        async def work(key: PoolKey) -> None:
+        async def work(key: PoolKey) -> ReconcileResult | None:
             self.reconciles += 1
             result = await reconcile_pool(
                 client,
@@ -325,6 +331,7 @@ class Controller:
             )
             if result is not None and result.status_version is not None:
                 self._status_written[key] = result.status_version
+            return result
 
         tasks = [asyncio.ensure_future(i.run()) for i in informers]
         try:

@@ -323,7 +323,8 @@ def build_registry(
         if not app.controller.own_status_echo(key, body):
             # Our own status write coming back is skipped: reconciling it would only find that
             # nothing changed (half of all passes while pools come up, each a dozen API calls).
-            app.controller.trigger(key)
+            version = (body.get("metadata") or {}).get("resourceVersion")
+            app.controller.trigger(key, version=str(version) if version else None)
         required = target is not None and target.injection_required
         if app.registration is not None and (previous is None or previous.injection_required != required):
             try:

@@ -519,6 +519,10 @@ class _KeyState:
     dirty: bool = False
     running: bool = False
     failures: int = 0
+    # Since the running pass began: the pool versions its triggers named, and whether any trigger
+    # named none (a child's event, a resync), which always needs another pass.
+    versions: set[str] = field(default_factory=set)
+    unversioned: bool = False
 
 
 class ReconcileQueue:
@@ -534,10 +538,19 @@ class ReconcileQueue:
         self._tasks: set[asyncio.Task[None]] = set()
         self._max_backoff = max_backoff
 
-    def trigger(self, key: PoolKey) -> None:
-        """Schedule a reconcile of ``key`` (no-op if one is already pending)."""
+    def trigger(self, key: PoolKey, *, version: str | None = None) -> None:
+        """Schedule a reconcile of ``key`` (no-op if one is already pending).
+
+        ``version`` is the pool's resourceVersion when the trigger is the pool's own watch event: if
+        every trigger that arrived during a pass named the version that pass's status write left the
+        pool at (:attr:`ReconcileResult.status_version`), they were its echo and no pass follows.
+        """
         state = self._state.setdefault(key, _KeyState())
         state.dirty = True
+        if version is None:
+            state.unversioned = True
+        else:
+            state.versions.add(version)
         if not state.running:
             state.running = True
             task = asyncio.get_running_loop().create_task(self._run(key, state))
@@ -554,9 +567,14 @@ class ReconcileQueue:
         try:
             while state.dirty:
                 state.dirty = False
+                state.versions.clear()
+                state.unversioned = False
                 try:
-                    await self._worker(key)
+                    result = await self._worker(key)
                     state.failures = 0
+                    written = getattr(result, "status_version", None)
+                    if state.dirty and not state.unversioned and written is not None:
+                        state.dirty = not state.versions <= {written}
                 except RetryNow:
                     state.dirty = True
                 except asyncio.CancelledError:

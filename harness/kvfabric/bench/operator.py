@@ -347,7 +347,8 @@ def _start_operator(
             ],
             stdout=log_file,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # The runtime probe then also counts the objects the garbage collector tracks.
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "KVFABRIC_OPERATOR_COUNT_GC_OBJECTS": "1"},
         )
 
 

@@ -219,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if server is not None:
         server.admit = app.admit
+    # `kvfabric bench operator` asks for the heap walk; a production probe never pays for it.
+    app.gc_pauses.count_tracked = os.environ.get("KVFABRIC_OPERATOR_COUNT_GC_OBJECTS") == "1"
     if args.metrics_addr:
         from kvfabric.operator import opmetrics
 

@@ -49,16 +49,13 @@ class Histogram:
         }
 
 
-def over(snapshot: dict[str, Any], ms: float) -> int:
-    """How many recorded durations of a :meth:`Histogram.snapshot` lie above the bucket bound ``ms``."""
-    counts = list(snapshot["le_ms"].values())
-    return int(sum(counts[bisect.bisect_right(BUCKETS_MS, ms) :]))
-
-
 class GcPauses:
     """Every collection of the cyclic garbage collector, by generation (installed once per process)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, count_tracked: bool = False) -> None:
+        self.count_tracked = count_tracked
+        """Also count the objects the collector tracks in each snapshot: a walk of the whole heap
+        that holds the GIL for milliseconds, so only for a benchmark, never for liveness probes."""
         self.by_generation = [Histogram(), Histogram(), Histogram()]
         """Wall time of each pass: what a waiting admission saw (the OS may deschedule the pass)."""
         self.cpu_by_generation = [Histogram(), Histogram(), Histogram()]
@@ -86,7 +83,8 @@ class GcPauses:
         out: dict[str, Any] = {f"gen{g}": h.snapshot() for g, h in enumerate(self.by_generation)}
         out |= {f"gen{g}_cpu": h.snapshot() for g, h in enumerate(self.cpu_by_generation)}
         out["frozen_objects"] = gc.get_freeze_count()
-        out["tracked_objects"] = len(gc.get_objects())
+        if self.count_tracked:
+            out["tracked_objects"] = len(gc.get_objects())
         return out
 
 

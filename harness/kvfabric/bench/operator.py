@@ -510,6 +510,14 @@ async def _bench_scale(
             await asyncio.sleep(1.0)
         result["all_ready_s"] = round(ready_s, 1)
         result["pools_ready"] = ready
+        if ready < pools:  # say why: the pools' own Ready reasons (e.g. kwok starved: NodesNotReady)
+            reasons: dict[str, int] = {}
+            for p in listed:
+                for c in (p.get("status") or {}).get("conditions") or []:
+                    if c["type"] == "Ready" and c["status"] != "True":
+                        reason = str(c.get("reason") or "unknown")
+                        reasons[reason] = reasons.get(reason, 0) + 1
+            result["not_ready_reasons"] = reasons
         result["operator_after_ready"] = _proc_stats(proc.pid)
         probes_before = _probes(health)
         result["reconciles_until_ready"] = probes_before.get("reconciles")

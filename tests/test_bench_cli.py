@@ -25,3 +25,39 @@ def test_bench_operator_quick_shrinks_only_the_sizes_left_unset() -> None:
     assert (full.nodes, full.scale_pools, full.consumer_pods) == (1000, 100, 5000)
     assert (quick.pools, quick.burst, quick.pods) == (5, 10, 7)
     assert (quick.nodes, quick.scale_pools, quick.consumer_pods) == (100, 10, 500)
+
+
+def test_bench_operator_judges_the_scale_run_against_the_goals() -> None:
+    from kvfabric.bench.operator import _histogram_delta, scale_verdicts
+
+    run = {
+        "nodes": 1000,
+        "pools": 100,
+        "all_ready_s": 28.0,
+        "storm": {"consumer_pods": 5000, "injected_at_admission": 4999},
+        "webhook_during_storm": {"n": 900, "p99_ms": 21.5},
+        "operator_after_ready": {"rss_mb": 150.0, "peak_rss_mb": 150.0},
+        "operator": {"rss_mb": 200.0, "peak_rss_mb": 260.0},
+    }
+    verdicts = scale_verdicts(run)
+    met = {label: v["met"] for label, v in verdicts.items()}
+    assert met == {
+        "all pools Ready, 1000 nodes x 100 pools": True,
+        "webhook p99 during the storm, 5000 pods": False,
+        "pods injected at admission, 5000 pods": False,
+        "RSS after Ready, MB": None,
+        "peak RSS, MB": None,
+    }
+    assert verdicts["peak RSS, MB"]["value"]["median"] == 260.0
+    small = scale_verdicts({**run, "nodes": 200, "pools": 20, "all_ready_s": float("nan")})
+    assert small["all pools Ready, 200 nodes x 20 pools (reduced scale)"]["met"] is None  # never Ready
+    # What the runtime probe recorded between two reads: counts differenced, the tail above 10 ms.
+    before = {"le_ms": {"10": 5, "20": 1, "inf": 0}, "total_ms": 10.0, "max_ms": 12.0}
+    after = {"le_ms": {"10": 9, "20": 3, "inf": 1}, "total_ms": 60.0, "max_ms": 80.0}
+    assert _histogram_delta(before, after) == {
+        "n": 7,
+        "total_ms": 50.0,
+        "max_ms_so_far": 80.0,
+        ">10ms": 3,
+        ">20ms": 1,
+    }

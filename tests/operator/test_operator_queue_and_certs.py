@@ -11,7 +11,7 @@ import pytest
 from cryptography import x509
 
 from kvfabric.operator import certs
-from kvfabric.operator.reconcile import ReconcileQueue
+from kvfabric.operator.reconcile import ReconcileQueue, ReconcileResult
 from kvfabric.operator.webhookconfig import render_webhook_configuration
 
 
@@ -98,3 +98,39 @@ def test_required_pools_get_a_fail_closed_webhook() -> None:
         {"key": "kvfabric.io/pool", "operator": "In", "values": ["a", "b"]}
     ]
     assert fail["clientConfig"] == ignore["clientConfig"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("during", "passes"),
+    [
+        ([{"version": "7"}], 1),  # only the echo of the pass's own status write: no second pass
+        ([{"version": "7"}, {"version": "8"}], 2),  # another change of the pool too
+        ([{"version": "7"}, {}], 2),  # a child's event (no version) too
+        ([{"version": "6"}], 2),  # an older version: not the write's echo
+    ],
+)
+async def test_the_echo_of_a_pass_own_status_write_needs_no_further_pass(
+    during: list[dict[str, str]], passes: int
+) -> None:
+    # The pool's watch event of a status write can overtake the write's own answer: it then arrives
+    # while the pass is still running, so the controller cannot yet know the version it will leave.
+    calls = 0
+
+    async def work(key: tuple[str, str]) -> ReconcileResult:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            for trigger in during:
+                queue.trigger(key, **trigger)
+        await asyncio.sleep(0)
+        return ReconcileResult(status_version="7" if calls == 1 else None)
+
+    queue = ReconcileQueue(work)
+    queue.trigger(("ns", "p"))
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+        if queue.idle():
+            break
+    assert queue.idle()
+    assert calls == passes

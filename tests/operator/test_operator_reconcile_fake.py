@@ -436,3 +436,56 @@ async def test_the_first_rollout_onto_hand_over_stops_first_then_the_next_one_su
     await run(kube)
     ds = kube.objects[("DaemonSet", "ns", names.daemonset_name("p"))]
     assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+
+
+@pytest.mark.asyncio
+async def test_a_status_write_reports_the_version_it_left_the_pool_at() -> None:
+    # The controller skips the watch event of its own status write by this version (and only it).
+    kube = FakeKube()
+    add_pool(kube)
+    result = await run(kube)
+    assert result is not None
+    assert result.status_changed
+    assert result.status_version == kube.objects[("KVCachePool", "ns", "p")]["metadata"]["resourceVersion"]
+    again = await run(kube)
+    assert again is not None
+    assert again.status_version is None
+
+
+@pytest.mark.asyncio
+async def test_children_nobody_changed_since_the_last_apply_are_not_applied_again() -> None:
+    # Each pass re-applied every child (a server-side apply each, the API server's costliest write)
+    # although nothing had changed: with the controller's memory, only what changed is applied.
+    kube = FakeKube()
+    add_pool(kube)
+    memo: reconcile.AppliedMemo = {}
+
+    async def run_with_memo() -> list[tuple[str, str]]:
+        kube.applied.clear()
+        await reconcile.reconcile_pool(kube, "ns", "p", injection_enabled=True, applied=memo)  # type: ignore[arg-type]
+        return sorted(kube.applied)
+
+    first = await run_with_memo()
+    assert [k for k, _ in first] == [
+        "ConfigMap",
+        "DaemonSet",
+        "NetworkPolicy",
+        "Secret",
+        "Service",
+        "Service",
+    ]
+    assert [k for k, _ in await run_with_memo()] == ["NetworkPolicy"]  # no cache holds it: always applied
+    # Any other version of a child (an edit by hand, a controller's update) is applied over again.
+    cm = kube.objects[("ConfigMap", "ns", "p-config")]
+    cm["data"] = {"edited": "by hand"}
+    kube._bump(cm)
+    assert [k for k, _ in await run_with_memo()] == ["ConfigMap", "NetworkPolicy"]
+    assert "edited" not in kube.objects[("ConfigMap", "ns", "p-config")].get("data", {})
+    # ... and so is a deleted one, and a child whose rendering changed.
+    del kube.objects[("Service", "ns", "p")]
+    assert [k for k, _ in await run_with_memo()] == ["NetworkPolicy", "Service"]
+    pool = kube.objects[("KVCachePool", "ns", "p")]
+    pool["spec"]["image"]["tag"] = "v2"
+    pool["metadata"]["generation"] = 2
+    kube._bump(pool)
+    assert "DaemonSet" in [k for k, _ in await run_with_memo()]

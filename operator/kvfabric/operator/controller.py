@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import gc
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +28,11 @@ from kvfabric.operator.consumerkeys import forget_pool, prune_roots, read_roots
 from kvfabric.operator.informer import CachedReader, Informer
 from kvfabric.operator.kube import ApiError, KubeClient
 from kvfabric.operator.leader import LeaseElector
-from kvfabric.operator.reconcile import PoolKey, ReconcileQueue, reconcile_pool
+from kvfabric.operator.podhealth import server_pod_view
+from kvfabric.operator.reconcile import AppliedMemo, PoolKey, ReconcileQueue, ReconcileResult, reconcile_pool
 from kvfabric.operator.render import names
 from kvfabric.operator.render.wipe import wipe_dir
+from kvfabric.operator.status import consumer_view
 from kvfabric.operator.wipe import sweep_finished_wipe_pods, wipe_deleted_pool
 
 log = logging.getLogger("kvfabric.operator.controller")
@@ -79,9 +82,15 @@ class Controller:
         election: Election | None = None,
         webhook_not_after: Callable[[], dt.datetime | None] | None = None,
         scrape_seconds: float = 60.0,
+        freeze_gc: bool = False,
     ) -> None:
         self._make_client = make_client
         self.scrape_seconds = scrape_seconds
+        # Once the caches are first complete, move everything alive then (modules, classes, kopf's
+        # and pydantic's machinery, the listed objects) out of the garbage collector's sight: its full
+        # passes then walk only what came later. Process-wide, so only the operator process sets it.
+        self.freeze_gc = freeze_gc
+        self._frozen = False
         self.scraper: Scraper | None = None
         self.injection_enabled = injection_enabled
         # Expiry of the certificate the webhook serves now (read across threads: one attribute).
@@ -93,6 +102,11 @@ class Controller:
         # $POD_NAMESPACE), so a namespaced install's Role there covers them.
         self.operator_namespace = election.namespace if election is not None else names.operator_namespace()
         self.reconciles = 0
+        # The resourceVersion each pool had after this replica last wrote its status: the watch event
+        # of that very write brings nothing to reconcile (read from kopf's thread: one dict lookup).
+        self._status_written: dict[PoolKey, str] = {}
+        # What each child was last applied as, and the version that left it at (see reconcile_pool).
+        self._applied: dict[PoolKey, AppliedMemo] = {}
         self.elector: LeaseElector | None = None
         self.reader: CachedReader | None = None
         self._known: set[PoolKey] = set()
@@ -101,6 +115,8 @@ class Controller:
         self._main: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
+        self.native_id: int | None = None
+        """The kernel's id of the controller thread, once started (its CPU time is in ``/proc``)."""
         self._client: KubeClient | None = None
         self._wipes: set[asyncio.Task[None]] = set()
         # Every node a pool's cache servers were seen on while this replica led: with foreground
@@ -119,11 +135,25 @@ class Controller:
         self._thread.start()
         self._started.wait()
 
-    def trigger(self, key: PoolKey) -> None:
-        """Queue a reconcile of ``key`` (thread-safe; dropped while this replica does not lead)."""
+    def trigger(self, key: PoolKey, version: str | None = None) -> None:
+        """Queue a reconcile of ``key`` (thread-safe; dropped while this replica does not lead).
+
+        ``version``: the pool's resourceVersion when the trigger is its watch event; the event of the
+        controller's own status write is then dropped, even when it overtakes the write's answer.
+        """
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._trigger, key)
+            loop.call_soon_threadsafe(self._trigger, key, version)
+
+    def own_status_echo(self, key: PoolKey, body: Mapping[str, Any]) -> bool:
+        """Whether ``body`` is the pool exactly as this replica's last status write left it.
+
+        Its watch event then needs no reconcile: that pass already saw everything the write was
+        computed from. Any other change (spec, labels, someone else's status edit) has another
+        resourceVersion and is reconciled as always.
+        """
+        version = (body.get("metadata") or {}).get("resourceVersion")
+        return version is not None and self._status_written.get(key) == str(version)
 
     def forget(self, key: PoolKey, last: dict[str, Any] | None = None) -> None:
         """The pool is gone (thread-safe); ``last`` is its final state, whose disks a leader wipes."""
@@ -141,6 +171,7 @@ class Controller:
 
     # --- on the controller's loop -------------------------------------------------------------
     def _run_thread(self) -> None:
+        self.native_id = threading.get_native_id()
         loop = asyncio.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)
@@ -150,13 +181,17 @@ class Controller:
             loop.run_until_complete(self._main)
         loop.close()
 
-    def _trigger(self, key: PoolKey) -> None:
+    def _trigger(self, key: PoolKey, version: str | None = None) -> None:
         self._known.add(key)
+        if version is not None and self._status_written.get(key) == version:
+            return
         if self._queue is not None:
-            self._queue.trigger(key)
+            self._queue.trigger(key, version=version)
 
     def _forget(self, key: PoolKey, last: dict[str, Any] | None = None) -> None:
         self._known.discard(key)
+        self._status_written.pop(key, None)
+        self._applied.pop(key, None)
         seen = self._pool_nodes.pop(key, set())
         if self._queue is not None:
             self._queue.forget(key)
@@ -254,6 +289,8 @@ class Controller:
                 index_label=POOL_LABEL,
                 namespaces=self.namespaces,
                 on_change=self._consumer_changed,
+                # Thousands of them: only what their pools' status counts (see consumer_view).
+                transform=consumer_view,
             )
         ]
         out += [
@@ -264,6 +301,8 @@ class Controller:
                 index_label=names.OWNER_POOL_LABEL,
                 namespaces=self.namespaces,
                 on_change=self._child_changed,
+                # One per node: only where each runs and its status (see server_pod_view).
+                transform=server_pod_view if kind == "Pod" else None,
             )
             for kind in OWNED_KINDS
         ]
@@ -277,9 +316,9 @@ class Controller:
         scraper = Scraper(interval=self.scrape_seconds, on_update=self._trigger)
         self.scraper = scraper
 
-        async def work(key: PoolKey) -> None:
+        async def work(key: PoolKey) -> ReconcileResult | None:
             self.reconciles += 1
-            await reconcile_pool(
+            result = await reconcile_pool(
                 client,
                 key[0],
                 key[1],
@@ -288,7 +327,11 @@ class Controller:
                 webhook_not_after=self.webhook_not_after(),
                 scraper=scraper if self.scrape_seconds > 0 else None,
                 operator_namespace=self.operator_namespace,
+                applied=self._applied.setdefault(key, {}),
             )
+            if result is not None and result.status_version is not None:
+                self._status_written[key] = result.status_version
+            return result
 
         tasks = [asyncio.ensure_future(i.run()) for i in informers]
         try:
@@ -299,6 +342,12 @@ class Controller:
                 synced.cancel()
                 for task in done:
                     task.result()  # an informer crashed: re-raise
+            if self.freeze_gc and not self._frozen:
+                # Acyclic objects frozen here (cached objects) are still freed when replaced; only
+                # a cycle alive now and dropped later would stay: a one-time, start-up-sized cost.
+                gc.collect()
+                gc.freeze()
+                self._frozen = True
             queue = ReconcileQueue(work)
             self._queue = queue
             sweep = asyncio.ensure_future(sweep_finished_wipe_pods(client, self.operator_namespace))

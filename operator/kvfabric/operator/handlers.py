@@ -19,13 +19,22 @@ from typing import Any, cast
 
 import kopf
 
+from kvfabric.operator.admission import injection_patch, review_response
 from kvfabric.operator.api.v1alpha1 import GROUP, PLURAL, POOL_LABEL, VERSION
 from kvfabric.operator.controller import Controller, Election
-from kvfabric.operator.injection import SKIP_NO_PAYLOAD_KEY, PoolTarget, inject, pool_key_of, pool_target
+from kvfabric.operator.injection import (
+    SKIP_NO_PAYLOAD_KEY,
+    InjectionResult,
+    PoolTarget,
+    inject,
+    pool_key_of,
+    pool_target,
+)
 from kvfabric.operator.kube import SA_TOKEN, ApiError, KubeClient, bearer_token, load_configuration
 from kvfabric.operator.opmetrics import WebhookCounter
 from kvfabric.operator.reconcile import PoolKey
 from kvfabric.operator.render import names
+from kvfabric.operator.runtimestats import GcPauses, LoopLag, current_native_id, thread_cpu_seconds
 from kvfabric.operator.servingcert import ServingCertificate
 
 log = logging.getLogger("kvfabric.operator")
@@ -86,35 +95,86 @@ class OperatorApp:
     controller: Controller = field(init=False)
     pools: dict[PoolKey, PoolTarget] = field(default_factory=dict)
     namespace_labels: dict[str, dict[str, str]] = field(default_factory=dict)
+    freeze_gc: bool = False
+    """Freeze the garbage collector's view once the caches are complete (the operator process does)."""
     serving: ServingCertificate | None = None
     """The webhook's serving certificate, refreshed in place on kopf's loop."""
     csi_driver: str | None = None
     """The node plugin's driver name when it is installed: consumers get a CSI volume, no hostPath."""
     webhook_pods: WebhookCounter = field(default_factory=WebhookCounter)
     """What the injection webhook did with each pod (``--metrics-addr`` serves it)."""
+    gc_pauses: GcPauses = field(default_factory=GcPauses)
+    loop_lag: LoopLag = field(default_factory=LoopLag)
+    """How late kopf's loop (the webhook's) wakes up: what an admission waits before it is read."""
     _serving_task: asyncio.Task[None] | None = None
+    _lag_task: asyncio.Task[None] | None = None
+    unknown_pool_wait: float = 2.0
+    """How long an admission waits for the watch to deliver a pool it names that is not known yet."""
+    _pool_added: asyncio.Event | None = None
+    _webhook_thread: int | None = None
 
     async def pools_for(self, pod: Mapping[str, Any], namespace: str | None) -> Mapping[PoolKey, PoolTarget]:
-        """The known pools, plus the pod's own pool read from the API server when it is not known yet.
+        """The known pools, once the pod's own pool is among them or :attr:`unknown_pool_wait` has passed.
 
         Right after start-up (before kopf has delivered every pool) or right after a pool was
         created, the pod's pool may be missing from :attr:`pools`: answering "pool-not-found" then
-        would silently skip a ``Fail`` pool's pod. One bounded GET settles it.
+        would silently skip a ``Fail`` pool's pod. The admission waits for the pool's watch event
+        instead of asking the API server: nothing on the admission path calls it, so a storm of pods
+        costs it no extra request and never waits behind one.
         """
         key = pool_key_of(pod, namespace)
         if key is None or key in self.pools:
             return self.pools
-        try:
-            async with asyncio.timeout(2.0):
-                raw = await self.client.get("KVCachePool", key[0], key[1])
-        except (ApiError, OSError, TimeoutError) as exc:
-            log.warning("could not read KVCachePool %s/%s for injection: %s", *key, exc)
-            return self.pools
-        target = pool_target(raw) if raw is not None else None
-        if target is None:
-            return self.pools
-        self.pools[key] = target
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.unknown_pool_wait
+        while key not in self.pools and (remaining := deadline - loop.time()) > 0:
+            if self._pool_added is None:
+                self._pool_added = asyncio.Event()
+            added = self._pool_added
+            try:
+                async with asyncio.timeout(remaining):
+                    await added.wait()
+            except TimeoutError:
+                break
         return self.pools
+
+    def pool_seen(self, key: PoolKey, target: PoolTarget) -> None:
+        """Record a pool's injection view (from its watch) and wake the admissions waiting for it."""
+        self.pools[key] = target
+        if self._pool_added is not None:
+            self._pool_added.set()
+            self._pool_added = None
+
+    async def injection(self, pod: Mapping[str, Any], namespace: str | None) -> InjectionResult | None:
+        """What the webhook does with ``pod`` (counted), or None when it failed (logged: admit unchanged)."""
+        try:
+            pools = await self.pools_for(pod, namespace)
+            result = inject(
+                pod, pools, self.namespace_labels, request_namespace=namespace, csi_driver=self.csi_driver
+            )
+        except Exception:
+            # Fail open: a bug here must never block an inference pod.
+            log.exception("injection failed; admitting the pod unchanged")
+            self.webhook_pods.count(injected=False, error=True)
+            return None
+        self.webhook_pods.count(injected=result.injected, skip_reason=result.skip_reason)
+        if result.skip_reason == SKIP_NO_PAYLOAD_KEY:
+            # An install without the CSI node plugin: the fix is the cluster admin's, say it.
+            log.warning("pod %s not injected: %s", pod.get("metadata", {}).get("name"), result.detail)
+        return result
+
+    async def admit(self, review: Mapping[str, Any]) -> dict[str, Any]:
+        """Answer an AdmissionReview of a pod creation: allowed, patched with only what was injected."""
+        request = review["request"]
+        pod = request["object"]
+        result = await self.injection(pod, request.get("namespace") or None)
+        patch = []
+        if result is not None:
+            try:
+                patch = injection_patch(pod, result.pod)
+            except Exception:  # fail open, as above
+                log.exception("could not build the injection patch; admitting the pod unchanged")
+        return review_response(review, patch)
 
     def __post_init__(self) -> None:
         self.controller = Controller(
@@ -124,7 +184,19 @@ class OperatorApp:
             resync_seconds=self.resync_seconds,
             election=self.election,
             webhook_not_after=lambda: self.serving.not_after if self.serving is not None else None,
+            freeze_gc=self.freeze_gc,
         )
+
+    def runtime(self) -> dict[str, Any]:
+        """Loop lag, garbage-collector pauses and CPU per thread, cumulative (the ``runtime`` probe)."""
+        threads = {"controller": self.controller.native_id}
+        if self._webhook_thread is not None:
+            threads["webhook"] = self._webhook_thread
+        return {
+            "webhook_loop_lag": self.loop_lag.histogram.snapshot(),
+            "gc": self.gc_pauses.snapshot(),
+            "thread_cpu_s": thread_cpu_seconds({k: v for k, v in threads.items() if v is not None}),
+        }
 
     @property
     def reconciles(self) -> int:
@@ -185,6 +257,9 @@ def build_registry(
                     await asyncio.sleep(0.5)
         if app.serving is not None:
             app._serving_task = asyncio.get_running_loop().create_task(app.serving.run())
+        app.gc_pauses.install()
+        app._webhook_thread = current_native_id()
+        app._lag_task = asyncio.get_running_loop().create_task(app.loop_lag.run())
         app.controller.start()
 
     @kopf.on.login(registry=registry)
@@ -207,8 +282,9 @@ def build_registry(
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
-        if app._serving_task is not None:
-            app._serving_task.cancel()
+        for task in (app._serving_task, app._lag_task):
+            if task is not None:
+                task.cancel()
         # Joined off the loop: the controller releases its Lease, so a standby takes over at once.
         await asyncio.to_thread(app.controller.stop)
         await app.client.close()
@@ -216,6 +292,10 @@ def build_registry(
     @kopf.on.probe(id="reconciles", registry=registry)
     async def probe_reconciles(**_: Any) -> int:
         return app.reconciles
+
+    @kopf.on.probe(id="runtime", registry=registry)
+    async def probe_runtime(**_: Any) -> dict[str, Any]:
+        return app.runtime()
 
     @kopf.on.probe(id="leader", registry=registry)
     async def probe_leader(**_: Any) -> bool:
@@ -239,8 +319,12 @@ def build_registry(
         previous = app.pools.get(key)
         if target is not None:
             # Kept here (not in a kopf index) so the webhook sees a pool as soon as it is known.
-            app.pools[key] = target
-        app.controller.trigger(key)
+            app.pool_seen(key, target)
+        if not app.controller.own_status_echo(key, body):
+            # Our own status write coming back is skipped: reconciling it would only find that
+            # nothing changed (half of all passes while pools come up, each a dozen API calls).
+            version = (body.get("metadata") or {}).get("resourceVersion")
+            app.controller.trigger(key, version=str(version) if version else None)
         required = target is not None and target.injection_required
         if app.registration is not None and (previous is None or previous.injection_required != required):
             try:
@@ -264,20 +348,11 @@ def build_registry(
 
         @kopf.on.mutate("", "v1", "pods", id=WEBHOOK_ID, operations=["CREATE"], registry=registry)
         async def mutate_pod(*, body: kopf.Body, patch: kopf.Patch, namespace: str | None, **_: Any) -> None:
-            try:
-                pools = await app.pools_for(body, namespace)
-                result = inject(
-                    body, pools, app.namespace_labels, request_namespace=namespace, csi_driver=app.csi_driver
-                )
-            except Exception:
-                # Fail open: a bug here must never block an inference pod.
-                log.exception("injection failed; admitting the pod unchanged")
-                app.webhook_pods.count(injected=False, error=True)
+            # Pod creations reach OperatorApp.admit directly (PodWebhookServer); this is kopf's path,
+            # for a server that does not shortcut it.
+            result = await app.injection(body, namespace)
+            if result is None:
                 return
-            app.webhook_pods.count(injected=result.injected, skip_reason=result.skip_reason)
-            if result.skip_reason == SKIP_NO_PAYLOAD_KEY:
-                # An install without the CSI node plugin: the fix is the cluster admin's, say it.
-                log.warning("pod %s not injected: %s", body.get("metadata", {}).get("name"), result.detail)
             new_pod = result.pod
 
             def replace(raw: kopf.RawBody) -> None:

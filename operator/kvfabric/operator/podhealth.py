@@ -127,6 +127,26 @@ def pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+# The parts of a cache-server pod's spec anything in the operator reads: where it runs, or is meant to.
+_SERVER_SPEC: Final = ("nodeName", "affinity")
+
+
+def server_pod_view(pod: dict[str, Any]) -> dict[str, Any]:
+    """The part of a cache-server pod the operator reads (its informer caches only this).
+
+    Its metadata but the managed fields, where it runs (``spec.nodeName``, or the node its affinity
+    names while it is pending) and its whole status: what :func:`diagnose`, the metrics scrape
+    targets and a deleted pool's wipe read. Without the containers, volumes and tolerations of its
+    spec a cached server pod is a fraction of the objects Python's garbage collector walks.
+    """
+    meta = {k: v for k, v in (pod.get("metadata") or {}).items() if k != "managedFields"}
+    spec = pod.get("spec") or {}
+    view = {k: v for k, v in pod.items() if k not in ("metadata", "spec")}
+    view["metadata"] = meta
+    view["spec"] = {k: spec[k] for k in _SERVER_SPEC if k in spec}
+    return view
+
+
 def diagnose(
     pods: Iterable[dict[str, Any]], failed_create: str | None, missing_pods: int
 ) -> list[PodProblem]:

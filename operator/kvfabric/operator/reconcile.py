@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+import hashlib
+import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -47,6 +49,15 @@ _OWNERSHIP_CHECKED: Final = ("ConfigMap", "PersistentVolumeClaim", "DaemonSet", 
 # Checked kinds no informer caches: read straight from the API server (one GET by name each).
 _UNCACHED: Final = frozenset({"NetworkPolicy"})
 PoolKey = tuple[str, str]  # (namespace, name)
+# Kinds whose apply is skipped when nothing changed since the last one (AppliedMemo): those the
+# controller's informers cache, so "unchanged" is read from the cache, never from the API server.
+_MEMO_KINDS: Final = frozenset({"ConfigMap", "Service", "DaemonSet"})
+AppliedMemo = dict[tuple[str, str, str], tuple[str, str]]
+"""(kind, namespace, name) -> (digest of what was applied, the object's resourceVersion after it)."""
+
+
+def _digest(obj: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def utcnow() -> str:
@@ -61,6 +72,8 @@ class ReconcileResult:
     applied: int = 0
     pruned: int = 0
     status_changed: bool = False
+    status_version: str | None = None
+    """The pool's resourceVersion after this pass wrote its status (None: nothing written)."""
     events: list[Event] = field(default_factory=list)
     ready: bool = False
     # Secrets with the pool's names that are not the pool's: nothing else was applied (the status says).
@@ -122,9 +135,21 @@ def plan_pool(raw: dict[str, Any]) -> Plan:
 
 
 async def _apply_children(
-    client: KubeClient, reader: Reader, pool: KVCachePool, children: RenderedChildren, result: ReconcileResult
+    client: KubeClient,
+    reader: Reader,
+    pool: KVCachePool,
+    children: RenderedChildren,
+    result: ReconcileResult,
+    *,
+    memo: AppliedMemo | None = None,
 ) -> str | None:
-    """Apply and prune; return the API server's message if it rejected an object, else None."""
+    """Apply and prune; return the API server's message if it rejected an object, else None.
+
+    With ``memo``, a child of :data:`_MEMO_KINDS` whose rendering is what was last applied and whose
+    cached resourceVersion is the one that apply returned is not applied again: nobody changed it
+    since (an edit by hand, a controller's status update or a deletion changes or drops that version,
+    and the next pass applies it as always).
+    """
     namespace, name = pool.namespace, pool.name
     # The ConfigMap first: pods of a new DaemonSet revision must find the new configuration. The
     # rest are independent and go in parallel (latency matters when many pools change at once).
@@ -139,8 +164,19 @@ async def _apply_children(
         return None
 
     async def apply(obj: dict[str, Any]) -> None:
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        memo_key = (kind, namespace, name)
+        digest = _digest(obj) if memo is not None and kind in _MEMO_KINDS else None
+        if digest is not None and memo is not None and memo_key in memo:
+            cached = await reader.get(kind, namespace, name)
+            version = ((cached or {}).get("metadata") or {}).get("resourceVersion")
+            if version is not None and memo[memo_key] == (digest, str(version)):
+                return
         try:
-            await client.apply(obj, field_manager=names.FIELD_MANAGER)
+            answer = await client.apply(obj, field_manager=names.FIELD_MANAGER)
+            version = ((answer or {}).get("metadata") or {}).get("resourceVersion")
+            if digest is not None and memo is not None and version is not None:
+                memo[memo_key] = (digest, str(version))
         except ApiError as exc:
             if not exc.rejected:
                 raise
@@ -280,12 +316,14 @@ async def reconcile_pool(
     webhook_not_after: dt.datetime | None = None,
     scraper: Scraper | None = None,
     operator_namespace: str | None = None,
+    applied: AppliedMemo | None = None,
 ) -> ReconcileResult | None:
     """Bring one pool's children to the rendered state and write its status; None if the pool is gone.
 
     ``reader`` serves the reads (default: ``client``, i.e. the API server); writes always go to ``client``.
     ``scraper`` (optional) keeps ``status.cache`` current from the cache servers' metrics.
     ``operator_namespace`` (default: ``$POD_NAMESPACE``) holds the consumer-keys Secret.
+    ``applied`` (optional, kept across passes) skips applying children nobody changed since.
     """
     reader = reader or client
     raw = await client.get(KIND, namespace, name)
@@ -295,7 +333,7 @@ async def reconcile_pool(
     plan = plan_pool(raw)
     apply_error = None
     if plan.children is not None and plan.pool is not None:
-        apply_error = await _apply_children(client, reader, plan.pool, plan.children, result)
+        apply_error = await _apply_children(client, reader, plan.pool, plan.children, result, memo=applied)
         await _publish_consumer_root(client, operator_namespace or names.operator_namespace(), plan.pool)
     observed = await _observe(
         reader,
@@ -315,7 +353,7 @@ async def reconcile_pool(
     status, events = compute_status(observed, utcnow())
     result.ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
     if strip_times(status) != strip_times(observed.previous_status):
-        await _write_status(client, raw, status)
+        result.status_version = await _write_status(client, raw, status)
         result.status_changed = True
         result.events = events
         for event in events:
@@ -327,12 +365,15 @@ async def reconcile_pool(
     return result
 
 
-async def _write_status(client: KubeClient, raw: dict[str, Any], status: dict[str, Any]) -> None:
+async def _write_status(client: KubeClient, raw: dict[str, Any], status: dict[str, Any]) -> str | None:
+    """Write the status; return the pool's resourceVersion after the write."""
     meta = raw["metadata"]
     try:
-        await client.patch_status(
+        written = await client.patch_status(
             KIND, meta["namespace"], meta["name"], status, resource_version=meta.get("resourceVersion")
         )
+        version = ((written or {}).get("metadata") or {}).get("resourceVersion")
+        return str(version) if version else None
     except ApiError as exc:
         if exc.status == 409:
             # The pool changed while we looked: the event that changed it triggers another pass.
@@ -478,6 +519,10 @@ class _KeyState:
     dirty: bool = False
     running: bool = False
     failures: int = 0
+    # Since the running pass began: the pool versions its triggers named, and whether any trigger
+    # named none (a child's event, a resync), which always needs another pass.
+    versions: set[str] = field(default_factory=set)
+    unversioned: bool = False
 
 
 class ReconcileQueue:
@@ -493,10 +538,19 @@ class ReconcileQueue:
         self._tasks: set[asyncio.Task[None]] = set()
         self._max_backoff = max_backoff
 
-    def trigger(self, key: PoolKey) -> None:
-        """Schedule a reconcile of ``key`` (no-op if one is already pending)."""
+    def trigger(self, key: PoolKey, *, version: str | None = None) -> None:
+        """Schedule a reconcile of ``key`` (no-op if one is already pending).
+
+        ``version`` is the pool's resourceVersion when the trigger is the pool's own watch event: if
+        every trigger that arrived during a pass named the version that pass's status write left the
+        pool at (:attr:`ReconcileResult.status_version`), they were its echo and no pass follows.
+        """
         state = self._state.setdefault(key, _KeyState())
         state.dirty = True
+        if version is None:
+            state.unversioned = True
+        else:
+            state.versions.add(version)
         if not state.running:
             state.running = True
             task = asyncio.get_running_loop().create_task(self._run(key, state))
@@ -513,9 +567,14 @@ class ReconcileQueue:
         try:
             while state.dirty:
                 state.dirty = False
+                state.versions.clear()
+                state.unversioned = False
                 try:
-                    await self._worker(key)
+                    result = await self._worker(key)
                     state.failures = 0
+                    written = getattr(result, "status_version", None)
+                    if state.dirty and not state.unversioned and written is not None:
+                        state.dirty = not state.versions <= {written}
                 except RetryNow:
                     state.dirty = True
                 except asyncio.CancelledError:

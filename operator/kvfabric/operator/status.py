@@ -138,6 +138,34 @@ def _injected_detail(annotations: dict[str, Any]) -> dict[str, Any]:
     return detail if isinstance(detail, dict) else {}
 
 
+# What a consumer pod is cached as (:func:`consumer_view`): the fields consumer_counts, the pool
+# index and the change callback read.
+_CONSUMER_META: Final = (
+    "name",
+    "namespace",
+    "uid",
+    "resourceVersion",
+    "labels",
+    "annotations",
+    "deletionTimestamp",
+)
+
+
+def consumer_view(pod: dict[str, Any]) -> dict[str, Any]:
+    """The part of a consumer pod its pool's status is computed from (the informer caches only this).
+
+    Metadata (labels and annotations: which pool, injected with which settings, or skipped why) and
+    the phase. Its labels and annotations are dicts of strings, which the garbage collector does not
+    track, so a cached consumer costs it two dicts, however large the pod's spec and status.
+    """
+    meta = pod.get("metadata") or {}
+    view: dict[str, Any] = {"metadata": {k: meta[k] for k in _CONSUMER_META if k in meta}}
+    phase = (pod.get("status") or {}).get("phase")
+    if phase is not None:
+        view["status"] = {"phase": phase}
+    return view
+
+
 def consumer_counts(pods: list[dict[str, Any]], current_hash: str | None) -> dict[str, Any]:
     """Count opted-in pods: matched, injected with the current hash, stale (older hash), skipped.
 

@@ -89,9 +89,14 @@ class GcPauses:
 
 
 class LoopLag:
-    """How late an event loop wakes from a short sleep: the wait any callback on it would have seen."""
+    """How late an event loop wakes from a short sleep: the wait any callback on it would have seen.
 
-    def __init__(self, interval: float = 0.005) -> None:
+    Sampled every ``interval`` seconds; the lateness is measured to the microsecond whatever the
+    interval. Every 50 ms keeps an idle operator at 20 wake-ups a second and still gives a
+    minute-long storm over a thousand samples for its percentiles.
+    """
+
+    def __init__(self, interval: float = 0.05) -> None:
         self.interval = interval
         self.histogram = Histogram()
 

@@ -1,4 +1,4 @@
-"""The connector describes its namespaces to its cache server once, and again after a restart.
+"""The connector describes its namespaces to its cache server once, at start, and again after a restart.
 
 Real client, real server process, kill -9: what the server exports (``kvfabric_namespace_info``) is
 what the pool's status shows as the namespaces in use (docs/operator.md, "Cache insight").
@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfabric.cacheserver.metrics import namespace_label as lbl
+from kvfabric.client import CacheClient
 from kvfabric.connector.keys import NamespaceSpec
 from kvfabric.connector.resilient import Reason, build_cache
 from kvfabric.connector.scheduler import SchedulerHalf
@@ -43,7 +44,9 @@ def scrape(srv: ServerProcess) -> tuple[dict[str, dict[str, str]], int]:
 
 
 @pytest.mark.parametrize("local_index", [False, True], ids=["rpc-lookups", "published-index"])
-def test_the_connector_describes_each_namespace_once_and_again_after_a_restart(local_index: bool) -> None:
+def test_the_connector_describes_each_namespace_once_at_start_and_again_after_a_restart(
+    local_index: bool,
+) -> None:
     with cache_server(dram_bytes=16 << 20) as srv:
         settings = ConnectorSettings(
             socket=str(srv.config.listen.unix_socket),
@@ -61,7 +64,20 @@ def test_the_connector_describes_each_namespace_once_and_again_after_a_restart(l
             sched_ns, worker_ns = scheduler.namespace, worker.namespace
             assert sched_ns != worker_ns
             assert lbl(sched_ns) != lbl(worker_ns)
-            assert scrape(srv) == ({}, 0)  # nothing is sent before the first call
+            # Both are sent at start, on an I/O thread: no request's lookup or store carries them.
+            deadline = time.monotonic() + 30
+            while scrape(srv)[1] < 2:
+                assert time.monotonic() < deadline, "the namespaces were not described at start"
+                time.sleep(0.05)
+            client = cache.endpoints[0]._client  # connected at start
+            assert isinstance(client, CacheClient)
+            if local_index:  # the lookups' table is mapped at start too (a call-free lookup answers)
+                while client.lookup_local(sched_ns, KEYS) is None:
+                    assert time.monotonic() < deadline, "the published table was not mapped at start"
+                    time.sleep(0.05)
+            assert cache.lookup(sched_ns, KEYS, 5.0).reason is Reason.NOT_FOUND
+            # ... and, connected, the very first lookup is answered from the published table.
+            assert cache.counters.get("lookup_local") == (1 if local_index else 0)
             for _ in range(5):
                 assert cache.lookup(sched_ns, KEYS, 5.0).reason is Reason.NOT_FOUND
                 assert cache.store(worker_ns, KEYS[:1], [b"x" * 64], 5.0) is not None

@@ -200,6 +200,27 @@ class CacheClient:
             self._specs[namespace] = spec_json
             self._undescribed.add(namespace)
 
+    def warm_up(self, namespace: str | None = None, *, timeout: float) -> None:
+        """Get ready for the first calls: send the descriptions due, map ``namespace``'s table.
+
+        The descriptions are those of :meth:`announce`; the table is the published index's of
+        ``namespace`` (one this client will look up). A connector calls it when it starts, so that
+        its first request's lookup neither carries a description nor opens the table, and is
+        answered from the table with no call. Never raises for the server's sake: what fails here is
+        done by the next call.
+        """
+        c.check_timeout(timeout)
+        self._describe_due(time.monotonic() + timeout, wait=True)
+        if namespace is None or self._index is None:
+            return
+        c.check_ids(namespace, [])
+        with self._describe_lock:
+            # The server serves tables of namespaces it knows: described, or with blocks.
+            described = namespace in self._specs and namespace not in self._undescribed
+        if described:
+            with contextlib.suppress(CacheError):
+                self._index.lookup(namespace, b"")  # no keys: maps the table, answers nothing
+
     @property
     def describes_pending(self) -> bool:
         """Whether a description is due before this client's next call (see :meth:`announce`).
@@ -217,13 +238,19 @@ class CacheClient:
                 self._undescribed = set(self._specs)
         return bool(self._undescribed)
 
-    def _describe_due(self, deadline: float) -> None:
+    def _describe_due(self, deadline: float, *, wait: bool = False) -> None:
         """Send the descriptions the server lacks (at most once each), within ``deadline``.
 
         One thread sends; a call on another thread meanwhile goes ahead without waiting (a lookup
-        must never wait behind a description to a hung server).
+        must never wait behind a description to a hung server). ``wait``: a background sender
+        waits for the one sending, then sends what is still due (a namespace announced meanwhile).
         """
-        if not self.describes_pending or not self._sending.acquire(blocking=False):
+        if not self.describes_pending:
+            return
+        if wait:
+            if not self._sending.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return
+        elif not self._sending.acquire(blocking=False):
             return
         try:
             with self._describe_lock:

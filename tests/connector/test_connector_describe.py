@@ -7,6 +7,7 @@ what the pool's status shows as the namespaces in use (docs/operator.md, "Cache 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import urllib.request
 
@@ -113,3 +114,47 @@ def test_the_connector_describes_each_namespace_once_at_start_and_again_after_a_
             assert (set(info), accepted) == ({lbl(sched_ns), lbl(worker_ns)}, 2)
         finally:
             cache.close()
+
+
+def test_a_lookup_during_the_start_up_warm_up_never_reads_the_index_beside_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The published index is read by one thread at a time (its table fetches poll one socket).
+
+    The warm-up maps the lookups' table on an I/O thread at start while a request may already look
+    up: that lookup must not enter the index beside it (it asks over RPC instead). Two readers at
+    once failed the request's lookup as "unavailable" (``RuntimeError: concurrent poll()``).
+    """
+    with (
+        cache_server(dram_bytes=16 << 20) as srv,
+        CacheClient(srv.unix_target, shared_memory=True, local_index=True) as client,
+    ):
+        index = client.local_index
+        assert index is not None
+        ns = SPEC.digest()
+        client.announce(ns, SPEC.canonical().decode())
+        inside, most, lock = [0], [0], threading.Lock()
+        real = index.lookup
+        entered = threading.Event()
+
+        def watched(namespace: str, raw: bytes, *, fetch: bool = True) -> object:
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            entered.set()
+            try:
+                time.sleep(0.3)  # a slow table fetch
+                return real(namespace, raw, fetch=fetch)
+            finally:
+                with lock:
+                    inside[0] -= 1
+
+        monkeypatch.setattr(index, "lookup", watched)
+        warm = threading.Thread(target=lambda: client.warm_up(ns, timeout=10))
+        warm.start()
+        assert entered.wait(10), "the warm-up never mapped the table"
+        assert client.lookup_local(ns, KEYS) is None  # busy: "ask over RPC"
+        assert client.lookup(ns, KEYS, timeout=10).matched == 0  # answered over RPC
+        warm.join(10)
+        assert most[0] == 1, "two threads read the published index at once"
+        assert client.lookup(ns, KEYS, timeout=10).matched == 0

@@ -108,6 +108,9 @@ class CacheClient:
         self._undescribed: set[str] = set()
         self._restarts_seen = 0  # the published index's restart count when descriptions were last due
         self._describe_lock = threading.Lock()  # guards the two above
+        # The published index is read by one thread at a time (its table fetches poll a socket):
+        # a lookup finding it busy (the start-up warm-up mapping a table) asks over RPC instead.
+        self._index_lock = threading.Lock()
         self._sending = threading.Lock()  # held by the one thread sending descriptions
 
     @property
@@ -218,7 +221,7 @@ class CacheClient:
             # The server serves tables of namespaces it knows: described, or with blocks.
             described = namespace in self._specs and namespace not in self._undescribed
         if described:
-            with contextlib.suppress(CacheError):
+            with self._index_lock, contextlib.suppress(CacheError):
                 self._index.lookup(namespace, b"")  # no keys: maps the table, answers nothing
 
     @property
@@ -286,8 +289,11 @@ class CacheClient:
         raw = c.check_ids(namespace, keys)
         deadline = time.monotonic() + timeout
         self._describe_due(deadline)
-        if self._index is not None:
-            local = self._index.lookup(namespace, raw)
+        if self._index is not None and self._index_lock.acquire(blocking=False):
+            try:
+                local = self._index.lookup(namespace, raw)
+            finally:
+                self._index_lock.release()
             if local is not None:
                 return local
         req = pb.LookupRequest(namespace=namespace, keys=keys)
@@ -303,7 +309,13 @@ class CacheClient:
         """
         if self._index is None or self.describes_pending:
             return None  # a description is due: the call that sends it first is an RPC lookup
-        return self._index.lookup(namespace, c.check_ids(namespace, keys), fetch=False)
+        raw = c.check_ids(namespace, keys)
+        if not self._index_lock.acquire(blocking=False):
+            return None  # the index is busy on another thread (see __init__): ask over RPC
+        try:
+            return self._index.lookup(namespace, raw, fetch=False)
+        finally:
+            self._index_lock.release()
 
     def load(self, namespace: str, keys: Sequence[str], *, timeout: float) -> list[bytes]:
         """Payloads of the leading present keys (stops at the first miss)."""

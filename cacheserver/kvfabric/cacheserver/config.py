@@ -116,6 +116,14 @@ class ShmConfig(_Model):
         description="Budget in bytes for store staging slots handed to same-node clients; a store "
         "that does not fit is dropped (backpressure), never queued.",
     )
+    prealloc_bytes: int = Field(
+        default=64 * MiB,
+        ge=0,
+        description="Staging kept allocated ahead of stores (by a server thread, of the lengths recent "
+        "stores asked for), so that ShmStoreBegin hands out pages that already exist instead of allocating "
+        "them on the store's path. Charged to arena_bytes, at most a quarter of it, and only filled while "
+        "that much more of the arena is free; memory the server holds while idle. 0: every begin allocates.",
+    )
     slot_lease_seconds: float = Field(
         default=30.0,
         gt=0,

@@ -280,7 +280,12 @@ async def serve(
         raise
     if publisher is not None:
         publisher.start()
-    arena = StagingArena(config.shm.arena_bytes, config.shm.slot_lease_seconds, store.counters)
+    arena = StagingArena(
+        config.shm.arena_bytes,
+        config.shm.slot_lease_seconds,
+        store.counters,
+        prealloc_bytes=config.shm.prealloc_bytes,
+    )
     state = SharedState(store, arena, metrics, config.limits)
     health = HealthServicer()
 

@@ -631,6 +631,7 @@ class CacheService(pb_grpc.CacheServicer):
         stats = self.s.store.stats()
         stats["arena_used_bytes"] = self.s.arena.used_bytes
         stats["arena_quarantined_bytes"] = self.s.arena.quarantined_bytes
+        stats["arena_pooled_bytes"] = self.s.arena.pooled_bytes
         stats["store_inflight"] = self.s.store_inflight
         return pb.StatsResponse(json=json.dumps(stats))
 

@@ -108,6 +108,9 @@ class CacheClient:
         self._undescribed: set[str] = set()
         self._restarts_seen = 0  # the published index's restart count when descriptions were last due
         self._describe_lock = threading.Lock()  # guards the two above
+        # The published index is read by one thread at a time (its table fetches poll a socket):
+        # a lookup finding it busy (the start-up warm-up mapping a table) asks over RPC instead.
+        self._index_lock = threading.Lock()
         self._sending = threading.Lock()  # held by the one thread sending descriptions
 
     @property
@@ -200,6 +203,27 @@ class CacheClient:
             self._specs[namespace] = spec_json
             self._undescribed.add(namespace)
 
+    def warm_up(self, namespace: str | None = None, *, timeout: float) -> None:
+        """Get ready for the first calls: send the descriptions due, map ``namespace``'s table.
+
+        The descriptions are those of :meth:`announce`; the table is the published index's of
+        ``namespace`` (one this client will look up). A connector calls it when it starts, so that
+        its first request's lookup neither carries a description nor opens the table, and is
+        answered from the table with no call. Never raises for the server's sake: what fails here is
+        done by the next call.
+        """
+        c.check_timeout(timeout)
+        self._describe_due(time.monotonic() + timeout, wait=True)
+        if namespace is None or self._index is None:
+            return
+        c.check_ids(namespace, [])
+        with self._describe_lock:
+            # The server serves tables of namespaces it knows: described, or with blocks.
+            described = namespace in self._specs and namespace not in self._undescribed
+        if described:
+            with self._index_lock, contextlib.suppress(CacheError):
+                self._index.lookup(namespace, b"")  # no keys: maps the table, answers nothing
+
     @property
     def describes_pending(self) -> bool:
         """Whether a description is due before this client's next call (see :meth:`announce`).
@@ -217,13 +241,19 @@ class CacheClient:
                 self._undescribed = set(self._specs)
         return bool(self._undescribed)
 
-    def _describe_due(self, deadline: float) -> None:
+    def _describe_due(self, deadline: float, *, wait: bool = False) -> None:
         """Send the descriptions the server lacks (at most once each), within ``deadline``.
 
         One thread sends; a call on another thread meanwhile goes ahead without waiting (a lookup
-        must never wait behind a description to a hung server).
+        must never wait behind a description to a hung server). ``wait``: a background sender
+        waits for the one sending, then sends what is still due (a namespace announced meanwhile).
         """
-        if not self.describes_pending or not self._sending.acquire(blocking=False):
+        if not self.describes_pending:
+            return
+        if wait:
+            if not self._sending.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return
+        elif not self._sending.acquire(blocking=False):
             return
         try:
             with self._describe_lock:
@@ -263,14 +293,19 @@ class CacheClient:
         (:func:`~kvfabric.client._common.check_raw_ids`).
         """
         c.check_timeout(timeout)
+        given = raw is not None
         raw = c.check_ids(namespace, keys) if raw is None else c.check_raw_ids(namespace, keys, raw)
         deadline = time.monotonic() + timeout
         self._describe_due(deadline)
-        if self._index is not None:
-            local = self._index.lookup(namespace, raw)
+        if self._index is not None and self._index_lock.acquire(blocking=False):
+            try:
+                local = self._index.lookup(namespace, raw)
+            finally:
+                self._index_lock.release()
             if local is not None:
                 return local
-        c.check_ids(namespace, keys)  # (raw given: the keys themselves are checked before they are sent)
+        if given:
+            c.check_ids(namespace, keys)  # the keys themselves are checked before they are sent
         req = pb.LookupRequest(namespace=namespace, keys=keys)
         left = _remaining(deadline)
         resp = self._call(lambda r: r.stub.Lookup(req, timeout=left, metadata=r.md))
@@ -288,7 +323,12 @@ class CacheClient:
         if self._index is None or self.describes_pending:
             return None  # a description is due: the call that sends it first is an RPC lookup
         raw = c.check_ids(namespace, keys) if raw is None else c.check_raw_ids(namespace, keys, raw)
-        return self._index.lookup(namespace, raw, fetch=False)
+        if not self._index_lock.acquire(blocking=False):
+            return None  # the index is busy on another thread (see __init__): ask over RPC
+        try:
+            return self._index.lookup(namespace, raw, fetch=False)
+        finally:
+            self._index_lock.release()
 
     def load(self, namespace: str, keys: Sequence[str], *, timeout: float) -> list[bytes]:
         """Payloads of the leading present keys (stops at the first miss)."""

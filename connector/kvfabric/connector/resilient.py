@@ -247,6 +247,16 @@ class Endpoint:
                 log.debug("closing %s failed", self.name, exc_info=True)
 
 
+_WARM_TIMEOUT_S = 5.0
+"""How long connecting and describing at start may take (a server not up yet: the first call retries)."""
+
+
+def _warm_done(fut: cf.Future[None]) -> None:
+    exc = None if fut.cancelled() else fut.exception()
+    if exc is not None:
+        log.debug("connecting to the cache server at start failed (the first call retries): %r", exc)
+
+
 def _announce(client: Transport, namespace: str, spec_json: str) -> None:
     # Optional in the Transport protocol: a transport without it (a test fake) just never describes.
     announce = getattr(client, "announce", None)
@@ -353,14 +363,36 @@ class ResilientCache:
             self._users += 1
         return self
 
-    def describe(self, namespace: str, spec_json: str) -> None:
+    def describe(self, namespace: str, spec_json: str, *, lookups: bool = False) -> None:
         """Tell every endpoint's server what ``namespace`` stands for (its canonical description).
 
         The transport sends it before its next call and again whenever the server says it lacks it
         (after a restart), so the pool's status can show the namespaces in use. Never raises, never waits.
+
+        The preferred endpoint is also connected and told now, on an I/O thread, and with ``lookups``
+        (the caller looks ``namespace`` up) its published table is mapped: otherwise the first
+        request's lookup would open the transport (the channel, the block socket, the table) and send
+        the description on its own path, over RPC because the table was not open yet.
         """
         for ep in self.endpoints:
             ep.announce(namespace, spec_json)
+        if self.endpoints:
+            self._warm(self.endpoints[0], namespace if lookups else None)
+
+    def _warm(self, ep: Endpoint, namespace: str | None) -> None:
+        """Connect ``ep`` and get it ready, in the background (best effort, never raises)."""
+
+        def send(client: Transport, timeout: float) -> None:
+            # Optional in the Transport protocol, as announce is: a fake only connects.
+            warm_up = getattr(client, "warm_up", None)
+            if warm_up is not None:
+                warm_up(namespace, timeout=timeout)
+
+        try:
+            fut = self._io.submit(_invoke, send, ep, time.monotonic() + _WARM_TIMEOUT_S)
+        except RuntimeError:  # closed
+            return
+        fut.add_done_callback(_warm_done)
 
     def _call(
         self,

@@ -177,7 +177,7 @@ class SchedulerHalf:
         self.cache = usable_cache(cache, settings, self.counters)
         if self.cache is not None:
             # The server exports what the namespace stands for (pool status: namespaces in use).
-            self.cache.describe(self.namespace, spec.canonical().decode())
+            self.cache.describe(self.namespace, spec.canonical().decode(), lookups=True)
         self._reqs: dict[str, _ReqState] = {}
         self.costs: CostModel | None = (
             CostModel(chunk_tokens=self.chunk_tokens) if settings.cost_model else None

@@ -31,6 +31,14 @@ budget was already given back — begin, keep, abandon, repeat, and the server i
 that sealed its memfd against shrinking (``F_SEAL_SHRINK``) makes the truncation fail: those bytes are
 *quarantined*, never given back to the budget for the server's lifetime, so what such a client can pin
 is bounded by ``arena_bytes`` (it fills the arena; stores are dropped and engines recompute).
+
+The page allocation happens ahead of the begin where it can: a thread of the arena keeps a few
+staging memfds allocated (``prealloc_bytes`` at most, of the lengths recent begins asked for:
+:mod:`kvfabric.cacheserver.transport.stagingpool`), and a begin hands those out, so the RPC itself
+allocates nothing. Pooled memfds are charged to the budget; the thread allocates only while the
+pool's whole size stays free beside them (a guess must not take a store's room), and a begin that
+finds no room closes pooled memfds first. A pooled memfd has never been seen by a client; once
+handed out it follows its lease as above and never returns to the pool.
 """
 
 from __future__ import annotations
@@ -48,11 +56,11 @@ from kvfabric.cacheserver.engine.dram import descriptor_budget, new_memfd, seal
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.stats import Counters
 from kvfabric.cacheserver.engine.tiered import TieredStore
+from kvfabric.cacheserver.transport.stagingpool import StagingPool, charge
 
 __all__ = ["BeginResult", "StagingArena", "UnknownLease"]
 
 STAGING_PREFIX = "s_"
-_PAGE = 4096
 
 _log = logging.getLogger(__name__)
 
@@ -71,7 +79,7 @@ class _Slot:
     @property
     def charge(self) -> int:
         """Bytes of the arena's budget this staging takes (at least a page)."""
-        return max(self.length, _PAGE)
+        return charge(self.length)
 
 
 @dataclass(slots=True)
@@ -99,13 +107,34 @@ class BeginResult:
 class StagingArena:
     """Hands out staging memfds under leases, within a byte budget."""
 
-    def __init__(self, budget_bytes: int, lease_seconds: float, counters: Counters) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        lease_seconds: float,
+        counters: Counters,
+        *,
+        prealloc_bytes: int = 0,
+        prealloc_thread: bool = True,
+    ) -> None:
+        """Budget ``budget_bytes``; ``prealloc_bytes`` of staging kept allocated ahead of begins.
+
+        The pool takes at most a quarter of the budget (0: none). ``prealloc_thread`` False leaves
+        the filling to :meth:`refill` (tests).
+        """
         self.budget = budget_bytes
         self.lease_seconds = lease_seconds
         self.counters = counters
         self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._leases: dict[str, _Lease] = {}
         self._used = 0
+        """Bytes of the budget charged: leased, quarantined, pooled and being allocated for the pool."""
+        self.pool = StagingPool(min(prealloc_bytes, budget_bytes // 4))
+        self._filling = 0
+        self._closed = False
+        self._pool_work = False
+        self._prealloc_thread = prealloc_thread
+        self._thread: threading.Thread | None = None
         self._quarantined = 0
         self._slots = 0
         # A quarter of the descriptor limit (the DRAM tier takes half).
@@ -116,7 +145,13 @@ class StagingArena:
     def used_bytes(self) -> int:
         """Bytes of the budget taken: staging memfds leased, plus the quarantined ones."""
         with self._lock:
-            return self._used
+            return self._used - self.pool.bytes - self._filling
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes of the budget taken by staging allocated ahead of begins (the pool)."""
+        with self._lock:
+            return self.pool.bytes + self._filling
 
     @property
     def quarantined_bytes(self) -> int:
@@ -138,25 +173,27 @@ class StagingArena:
                     continue
                 # At least a page each, and a bounded count: a flood of tiny stores cannot take
                 # every descriptor of the server.
-                charge = max(length, _PAGE)
-                with self._lock:
-                    fits = self._used + charge <= self.budget and self._slots < self.max_slots
-                    if fits:
-                        self._used += charge
-                        self._slots += 1
+                cost = charge(length)
+                fd, fits, evicted = self._reserve(length)
+                for fd_ in evicted:
+                    os.close(fd_)  # never handed out: closing frees its pages
                 if not fits:
                     dropped += 1
                     names.append("")
                     continue
-                fd = _allocated_memfd(length)
+                if fd is None:
+                    fd = _allocated_memfd(length)
+                    self.counters.inc("staging_memfds", "allocated_on_begin")
+                else:
+                    self.counters.inc("staging_memfds", "preallocated")
                 if fd is None:
                     with self._lock:
-                        self._used -= charge
+                        self._used -= cost
                         self._slots -= 1
                     dropped += 1
                     names.append("")
                     continue
-                nbytes += charge
+                nbytes += cost
                 name = f"{STAGING_PREFIX}{secrets.token_hex(16)}"
                 names.append(name)
                 slots.append(_Slot(bid, name, length, fd))
@@ -170,9 +207,104 @@ class StagingArena:
             self._leases[lease_id] = _Lease(
                 slots, time.monotonic() + self.lease_seconds, nbytes, dropped, n_present
             )
+            if self.pool.max_bytes:
+                self.pool.want([n for n, p in zip(lengths, present, strict=True) if not p])
+                self._wake_pool()
         if dropped:
             self.counters.inc("dropped_stores", "arena", dropped)
         return BeginResult(lease_id, names, lengths, dropped, n_present)
+
+    def _reserve(self, length: int) -> tuple[int | None, bool, list[int]]:
+        """Charge one staging of ``length``: ``(pooled memfd or None, fits, pooled memfds to close)``.
+
+        A pooled memfd of the length carries its charge already. Otherwise the charge must fit,
+        pooled memfds closed to make room if needed: pre-allocation never costs a store.
+        """
+        cost = charge(length)
+        evicted: list[int] = []
+        with self._lock:
+            fd = self.pool.take(length) if length else None
+            if fd is not None:
+                return fd, True, evicted
+            while not (self._used + cost <= self.budget and self._slots < self.max_slots):
+                ev = self.pool.evict()
+                if ev is None:
+                    return None, False, evicted
+                self._used -= charge(ev[0])
+                self._slots -= 1
+                evicted.append(ev[1])
+            self._used += cost
+            self._slots += 1
+        return None, True, evicted
+
+    def _wake_pool(self) -> None:
+        """(Under the lock.) Let the pool's thread look again; start it on the first call."""
+        self._pool_work = True
+        self._cv.notify_all()
+        if self._thread is None and self._prealloc_thread and not self._closed:
+            self._thread = threading.Thread(target=self._keep_pool, name="staging-prealloc", daemon=True)
+            self._thread.start()
+
+    def _keep_pool(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and not self._pool_work:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                self._pool_work = False
+            try:
+                self.refill()
+            except Exception:  # the pool is an optimisation: begins allocate for themselves
+                _log.exception("pre-allocating staging memfds failed")
+
+    def refill(self) -> None:
+        """Bring the pool to what recent begins asked for, within the budget (on the caller's thread)."""
+        while self._fill_step():
+            pass
+
+    def _fill_step(self) -> bool:
+        """Free one surplus pooled memfd or allocate one wanted; False when there is nothing to do."""
+        with self._lock:
+            if self._closed:
+                return False
+            length = 0
+            extra = self.pool.surplus()
+            if extra is not None:
+                self._used -= charge(extra[0])
+                self._slots -= 1
+            else:
+                wanted = self.pool.next_fill()
+                if wanted is None:
+                    return False
+                length = wanted
+                cost = charge(length)
+                # Only while the pool's whole size stays free beside it: pre-allocation is a guess,
+                # and a store that arrives meanwhile must still find its room.
+                if self._used + cost + self.pool.max_bytes > self.budget or self._slots >= self.max_slots:
+                    return False
+                self._used += cost
+                self._slots += 1
+                self._filling += cost
+        if extra is not None:
+            os.close(extra[1])
+            return True
+        fd: int | None = None
+        try:
+            fd = _allocated_memfd(length)
+        finally:
+            with self._lock:
+                self._filling -= cost
+                keep = fd is not None and not self._closed
+                if keep:
+                    assert fd is not None
+                    self.pool.add(length, fd)
+                else:
+                    self._used -= cost
+                    self._slots -= 1
+        if fd is not None and not keep:
+            os.close(fd)
+        return keep
 
     def dup_by_name(self, name: str) -> tuple[int, int] | None:
         """``(writable descriptor, length)`` of a leased staging memfd, or None once committed or gone."""
@@ -255,6 +387,8 @@ class StagingArena:
             self._used -= lease.nbytes - kept
             self._quarantined += kept
             self._slots -= len(lease.slots)
+            if self.pool.max_bytes:
+                self._wake_pool()  # room again, perhaps for the pool
         if kept:
             self.counters.inc("quarantined_staging", "", kept)
 
@@ -274,13 +408,25 @@ class StagingArena:
         return len(leases)
 
     def close(self) -> None:
-        """Drop every lease."""
+        """Drop every lease and the pool; stop the pool's thread."""
         with self._lock:
+            self._closed = True
+            self._cv.notify_all()
+            thread = self._thread
             leases = list(self._leases.values())
             self._leases.clear()
             self._by_name.clear()
+        if thread is not None:
+            thread.join()  # at most one allocation in flight
         for lease in leases:
             self._release(lease)
+        with self._lock:
+            pooled = self.pool.drain()
+            for n, _fd in pooled:
+                self._used -= charge(n)
+                self._slots -= 1
+        for _n, fd in pooled:
+            os.close(fd)
 
 
 def _freed(slot: _Slot) -> bool:

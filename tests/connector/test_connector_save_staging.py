@@ -1,0 +1,70 @@
+"""Save staging is reused across steps whose saves differ in size, and what is stored is still exact.
+
+A fresh staging buffer costs the engine's step a page fault and zeroing per 4 KiB (the copy out of
+the KV cache is on the step's thread); a chat's steps save a different number of chunks each time.
+Against a real cache-server process: steps of 4, 2, 3 and 1 chunks allocate one buffer, and every
+stored payload equals the chunk gathered and sealed on its own (no byte of an earlier, larger save
+rides along).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfabric.client import CacheClient
+from kvfabric.connector import layout
+from kvfabric.connector.hostpath import HostStagingPath
+from kvfabric.connector.keys import NamespaceSpec
+from kvfabric.connector.resilient import build_cache
+from kvfabric.connector.settings import ConnectorSettings
+from kvfabric.connector.steps import SaveSpec, StepPlan
+from kvfabric.connector.worker import WorkerHalf
+from kvfabric.testing.serverproc import MiB, cache_server, digest
+
+pytestmark = pytest.mark.process  # a real cache-server process
+
+BLOCK, CHUNK, LAYERS, NBLOCKS = 16, 64, 2, 64
+SPEC = NamespaceSpec("m", "r", "float32", LAYERS, 1, 64, BLOCK, CHUNK)
+
+
+def test_steps_saving_fewer_chunks_reuse_the_staging_and_store_exact_payloads() -> None:
+    torch.manual_seed(0)
+    kv = {f"layer{i}": torch.rand(NBLOCKS, 1, BLOCK, 128) for i in range(LAYERS)}
+    with cache_server(dram_bytes=64 * MiB) as srv:
+        settings = ConnectorSettings(socket=str(srv.config.listen.unix_socket), chunk_tokens=CHUNK)
+        cache = build_cache(settings, shared=False)
+        assert cache is not None
+        w = WorkerHalf(settings, SPEC, cache=cache)
+        try:
+            w.register_kv_caches(kv)
+            path = w.datapath
+            assert isinstance(path, HostStagingPath)
+            geo = path.geometry
+            assert geo is not None
+            stored: list[tuple[str, list[int]]] = []
+            for step, n in enumerate([4, 2, 3, 1]):
+                keys = [digest("staging", step, i) for i in range(n)]
+                # Different blocks every step: a stale byte of an earlier save would show.
+                blocks = [[(7 * step + 4 * i + b) % NBLOCKS for b in range(CHUNK // BLOCK)] for i in range(n)]
+                w.bind_plan(StepPlan(saves=[SaveSpec(f"r{step}", keys, blocks)]))
+                for name, layer in kv.items():
+                    w.save_kv_layer(name, layer)
+                w.wait_for_save()
+                w.clear_plan()
+                assert w.wait_for_stores(30)
+                stored += list(zip(keys, blocks, strict=True))
+            assert w.counters.get("store_accepted") == 10
+            assert path.save_staging_allocated == 1, "a step allocated staging while a kept buffer fit"
+            with CacheClient(srv.unix_target, shared_memory=True) as c:
+                got = c.load(path.namespace, [k for k, _ in stored], timeout=30)
+            assert len(got) == len(stored)
+            for (key, ids), payload in zip(stored, got, strict=True):
+                want = bytearray(geo.payload_bytes)
+                for i, name in enumerate(kv):
+                    layout.gather_chunks(geo, i, kv[name], [ids], want)
+                layout.seal(want, namespace=path.namespace, key=key, num_tokens=CHUNK, num_layers=LAYERS)
+                assert payload == bytes(want), f"chunk {key[:8]} stored other bytes than its own"
+        finally:
+            w.shutdown()
+            cache.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ from kvfabric.cacheserver.engine.disk import DiskTier
 from kvfabric.cacheserver.engine.dram import DramTier
 from kvfabric.cacheserver.engine.ids import BlockId, InvalidId, parse_ids
 from kvfabric.cacheserver.engine.journal import Event, JournalReader, JournalWriter, parse_lines
+from kvfabric.cacheserver.engine.tiered import TieredStore
 from kvfabric.cacheserver.engine.ttl import SharedClock, bucket_of, expired_buckets, owner_of
 from kvfabric.testing.serverproc import digest, payload_for
 
@@ -174,22 +177,28 @@ def _dram_and_disk(tmp_path: Path, *, dram: int, disk: int, max_payload: int, **
     )
 
 
+@contextmanager
+def _on_disk_only(tmp_path: Path, name: str, size: int) -> Iterator[tuple[TieredStore, BlockId, bytes]]:
+    """A started DRAM-and-disk store holding one block of ``size`` bytes on its disk only."""
+    store = TieredStore(_dram_and_disk(tmp_path, dram=64 << 20, disk=64 << 20, max_payload=16 << 20))
+    store.start()
+    try:
+        b = bid(name)
+        data = payload_for(b.key, size)
+        assert store.put(b, data)
+        assert store.flush()
+        assert store.tier("dram").delete(b)
+        yield store, b, data
+    finally:
+        store.close()
+
+
 def test_a_promotion_whose_dram_side_fails_keeps_the_disk_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import errno
 
-    from kvfabric.cacheserver.engine.tiered import TieredStore
-
-    cfg = _dram_and_disk(tmp_path, dram=64 << 20, disk=64 << 20, max_payload=16 << 20)
-    store = TieredStore(cfg)
-    store.start()
-    try:
-        b = bid("dram-full")
-        data = payload_for(b.key, 2 * PIECE + 5)  # the overlapped path
-        assert store.put(b, data)
-        assert store.flush()
-        assert store.tier("dram").delete(b)
+    with _on_disk_only(tmp_path, "dram-full", 2 * PIECE + 5) as (store, b, data):  # overlapped path
         real = os.pwrite
 
         def full(*_a: object) -> int:
@@ -203,8 +212,6 @@ def test_a_promotion_whose_dram_side_fails_keeps_the_disk_copy(
         assert handle is not None
         assert handle.read() == data
         handle.close()
-    finally:
-        store.close()
 
 
 def test_a_read_error_half_way_through_a_promotion_is_a_miss_and_leaves_nothing_behind(
@@ -215,17 +222,7 @@ def test_a_read_error_half_way_through_a_promotion_is_a_miss_and_leaves_nothing_
     # memfd is left, the reading thread has stopped and its piece buffers went back to the spares.
     import errno
 
-    from kvfabric.cacheserver.engine.tiered import TieredStore
-
-    cfg = _dram_and_disk(tmp_path, dram=64 << 20, disk=64 << 20, max_payload=16 << 20)
-    store = TieredStore(cfg)
-    store.start()
-    try:
-        b = bid("eio")
-        data = payload_for(b.key, 3 * PIECE + 5)  # the overlapped path, four pieces
-        assert store.put(b, data)
-        assert store.flush()
-        assert store.tier("dram").delete(b)
+    with _on_disk_only(tmp_path, "eio", 3 * PIECE + 5) as (store, b, _):  # overlapped, four pieces
         real = os.preadv
         reads: list[int] = []
 
@@ -251,8 +248,6 @@ def test_a_read_error_half_way_through_a_promotion_is_a_miss_and_leaves_nothing_
         # Every piece buffer the read took (spares first) is a spare again, none lost.
         kept = min(max(spares, blockfile._PIPE_DEPTH), blockfile._SPARE_MAX)
         assert blockfile._spare_pieces.qsize() == kept
-    finally:
-        store.close()
 
 
 def test_ids_reject_everything_but_hex_digests() -> None:

@@ -133,9 +133,17 @@ async def test_a_pod_whose_pool_arrives_during_its_admission_waits_for_the_watch
     assert client.calls == []
 
 
+class AbsentPoolClient(NoApiClient):
+    """A client whose API server holds no pool: a GET of one answers "not found" (recorded)."""
+
+    async def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        self.calls.append(f"get {kind} {namespace}/{name}")
+        return None
+
+
 @pytest.mark.asyncio
-async def test_a_pod_naming_a_pool_that_never_comes_is_skipped_after_the_wait() -> None:
-    client = NoApiClient()
+async def test_a_pod_naming_a_pool_that_never_comes_is_skipped_after_the_wait_and_one_read() -> None:
+    client = AbsentPoolClient()
     a = app(client)
     a.unknown_pool_wait = 0.2
     await deliver_pool(a, pool("other"))
@@ -145,7 +153,8 @@ async def test_a_pod_naming_a_pool_that_never_comes_is_skipped_after_the_wait() 
     out = patched(pod, await a.admit(review(copy.deepcopy(pod))))
     assert loop.time() - start >= 0.2
     assert out["metadata"]["annotations"]["kvfabric.io/skip-reason"] == "pool-not-found"
-    assert client.calls == []
+    # The watch did not bring it: the API server is asked once before the pod is admitted without.
+    assert client.calls == ["get KVCachePool team/pool-a"]
 
 
 @pytest.mark.asyncio

@@ -108,19 +108,23 @@ class OperatorApp:
     """How late kopf's loop (the webhook's) wakes up: what an admission waits before it is read."""
     _serving_task: asyncio.Task[None] | None = None
     _lag_task: asyncio.Task[None] | None = None
-    unknown_pool_wait: float = 2.0
-    """How long an admission waits for the watch to deliver a pool it names that is not known yet."""
+    unknown_pool_wait: float = 0.25
+    """How long an admission waits for the watch to deliver a pool it names that is not known yet,
+    before it reads the pool from the API server (once, within :attr:`unknown_pool_read_timeout`)."""
+    unknown_pool_read_timeout: float = 2.0
     _pool_added: asyncio.Event | None = None
     _webhook_thread: int | None = None
 
     async def pools_for(self, pod: Mapping[str, Any], namespace: str | None) -> Mapping[PoolKey, PoolTarget]:
-        """The known pools, once the pod's own pool is among them or :attr:`unknown_pool_wait` has passed.
+        """The known pools, with the pod's own pool among them if it exists.
 
-        Right after start-up (before kopf has delivered every pool) or right after a pool was
-        created, the pod's pool may be missing from :attr:`pools`: answering "pool-not-found" then
-        would silently skip a ``Fail`` pool's pod. The admission waits for the pool's watch event
-        instead of asking the API server: nothing on the admission path calls it, so a storm of pods
-        costs it no extra request and never waits behind one.
+        Right after start-up (before kopf has delivered every pool), while the pool watch
+        reconnects, or right after a pool was created, the pod's pool may be missing from
+        :attr:`pools`: answering "pool-not-found" then would silently skip a ``Fail`` pool's pod.
+        The admission first waits :attr:`unknown_pool_wait` for the pool's watch event (a pool
+        created a moment before its pods usually arrives in that time, and costs the API server
+        nothing), then reads the pool from the API server once, bounded; a pool found so is
+        remembered. Pods of known pools, the whole of a storm, never wait or call.
         """
         key = pool_key_of(pod, namespace)
         if key is None or key in self.pools:
@@ -136,6 +140,17 @@ class OperatorApp:
                     await added.wait()
             except TimeoutError:
                 break
+        if key in self.pools:
+            return self.pools
+        try:
+            async with asyncio.timeout(self.unknown_pool_read_timeout):
+                raw = await self.client.get("KVCachePool", key[0], key[1])
+        except (ApiError, OSError, TimeoutError) as exc:
+            log.warning("could not read KVCachePool %s/%s for injection: %s", *key, exc)
+            return self.pools
+        target = pool_target(raw) if raw is not None else None
+        if target is not None and key not in self.pools:
+            self.pools[key] = target
         return self.pools
 
     def pool_seen(self, key: PoolKey, target: PoolTarget) -> None:

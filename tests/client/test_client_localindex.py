@@ -428,3 +428,39 @@ def test_a_report_budget_never_admits_more_than_rpc_lookups_could_have_done(
             keys += hits + misses
         assert lookups <= it.REPORT_INITIAL_LOOKUPS + it.REPORT_LOOKUPS_PER_SECOND * now + 1e-6
         assert keys <= 16 * it.REPORT_INITIAL_LOOKUPS + it.REPORT_KEYS_PER_SECOND * now + 1e-6
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["numpy-probe", "reference-probe"])
+def test_a_table_retired_after_its_state_was_read_never_answers(
+    fabric: Fabric, vector: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The reader checks that its table is live, and the server retires it (grown) before the probe
+    # reads the sequence counter: the probe then reads the old table consistently. What it finds
+    # there may be gone from the new table, so the answer must come from the new one.
+    monkeypatch.setattr(localindex, "VECTOR_PROBE", vector)
+    reader = LocalIndex(fabric.sock.path)
+    key = digest("gone-after-growth")
+    fabric.put(NS, key)
+    assert reader.lookup(NS, _raw([key])) == localindex.LookupResult(1, ["dram"])
+    old = reader._maps[NS].words
+    fresh = LocalIndex(fabric.sock.path)
+    module, name = (localindex.indexprobe, "lookup_prefix") if vector else (localindex.it, "lookup_prefix")
+    probe = getattr(module, name)
+    calls = []
+
+    def retired_first(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:  # the first probe: the table is retired (and the key dropped) just before it
+            for i in range(64):
+                fabric.put(NS, digest("growth", i))
+            wait_until(lambda: old[it.W_STATE] != it.LIVE, 10, 0.01, what="the table retired")
+            fabric.drop(NS, key)
+            wait_until(lambda: (r := fresh.lookup(NS, _raw([key]))) is not None and r.matched == 0, 10, 0.01)
+        return probe(*args)
+
+    monkeypatch.setattr(module, name, retired_first)
+    got = reader.lookup(NS, _raw([key]))
+    assert got is not None
+    assert got.matched == 0, "answered from the retired table"
+    reader.close()
+    fresh.close()

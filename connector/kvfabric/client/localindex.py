@@ -194,6 +194,10 @@ class LocalIndex:
                     tiers = indexprobe.tier_names(indexprobe.lookup_prefix(words, slots, fps))
             except it.Inconsistent:
                 continue
+            if words[it.W_STATE] != it.LIVE:
+                # Retired after the check above but before the probe read the sequence counter: the
+                # probe read the old table consistently, and what it found may be gone from the new.
+                continue
             if m.server_gone():
                 evicted = m.evicted()  # read before the connection is closed
                 self._drop(namespace, m)

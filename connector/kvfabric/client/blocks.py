@@ -543,13 +543,22 @@ class _Ahead:
             maps.release_later(name, epoch)
 
     def close(self) -> None:
-        """Close what was fetched and not used, and release its holds (idempotent)."""
+        """Close what was fetched and not used, and release its holds (idempotent).
+
+        Releases of blocks fetched and never used are sent at once (within the load's deadline):
+        queued, they would wait for this client's next block request, and an engine that goes idle
+        after a load stopped at a gone block would keep up to a batch of them pinned in the server's
+        DRAM. Best effort: a release that cannot go now rides on the next request as usual.
+        """
         held, self._held = self._held, {}
         plain, self._plain = self._plain, {}
         for name, got in held.items():
             self._release(name, got)
         close_all([got[0] for got in held.values()])
         close_all(list(plain.values()))
+        if any(got[1] for got in held.values()):
+            with contextlib.suppress(Exception):
+                self.channel.flush_releases(deadline=self.deadline)
 
 
 def _reason(msg: bytes) -> str:

@@ -23,9 +23,10 @@ from hypothesis import strategies as st
 
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.transport.indexpub import F_SEAL_FUTURE_WRITE, IndexPublisher, IndexSocket, Peer
-from kvfabric.client import localindex
+from kvfabric.client import indexprobe, localindex
 from kvfabric.client.errors import CacheUnavailable
 from kvfabric.client.localindex import LocalIndex
+from kvfabric.client.results import LookupResult
 from kvfabric.rpc import indextable as it
 from kvfabric.testing.serverproc import digest, wait_until
 
@@ -441,10 +442,11 @@ def test_a_table_retired_after_its_state_was_read_never_answers(
     reader = LocalIndex(fabric.sock.path)
     key = digest("gone-after-growth")
     fabric.put(NS, key)
-    assert reader.lookup(NS, _raw([key])) == localindex.LookupResult(1, ["dram"])
+    assert reader.lookup(NS, _raw([key])) == LookupResult(1, ["dram"])
     old = reader._maps[NS].words
     fresh = LocalIndex(fabric.sock.path)
-    module, name = (localindex.indexprobe, "lookup_prefix") if vector else (localindex.it, "lookup_prefix")
+    module: Any = indexprobe if vector else it
+    name = "lookup_prefix"
     probe = getattr(module, name)
     calls = []
 

@@ -16,6 +16,7 @@ import obstore
 import pytest
 
 from kvfabric.cacheserver.config import ObjectStoreTierConfig
+from kvfabric.cacheserver.engine.base import MissReason
 from kvfabric.cacheserver.engine.blockfile import HEADER_SIZE, DestinationFailed
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.objectclient import ObjectClient, ObjectStoreError, make_store
@@ -292,6 +293,28 @@ def test_a_multi_part_object_loads_equal_to_the_object_one_get_per_part(
             assert client.in_flight == 0
         assert client.most_in_flight > 1  # the parts of one object overlap
         assert b.counters.get("checksum_failures", "object") == 0
+
+
+def test_a_promotion_sized_for_a_shorter_copy_is_a_stale_miss_with_nothing_written(
+    s3: S3Server, prefix: str, tmp_path: Any
+) -> None:
+    # The promotion sized its memfd from the length it read first; the object was replaced by a
+    # longer copy since: nothing is fetched or written past the room, the miss says stale.
+    cfg = tier_config(s3, prefix, tmp_path)
+    client = SlowPartsClient(cfg)
+    with tier(cfg, "a", client=client) as a:
+        assert a.put(bid("grown"), random.Random(1).randbytes(2 * MiB))
+        fd = os.memfd_create("test", os.MFD_CLOEXEC)
+        try:
+            sent = client.sent
+            res = a.read_into_fd(bid("grown"), fd, room=MiB)
+            assert (res.ok, res.miss) == (False, MissReason.STALE)
+            assert client.sent == sent
+            assert os.fstat(fd).st_size == 0
+            full = a.read_into_fd(bid("grown"), fd, room=2 * MiB)
+            assert full.ok
+        finally:
+            os.close(fd)
 
 
 @pytest.mark.parametrize("via", ["mapping", "memfd"])

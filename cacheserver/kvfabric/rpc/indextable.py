@@ -84,7 +84,8 @@ _FP_MASK = ~3 & 0xFFFFFFFFFFFFFFFF
 MAX_FILL = 4
 """A table holds at most ``capacity / MAX_FILL`` keys. At a quarter full about one key in eight
 (one in four at half full) is not in its home slot and costs a reader a walk along the run in
-Python (:mod:`kvfabric.client.indexprobe`); the price is 32 bytes of table per block at most."""
+Python (:mod:`kvfabric.client.indexprobe`); the price: a table of 8-byte slots is 32-64 bytes per
+block once past its initial size (32 just before it grows, 64 just after)."""
 
 
 class Inconsistent(Exception):  # noqa: N818 - a retry signal, not an error

@@ -264,8 +264,12 @@ class ReadsIntoFiles(Protocol):
     into the block's memfd in pieces as it reads them, instead of reading into a fresh mapping.
     """
 
-    def read_into_fd(self, bid: BlockId, fd: int) -> ReadResult:
-        """Read and verify ``bid`` into the start of ``fd`` (a memfd of its length); misses as read_into."""
+    def read_into_fd(self, bid: BlockId, fd: int, *, room: int | None = None) -> ReadResult:
+        """Read and verify ``bid`` into the start of ``fd`` (a memfd of its length); misses as read_into.
+
+        ``room``: the length the caller sized for; a payload longer than that (the block was
+        replaced by a longer copy since the caller asked its length) is a STALE miss, nothing written.
+        """
         ...
 
 

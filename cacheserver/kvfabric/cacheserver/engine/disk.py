@@ -387,7 +387,7 @@ class DiskTier:
 
         return self._read_verified(bid, read)
 
-    def read_into_fd(self, bid: BlockId, fd: int) -> ReadResult:
+    def read_into_fd(self, bid: BlockId, fd: int, *, room: int | None = None) -> ReadResult:
         """Like :meth:`read_into`, into the start of file ``fd`` (a fresh memfd of the block's length).
 
         Read and write overlap in pieces (:func:`~kvfabric.cacheserver.engine.blockfile.read_block_to_fd`):
@@ -396,12 +396,17 @@ class DiskTier:
         return self._read_verified(
             bid,
             lambda path, entry: read_block_to_fd(path, bid, fd, length=entry.length, direct=self.direct_io),
+            room=room,
         )
 
-    def _read_verified(self, bid: BlockId, read: Callable[[Path, DiskEntry], BlockHeader]) -> ReadResult:
+    def _read_verified(
+        self, bid: BlockId, read: Callable[[Path, DiskEntry], BlockHeader], *, room: int | None = None
+    ) -> ReadResult:
         entry = self.entry(bid)
         if entry is None:
             return ReadResult.missed(MissReason.ABSENT)
+        if room is not None and entry.length > room:
+            return ReadResult.missed(MissReason.STALE)  # replaced by a longer copy: the caller asks again
         path = self._path(bid, entry.bucket)
         try:
             self.faults.before_read()

@@ -437,7 +437,9 @@ class ObjectStoreTier:
 
         return self._read(bid, put, len(dest), timeout)
 
-    def read_into_fd(self, bid: BlockId, fd: int, *, timeout: float | None = None) -> ReadResult:
+    def read_into_fd(
+        self, bid: BlockId, fd: int, *, room: int | None = None, timeout: float | None = None
+    ) -> ReadResult:
         """Like :meth:`read_into`, into the start of file ``fd`` (a promotion's fresh memfd).
 
         Each part is ``pwrite``n at its offset as it arrives: the memfd's pages are allocated by the
@@ -445,7 +447,7 @@ class ObjectStoreTier:
         :class:`~kvfabric.cacheserver.engine.blockfile.DestinationFailed` (after every part in flight
         has finished) when writing into ``fd`` fails: the object is fine, the DRAM side is not.
         """
-        return self._read(bid, lambda offset, data: write_at(fd, data, offset), None, timeout)
+        return self._read(bid, lambda offset, data: write_at(fd, data, offset), room, timeout)
 
     def _read(
         self,

@@ -211,9 +211,9 @@ class SharedTier:
         """Read and verify into ``dest``."""
         return self.disk.read_into(bid, dest)
 
-    def read_into_fd(self, bid: BlockId, fd: int) -> ReadResult:
+    def read_into_fd(self, bid: BlockId, fd: int, *, room: int | None = None) -> ReadResult:
         """Read and verify into the start of file ``fd`` (read and write overlapped)."""
-        return self.disk.read_into_fd(bid, fd)
+        return self.disk.read_into_fd(bid, fd, room=room)
 
     def put(self, bid: BlockId, payload: bytes | bytearray | memoryview, *, bucket: int) -> bool:
         """Write a payload into ``bucket`` (journaled)."""

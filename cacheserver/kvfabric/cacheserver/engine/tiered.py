@@ -429,7 +429,7 @@ class TieredStore:
                 # Disk tiers write the payload into the memfd in pieces while reading the next, the
                 # object tier each part as it arrives: the memfd's pages are allocated by the write,
                 # never zeroed first, 1.3-2x cheaper than filling a fresh mapping (docs/performance.md).
-                res = tier.read_into_fd(bid, fd)
+                res = tier.read_into_fd(bid, fd, room=length)
             else:
                 # Read straight into the block's memfd (page-aligned mapping: O_DIRECT-friendly),
                 # verified. Pre-allocating its pages (fallocate + MAP_POPULATE) measured slower.

@@ -9,11 +9,13 @@ recomputes and its breaker opens, as for a dead server.
 from __future__ import annotations
 
 import signal
+import threading
 
 import pytest
 
 from kvfabric.client import CacheClient
 from kvfabric.client.errors import CacheTimeout, CacheUnavailable
+from kvfabric.client.hangwatch import HangWatch
 from kvfabric.testing.serverproc import MiB, cache_server, digest, payload_for
 
 pytestmark = pytest.mark.process
@@ -48,3 +50,38 @@ def test_a_load_waiting_on_a_hung_server_fails_when_its_heartbeat_stops(local_in
         # Back: loads work again.
         assert c.load_into(NS, keys, bufs, timeout=30) == 2
         assert [bytes(b) for b in bufs] == payloads
+
+
+class _FlakyIndex:
+    """alive(): raises on its first check, then says the server stopped beating."""
+
+    def __init__(self) -> None:
+        self.checks = 0
+
+    def alive(self, namespace: str) -> bool | None:
+        self.checks += 1
+        if self.checks == 1:
+            raise RuntimeError("concurrent poll() invocation")
+        return False
+
+
+class _Call:
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> bool:
+        self.cancelled.set()
+        return True
+
+
+def test_the_watch_outlives_a_check_that_raises() -> None:
+    # One failed check must not end the watch thread for the life of the process (a load waiting
+    # on a hung server would then wait its whole deadline): it logs and checks again.
+    watch = HangWatch(_FlakyIndex(), poll_seconds=0.01)  # type: ignore[arg-type]
+    call = _Call()
+    try:
+        with watch.watching(NS, call) as w:
+            assert call.cancelled.wait(10), "the watch stopped after the failed check"
+            assert w.hung
+    finally:
+        watch.close()

@@ -12,6 +12,7 @@ import fcntl
 import mmap
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -466,3 +467,34 @@ def test_a_table_retired_after_its_state_was_read_never_answers(
     assert got.matched == 0, "answered from the retired table"
     reader.close()
     fresh.close()
+
+
+def test_lookups_and_the_hang_watchs_liveness_checks_on_other_threads_never_collide(fabric: Fabric) -> None:
+    # A client's lookups (scheduler or I/O thread) and the hang watch's alive() (its own thread)
+    # share the table's connection; polling it from two threads at once must never raise.
+    reader = LocalIndex(fabric.sock.path)
+    key = digest("shared-poll")
+    fabric.put(NS, key)
+    assert reader.lookup(NS, _raw([key])) == LookupResult(1, ["dram"])
+    errors: list[BaseException] = []
+    end = time.monotonic() + 1.5
+
+    def spin(check: Any) -> None:
+        while time.monotonic() < end:
+            try:
+                check()
+            except BaseException as exc:  # every failure is the finding
+                errors.append(exc)
+                return
+
+    threads = [
+        threading.Thread(target=spin, args=(lambda: reader.alive(NS),)),
+        threading.Thread(target=spin, args=(lambda: reader.lookup(NS, _raw([key]), fetch=False),)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert reader.alive(NS) is True
+    reader.close()

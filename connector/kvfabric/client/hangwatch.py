@@ -11,11 +11,14 @@ load then fails as ``CacheUnavailable`` and the connector recomputes, as for any
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Protocol
 
 from kvfabric.client.localindex import LocalIndex
+
+log = logging.getLogger(__name__)
 
 __all__ = ["POLL_SECONDS", "HangWatch"]
 
@@ -82,7 +85,12 @@ class HangWatch:
                 continue
             for w in calls:
                 # None (no table mapped): unknown, left to the call's own deadline.
-                if not w.hung and self.index.alive(w.namespace) is False:
+                try:
+                    hung = not w.hung and self.index.alive(w.namespace) is False
+                except Exception:  # the watch must outlive any one check: log it, keep watching
+                    log.exception("hang watch: checking the published index failed")
+                    continue
+                if hung:
                     w.hung = True
                     w.call.cancel()
             self._stop.wait(self.poll)

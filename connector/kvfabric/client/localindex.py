@@ -67,6 +67,18 @@ class _Mapped:
     reported_at: int = field(default_factory=time.monotonic_ns)
     unsent: bytes = b""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    polling: threading.Lock = field(default_factory=threading.Lock)
+    """Held around :attr:`poll`: one ``select.poll`` object raises if two threads poll it at once
+    (a lookup and the hang watch, which share a client's table)."""
+
+    def poll_now(self) -> list[tuple[int, int]] | None:
+        """The connection's events now (non-blocking); None while another thread is polling it."""
+        if not self.polling.acquire(blocking=False):
+            return None
+        try:
+            return self.poll.poll(0)
+        finally:
+            self.polling.release()
 
     def count(self, hits: int, keys: int, now_ns: int, interval_ns: int) -> None:
         """Count one lookup answered from the table; report the batch once ``interval_ns`` passed."""
@@ -101,8 +113,11 @@ class _Mapped:
         self.unsent = data[sent:]
 
     def server_gone(self) -> bool:
-        """Whether the server hung up (its process exited): one non-blocking poll."""
-        return bool(self.poll.poll(0))
+        """Whether the server hung up (its process exited): one non-blocking poll.
+
+        False while another thread polls the connection: that one sees the hang-up.
+        """
+        return bool(self.poll_now())
 
     def evicted(self) -> bool:
         """Whether the server closed this connection to make room for another client's (it still serves)."""
@@ -229,7 +244,7 @@ class LocalIndex:
         if m is None or m.words[it.W_STATE] != it.LIVE:
             # No table, or one the server replaced (grown: only live tables are stamped): unknown.
             return None
-        events = m.poll.poll(0)
+        events = m.poll_now() or []  # (busy: another thread is polling it; the heartbeat still tells)
         if any(ev & select.POLLNVAL for _, ev in events):
             return None  # that table's connection was closed here (replaced meanwhile): unknown
         if events:

@@ -108,8 +108,9 @@ class CacheClient:
         self._undescribed: set[str] = set()
         self._restarts_seen = 0  # the published index's restart count when descriptions were last due
         self._describe_lock = threading.Lock()  # guards the two above
-        # The published index is read by one thread at a time (its table fetches poll a socket):
+        # Lookups read the published index one thread at a time (its table fetches poll a socket):
         # a lookup finding it busy (the start-up warm-up mapping a table) asks over RPC instead.
+        # (The hang watch's alive() is not under this lock: each table guards its own poll.)
         self._index_lock = threading.Lock()
         self._sending = threading.Lock()  # held by the one thread sending descriptions
 

@@ -201,6 +201,27 @@ def test_the_pool_never_costs_a_store_its_room_exceeds_the_budget_or_hands_a_mem
     assert arena.used_bytes == arena.quarantined_bytes
 
 
+def test_a_begin_that_cannot_fit_even_without_the_pool_leaves_the_pool_alone() -> None:
+    # Any tenant can ask for a key larger than the room left: emptying the pool for it would cost
+    # every later store its allocation ahead and still drop the key.
+    arena = StagingArena(64 * 4096, 30.0, Counters(), prealloc_bytes=16 * 4096, prealloc_thread=False)
+    try:
+        small = arena.begin(_bids("small", 1), [4 * 4096], [False])
+        arena.refill()
+        pooled = arena.pooled_bytes
+        assert pooled > 0
+        held = arena.begin(_bids("held", 1), [32 * 4096], [False])
+        assert held.names[0]
+        pooled = arena.pooled_bytes
+        big = arena.begin(_bids("big", 1), [40 * 4096], [False])
+        assert (big.names[0], big.dropped) == ("", 1)
+        assert arena.pooled_bytes == pooled, "the pool was emptied for a key that never fitted"
+        arena.abort(small.lease_id)
+        arena.abort(held.lease_id)
+    finally:
+        arena.close()
+
+
 @pytest.mark.process
 def test_a_servers_second_store_of_a_length_takes_staging_allocated_ahead() -> None:
     size, n = 1 * MiB, 4

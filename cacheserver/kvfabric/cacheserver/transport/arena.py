@@ -226,6 +226,11 @@ class StagingArena:
             fd = self.pool.take(length) if length else None
             if fd is not None:
                 return fd, True, evicted
+            if not (
+                self._used - self.pool.bytes + cost <= self.budget
+                and self._slots - self.pool.count < self.max_slots
+            ):
+                return None, False, evicted  # not even an empty pool makes room: keep the pool
             while not (self._used + cost <= self.budget and self._slots < self.max_slots):
                 ev = self.pool.evict()
                 if ev is None:

@@ -375,8 +375,9 @@ def test_reports_are_bounded_per_connection_by_what_rpc_lookups_could_have_done(
             initial = it.REPORT_INITIAL_LOOKUPS
 
             def send(*lines: tuple[int, int, int]) -> None:
-                s.sendall(b"".join(it.encode_report(*line) for line in lines))
+                # Counted before sending: the server may read the lines before sendall returns.
                 done = sum(sock.reports_dropped.values()) + len(counted)
+                s.sendall(b"".join(it.encode_report(*line) for line in lines))
                 wait_until(
                     lambda: sum(sock.reports_dropped.values()) + len(counted) == done + len(lines),
                     10,

@@ -499,3 +499,14 @@ def test_lookups_and_the_hang_watchs_liveness_checks_on_other_threads_never_coll
     assert errors == []
     assert reader.alive(NS) is True
     reader.close()
+
+
+def test_a_table_fetched_after_close_is_closed_not_kept(fabric: Fabric) -> None:
+    # A start-up warm-up maps its table on an I/O thread; the client may be closed first. What
+    # that fetch maps must be closed there, not installed where nobody closes it (a leaked socket).
+    reader = LocalIndex(fabric.sock.path)
+    key = digest("after-close")
+    fabric.put(NS, key)
+    reader.close()
+    assert reader.lookup(NS, _raw([key])) is None
+    assert reader._maps == {}

@@ -9,6 +9,8 @@ nothing here depends on this machine's speed.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -83,9 +85,9 @@ def test_the_lookup_deadline_follows_the_expected_prefill(
     deadlines: list[float] = []
     real = cache.lookup
 
-    def spy(namespace: str, keys: list[str], deadline_s: float) -> LookupOutcome:
+    def spy(namespace: str, keys: list[str], deadline_s: float, **kw: Any) -> LookupOutcome:
         deadlines.append(deadline_s)
-        return real(namespace, keys, deadline_s)
+        return real(namespace, keys, deadline_s, **kw)
 
     monkeypatch.setattr(cache, "lookup", spy)
     e.generate(prompt(100, 12), 1)

@@ -267,6 +267,11 @@ class LocalIndex:
             if m is None:
                 self._next_fetch[namespace] = time.monotonic() + self.refetch_interval
                 return None
+            if self._closed:
+                # Closed while this thread fetched (a start-up warm-up on an I/O thread, say):
+                # nobody would close what it mapped.
+                m.close()
+                return None
             self._install(namespace, m)
             return m
 

@@ -11,15 +11,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfabric.connector.settings import ConnectorSettings
 from kvfabric.contract.consumer_env import ENV_PREFIX, ConsumerEnvironment, ConsumerVar
 from kvfabric.operator.injection import inject, pool_target
+
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pool(consumers: dict[str, Any], chunk_tokens: int = 256, port: int = 7070) -> dict[str, Any]:
@@ -96,6 +100,8 @@ def test_injected_variables_are_exactly_the_contract() -> None:
         "tenant": "t1",
         "deadlines": {"lookupMs": 50, "loadMs": 900, "storeMs": 7},
         "loadMode": "Asynchronous",
+        "localIndex": False,
+        "costModel": True,
     }
     same = _injected_env(_pool(consumers))
     other = _injected_env(_pool({**consumers, "namespaceSelector": {"matchLabels": {"team": "a"}}}), "apps")
@@ -133,6 +139,8 @@ def test_the_key_variables_round_trip() -> None:
     chunk=st.integers(1, 512).map(lambda n: n * 16),
     port=st.integers(1024, 65535),
     load_mode=st.sampled_from([None, "Synchronous", "Asynchronous"]),
+    local_index=st.sampled_from([None, True, False]),
+    cost_model=st.sampled_from([None, True, False]),
 )
 def test_round_trip_render_inject_parse(
     tenant: str | None,
@@ -142,6 +150,8 @@ def test_round_trip_render_inject_parse(
     chunk: int,
     port: int,
     load_mode: str | None,
+    local_index: bool | None,
+    cost_model: bool | None,
 ) -> None:
     deadlines = {k: v for k, v in (("lookupMs", lookup), ("loadMs", load), ("storeMs", store)) if v}
     consumers: dict[str, Any] = {"deadlines": deadlines}
@@ -149,6 +159,10 @@ def test_round_trip_render_inject_parse(
         consumers["tenant"] = tenant
     if load_mode is not None:
         consumers["loadMode"] = load_mode
+    if local_index is not None:
+        consumers["localIndex"] = local_index
+    if cost_model is not None:
+        consumers["costModel"] = cost_model
     body = _pool(consumers, chunk, port)
     env = _injected_env(body)
     target = pool_target(body)
@@ -168,6 +182,11 @@ def test_round_trip_render_inject_parse(
     assert parsed.store_deadline_ms == (store or defaults["store_deadline_ms"].default)
     assert parsed.load_async is (load_mode == "Asynchronous")
     assert (ConsumerVar.LOAD_ASYNC.value in env) == (load_mode is not None)
+    assert parsed.local_index is (defaults["local_index"].default if local_index is None else local_index)
+    assert parsed.cost_model is (defaults["cost_model"].default if cost_model is None else cost_model)
+    # Unset, neither is injected: the pod keeps the connector's default (and its hash is unchanged).
+    assert (ConsumerVar.LOCAL_INDEX.value in env) == (local_index is not None)
+    assert (ConsumerVar.COST_MODEL.value in env) == (cost_model is not None)
     assert parsed.config_hash == conn.config_hash
     assert parsed.configured
     assert parsed.token is None
@@ -198,3 +217,25 @@ def test_consumers_injected_before_key_scopes_are_stale() -> None:
     a = ConsumerEnvironment(pool="n/p", socket="/s", remote=None, chunk_tokens=256)
     before = hashlib.sha256(json.dumps(a.to_env(), sort_keys=True).encode()).hexdigest()[:16]
     assert a.config_hash != before
+
+
+@pytest.mark.parametrize(
+    ("path", "setting"),
+    [
+        (("deadlines", "lookupMs"), "lookup_deadline_ms"),
+        (("deadlines", "loadMs"), "load_deadline_ms"),
+        (("deadlines", "storeMs"), "store_deadline_ms"),
+        (("localIndex",), "local_index"),
+        (("costModel",), "cost_model"),
+    ],
+)
+def test_the_crd_states_the_connectors_defaults(path: tuple[str, ...], setting: str) -> None:
+    """A field left unset gets the connector's default: the CRD's field doc says which, truly."""
+    crd = yaml.safe_load((_ROOT / "crds" / "kvfabric.io_kvcachepools.yaml").read_text(encoding="utf-8"))
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    node = schema["properties"]["spec"]["properties"]["consumers"]
+    for name in path:
+        node = node["properties"][name]
+    default = ConnectorSettings.model_fields[setting].default
+    stated = str(default).lower() if isinstance(default, bool) else str(default)
+    assert f"default: the connector's, {stated}" in " ".join(node["description"].split())

@@ -55,6 +55,8 @@ class ConsumerVar(StrEnum):
     LOAD_DEADLINE_MS = "KVFABRIC_LOAD_DEADLINE_MS"
     STORE_DEADLINE_MS = "KVFABRIC_STORE_DEADLINE_MS"
     LOAD_ASYNC = "KVFABRIC_LOAD_ASYNC"
+    LOCAL_INDEX = "KVFABRIC_LOCAL_INDEX"
+    COST_MODEL = "KVFABRIC_COST_MODEL"
     CONFIG_HASH = "KVFABRIC_CONFIG_HASH"
     # Credentials: from the pool's Secret (secretKeyRef) or its Secret volume, never values in the
     # pod spec, and outside the hash (docs/security.md).
@@ -77,6 +79,11 @@ class ConsumerVar(StrEnum):
         return self.value[len(ENV_PREFIX) :].lower()
 
 
+def _flag(value: bool | None) -> str | None:
+    """A boolean variable's value (``true``/``false``), or ``None`` (not injected) for ``None``."""
+    return None if value is None else str(value).lower()
+
+
 @dataclass(frozen=True)
 class ConsumerEnvironment:
     """The values injected into a consumer; ``None`` means "not injected" (the connector's default)."""
@@ -90,6 +97,8 @@ class ConsumerEnvironment:
     load_deadline_ms: int | None = None
     store_deadline_ms: int | None = None
     load_async: bool | None = None
+    local_index: bool | None = None
+    cost_model: bool | None = None
     shared_key_space: bool = False
     """The pool's consumer namespaces share one key space (``spec.consumers.keySpace: Shared``). Not a
     variable of its own (``KVFABRIC_KEY_SCOPE`` is set per pod: its namespace, or the shared scope),
@@ -107,7 +116,9 @@ class ConsumerEnvironment:
             (ConsumerVar.LOOKUP_DEADLINE_MS, self.lookup_deadline_ms),
             (ConsumerVar.LOAD_DEADLINE_MS, self.load_deadline_ms),
             (ConsumerVar.STORE_DEADLINE_MS, self.store_deadline_ms),
-            (ConsumerVar.LOAD_ASYNC, None if self.load_async is None else str(self.load_async).lower()),
+            (ConsumerVar.LOAD_ASYNC, _flag(self.load_async)),
+            (ConsumerVar.LOCAL_INDEX, _flag(self.local_index)),
+            (ConsumerVar.COST_MODEL, _flag(self.cost_model)),
         ]
         return {var.value: str(value) for var, value in values if value is not None}
 

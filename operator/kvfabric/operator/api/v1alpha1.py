@@ -666,10 +666,26 @@ class Deadlines(_Model):
     # request's prefill, a store only a background slot. Production values are ~10-100 ms for lookups;
     # 2 s is the generous end (the demo's setting on a loaded 2-core CI machine).
     lookup_ms: int | None = Field(
-        default=None, ge=1, le=2000, description="Lookup deadline (ms, 1 to 2000; blocks the scheduler)."
+        default=None,
+        ge=1,
+        le=2000,
+        description="Lookup deadline (ms, 1 to 2000; default: the connector's, 100). A lookup blocks "
+        "the scheduler.",
     )
-    load_ms: int | None = Field(default=None, ge=1, le=30000, description="Load deadline (ms, 1 to 30000).")
-    store_ms: int | None = Field(default=None, ge=1, le=60000, description="Store deadline (ms, 1 to 60000).")
+    load_ms: int | None = Field(
+        default=None,
+        ge=1,
+        le=30000,
+        description="Load deadline (ms, 1 to 30000; default: the connector's, 2000): a load not done "
+        "by then is recomputed.",
+    )
+    store_ms: int | None = Field(
+        default=None,
+        ge=1,
+        le=60000,
+        description="Store deadline (ms, 1 to 60000; default: the connector's, 5000). Stores run in the "
+        "background.",
+    )
 
 
 class LoadMode(StrEnum):
@@ -770,6 +786,21 @@ class Consumers(_Model):
         "Synchronous). Synchronous: the engine step that needs the KV waits for it (the hit's fastest "
         "time to first token). Asynchronous: only the request waits, while the engine keeps stepping "
         "the others (no decode stall beside a long hit; the hit itself costs about a step more).",
+    )
+    local_index: bool | None = Field(
+        default=None,
+        description="Answer same-node lookups from the index the node's cache server publishes in "
+        "shared memory (injected as KVFABRIC_LOCAL_INDEX; default: the connector's, true): no call "
+        "per lookup, and a hung server is detected from its heartbeat. false: every lookup is a call "
+        "that waits up to the lookup deadline. Measured in docs/performance.md (Defaults).",
+    )
+    cost_model: bool | None = Field(
+        default=None,
+        description="Load a hit only where restoring it is expected to beat recomputing it, by the "
+        "prefill and restore times the connector measures as it runs (injected as KVFABRIC_COST_MODEL; "
+        "default: the connector's, false: every hit is loaded). Off by default until its decisions are "
+        "shown no worse than loading every hit on a quiet machine and a GPU (docs/performance.md, "
+        "Defaults).",
     )
     routing_events: RoutingEvents | None = Field(
         default=None,

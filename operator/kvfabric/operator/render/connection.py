@@ -28,6 +28,8 @@ class ConnectionSettings:
     tenant: str | None = None
     deadlines: dict[str, int] = field(default_factory=dict)
     load_async: bool | None = None
+    local_index: bool | None = None
+    cost_model: bool | None = None
     # Not part of the environment (nor of the hash): the payload image only matters at pod creation.
     connector_image: str = ""
     tcp: bool = False
@@ -78,6 +80,8 @@ class ConnectionSettings:
             load_deadline_ms=self.deadlines.get("load"),
             store_deadline_ms=self.deadlines.get("store"),
             load_async=self.load_async,
+            local_index=self.local_index,
+            cost_model=self.cost_model,
             shared_key_space=self.shared_key_space,
         )
 
@@ -121,6 +125,8 @@ def connection_settings(pool: KVCachePool) -> ConnectionSettings:
         tenant=pool.spec.consumers.tenant,
         deadlines=deadlines,
         load_async=None if mode is None else mode is LoadMode.ASYNCHRONOUS,
+        local_index=pool.spec.consumers.local_index,
+        cost_model=pool.spec.consumers.cost_model,
         connector_image=pool.spec.consumers.connector_image or default_connector_image(pool),
         tcp=pool.spec.server.tcp.enabled,
         shared_key_space=pool.spec.consumers.key_space is KeySpace.SHARED,

@@ -168,6 +168,11 @@ class ConnectorSettings(BaseSettings):
     """Host memory for saves: staging of this step's saves, of stores queued or running, and buffers
     kept for reuse. A save is reserved against it before its staging is allocated; one that does not
     fit is dropped (a future recompute), so a hung server holds the engine's save memory to this."""
+    save_staging_warm_tokens: int = Field(default=8192, ge=0)
+    """KV of this many tokens (rounded down to whole chunks, at most half of ``store_queue_bytes``) gets
+    a save staging buffer when the engine registers its KV cache (start-up; its pages faulted in,
+    about 0.3 s per GiB): the engine's first requests copy their saves into it instead of paying a
+    page fault per 4 KiB on their step. 0: none (each first save allocates its own)."""
     enabled: bool = True
     """Kill switch: when false the connector reports no hits and stores nothing."""
     pool: str = ""

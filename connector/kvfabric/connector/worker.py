@@ -99,7 +99,9 @@ class WorkerHalf:
         if self.cache is not None:
             # The server exports what the namespace stands for (pool status: namespaces in use).
             self.cache.describe(self.namespace, spec.canonical().decode())
-        self.datapath: DataPath = datapath or self._host_path()
+        self.datapath: DataPath = datapath or self._host_path(
+            warm_save_tokens=self.settings.save_staging_warm_tokens
+        )
         self._background_factory = background_datapath or self._host_path
         # One data path per loader thread (a data path's staging is per load in flight), made lazily.
         self._background_paths: dict[int, DataPath] = {}
@@ -129,8 +131,12 @@ class WorkerHalf:
         self._step_loads: list[tuple[str | None, int, bool, int | None]] = []
         self._feedback: WorkerFeedback | None = None
 
-    def _host_path(self) -> DataPath:
-        """Host staging (the default data path): bytes through host memory buffers."""
+    def _host_path(self, warm_save_tokens: int = 0) -> DataPath:
+        """Host staging (the default data path): bytes through host memory buffers.
+
+        ``warm_save_tokens``: the engine thread's path (the one that saves) keeps a save staging
+        buffer of that many tokens ready from the start; the loader threads' paths save nothing.
+        """
         return HostStagingPath(
             self.cache,
             namespace=self.namespace,
@@ -141,6 +147,7 @@ class WorkerHalf:
             counters=self.counters,
             mac_key=self.settings.mac_key,
             plan=self.plan,
+            warm_save_tokens=warm_save_tokens,
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

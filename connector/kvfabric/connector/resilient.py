@@ -39,6 +39,7 @@ from typing import Any, Protocol, TypeVar
 from kvfabric.client.errors import (
     CacheCorrupt,
     CacheError,
+    CacheSuspect,
     CacheTimeout,
     CacheUnavailable,
     NotFound,
@@ -428,6 +429,15 @@ class ResilientCache:
                     if gave_up and fut is not None and abandoned is not None:
                         abandoned.append(fut)
                     reason = classify(exc)
+                    if isinstance(exc, CacheSuspect):
+                        # Suspect, not failed: its heartbeat says within ~50 ms whether it was only
+                        # slow, so it does not count against the breaker (which would keep a slow
+                        # server's hits away for a whole cooldown). Not retried: a retry now is
+                        # refused at once.
+                        ep.breaker.abandon()
+                        self.counters.add(f"suspect.{ep.name}")
+                        last = reason
+                        break
                     if reason in (Reason.TIMEOUT, Reason.UNAVAILABLE):
                         ep.breaker.failure(slow=reason is Reason.TIMEOUT)
                     else:
@@ -462,6 +472,11 @@ class ResilientCache:
             return None
         try:
             res: LookupResult | None = local(namespace, keys) if raw is None else local(namespace, keys, raw)
+        except CacheSuspect as exc:
+            ep.breaker.abandon()  # as in _call: suspect is not failed
+            log.debug("published index of %s: %r", ep.name, exc)
+            self.counters.add(f"suspect.{ep.name}")
+            return LookupOutcome(0, [], Reason.UNAVAILABLE)
         except CacheUnavailable as exc:
             ep.breaker.failure(slow=False)
             log.debug("published index of %s: %r", ep.name, exc)

@@ -68,7 +68,7 @@ def test_a_suspicion_ends_cleared_or_confirmed_and_counts_how() -> None:
 
 
 def test_a_false_suspicion_doubles_the_floor_and_replies_in_time_halve_it_back() -> None:
-    clock = ReplyClock(floor_s=0.003, factor=4.0, ceiling_s=0.02, window=4)
+    clock = ReplyClock(floor_s=0.003, factor=4.0, ceiling_s=0.02, relax_after=4)
     clock.missed()
     assert clock.bound() == pytest.approx(0.006)
     for _ in range(3):

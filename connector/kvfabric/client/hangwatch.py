@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -25,10 +26,12 @@ from kvfabric.client.localindex import LocalIndex
 
 log = logging.getLogger(__name__)
 
-__all__ = ["POLL_SECONDS", "HangWatch"]
+__all__ = ["LATE_S", "POLL_SECONDS", "HangWatch"]
 
 POLL_SECONDS = 0.02
 """How often in-flight loads look at their server's heartbeat."""
+LATE_S = 0.001
+"""How much later than it meant to the watch may wake before it counts the delay as this process's."""
 
 
 class Cancellable(Protocol):
@@ -95,6 +98,7 @@ class HangWatch:
                 self._calls.discard(w)
 
     def _run(self) -> None:
+        woke_by = math.inf  # when this thread meant to wake last
         while True:
             with self._lock:
                 if self._closed:
@@ -104,11 +108,18 @@ class HangWatch:
                     self._wake.clear()
             if not calls:
                 self._wake.wait()
+                woke_by = math.inf
                 continue
             now = time.monotonic()
+            # Woken late: this process was starved of a core (or of the GIL) that long, and the
+            # threads that take a reply in were too: a reply due meanwhile gets that much longer.
+            late = now - woke_by if now - woke_by > LATE_S else 0.0
+            woke_by = math.inf
             sleep = self.poll
             for w in calls:
                 if w.reply_by is not None and not w.replied and not (w.hung or w.slow):
+                    if late and now >= w.reply_by:
+                        w.reply_by += late
                     if now >= w.reply_by:
                         w.slow = True
                         w.call.cancel()
@@ -124,6 +135,7 @@ class HangWatch:
                     w.hung = True
                     w.call.cancel()
             # A load that starts meanwhile with an earlier reply bound sets _kick: no oversleeping it.
+            woke_by = time.monotonic() + sleep
             self._kick.wait(sleep)
             self._kick.clear()
 

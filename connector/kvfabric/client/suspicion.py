@@ -4,7 +4,8 @@ A load waits for the server's first reply (the ``ShmLoad`` stream's headers, a b
 A same-node server that runs sends it within a millisecond or so; a hung one never does, and its
 published heartbeat only reads as stopped after the staleness bound (0.5 s), which a first request
 after the hang would pay in full. So each client keeps a :class:`ReplyClock` — a high percentile of
-its recent first-reply latencies — and gives a load up once ``max(floor, factor x that)`` passed
+its recent first-reply latencies (the second slowest of the last 64) — and gives a load up once
+``max(floor, factor x that)`` passed
 without a reply. The load fails (the connector recomputes what was not loaded) and the server turns
 suspect (:class:`Suspicion`): its lookups and loads fail at once, with no table probe and no call,
 until its heartbeat is seen to advance past the moment of suspicion (it was only slow: cleared) or
@@ -29,16 +30,19 @@ REPLY_FLOOR_S = 0.003
 REPLY_FACTOR = 4.0
 """How many times the recent high-percentile reply latency a load waits before giving up."""
 _WINDOW = 64
-_QUANTILE = 0.9
+_QUANTILE = 0.98  # of 64 replies, the second slowest: the tail, less one outlier
+_RELAX_AFTER = 1024
+"""Replies in time after which a floor doubled by a false suspicion is halved again: slowly, since a
+machine that delayed a live server past the floor once is likely to do it again."""
 
 
 class ReplyClock:
-    """How long to wait for a server's first reply: ``max(floor, factor x p90 of recent replies)``.
+    """How long to wait for a server's first reply: ``max(floor, factor x p98 of recent replies)``.
 
     Capped at ``ceiling`` (the staleness bound: beyond it the heartbeat tells anyway). A false
     suspicion (:meth:`missed`: the server was slow, not hung) doubles the floor in use, up to the
     ceiling, so a machine too loaded for the configured floor pays for it a few times, not on every
-    request; each ``window`` replies in time halve it again, down to the configured floor.
+    request; each ``relax_after`` replies in time halve it again, down to the configured floor.
     Thread-safe.
     """
 
@@ -49,6 +53,7 @@ class ReplyClock:
         factor: float = REPLY_FACTOR,
         ceiling_s: float = 0.5,
         window: int = _WINDOW,
+        relax_after: int = _RELAX_AFTER,
     ) -> None:
         if not 0 < floor_s <= ceiling_s:
             raise ValueError(f"reply floor {floor_s!r} s must be > 0 and <= the ceiling {ceiling_s!r} s")
@@ -57,7 +62,7 @@ class ReplyClock:
         self.floor = floor_s
         self.factor = factor
         self.ceiling = ceiling_s
-        self.window = window
+        self.relax_after = relax_after
         self._recent: deque[float] = deque(maxlen=window)
         self._lock = threading.Lock()
         self._floor_now = floor_s
@@ -69,7 +74,7 @@ class ReplyClock:
         with self._lock:
             self._recent.append(max(0.0, seconds))
             self._in_time += 1
-            if self._in_time >= self.window and self._floor_now > self.floor:
+            if self._in_time >= self.relax_after and self._floor_now > self.floor:
                 self._floor_now = max(self.floor, self._floor_now / 2)
                 self._in_time = 0
             self._update()

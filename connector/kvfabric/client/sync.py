@@ -62,7 +62,7 @@ class CacheClient:
     credentials apply without a restart. ``mapping_cache_bytes`` (shared memory only) keeps the mappings
     of loaded blocks across loads, up to that many bytes, so a repeated load is one memcpy
     (:mod:`kvfabric.client.mappings`); 0 maps every block afresh. With ``local_index``, a load whose
-    server sends no first reply within ``max(reply_floor_s, 4 x its recent p90)`` fails at once and
+    server sends no first reply within ``max(reply_floor_s, 4 x its recent p98)`` fails at once and
     the server is suspect until its heartbeat advances (:mod:`kvfabric.client.suspicion`).
     Thread-safe; reuse one client per process.
     """

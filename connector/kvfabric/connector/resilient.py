@@ -641,6 +641,7 @@ def _endpoint_key(settings: ConnectorSettings) -> tuple[object, ...]:
         settings.breaker_max_cooldown_ms,
         settings.local_index,
         settings.shm_mapping_cache_mb,
+        settings.reply_floor_ms,
     )
 
 
@@ -657,6 +658,7 @@ def _new_cache(settings: ConnectorSettings, counters: Counters | None) -> Resili
                     shared_memory=settings.shared_memory,
                     local_index=settings.local_index,
                     mapping_cache_bytes=settings.shm_mapping_cache_mb << 20,
+                    reply_floor_s=settings.reply_floor_ms / 1000,
                 ),
                 CircuitBreaker(settings.breaker_failures, cooldown, max_cooldown_s=longest),
             )
@@ -762,12 +764,15 @@ def transport_factory(
     tls_key: str | None = None,
     local_index: bool = False,
     mapping_cache_bytes: int = 512 << 20,
+    reply_floor_s: float = 0.003,
 ) -> Callable[[], Transport]:
     """Return a factory for the real ``kvfabric.client.CacheClient`` (imported on first use).
 
     ``local_index``: a Unix target answers lookups from the index its server publishes.
     ``mapping_cache_bytes``: shared memory keeps loaded blocks' mappings up to this many bytes (the
     client's default, ``DEFAULT_MAPPING_CACHE_BYTES``; not imported here, which would start grpc).
+    ``reply_floor_s``: the shortest wait for a first reply (the client's default, ``REPLY_FLOOR_S``;
+    not imported here either).
     """
 
     def make() -> Transport:
@@ -783,6 +788,7 @@ def transport_factory(
             tls_key=tls_key,
             local_index=local_index,
             mapping_cache_bytes=mapping_cache_bytes,
+            reply_floor_s=reply_floor_s,
         )
         return client
 

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvfabric.client.hangwatch import HangWatch
 from kvfabric.client.suspicion import ReplyClock, Suspicion, Verdict, verdict
 
 MS = 1_000_000
@@ -88,3 +92,34 @@ def test_a_cleared_suspicion_tells_the_clock() -> None:
     s.suspect("ns", 100 * MS)
     assert not s.active(lambda ns: 120 * MS, 130 * MS)
     assert clock.bound() == pytest.approx(0.006)
+
+
+class _AliveIndex:
+    def alive(self, namespace: str) -> bool | None:
+        return True
+
+
+class _Call:
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> bool:
+        self.cancelled.set()
+        return True
+
+
+def test_the_watch_cancels_a_call_with_no_first_reply_by_its_bound_and_leaves_one_that_replied() -> None:
+    watch = HangWatch(_AliveIndex(), poll_seconds=10.0)  # type: ignore[arg-type]
+    try:
+        late, quick = _Call(), _Call()
+        with watch.watching("ns", quick, reply_by=time.monotonic() + 0.05) as wq:
+            wq.reply()
+            with watch.watching("ns", late, reply_by=time.monotonic() + 0.01) as wl:
+                # Long before the 10 s poll: the watch wakes for the reply bound.
+                assert late.cancelled.wait(5.0)
+                assert (wl.slow, wl.hung) == (True, False)
+            time.sleep(0.1)  # past the quick call's bound: it replied, so it stays
+            assert not quick.cancelled.is_set()
+            assert not wq.slow
+    finally:
+        watch.close()

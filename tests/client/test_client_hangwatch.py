@@ -29,7 +29,9 @@ def test_a_load_waiting_on_a_hung_server_fails_when_its_heartbeat_stops(local_in
     payloads = [payload_for(k, MiB) for k in keys]
     with (
         cache_server(dram_bytes=64 * MiB) as srv,
-        CacheClient(srv.unix_target, shared_memory=True, local_index=local_index) as c,
+        # A reply bound beyond the staleness bound: the heartbeat decides (the reply bound, which
+        # gives up in milliseconds, is test_client_suspect_server's).
+        CacheClient(srv.unix_target, shared_memory=True, local_index=local_index, reply_floor_s=30) as c,
     ):
         assert c.store(NS, keys, payloads, timeout=30).accepted == 2
         assert c.lookup(NS, keys, timeout=10).matched == 2  # maps the namespace's published table

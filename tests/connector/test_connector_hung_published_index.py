@@ -12,6 +12,7 @@ the next probe finds the hits again, still without a call.
 from __future__ import annotations
 
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.process
 
 SPEC = NamespaceSpec("m", "r", "float32", 2, 1, 4, 16, 32)
 DEADLINE_S = 5.0  # a lookup that made an RPC to the frozen server would wait this long
+STALE_S = 0.5  # the published index's staleness bound (LocalIndex's default)
 
 
 def test_a_hung_server_costs_lookups_no_call_and_no_deadline() -> None:
@@ -80,5 +82,53 @@ def test_a_hung_server_costs_lookups_no_call_and_no_deadline() -> None:
             assert breaker.state == "closed"
             assert calls == []  # answered from the table
             assert cache.counters.get("lookup_local") == 2
+        finally:
+            cache.close()
+
+
+def test_the_first_load_after_a_hang_falls_back_in_milliseconds_and_opens_no_breaker() -> None:
+    """The load a lookup found a hit for, just before the hang, gives up at its reply bound.
+
+    Without it the load waited until the heartbeat went stale (0.5 s). The suspicion costs the
+    breaker nothing (the server may only be slow), and the lookups meanwhile make no call.
+    """
+    ns = SPEC.digest()
+    keys = [digest("first", i) for i in range(4)]
+    payloads = [payload_for(k, 4096) for k in keys]
+    with cache_server(dram_bytes=64 * MiB, metrics=False) as srv:
+        breaker = CircuitBreaker(3, 1.0, max_cooldown_s=8.0)
+        target = f"unix://{srv.config.listen.unix_socket}"
+        ep = Endpoint("local", transport_factory(target, shared_memory=True, local_index=True), breaker)
+        cache = ResilientCache([ep])
+        cache.describe(ns, SPEC.canonical().decode())
+        try:
+            assert cache.store(ns, keys, payloads, 30) is not None
+            assert cache.lookup(ns, keys, DEADLINE_S).matched == 4
+            bufs = [bytearray(4096) for _ in keys]
+            while cache.load_into(ns, keys, bufs, time.monotonic() + DEADLINE_S).count != 4:
+                time.sleep(0.05)  # a false suspicion on a loaded machine: cleared by the next beat
+            client = ep.client()
+            assert isinstance(client, CacheClient)
+            base = cache.counters.get("suspect.local")
+            assert srv.proc is not None
+            srv.proc.send_signal(signal.SIGSTOP)
+            try:
+                assert cache.lookup(ns, keys, DEADLINE_S).matched == 4  # the heartbeat is fresh
+                t0 = time.monotonic()
+                out = cache.load_into(ns, keys, bufs, t0 + DEADLINE_S)
+                took = time.monotonic() - t0
+                assert (out.count, out.reason) == (0, Reason.UNAVAILABLE)
+                assert took < STALE_S / 5, f"the first load after the hang took {took * 1e3:.0f} ms"
+                assert cache.counters.get("suspect.local") == base + 1
+                miss = cache.lookup(ns, keys, DEADLINE_S)  # suspect: at once, from no table
+                assert (miss.matched, miss.reason) == (0, Reason.UNAVAILABLE)
+                assert cache.counters.get("suspect.local") == base + 2
+                assert breaker.state == "closed"
+                assert cache.counters.get("error.local.timeout") == 0
+            finally:
+                srv.proc.send_signal(signal.SIGCONT)
+            wait_until(lambda: cache.lookup(ns, keys, DEADLINE_S).matched == 4, 30, 0.02, "hits again")
+            assert cache.load_into(ns, keys, bufs, time.monotonic() + DEADLINE_S).count == 4
+            assert [bytes(b) for b in bufs] == payloads
         finally:
             cache.close()

@@ -60,3 +60,20 @@ def test_json_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def test_rejects_bad_values(bad: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         ConnectorSettings.load(bad)
+
+
+def test_the_reply_floor_reaches_the_same_node_client_and_bad_values_name_the_field(tmp_path: Path) -> None:
+    from kvfabric.client import CacheClient
+    from kvfabric.connector.resilient import _new_cache
+
+    cache = _new_cache(ConnectorSettings(socket=str(tmp_path / "c.sock"), reply_floor_ms=20), None)
+    try:
+        client = cache.endpoints[0].client()  # no call: the channel and the index connect lazily
+        assert isinstance(client, CacheClient)
+        assert client._clock is not None
+        assert client._clock.bound() == pytest.approx(0.02)
+    finally:
+        cache.close()
+    for bad in (0, -1, 501):
+        with pytest.raises(ValidationError, match="reply_floor_ms"):
+            ConnectorSettings(reply_floor_ms=bad)

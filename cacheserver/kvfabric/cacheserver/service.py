@@ -305,6 +305,10 @@ class CacheService(pb_grpc.CacheServicer):
         """
         await _check(request, context)
         await self._require_shm(context)
+        # Headers first, before any wait for a load slot or a promotion from disk: a same-node
+        # client takes them as the sign that this process runs, and gives up on a server that sends
+        # none within milliseconds (kvfabric.client.suspicion).
+        await context.send_initial_metadata(())
         await self._bounded(context, self._shm_load(request, context), "load not served in time")
 
     async def _shm_load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]) -> None:
@@ -373,6 +377,7 @@ class CacheService(pb_grpc.CacheServicer):
         holds its load slot only until then, as a trickling store does.
         """
         await _check(request, context)
+        await context.send_initial_metadata(())  # a liveness sign, as in ShmLoad
         await self._bounded(context, self._load(request, context), "load not read in time")
 
     async def _load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext[Any, Any]) -> None:

@@ -12,6 +12,9 @@ never a failed load. Requests are tiny and serialized under a lock. The blocks a
 :data:`~kvfabric.rpc.blockproto.MAX_NAMES` names, not one each (:class:`_Ahead`). Each request names
 the client (its gRPC ``kvfabric-client`` id), so the server budgets its holds and connections per
 client; a server too old to know ids is asked again without one, until the next reconnect.
+With a :class:`~kvfabric.client.suspicion.ReplyClock`, an answer not there within its reply bound
+fails the request at once as :class:`~kvfabric.client.errors.CacheSuspect` (milliseconds, not the
+load's deadline), and the connection is closed: a late answer is never read as another request's.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import NamedTuple
 
 from kvfabric.client import errors
 from kvfabric.client.mappings import Lease, MappingCache, charged
+from kvfabric.client.suspicion import ReplyClock
 from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc import fdpass
 
@@ -61,10 +65,17 @@ class BlockChannel:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, mapping_budget: int = 0, client_id: str | None = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        mapping_budget: int = 0,
+        client_id: str | None = None,
+        clock: ReplyClock | None = None,
     ) -> None:
         self.path = Path(path)
         self.client_id = client_id
+        self.clock = clock
+        """Bounds the wait for each answer (None: only the request's deadline does)."""
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._maps = MappingCache(mapping_budget) if mapping_budget > 0 else None
@@ -370,13 +381,21 @@ class BlockChannel:
             attempts += 1
             client = None if self._id_refused else self.client_id
             sock = self._connected(deadline)
+            left = deadline - time.monotonic()
+            bound = self.clock.bound() if self.clock is not None else left
             try:
-                sock.settimeout(max(1e-3, deadline - time.monotonic()))
+                sock.settimeout(max(1e-3, min(left, bound)))
+                sent = time.monotonic()
                 sock.send(request(client))
                 # Close-on-exec from the start: another thread of the engine may fork meanwhile.
                 msg, fds, flags = fdpass.recv_fds(sock, bp.MAX_NAMES + 1, most_fds)
+                took = time.monotonic() - sent
             except TimeoutError as exc:
-                self._drop()
+                self._drop()  # a late answer must never be read as the next request's
+                if bound < left:
+                    raise errors.CacheSuspect(
+                        f"block socket: no answer within {bound * 1e3:.1f} ms (the server is suspect)"
+                    ) from exc
                 raise errors.CacheTimeout("block socket: no answer before the deadline") from exc
             except OSError as exc:
                 refused = _refusal(sock)  # refused at accept: the reason waits, the request failed
@@ -386,6 +405,8 @@ class BlockChannel:
                 if attempts > 1:
                     raise errors.CacheUnavailable(f"block socket {self.path}: {exc}") from exc
                 continue  # the server restarted or closed this idle connection: reconnect once
+            if self.clock is not None and msg:
+                self.clock.record(took)
             if flags & socket.MSG_CTRUNC:
                 # Out of descriptors here: the kernel dropped some. Not the server's fault.
                 close_all(fds)

@@ -13,6 +13,7 @@ __all__ = [
     "CacheCorrupt",
     "CacheError",
     "CacheOverloaded",
+    "CacheSuspect",
     "CacheTimeout",
     "CacheUnavailable",
     "InvalidRequest",
@@ -31,6 +32,14 @@ class CacheUnavailable(CacheError):
 
 class CacheOverloaded(CacheUnavailable):
     """The server refused the call for lack of capacity (RESOURCE_EXHAUSTED)."""
+
+
+class CacheSuspect(CacheUnavailable):
+    """A same-node server sent no first reply within its reply bound, or is suspect since one did not.
+
+    Fails in milliseconds instead of the heartbeat's staleness bound (:mod:`kvfabric.client.suspicion`);
+    not the server's failure yet: a slow one is cleared by its next heartbeat.
+    """
 
 
 class CacheTimeout(CacheError):

@@ -253,6 +253,17 @@ class LocalIndex:
             return None if m.evicted() else False
         return time.monotonic_ns() - m.words[it.W_HEARTBEAT] <= self.stale_ns
 
+    def heartbeat(self, namespace: str) -> int | None:
+        """The last heartbeat (``time.monotonic_ns()``) of ``namespace``'s live table; None if none mapped.
+
+        One word read, no lock, no syscall: how a suspect server is seen to be alive again
+        (:mod:`kvfabric.client.suspicion`).
+        """
+        m = self._maps.get(namespace)
+        if m is None or m.words[it.W_STATE] != it.LIVE:
+            return None
+        return int(m.words[it.W_HEARTBEAT])
+
     # --- fetching tables -----------------------------------------------------------------------------
 
     def _fetch_now(self, namespace: str) -> _Mapped | None:

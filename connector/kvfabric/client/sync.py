@@ -16,11 +16,12 @@ from typing import Any, TypeVar
 import grpc
 
 from kvfabric.client import _common as c
-from kvfabric.client.errors import CacheError, CacheTimeout, CacheUnavailable, InvalidRequest
+from kvfabric.client.errors import CacheError, CacheSuspect, CacheTimeout, CacheUnavailable, InvalidRequest
 from kvfabric.client.hangwatch import HangWatch
 from kvfabric.client.localindex import LocalIndex
 from kvfabric.client.mappings import Lease, release_all
 from kvfabric.client.results import FlushResult, LookupResult, StoreResult
+from kvfabric.client.suspicion import REPLY_FLOOR_S, ReplyClock, Suspicion
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 
@@ -60,8 +61,10 @@ class CacheClient:
     a Secret volume in place), the next call runs on a channel built from the new ones, so rotated
     credentials apply without a restart. ``mapping_cache_bytes`` (shared memory only) keeps the mappings
     of loaded blocks across loads, up to that many bytes, so a repeated load is one memcpy
-    (:mod:`kvfabric.client.mappings`); 0 maps every block afresh. Thread-safe; reuse one client per
-    process.
+    (:mod:`kvfabric.client.mappings`); 0 maps every block afresh. With ``local_index``, a load whose
+    server sends no first reply within ``max(reply_floor_s, 4 x its recent p98)`` fails at once and
+    the server is suspect until its heartbeat advances (:mod:`kvfabric.client.suspicion`).
+    Thread-safe; reuse one client per process.
     """
 
     def __init__(
@@ -77,18 +80,34 @@ class CacheClient:
         local_index: bool = False,
         token_file: str | os.PathLike[str] | None = None,
         mapping_cache_bytes: int = DEFAULT_MAPPING_CACHE_BYTES,
+        reply_floor_s: float = REPLY_FLOOR_S,
     ) -> None:
         self._target = c.parse_target(target)
         # Same node: answer lookups from the table the server publishes (no call per lookup).
         self._index = c.local_index_for(self._target) if local_index else None
-        # With the published index, a load waiting on a server that stopped beating is cancelled.
+        # With the published index, a load waiting on a server that stopped beating is cancelled, and
+        # one that got no first reply within the reply bound is given up (the server turns suspect
+        # until its heartbeat says whether it was slow or hung).
         self._hangs = HangWatch(self._index) if self._index is not None else None
+        stale_s = self._index.stale_ns / 1e9 if self._index is not None else 0.5
+        self._clock = (
+            ReplyClock(floor_s=reply_floor_s, ceiling_s=max(reply_floor_s, stale_s))
+            if self._index is not None
+            else None
+        )
+        self.suspicion = Suspicion(
+            self._index.stale_ns if self._index is not None else 0,
+            on_cleared=self._clock.missed if self._clock is not None else None,
+        )
+        """Suspicions of this client's server and how they ended (counters)."""
         # Named once per client object: the server caps slots per client on the Unix socket too, and
         # budgets holds and connections per client on the block socket.
         self._client_id = c.new_client_id()
         self._blocks = (
             c.block_channel_for(self._target, mapping_cache_bytes, self._client_id) if shared_memory else None
         )
+        if self._blocks is not None:
+            self._blocks.clock = self._clock
         self._token = token
         self._token_file = Path(token_file) if token_file is not None else None
         self._tls = (tls_ca, tls_cert, tls_key)
@@ -297,6 +316,7 @@ class CacheClient:
         given = raw is not None
         raw = c.check_ids(namespace, keys) if raw is None else c.check_raw_ids(namespace, keys, raw)
         deadline = time.monotonic() + timeout
+        self._check_suspect()
         self._describe_due(deadline)
         if self._index is not None and self._index_lock.acquire(blocking=False):
             try:
@@ -318,9 +338,10 @@ class CacheClient:
     ) -> LookupResult | None:
         """Answer from the published index only (microseconds, no call, no thread); None if it cannot.
 
-        Raises :class:`~kvfabric.client.errors.CacheUnavailable` when the server is gone or hung.
-        ``raw`` as for :meth:`lookup`.
+        Raises :class:`~kvfabric.client.errors.CacheUnavailable` when the server is gone or hung
+        (:class:`~kvfabric.client.errors.CacheSuspect` while it is suspect). ``raw`` as for :meth:`lookup`.
         """
+        self._check_suspect()
         if self._index is None or self.describes_pending:
             return None  # a description is due: the call that sends it first is an RPC lookup
         raw = c.check_ids(namespace, keys) if raw is None else c.check_raw_ids(namespace, keys, raw)
@@ -432,20 +453,49 @@ class CacheClient:
             raise
         return out
 
+    def _check_suspect(self) -> None:
+        """Raise :class:`CacheSuspect` while the server is suspect (one word read at most)."""
+        index = self._index
+        if index is not None and self.suspicion.active(index.heartbeat, time.monotonic_ns()):
+            raise CacheSuspect("the cache server is suspect: a load got no first reply in time")
+
     @contextlib.contextmanager
     def _watch(self, namespace: str, call: Any) -> Iterator[None]:
-        """Run a load's stream under the hang watch: a server that stops beating fails it at once."""
-        if self._hangs is None:
+        """Run a load's stream under the hang watch: a server that stops beating fails it at once.
+
+        And one that sends no first reply (the stream's headers, which a server sends before any
+        promotion) within the reply bound fails it in milliseconds, as :class:`CacheSuspect`.
+        """
+        if self._hangs is None or self._clock is None:
             yield
             return
-        with self._hangs.watching(namespace, call) as w:
+        try:
+            self._check_suspect()
+        except CacheSuspect:
+            call.cancel()
+            raise
+        clock = self._clock
+        start = time.monotonic()
+        with self._hangs.watching(namespace, call, reply_by=start + clock.bound()) as w:
             try:
+                call.initial_metadata()  # returns once the headers came, or the call ended
+                if not w.slow:
+                    w.reply()
+                    clock.record(time.monotonic() - start)
                 yield
             except grpc.RpcError as exc:
+                if w.slow:
+                    self.suspicion.suspect(namespace, time.monotonic_ns())
+                    raise CacheSuspect(
+                        f"no first reply from the cache server within {(w.reply_by or start) - start:.3f} s"
+                    ) from exc
                 if w.hung:
                     raise CacheUnavailable(
                         "the cache server stopped beating while this load waited (published index)"
                     ) from exc
+                raise
+            except CacheSuspect:  # the block socket gave up on an answer
+                self.suspicion.suspect(namespace, time.monotonic_ns())
                 raise
 
     def _stream_load(self, req: pb.LoadRequest, timeout: float, asm: c.LoadAssembler) -> None:

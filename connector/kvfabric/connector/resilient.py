@@ -39,6 +39,7 @@ from typing import Any, Protocol, TypeVar
 from kvfabric.client.errors import (
     CacheCorrupt,
     CacheError,
+    CacheSuspect,
     CacheTimeout,
     CacheUnavailable,
     NotFound,
@@ -428,6 +429,15 @@ class ResilientCache:
                     if gave_up and fut is not None and abandoned is not None:
                         abandoned.append(fut)
                     reason = classify(exc)
+                    if isinstance(exc, CacheSuspect):
+                        # Suspect, not failed: its heartbeat says within ~50 ms whether it was only
+                        # slow, so it does not count against the breaker (which would keep a slow
+                        # server's hits away for a whole cooldown). Not retried: a retry now is
+                        # refused at once.
+                        ep.breaker.abandon()
+                        self.counters.add(f"suspect.{ep.name}")
+                        last = reason
+                        break
                     if reason in (Reason.TIMEOUT, Reason.UNAVAILABLE):
                         ep.breaker.failure(slow=reason is Reason.TIMEOUT)
                     else:
@@ -462,6 +472,11 @@ class ResilientCache:
             return None
         try:
             res: LookupResult | None = local(namespace, keys) if raw is None else local(namespace, keys, raw)
+        except CacheSuspect as exc:
+            ep.breaker.abandon()  # as in _call: suspect is not failed
+            log.debug("published index of %s: %r", ep.name, exc)
+            self.counters.add(f"suspect.{ep.name}")
+            return LookupOutcome(0, [], Reason.UNAVAILABLE)
         except CacheUnavailable as exc:
             ep.breaker.failure(slow=False)
             log.debug("published index of %s: %r", ep.name, exc)
@@ -626,6 +641,7 @@ def _endpoint_key(settings: ConnectorSettings) -> tuple[object, ...]:
         settings.breaker_max_cooldown_ms,
         settings.local_index,
         settings.shm_mapping_cache_mb,
+        settings.reply_floor_ms,
     )
 
 
@@ -642,6 +658,7 @@ def _new_cache(settings: ConnectorSettings, counters: Counters | None) -> Resili
                     shared_memory=settings.shared_memory,
                     local_index=settings.local_index,
                     mapping_cache_bytes=settings.shm_mapping_cache_mb << 20,
+                    reply_floor_s=settings.reply_floor_ms / 1000,
                 ),
                 CircuitBreaker(settings.breaker_failures, cooldown, max_cooldown_s=longest),
             )
@@ -747,12 +764,15 @@ def transport_factory(
     tls_key: str | None = None,
     local_index: bool = False,
     mapping_cache_bytes: int = 512 << 20,
+    reply_floor_s: float = 0.003,
 ) -> Callable[[], Transport]:
     """Return a factory for the real ``kvfabric.client.CacheClient`` (imported on first use).
 
     ``local_index``: a Unix target answers lookups from the index its server publishes.
     ``mapping_cache_bytes``: shared memory keeps loaded blocks' mappings up to this many bytes (the
     client's default, ``DEFAULT_MAPPING_CACHE_BYTES``; not imported here, which would start grpc).
+    ``reply_floor_s``: the shortest wait for a first reply (the client's default, ``REPLY_FLOOR_S``;
+    not imported here either).
     """
 
     def make() -> Transport:
@@ -768,6 +788,7 @@ def transport_factory(
             tls_key=tls_key,
             local_index=local_index,
             mapping_cache_bytes=mapping_cache_bytes,
+            reply_floor_s=reply_floor_s,
         )
         return client
 

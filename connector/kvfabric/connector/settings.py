@@ -148,6 +148,12 @@ class ConnectorSettings(BaseSettings):
     too); remote endpoints always use the RPC. The lookups answered this way are reported to the
     server in batches, so its lookup metrics and the pool's hit rate count them. False: every lookup
     is an RPC."""
+    reply_floor_ms: float = Field(default=3.0, gt=0, le=500)
+    """Same node, published index: the shortest wait for the server's first reply to a load before the
+    load is given up (the request recomputes) and the server is suspect until its heartbeat says
+    slow or hung; the wait is ``max(this, 4 x the client's recent p98 reply)``. Lower: a hung server
+    costs less; higher: fewer false suspicions on a machine whose live server is sometimes that
+    late (docs/connector.md, "Resilience")."""
     shm_mapping_cache_mb: int = Field(default=512, ge=0)
     """Same node, shared memory: keep the read-only mappings of loaded blocks across loads, up to this
     many MiB, so a hot prefix loaded again is one memcpy instead of a mapping built and torn down per

@@ -78,6 +78,19 @@ def test_a_client_store_goes_over_the_block_socket_without_a_grpc_call(ns: str) 
 
 
 @pytest.mark.process
+def test_a_store_and_a_load_of_one_client_do_not_share_a_block_connection(ns: str) -> None:
+    key = digest("own-connection")
+    data = payload_for(key, 200_000)
+    with cache_server() as srv, CacheClient(srv.unix_target, shared_memory=True) as client:
+        assert client._blocks is not None
+        # The loads' connection busy (a load waiting for its answer): a store still goes through,
+        # so a store's begin waiting for the server can never hold this client's loads either.
+        with client._blocks._lock:
+            assert client.store(ns, [key], [data], timeout=5).accepted == 1
+        assert client.load(ns, [key], timeout=5) == [data]
+
+
+@pytest.mark.process
 @pytest.mark.parametrize("case", ["payload_too_big", "too_many_keys"])
 def test_the_block_socket_refuses_a_store_exactly_as_grpc_does_and_stages_nothing(ns: str, case: str) -> None:
     keys = [digest("refused", case, i) for i in range(3)]

@@ -91,6 +91,10 @@ class CacheClient:
         self._blocks = (
             c.block_channel_for(self._target, mapping_cache_bytes, self._client_id) if shared_memory else None
         )
+        # Stores on a connection of their own (opened on the first store): a store's begin may wait
+        # for the server (a stat of a shared volume, a page allocation), and a load on this client
+        # must never wait behind it for the channel's lock.
+        self._store_blocks = c.block_channel_for(self._target, 0, self._client_id) if shared_memory else None
         self._token = token
         self._token_file = Path(token_file) if token_file is not None else None
         self._tls = (tls_ca, tls_cert, tls_key)
@@ -478,7 +482,8 @@ class CacheClient:
         self._describe_due(deadline)
         if self._blocks is not None:
             blocks = self._blocks
-            on_socket = self._block_store(blocks, namespace, keys, payloads, deadline)
+            assert self._store_blocks is not None
+            on_socket = self._block_store(self._store_blocks, namespace, keys, payloads, deadline)
             if on_socket is not None:
                 return on_socket
             begin = pb.ShmStoreBeginRequest(
@@ -596,6 +601,8 @@ class CacheClient:
             self._index.close()
         if self._blocks is not None:
             self._blocks.close()
+        if self._store_blocks is not None:
+            self._store_blocks.close()
 
     def __enter__(self) -> CacheClient:
         return self

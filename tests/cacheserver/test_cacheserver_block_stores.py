@@ -14,6 +14,7 @@ import mmap
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ import pytest
 
 from kvfabric.cacheserver.transport import blocksock
 from kvfabric.client import CacheClient
+from kvfabric.client.blocks import BlockChannel
 from kvfabric.client.errors import InvalidRequest
 from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc import fdpass
@@ -212,3 +214,19 @@ def test_a_store_being_served_holds_no_load_on_another_connection(tmp_path: Path
         loading.close()
         served.close()
         os.close(block)
+
+
+def test_a_server_that_serves_no_stores_on_its_block_socket_is_stored_to_over_grpc(tmp_path: Path) -> None:
+    # An older server's block socket (no store handler) answers a store request BAD_REQUEST and
+    # closes: the channel says so (None), and a CacheClient stores over ShmStoreBegin/Commit.
+    served = blocksock.BlockSocket(tmp_path / "b.sock", lambda name: None)
+    served.start()
+    try:
+        with BlockChannel(served.path, client_id="c-1") as channel:
+            ns, key = "ab" * 32, "cd" * 32
+            assert channel.store_begin(ns, [key], [10], deadline=time.monotonic() + 5) is None
+            assert channel.store_begin(ns, [key], [10], deadline=time.monotonic() + 5) is None
+            # Loads still work on it: the refusal closed one connection, not the channel.
+            assert channel.fetch(["d_" + "ef" * 16], deadline=time.monotonic() + 5) == [None]
+    finally:
+        served.close()

@@ -51,6 +51,15 @@ def _ready(c: CacheClient, keys: list[str], payloads: list[bytes]) -> list[memor
     return bufs
 
 
+def _load(c: CacheClient, keys: list[str], bufs: list[memoryview]) -> int:
+    """``load_into``, again after a false suspicion (a loaded machine delayed the live server)."""
+    while True:
+        try:
+            return c.load_into(NS, keys, bufs, timeout=30)
+        except CacheSuspect:
+            wait_until(lambda: _answers(c, keys), 30, 0.005, "a false suspicion cleared")
+
+
 def test_the_first_load_after_a_hang_gives_up_long_before_the_staleness_bound() -> None:
     keys = [digest("sus", i) for i in range(2)]
     payloads = [payload_for(k, MiB) for k in keys]
@@ -69,9 +78,10 @@ def test_the_first_load_after_a_hang_gives_up_long_before_the_staleness_bound() 
             with pytest.raises(CacheSuspect, match="no first reply"):
                 c.load_into(NS, keys, bufs, timeout=60)
             took = time.monotonic() - t0
-            # The bound is a few ms; a loaded 2-core machine adds scheduling delays, never the
-            # staleness bound (which the load waited before the reply bound existed).
-            assert took < STALE_S / 5, f"the first load after the hang took {took * 1e3:.0f} ms"
+            # The bound is a few ms; a loaded 2-core machine adds scheduling delays (hence the
+            # slack), never the staleness bound: before the reply bound existed the load waited
+            # for the heartbeat to go stale, at least 0.45 s after the SIGSTOP.
+            assert took < STALE_S * 0.7, f"the first load after the hang took {took * 1e3:.0f} ms"
             # Suspect: lookups (from the table or over RPC) and loads fail at once, no call made.
             t1 = time.monotonic()
             with pytest.raises(CacheSuspect):
@@ -80,7 +90,7 @@ def test_the_first_load_after_a_hang_gives_up_long_before_the_staleness_bound() 
                 c.lookup(NS, keys, timeout=60)
             with pytest.raises(CacheSuspect):
                 c.load_into(NS, keys, bufs, timeout=60)
-            assert time.monotonic() - t1 < STALE_S / 5
+            assert time.monotonic() - t1 < STALE_S * 0.7
             assert _since(c, base) == (1, 0, 0)
             # No beat for the staleness bound: hung, as the published index says from now on.
             wait_until(lambda: index.alive(NS) is False, 30, 0.02, "a stale heartbeat")
@@ -91,7 +101,7 @@ def test_the_first_load_after_a_hang_gives_up_long_before_the_staleness_bound() 
         finally:
             srv.proc.send_signal(signal.SIGCONT)
         wait_until(lambda: index.alive(NS) is True, 30, 0.02, "the thawed server's heartbeat")
-        assert c.load_into(NS, keys, bufs, timeout=30) == 2
+        assert _load(c, keys, bufs) == 2
         assert [bytes(b) for b in bufs] == payloads
 
 
@@ -131,7 +141,7 @@ def test_a_delayed_server_is_suspected_then_cleared_and_its_late_reply_is_never_
         assert hit.matched == 2
         # The next loads read their own replies (the late one went nowhere).
         other = [memoryview(bytearray(MiB)) for _ in second]
-        assert c.load_into(NS, second, other, timeout=30) == 2
+        assert _load(c, second, other) == 2
         assert [bytes(b) for b in other] == pb
-        assert c.load_into(NS, first, bufs, timeout=30) == 2
+        assert _load(c, first, bufs) == 2
         assert [bytes(b) for b in bufs] == pa

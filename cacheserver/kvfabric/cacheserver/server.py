@@ -34,7 +34,7 @@ from kvfabric.cacheserver.health import (
     probe_index,
 )
 from kvfabric.cacheserver.metrics import Metrics, ProbeServer
-from kvfabric.cacheserver.service import CacheService, SharedState, add_to_server
+from kvfabric.cacheserver.service import CacheService, SharedState, add_to_server, block_stores
 from kvfabric.cacheserver.transport.arena import STAGING_PREFIX, StagingArena
 from kvfabric.cacheserver.transport.blocksock import BlockLimits, BlockSocket
 from kvfabric.cacheserver.transport.handover import (
@@ -333,6 +333,7 @@ async def serve(
             hold_bytes_per_client=config.shm.hold_bytes_per_client,
             hold_blocks_per_client=config.shm.hold_blocks_per_client,
         ),
+        stores=block_stores(state),
     )
     block_socket.start(publish=False)
     # Engine pods may run as another user: the socket is guarded by its directory's permissions.

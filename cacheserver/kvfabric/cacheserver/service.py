@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import re
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -30,13 +31,14 @@ from kvfabric.cacheserver.engine.dram import DramBlock
 from kvfabric.cacheserver.engine.ids import BlockId, InvalidId, parse_ids
 from kvfabric.cacheserver.engine.tiered import HandingOver, Payload, TieredStore
 from kvfabric.cacheserver.metrics import Metrics
-from kvfabric.cacheserver.transport.arena import StagingArena, UnknownLease
+from kvfabric.cacheserver.transport.arena import BeginResult, StagingArena, UnknownLease
 from kvfabric.contract.namespace import InvalidDescriptionError, parse_description, readable
 from kvfabric.rpc import CLIENT_ID_HEADER
+from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 
-__all__ = ["CacheService", "SharedState", "add_to_server"]
+__all__ = ["CacheService", "SharedState", "StoreRefused", "add_to_server", "block_stores"]
 
 T = TypeVar("T")
 # TierName.X is proto TIER_X: one list of names (a missing proto value fails here, at import).
@@ -69,6 +71,7 @@ class SharedState:
         )
         self.load_slots = asyncio.Semaphore(limits.max_concurrent_loads)
         self.store_inflight = 0
+        self._slot_lock = threading.Lock()
         # (peer address, "load" | "store") -> slots held (or waited for) by that TCP peer
         self.peer_slots: dict[tuple[str, str], int] = {}
 
@@ -101,22 +104,86 @@ class SharedState:
 
     def try_store_slot(self, peer: str | None = None) -> bool:
         """Take a store slot if one is free (never waits: stores are dropped, not queued)."""
-        if self.store_inflight >= self.limits.max_concurrent_stores:
-            return False
-        if not self.enter_peer(peer, "store"):
-            return False
-        self.store_inflight += 1
-        return True
+        # Under a lock: the block socket's store commits take slots on the store pool's threads.
+        with self._slot_lock:
+            if self.store_inflight >= self.limits.max_concurrent_stores:
+                return False
+            if not self.enter_peer(peer, "store"):
+                return False
+            self.store_inflight += 1
+            return True
 
     def release_store_slot(self, peer: str | None = None) -> None:
         """Give back a store slot."""
-        self.store_inflight -= 1
-        self.leave_peer(peer, "store")
+        with self._slot_lock:
+            self.store_inflight -= 1
+            self.leave_peer(peer, "store")
+
+    # --- same-node stores: one implementation for ShmStoreBegin/Commit and the block socket --------
+
+    def shm_begin(
+        self, namespace: str, keys: list[str], lengths: list[int]
+    ) -> tuple[BeginResult, list[bool], bool]:
+        """Check a same-node store's begin and stage what the server can take.
+
+        Returns ``(result, present, described)``: which keys were already stored, and whether the
+        namespace is described.
+
+        Runs on a store-pool thread (``holds`` may stat a shared volume; a begin may allocate).
+        Raises :class:`StoreRefused` for a request the server refuses, naming what is wrong.
+        """
+        if len(keys) > self.limits.max_keys_per_request:
+            raise StoreRefused(
+                f"{len(keys)} keys exceed max_keys_per_request={self.limits.max_keys_per_request}"
+            )
+        try:
+            bids = parse_ids(namespace, keys)
+        except InvalidId as exc:
+            raise StoreRefused(str(exc)) from exc
+        if len(lengths) != len(bids):
+            raise StoreRefused(f"{len(bids)} keys but {len(lengths)} lengths")
+        too_big = [n for n in lengths if n > self.limits.max_payload_bytes]
+        if too_big:
+            raise StoreRefused(
+                f"payload of {too_big[0]} bytes exceeds max_payload_bytes={self.limits.max_payload_bytes}"
+            )
+        # Keys already here get no staging: checked against the copies, not only the indexes.
+        present = [self.store.holds(b) for b in bids]
+        res = self.arena.begin(bids, lengths, present)
+        offered = sum(1 for n in res.names if n)
+        return res, present, self.metrics.namespaces.count_stores(namespace, offered)
+
+    def shm_commit(self, lease_id: str, *, abort: bool = False) -> tuple[int, int]:
+        """Commit (or abort) a same-node store's lease; ``(accepted, dropped)``.
+
+        Runs on a store-pool thread. Raises :class:`UnknownLease` for a lease that is not (or no
+        longer) there; a lease taken under pressure (no store slot free) is dropped whole.
+        """
+        t0 = time.perf_counter()
+        if abort:
+            self.arena.abort(lease_id)
+            return 0, 0
+        if not self.try_store_slot():
+            # Under pressure: drop the whole lease now rather than queue behind other stores.
+            accepted, dropped = self.arena.abort(lease_id)
+            self.store.counters.inc("dropped_stores", "shm", dropped)
+            return accepted, dropped
+        try:
+            accepted, dropped, nbytes = self.arena.commit(lease_id, self.store)
+        finally:
+            self.release_store_slot()
+        self.metrics.bytes_in.add(nbytes, {"transport": "shm"})
+        self.metrics.store_duration.record(time.perf_counter() - t0, {"transport": "shm"})
+        return accepted, dropped
 
     def close(self) -> None:
         """Stop the pools."""
         self.load_pool.shutdown(wait=True, cancel_futures=True)
         self.store_pool.shutdown(wait=True, cancel_futures=True)
+
+
+class StoreRefused(ValueError):  # noqa: N818 - mirrors INVALID_ARGUMENT, as UnknownLease NOT_FOUND
+    """A same-node store request the server refuses (INVALID_ARGUMENT); the message names the field."""
 
 
 class BadMessage:
@@ -159,6 +226,62 @@ def peer_key(peer: str, metadata: Iterable[Any] | None = ()) -> str | None:
         if key == CLIENT_ID_HEADER and isinstance(value, str) and _CLIENT_ID.fullmatch(value):
             return f"unix:{value}"
     return None
+
+
+def block_stores(
+    state: SharedState,
+) -> Callable[[bp.StoreBegin | bp.StoreEnd], Future[tuple[bytes, list[int]]]]:
+    """The block socket's store handler: the checks and work of ShmStoreBegin/Commit, on the store pool.
+
+    The answer carries the staged keys' writable descriptors (the socket closes them once sent).
+    """
+
+    def begin(req: bp.StoreBegin) -> tuple[bytes, list[int]]:
+        try:
+            res, present, described = state.shm_begin(req.namespace, req.keys, req.lengths)
+        except StoreRefused as exc:
+            return bp.encode_store_error(bp.INVALID, str(exc)), []
+        statuses: list[int] = []
+        fds: list[int] = []
+        try:
+            for name, is_present in zip(res.names, present, strict=True):
+                if not name:
+                    statuses.append(bp.PRESENT if is_present else bp.DROPPED)
+                    continue
+                got = state.arena.dup_by_name(name)
+                if got is None:  # reaped already (a lease shorter than this answer took): none of it
+                    raise UnknownLease(res.lease_id)
+                fds.append(got[0])
+                statuses.append(bp.STAGED)
+        except UnknownLease:
+            _close_descriptors(fds)
+            with contextlib.suppress(UnknownLease):
+                state.arena.abort(res.lease_id)
+            return bp.encode_store_error(bp.UNAVAILABLE, "the store's lease expired at once"), []
+        except BaseException:
+            _close_descriptors(fds)
+            raise
+        return bp.encode_store_begun(res.lease_id, not described, statuses), fds
+
+    def end(req: bp.StoreEnd) -> tuple[bytes, list[int]]:
+        try:
+            accepted, dropped = state.shm_commit(req.lease, abort=req.abort)
+        except UnknownLease:
+            return bp.encode_store_error(bp.UNKNOWN_LEASE, "unknown or expired store lease"), []
+        return bp.encode_store_done(accepted, dropped), []
+
+    def serve(req: bp.StoreBegin | bp.StoreEnd) -> Future[tuple[bytes, list[int]]]:
+        if isinstance(req, bp.StoreBegin):
+            return state.store_pool.submit(begin, req)
+        return state.store_pool.submit(end, req)
+
+    return serve
+
+
+def _close_descriptors(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def add_to_server(service: CacheService, server: grpc.aio.Server) -> None:
@@ -523,26 +646,14 @@ class CacheService(pb_grpc.CacheServicer):
         """Hand out staging memfds, their pages allocated, for the keys the server can take now."""
         await _check(request, context)
         await self._require_shm(context)
-        bids = await self._ids(request.namespace, list(request.keys), context)
-        lengths = list(request.lengths)
-        if len(lengths) != len(bids):
-            await _abort(
-                context, grpc.StatusCode.INVALID_ARGUMENT, f"{len(bids)} keys but {len(lengths)} lengths"
+        state = self.s
+        try:
+            res, _, described = await self._in_pool(
+                state.store_pool,
+                lambda: state.shm_begin(request.namespace, list(request.keys), list(request.lengths)),
             )
-        too_big = [n for n in lengths if n > self.s.limits.max_payload_bytes]
-        if too_big:
-            await _abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"payload of {too_big[0]} bytes exceeds max_payload_bytes={self.s.limits.max_payload_bytes}",
-            )
-        store, arena = self.s.store, self.s.arena
-        # Keys already here get no staging: checked against the copies, not only the indexes.
-        res = await self._in_pool(
-            self.s.store_pool, lambda: arena.begin(bids, lengths, [store.holds(b) for b in bids])
-        )
-        offered = sum(1 for n in res.names if n)
-        described = self.s.metrics.namespaces.count_stores(request.namespace, offered)
+        except StoreRefused as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.ShmStoreBeginResponse(
             lease_id=res.lease_id,
             slots=[pb.ShmSlot(name=n, length=ln) for n, ln in zip(res.names, res.lengths, strict=True)],
@@ -557,29 +668,13 @@ class CacheService(pb_grpc.CacheServicer):
         """Seal a lease's staging memfds and put them into DRAM as the blocks (or abort it)."""
         await _check(request, context)
         await self._require_shm(context)
-        t0 = time.perf_counter()
-        arena = self.s.arena
+        state = self.s
         try:
-            if request.abort:
-                arena.abort(request.lease_id)
-                return pb.StoreResponse()
-            if not self.s.try_store_slot():
-                # Under pressure: drop the whole lease now rather than queue behind other stores.
-                accepted, dropped = arena.abort(request.lease_id)
-                self.s.store.counters.inc("dropped_stores", "shm", dropped)
-                return pb.StoreResponse(accepted=accepted, dropped=dropped)
-        except UnknownLease:
-            await _abort(context, grpc.StatusCode.NOT_FOUND, "unknown or expired store lease")
-        try:
-            accepted, dropped, nbytes = await self._in_pool(
-                self.s.store_pool, lambda: arena.commit(request.lease_id, self.s.store)
+            accepted, dropped = await self._in_pool(
+                state.store_pool, lambda: state.shm_commit(request.lease_id, abort=request.abort)
             )
         except UnknownLease:
             await _abort(context, grpc.StatusCode.NOT_FOUND, "unknown or expired store lease")
-        finally:
-            self.s.release_store_slot()
-        self.s.metrics.bytes_in.add(nbytes, {"transport": "shm"})
-        self.s.metrics.store_duration.record(time.perf_counter() - t0, {"transport": "shm"})
         return pb.StoreResponse(accepted=accepted, dropped=dropped)
 
     async def Delete(

@@ -399,6 +399,19 @@ def shm_read_into(
     return blocks.copy_blocks(refs, targets, deadline=deadline)
 
 
+def write_staged(fds: Sequence[int | None], payloads: Sequence[Payload]) -> None:
+    """Write each payload into its staging descriptor (None: not staged) and close every descriptor."""
+    todo = list(fds)
+    try:
+        for i, (fd, payload) in enumerate(zip(todo, payloads, strict=True)):
+            if fd is None:
+                continue
+            todo[i] = None  # write_all closes it
+            write_all(fd, memoryview(payload).cast("B"))
+    finally:
+        close_all(todo)
+
+
 def shm_write(
     blocks: BlockChannel, slots: Sequence[pb.ShmSlot], payloads: Sequence[Payload], deadline: float
 ) -> None:

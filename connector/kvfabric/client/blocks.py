@@ -12,9 +12,15 @@ never a failed load. Requests are tiny and serialized under a lock. The blocks a
 :data:`~kvfabric.rpc.blockproto.MAX_NAMES` names, not one each (:class:`_Ahead`). Each request names
 the client (its gRPC ``kvfabric-client`` id), so the server budgets its holds and connections per
 client; a server too old to know ids is asked again without one, until the next reconnect.
-With a :class:`~kvfabric.client.suspicion.ReplyClock`, an answer not there within its reply bound
-fails the request at once as :class:`~kvfabric.client.errors.CacheSuspect` (milliseconds, not the
-load's deadline), and the connection is closed: a late answer is never read as another request's.
+With a :class:`~kvfabric.client.suspicion.ReplyClock`, a fetch's answer not there within its reply
+bound fails the request at once as :class:`~kvfabric.client.errors.CacheSuspect` (milliseconds, not
+the load's deadline), and the connection is closed: a late answer is never read as another request's.
+
+Same-node stores go through the same kind of connection (:meth:`BlockChannel.store_begin`,
+:meth:`BlockChannel.store_end`): the begin's answer carries the writable staging memfds, so a store
+is two exchanges here and no gRPC call. A server that serves no stores on the socket (older) is
+stored to over gRPC instead, until the next reconnect. Stores wait for their deadline, not the reply
+bound (a begin may allocate pages: milliseconds per MiB).
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ class BlockChannel:
         self._maps = MappingCache(mapping_budget) if mapping_budget > 0 else None
         self._holds_refused = False  # the server answering now knows no hold requests (older)
         self._id_refused = False  # the server answering now knows no client ids (older)
+        self._stores_refused = False  # the server answering now serves no stores here (older)
 
     @property
     def maps(self) -> MappingCache | None:
@@ -367,28 +374,93 @@ class BlockChannel:
         finally:
             self._lock.release()
 
+    def store_begin(
+        self, namespace: str, keys: Sequence[str], lengths: Sequence[int], *, deadline: float
+    ) -> tuple[str, bool, list[int | None]] | None:
+        """Begin storing ``keys`` (at most ``MAX_NAMES``): ``(lease, describe, descriptors)``.
+
+        One writable staging descriptor per key the server staged (None: already stored, or
+        dropped); the caller writes and closes them, then calls :meth:`store_end`. ``describe``: the
+        server lacks the namespace's description. None when this server serves no stores on the block
+        socket (store over gRPC). Raises as :meth:`fetch`, and
+        :class:`~kvfabric.client.errors.InvalidRequest` for a request the server refuses.
+        """
+        if self._stores_refused:
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0 or not self._lock.acquire(timeout=left):
+            raise errors.CacheTimeout("block socket: deadline passed")
+        try:
+            encode = functools.partial(bp.encode_store_begin, namespace, keys, lengths)
+            msg, fds = self._exchange(encode, len(keys), deadline, answer_bytes=_STORE_ANSWER, bounded=False)
+            if msg[:1] == bytes([bp.BAD_REQUEST]):
+                close_all(fds)
+                self._drop()
+                self._stores_refused = True  # until the next reconnect
+                return None
+            _raise_store_error(msg, fds)
+            begun = bp.parse_store_begun(msg, len(keys))
+            if begun is None or begun[2].count(bp.STAGED) != len(fds):
+                close_all(fds)
+                self._drop()
+                raise errors.CacheCorrupt(f"block socket answered {msg[:80]!r} to a store's begin")
+        finally:
+            self._lock.release()
+        lease, describe, statuses = begun
+        it = iter(fds)
+        return lease, describe, [next(it) if b == bp.STAGED else None for b in statuses]
+
+    def store_end(self, lease: str, *, abort: bool = False, deadline: float) -> tuple[int, int]:
+        """Commit (or abort) a store begun here: ``(accepted, dropped)``.
+
+        Raises :class:`~kvfabric.client.errors.NotFound` when the lease is unknown or expired.
+        """
+        left = deadline - time.monotonic()
+        if left <= 0 or not self._lock.acquire(timeout=left):
+            raise errors.CacheTimeout("block socket: deadline passed")
+        try:
+            encode = functools.partial(_encode_store_end, lease, abort)
+            msg, fds = self._exchange(encode, 1, deadline, answer_bytes=_STORE_ANSWER, bounded=False)
+            close_all(fds)
+            _raise_store_error(msg, [])
+            done = bp.parse_store_done(msg)
+            if done is None:
+                self._drop()
+                raise errors.CacheCorrupt(f"block socket answered {msg[:80]!r} to a store's commit")
+            return done
+        finally:
+            self._lock.release()
+
     def _exchange(
-        self, request: Callable[[str | None], bytes], most_fds: int, deadline: float
+        self,
+        request: Callable[[str | None], bytes],
+        most_fds: int,
+        deadline: float,
+        *,
+        answer_bytes: int = bp.MAX_NAMES + 1,
+        bounded: bool = True,
     ) -> tuple[bytes, list[int]]:
         """Send one request and receive its answer (under the lock; reconnects once after a hang-up).
 
         ``request(client id or None)`` builds the message for each attempt (a reconnect may change
         what it carries). A refusal (the server serves no more connections) raises
-        :class:`~kvfabric.client.errors.CacheOverloaded`.
+        :class:`~kvfabric.client.errors.CacheOverloaded`. ``bounded``: the answer is due within the
+        reply clock's bound (fetches); False for stores, whose begin may allocate pages first.
         """
+        clock = self.clock if bounded else None
         attempts = 0
         while True:
             attempts += 1
             client = None if self._id_refused else self.client_id
             sock = self._connected(deadline)
             left = deadline - time.monotonic()
-            bound = self.clock.bound() if self.clock is not None else left
+            bound = clock.bound() if clock is not None else left
             try:
                 sock.settimeout(max(1e-3, min(left, bound)))
                 sent = time.monotonic()
                 sock.send(request(client))
                 # Close-on-exec from the start: another thread of the engine may fork meanwhile.
-                msg, fds, flags = fdpass.recv_fds(sock, bp.MAX_NAMES + 1, most_fds)
+                msg, fds, flags = fdpass.recv_fds(sock, answer_bytes, most_fds)
                 took = time.monotonic() - sent
             except TimeoutError as exc:
                 self._drop()  # a late answer must never be read as the next request's
@@ -405,8 +477,8 @@ class BlockChannel:
                 if attempts > 1:
                     raise errors.CacheUnavailable(f"block socket {self.path}: {exc}") from exc
                 continue  # the server restarted or closed this idle connection: reconnect once
-            if self.clock is not None and msg:
-                self.clock.record(took)
+            if clock is not None and msg:
+                clock.record(took)
             if flags & socket.MSG_CTRUNC:
                 # Out of descriptors here: the kernel dropped some. Not the server's fault.
                 close_all(fds)
@@ -454,6 +526,7 @@ class BlockChannel:
             self._maps.clear()
         self._holds_refused = False  # the next server may know holds (an upgrade restarted it)
         self._id_refused = False  # and client ids
+        self._stores_refused = False  # and stores
 
     def close(self) -> None:
         """Close the connection (a later fetch reopens it)."""
@@ -580,6 +653,28 @@ class _Ahead:
         if any(got[1] for got in held.values()):
             with contextlib.suppress(Exception):
                 self.channel.flush_releases(deadline=self.deadline)
+
+
+_STORE_ANSWER = 256
+"""Room for any answer to a store request (a begin's is 34 bytes and one per key; a refusal's < 210)."""
+
+
+def _encode_store_end(lease: str, abort: bool, client: str | None) -> bytes:
+    return bp.encode_store_end(lease, abort=abort, client=client)
+
+
+def _raise_store_error(msg: bytes, fds: list[int]) -> None:
+    """Raise the client's error for a refused store request (closing ``fds``); nothing otherwise."""
+    refused = bp.store_error(msg)
+    if refused is None:
+        return
+    close_all(fds)
+    kind, reason = refused
+    if kind == bp.INVALID:
+        raise errors.InvalidRequest(f"store refused: {reason}")
+    if kind == bp.UNKNOWN_LEASE:
+        raise errors.NotFound(f"store refused: {reason}")
+    raise errors.CacheUnavailable(f"store refused: {reason}")
 
 
 def _reason(msg: bytes) -> str:

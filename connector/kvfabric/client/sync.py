@@ -16,12 +16,14 @@ from typing import Any, TypeVar
 import grpc
 
 from kvfabric.client import _common as c
+from kvfabric.client.blocks import BlockChannel
 from kvfabric.client.errors import CacheError, CacheSuspect, CacheTimeout, CacheUnavailable, InvalidRequest
 from kvfabric.client.hangwatch import HangWatch
 from kvfabric.client.localindex import LocalIndex
 from kvfabric.client.mappings import Lease, release_all
 from kvfabric.client.results import FlushResult, LookupResult, StoreResult
 from kvfabric.client.suspicion import REPLY_FLOOR_S, ReplyClock, Suspicion
+from kvfabric.rpc.blockproto import MAX_NAMES
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 
@@ -108,6 +110,11 @@ class CacheClient:
         )
         if self._blocks is not None:
             self._blocks.clock = self._clock
+        # Stores on a connection of their own (opened on the first store): a store's begin may wait
+        # for the server (a stat of a shared volume, a page allocation), and a load on this client
+        # must never wait behind it for the channel's lock. It has no reply clock: a begin may
+        # allocate pages, and a store waits for its deadline.
+        self._store_blocks = c.block_channel_for(self._target, 0, self._client_id) if shared_memory else None
         self._token = token
         self._token_file = Path(token_file) if token_file is not None else None
         self._tls = (tls_ca, tls_cert, tls_key)
@@ -298,7 +305,12 @@ class CacheClient:
 
     def _asked_to_describe(self, namespace: str, resp: Any) -> None:
         """The server said it lacks ``namespace``'s description: send it before the next call."""
-        if getattr(resp, "describe", False) and namespace in self._specs:
+        if getattr(resp, "describe", False):
+            self._undescribed_if_announced(namespace)
+
+    def _undescribed_if_announced(self, namespace: str) -> None:
+        """Send ``namespace``'s description before the next call, if the caller announced it."""
+        if namespace in self._specs:
             with self._describe_lock:
                 if namespace in self._specs:
                     self._undescribed.add(namespace)
@@ -521,6 +533,10 @@ class CacheClient:
         self._describe_due(deadline)
         if self._blocks is not None:
             blocks = self._blocks
+            assert self._store_blocks is not None
+            on_socket = self._block_store(self._store_blocks, namespace, keys, payloads, deadline)
+            if on_socket is not None:
+                return on_socket
             begin = pb.ShmStoreBeginRequest(
                 namespace=namespace, keys=keys, lengths=[memoryview(p).nbytes for p in payloads]
             )
@@ -545,6 +561,44 @@ class CacheClient:
         done = self._call(lambda r: r.stub.Store(chunks, timeout=left, metadata=r.md))
         self._asked_to_describe(namespace, done)
         return StoreResult(done.accepted, done.dropped)
+
+    def _block_store(
+        self,
+        blocks: BlockChannel,
+        namespace: str,
+        keys: Sequence[str],
+        payloads: Sequence[c.Payload],
+        deadline: float,
+    ) -> StoreResult | None:
+        """Store on the block socket (two exchanges per ``MAX_NAMES`` keys, no gRPC call).
+
+        None when the server serves no stores there (the caller stores over gRPC).
+        """
+        accepted = dropped = 0
+        for start in range(0, len(keys), MAX_NAMES):
+            batch = keys[start : start + MAX_NAMES]
+            data = payloads[start : start + MAX_NAMES]
+            lengths = [memoryview(p).nbytes for p in data]
+            begun = blocks.store_begin(namespace, batch, lengths, deadline=deadline)
+            if begun is None:
+                if start:  # the server changed under us (restarted older): the rest over gRPC
+                    rest = self.store(namespace, keys[start:], payloads[start:], timeout=_remaining(deadline))
+                    return StoreResult(accepted + rest.accepted, dropped + rest.dropped)
+                return None
+            lease, describe, fds = begun
+            if describe:
+                self._undescribed_if_announced(namespace)
+            try:
+                c.write_staged(fds, data)
+            except BaseException:
+                # The lease expires on its own if this fails.
+                with contextlib.suppress(CacheError):
+                    blocks.store_end(lease, abort=True, deadline=time.monotonic() + 1.0)
+                raise
+            _remaining(deadline, "while writing to shared memory")
+            got, lost = blocks.store_end(lease, deadline=deadline)
+            accepted, dropped = accepted + got, dropped + lost
+        return StoreResult(accepted, dropped)
 
     def delete(self, namespace: str, keys: Sequence[str], *, timeout: float) -> int:
         """Delete keys from every tier; returns how many were stored."""
@@ -598,6 +652,8 @@ class CacheClient:
             self._index.close()
         if self._blocks is not None:
             self._blocks.close()
+        if self._store_blocks is not None:
+            self._store_blocks.close()
 
     def __enter__(self) -> CacheClient:
         return self

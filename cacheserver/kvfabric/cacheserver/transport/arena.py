@@ -5,7 +5,8 @@
    stored, or that do not fit in ``arena_bytes``, get no name (present / dropped).
 2. The client trades the names for writable descriptors on the block socket
    (:mod:`kvfabric.cacheserver.transport.blocksock`) and writes each payload into its memfd (one
-   copy, into pages that already exist).
+   copy, into pages that already exist). A begin made on the block socket itself gets the
+   descriptors in its answer (:func:`kvfabric.cacheserver.service.block_stores`).
 3. ``ShmStoreCommit`` — the server *seals* each staging memfd (no write, resize or writable mapping
    is possible afterwards, by anyone), checks its size, and puts the memfd itself into DRAM as the
    block (:meth:`TieredStore.put_sealed`): no second copy. A client still mapping its memfd writable,

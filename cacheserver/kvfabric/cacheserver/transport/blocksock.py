@@ -37,6 +37,13 @@ blocks, and the tier's share of both (:mod:`~kvfabric.cacheserver.transport.hold
 can keep them mapped across loads; the DRAM tier keeps a held block's memory charged until the
 release. The socket releases all of a connection's holds when it closes, whatever the client did: a
 client that dies (or forgets) cannot leave memory or descriptors the server does not count.
+
+A connection may also *store* (``KVSB1``/``KVSC1``/``KVSA1``, see the protocol module) when the
+server gives the socket a store handler. The loop only parses such a request: the handler runs it on
+the store pool (a begin may stat a shared volume or allocate pages; a commit seals and indexes), and
+the loop sends the answer when it is done. Meanwhile that connection is not read (one request at a
+time per connection, as for loads) and every other connection is served: a slow store never holds a
+load behind it.
 """
 
 from __future__ import annotations
@@ -48,8 +55,9 @@ import selectors
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +66,7 @@ from kvfabric.cacheserver.transport.indexpub import listen_unix, peer_of
 from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc import blockproto as bp
 
-__all__ = ["BlockLimits", "BlockSocket", "Holds", "Resolver"]
+__all__ = ["BlockLimits", "BlockSocket", "Holds", "Resolver", "StoreHandler"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +81,10 @@ ACCEPT_PAUSE_SECONDS = 0.1
 
 Resolver = Callable[[str], tuple[int, int] | None]
 """name -> (a descriptor the socket closes after sending, payload length), or None if gone."""
+
+StoreHandler = Callable[[bp.StoreBegin | bp.StoreEnd], "Future[tuple[bytes, list[int]]]"]
+"""A parsed store request -> its answer and descriptors (the socket closes them after sending),
+computed off the loop's thread (the store pool)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +115,8 @@ class _Conn:
     since: float = 0.0
     opened: float = 0.0
     """``time.monotonic()`` of the accept (the first-request deadline counts from it)."""
+    working: bool = False
+    """A store request of this connection is being served off the loop (the connection is not read)."""
 
 
 class BlockSocket:
@@ -114,9 +128,13 @@ class BlockSocket:
         resolve: Resolver,
         holds: Holds | None = None,
         limits: BlockLimits | None = None,
+        stores: StoreHandler | None = None,
     ) -> None:
         self.path = path
         self.resolve = resolve
+        self.stores = stores
+        # Store answers computed off the loop, waiting for it to send them (any thread appends).
+        self._done: deque[tuple[_Conn, Future[tuple[bytes, list[int]]]]] = deque()
         self.limits = limits or BlockLimits()
         self.holds = holds
         self._book: HoldBook | None = None
@@ -174,6 +192,7 @@ class BlockSocket:
         self._sel = selectors.DefaultSelector()  # epoll: no descriptor-number limit as select() has
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)  # a wake-up never waits: one already queued wakes the loop
         self._sel.register(self._sock, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         if publish:
@@ -241,6 +260,12 @@ class BlockSocket:
                         self._read(conn)
                 except Exception as exc:  # one connection's failure is its own
                     self._drop(conn, exc)
+        while self._done:
+            conn, job = self._done.popleft()
+            try:
+                self._stored(conn, job)
+            except Exception as exc:
+                self._drop(conn, exc)
         now = time.monotonic()
         for conn in [c for c in self._waiting if c.pending is not None]:
             if now - conn.since > SEND_TIMEOUT_SECONDS:
@@ -333,7 +358,7 @@ class BlockSocket:
         for conn in self._recent:
             if self._book is not None and self._book.holding(conn):
                 continue
-            if conn.pending is not None:
+            if conn.pending is not None or conn.working:
                 busy = busy or conn
                 continue
             try:
@@ -365,6 +390,9 @@ class BlockSocket:
             return
         self._recent.move_to_end(conn)
         self._silent.pop(conn, None)
+        if self.stores is not None and bp.is_store_request(data):
+            self._store(conn, data)
+            return
         req = bp.parse_request(data) if len(data) <= bp.MAX_MESSAGE else None
         if req is None or (req.client is not None and conn.client is not None and req.client != conn.named):
             log.info("block socket: bad request", extra={"pid": conn.pid, "uid": conn.uid})
@@ -377,6 +405,47 @@ class BlockSocket:
             msg, fds = self._answer_holding(conn, req)
         else:
             msg, fds = self._answer(req.names)
+        self._send(conn, msg, fds)
+
+    def _store(self, conn: _Conn, data: bytes) -> None:
+        """Hand a store request to the store handler; its answer is sent by :meth:`_stored`."""
+        assert self.stores is not None
+        assert self._sel is not None
+        req = bp.parse_store_request(data) if len(data) <= bp.MAX_MESSAGE else None
+        if req is None or (req.client is not None and conn.client is not None and req.client != conn.named):
+            log.info("block socket: bad store request", extra={"pid": conn.pid, "uid": conn.uid})
+            _refuse(conn.sock, b"bad request", status=bp.BAD_REQUEST)
+            self._drop(conn, None)
+            return
+        if conn.client is None and not self._bind(conn, req.client):
+            return
+        # Not read until answered: one request at a time per connection (and no busy selector loop
+        # over a readable socket nobody reads).
+        conn.working = True
+        self._sel.unregister(conn.sock)
+        job = self.stores(req)
+        job.add_done_callback(lambda j: self._finished(conn, j))
+
+    def _finished(self, conn: _Conn, job: Future[tuple[bytes, list[int]]]) -> None:
+        """(Any thread.) A store request's answer is ready: the loop sends it."""
+        self._done.append((conn, job))
+        if self._wake_w is not None:
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"s")
+
+    def _stored(self, conn: _Conn, job: Future[tuple[bytes, list[int]]]) -> None:
+        """(The loop.) Send a store request's answer, if its connection is still there."""
+        try:
+            msg, fds = job.result()
+        except Exception as exc:  # the handler's failure: this request's, answered as such
+            self._failed("block socket: a store request failed", exc)
+            msg, fds = bp.encode_store_error(bp.UNAVAILABLE, "the server could not serve this store"), []
+        conn.working = False
+        if conn.sock not in self._conns:
+            _close_fds(fds)  # dropped meanwhile (a lease it began expires on its own)
+            return
+        assert self._sel is not None
+        self._sel.register(conn.sock, selectors.EVENT_READ, conn)
         self._send(conn, msg, fds)
 
     def _bind(self, conn: _Conn, named: str | None) -> bool:

@@ -1,0 +1,232 @@
+"""Same-node stores on the block socket: the checks of ShmStoreBegin/Commit, and nothing held behind them.
+
+A store's begin and commit travel on the block socket the client already holds for loads (two
+exchanges, no gRPC call; docs/cacheserver.md, "Store handshake"). These tests speak the wire protocol
+(:mod:`kvfabric.rpc.blockproto`) to real server processes, as a hostile same-node client would, and
+check that the socket refuses exactly what ``ShmStoreBegin`` refuses, that a commit that lies stores
+nothing, and (in process) that a store being served never holds a load on another connection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvfabric.cacheserver.transport import blocksock
+from kvfabric.client import CacheClient
+from kvfabric.client.blocks import BlockChannel
+from kvfabric.client.errors import InvalidRequest
+from kvfabric.rpc import blockproto as bp
+from kvfabric.rpc import fdpass
+from kvfabric.rpc.v1 import cache_pb2 as pb
+from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
+from kvfabric.testing.serverproc import ServerProcess, cache_server, digest, payload_for
+
+LEASE = "ab" * 16
+
+
+@contextmanager
+def _raw(srv: ServerProcess) -> Iterator[socket.socket]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(10)
+    sock.connect(str(bp.block_socket_for(srv.config.listen.unix_socket)))
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def _ask(sock: socket.socket, msg: bytes, most_fds: int = bp.MAX_NAMES) -> tuple[bytes, list[int]]:
+    sock.send(msg)
+    data, fds, _ = fdpass.recv_fds(sock, 512, most_fds)
+    return data, fds
+
+
+def _counters(srv: ServerProcess) -> dict[str, object]:
+    with CacheClient(srv.unix_target) as c:
+        counters: dict[str, object] = c.stats(timeout=5)["counters"]
+        return counters
+
+
+@pytest.mark.process
+def test_a_client_store_goes_over_the_block_socket_without_a_grpc_call(ns: str) -> None:
+    keys = [digest("sock-store", i) for i in range(3)]
+    data = [payload_for(k, 300_000 + i) for i, k in enumerate(keys)]
+    with cache_server() as srv, CacheClient(srv.unix_target, shared_memory=True) as client:
+        stub = client._conn.stub
+
+        class NoShmStoreRpc:
+            def __getattr__(self, name: str) -> object:
+                if name.startswith("ShmStore"):
+                    raise AssertionError(f"a same-node store called {name} over gRPC")
+                return getattr(stub, name)
+
+        client._conn = dataclasses.replace(client._conn, stub=NoShmStoreRpc())
+        assert client.store(ns, keys, data, timeout=10).accepted == 3
+        # Stored again: already present, nothing staged, still accepted.
+        assert client.store(ns, keys, data, timeout=10).accepted == 3
+        assert client.load(ns, keys, timeout=10) == data
+
+
+@pytest.mark.process
+def test_a_store_and_a_load_of_one_client_do_not_share_a_block_connection(ns: str) -> None:
+    key = digest("own-connection")
+    data = payload_for(key, 200_000)
+    with cache_server() as srv, CacheClient(srv.unix_target, shared_memory=True) as client:
+        assert client._blocks is not None
+        # The loads' connection busy (a load waiting for its answer): a store still goes through,
+        # so a store's begin waiting for the server can never hold this client's loads either.
+        with client._blocks._lock:
+            assert client.store(ns, [key], [data], timeout=5).accepted == 1
+        assert client.load(ns, [key], timeout=5) == [data]
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("case", ["payload_too_big", "too_many_keys"])
+def test_the_block_socket_refuses_a_store_exactly_as_grpc_does_and_stages_nothing(ns: str, case: str) -> None:
+    keys = [digest("refused", case, i) for i in range(3)]
+    lengths = [4096, 4096, 4096] if case == "too_many_keys" else [4096, 2 << 20, 4096]
+    overrides = {"limits.max_keys_per_request": 2, "limits.max_payload_bytes": 1 << 20}
+    with cache_server(overrides=overrides) as srv:
+        channel = grpc.insecure_channel(srv.unix_target)
+        stub = pb_grpc.CacheStub(channel)  # type: ignore[no-untyped-call]
+        with pytest.raises(grpc.RpcError) as over_grpc:
+            stub.ShmStoreBegin(pb.ShmStoreBeginRequest(namespace=ns, keys=keys, lengths=lengths), timeout=10)
+        channel.close()
+        assert over_grpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with _raw(srv) as sock:
+            msg, fds = _ask(sock, bp.encode_store_begin(ns, keys, lengths))
+            assert fds == [], "a refused begin handed out staging memfds"
+            assert bp.store_error(msg) == (bp.INVALID, over_grpc.value.details())
+            # The connection stays open and serves the next request.
+            msg, fds = _ask(sock, bp.encode_store_end(LEASE))
+            assert bp.store_error(msg) == (bp.UNKNOWN_LEASE, "unknown or expired store lease")
+        stats = CacheClient(srv.unix_target)
+        with stats:
+            got = stats.stats(timeout=5)
+        assert got["arena_used_bytes"] == 0
+        assert got["counters"].get("staging_memfds", {}) == {}
+        with CacheClient(srv.unix_target, shared_memory=True) as client, pytest.raises(InvalidRequest):
+            client.store(ns, keys, [b"x" * n for n in lengths], timeout=10)
+
+
+@pytest.mark.process
+def test_a_commit_that_lies_is_refused_and_stores_nothing(ns: str) -> None:
+    keys = [digest("liar", i) for i in range(3)]
+    n = 64 * 1024
+    with cache_server() as srv, _raw(srv) as sock:
+        msg, fds = _ask(sock, bp.encode_store_begin(ns, keys, [n, n, n]))
+        begun = bp.parse_store_begun(msg, 3)
+        assert begun is not None, msg
+        lease, _, statuses = begun
+        assert statuses == [bp.STAGED] * 3
+        assert len(fds) == 3
+        grown, mapped, honest = fds
+        os.pwrite(grown, b"x" * (n + 1), 0)  # longer than it said
+        writable = mmap.mmap(mapped, n, flags=mmap.MAP_SHARED)  # still mapped writable at the commit
+        writable[:] = b"y" * n
+        os.pwrite(honest, payload_for(keys[2], n), 0)
+        # A key it did not begin: another lease id, and a lease already committed.
+        msg, _ = _ask(sock, bp.encode_store_end(LEASE))
+        assert bp.store_error(msg) == (bp.UNKNOWN_LEASE, "unknown or expired store lease")
+        msg, _ = _ask(sock, bp.encode_store_end(lease))
+        assert bp.parse_store_done(msg) == (1, 2)
+        msg, _ = _ask(sock, bp.encode_store_end(lease))
+        assert bp.store_error(msg) == (bp.UNKNOWN_LEASE, "unknown or expired store lease")
+        writable.close()
+        for fd in fds:
+            os.close(fd)
+        with CacheClient(srv.unix_target, shared_memory=True) as client:
+            assert client.lookup(ns, keys, timeout=5).matched == 0
+            assert client.lookup(ns, keys[2:], timeout=5).matched == 1
+            assert client.load(ns, keys[2:], timeout=5) == [payload_for(keys[2], n)]
+        assert _counters(srv)["invalid_staging"] == 2
+
+
+@pytest.mark.process
+def test_a_malformed_store_request_is_a_bad_request_and_closes_the_connection(ns: str) -> None:
+    with cache_server() as srv:
+        for bad in (
+            bp.STORE_BEGIN_PREFIX + b" " + ns.upper().encode() + b" " + b"a" * 64 + b":1",
+            bp.STORE_BEGIN_PREFIX + b" " + ns.encode() + b" " + b"a" * 64 + b":-1",
+            bp.STORE_COMMIT_PREFIX + b" " + b"z" * 32,
+        ):
+            with _raw(srv) as one:
+                msg, fds = _ask(one, bad)
+                assert (msg[:1], fds) == (bytes([bp.BAD_REQUEST]), [])
+                assert one.recv(16) == b""
+
+
+def test_a_store_being_served_holds_no_load_on_another_connection(tmp_path: Path) -> None:
+    block = os.memfd_create("test-block", os.MFD_CLOEXEC)
+    os.write(block, b"block")
+    release = threading.Event()
+    started = threading.Event()
+    jobs: list[Future[tuple[bytes, list[int]]]] = []
+
+    def slow_store(req: bp.StoreBegin | bp.StoreEnd) -> Future[tuple[bytes, list[int]]]:
+        job: Future[tuple[bytes, list[int]]] = Future()
+
+        def finish() -> None:
+            started.set()
+            release.wait(30)
+            job.set_result((bp.encode_store_done(1, 0), []))
+
+        threading.Thread(target=finish, daemon=True).start()
+        jobs.append(job)
+        return job
+
+    served = blocksock.BlockSocket(tmp_path / "b.sock", lambda name: (os.dup(block), 5), stores=slow_store)
+    served.start()
+    storing = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    loading = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        storing.connect(str(served.path))
+        loading.connect(str(served.path))
+        storing.settimeout(30)
+        loading.settimeout(5)
+        storing.send(bp.encode_store_end(LEASE))
+        assert started.wait(10)
+        # The commit is still being served: loads on another connection are answered meanwhile.
+        for _ in range(20):
+            msg, fds = _ask(loading, bp.encode_request(["d_" + "cd" * 16]))
+            assert msg == bytes([bp.FOUND])
+            for fd in fds:
+                os.close(fd)
+        assert not jobs[0].done()
+        release.set()
+        msg, _, _ = fdpass.recv_fds(storing, 512, 1)
+        assert bp.parse_store_done(msg) == (1, 0)
+    finally:
+        release.set()
+        storing.close()
+        loading.close()
+        served.close()
+        os.close(block)
+
+
+def test_a_server_that_serves_no_stores_on_its_block_socket_is_stored_to_over_grpc(tmp_path: Path) -> None:
+    # An older server's block socket (no store handler) answers a store request BAD_REQUEST and
+    # closes: the channel says so (None), and a CacheClient stores over ShmStoreBegin/Commit.
+    served = blocksock.BlockSocket(tmp_path / "b.sock", lambda name: None)
+    served.start()
+    try:
+        with BlockChannel(served.path, client_id="c-1") as channel:
+            ns, key = "ab" * 32, "cd" * 32
+            assert channel.store_begin(ns, [key], [10], deadline=time.monotonic() + 5) is None
+            assert channel.store_begin(ns, [key], [10], deadline=time.monotonic() + 5) is None
+            # Loads still work on it: the refusal closed one connection, not the channel.
+            assert channel.fetch(["d_" + "ef" * 16], deadline=time.monotonic() + 5) == [None]
+    finally:
+        served.close()

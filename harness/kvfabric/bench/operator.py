@@ -399,6 +399,10 @@ def _runtime_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
         "gc_frozen_objects": a["gc"].get("frozen_objects"),
         "gc_tracked_objects": a["gc"].get("tracked_objects"),
         "thread_cpu_s": {k: round(v - float(cpu_b.get(k, 0.0)), 2) for k, v in cpu_a.items()},
+        "controller_api_requests": {
+            k: v - int((b.get("controller_api_requests") or {}).get(k, 0))
+            for k, v in (a.get("controller_api_requests") or {}).items()
+        },
     }
 
 
@@ -521,6 +525,9 @@ async def _bench_scale(
         result["operator_after_ready"] = _proc_stats(proc.pid)
         probes_before = _probes(health)
         result["reconciles_until_ready"] = probes_before.get("reconciles")
+        # kopf caches probes for up to 10 s: these two may predate the all-Ready moment alike.
+        runtime_before = probes_before.get("runtime") or {}
+        result["api_requests_until_ready"] = runtime_before.get("controller_api_requests")
 
         # The pod storm, with AdmissionReviews POSTed to the webhook beside it.
         ctx = ssl.create_default_context(cafile=str(cert_dir / "ca.crt"))

@@ -125,6 +125,11 @@ class Controller:
         # deletion the pods are gone before the pool's DELETED event, and the cache with them.
         self._pool_nodes: dict[PoolKey, set[str]] = {}
 
+    def api_requests(self) -> dict[str, int]:
+        """Requests the leading controller's client sent, by method (empty while it does not lead)."""
+        client = self._client
+        return dict(getattr(client, "requests", None) or {})
+
     @property
     def leading(self) -> bool:
         """Whether this replica reconciles now (always, without leader election)."""

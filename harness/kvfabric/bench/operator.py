@@ -325,7 +325,7 @@ async def _bench(kubeconfig: Path, kubectl: Path, args: argparse.Namespace, log:
 
 
 def _start_operator(
-    kubeconfig: Path, log: Path, *, port: int, cert_dir: Path, config_name: str, health: int
+    kubeconfig: Path, log: Path, *, port: int, cert_dir: Path, config_name: str, health: int, namespace: str
 ) -> Any:
     with log.open("ab") as log_file:
         return subprocess.Popen(
@@ -348,7 +348,14 @@ def _start_operator(
             stdout=log_file,
             stderr=subprocess.STDOUT,
             # The runtime probe then also counts the objects the garbage collector tracks.
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "KVFABRIC_OPERATOR_COUNT_GC_OBJECTS": "1"},
+            # Its own namespace (the consumer-keys Secret's) is the benchmark's, which exists, as an
+            # install's does: without one every reconcile's publish failed, a GET and a POST each.
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                "KVFABRIC_OPERATOR_COUNT_GC_OBJECTS": "1",
+                "POD_NAMESPACE": namespace,
+            },
         )
 
 
@@ -468,7 +475,7 @@ async def _bench_scale(
     cert_dir = Path(tempfile.mkdtemp(prefix="kvfabric-bench-certs-"))
     config_name = f"kvfabric-bench-{uuid.uuid4().hex[:6]}"
     proc = _start_operator(
-        kubeconfig, log, port=port, cert_dir=cert_dir, config_name=config_name, health=health
+        kubeconfig, log, port=port, cert_dir=cert_dir, config_name=config_name, health=health, namespace=ns
     )
     result: dict[str, Any] = {"nodes": len(nodes), "pools": pools, "nodes_per_pool": per_pool}
     try:

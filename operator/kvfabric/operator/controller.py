@@ -6,8 +6,9 @@ never waits behind a reconcile's awaits or its CPU work (a GIL switch interval a
 halves share only ``trigger()`` (thread-safe) and a few counters.
 
 Reads come from informers (:mod:`kvfabric.operator.informer`): consumer pods indexed by the pool they
-name, and the pool's children and cache-server pods indexed by ``kvfabric.io/owner-pool``. A
-reconcile costs one GET of the pool and its applies, never a LIST of the cluster's pods.
+name, and the pool's children and cache-server pods indexed by ``kvfabric.io/owner-pool``; the
+Secrets, which may not be watched, are remembered for a resync period (:class:`SecretMemo`). A
+reconcile of an unchanged pool costs one GET of the pool, never a LIST of the cluster's pods.
 """
 
 from __future__ import annotations

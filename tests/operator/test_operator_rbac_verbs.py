@@ -90,8 +90,17 @@ USES: dict[tuple[str, str, str], list[tuple[str, str]]] = {
     ("", "secrets", "delete"): [("reconcile.py", r'client\.delete\("Secret"')],
     # By name, before applying: a user's NetworkPolicy under the pool's name is not taken over.
     ("networking.k8s.io", "networkpolicies", "get"): [
+        # A name the informer does not hold is checked against the API server (someone else's object).
         ("reconcile.py", r'_OWNERSHIP_CHECKED: Final = \(.*"NetworkPolicy"'),
-        ("reconcile.py", r'_UNCACHED: Final = frozenset\(\{"NetworkPolicy"\}\)'),
+        ("reconcile.py", r"found = await client\.get\(kind"),
+    ],
+    ("networking.k8s.io", "networkpolicies", "list"): [
+        ("controller.py", r'OWNED_KINDS = \(.*"NetworkPolicy"'),
+        ("informer.py", r"self\.client\.list_page\("),
+    ],
+    ("networking.k8s.io", "networkpolicies", "watch"): [
+        ("controller.py", r'OWNED_KINDS = \(.*"NetworkPolicy"'),
+        _INFORMER,
     ],
     ("networking.k8s.io", "networkpolicies", "create"): [
         ("render/children.py", r'"kind": "NetworkPolicy"'),

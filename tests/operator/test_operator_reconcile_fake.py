@@ -361,17 +361,42 @@ class CountingKube(FakeKube):
         return await super().list(kind, namespace, **kw)
 
 
-@pytest.mark.asyncio
-async def test_a_reconcile_from_synced_informers_lists_nothing_from_the_api_server() -> None:
-    """Pods, children and cache-server pods come from the informers' indexes: no LIST per reconcile
-    (only GETs of the pool, of its credential Secrets and of its NetworkPolicy, which are not cached)."""
+class WriteCountingKube(CountingKube):
+    """Counts every write too (apply, patch, create, delete, status)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[tuple[str, str]] = []
+
+    async def apply(self, obj: dict[str, Any], *, field_manager: str, force: bool = True) -> dict[str, Any]:
+        self.writes.append(("apply", obj["kind"]))
+        return await super().apply(obj, field_manager=field_manager, force=force)
+
+    async def patch(
+        self, kind: str, namespace: str | None, name: str, body: Any, **kw: Any
+    ) -> dict[str, Any]:
+        self.writes.append(("patch", kind))
+        return await super().patch(kind, namespace, name, body, **kw)
+
+    async def patch_status(self, kind: str, namespace: str, name: str, status: Any, **kw: Any) -> Any:
+        self.writes.append(("status", kind))
+        return await super().patch_status(kind, namespace, name, status, **kw)
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.writes.append(("create", obj["kind"]))
+        return await super().create(obj)
+
+    async def delete(self, kind: str, namespace: str | None, name: str) -> bool:
+        self.writes.append(("delete", kind))
+        return await super().delete(kind, namespace, name)
+
+
+async def _synced_reader(kube: FakeKube) -> Any:
+    """The leader's informers, exactly as the controller declares them, filled from ``kube``'s objects
+    (with the cache-server pods the DaemonSet would create, labelled as its template says)."""
     from kvfabric.operator.controller import Controller
     from kvfabric.operator.informer import CachedReader
 
-    kube = CountingKube()
-    add_pool(kube)
-    await run(kube)  # the children exist now
-    # The cache-server pods the DaemonSet would create, labelled as its template says.
     (ds,) = [o for (k, _, _), o in kube.objects.items() if k == "DaemonSet"]
     for node in ("n1", "n2"):
         labels = dict(ds["spec"]["template"]["metadata"]["labels"])
@@ -381,7 +406,6 @@ async def test_a_reconcile_from_synced_informers_lists_nothing_from_the_api_serv
             "spec": {"nodeName": node},
             "status": {"phase": "Running", "podIP": "10.0.0.1"},
         }
-    # The leader's informers, exactly as the controller declares them, filled from the same objects.
     controller = Controller(lambda: kube, injection_enabled=True)  # type: ignore[arg-type,return-value]
     informers = controller.informers(kube)  # type: ignore[arg-type]
     for informer in informers:
@@ -393,13 +417,96 @@ async def test_a_reconcile_from_synced_informers_lists_nothing_from_the_api_serv
             ):
                 informer._put(obj)
         informer.synced.set()
-    reader = CachedReader(kube, informers)  # type: ignore[arg-type]
+    return CachedReader(kube, informers)  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_a_reconcile_from_synced_informers_lists_nothing_from_the_api_server() -> None:
+    """Pods, children and cache-server pods come from the informers' indexes: no LIST per reconcile
+    (only GETs of the pool and of its credential Secrets, which may never be listed or watched)."""
+    kube = CountingKube()
+    add_pool(kube)
+    await run(kube)  # the children exist now
+    reader = await _synced_reader(kube)
     kube.reads.clear()
     result = await reconcile.reconcile_pool(kube, "ns", "p", injection_enabled=True, reader=reader)  # type: ignore[arg-type]
     assert result is not None
     assert [r for r in kube.reads if r[0] == "list"] == [], kube.reads
-    assert {kind for _, kind in kube.reads} <= {"KVCachePool", "Secret", "NetworkPolicy"}, kube.reads
+    assert {kind for _, kind in kube.reads} <= {"KVCachePool", "Secret"}, kube.reads
     assert reader.fallbacks == 0
+
+
+@pytest.mark.asyncio
+async def test_an_unchanged_pool_from_synced_informers_costs_one_get_and_no_write() -> None:
+    """With the controller's memories (applied children, Secrets read or written lately), a reconcile
+    of a pool nothing changed reads only the pool itself and writes nothing: no Secret GETs (four
+    credentials and the consumer-keys Secret), no NetworkPolicy GET, no apply, no status echo."""
+    from kvfabric.operator.secretmemo import SecretMemo
+
+    now = [0.0]
+    kube = WriteCountingKube()
+    add_pool(kube)
+    secrets = SecretMemo(kube, max_age=30.0, clock=lambda: now[0])
+    applied: reconcile.AppliedMemo = {}
+
+    async def once(reader: Any = None) -> reconcile.ReconcileResult | None:
+        kube.reads.clear()
+        kube.writes.clear()
+        return await reconcile.reconcile_pool(
+            kube,  # type: ignore[arg-type]
+            "ns",
+            "p",
+            injection_enabled=True,
+            reader=reader,
+            applied=applied,
+            secrets=secrets,
+        )
+
+    await once()  # creates the children, credentials and the consumer-keys entry
+    assert ("create", "Secret") in kube.writes or ("patch", "Secret") in kube.writes
+    reader = await _synced_reader(kube)
+    await once(reader)  # the cache-server pods now count in the status: one status write
+    result = await once(reader)
+    assert result is not None
+    assert not result.status_changed
+    assert kube.reads == [("get", "KVCachePool")]
+    assert kube.writes == []
+    assert reader.fallbacks == 0
+    # A resync period later the Secrets are read again (four of the pool, the consumer keys): one
+    # deleted by hand meanwhile is recreated.
+    del kube.objects[("Secret", "ns", names.credentials_secret_name("p"))]
+    now[0] = 31.0
+    await once(reader)
+    assert sorted(r for r in kube.reads if r[1] == "Secret") == [("get", "Secret")] * 5, kube.reads
+    # New credentials, and the consumer-keys entry derived from them.
+    assert kube.writes == [("apply", "Secret"), ("patch", "Secret")], kube.writes
+    assert ("Secret", "ns", names.credentials_secret_name("p")) in kube.objects
+    # What was written is remembered: the next pass reads nothing again.
+    await once(reader)
+    assert kube.reads == [("get", "KVCachePool")]
+    assert kube.writes == []
+
+
+@pytest.mark.asyncio
+async def test_a_remembered_secret_that_is_not_the_pools_is_read_again_before_a_conflict() -> None:
+    """A pool deleted and created again under its name (a new uid) must not take its predecessor's
+    remembered Secrets, now deleted by the garbage collector, for someone else's."""
+    from kvfabric.operator.secretmemo import SecretMemo
+
+    kube = FakeKube()
+    add_pool(kube)
+    secrets = SecretMemo(kube, max_age=3600.0)
+    await reconcile.reconcile_pool(kube, "ns", "p", injection_enabled=True, secrets=secrets)  # type: ignore[arg-type]
+    for key in [k for k in kube.objects if k[0] != "KVCachePool" and k[1] == "ns"]:
+        del kube.objects[key]  # the garbage collector, after the pool's deletion
+    pool = kube.objects[("KVCachePool", "ns", "p")]
+    pool["metadata"]["uid"] = "u2"
+    kube._bump(pool)
+    result = await reconcile.reconcile_pool(kube, "ns", "p", injection_enabled=True, secrets=secrets)  # type: ignore[arg-type]
+    assert result is not None
+    assert result.secret_conflicts == ()
+    credentials = kube.objects[("Secret", "ns", names.credentials_secret_name("p"))]
+    assert credentials["metadata"]["ownerReferences"][0]["uid"] == "u2"
 
 
 @pytest.mark.asyncio
@@ -474,16 +581,23 @@ async def test_children_nobody_changed_since_the_last_apply_are_not_applied_agai
         "Service",
         "Service",
     ]
-    assert [k for k, _ in await run_with_memo()] == ["NetworkPolicy"]  # no cache holds it: always applied
+    assert [k for k, _ in await run_with_memo()] == []
     # Any other version of a child (an edit by hand, a controller's update) is applied over again.
     cm = kube.objects[("ConfigMap", "ns", "p-config")]
     cm["data"] = {"edited": "by hand"}
     kube._bump(cm)
-    assert [k for k, _ in await run_with_memo()] == ["ConfigMap", "NetworkPolicy"]
+    assert [k for k, _ in await run_with_memo()] == ["ConfigMap"]
     assert "edited" not in kube.objects[("ConfigMap", "ns", "p-config")].get("data", {})
+    (policy_key,) = [key for key in kube.objects if key[0] == "NetworkPolicy"]
+    policy = kube.objects[policy_key]
+    rendered_spec = copy.deepcopy(policy["spec"])
+    policy["spec"] = {"podSelector": {}}  # opened up by hand
+    kube._bump(policy)
+    assert [k for k, _ in await run_with_memo()] == ["NetworkPolicy"]
+    assert kube.objects[policy_key]["spec"] == rendered_spec
     # ... and so is a deleted one, and a child whose rendering changed.
     del kube.objects[("Service", "ns", "p")]
-    assert [k for k, _ in await run_with_memo()] == ["NetworkPolicy", "Service"]
+    assert [k for k, _ in await run_with_memo()] == ["Service"]
     pool = kube.objects[("KVCachePool", "ns", "p")]
     pool["spec"]["image"]["tag"] = "v2"
     pool["metadata"]["generation"] = 2

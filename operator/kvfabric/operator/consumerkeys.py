@@ -25,6 +25,7 @@ from kvfabric.operator.kube import ApiError, KubeClient
 from kvfabric.operator.poolpki import owned_by
 from kvfabric.operator.render import names
 from kvfabric.operator.render.children import owner_reference
+from kvfabric.operator.secretmemo import SecretMemo
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +58,24 @@ async def read_roots(client: KubeClient, operator_namespace: str) -> dict[str, s
     return dict((secret or {}).get("data") or {})
 
 
-async def publish_root(client: KubeClient, operator_namespace: str, pool: KVCachePool) -> bool:
+async def publish_root(
+    client: KubeClient, operator_namespace: str, pool: KVCachePool, *, secrets: SecretMemo | None = None
+) -> bool:
     """Set the pool's entry from its credentials Secret; return whether it had to be written.
 
     Read first (a GET of each Secret; never a list), so a reconcile that changes nothing writes nothing.
+    With ``secrets``, the reads are answered from what this replica read or wrote lately (the
+    credentials Secret was just read by the same reconcile) and the writes' answers are remembered.
     """
-    credentials = await client.get("Secret", pool.namespace, names.credentials_secret_name(pool.name))
+
+    async def get(namespace: str, name: str) -> dict[str, Any] | None:
+        return await (secrets.get(namespace, name) if secrets else client.get("Secret", namespace, name))
+
+    def wrote(answer: dict[str, Any] | None) -> None:
+        if secrets is not None:
+            secrets.put(answer, operator_namespace, SECRET)
+
+    credentials = await get(pool.namespace, names.credentials_secret_name(pool.name))
     if credentials is None or not owned_by(credentials, str(owner_reference(pool)["uid"])):
         # Not the pool's (a user's Secret under the pool's name: SecretConflict): never its root.
         return False
@@ -71,34 +84,39 @@ async def publish_root(client: KubeClient, operator_namespace: str, pool: KVCach
         return False  # no payload key yet: the reconcile that creates it publishes it
     entry = names.consumer_keys_entry(pool.namespace, pool.name)
     value = root_entry(secret)
-    current = await client.get("Secret", operator_namespace, SECRET)
+    current = await get(operator_namespace, SECRET)
     if current is not None and (current.get("data") or {}).get(entry) == value:
         return False
-    if current is not None:
-        try:
-            await client.patch("Secret", operator_namespace, SECRET, {"data": {entry: value}})
-            return True
-        except ApiError as exc:
-            if exc.status != 404:
-                raise
-    body = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": SECRET,
-            "namespace": operator_namespace,
-            "labels": {names.MANAGED_BY: names.MANAGED_BY_VALUE, names.COMPONENT_LABEL: "consumer-keys"},
-        },
-        "type": "Opaque",
-        "data": {entry: value},
-    }
     try:
-        await client.create(body)
-    except ApiError as exc:
-        if exc.status != 409:
-            raise
-        # Another pool's reconcile created it meanwhile: set this entry in theirs.
-        await client.patch("Secret", operator_namespace, SECRET, {"data": {entry: value}})
+        if current is not None:
+            try:
+                wrote(await client.patch("Secret", operator_namespace, SECRET, {"data": {entry: value}}))
+                return True
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+        body = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": SECRET,
+                "namespace": operator_namespace,
+                "labels": {names.MANAGED_BY: names.MANAGED_BY_VALUE, names.COMPONENT_LABEL: "consumer-keys"},
+            },
+            "type": "Opaque",
+            "data": {entry: value},
+        }
+        try:
+            wrote(await client.create(body))
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            # Another pool's reconcile created it meanwhile: set this entry in theirs.
+            wrote(await client.patch("Secret", operator_namespace, SECRET, {"data": {entry: value}}))
+    except BaseException:
+        if secrets is not None:  # whatever the Secret holds now is unknown: read it next time
+            secrets.forget(operator_namespace, SECRET)
+        raise
     return True
 
 

@@ -6,8 +6,9 @@ never waits behind a reconcile's awaits or its CPU work (a GIL switch interval a
 halves share only ``trigger()`` (thread-safe) and a few counters.
 
 Reads come from informers (:mod:`kvfabric.operator.informer`): consumer pods indexed by the pool they
-name, and the pool's children and cache-server pods indexed by ``kvfabric.io/owner-pool``. A
-reconcile costs one GET of the pool and its applies, never a LIST of the cluster's pods.
+name, and the pool's children and cache-server pods indexed by ``kvfabric.io/owner-pool``; the
+Secrets, which may not be watched, are remembered for a resync period (:class:`SecretMemo`). A
+reconcile of an unchanged pool costs one GET of the pool, never a LIST of the cluster's pods.
 """
 
 from __future__ import annotations
@@ -32,15 +33,16 @@ from kvfabric.operator.podhealth import server_pod_view
 from kvfabric.operator.reconcile import AppliedMemo, PoolKey, ReconcileQueue, ReconcileResult, reconcile_pool
 from kvfabric.operator.render import names
 from kvfabric.operator.render.wipe import wipe_dir
+from kvfabric.operator.secretmemo import SecretMemo
 from kvfabric.operator.status import consumer_view
 from kvfabric.operator.wipe import sweep_finished_wipe_pods, wipe_deleted_pool
 
 log = logging.getLogger("kvfabric.operator.controller")
 
 _OWNED = f"{names.MANAGED_BY}={names.MANAGED_BY_VALUE},{names.OWNER_POOL_LABEL}"
-# Kinds cached by owner pool: what a reconcile reads (DaemonSet, Services, PVCs, cache pods) and what
-# it must notice when edited or deleted by hand (ConfigMap).
-OWNED_KINDS = ("DaemonSet", "Service", "PersistentVolumeClaim", "ConfigMap", "Pod")
+# Kinds cached by owner pool: what a reconcile reads (DaemonSet, Services, PVCs, cache pods, and every
+# child's owner before it applies one) and what it must notice when edited or deleted by hand.
+OWNED_KINDS = ("DaemonSet", "Service", "PersistentVolumeClaim", "ConfigMap", "NetworkPolicy", "Pod")
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class Controller:
         self._applied: dict[PoolKey, AppliedMemo] = {}
         self.elector: LeaseElector | None = None
         self.reader: CachedReader | None = None
+        self.secrets: SecretMemo | None = None
         self._known: set[PoolKey] = set()
         self._queue: ReconcileQueue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -122,6 +125,11 @@ class Controller:
         # Every node a pool's cache servers were seen on while this replica led: with foreground
         # deletion the pods are gone before the pool's DELETED event, and the cache with them.
         self._pool_nodes: dict[PoolKey, set[str]] = {}
+
+    def api_requests(self) -> dict[str, int]:
+        """Requests the leading controller's client sent, by method (empty while it does not lead)."""
+        client = self._client
+        return dict(getattr(client, "requests", None) or {})
 
     @property
     def leading(self) -> bool:
@@ -190,6 +198,11 @@ class Controller:
 
     def _forget(self, key: PoolKey, last: dict[str, Any] | None = None) -> None:
         self._known.discard(key)
+        if self.secrets is not None:
+            # A pool created again under this name must not see the old one's credentials.
+            for secret_name in names.pool_secret_names(key[1]):
+                self.secrets.forget(key[0], secret_name)
+            self.secrets.forget(self.operator_namespace, names.CONSUMER_KEYS_SECRET)
         self._status_written.pop(key, None)
         self._applied.pop(key, None)
         seen = self._pool_nodes.pop(key, set())
@@ -315,6 +328,9 @@ class Controller:
         self.reader = reader
         scraper = Scraper(interval=self.scrape_seconds, on_update=self._trigger)
         self.scraper = scraper
+        # Secrets cannot be watched: each is read again once a resync period old (see SecretMemo).
+        secrets = SecretMemo(client, max_age=self.resync_seconds)
+        self.secrets = secrets
 
         async def work(key: PoolKey) -> ReconcileResult | None:
             self.reconciles += 1
@@ -328,6 +344,7 @@ class Controller:
                 scraper=scraper if self.scrape_seconds > 0 else None,
                 operator_namespace=self.operator_namespace,
                 applied=self._applied.setdefault(key, {}),
+                secrets=secrets,
             )
             if result is not None and result.status_version is not None:
                 self._status_written[key] = result.status_version
@@ -392,7 +409,9 @@ class Controller:
                         queue.trigger(key)
                 if roots is not None:
                     # Pools deleted while no replica led (or whose removal failed) leave entries behind.
-                    await prune_roots(client, self.operator_namespace, roots, live, self.namespaces)
+                    pruned = await prune_roots(client, self.operator_namespace, roots, live, self.namespaces)
+                    if pruned and self.secrets is not None:
+                        self.secrets.forget(self.operator_namespace, names.CONSUMER_KEYS_SECRET)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # keep the loop alive; the next pass retries

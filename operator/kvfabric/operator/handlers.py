@@ -211,6 +211,8 @@ class OperatorApp:
             "webhook_loop_lag": self.loop_lag.histogram.snapshot(),
             "gc": self.gc_pauses.snapshot(),
             "thread_cpu_s": thread_cpu_seconds({k: v for k, v in threads.items() if v is not None}),
+            # What the reconciles cost the API server (GETs, applies, status writes, informers' lists).
+            "controller_api_requests": self.controller.api_requests(),
         }
 
     @property

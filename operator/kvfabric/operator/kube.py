@@ -8,6 +8,7 @@ plain ``PATCH`` with ``application/apply-patch+yaml`` and the event loop is neve
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import ssl
@@ -129,6 +130,8 @@ class KubeClient:
         self._token_file = token_file
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
+        self.requests: collections.Counter[str] = collections.Counter()
+        """Requests sent, by method (watches as ``WATCH``): the benchmark reports them."""
 
     @classmethod
     def from_environment(cls, kubeconfig: str | None = None, context: str | None = None) -> KubeClient:
@@ -194,6 +197,7 @@ class KubeClient:
             self._session = aiohttp.ClientSession(
                 timeout=self._timeout, connector=aiohttp.TCPConnector(ssl=self._ssl, limit=32)
             )
+        self.requests[method] += 1
         data = None if body is None else json.dumps(body)
         if data is not None and content_type is None:
             content_type = "application/json"
@@ -218,6 +222,7 @@ class KubeClient:
                 timeout=self._timeout, connector=aiohttp.TCPConnector(ssl=self._ssl, limit=32)
             )
         path = resource_path(kind, namespace)
+        self.requests["WATCH"] += 1
         query = {**params, "watch": "true", "allowWatchBookmarks": "true"}
         # No total timeout: the server ends the stream after timeoutSeconds; a silent stream is dead.
         timeout = aiohttp.ClientTimeout(

@@ -37,6 +37,7 @@ from kvfabric.operator.render import (
     render_children,
 )
 from kvfabric.operator.render.children import RenderedChildren, owner_reference, surge_is_safe, without_surge
+from kvfabric.operator.secretmemo import SecretMemo
 from kvfabric.operator.status import Event, Observed, compute_status, strip_times
 
 log = logging.getLogger("kvfabric.operator.reconcile")
@@ -46,12 +47,12 @@ _PRUNABLE: Final = ("Service", "PersistentVolumeClaim", "ConfigMap")
 # Kinds whose rendered names are checked for someone else's object before applying: every kind a
 # pool renders except Secrets, which plan_secrets checks the same way.
 _OWNERSHIP_CHECKED: Final = ("ConfigMap", "PersistentVolumeClaim", "DaemonSet", "Service", "NetworkPolicy")
-# Checked kinds no informer caches: read straight from the API server (one GET by name each).
-_UNCACHED: Final = frozenset({"NetworkPolicy"})
 PoolKey = tuple[str, str]  # (namespace, name)
 # Kinds whose apply is skipped when nothing changed since the last one (AppliedMemo): those the
 # controller's informers cache, so "unchanged" is read from the cache, never from the API server.
-_MEMO_KINDS: Final = frozenset({"ConfigMap", "Service", "DaemonSet"})
+_MEMO_KINDS: Final = frozenset(
+    {"ConfigMap", "Service", "DaemonSet", "NetworkPolicy", "PersistentVolumeClaim"}
+)
 AppliedMemo = dict[tuple[str, str, str], tuple[str, str]]
 """(kind, namespace, name) -> (digest of what was applied, the object's resourceVersion after it)."""
 
@@ -142,6 +143,7 @@ async def _apply_children(
     result: ReconcileResult,
     *,
     memo: AppliedMemo | None = None,
+    secrets: SecretMemo | None = None,
 ) -> str | None:
     """Apply and prune; return the API server's message if it rejected an object, else None.
 
@@ -186,7 +188,7 @@ async def _apply_children(
         await apply(obj)
     # Credentials before the DaemonSet too: its pods mount them. One of the pool's names taken by a
     # Secret that is not the pool's stops here: its pods would mount someone else's Secret.
-    _, conflicts = await _ensure_secrets(client, pool)
+    _, conflicts = await _ensure_secrets(client, pool, secrets)
     if conflicts:
         result.applied = len(configmaps)
         result.secret_conflicts = conflicts
@@ -217,9 +219,8 @@ async def _foreign_children(
 
     async def foreign(obj: dict[str, Any]) -> str | None:
         kind, name = obj["kind"], obj["metadata"]["name"]
-        source: Reader = client if kind in _UNCACHED else reader
-        found = await source.get(kind, pool.namespace, name)
-        if found is None and source is not client:
+        found = await reader.get(kind, pool.namespace, name)
+        if found is None and reader is not client:
             found = await client.get(kind, pool.namespace, name)
         if found is None or owned_by(found, uid):
             return None
@@ -317,6 +318,7 @@ async def reconcile_pool(
     scraper: Scraper | None = None,
     operator_namespace: str | None = None,
     applied: AppliedMemo | None = None,
+    secrets: SecretMemo | None = None,
 ) -> ReconcileResult | None:
     """Bring one pool's children to the rendered state and write its status; None if the pool is gone.
 
@@ -324,6 +326,7 @@ async def reconcile_pool(
     ``scraper`` (optional) keeps ``status.cache`` current from the cache servers' metrics.
     ``operator_namespace`` (default: ``$POD_NAMESPACE``) holds the consumer-keys Secret.
     ``applied`` (optional, kept across passes) skips applying children nobody changed since.
+    ``secrets`` (optional, kept across passes) answers Secret reads from what was read or written lately.
     """
     reader = reader or client
     raw = await client.get(KIND, namespace, name)
@@ -333,8 +336,12 @@ async def reconcile_pool(
     plan = plan_pool(raw)
     apply_error = None
     if plan.children is not None and plan.pool is not None:
-        apply_error = await _apply_children(client, reader, plan.pool, plan.children, result, memo=applied)
-        await _publish_consumer_root(client, operator_namespace or names.operator_namespace(), plan.pool)
+        apply_error = await _apply_children(
+            client, reader, plan.pool, plan.children, result, memo=applied, secrets=secrets
+        )
+        await _publish_consumer_root(
+            client, operator_namespace or names.operator_namespace(), plan.pool, secrets
+        )
     observed = await _observe(
         reader,
         raw,
@@ -381,32 +388,48 @@ async def _write_status(client: KubeClient, raw: dict[str, Any], status: dict[st
         raise
 
 
-async def _ensure_secrets(client: KubeClient, pool: KVCachePool) -> tuple[frozenset[str], tuple[str, ...]]:
+async def _ensure_secrets(
+    client: KubeClient, pool: KVCachePool, secrets: SecretMemo | None = None
+) -> tuple[frozenset[str], tuple[str, ...]]:
     """Create, complete or rotate the pool's credentials.
 
     Returns the Secret names it should have and those of them held by a Secret that is not the
-    pool's (left untouched: never merged into, owned or deleted).
+    pool's (left untouched: never merged into, owned or deleted). With ``secrets``, they are read
+    from what this replica read or wrote lately; a conflict is confirmed by the API server first.
     """
-    candidates = [
-        names.credentials_secret_name(pool.name),
-        names.ca_secret_name(pool.name),
-        names.server_tls_secret_name(pool.name),
-        names.client_tls_secret_name(pool.name),
-    ]
-    found = await asyncio.gather(*(client.get("Secret", pool.namespace, n) for n in candidates))
+    candidates = names.pool_secret_names(pool.name)
     owner = owner_reference(pool)
+    if secrets is None:
+        found = await asyncio.gather(*(client.get("Secret", pool.namespace, n) for n in candidates))
+    else:
+        found = await asyncio.gather(*(secrets.get(pool.namespace, n) for n in candidates))
+        if any(s is not None and not owned_by(s, owner["uid"]) for s in found):
+            # Someone else's, or a previous pool's of that name that is gone by now: ask again.
+            found = await asyncio.gather(*(secrets.get(pool.namespace, n, fresh=True) for n in candidates))
     plan = plan_secrets(pool, dict(zip(candidates, found, strict=True)), dt.datetime.now(dt.UTC), owner)
     for body in plan.writes:
-        await client.apply(body, field_manager=names.FIELD_MANAGER)
+        secret_name = body["metadata"]["name"]
+        try:
+            answer = await client.apply(body, field_manager=names.FIELD_MANAGER)
+        except BaseException:
+            if secrets is not None:
+                secrets.forget(pool.namespace, secret_name)
+            raise
+        if secrets is not None:
+            secrets.put(answer, pool.namespace, secret_name)
     # Secrets are never listed (a list returns every Secret's data): the ones the pool no longer
     # needs (TCP turned off) are known by name, and only the pool's own are deleted.
     for secret_name, secret in zip(candidates, found, strict=True):
         if secret is not None and secret_name not in plan.wanted and owned_by(secret, owner["uid"]):
+            if secrets is not None:
+                secrets.forget(pool.namespace, secret_name)
             await client.delete("Secret", pool.namespace, secret_name)
     return plan.wanted, plan.conflicts
 
 
-async def _publish_consumer_root(client: KubeClient, operator_namespace: str, pool: KVCachePool) -> None:
+async def _publish_consumer_root(
+    client: KubeClient, operator_namespace: str, pool: KVCachePool, secrets: SecretMemo | None = None
+) -> None:
     """Keep the pool's entry in the consumer-keys Secret current (the CSI plugin's only source).
 
     A failure is logged, never raised: it must not hold the pool's status back, and the periodic
@@ -414,7 +437,7 @@ async def _publish_consumer_root(client: KubeClient, operator_namespace: str, po
     refuses their key volume, and their pods wait in ContainerCreating until it is there).
     """
     try:
-        if await publish_root(client, operator_namespace, pool):
+        if await publish_root(client, operator_namespace, pool, secrets=secrets):
             log.info("published the consumer-key root of %s/%s", pool.namespace, pool.name)
     except (ApiError, OSError, TimeoutError) as exc:
         log.warning(

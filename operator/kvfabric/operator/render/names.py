@@ -98,6 +98,16 @@ def client_tls_secret_name(pool: str) -> str:
     return f"{pool}-client-tls"
 
 
+def pool_secret_names(pool: str) -> tuple[str, str, str, str]:
+    """Return every Secret name a pool's credentials may use (credentials, CA, server and client TLS)."""
+    return (
+        credentials_secret_name(pool),
+        ca_secret_name(pool),
+        server_tls_secret_name(pool),
+        client_tls_secret_name(pool),
+    )
+
+
 def network_policy_name(pool: str) -> str:
     """Return the NetworkPolicy guarding the cache servers' ports."""
     return f"{pool}-cache"

@@ -64,7 +64,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvfabric.bench.report import summary
+from kvfabric.bench.report import Target, judge, percentile, spread, summary
 
 SUFFIX = 64
 
@@ -243,7 +243,72 @@ def run_chat(args: argparse.Namespace) -> int:
             },
         )
     _out(args, {"event": "outputs", "identical": same, "of": len(alone[2]), "vllm": env.installed_version()})
+    _out(args, chat_verdicts(alone[0], fabric[0], alone[1], fabric[1], identical=same, outputs=len(alone[2])))
     return 0
+
+
+# Goals of the chat workload: later rounds reuse their history (kvfabric no slower than vLLM alone at
+# the median), round 1 (nothing to reuse, only stores) costs at most 3 % at p90, every output equal.
+CHAT_ROUND_1_P90_GOAL = 1.03
+CHAT_SPEEDUP_GOAL = 1.0
+
+
+def chat_verdicts(
+    first_alone: list[float],
+    first_fabric: list[float],
+    later_alone: list[float],
+    later_fabric: list[float],
+    *,
+    identical: int,
+    outputs: int,
+) -> dict[str, Any]:
+    """The chat run's summary line: ``spread`` (one sample each: a whole run) and ``targets``."""
+    spreads = {
+        "chat_round_1_p90_ratio": spread(
+            [percentile(sorted(first_fabric), 0.9) / percentile(sorted(first_alone), 0.9)]
+        ),
+        "chat_outputs_identical_fraction": spread([identical / outputs if outputs else 0.0]),
+    }
+    if later_alone and later_fabric:
+        spreads["chat_rounds_2_plus_speedup_p50"] = spread(
+            [statistics.median(later_alone) / statistics.median(later_fabric)]
+        )
+    targets = [
+        Target("chat rounds >= 2: TTFT p50 speed-up, vLLM alone / with kvfabric",
+               "chat_rounds_2_plus_speedup_p50", ">=", CHAT_SPEEDUP_GOAL),
+        Target("chat: outputs identical to vLLM alone's (fraction)", "chat_outputs_identical_fraction",
+               ">=", 1.0, stat="worst"),
+        Target("chat round 1 (stores only): TTFT p90, with kvfabric / vLLM alone",
+               "chat_round_1_p90_ratio", "<=", CHAT_ROUND_1_P90_GOAL),
+    ]  # fmt: skip
+    return {
+        "bench": "vllm-chat",
+        "spread": {k: v.as_dict() for k, v in spreads.items()},
+        "targets": judge(targets, spreads),
+    }
+
+
+# A kvfabric hit after a restart may cost at most 1.2x vLLM's own prefix-cache hit of the same prompt.
+HIT_OVER_WARM_GOAL = 1.2
+
+
+def length_verdicts(warm: dict[int, list[float]], hit: dict[int, list[float]]) -> dict[str, Any]:
+    """The length table's summary line: per length, the ratio hit / vLLM's own hit of each prompt."""
+    spreads = {
+        f"kvfabric_vs_vllm_warm_{n}": spread([h / w for h, w in zip(hit[n], warm[n], strict=True)])
+        for n in warm
+        if warm[n]
+    }
+    targets = [
+        Target(f"real vLLM: kvfabric hit after restart / vLLM's own prefix-cache hit, {n} tokens",
+               f"kvfabric_vs_vllm_warm_{n}", "<=", HIT_OVER_WARM_GOAL)
+        for n in warm
+    ]  # fmt: skip
+    return {
+        "bench": "vllm",
+        "spread": {k: v.as_dict() for k, v in spreads.items()},
+        "targets": judge(targets, spreads),
+    }
 
 
 def _gaps(stamps: list[float], start: float, end: float) -> list[float]:
@@ -448,6 +513,7 @@ def run(args: argparse.Namespace) -> int:
                 "speedup_vs_cold": round(c / h, 1),
             },
         )
+    _out(args, length_verdicts(warm, hit))
     return 0
 
 

@@ -1,0 +1,202 @@
+"""``kvfabric bench suite``: the table over N runs' JSON, and the goals the suite reads from each bench."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfabric.bench.report import Target, judge, spread
+from kvfabric.bench.suite import ROWS, Row, build_rows, find_targets, markdown, parse_output, run
+from kvfabric.bench.vllm import chat_verdicts, length_verdicts
+from kvfabric.cli.main import build_parser
+
+
+def _doc(*targets: tuple[Target, list[float]]) -> dict[str, Any]:
+    """A benchmark's JSON document judging each target on the given per-round samples."""
+    spreads = {t.measure: spread(xs) for t, xs in targets}
+    return {
+        "spread": {k: v.as_dict() for k, v in spreads.items()},
+        "targets": judge([t for t, _ in targets], spreads),
+    }
+
+
+SHM = Target("shm load / memcpy", "shm_load_over_memcpy", ">=", 0.9)
+ROW = Row("shm load / memcpy", "storage", "shm_load_over_memcpy")
+
+
+def test_a_goal_met_in_two_of_three_runs_is_some_with_each_runs_spread_and_the_spread_across_runs() -> None:
+    docs = {"storage": [_doc((SHM, [0.95, 0.9, 1.0])), _doc((SHM, [0.5, 0.4, 0.6])), _doc((SHM, [0.92]))]}
+    [r] = build_rows(docs, 3, [ROW])
+    assert r.cells == ("0.95 (0.9-1)", "0.5 (0.4-0.6)", "0.92")
+    assert r.across == "0.5-0.95"  # min-max of the runs' medians
+    assert r.goal == ">= 0.9"
+    assert r.met == "some 2/3"
+
+
+def test_all_and_none() -> None:
+    met = {"storage": [_doc((SHM, [1.0]))] * 3}
+    missed = {"storage": [_doc((SHM, [0.1]))] * 3}
+    assert build_rows(met, 3, [ROW])[0].met == "all 3/3"
+    assert build_rows(missed, 3, [ROW])[0].met == "none 0/3"
+
+
+def test_a_failed_run_is_shown_and_counts_as_not_met() -> None:
+    docs = {"storage": [_doc((SHM, [1.0])), None, _doc((SHM, [0.99]))]}
+    [r] = build_rows(docs, 3, [ROW])
+    assert r.cells == ("1", "run failed", "0.99")
+    assert r.across == "0.99-1"
+    assert r.met == "some 2/3"
+
+
+def test_a_missing_benchmark_and_a_row_no_bench_measures() -> None:
+    rows = [ROW, Row("demo: first request overhead", None)]
+    results = build_rows({}, 3, rows)
+    assert [(r.cells, r.met) for r in results] == [
+        (("not run",) * 3, "not run"),
+        (("",) * 3, "not measured by a bench"),
+    ]
+    table = markdown(results, 3)
+    assert "| demo: first request overhead |  |  |  |  |  | not measured by a bench |" in table
+    assert table.splitlines()[0] == "| target | run 1 | run 2 | run 3 | across runs | goal | met |"
+
+
+def test_a_target_its_bench_did_not_measure_in_a_run() -> None:
+    never = Target("hung", "hung_server_added_ms", "<=", 5.0, stat="worst")
+    docs = {"ttft": [{"targets": judge([never], {})}, _doc((never, [1.0, 2.0]))]}
+    [r] = build_rows(docs, 2, [Row("hung", "ttft", "hung_server_added_ms")])
+    assert r.cells == ("not measured", "1.5 (1-2)")
+    assert r.met == "some 1/2"
+
+
+def test_a_never_goal_is_judged_and_spread_on_each_runs_worst_round() -> None:
+    never = Target("hung server ms", "hung_server_added_ms", "<=", 5.0, stat="worst")
+    # Every run's median meets the goal; runs 1 and 3 have a round over it.
+    docs = {
+        "ttft": [_doc((never, [1.0, 1.0, 400.0])), _doc((never, [1.0, 2.0, 3.0])), _doc((never, [1, 9, 1]))]
+    }
+    [r] = build_rows(docs, 3, [Row("hung", "ttft", "hung_server_added_ms")])
+    assert r.goal == "<= 5 (worst round)"
+    assert r.met == "some 1/3"
+    assert r.across == "3-400"  # the worst rounds, not the medians (all 1-2)
+    lower = Target("identical", "identical", ">=", 1.0, stat="worst")
+    docs = {"chat": [_doc((lower, [1.0, 0.5])), _doc((lower, [1.0]))]}
+    [r] = build_rows(docs, 2, [Row("identical", "chat", "identical")])
+    assert (r.across, r.met) == ("0.5-1", "some 1/2")
+
+
+def test_a_reported_value_without_a_goal_has_no_verdict() -> None:
+    docs = {
+        "operator": [
+            {
+                "scale": {
+                    "targets": {
+                        "peak RSS, MB": {
+                            "measure": "operator",
+                            "value": spread([260.0]).as_dict(),
+                            "goal": "reported",
+                            "met": None,
+                        }
+                    }
+                }
+            }
+        ]
+    }
+    [r] = build_rows(docs, 1, [Row("peak RSS", "operator", "operator")])
+    assert (r.cells, r.goal, r.met) == (("260",), "reported", "-")
+
+
+def test_a_parametric_label_picks_the_right_one_of_two_targets_with_similar_measures() -> None:
+    top = Target("lookup p99, 32 closed-loop clients x 128 keys (ms)", "lookup_best_c32_p99_ms", "<=", 0.05)
+    cores = Target(
+        "lookup p99, 2 closed-loop clients (<= 2 cores) x 128 keys (ms)", "lookup_best_c2_p99_ms", "<=", 0.05
+    )
+    docs = {"storage": [_doc((top, [9.0]), (cores, [0.04]))]}
+    rows = [r for r in ROWS if r.name.startswith("lookup p99")]
+    assert [(r.cells, r.met) for r in build_rows(docs, 1, rows)] == [
+        (("0.04",), "all 1/1"),
+        (("9",), "none 0/1"),
+    ]
+
+
+def test_every_row_of_the_performance_table_is_there_in_order() -> None:
+    names = [r.name for r in ROWS]
+    assert len(names) == len(set(names)) == 21
+    assert {r.bench for r in ROWS} == {"storage", "ttft", "vllm", "chat", "operator", None}
+
+
+def test_output_parsing_finds_the_document_of_each_bench_shape() -> None:
+    one = {"bench": "storage", "targets": {}}
+    assert parse_output(json.dumps(one) + "\n") == one  # storage: one line
+    assert parse_output(json.dumps({"scale": {"targets": {}}}, indent=2)) == {"scale": {"targets": {}}}
+    lines = [
+        json.dumps({"event": "started"}),
+        json.dumps({"bench": "vllm", "targets": {"x": {}}}),
+        "not json",
+    ]
+    assert parse_output("\n".join(lines)) == {"bench": "vllm", "targets": {"x": {}}}  # vllm: many lines
+    assert parse_output("Traceback ...\n") is None
+    assert find_targets(None) is None
+    assert find_targets({"targets": {"a": {}}}) == {"a": {}}
+
+
+def test_the_table_is_rebuilt_from_a_results_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "run1-storage.json").write_text(json.dumps({"bench": "storage", **_doc((SHM, [1.0]))}))
+    (tmp_path / "run2-storage.json").write_text("Traceback: the bench crashed\n")
+    args = build_parser().parse_args(["bench", "suite", "--runs", "3", "--from", str(tmp_path)])
+    assert run(args) == 0
+    out = capsys.readouterr().out
+    assert "| shm load / memcpy | 1 | run failed | run failed | 1-1 | >= 0.9 | some 1/3 |" in out
+    assert "| operator: all pools Ready (s) | not run | not run | not run |  |  | not run |" in out
+
+
+def test_bad_options_name_the_option(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    assert run(parser.parse_args(["bench", "suite", "--only", "storage,gpu"])) == 2
+    assert "--only" in capsys.readouterr().err
+    assert run(parser.parse_args(["bench", "suite", "--args", "vlm=--quick"])) == 2
+    assert "--args" in capsys.readouterr().err
+    assert run(parser.parse_args(["bench", "suite", "--runs", "0"])) == 2
+    assert "--runs" in capsys.readouterr().err
+
+
+def test_vllm_length_table_judges_each_prompts_hit_against_vllms_own_hit() -> None:
+    warm = {2048: [0.10, 0.10, 0.10], 8192: [0.2, 0.2, 0.2]}
+    hit = {2048: [0.11, 0.13, 0.30], 8192: [0.3, 0.3, 0.3]}
+    doc = length_verdicts(warm, hit)
+    assert doc["spread"]["kvfabric_vs_vllm_warm_2048"] == {"median": 1.3, "min": 1.1, "max": 3.0, "rounds": 3}
+    met = {v["measure"]: v["met"] for v in doc["targets"].values()}
+    assert met == {"kvfabric_vs_vllm_warm_2048": False, "kvfabric_vs_vllm_warm_8192": False}
+    doc = length_verdicts(warm, {2048: [0.1, 0.11, 0.5], 8192: [0.2, 0.2, 0.2]})
+    assert all(v["met"] for v in doc["targets"].values())
+
+
+def test_vllm_chat_verdicts() -> None:
+    first_alone = [0.1] * 9 + [0.2]
+    doc = chat_verdicts(first_alone, [0.1] * 9 + [0.21], [0.3, 0.3], [0.1, 0.1], identical=23, outputs=24)
+    t = {v["measure"]: v for v in doc["targets"].values()}
+    assert t["chat_rounds_2_plus_speedup_p50"]["value"]["median"] == 3.0
+    assert t["chat_rounds_2_plus_speedup_p50"]["met"] is True
+    # p90 of ten samples (nearest rank) is the 9th: 0.1 both, so the 5 % slower max is not judged.
+    assert t["chat_round_1_p90_ratio"]["value"]["median"] == 1.0
+    assert t["chat_round_1_p90_ratio"]["met"] is True
+    assert t["chat_outputs_identical_fraction"]["met"] is False  # 23 of 24: a "never" goal
+    slow = chat_verdicts([0.1] * 10, [0.11] * 10, [0.3], [0.1], identical=24, outputs=24)
+    assert {v["measure"]: v["met"] for v in slow["targets"].values()} == {
+        "chat_rounds_2_plus_speedup_p50": True,
+        "chat_outputs_identical_fraction": True,
+        "chat_round_1_p90_ratio": False,
+    }
+
+
+def test_the_suite_parses_and_says_what_it_does(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "suite", "--help"])
+    out = capsys.readouterr().out
+    assert "--runs" in out
+    assert "--only" in out
+    assert "markdown table" in out

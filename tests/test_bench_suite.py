@@ -200,3 +200,44 @@ def test_the_suite_parses_and_says_what_it_does(capsys: pytest.CaptureFixture[st
     assert "--runs" in out
     assert "--only" in out
     assert "markdown table" in out
+
+
+@pytest.mark.process
+def test_a_crashing_benchmark_loses_only_its_own_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    from kvfabric.bench import suite
+
+    doc = json.dumps(
+        {"bench": "storage", **_doc((SHM, [0.95, 0.9])), "spread": {"memcpy_gbps": spread([7.5]).as_dict()}}
+    )
+    scripts = {
+        "storage": f"print({json.dumps(doc)})",
+        "ttft": "import sys; print('half a line', flush=True); sys.stderr.write('boom\\n'); sys.exit(3)",
+    }
+    monkeypatch.setattr(suite, "_command", lambda name, _args: [sys.executable, "-c", scripts[name]])
+    args = build_parser().parse_args(
+        ["bench", "suite", "--runs", "2", "--only", "ttft,storage", "--out", str(tmp_path)]
+    )
+    assert run(args) == 1  # one benchmark failed
+    out = capsys.readouterr().out
+    assert (
+        "| shm load / memcpy | 0.925 (0.9-0.95) | 0.925 (0.9-0.95) | 0.925-0.925 | >= 0.9 | all 2/2 |" in out
+    )
+    assert (
+        "| restore efficiency (>= 16k, effective / raw) | run failed | run failed |  |  | none 0/2 |" in out
+    )
+    records = json.loads((tmp_path / "suite.json").read_text())["runs"]
+    # The fixed order (storage before ttft), whatever --only says; every run recorded.
+    assert [(r["run"], r["bench"], r["rc"], r["memcpy_gbps"]) for r in records] == [
+        (1, "storage", 0, 7.5),
+        (1, "ttft", 3, None),
+        (2, "storage", 0, 7.5),
+        (2, "ttft", 3, None),
+    ]
+    assert all(len(r["load_start"]) == 3 and r["wall_s"] >= 0 for r in records)
+    assert (tmp_path / "run2-ttft.stderr").read_text() == "boom\n"
+    assert (tmp_path / "run1-ttft.json").read_text() == "half a line\n"
+    assert (tmp_path / "table.md").read_text().startswith("| target | run 1 | run 2 |")

@@ -191,15 +191,17 @@ def build_rows(
             cells.append(_cell(v["value"]))
             judged.append(_judged(v))
         across = f"{_fmt(min(judged))}-{_fmt(max(judged))}" if judged else ""
-        out.append(RowResult(row.name, tuple(cells), across, goal, _met(verdicts, goal)))
+        failed = cells.count("run failed")
+        out.append(RowResult(row.name, tuple(cells), across, goal, _met(verdicts, goal, failed)))
     return out
 
 
-def _met(verdicts: Sequence[Mapping[str, Any] | None], goal: str) -> str:
+def _met(verdicts: Sequence[Mapping[str, Any] | None], goal: str, failed: int) -> str:
+    """``all``/``some``/``none`` with the count; a failed run is a run that did not meet the goal."""
     n = len(verdicts)
     if goal == "reported":
         return "-"
-    if all(v is None or v.get("met") is None for v in verdicts):
+    if not failed and all(v is None or v.get("met") is None for v in verdicts):
         return "not measured"
     met = sum(1 for v in verdicts if v is not None and v.get("met") is True)
     word = "all" if met == n else ("none" if met == 0 else "some")

@@ -87,6 +87,28 @@ def test_a_never_goal_is_judged_and_spread_on_each_runs_worst_round() -> None:
     assert (r.across, r.met) == ("0.5-1", "some 1/2")
 
 
+def test_a_run_below_the_goals_scale_is_named_so() -> None:
+    from kvfabric.bench.operator import scale_verdicts
+
+    small = {
+        "nodes": 100,
+        "pools": 10,
+        "all_ready_s": 7.4,
+        "storm": {"consumer_pods": 500, "injected_at_admission": 500},
+    }
+    full = {
+        **small,
+        "nodes": 1000,
+        "pools": 100,
+        "storm": {"consumer_pods": 5000, "injected_at_admission": 5000},
+    }
+    rows = [Row("operator: all pools Ready (s)", "operator", "all_ready_s")]
+    [r] = build_rows({"operator": [{"scale": {"targets": scale_verdicts(small)}}]}, 1, rows)
+    assert (r.name, r.cells, r.met) == ("operator: all pools Ready (s) (reduced scale)", ("7.4",), "all 1/1")
+    [r] = build_rows({"operator": [{"scale": {"targets": scale_verdicts(full)}}]}, 1, rows)
+    assert r.name == "operator: all pools Ready (s)"
+
+
 def test_a_reported_value_without_a_goal_has_no_verdict() -> None:
     docs = {
         "operator": [
@@ -241,3 +263,18 @@ def test_a_crashing_benchmark_loses_only_its_own_runs(
     assert (tmp_path / "run2-ttft.stderr").read_text() == "boom\n"
     assert (tmp_path / "run1-ttft.json").read_text() == "half a line\n"
     assert (tmp_path / "table.md").read_text().startswith("| target | run 1 | run 2 |")
+
+
+def test_each_benchmark_runs_with_its_default_sizes_unless_replaced() -> None:
+    from kvfabric.bench.suite import _command
+
+    parser = build_parser()
+    plain = parser.parse_args(["bench", "suite"])
+    assert _command("chat", plain)[-4:] == ["bench", "vllm", "--chat", "--json"]
+    assert _command("operator", plain)[-4:] == ["operator", "--scale", "--json", "--quick"]
+    replaced = parser.parse_args(["bench", "suite", "--args", "operator=", "--args", "vllm=--repeats 3"])
+    assert _command("operator", replaced)[-3:] == ["operator", "--scale", "--json"]  # the full scale
+    assert _command("vllm", replaced)[-4:] == ["vllm", "--json", "--repeats", "3"]
+    quick = parser.parse_args(["bench", "suite", "--quick", "--args", "storage=--quick"])
+    assert _command("chat", quick)[-2:] == ["--json", "--quick"]
+    assert _command("storage", quick).count("--quick") == 1

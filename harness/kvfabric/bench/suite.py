@@ -115,12 +115,13 @@ def find_targets(doc: Mapping[str, Any] | None) -> dict[str, dict[str, Any]] | N
     return None
 
 
-def _verdict(row: Row, targets: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Any] | None:
+def _verdict(row: Row, targets: Mapping[str, Mapping[str, Any]]) -> tuple[str, Mapping[str, Any]] | None:
+    """The label and verdict of the target ``row`` names, or None."""
     for label, v in targets.items():
         if not re.fullmatch(row.measure, str(v.get("measure", ""))):
             continue
         if row.label is None or re.search(row.label, label):
-            return v
+            return label, v
     return None
 
 
@@ -174,6 +175,7 @@ def build_rows(
         cells: list[str] = []
         judged: list[float] = []
         verdicts: list[Mapping[str, Any] | None] = []
+        labels: list[str] = []
         goal = ""
         for doc in runs_docs:
             targets = find_targets(doc)
@@ -181,7 +183,10 @@ def build_rows(
                 cells.append("run failed")
                 verdicts.append(None)
                 continue
-            v = _verdict(row, targets)
+            found = _verdict(row, targets)
+            v = None if found is None else found[1]
+            if found is not None:
+                labels.append(found[0])
             verdicts.append(v)
             if v is None or v.get("value") is None:
                 cells.append("not measured")
@@ -192,7 +197,10 @@ def build_rows(
             judged.append(_judged(v))
         across = f"{_fmt(min(judged))}-{_fmt(max(judged))}" if judged else ""
         failed = cells.count("run failed")
-        out.append(RowResult(row.name, tuple(cells), across, goal, _met(verdicts, goal, failed)))
+        # A benchmark that says it ran below the goal's scale (operator --scale --quick) says so here too.
+        reduced = any(label.endswith("(reduced scale)") for label in labels)
+        name = row.name + (" (reduced scale)" if reduced else "")
+        out.append(RowResult(name, tuple(cells), across, goal, _met(verdicts, goal, failed)))
     return out
 
 

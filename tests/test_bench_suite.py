@@ -174,6 +174,14 @@ def test_the_table_is_rebuilt_from_a_results_directory(
     out = capsys.readouterr().out
     assert "| shm load / memcpy | 1 | run failed | run failed | 1-1 | >= 0.9 | some 1/3 |" in out
     assert "| operator: all pools Ready (s) | not run | not run | not run |  |  | not run |" in out
+    # A run that printed its document but then exited non-zero is a failed run, as when it ran.
+    (tmp_path / "run3-storage.json").write_text(json.dumps(_doc((SHM, [1.0]))))
+    (tmp_path / "suite.json").write_text(json.dumps({"runs": [{"run": 3, "bench": "storage", "rc": 1}]}))
+    assert run(args) == 0
+    assert (
+        "| shm load / memcpy | 1 | run failed | run failed | 1-1 | >= 0.9 | some 1/3 |"
+        in capsys.readouterr().out
+    )
 
 
 def test_bad_options_name_the_option(capsys: pytest.CaptureFixture[str]) -> None:

@@ -299,12 +299,19 @@ def _memcpy_gbps(doc: Mapping[str, Any] | None) -> float | None:
 
 
 def _load_docs(out: Path, names: Sequence[str], runs: int) -> dict[str, list[dict[str, Any] | None]]:
+    """Every run's document from a results directory; a run ``suite.json`` records as failed is None."""
+    failed: set[tuple[int, str]] = set()
+    if (out / "suite.json").exists():
+        records = json.loads((out / "suite.json").read_text()).get("runs", [])
+        failed = {(int(r["run"]), str(r["bench"])) for r in records if r.get("rc") != 0}
     docs: dict[str, list[dict[str, Any] | None]] = {}
     for name in names:
-        found = [out / f"run{i}-{name}.json" for i in range(1, runs + 1)]
-        if not any(p.exists() for p in found):
+        found = [(i, out / f"run{i}-{name}.json") for i in range(1, runs + 1)]
+        if not any(p.exists() for _, p in found):
             continue
-        docs[name] = [parse_output(p.read_text()) if p.exists() else None for p in found]
+        docs[name] = [
+            parse_output(p.read_text()) if p.exists() and (i, name) not in failed else None for i, p in found
+        ]
     return docs
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from kvfabric.bench.report import Target, judge, spread
 from kvfabric.bench.suite import ROWS, Row, build_rows, find_targets, markdown, parse_output, run
+from kvfabric.bench.ttft import hung_spreads
 from kvfabric.bench.vllm import chat_verdicts, length_verdicts
 from kvfabric.cli.main import build_parser
 
@@ -286,3 +287,11 @@ def test_each_benchmark_runs_with_its_default_sizes_unless_replaced() -> None:
     quick = parser.parse_args(["bench", "suite", "--quick", "--args", "storage=--quick"])
     assert _command("chat", quick)[-2:] == ["--json", "--quick"]
     assert _command("storage", quick).count("--quick") == 1
+
+
+def test_ttft_reports_the_hung_servers_first_request_apart_from_the_rest() -> None:
+    s = hung_spreads([495.0, 1.0, 0.5, 0.6, 0.7], [])
+    assert s["hung_server_first_request_ms"].median == 495.0
+    assert (s["hung_server_added_ms"].median, s["hung_server_added_ms"].max) == (0.7, 495.0)
+    assert "hung_server_added_ms_rpc" not in s
+    assert hung_spreads([], []) == {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -295,3 +296,24 @@ def test_ttft_reports_the_hung_servers_first_request_apart_from_the_rest() -> No
     assert (s["hung_server_added_ms"].median, s["hung_server_added_ms"].max) == (0.7, 495.0)
     assert "hung_server_added_ms_rpc" not in s
     assert hung_spreads([], []) == {}
+
+
+@pytest.mark.process
+def test_a_benchmark_past_its_timeout_is_interrupted_so_it_can_clean_up(tmp_path: Path) -> None:
+    import sys
+
+    from kvfabric.bench.suite import run_one
+
+    marker = tmp_path / "cleaned-up"
+    script = (
+        "import sys, time\n"
+        "print('started', flush=True)\n"
+        "try:\n    time.sleep(60)\n"
+        f"finally:\n    open({str(marker)!r}, 'w').write('yes')\n"
+    )
+    t0 = time.monotonic()
+    rc, out, err = run_one([sys.executable, "-c", script], timeout=3)
+    assert time.monotonic() - t0 < 30
+    assert (rc, out) == (-1, "started\n")
+    assert err.endswith("kvfabric bench suite: timed out after 3 s\n")
+    assert marker.read_text() == "yes"  # its finally ran: SIGINT, not a kill

@@ -2,7 +2,8 @@
 
 Runs the benchmarks in a fixed order (``storage``, ``ttft``, ``vllm``, ``chat`` = ``vllm --chat``,
 ``operator`` = ``operator --scale``), ``--runs`` times (default 3), each as its own subprocess of
-this CLI with ``--json``: a crash of one loses only that run (its stderr is kept). Every run's
+this CLI with ``--json``: a crash of one loses only that run (its stderr is kept), and one past
+``--timeout`` is interrupted (SIGINT, so it stops what it started) and counts as failed. Every run's
 stdout and stderr are written to ``--out`` (default ``bench-results/suite-<UTC time>/``, gitignored),
 with ``suite.json`` (the runs' wall time, load average at start and end, exit status, and memcpy
 GB/s where the storage bench reports it) and ``table.md``, the markdown table it also prints:
@@ -20,10 +21,12 @@ documents (``None`` for a failed run) and can be rerun over a results directory 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -347,14 +350,7 @@ def run(args: argparse.Namespace) -> int:
             load_start = os.getloadavg()
             t0 = time.monotonic()
             print(f"run {i}/{args.runs}: {shlex.join(cmd[1:])}", file=sys.stderr, flush=True)
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
-                rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-            except subprocess.TimeoutExpired as exc:
-                rc = -1
-                stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-                stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-                stderr += f"\nkvfabric bench suite: timed out after {args.timeout} s\n"
+            rc, stdout, stderr = run_one(cmd, args.timeout)
             wall = time.monotonic() - t0
             (out / f"run{i}-{name}.json").write_text(stdout)
             (out / f"run{i}-{name}.stderr").write_text(stderr)
@@ -379,6 +375,44 @@ def run(args: argparse.Namespace) -> int:
     print(runs_table(records))
     print(f"\nresults: {out}")
     return 0 if all(r["rc"] == 0 for r in records) else 1
+
+
+# How long a benchmark interrupted at its timeout may take to clean up (stop vLLM, take a cluster down).
+CLEANUP_S = 120.0
+
+
+def run_one(cmd: Sequence[str], timeout: float) -> tuple[int, str, str]:
+    """Run one benchmark in its own process group: exit status, stdout, stderr.
+
+    Past ``timeout`` the whole group gets SIGINT, so the benchmark's ``finally`` blocks stop the
+    servers and clusters it started (a plain kill would leave them running), then SIGKILL after
+    :data:`CLEANUP_S`. A timed-out run exits -1 with a line saying so at the end of its stderr.
+    """
+    proc = subprocess.Popen(
+        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return proc.returncode, stdout, stderr
+    except subprocess.TimeoutExpired:
+        stdout, stderr = _interrupt(proc)
+    except KeyboardInterrupt:
+        # The group does not get the terminal's ^C (its own session): pass it on, then stop.
+        _interrupt(proc)
+        raise
+    return -1, stdout, stderr + f"\nkvfabric bench suite: timed out after {timeout:g} s\n"
+
+
+def _interrupt(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """SIGINT to the process group, SIGKILL if it is still there after :data:`CLEANUP_S`; its output."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        return proc.communicate(timeout=CLEANUP_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()
 
 
 def runs_table(records: Sequence[Mapping[str, Any]]) -> str:

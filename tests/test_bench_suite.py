@@ -178,12 +178,19 @@ def test_the_table_is_rebuilt_from_a_results_directory(
     assert "| operator: all pools Ready (s) | not run | not run | not run |  |  | not run |" in out
     # A run that printed its document but then exited non-zero is a failed run, as when it ran.
     (tmp_path / "run3-storage.json").write_text(json.dumps(_doc((SHM, [1.0]))))
-    (tmp_path / "suite.json").write_text(json.dumps({"runs": [{"run": 3, "bench": "storage", "rc": 1}]}))
+    record = {
+        "run": 3,
+        "bench": "storage",
+        "rc": 1,
+        "wall_s": 9.5,
+        "load_start": [1, 1, 1],
+        "load_end": [2, 1, 1],
+    }
+    (tmp_path / "suite.json").write_text(json.dumps({"runs": [{**record, "memcpy_gbps": None}]}))
     assert run(args) == 0
-    assert (
-        "| shm load / memcpy | 1 | run failed | run failed | 1-1 | >= 0.9 | some 1/3 |"
-        in capsys.readouterr().out
-    )
+    out = capsys.readouterr().out
+    assert "| shm load / memcpy | 1 | run failed | run failed | 1-1 | >= 0.9 | some 1/3 |" in out
+    assert "| 3 | storage | 1 | 9.5 | 1-2 |  |" in out  # the runs' table from suite.json
 
 
 def test_bad_options_name_the_option(capsys: pytest.CaptureFixture[str]) -> None:
@@ -273,6 +280,7 @@ def test_a_crashing_benchmark_loses_only_its_own_runs(
     assert (tmp_path / "run2-ttft.stderr").read_text() == "boom\n"
     assert (tmp_path / "run1-ttft.json").read_text() == "half a line\n"
     assert (tmp_path / "table.md").read_text().startswith("| target | run 1 | run 2 |")
+    assert "| 2 | ttft | 3 |" in (tmp_path / "table.md").read_text()
 
 
 def test_each_benchmark_runs_with_its_default_sizes_unless_replaced() -> None:

@@ -339,6 +339,8 @@ def run(args: argparse.Namespace) -> int:
     if args.from_dir is not None:
         table = markdown(build_rows(_load_docs(args.from_dir, names, args.runs), args.runs), args.runs)
         print(table)
+        if (args.from_dir / "suite.json").exists():
+            print("\n" + runs_table(json.loads((args.from_dir / "suite.json").read_text()).get("runs", [])))
         return 0
     out = args.out or Path("bench-results") / time.strftime("suite-%Y%m%d-%H%M%S", time.gmtime())
     out.mkdir(parents=True, exist_ok=True)
@@ -370,9 +372,9 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(record), file=sys.stderr, flush=True)
             (out / "suite.json").write_text(json.dumps({"runs": records}, indent=2))
     table = markdown(build_rows(docs, args.runs), args.runs)
-    (out / "table.md").write_text(table + "\n")
+    (out / "table.md").write_text(table + "\n\n" + runs_table(records) + "\n")
     print(table)
-    print(runs_table(records))
+    print("\n" + runs_table(records))
     print(f"\nresults: {out}")
     return 0 if all(r["rc"] == 0 for r in records) else 1
 

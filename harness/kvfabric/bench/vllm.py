@@ -12,7 +12,9 @@ real cache server, and vLLM's OpenAI server with kvfabric's connector:
 
 Medians over ``--repeats`` prompts per length, with min and max, and the ratios measured in this run:
 ``kvfabric_vs_vllm_warm`` (goal <= 1.2) and ``speedup_vs_cold``. Both servers run with the same CPU
-thread binding (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``). Not a test: nothing is asserted.
+thread binding (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``). Not a test: nothing is asserted. The last line
+is ``spread`` and ``targets`` (:mod:`kvfabric.bench.report`): per length, ``kvfabric_vs_vllm_warm_<n>``
+over the prompts (each prompt's hit over its own vLLM hit), goal <= 1.2.
 
 ``--chat``: instead, a multi-round chat workload whose total context exceeds vLLM's KV cache
 (``--num-gpu-blocks-override``): ``--sessions`` chats of ``--rounds`` rounds, sent round-robin
@@ -21,7 +23,9 @@ others' rounds pass through and vLLM's own prefix cache has evicted its history.
 fresh vLLM server with the same KV-cache size and CPU binding: vLLM alone (its own prefix cache on)
 and vLLM with kvfabric. TTFT p50/p90/p99 per arm for round 1 (nothing to reuse) and rounds 2+
 (history to reuse), the ratio of the arms' medians, and whether every output of the kvfabric arm
-equals vLLM alone's (greedy, float32).
+equals vLLM alone's (greedy, float32). The last line judges the run (one sample: all its requests):
+rounds 2+ speed-up at p50 (>= 1), every output identical, round 1's p90 with kvfabric over vLLM
+alone's (<= 1.03: round 1 only stores).
 
 ``--co-running``: instead, what a load costs the requests decoding beside it, with synchronous and
 with asynchronous loads (``load_async``, issue 11.6). A first vLLM server stores ``--repeats``

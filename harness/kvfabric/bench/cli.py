@@ -12,7 +12,7 @@ import importlib
 from typing import Protocol, cast
 
 # Shown by `kvfabric --help`; this module is registered under the kvfabric.commands entry points.
-SUMMARY = "run a benchmark (storage, ttft, operator, visibility, routing, vllm) and print ratios"
+SUMMARY = "run a benchmark (storage, ttft, operator, visibility, routing, vllm, suite) and print ratios"
 
 __all__ = ["BENCHMARKS", "configure", "run"]
 
@@ -40,6 +40,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "vllm": (
         "kvfabric.bench.vllm",
         "TTFT inside real vLLM: cold, vLLM's own prefix cache, kvfabric after restart",
+    ),
+    # Every row of the performance table: the benchmarks above, --runs times, one markdown table.
+    "suite": (
+        "kvfabric.bench.suite",
+        "run storage, ttft, vllm, vllm --chat and operator --scale N times; one table with spread",
     ),
 }
 

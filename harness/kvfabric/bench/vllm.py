@@ -12,7 +12,9 @@ real cache server, and vLLM's OpenAI server with kvfabric's connector:
 
 Medians over ``--repeats`` prompts per length, with min and max, and the ratios measured in this run:
 ``kvfabric_vs_vllm_warm`` (goal <= 1.2) and ``speedup_vs_cold``. Both servers run with the same CPU
-thread binding (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``). Not a test: nothing is asserted.
+thread binding (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``). Not a test: nothing is asserted. The last line
+is ``spread`` and ``targets`` (:mod:`kvfabric.bench.report`): per length, ``kvfabric_vs_vllm_warm_<n>``
+over the prompts (each prompt's hit over its own vLLM hit), goal <= 1.2.
 
 ``--chat``: instead, a multi-round chat workload whose total context exceeds vLLM's KV cache
 (``--num-gpu-blocks-override``): ``--sessions`` chats of ``--rounds`` rounds, sent round-robin
@@ -21,7 +23,9 @@ others' rounds pass through and vLLM's own prefix cache has evicted its history.
 fresh vLLM server with the same KV-cache size and CPU binding: vLLM alone (its own prefix cache on)
 and vLLM with kvfabric. TTFT p50/p90/p99 per arm for round 1 (nothing to reuse) and rounds 2+
 (history to reuse), the ratio of the arms' medians, and whether every output of the kvfabric arm
-equals vLLM alone's (greedy, float32).
+equals vLLM alone's (greedy, float32). The last line judges the run (one sample: all its requests):
+rounds 2+ speed-up at p50 (>= 1), every output identical, round 1's p90 with kvfabric over vLLM
+alone's (<= 1.03: round 1 only stores).
 
 ``--co-running``: instead, what a load costs the requests decoding beside it, with synchronous and
 with asynchronous loads (``load_async``, issue 11.6). A first vLLM server stores ``--repeats``
@@ -64,7 +68,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvfabric.bench.report import summary
+from kvfabric.bench.report import Target, judge, percentile, spread, summary
 
 SUFFIX = 64
 
@@ -243,7 +247,72 @@ def run_chat(args: argparse.Namespace) -> int:
             },
         )
     _out(args, {"event": "outputs", "identical": same, "of": len(alone[2]), "vllm": env.installed_version()})
+    _out(args, chat_verdicts(alone[0], fabric[0], alone[1], fabric[1], identical=same, outputs=len(alone[2])))
     return 0
+
+
+# Goals of the chat workload: later rounds reuse their history (kvfabric no slower than vLLM alone at
+# the median), round 1 (nothing to reuse, only stores) costs at most 3 % at p90, every output equal.
+CHAT_ROUND_1_P90_GOAL = 1.03
+CHAT_SPEEDUP_GOAL = 1.0
+
+
+def chat_verdicts(
+    first_alone: list[float],
+    first_fabric: list[float],
+    later_alone: list[float],
+    later_fabric: list[float],
+    *,
+    identical: int,
+    outputs: int,
+) -> dict[str, Any]:
+    """The chat run's summary line: ``spread`` (one sample each: a whole run) and ``targets``."""
+    spreads = {
+        "chat_round_1_p90_ratio": spread(
+            [percentile(sorted(first_fabric), 0.9) / percentile(sorted(first_alone), 0.9)]
+        ),
+        "chat_outputs_identical_fraction": spread([identical / outputs if outputs else 0.0]),
+    }
+    if later_alone and later_fabric:
+        spreads["chat_rounds_2_plus_speedup_p50"] = spread(
+            [statistics.median(later_alone) / statistics.median(later_fabric)]
+        )
+    targets = [
+        Target("chat rounds >= 2: TTFT p50 speed-up, vLLM alone / with kvfabric",
+               "chat_rounds_2_plus_speedup_p50", ">=", CHAT_SPEEDUP_GOAL),
+        Target("chat: outputs identical to vLLM alone's (fraction)", "chat_outputs_identical_fraction",
+               ">=", 1.0, stat="worst"),
+        Target("chat round 1 (stores only): TTFT p90, with kvfabric / vLLM alone",
+               "chat_round_1_p90_ratio", "<=", CHAT_ROUND_1_P90_GOAL),
+    ]  # fmt: skip
+    return {
+        "bench": "vllm-chat",
+        "spread": {k: v.as_dict() for k, v in spreads.items()},
+        "targets": judge(targets, spreads),
+    }
+
+
+# A kvfabric hit after a restart may cost at most 1.2x vLLM's own prefix-cache hit of the same prompt.
+HIT_OVER_WARM_GOAL = 1.2
+
+
+def length_verdicts(warm: dict[int, list[float]], hit: dict[int, list[float]]) -> dict[str, Any]:
+    """The length table's summary line: per length, the ratio hit / vLLM's own hit of each prompt."""
+    spreads = {
+        f"kvfabric_vs_vllm_warm_{n}": spread([h / w for h, w in zip(hit[n], warm[n], strict=True)])
+        for n in warm
+        if warm[n]
+    }
+    targets = [
+        Target(f"real vLLM: kvfabric hit after restart / vLLM's own prefix-cache hit, {n} tokens",
+               f"kvfabric_vs_vllm_warm_{n}", "<=", HIT_OVER_WARM_GOAL)
+        for n in warm
+    ]  # fmt: skip
+    return {
+        "bench": "vllm",
+        "spread": {k: v.as_dict() for k, v in spreads.items()},
+        "targets": judge(targets, spreads),
+    }
 
 
 def _gaps(stamps: list[float], start: float, end: float) -> list[float]:
@@ -448,6 +517,7 @@ def run(args: argparse.Namespace) -> int:
                 "speedup_vs_cold": round(c / h, 1),
             },
         )
+    _out(args, length_verdicts(warm, hit))
     return 0
 
 

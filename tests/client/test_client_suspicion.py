@@ -86,6 +86,27 @@ def test_a_false_suspicion_doubles_the_floor_and_replies_in_time_halve_it_back()
     assert clock.bound() == 0.003
 
 
+def test_a_doubled_floor_also_halves_after_a_minute_of_replies_in_time() -> None:
+    """An engine with few loads does not keep a doubled floor for the 1024 replies it takes."""
+    now = [0.0]
+    clock = ReplyClock(floor_s=0.003, factor=4.0, ceiling_s=0.5, clock=lambda: now[0])
+    clock.missed()
+    clock.missed()
+    assert clock.bound() == pytest.approx(0.012)
+    now[0] = 59.0
+    clock.record(0.0001)
+    assert clock.bound() == pytest.approx(0.012)  # not yet a minute since the last change
+    now[0] = 61.0
+    clock.record(0.0001)
+    assert clock.bound() == pytest.approx(0.006)
+    now[0] = 90.0
+    clock.record(0.0001)
+    assert clock.bound() == pytest.approx(0.006)  # a minute from the last halving, not the miss
+    now[0] = 122.0
+    clock.record(0.0001)
+    assert clock.bound() == pytest.approx(0.003)
+
+
 def test_a_cleared_suspicion_tells_the_clock() -> None:
     clock = ReplyClock(floor_s=0.003)
     s = Suspicion(500 * MS, on_cleared=clock.missed)

@@ -50,6 +50,12 @@ def test_stats_payload_derives_loaded_and_failed_tokens() -> None:
     assert data["load_failed_tokens.timeout"] == 256
     assert data["restore_seconds"] == 0.25
     assert data["lookups"] == 4
+    assert "server_suspected" not in data
+
+
+def test_suspicions_of_every_endpoint_are_one_exported_counter() -> None:
+    data = stats_payload({"suspect.local": 2, "suspect.remote": 1, "lookups": 4}, 256)
+    assert data["server_suspected"] == 3
 
 
 def test_stats_aggregate_sum_and_reduce() -> None:

@@ -19,14 +19,18 @@ floor in use (:meth:`ReplyClock.missed`), so a machine too loaded for the floor 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from enum import Enum
 
 __all__ = ["REPLY_FACTOR", "REPLY_FLOOR_S", "ReplyClock", "Suspicion", "Verdict", "verdict"]
 
-REPLY_FLOOR_S = 0.003
-"""The shortest wait for a first reply (seconds): well above a live same-node server's (< 1 ms)."""
+REPLY_FLOOR_S = 0.025
+"""The shortest wait for a first reply (seconds). A live same-node server answers in well under a
+millisecond when idle, but a busy Python thread in it delays an answer by the interpreter's switch
+interval (5 ms) per thread ahead of it: measured p50 5.1 ms with one busy thread, so a 3 ms floor
+turned a neighbour's lookup flood into false suspicions. 25 ms leaves room for a few such waits."""
 REPLY_FACTOR = 4.0
 """How many times the recent high-percentile reply latency a load waits before giving up."""
 _WINDOW = 64
@@ -34,6 +38,9 @@ _QUANTILE = 0.98  # of 64 replies, the second slowest: the tail, less one outlie
 _RELAX_AFTER = 1024
 """Replies in time after which a floor doubled by a false suspicion is halved again: slowly, since a
 machine that delayed a live server past the floor once is likely to do it again."""
+_RELAX_AFTER_S = 60.0
+"""Or this long since the floor last changed, with replies in time meanwhile: an engine with few
+loads does not keep a doubled floor for thousands of them."""
 
 
 class ReplyClock:
@@ -42,7 +49,8 @@ class ReplyClock:
     Capped at ``ceiling`` (the staleness bound: beyond it the heartbeat tells anyway). A false
     suspicion (:meth:`missed`: the server was slow, not hung) doubles the floor in use, up to the
     ceiling, so a machine too loaded for the configured floor pays for it a few times, not on every
-    request; each ``relax_after`` replies in time halve it again, down to the configured floor.
+    request; each ``relax_after`` replies in time, or ``relax_after_s`` seconds with replies in time,
+    halve it again, down to the configured floor.
     Thread-safe.
     """
 
@@ -54,6 +62,8 @@ class ReplyClock:
         ceiling_s: float = 0.5,
         window: int = _WINDOW,
         relax_after: int = _RELAX_AFTER,
+        relax_after_s: float = _RELAX_AFTER_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 < floor_s <= ceiling_s:
             raise ValueError(f"reply floor {floor_s!r} s must be > 0 and <= the ceiling {ceiling_s!r} s")
@@ -63,6 +73,9 @@ class ReplyClock:
         self.factor = factor
         self.ceiling = ceiling_s
         self.relax_after = relax_after
+        self.relax_after_s = relax_after_s
+        self._now = clock
+        self._changed = clock()  # when the floor in use last changed
         self._recent: deque[float] = deque(maxlen=window)
         self._lock = threading.Lock()
         self._floor_now = floor_s
@@ -74,9 +87,12 @@ class ReplyClock:
         with self._lock:
             self._recent.append(max(0.0, seconds))
             self._in_time += 1
-            if self._in_time >= self.relax_after and self._floor_now > self.floor:
+            if self._floor_now > self.floor and (
+                self._in_time >= self.relax_after or self._now() - self._changed >= self.relax_after_s
+            ):
                 self._floor_now = max(self.floor, self._floor_now / 2)
                 self._in_time = 0
+                self._changed = self._now()
             self._update()
 
     def missed(self) -> None:
@@ -84,6 +100,7 @@ class ReplyClock:
         with self._lock:
             self._floor_now = min(self.ceiling, self._floor_now * 2)
             self._in_time = 0
+            self._changed = self._now()
             self._update()
 
     def _update(self) -> None:

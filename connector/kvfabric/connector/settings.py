@@ -148,7 +148,7 @@ class ConnectorSettings(BaseSettings):
     too); remote endpoints always use the RPC. The lookups answered this way are reported to the
     server in batches, so its lookup metrics and the pool's hit rate count them. False: every lookup
     is an RPC."""
-    reply_floor_ms: float = Field(default=3.0, gt=0, le=500)
+    reply_floor_ms: float = Field(default=25.0, gt=0, le=500)
     """Same node, published index: the shortest wait for the server's first reply to a load before the
     load is given up (the request recomputes) and the server is suspect until its heartbeat says
     slow or hung; the wait is ``max(this, 4 x the client's recent p98 reply)``. Lower: a hung server

@@ -146,6 +146,9 @@ def stats_payload(
             failed[reason] = failed.get(reason, 0) + value * block_size
     for reason, tokens in failed.items():
         data["load_failed_tokens." + reason] = tokens
+    suspected = sum(v for k, v in deltas.items() if k.startswith("suspect."))
+    if suspected:
+        data["server_suspected"] = suspected
     if restore_s > 0:
         data["restore_seconds"] = restore_s
     return data
@@ -160,6 +163,12 @@ _PLAIN_COUNTERS: dict[str, tuple[str, str]] = {
     "null_block_writes_refused": (
         "vllm:kvfabric_null_block_writes_refused",
         "Hits not loaded because they would have written vLLM's null block (recomputed instead)",
+    ),
+    "server_suspected": (
+        "vllm:kvfabric_server_suspected",
+        "Loads given up, and lookups refused, because the node's cache server sent no first reply "
+        "within the reply bound: a hung server, or a live one slower than the bound (if it grows "
+        "while the server is healthy, raise reply_floor_ms)",
     ),
     "restore_seconds": (
         "vllm:kvfabric_restore_seconds",

@@ -200,11 +200,16 @@ def connector_config(socket: str | Path | None, **extra: Any) -> dict[str, Any]:
     """VLLM's ``kv_transfer_config`` for kvfabric's connector on a node-local cache server.
 
     The cost model is off unless ``extra`` turns it on: the tests assert exactly which prompts hit,
-    and its decisions follow this machine's timings. For the same reason a load waits for its
-    server's first reply up to the heartbeat's staleness bound (``reply_floor_ms`` 500), not the
-    default few ms that a loaded 2-core machine sometimes exceeds with a live server.
+    and its decisions follow this machine's timings. The reply floor is ``KVFABRIC_REPLY_FLOOR_MS``
+    of this process where set (the test suite sets it: tests/conftest.py; a vLLM child gets no
+    ``KVFABRIC_*`` variable of ours, so it is passed here), else the connector's default (the
+    benchmarks).
     """
-    cfg: dict[str, Any] = {"chunk_tokens": 256, "cost_model": False, "reply_floor_ms": 500, **extra}
+    cfg: dict[str, Any] = {"chunk_tokens": 256, "cost_model": False}
+    floor = os.environ.get("KVFABRIC_REPLY_FLOOR_MS")
+    if floor:
+        cfg["reply_floor_ms"] = float(floor)
+    cfg.update(extra)
     if socket is not None:
         cfg["socket"] = str(socket)
     return {

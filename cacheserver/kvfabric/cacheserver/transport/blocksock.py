@@ -43,8 +43,9 @@ server gives the socket a store handler. The loop only parses such a request: th
 the store pool (a begin may stat a shared volume or allocate pages; a commit seals and indexes), and
 the loop sends the answer when it is done. Meanwhile that connection is not read (one request at a
 time per connection, as for loads) and every other connection is served: a slow store never holds a
-load behind it. Store requests queued or being served are bounded in all (``max_store_jobs``): one
-beyond is answered at once as unavailable (busy), never queued, and its client counts a failed store.
+load behind it. Store requests queued or being served are bounded in all (``max_store_jobs``): a
+begin beyond is answered at once as unavailable (busy), never queued, and its client counts a failed
+store (a commit is bounded by the store slot the handler takes before queueing it).
 A request whose connection is gone (its client hung up, or it was closed for a newcomer) by the time
 the pool starts it is skipped, and a begin served for a connection gone by the time it is answered
 has its lease aborted: a client that sends a store and hangs up leaves nothing behind.
@@ -118,7 +119,7 @@ class BlockLimits:
     hold_blocks_per_client: int | None = None
     """Blocks one client may hold; None: a quarter of the tier's share of held blocks (at least 1)."""
     max_store_jobs: int = 16
-    """Store requests queued or being served at once, all connections together; one beyond is
+    """Store requests queued or being served at once, all connections together; a begin beyond is
     answered unavailable (busy) at once."""
 
 
@@ -445,9 +446,11 @@ class BlockSocket:
             # Sent, then hung up (its request still readable): nobody waits for the answer.
             self._drop(conn, None)
             return
-        if self._store_jobs >= self.limits.max_store_jobs:
+        if isinstance(req, bp.StoreBegin) and self._store_jobs >= self.limits.max_store_jobs:
             # Refused at once rather than queued: a queue nobody bounds is a queue one tenant fills
             # (connect, send a begin, hang up...) and every other tenant's store waits out its deadline.
+            # Only begins: a commit is bounded by the store slots it takes before queueing (none
+            # free: dropped at once), and refusing it would leave its client's lease to expire.
             log.info("block socket: store refused, too many queued", extra={"pid": conn.pid, "uid": conn.uid})
             self._send(conn, bp.encode_store_error(bp.UNAVAILABLE, "busy: too many stores queued"), [])
             return

@@ -453,3 +453,35 @@ def test_a_store_whose_connection_drops_is_not_resent(tmp_path: Path) -> None:
         stop.set()
         server.join(5)
         listener.close()
+
+
+def test_a_store_on_a_connection_the_server_closed_while_idle_goes_out_once_on_a_fresh_one(
+    tmp_path: Path,
+) -> None:
+    # The send itself fails (the server closed the idle connection, e.g. for a newcomer): the server
+    # never took the request, so it goes out once more on a fresh connection, and is served once.
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(tmp_path / "b.sock"))
+    listener.listen(8)
+    listener.settimeout(10)
+    seen: list[bytes] = []
+
+    def serve() -> None:
+        for _ in range(2):  # each connection: answer one commit, then close it while idle
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(10)
+                seen.append(conn.recv(4096))
+                conn.send(bp.encode_store_done(1, 0))
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        with BlockChannel(tmp_path / "b.sock", client_id="c-1") as channel:
+            assert channel.store_end(LEASE, deadline=time.monotonic() + 5) == (1, 0)
+            time.sleep(0.3)  # the server has closed that connection
+            assert channel.store_end(LEASE, deadline=time.monotonic() + 5) == (1, 0)
+        server.join(5)
+        assert [m[:5] for m in seen] == [bp.STORE_COMMIT_PREFIX] * 2
+    finally:
+        listener.close()

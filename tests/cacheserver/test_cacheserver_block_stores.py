@@ -1,7 +1,7 @@
 """Same-node stores on the block socket: the checks of ShmStoreBegin/Commit, and nothing held behind them.
 
-A store's begin and commit travel on the block socket the client already holds for loads (two
-exchanges, no gRPC call; docs/cacheserver.md, "Store handshake"). These tests speak the wire protocol
+A store's begin and commit travel on the block socket, on a connection of their own (two exchanges,
+no gRPC call; docs/cacheserver.md, "Store handshake"). These tests speak the wire protocol
 (:mod:`kvfabric.rpc.blockproto`) to real server processes, as a hostile same-node client would, and
 check that the socket refuses exactly what ``ShmStoreBegin`` refuses, that a commit that lies stores
 nothing, and (in process) that a store being served never holds a load on another connection.
@@ -9,6 +9,8 @@ nothing, and (in process) that a store being served never holds a load on anothe
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import mmap
 import os
@@ -19,19 +21,24 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, cast
 
 import grpc
 import pytest
 
+from kvfabric.cacheserver.engine.tiered import TieredStore
+from kvfabric.cacheserver.metrics import Metrics
+from kvfabric.cacheserver.service import CacheService, SharedState, block_stores
 from kvfabric.cacheserver.transport import blocksock
+from kvfabric.cacheserver.transport.arena import StagingArena
 from kvfabric.client import CacheClient
 from kvfabric.client.blocks import BlockChannel
-from kvfabric.client.errors import InvalidRequest
+from kvfabric.client.errors import CacheUnavailable, InvalidRequest
 from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc import fdpass
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
-from kvfabric.testing.serverproc import ServerProcess, cache_server, digest, payload_for
+from kvfabric.testing.serverproc import ServerProcess, cache_server, digest, make_config, payload_for
 
 LEASE = "ab" * 16
 
@@ -173,15 +180,15 @@ def test_a_store_being_served_holds_no_load_on_another_connection(tmp_path: Path
     os.write(block, b"block")
     release = threading.Event()
     started = threading.Event()
-    jobs: list[Future[tuple[bytes, list[int]]]] = []
+    jobs: list[Future[blocksock.StoreAnswer]] = []
 
-    def slow_store(req: bp.StoreBegin | bp.StoreEnd) -> Future[tuple[bytes, list[int]]]:
-        job: Future[tuple[bytes, list[int]]] = Future()
+    def slow_store(req: bp.StoreBegin | bp.StoreEnd, gone: object) -> Future[blocksock.StoreAnswer]:
+        job: Future[blocksock.StoreAnswer] = Future()
 
         def finish() -> None:
             started.set()
             release.wait(30)
-            job.set_result((bp.encode_store_done(1, 0), []))
+            job.set_result(blocksock.StoreAnswer(bp.encode_store_done(1, 0), []))
 
         threading.Thread(target=finish, daemon=True).start()
         jobs.append(job)
@@ -230,3 +237,251 @@ def test_a_server_that_serves_no_stores_on_its_block_socket_is_stored_to_over_gr
             assert channel.fetch(["d_" + "ef" * 16], deadline=time.monotonic() + 5) == [None]
     finally:
         served.close()
+
+
+# --- bounded store path: a flood of abandoned stores, slots taken before queueing, no resend --------
+
+
+def _staging_memfds(srv: ServerProcess) -> int:
+    assert srv.proc is not None
+    fd_dir = Path(f"/proc/{srv.proc.pid}/fd")
+    count = 0
+    for fd in os.listdir(fd_dir):
+        with contextlib.suppress(OSError):
+            if os.readlink(fd_dir / fd).startswith("/memfd:kvfabric-staging"):
+                count += 1
+    return count
+
+
+@pytest.mark.process
+def test_a_flood_of_abandoned_store_begins_leaves_no_lease_and_never_stalls_another_client(ns: str) -> None:
+    # The hostile tenant: connect, send a begin (4 keys of 4 MiB each), hang up, 200 times, over
+    # distinct client ids (the per-client bound does not stop it). Nothing it began may outlive it:
+    # no lease (arena bytes), no staging memfd, and another client's store meanwhile completes or
+    # is refused at once, never after waiting out its deadline.
+    overrides = {
+        "limits.max_concurrent_stores": 1,
+        "shm.max_block_connections": 4,
+        "shm.slot_lease_seconds": 30,
+        "shm.prealloc_bytes": 0,  # no pooled staging: every staging memfd is a lease's
+    }
+    lengths = [4 << 20] * 4
+    with cache_server(overrides=overrides) as srv:
+        path = str(bp.block_socket_for(srv.config.listen.unix_socket))
+        baseline = _staging_memfds(srv)
+        stop = threading.Event()
+
+        def flood() -> None:
+            for i in range(200):
+                if stop.is_set():
+                    return
+                keys = [digest("flood", i, j) for j in range(4)]
+                with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                    s.connect(path)
+                    s.send(bp.encode_store_begin(ns, keys, lengths, client=f"hostile-{i}"))
+
+        flooding = threading.Thread(target=flood, daemon=True)
+        flooding.start()
+        key = digest("victim")
+        stored = 0  # the victim's block: a committed staging memfd, kept as the block itself
+        try:
+            with CacheClient(srv.unix_target, shared_memory=True) as client:
+                for _ in range(5):
+                    t0 = time.monotonic()
+                    with contextlib.suppress(Exception):
+                        stored |= client.store(ns, [key], [payload_for(key, 100_000)], timeout=20).accepted
+                    assert time.monotonic() - t0 < 10, "a store waited behind the flood"
+        finally:
+            flooding.join(60)
+            stop.set()
+        # Everything the flood began is gone well within the 30 s lease (skipped or aborted).
+        deadline = time.monotonic() + 10
+        while True:
+            with CacheClient(srv.unix_target) as c:
+                used = c.stats(timeout=5)["arena_used_bytes"]
+            memfds = _staging_memfds(srv)
+            if (used, memfds) == (0, baseline + stored) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert (used, memfds) == (0, baseline + stored), "abandoned store begins kept their leases"
+        # And the socket still serves stores.
+        with CacheClient(srv.unix_target, shared_memory=True) as client:
+            assert client.store(ns, [key], [payload_for(key, 100_000)], timeout=20).accepted == 1
+
+
+def test_store_requests_beyond_the_bound_are_refused_at_once_and_gone_connections_are_skipped(
+    tmp_path: Path,
+) -> None:
+    started: list[tuple[Future[blocksock.StoreAnswer], object]] = []
+    undone: list[str] = []
+
+    def held(req: bp.StoreBegin | bp.StoreEnd, gone: object) -> Future[blocksock.StoreAnswer]:
+        job: Future[blocksock.StoreAnswer] = Future()
+        started.append((job, gone))
+        return job
+
+    served = blocksock.BlockSocket(
+        tmp_path / "b.sock", lambda name: None, limits=blocksock.BlockLimits(max_store_jobs=2), stores=held
+    )
+    served.start()
+    socks = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(4)]
+    try:
+        for s in socks:
+            s.settimeout(5)
+            s.connect(str(served.path))
+        begin = bp.encode_store_begin("ab" * 32, ["cd" * 32], [10])
+        for s in socks[:2]:
+            s.send(begin)
+        deadline = time.monotonic() + 5
+        while len(started) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(started) == 2
+        # Two queued: the next ones are answered busy at once, never handed to the store pool.
+        for s in socks[2:]:
+            msg, fds = _ask(s, begin)
+            assert (bp.store_error(msg), fds) == ((bp.UNAVAILABLE, "busy: too many stores queued"), [])
+        assert len(started) == 2
+        # A commit is not refused by it (its slot bounds it): refusing would strand its lease.
+        socks[3].send(bp.encode_store_end(LEASE))
+        deadline = time.monotonic() + 5
+        while len(started) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(started) == 3
+        # The first's client hangs up: its job sees it gone, and a begin answered for it is undone.
+        socks[0].close()
+        gone = started[0][1]
+        assert callable(gone)
+        assert gone() is True
+        assert started[1][1]() is False  # type: ignore[operator]
+        started[0][0].set_result(blocksock.StoreAnswer(b"x", [], lambda: undone.append("lease")))
+        started[1][0].set_result(blocksock.StoreAnswer(bp.encode_store_done(1, 0), []))
+        msg, _, _ = fdpass.recv_fds(socks[1], 512, 1)
+        assert bp.parse_store_done(msg) == (1, 0)
+        deadline = time.monotonic() + 5
+        while not undone and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert undone == ["lease"]
+        # Room again: the bound counts what is queued, not what was.
+        started[2][0].set_result(blocksock.StoreAnswer(bp.encode_store_done(0, 0), []))
+        msg, _, _ = fdpass.recv_fds(socks[3], 512, 1)
+        socks[2].send(begin)
+        deadline = time.monotonic() + 5
+        while len(started) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(started) == 4
+        started[3][0].set_result(blocksock.StoreAnswer(bp.encode_store_done(0, 0), []))
+    finally:
+        for s in socks:
+            s.close()
+        served.close()
+
+
+def test_a_commit_with_no_store_slot_free_is_dropped_at_once_never_queued(tmp_path: Path, ns: str) -> None:
+    # max_concurrent_stores=1: one pool thread, one slot. The pool busy and the slot taken, a commit
+    # (over gRPC or the block socket) is answered dropped at once instead of queueing behind them.
+    config = make_config(tmp_path, overrides={"limits.max_concurrent_stores": 1}, tcp=False, metrics=False)
+    store = TieredStore(config)
+    arena = StagingArena(config.shm.arena_bytes, 30, store.counters)
+    state = SharedState(store, arena, Metrics(store, max_namespaces=8), config.limits)
+    release = threading.Event()
+    try:
+        busy = state.store_pool.submit(release.wait, 30)
+        assert state.try_store_slot()
+        keys = [digest("slot", i) for i in range(2)]
+        leases = [state.shm_begin(ns, keys, [4096, 4096])[0].lease_id for _ in range(2)]
+        answer = block_stores(state)(bp.StoreEnd(leases[0], abort=False), lambda: False)
+        assert answer.done(), "a commit queued for a store slot"
+        assert answer.result().msg == bp.encode_store_done(0, 2)
+        service = CacheService(state, allow_shm=True)
+        context = cast("grpc.aio.ServicerContext[Any, Any]", None)
+        got = asyncio.run(
+            asyncio.wait_for(service.ShmStoreCommit(pb.ShmStoreCommitRequest(lease_id=leases[1]), context), 5)
+        )
+        assert (got.accepted, got.dropped) == (0, 2)
+        assert arena.used_bytes == 0
+        state.release_store_slot()
+        release.set()
+        busy.result(5)
+        assert state.store_inflight == 0
+    finally:
+        release.set()
+        state.close()
+        arena.close()
+        store.close()
+
+
+def test_a_store_whose_connection_drops_is_not_resent(tmp_path: Path) -> None:
+    # A server that reads a store request and hangs up: the client fails that store, once. A resent
+    # begin would leak a lease; a resent commit would report a stored store as failed.
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(tmp_path / "b.sock"))
+    listener.listen(8)
+    listener.settimeout(0.2)
+    seen: list[bytes] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(5)
+                with contextlib.suppress(OSError):
+                    seen.append(conn.recv(4096))
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        with BlockChannel(tmp_path / "b.sock", client_id="c-1") as channel:
+            ns, key = "ab" * 32, "cd" * 32
+            with pytest.raises(CacheUnavailable):
+                channel.store_begin(ns, [key], [10], deadline=time.monotonic() + 5)
+            time.sleep(0.5)  # a resend would have arrived by now
+            assert [m[:5] for m in seen] == [bp.STORE_BEGIN_PREFIX]
+            with pytest.raises(CacheUnavailable):
+                channel.store_end(LEASE, deadline=time.monotonic() + 5)
+            time.sleep(0.5)
+            assert [m[:5] for m in seen] == [bp.STORE_BEGIN_PREFIX, bp.STORE_COMMIT_PREFIX]
+            # A fetch is still asked again once on a fresh connection (the server may have restarted).
+            with pytest.raises(CacheUnavailable):
+                channel.fetch(["d_" + "ef" * 16], deadline=time.monotonic() + 5)
+            time.sleep(0.5)
+            assert len(seen) == 4
+    finally:
+        stop.set()
+        server.join(5)
+        listener.close()
+
+
+def test_a_store_on_a_connection_the_server_closed_while_idle_goes_out_once_on_a_fresh_one(
+    tmp_path: Path,
+) -> None:
+    # The send itself fails (the server closed the idle connection, e.g. for a newcomer): the server
+    # never took the request, so it goes out once more on a fresh connection, and is served once.
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(tmp_path / "b.sock"))
+    listener.listen(8)
+    listener.settimeout(10)
+    seen: list[bytes] = []
+
+    def serve() -> None:
+        for _ in range(2):  # each connection: answer one commit, then close it while idle
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(10)
+                seen.append(conn.recv(4096))
+                conn.send(bp.encode_store_done(1, 0))
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        with BlockChannel(tmp_path / "b.sock", client_id="c-1") as channel:
+            assert channel.store_end(LEASE, deadline=time.monotonic() + 5) == (1, 0)
+            time.sleep(0.3)  # the server has closed that connection
+            assert channel.store_end(LEASE, deadline=time.monotonic() + 5) == (1, 0)
+        server.join(5)
+        assert [m[:5] for m in seen] == [bp.STORE_COMMIT_PREFIX] * 2
+    finally:
+        listener.close()

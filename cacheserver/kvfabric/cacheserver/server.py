@@ -332,6 +332,9 @@ async def serve(
             max_connections_per_client=config.shm.max_block_connections_per_client,
             hold_bytes_per_client=config.shm.hold_bytes_per_client,
             hold_blocks_per_client=config.shm.hold_blocks_per_client,
+            # As many queued as running: enough to keep the pool busy, never a backlog that outlives
+            # a store's deadline.
+            max_store_jobs=2 * config.limits.max_concurrent_stores,
         ),
         stores=block_stores(state),
     )

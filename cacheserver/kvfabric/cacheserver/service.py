@@ -32,6 +32,7 @@ from kvfabric.cacheserver.engine.ids import BlockId, InvalidId, parse_ids
 from kvfabric.cacheserver.engine.tiered import HandingOver, Payload, TieredStore
 from kvfabric.cacheserver.metrics import Metrics
 from kvfabric.cacheserver.transport.arena import BeginResult, StagingArena, UnknownLease
+from kvfabric.cacheserver.transport.blocksock import StoreAnswer, StoreHandler
 from kvfabric.contract.namespace import InvalidDescriptionError, parse_description, readable
 from kvfabric.rpc import CLIENT_ID_HEADER
 from kvfabric.rpc import blockproto as bp
@@ -153,21 +154,32 @@ class SharedState:
         offered = sum(1 for n in res.names if n)
         return res, present, self.metrics.namespaces.count_stores(namespace, offered)
 
+    def shm_commit_slot(self, lease_id: str, *, abort: bool = False) -> tuple[int, int] | None:
+        """Take the store slot a same-node commit needs, before it queues for the store pool.
+
+        None: a slot is taken (or none is needed: an abort), call :meth:`shm_commit` with the same
+        ``abort``. Else there is none free and the commit is answered now: the whole lease is
+        dropped, ``(accepted, dropped)`` as a commit's (stores are dropped under pressure, never
+        queued). On the caller's thread (the event loop, the block socket's), without waiting.
+        Raises :class:`UnknownLease` for a lease that is not (or no longer) there.
+        """
+        if abort or self.try_store_slot():
+            return None
+        accepted, dropped = self.arena.abort(lease_id)
+        self.store.counters.inc("dropped_stores", "shm", dropped)
+        return accepted, dropped
+
     def shm_commit(self, lease_id: str, *, abort: bool = False) -> tuple[int, int]:
         """Commit (or abort) a same-node store's lease; ``(accepted, dropped)``.
 
-        Runs on a store-pool thread. Raises :class:`UnknownLease` for a lease that is not (or no
-        longer) there; a lease taken under pressure (no store slot free) is dropped whole.
+        Runs on a store-pool thread, after :meth:`shm_commit_slot` took a slot for a commit (given
+        back here, whatever happens). Raises :class:`UnknownLease` for a lease that is not (or no
+        longer) there.
         """
         t0 = time.perf_counter()
         if abort:
             self.arena.abort(lease_id)
             return 0, 0
-        if not self.try_store_slot():
-            # Under pressure: drop the whole lease now rather than queue behind other stores.
-            accepted, dropped = self.arena.abort(lease_id)
-            self.store.counters.inc("dropped_stores", "shm", dropped)
-            return accepted, dropped
         try:
             accepted, dropped, nbytes = self.arena.commit(lease_id, self.store)
         finally:
@@ -228,19 +240,21 @@ def peer_key(peer: str, metadata: Iterable[Any] | None = ()) -> str | None:
     return None
 
 
-def block_stores(
-    state: SharedState,
-) -> Callable[[bp.StoreBegin | bp.StoreEnd], Future[tuple[bytes, list[int]]]]:
+def block_stores(state: SharedState) -> StoreHandler:
     """The block socket's store handler: the checks and work of ShmStoreBegin/Commit, on the store pool.
 
-    The answer carries the staged keys' writable descriptors (the socket closes them once sent).
+    The answer carries the staged keys' writable descriptors (the socket closes them once sent). A
+    commit takes its store slot when it arrives, before it queues (none free: dropped at once); a
+    request whose connection is gone when the pool starts it is skipped.
     """
 
-    def begin(req: bp.StoreBegin) -> tuple[bytes, list[int]]:
+    def begin(req: bp.StoreBegin, gone: Callable[[], bool]) -> StoreAnswer:
+        if gone():
+            return StoreAnswer(b"", [])  # nobody waits for it: stage nothing
         try:
             res, present, described = state.shm_begin(req.namespace, req.keys, req.lengths)
         except StoreRefused as exc:
-            return bp.encode_store_error(bp.INVALID, str(exc)), []
+            return StoreAnswer(bp.encode_store_error(bp.INVALID, str(exc)), [])
         statuses: list[int] = []
         fds: list[int] = []
         try:
@@ -257,25 +271,57 @@ def block_stores(
             _close_descriptors(fds)
             with contextlib.suppress(UnknownLease):
                 state.arena.abort(res.lease_id)
-            return bp.encode_store_error(bp.UNAVAILABLE, "the store's lease expired at once"), []
+            return StoreAnswer(bp.encode_store_error(bp.UNAVAILABLE, "the store's lease expired at once"), [])
         except BaseException:
             _close_descriptors(fds)
             raise
-        return bp.encode_store_begun(res.lease_id, not described, statuses), fds
 
-    def end(req: bp.StoreEnd) -> tuple[bytes, list[int]]:
+        def undo(lease: str = res.lease_id) -> None:
+            with contextlib.suppress(UnknownLease):
+                state.arena.abort(lease)
+
+        return StoreAnswer(bp.encode_store_begun(res.lease_id, not described, statuses), fds, undo)
+
+    def end(req: bp.StoreEnd, gone: Callable[[], bool]) -> StoreAnswer:
         try:
+            if gone():
+                # Its client hung up: nobody learns the outcome, and the lease's pages go now.
+                state.shm_commit(req.lease, abort=True)
+                if not req.abort:
+                    state.release_store_slot()
+                return StoreAnswer(b"", [])
             accepted, dropped = state.shm_commit(req.lease, abort=req.abort)
         except UnknownLease:
-            return bp.encode_store_error(bp.UNKNOWN_LEASE, "unknown or expired store lease"), []
-        return bp.encode_store_done(accepted, dropped), []
+            return _unknown_lease()
+        return StoreAnswer(bp.encode_store_done(accepted, dropped), [])
 
-    def serve(req: bp.StoreBegin | bp.StoreEnd) -> Future[tuple[bytes, list[int]]]:
+    def serve(req: bp.StoreBegin | bp.StoreEnd, gone: Callable[[], bool]) -> Future[StoreAnswer]:
         if isinstance(req, bp.StoreBegin):
-            return state.store_pool.submit(begin, req)
-        return state.store_pool.submit(end, req)
+            return state.store_pool.submit(begin, req, gone)
+        try:
+            dropped = state.shm_commit_slot(req.lease, abort=req.abort)
+        except UnknownLease:
+            return _answered(_unknown_lease())
+        if dropped is not None:
+            return _answered(StoreAnswer(bp.encode_store_done(*dropped), []))
+        try:
+            return state.store_pool.submit(end, req, gone)
+        except BaseException:
+            if not req.abort:
+                state.release_store_slot()
+            raise
 
     return serve
+
+
+def _unknown_lease() -> StoreAnswer:
+    return StoreAnswer(bp.encode_store_error(bp.UNKNOWN_LEASE, "unknown or expired store lease"), [])
+
+
+def _answered(answer: StoreAnswer) -> Future[StoreAnswer]:
+    done: Future[StoreAnswer] = Future()
+    done.set_result(answer)
+    return done
 
 
 def _close_descriptors(fds: list[int]) -> None:
@@ -670,12 +716,26 @@ class CacheService(pb_grpc.CacheServicer):
         await self._require_shm(context)
         state = self.s
         try:
-            accepted, dropped = await self._in_pool(
-                state.store_pool, lambda: state.shm_commit(request.lease_id, abort=request.abort)
-            )
+            # The slot first, on the event loop: none free and the store is dropped now, not queued.
+            dropped = state.shm_commit_slot(request.lease_id, abort=request.abort)
+            if dropped is not None:
+                accepted, dropped_n = dropped
+                return pb.StoreResponse(accepted=accepted, dropped=dropped_n)
+            accepted, dropped_n = await self._committed(request.lease_id, abort=request.abort)
         except UnknownLease:
             await _abort(context, grpc.StatusCode.NOT_FOUND, "unknown or expired store lease")
-        return pb.StoreResponse(accepted=accepted, dropped=dropped)
+        return pb.StoreResponse(accepted=accepted, dropped=dropped_n)
+
+    async def _committed(self, lease_id: str, *, abort: bool) -> tuple[int, int]:
+        """:meth:`SharedState.shm_commit` on the store pool, its slot taken (given back if never run)."""
+        state = self.s
+        job = state.store_pool.submit(state.shm_commit, lease_id, abort=abort)
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            if job.cancel() and not abort:
+                state.release_store_slot()  # cancelled before it ran: its finally never will
+            raise
 
     async def Delete(
         self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -392,7 +392,9 @@ class BlockChannel:
             raise errors.CacheTimeout("block socket: deadline passed")
         try:
             encode = functools.partial(bp.encode_store_begin, namespace, keys, lengths)
-            msg, fds = self._exchange(encode, len(keys), deadline, answer_bytes=_STORE_ANSWER, bounded=False)
+            msg, fds = self._exchange(
+                encode, len(keys), deadline, answer_bytes=_STORE_ANSWER, bounded=False, resend=False
+            )
             if msg[:1] == bytes([bp.BAD_REQUEST]):
                 close_all(fds)
                 self._drop()
@@ -420,7 +422,9 @@ class BlockChannel:
             raise errors.CacheTimeout("block socket: deadline passed")
         try:
             encode = functools.partial(_encode_store_end, lease, abort)
-            msg, fds = self._exchange(encode, 1, deadline, answer_bytes=_STORE_ANSWER, bounded=False)
+            msg, fds = self._exchange(
+                encode, 1, deadline, answer_bytes=_STORE_ANSWER, bounded=False, resend=False
+            )
             close_all(fds)
             _raise_store_error(msg, [])
             done = bp.parse_store_done(msg)
@@ -439,6 +443,7 @@ class BlockChannel:
         *,
         answer_bytes: int = bp.MAX_NAMES + 1,
         bounded: bool = True,
+        resend: bool = True,
     ) -> tuple[bytes, list[int]]:
         """Send one request and receive its answer (under the lock; reconnects once after a hang-up).
 
@@ -446,6 +451,10 @@ class BlockChannel:
         what it carries). A refusal (the server serves no more connections) raises
         :class:`~kvfabric.client.errors.CacheOverloaded`. ``bounded``: the answer is due within the
         reply clock's bound (fetches); False for stores, whose begin may allocate pages first.
+        ``resend``: whether a request sent before a hang-up may be sent again on a fresh connection
+        (fetches); False for stores, which the server may have served (a begin's lease, a commit
+        done): the hang-up raises :class:`~kvfabric.client.errors.CacheUnavailable` instead. A
+        request the server never took (the send itself failed) is always sent again once.
         """
         clock = self.clock if bounded else None
         attempts = 0
@@ -455,10 +464,12 @@ class BlockChannel:
             sock = self._connected(deadline)
             left = deadline - time.monotonic()
             bound = clock.bound() if clock is not None else left
+            delivered = False
             try:
                 sock.settimeout(max(1e-3, min(left, bound)))
                 sent = time.monotonic()
                 sock.send(request(client))
+                delivered = True
                 # Close-on-exec from the start: another thread of the engine may fork meanwhile.
                 msg, fds, flags = fdpass.recv_fds(sock, answer_bytes, most_fds)
                 took = time.monotonic() - sent
@@ -474,7 +485,7 @@ class BlockChannel:
                 self._drop()
                 if refused is not None:
                     raise errors.CacheOverloaded(f"block socket refused: {refused}") from exc
-                if attempts > 1:
+                if attempts > 1 or (delivered and not resend):
                     raise errors.CacheUnavailable(f"block socket {self.path}: {exc}") from exc
                 continue  # the server restarted or closed this idle connection: reconnect once
             if clock is not None and msg:
@@ -489,7 +500,7 @@ class BlockChannel:
                 )
             if not msg:
                 self._drop()
-                if attempts > 1:
+                if attempts > 1 or not resend:
                     raise errors.CacheUnavailable(f"block socket {self.path} hung up")
                 continue
             if msg[:1] == bytes([bp.REFUSED]):

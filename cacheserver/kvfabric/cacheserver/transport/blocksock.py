@@ -43,7 +43,12 @@ server gives the socket a store handler. The loop only parses such a request: th
 the store pool (a begin may stat a shared volume or allocate pages; a commit seals and indexes), and
 the loop sends the answer when it is done. Meanwhile that connection is not read (one request at a
 time per connection, as for loads) and every other connection is served: a slow store never holds a
-load behind it.
+load behind it. Store requests queued or being served are bounded in all (``max_store_jobs``): a
+begin beyond is answered at once as unavailable (busy), never queued, and its client counts a failed
+store (a commit is bounded by the store slot the handler takes before queueing it).
+A request whose connection is gone (its client hung up, or it was closed for a newcomer) by the time
+the pool starts it is skipped, and a begin served for a connection gone by the time it is answered
+has its lease aborted: a client that sends a store and hangs up leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import selectors
 import socket
 import threading
@@ -60,13 +66,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from kvfabric.cacheserver.transport.holdbook import HoldBook, Holds, anonymous_client
 from kvfabric.cacheserver.transport.indexpub import listen_unix, peer_of
 from kvfabric.cacheserver.transport.socketfile import SocketFile
 from kvfabric.rpc import blockproto as bp
 
-__all__ = ["BlockLimits", "BlockSocket", "Holds", "Resolver", "StoreHandler"]
+__all__ = ["BlockLimits", "BlockSocket", "Holds", "Resolver", "StoreAnswer", "StoreHandler"]
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +89,21 @@ ACCEPT_PAUSE_SECONDS = 0.1
 Resolver = Callable[[str], tuple[int, int] | None]
 """name -> (a descriptor the socket closes after sending, payload length), or None if gone."""
 
-StoreHandler = Callable[[bp.StoreBegin | bp.StoreEnd], "Future[tuple[bytes, list[int]]]"]
-"""A parsed store request -> its answer and descriptors (the socket closes them after sending),
-computed off the loop's thread (the store pool)."""
+
+class StoreAnswer(NamedTuple):
+    """A store request's answer, computed by the store handler."""
+
+    msg: bytes
+    fds: list[int]
+    """Descriptors sent with it (the socket closes them after sending)."""
+    undo: Callable[[], None] | None = None
+    """Called on the loop when the answer cannot be delivered (a begun lease is aborted)."""
+
+
+StoreHandler = Callable[[bp.StoreBegin | bp.StoreEnd, Callable[[], bool]], "Future[StoreAnswer]"]
+"""``(a parsed store request, gone)`` -> its answer, computed off the loop's thread (the store pool).
+Called on the loop's thread; ``gone()`` (any thread) says whether the request's connection is gone,
+so the handler skips work nobody waits for."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +118,9 @@ class BlockLimits:
     """Bytes of blocks one client may hold (0: nothing is held)."""
     hold_blocks_per_client: int | None = None
     """Blocks one client may hold; None: a quarter of the tier's share of held blocks (at least 1)."""
+    max_store_jobs: int = 16
+    """Store requests queued or being served at once, all connections together; a begin beyond is
+    answered unavailable (busy) at once."""
 
 
 @dataclass(eq=False, slots=True)
@@ -134,7 +156,8 @@ class BlockSocket:
         self.resolve = resolve
         self.stores = stores
         # Store answers computed off the loop, waiting for it to send them (any thread appends).
-        self._done: deque[tuple[_Conn, Future[tuple[bytes, list[int]]]]] = deque()
+        self._done: deque[tuple[_Conn, Future[StoreAnswer]]] = deque()
+        self._store_jobs = 0  # loop thread only: store requests handed to the handler, not answered
         self.limits = limits or BlockLimits()
         self.holds = holds
         self._book: HoldBook | None = None
@@ -419,34 +442,73 @@ class BlockSocket:
             return
         if conn.client is None and not self._bind(conn, req.client):
             return
+        if self._gone(conn):
+            # Sent, then hung up (its request still readable): nobody waits for the answer.
+            self._drop(conn, None)
+            return
+        if isinstance(req, bp.StoreBegin) and self._store_jobs >= self.limits.max_store_jobs:
+            # Refused at once rather than queued: a queue nobody bounds is a queue one tenant fills
+            # (connect, send a begin, hang up...) and every other tenant's store waits out its deadline.
+            # Only begins: a commit is bounded by the store slots it takes before queueing (none
+            # free: dropped at once), and refusing it would leave its client's lease to expire.
+            log.info("block socket: store refused, too many queued", extra={"pid": conn.pid, "uid": conn.uid})
+            self._send(conn, bp.encode_store_error(bp.UNAVAILABLE, "busy: too many stores queued"), [])
+            return
         # Not read until answered: one request at a time per connection (and no busy selector loop
         # over a readable socket nobody reads).
         conn.working = True
         self._sel.unregister(conn.sock)
-        job = self.stores(req)
+        self._store_jobs += 1
+        try:
+            job = self.stores(req, lambda: self._gone(conn))
+        except BaseException:
+            self._store_jobs -= 1
+            conn.working = False
+            self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+            raise
         job.add_done_callback(lambda j: self._finished(conn, j))
 
-    def _finished(self, conn: _Conn, job: Future[tuple[bytes, list[int]]]) -> None:
+    def _gone(self, conn: _Conn) -> bool:
+        """(Any thread.) Whether ``conn`` is closed here or its client hung up."""
+        # Under the lock: a connection still listed is not closed yet (``_drop`` unlists it first),
+        # so its descriptor is its own while polled. An unread connection is out of the selector:
+        # only a poll notices its client's hang-up.
+        with self._lock:
+            if conn.sock not in self._conns:
+                return True
+            poller = select.poll()
+            poller.register(conn.sock, select.POLLHUP | select.POLLERR)
+            return any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in poller.poll(0))
+
+    def _finished(self, conn: _Conn, job: Future[StoreAnswer]) -> None:
         """(Any thread.) A store request's answer is ready: the loop sends it."""
         self._done.append((conn, job))
         if self._wake_w is not None:
             with contextlib.suppress(OSError):
                 self._wake_w.send(b"s")
 
-    def _stored(self, conn: _Conn, job: Future[tuple[bytes, list[int]]]) -> None:
+    def _stored(self, conn: _Conn, job: Future[StoreAnswer]) -> None:
         """(The loop.) Send a store request's answer, if its connection is still there."""
+        self._store_jobs -= 1
         try:
-            msg, fds = job.result()
+            msg, fds, undo = job.result()
         except Exception as exc:  # the handler's failure: this request's, answered as such
             self._failed("block socket: a store request failed", exc)
-            msg, fds = bp.encode_store_error(bp.UNAVAILABLE, "the server could not serve this store"), []
+            msg = bp.encode_store_error(bp.UNAVAILABLE, "the server could not serve this store")
+            fds, undo = [], None
         conn.working = False
-        if conn.sock not in self._conns:
-            _close_fds(fds)  # dropped meanwhile (a lease it began expires on its own)
-            return
-        assert self._sel is not None
-        self._sel.register(conn.sock, selectors.EVENT_READ, conn)
-        self._send(conn, msg, fds)
+        if conn.sock in self._conns and not self._gone(conn):
+            assert self._sel is not None
+            self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+            self._send(conn, msg, fds)
+            if conn.sock in self._conns:
+                return  # sent (or waiting to be: a client that reads it late still gets it)
+        else:
+            _close_fds(fds)
+            self._drop(conn, None)  # its client hung up while it was not read
+        if undo is not None:
+            # Nobody can commit what this answer began: its lease goes now, not in 30 s.
+            undo()
 
     def _bind(self, conn: _Conn, named: str | None) -> bool:
         """Make ``conn`` its client's (on its first request); False if that client has too many."""

@@ -42,8 +42,15 @@ def test_a_hung_server_costs_lookups_no_call_and_no_deadline() -> None:
         try:
             assert cache.store(ns, keys, [payload_for(k, 4096) for k in keys], 30) is not None
             assert cache.lookup(ns, keys, DEADLINE_S).matched == 4  # describes, maps the table
-            assert cache.lookup(ns, keys, DEADLINE_S).matched == 4
-            assert cache.counters.get("lookup_local") == 1
+
+            # The table is mapped on an I/O thread: on a loaded machine the next lookup may come
+            # first (and go over RPC). From the first one answered from the table on, all are.
+            def from_table() -> bool:
+                hit = cache.lookup(ns, keys, DEADLINE_S).matched == 4
+                return hit and cache.counters.get("lookup_local") > 0
+
+            wait_until(from_table, 30, 0.02, "a lookup answered from the published table")
+            local = cache.counters.get("lookup_local")
             client = ep.client()
             assert isinstance(client, CacheClient)
             index = client.local_index
@@ -81,7 +88,7 @@ def test_a_hung_server_costs_lookups_no_call_and_no_deadline() -> None:
             assert (back.matched, back.reason) == (4, None)
             assert breaker.state == "closed"
             assert calls == []  # answered from the table
-            assert cache.counters.get("lookup_local") == 2
+            assert cache.counters.get("lookup_local") == local + 1
         finally:
             cache.close()
 

@@ -7,14 +7,15 @@ from collections.abc import Iterator
 
 import pytest
 
-# The connector gives up a same-node load whose server sends no first reply within a few ms (the
-# reply floor, default 3 ms: a hung server then costs a request milliseconds). On this loaded 2-core
-# test machine a live server's reply is later than that for about 1 % of loads, and each such false
+# The connector gives up a same-node load whose server sends no first reply within its reply bound
+# (floor 25 ms: a hung server then costs a request milliseconds, not the heartbeat's 0.5 s). On this
+# loaded 2-core test machine a live server's reply is sometimes later than that, and each such false
 # suspicion is a recompute: tests that count exact hits would flake. So the suite's connectors (this
-# process, and the engines and vLLM servers it starts, which inherit the variable) wait up to the
-# published heartbeat's staleness bound, as before the floor existed; the tests of the reply bound
-# itself (tests/client/test_client_suspect_server.py, test_client_suspicion.py,
-# tests/connector/test_connector_hung_published_index.py) set theirs explicitly.
+# process and the engines it starts, which inherit the variable; vLLM servers get it through
+# kvfabric.testing.vllmenv.connector_config) wait up to the staleness bound, as before the reply
+# bound existed; the tests of the reply bound itself (tests/client/test_client_suspect_server.py,
+# test_client_suspicion.py, tests/connector/test_connector_hung_published_index.py) build their
+# clients with the client's own default or an explicit floor.
 os.environ.setdefault("KVFABRIC_REPLY_FLOOR_MS", "500")
 
 from kvfabric.localcluster.testing import ClusterHandle, session_cluster

@@ -32,7 +32,8 @@ from kvfabric.cacheserver.service import CacheService, SharedState, block_stores
 from kvfabric.cacheserver.transport import blocksock
 from kvfabric.cacheserver.transport.arena import StagingArena
 from kvfabric.client import CacheClient
-from kvfabric.client.blocks import BlockChannel
+from kvfabric.client import blocks as blocks_module
+from kvfabric.client.blocks import BlockChannel, StoreBusy
 from kvfabric.client.errors import CacheUnavailable, InvalidRequest
 from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc import fdpass
@@ -339,7 +340,7 @@ def test_store_requests_beyond_the_bound_are_refused_at_once_and_gone_connection
         # Two queued: the next ones are answered busy at once, never handed to the store pool.
         for s in socks[2:]:
             msg, fds = _ask(s, begin)
-            assert (bp.store_error(msg), fds) == ((bp.UNAVAILABLE, "busy: too many stores queued"), [])
+            assert (bp.store_error(msg), fds) == ((bp.BUSY, "busy: too many stores queued"), [])
         assert len(started) == 2
         # A commit is not refused by it (its slot bounds it): refusing would strand its lease.
         socks[3].send(bp.encode_store_end(LEASE))
@@ -398,7 +399,11 @@ def test_a_commit_with_no_store_slot_free_is_dropped_at_once_never_queued(tmp_pa
             asyncio.wait_for(service.ShmStoreCommit(pb.ShmStoreCommitRequest(lease_id=leases[1]), context), 5)
         )
         assert (got.accepted, got.dropped) == (0, 2)
-        assert arena.used_bytes == 0
+        # Freed on a thread of their own (not the loop's): at once, but not necessarily by now.
+        deadline = time.monotonic() + 10
+        while arena.used_bytes:
+            assert time.monotonic() < deadline, "a dropped lease's pages were never freed"
+            time.sleep(0.01)
         state.release_store_slot()
         release.set()
         busy.result(5)
@@ -408,6 +413,50 @@ def test_a_commit_with_no_store_slot_free_is_dropped_at_once_never_queued(tmp_pa
         state.close()
         arena.close()
         store.close()
+
+
+def test_a_commit_whose_client_is_gone_gives_its_slot_back_even_for_an_unknown_lease(
+    tmp_path: Path,
+) -> None:
+    # A tenant sends commits of made-up leases and hangs up before they run: each took a store slot
+    # before queueing, and every one must come back, or stores end for every tenant.
+    config = make_config(tmp_path, overrides={"limits.max_concurrent_stores": 2}, tcp=False, metrics=False)
+    store = TieredStore(config)
+    arena = StagingArena(config.shm.arena_bytes, 30, store.counters)
+    state = SharedState(store, arena, Metrics(store, max_namespaces=8), config.limits)
+    try:
+        serve = block_stores(state)
+        for i in range(5):
+            answer = serve(bp.StoreEnd(f"{i:02x}" * 16, abort=False), lambda: True)
+            answer.result(10)
+        assert state.store_inflight == 0
+        assert state.try_store_slot()
+        state.release_store_slot()
+    finally:
+        state.close()
+        arena.close()
+        store.close()
+
+
+def test_a_busy_refusal_is_a_dropped_store_not_a_failure(tmp_path: Path) -> None:
+    # Too many stores queued: the server drops the request at once. The client counts its keys
+    # dropped (as for a commit without a slot) and raises nothing: a CacheUnavailable would count
+    # against the breaker that also guards the engine's loads and lookups, and be retried at once.
+    refusal = bp.encode_store_error(bp.BUSY, "busy: too many stores queued")
+    with pytest.raises(StoreBusy):
+        blocks_module._raise_store_error(refusal, [])
+    assert not issubclass(StoreBusy, CacheUnavailable)
+
+    class _Busy:
+        def store_begin(self, *args: Any, **kwargs: Any) -> None:
+            raise StoreBusy("store refused: busy")
+
+    with CacheClient(f"unix://{tmp_path / 'none.sock'}", shared_memory=True) as c:
+        keys = [digest("busy", i) for i in range(bp.MAX_NAMES + 3)]
+        payloads = [b"x" * 64 for _ in keys]
+        got = c._block_store(cast("BlockChannel", _Busy()), "ab" * 32, keys, payloads, time.monotonic() + 5)
+    assert got is not None
+    assert (got.accepted, got.dropped) == (0, len(keys))
 
 
 def test_a_store_whose_connection_drops_is_not_resent(tmp_path: Path) -> None:

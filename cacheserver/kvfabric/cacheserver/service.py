@@ -165,7 +165,9 @@ class SharedState:
         """
         if abort or self.try_store_slot():
             return None
-        accepted, dropped = self.arena.abort(lease_id)
+        # Counted now, its pages freed on a thread of their own: truncating hundreds of MiB takes
+        # tens of ms, which the event loop or the block socket's thread (loads) must not wait.
+        accepted, dropped = self.arena.abort(lease_id, release=_in_background)
         self.store.counters.inc("dropped_stores", "shm", dropped)
         return accepted, dropped
 
@@ -276,19 +278,23 @@ def block_stores(state: SharedState) -> StoreHandler:
             _close_descriptors(fds)
             raise
 
-        def undo(lease: str = res.lease_id) -> None:
+        def undo(lease: str = res.lease_id) -> None:  # on the block socket's thread: free off it
             with contextlib.suppress(UnknownLease):
-                state.arena.abort(lease)
+                state.arena.abort(lease, release=_in_background)
 
         return StoreAnswer(bp.encode_store_begun(res.lease_id, not described, statuses), fds, undo)
 
     def end(req: bp.StoreEnd, gone: Callable[[], bool]) -> StoreAnswer:
         try:
             if gone():
-                # Its client hung up: nobody learns the outcome, and the lease's pages go now.
-                state.shm_commit(req.lease, abort=True)
-                if not req.abort:
-                    state.release_store_slot()
+                # Its client hung up: nobody learns the outcome, and the lease's pages go now. The
+                # slot a commit took is given back whatever happens (an unknown lease included).
+                try:
+                    with contextlib.suppress(UnknownLease):
+                        state.shm_commit(req.lease, abort=True)
+                finally:
+                    if not req.abort:
+                        state.release_store_slot()
                 return StoreAnswer(b"", [])
             accepted, dropped = state.shm_commit(req.lease, abort=req.abort)
         except UnknownLease:
@@ -312,6 +318,11 @@ def block_stores(state: SharedState) -> StoreHandler:
             raise
 
     return serve
+
+
+def _in_background(release: Callable[[], None]) -> None:
+    """Run ``release`` (closing and truncating a lease's memfds) on a short-lived thread."""
+    threading.Thread(target=release, name="kvfabric-release", daemon=True).start()
 
 
 def _unknown_lease() -> StoreAnswer:

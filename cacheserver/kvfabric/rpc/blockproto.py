@@ -36,8 +36,9 @@ whether the server lacks the namespace's description (``0``/``1``), then one sta
 key attached in key order. ``KVSC1 [@<id>] <lease>`` commits that lease and ``KVSA1 [@<id>] <lease>``
 aborts it; the answer is :data:`STORE_DONE` followed by ``<accepted> <dropped>``. The server checks
 a store's request exactly as it checks ``ShmStoreBegin``/``ShmStoreCommit`` (one implementation); a
-request it refuses is answered :data:`STORE_ERROR`, one letter (:data:`INVALID` or
-:data:`UNKNOWN_LEASE`, :data:`UNAVAILABLE`) and a reason, and the connection stays open. A server
+request it refuses is answered :data:`STORE_ERROR`, one letter (:data:`INVALID`,
+:data:`UNKNOWN_LEASE`, :data:`UNAVAILABLE` or :data:`BUSY`) and a reason, and the connection stays
+open. A server
 that serves no stores here answers :data:`BAD_REQUEST` (then the client uses gRPC).
 """
 
@@ -110,6 +111,9 @@ UNKNOWN_LEASE = b"n"
 """The lease is unknown or expired (as gRPC's NOT_FOUND)."""
 UNAVAILABLE = b"u"
 """The server could not serve the store now (as gRPC's UNAVAILABLE)."""
+BUSY = b"b"
+"""Too many store requests queued: this one is dropped at once, as a store without a slot is (the
+client counts its keys dropped; not a failure of the server)."""
 STAGED = 0
 """A staged key: its writable staging memfd is attached."""
 PRESENT = 1

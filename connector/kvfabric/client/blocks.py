@@ -685,7 +685,18 @@ def _raise_store_error(msg: bytes, fds: list[int]) -> None:
         raise errors.InvalidRequest(f"store refused: {reason}")
     if kind == bp.UNKNOWN_LEASE:
         raise errors.NotFound(f"store refused: {reason}")
+    if kind == bp.BUSY:
+        raise StoreBusy(f"store refused: {reason}")
     raise errors.CacheUnavailable(f"store refused: {reason}")
+
+
+class StoreBusy(errors.CacheError):
+    """The server dropped a store request at once: too many stores queued (its keys are dropped).
+
+    Not :class:`~kvfabric.client.errors.CacheUnavailable`: the server is up and said so at once, so
+    it is no failure of the server's (no breaker failure, no retry), as a commit without a free
+    store slot is answered "dropped".
+    """
 
 
 def _reason(msg: bytes) -> str:

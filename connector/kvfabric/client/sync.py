@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvfabric.client import _common as c
-from kvfabric.client.blocks import BlockChannel
+from kvfabric.client.blocks import BlockChannel, StoreBusy
 from kvfabric.client.errors import CacheError, CacheSuspect, CacheTimeout, CacheUnavailable, InvalidRequest
 from kvfabric.client.hangwatch import HangWatch
 from kvfabric.client.localindex import LocalIndex
@@ -579,7 +579,11 @@ class CacheClient:
             batch = keys[start : start + MAX_NAMES]
             data = payloads[start : start + MAX_NAMES]
             lengths = [memoryview(p).nbytes for p in data]
-            begun = blocks.store_begin(namespace, batch, lengths, deadline=deadline)
+            try:
+                begun = blocks.store_begin(namespace, batch, lengths, deadline=deadline)
+            except StoreBusy:
+                dropped += len(batch)  # dropped under pressure, as the server drops a store
+                continue
             if begun is None:
                 if start:  # the server changed under us (restarted older): the rest over gRPC
                     rest = self.store(namespace, keys[start:], payloads[start:], timeout=_remaining(deadline))

@@ -46,6 +46,7 @@ from kvfabric.client.errors import (
 )
 from kvfabric.client.mappings import Lease, release_all
 from kvfabric.client.results import LookupResult, StoreResult
+from kvfabric.client.suspicion import REPLY_FLOOR_S
 from kvfabric.connector.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
@@ -764,7 +765,7 @@ def transport_factory(
     tls_key: str | None = None,
     local_index: bool = False,
     mapping_cache_bytes: int = 512 << 20,
-    reply_floor_s: float = 0.003,
+    reply_floor_s: float = REPLY_FLOOR_S,
 ) -> Callable[[], Transport]:
     """Return a factory for the real ``kvfabric.client.CacheClient`` (imported on first use).
 

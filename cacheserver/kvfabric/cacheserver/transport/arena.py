@@ -51,6 +51,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvfabric.cacheserver.engine.dram import descriptor_budget, new_memfd, seal
@@ -370,13 +371,19 @@ class StagingArena:
         slot.fd = -1
         return store.put_sealed(slot.bid, src, slot.length)
 
-    def abort(self, lease_id: str) -> tuple[int, int]:
+    def abort(
+        self, lease_id: str, *, release: Callable[[Callable[[], None]], None] | None = None
+    ) -> tuple[int, int]:
         """Discard a lease's staging memfds; returns ``(accepted, dropped)`` as a commit would report.
 
         Keys that were already stored count as accepted; every staged key counts as dropped.
+        ``release``: runs the freeing of the memfds (e.g. on another thread); default: here, now.
         """
         lease = self._take(lease_id)
-        self._release(lease)
+        if release is None:
+            self._release(lease)
+        else:
+            release(lambda: self._release(lease))
         return lease.present, lease.dropped + len(lease.slots)
 
     def _release(self, lease: _Lease) -> None:

@@ -392,9 +392,10 @@ class BlockSocket:
                 return conn  # broken: closing it loses nothing
             if not waiting:
                 return conn  # its client hung up already
-            # A request waits unread. Closing it fails that request once (kvfabric's client asks
-            # again on a fresh connection); protecting it instead would let a client that keeps a
-            # request queued on every connection refuse every newcomer for ever.
+            # A request waits unread. Closing it fails that request once (kvfabric's client asks a
+            # load again on a fresh connection; a store fails and is not resent); protecting it
+            # instead would let a client that keeps a request queued on every connection refuse
+            # every newcomer for ever.
             busy = busy or conn
         return busy
 
@@ -452,7 +453,7 @@ class BlockSocket:
             # Only begins: a commit is bounded by the store slots it takes before queueing (none
             # free: dropped at once), and refusing it would leave its client's lease to expire.
             log.info("block socket: store refused, too many queued", extra={"pid": conn.pid, "uid": conn.uid})
-            self._send(conn, bp.encode_store_error(bp.UNAVAILABLE, "busy: too many stores queued"), [])
+            self._send(conn, bp.encode_store_error(bp.BUSY, "busy: too many stores queued"), [])
             return
         # Not read until answered: one request at a time per connection (and no busy selector loop
         # over a readable socket nobody reads).

@@ -136,6 +136,19 @@ def _min_ttft(engine: Any, tokens: list[int], repeats: int) -> Any:
     return best
 
 
+def _paired(on_first: bool, on: Any, off: Any, tokens: list[int]) -> tuple[Any, float]:
+    """``tokens`` on the connector's engine and the bare one, in that order if ``on_first``.
+
+    Returns the connector engine's result and the bare engine's TTFT. Rounds alternate the order so
+    that neither side always meets the machine's state the other left (caches, a background store).
+    """
+    if on_first:
+        r_on = on.generate(tokens, 1)
+        return r_on, off.generate(tokens, 1).ttft_s
+    t_off = off.generate(tokens, 1).ttft_s
+    return on.generate(tokens, 1), t_off
+
+
 def _hung_server(
     fresh: Any,
     *,
@@ -179,12 +192,7 @@ def _hung_server(
         try:
             for i in range(rounds):
                 p = cached if i < (rounds + 1) // 2 else prompt(4096 + SUFFIX, 5000 + i, cfg.vocab_size)
-                if i % 2:
-                    t_off = off.generate(p, 1).ttft_s
-                    r_on = e.generate(p, 1)
-                else:
-                    r_on = e.generate(p, 1)
-                    t_off = off.generate(p, 1).ttft_s
+                r_on, t_off = _paired(not i % 2, e, off, p)
                 # The time the request spent inside connector calls is what the cache added to it;
                 # the TTFT difference to the connector-off engine says the same with the noise of
                 # every other process on the machine in it (printed, not judged).
@@ -395,12 +403,7 @@ def run(args: argparse.Namespace) -> int:
                     tokens = prompt(n + SUFFIX, n, cfg.vocab_size)
                     warm.generate(tokens, 1)
                     for rnd in range(rounds):
-                        if rnd % 2:
-                            t_off = off.generate(tokens, 1).ttft_s
-                            r_on = warm.generate(tokens, 1)
-                        else:
-                            r_on = warm.generate(tokens, 1)
-                            t_off = off.generate(tokens, 1).ttft_s
+                        r_on, t_off = _paired(not rnd % 2, warm, off, tokens)
                         hit_vs[n].append(r_on.ttft_s / t_off)
                         hit_kind[n].append("hit" if r_on.hit_tokens else (r_on.fallback_reason or "miss"))
                     emit(
@@ -439,12 +442,7 @@ def run(args: argparse.Namespace) -> int:
                     for _ in range(6):
                         pair += 1
                         p = prompt(2048, 10_000 + pair, cfg.vocab_size)
-                        if pair % 2:
-                            t_off = off.generate(p, 1).ttft_s
-                            r_on = on.generate(p, 1)
-                        else:
-                            r_on = on.generate(p, 1)
-                            t_off = off.generate(p, 1).ttft_s
+                        r_on, t_off = _paired(not pair % 2, on, off, p)
                         t_on = r_on.ttft_s
                         if mode == "drained":
                             share.append(r_on.connector_s / t_off)
@@ -467,12 +465,7 @@ def run(args: argparse.Namespace) -> int:
                 first_off = engine(None)
                 try:
                     p = prompt(4096, 30_000 + rnd, cfg.vocab_size)
-                    if rnd % 2:
-                        t_off = first_off.generate(p, 1).ttft_s
-                        r_on = first_on.generate(p, 1)
-                    else:
-                        r_on = first_on.generate(p, 1)
-                        t_off = first_off.generate(p, 1).ttft_s
+                    r_on, t_off = _paired(not rnd % 2, first_on, first_off, p)
                     first_over.append(r_on.ttft_s / t_off - 1)
                     first_share.append(r_on.connector_s / t_off)
                     emit(

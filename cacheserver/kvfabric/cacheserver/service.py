@@ -56,6 +56,24 @@ _SLOTS_PER_MESSAGE = 256
 """Resident blocks named in one ShmLoad message (about 50 bytes each)."""
 
 
+def _start_threads(pool: ThreadPoolExecutor, workers: int) -> None:
+    """Start all of ``pool``'s threads now, not when work first finds none idle.
+
+    A worker frees its idle permit only after its job's result is set, so a request answered by one
+    job and followed at once by the next (a store's begin, then its commit) can find no idle worker
+    and ask for a new thread: in a pod at its pids limit that fails, and the request with it.
+    Started at start-up, the pool never asks again. (A limit already reached at start-up leaves the
+    rest to be started lazily, as before.)
+    """
+    ready = threading.Barrier(workers + 1)
+    try:
+        for _ in range(workers):
+            pool.submit(ready.wait, 10)
+        ready.wait(10)
+    except (RuntimeError, threading.BrokenBarrierError):
+        ready.abort()
+
+
 class SharedState:
     """What both listeners' servicers share: the store, the arena, pools, limits and metrics."""
 
@@ -70,6 +88,7 @@ class SharedState:
         self.store_pool = ThreadPoolExecutor(
             max_workers=limits.max_concurrent_stores, thread_name_prefix="store"
         )
+        _start_threads(self.store_pool, limits.max_concurrent_stores)
         self.load_slots = asyncio.Semaphore(limits.max_concurrent_loads)
         self.store_inflight = 0
         self._slot_lock = threading.Lock()
@@ -321,8 +340,14 @@ def block_stores(state: SharedState) -> StoreHandler:
 
 
 def _in_background(release: Callable[[], None]) -> None:
-    """Run ``release`` (closing and truncating a lease's memfds) on a short-lived thread."""
-    threading.Thread(target=release, name="kvfabric-release", daemon=True).start()
+    """Run ``release`` (closing and truncating a lease's memfds) on a short-lived thread.
+
+    Here and now when no thread can be started (a pod at its pids limit): late, never lost.
+    """
+    try:
+        threading.Thread(target=release, name="kvfabric-release", daemon=True).start()
+    except RuntimeError:
+        release()
 
 
 def _unknown_lease() -> StoreAnswer:

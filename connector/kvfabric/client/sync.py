@@ -600,7 +600,15 @@ class CacheClient:
                     blocks.store_end(lease, abort=True, deadline=time.monotonic() + 1.0)
                 raise
             _remaining(deadline, "while writing to shared memory")
-            got, lost = blocks.store_end(lease, deadline=deadline)
+            try:
+                got, lost = blocks.store_end(lease, deadline=deadline)
+            except CacheUnavailable:
+                # The connection went before the answer (the server may have closed it for a
+                # newcomer with the commit unread): abort on a fresh one, so the staged pages go
+                # now, not when the lease expires. An unknown lease: the commit was served after all.
+                with contextlib.suppress(CacheError):
+                    blocks.store_end(lease, abort=True, deadline=time.monotonic() + 1.0)
+                raise
             accepted, dropped = accepted + got, dropped + lost
         return StoreResult(accepted, dropped)
 

@@ -392,7 +392,12 @@ def run_one(cmd: Sequence[str], timeout: float) -> tuple[int, str, str]:
     :data:`CLEANUP_S`. A timed-out run exits -1 with a line saying so at the end of its stderr.
     """
     proc = subprocess.Popen(
-        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        list(cmd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_default_sigint,  # noqa: PLW1509 - only a signal disposition, before exec
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -404,6 +409,16 @@ def run_one(cmd: Sequence[str], timeout: float) -> tuple[int, str, str]:
         _interrupt(proc)
         raise
     return -1, stdout, stderr + f"\nkvfabric bench suite: timed out after {timeout:g} s\n"
+
+
+def _default_sigint() -> None:
+    """In the child, before exec: SIGINT back to its default disposition.
+
+    A suite started in the background (``nohup ... &``, a CI job) has SIGINT ignored, which its
+    children inherit, and Python then installs no KeyboardInterrupt handler: the interrupt meant to
+    let a timed-out benchmark clean up would do nothing until the SIGKILL.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _interrupt(proc: subprocess.Popen[str]) -> tuple[str, str]:

@@ -438,6 +438,37 @@ def test_a_commit_whose_client_is_gone_gives_its_slot_back_even_for_an_unknown_l
         store.close()
 
 
+def test_a_commit_whose_job_queued_but_got_no_thread_gives_its_slot_back_once(
+    tmp_path: Path, ns: str
+) -> None:
+    # ThreadPoolExecutor.submit queues the job before it starts a thread; at a pids limit the start
+    # fails and submit raises, yet the queued job still runs. The slot the commit took must come
+    # back once, not twice (twice: more than max_concurrent_stores stores at once, for good).
+    config = make_config(tmp_path, overrides={"limits.max_concurrent_stores": 2}, tcp=False, metrics=False)
+    store = TieredStore(config)
+    arena = StagingArena(config.shm.arena_bytes, 30, store.counters)
+    state = SharedState(store, arena, Metrics(store, max_namespaces=8), config.limits)
+    real_submit = state.store_pool.submit
+    ran: list[Future[Any]] = []
+
+    def submit_then_fail(fn: Any, *args: Any) -> Future[Any]:
+        ran.append(real_submit(fn, *args))
+        raise RuntimeError("can't start new thread")
+
+    try:
+        lease = state.shm_begin(ns, [digest("once", 0)], [4096])[0].lease_id
+        state.store_pool.submit = submit_then_fail  # type: ignore[method-assign,assignment]
+        with pytest.raises(RuntimeError):
+            block_stores(state)(bp.StoreEnd(lease, abort=False), lambda: True)
+        ran[0].result(10)
+        assert state.store_inflight == 0
+    finally:
+        state.store_pool.submit = real_submit  # type: ignore[method-assign]
+        state.close()
+        arena.close()
+        store.close()
+
+
 def test_a_busy_refusal_is_a_dropped_store_not_a_failure(tmp_path: Path) -> None:
     # Too many stores queued: the server drops the request at once. The client counts its keys
     # dropped (as for a commit without a slot) and raises nothing: a CacheUnavailable would count

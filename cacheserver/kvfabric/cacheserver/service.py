@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
+import queue
 import re
 import threading
 import time
@@ -190,12 +192,14 @@ class SharedState:
         self.store.counters.inc("dropped_stores", "shm", dropped)
         return accepted, dropped
 
-    def shm_commit(self, lease_id: str, *, abort: bool = False) -> tuple[int, int]:
+    def shm_commit(
+        self, lease_id: str, *, abort: bool = False, release: Callable[[], None] | None = None
+    ) -> tuple[int, int]:
         """Commit (or abort) a same-node store's lease; ``(accepted, dropped)``.
 
         Runs on a store-pool thread, after :meth:`shm_commit_slot` took a slot for a commit (given
-        back here, whatever happens). Raises :class:`UnknownLease` for a lease that is not (or no
-        longer) there.
+        back here, whatever happens, by ``release`` if given: a guard that gives it back once).
+        Raises :class:`UnknownLease` for a lease that is not (or no longer) there.
         """
         t0 = time.perf_counter()
         if abort:
@@ -204,7 +208,7 @@ class SharedState:
         try:
             accepted, dropped, nbytes = self.arena.commit(lease_id, self.store)
         finally:
-            self.release_store_slot()
+            (release or self.release_store_slot)()
         self.metrics.bytes_in.add(nbytes, {"transport": "shm"})
         self.metrics.store_duration.record(time.perf_counter() - t0, {"transport": "shm"})
         return accepted, dropped
@@ -303,7 +307,7 @@ def block_stores(state: SharedState) -> StoreHandler:
 
         return StoreAnswer(bp.encode_store_begun(res.lease_id, not described, statuses), fds, undo)
 
-    def end(req: bp.StoreEnd, gone: Callable[[], bool]) -> StoreAnswer:
+    def end(req: bp.StoreEnd, gone: Callable[[], bool], slot: Callable[[], None] | None) -> StoreAnswer:
         try:
             if gone():
                 # Its client hung up: nobody learns the outcome, and the lease's pages go now. The
@@ -312,10 +316,10 @@ def block_stores(state: SharedState) -> StoreHandler:
                     with contextlib.suppress(UnknownLease):
                         state.shm_commit(req.lease, abort=True)
                 finally:
-                    if not req.abort:
-                        state.release_store_slot()
+                    if slot is not None:
+                        slot()
                 return StoreAnswer(b"", [])
-            accepted, dropped = state.shm_commit(req.lease, abort=req.abort)
+            accepted, dropped = state.shm_commit(req.lease, abort=req.abort, release=slot)
         except UnknownLease:
             return _unknown_lease()
         return StoreAnswer(bp.encode_store_done(accepted, dropped), [])
@@ -329,25 +333,64 @@ def block_stores(state: SharedState) -> StoreHandler:
             return _answered(_unknown_lease())
         if dropped is not None:
             return _answered(StoreAnswer(bp.encode_store_done(*dropped), []))
+        # Given back once: submit can fail after queueing the job (no thread could be started),
+        # and the queued job then still runs and gives it back too.
+        slot = None if req.abort else _Once(state.release_store_slot)
         try:
-            return state.store_pool.submit(end, req, gone)
+            return state.store_pool.submit(end, req, gone, slot)
         except BaseException:
-            if not req.abort:
-                state.release_store_slot()
+            if slot is not None:
+                slot()
             raise
 
     return serve
 
 
-def _in_background(release: Callable[[], None]) -> None:
-    """Run ``release`` (closing and truncating a lease's memfds) on a short-lived thread.
+class _Once:
+    """Call ``fn`` the first time this is called, never again (thread-safe)."""
 
-    Here and now when no thread can be started (a pod at its pids limit): late, never lost.
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Callable[[], None] | None = fn
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+_releases: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+_releaser: threading.Thread | None = None
+_releaser_lock = threading.Lock()
+
+
+def _release_forever() -> None:
+    while True:
+        release = _releases.get()
+        try:
+            release()
+        except Exception:  # one lease's failure must not end the releases of the others
+            logging.getLogger(__name__).exception("freeing a dropped store's staging failed")
+
+
+def _in_background(release: Callable[[], None]) -> None:
+    """Run ``release`` (closing and truncating a lease's memfds) on the process's release thread.
+
+    One thread, started on first use, so a flood of dropped stores costs no thread each; here and
+    now when it cannot be started (a pod at its pids limit): late, never lost.
     """
-    try:
-        threading.Thread(target=release, name="kvfabric-release", daemon=True).start()
-    except RuntimeError:
-        release()
+    global _releaser  # noqa: PLW0603 - one release thread per process
+    with _releaser_lock:
+        if _releaser is None or not _releaser.is_alive():
+            thread = threading.Thread(target=_release_forever, name="kvfabric-release", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:
+                release()
+                return
+            _releaser = thread
+    _releases.put(release)
 
 
 def _unknown_lease() -> StoreAnswer:

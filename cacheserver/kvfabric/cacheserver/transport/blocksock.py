@@ -443,8 +443,10 @@ class BlockSocket:
             return
         if conn.client is None and not self._bind(conn, req.client):
             return
-        if self._gone(conn):
-            # Sent, then hung up (its request still readable): nobody waits for the answer.
+        if isinstance(req, bp.StoreBegin) and self._gone(conn):
+            # Sent, then hung up (its request still readable): nobody waits for the answer, and a
+            # begin not served holds nothing. (A commit or an abort still goes to the handler, which
+            # sees the client gone and aborts the lease now rather than when it expires.)
             self._drop(conn, None)
             return
         if isinstance(req, bp.StoreBegin) and self._store_jobs >= self.limits.max_store_jobs:

@@ -575,6 +575,7 @@ class CacheClient:
         None when the server serves no stores there (the caller stores over gRPC).
         """
         accepted = dropped = 0
+        asked = False  # the server asked for the namespace's description (it restarted)
         for start in range(0, len(keys), MAX_NAMES):
             batch = keys[start : start + MAX_NAMES]
             data = payloads[start : start + MAX_NAMES]
@@ -592,6 +593,7 @@ class CacheClient:
             lease, describe, fds = begun
             if describe:
                 self._undescribed_if_announced(namespace)
+                asked = True
             try:
                 c.write_staged(fds, data)
             except BaseException:
@@ -610,6 +612,10 @@ class CacheClient:
                     blocks.store_end(lease, abort=True, deadline=time.monotonic() + 1.0)
                 raise
             accepted, dropped = accepted + got, dropped + lost
+        if asked:
+            # Now, on the storer's thread: over the block socket and the published table a client
+            # may make no other call that would carry it (a restarted server stays undescribed).
+            self._describe_due(time.monotonic() + _DESCRIBE_TIMEOUT_S)
         return StoreResult(accepted, dropped)
 
     def delete(self, namespace: str, keys: Sequence[str], *, timeout: float) -> int:

@@ -418,12 +418,10 @@ class BlockSocket:
             self._store(conn, data)
             return
         req = bp.parse_request(data) if len(data) <= bp.MAX_MESSAGE else None
-        if req is None or (req.client is not None and conn.client is not None and req.client != conn.named):
-            log.info("block socket: bad request", extra={"pid": conn.pid, "uid": conn.uid})
-            _refuse(conn.sock, b"bad request", status=bp.BAD_REQUEST)
-            self._drop(conn, None)
+        if req is None:
+            self._bad(conn, "request")
             return
-        if conn.client is None and not self._bind(conn, req.client):
+        if not self._admit(conn, req.client, "request"):
             return
         if req.hold:
             msg, fds = self._answer_holding(conn, req)
@@ -431,17 +429,30 @@ class BlockSocket:
             msg, fds = self._answer(req.names)
         self._send(conn, msg, fds)
 
+    def _admit(self, conn: _Conn, client: str | None, what: str) -> bool:
+        """Whether a parsed request of ``client`` may be served on ``conn`` (binding it on its first).
+
+        A request naming another client than the connection's is a bad request: refused, closed.
+        """
+        if client is not None and conn.client is not None and client != conn.named:
+            self._bad(conn, what)
+            return False
+        return conn.client is not None or self._bind(conn, client)
+
+    def _bad(self, conn: _Conn, what: str) -> None:
+        log.info(f"block socket: bad {what}", extra={"pid": conn.pid, "uid": conn.uid})
+        _refuse(conn.sock, b"bad request", status=bp.BAD_REQUEST)
+        self._drop(conn, None)
+
     def _store(self, conn: _Conn, data: bytes) -> None:
         """Hand a store request to the store handler; its answer is sent by :meth:`_stored`."""
         assert self.stores is not None
         assert self._sel is not None
         req = bp.parse_store_request(data) if len(data) <= bp.MAX_MESSAGE else None
-        if req is None or (req.client is not None and conn.client is not None and req.client != conn.named):
-            log.info("block socket: bad store request", extra={"pid": conn.pid, "uid": conn.uid})
-            _refuse(conn.sock, b"bad request", status=bp.BAD_REQUEST)
-            self._drop(conn, None)
+        if req is None:
+            self._bad(conn, "store request")
             return
-        if conn.client is None and not self._bind(conn, req.client):
+        if not self._admit(conn, req.client, "store request"):
             return
         if isinstance(req, bp.StoreBegin) and self._gone(conn):
             # Sent, then hung up (its request still readable): nobody waits for the answer, and a

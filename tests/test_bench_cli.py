@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvfabric.bench.operator import resolve_sizes
@@ -61,3 +63,48 @@ def test_bench_operator_judges_the_scale_run_against_the_goals() -> None:
         ">10ms": 3,
         ">20ms": 1,
     }
+
+
+def test_bench_operator_splits_the_time_to_ready_into_the_stages_the_api_server_recorded() -> None:
+    from kvfabric.bench.operator import ready_timeline
+
+    start = 1_800_000_000.0  # 2027-01-15T08:00:00Z
+
+    def at(seconds: int) -> str:
+        return f"2027-01-15T08:00:{seconds:02d}Z"
+
+    def cond(kind: str, seconds: int | None, status: str = "True") -> dict[str, str]:
+        return {
+            "type": kind,
+            "status": status,
+            **({"lastTransitionTime": at(seconds)} if seconds is not None else {}),
+        }
+
+    daemonsets = [{"metadata": {"name": f"p{k}-cache", "creationTimestamp": at(1 + k)}} for k in range(2)]
+    pods = [
+        {
+            "metadata": {
+                "creationTimestamp": at(3 + k),
+                "ownerReferences": [{"kind": "DaemonSet", "name": f"p{k}-cache"}],
+            },
+            "status": {"conditions": [cond("PodScheduled", 4 + k), cond("Ready", 10 + 5 * k)]},
+        }
+        for k in range(2)
+    ]
+    pools: list[dict[str, Any]] = [
+        {"metadata": {"name": "p0"}, "status": {"conditions": [cond("Ready", 12)]}},
+        {"metadata": {"name": "p1"}, "status": {"conditions": [cond("Ready", 21)]}},
+    ]
+    got = ready_timeline(start, daemonsets, pods, pools)
+    assert got == {
+        "daemonsets_created_s": 2.0,
+        "cache_pods": 2,
+        "cache_pods_created_s": 4.0,
+        "cache_pods_scheduled_s": 5.0,
+        "cache_pods_ready_s": 15.0,
+        "pools_ready_s": 21.0,
+        "pool_lag_s": {"p50": 2.0, "max": 6.0},
+    }
+    # A stage not done by every object has no time (not the time of those done).
+    pools[1]["status"]["conditions"] = [cond("Ready", 21, status="False")]
+    assert ready_timeline(start, daemonsets, pods, pools)["pools_ready_s"] is None

@@ -20,7 +20,9 @@ Measured:
 With ``--scale`` it measures instead, on ``--nodes`` fake GPU nodes (default 1,000):
 
 - ``scale.all_ready_s``: ``--scale-pools`` pools (default 100), each selecting its own slice of the
-  nodes, created at once; time until every one is Ready.
+  nodes, created at once; time until every one is Ready. ``scale.ready_timeline`` says where that
+  time went (:func:`ready_timeline`): when the last DaemonSet, cache pod, binding, pod Ready and
+  pool Ready happened, and each pool's Ready after its last pod's (the operator's reaction).
 - ``scale.webhook_during_storm``: ``--consumer-pods`` consumer pods (default 5,000, spread over the
   pools) created through the API server, 32 at a time, while AdmissionReviews are POSTed to the
   webhook side by side; their latency percentiles (goal p99 <= 20 ms) and how many pods came out
@@ -31,6 +33,7 @@ With ``--scale`` it measures instead, on ``--nodes`` fake GPU nodes (default 1,0
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -126,6 +129,65 @@ def _pool(name: str) -> dict[str, Any]:
         "kind": "KVCachePool",
         "metadata": {"name": name},
         "spec": {"image": {"tag": "v0.2.0"}, "tiers": {"memory": {"size": "256Mi"}}},
+    }
+
+
+def _when(stamp: object) -> float | None:
+    """An API timestamp (RFC 3339, whole seconds) as seconds since the epoch; None if absent."""
+    if not isinstance(stamp, str):
+        return None
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def _condition_time(obj: dict[str, Any], kind: str) -> float | None:
+    """When ``obj``'s condition ``kind`` last turned True (None: not True)."""
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == kind and c.get("status") == "True":
+            return _when(c.get("lastTransitionTime"))
+    return None
+
+
+def ready_timeline(
+    start: float, daemonsets: list[dict[str, Any]], pods: list[dict[str, Any]], pools: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Where the time to all pools Ready went, stage by stage, as the API server recorded it.
+
+    Seconds after ``start`` (epoch) at which the last object of each stage was done (whole seconds).
+    The stages: the operator created every DaemonSet; the DaemonSet controller every cache pod; the
+    scheduler bound them; kwok reported them Ready; the operator wrote every pool Ready. ``pool_lag_s``
+    is, per pool, its Ready minus its last pod's Ready: the operator's own reaction time.
+    """
+
+    def last(times: list[float | None]) -> float | None:
+        known = [t for t in times if t is not None]
+        return round(max(known) - start, 1) if len(known) == len(times) and known else None
+
+    pod_ready: dict[str, float] = {}  # DaemonSet name -> its last pod's Ready
+    for pod in pods:
+        owners = [
+            o.get("name")
+            for o in pod["metadata"].get("ownerReferences") or []
+            if o.get("kind") == "DaemonSet"
+        ]
+        t = _condition_time(pod, "Ready")
+        if owners and t is not None:
+            pod_ready[str(owners[0])] = max(pod_ready.get(str(owners[0]), t), t)
+    lags = []
+    for pool in pools:
+        t, mine = _condition_time(pool, "Ready"), pod_ready.get(f"{pool['metadata']['name']}-cache")
+        if t is not None and mine is not None:
+            lags.append(t - mine)
+    return {
+        "daemonsets_created_s": last([_when(d["metadata"].get("creationTimestamp")) for d in daemonsets]),
+        "cache_pods": len(pods),
+        "cache_pods_created_s": last([_when(p["metadata"].get("creationTimestamp")) for p in pods]),
+        "cache_pods_scheduled_s": last([_condition_time(p, "PodScheduled") for p in pods]),
+        "cache_pods_ready_s": last([_condition_time(p, "Ready") for p in pods]),
+        "pools_ready_s": last([_condition_time(p, "Ready") for p in pools]),
+        "pool_lag_s": {
+            "p50": round(_percentile(lags, 50), 1) if lags else None,
+            "max": round(max(lags), 1) if lags else None,
+        },
     }
 
 
@@ -496,7 +558,7 @@ async def _bench_scale(
             }
             return body
 
-        start = time.perf_counter()
+        start, start_epoch = time.perf_counter(), time.time()
         sem = asyncio.Semaphore(16)
 
         async def create(body: dict[str, Any]) -> None:
@@ -521,6 +583,10 @@ async def _bench_scale(
             await asyncio.sleep(1.0)
         result["all_ready_s"] = round(ready_s, 1)
         result["pools_ready"] = ready
+        # Where those seconds went, stage by stage (before the storm adds its pods).
+        result["ready_timeline"] = ready_timeline(
+            start_epoch, await client.list("DaemonSet", ns), await client.list("Pod", ns), listed
+        )
         if ready < pools:  # say why: the pools' own Ready reasons (e.g. kwok starved: NodesNotReady)
             reasons: dict[str, int] = {}
             for p in listed:
@@ -712,6 +778,8 @@ def _run_scale(args: argparse.Namespace) -> int:
             f"{sc['pools']} pools on {sc['nodes']} nodes: all Ready in {sc['all_ready_s']} s "
             f"({sc.get('reconciles_until_ready')} reconciles)"
         )
+        timeline = json.dumps(sc.get("ready_timeline"))
+        print(f"  where that went (s after the pools' creation, last of each): {timeline}")
         print(
             f"{sc['storm']['consumer_pods']} consumer pods in {sc['storm']['created_in_s']} s, "
             f"{sc['storm']['injected_at_admission']} injected"

@@ -35,6 +35,7 @@ from kvfabric.client import CacheClient
 from kvfabric.client import blocks as blocks_module
 from kvfabric.client.blocks import BlockChannel, StoreBusy
 from kvfabric.client.errors import CacheUnavailable, InvalidRequest
+from kvfabric.connector.keys import NamespaceSpec
 from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc import fdpass
 from kvfabric.rpc.v1 import cache_pb2 as pb
@@ -565,3 +566,113 @@ def test_a_store_on_a_connection_the_server_closed_while_idle_goes_out_once_on_a
         assert [m[:5] for m in seen] == [bp.STORE_COMMIT_PREFIX] * 2
     finally:
         listener.close()
+
+
+@pytest.mark.process
+def test_a_block_store_whose_answer_asks_for_the_description_sends_it_in_the_same_store() -> None:
+    """A server that lacks an announced namespace's description says so in the begin's answer, and
+    the storer describes it before the store returns: a client that stores over the block socket and
+    looks up from the published table makes no other call that would carry it (a restarted server
+    would stay undescribed, unseen by the operator's cache insight)."""
+    specs = [NamespaceSpec("tiny-llama", rev, "float32", 2, 1, 4, 16, 32) for rev in ("rev-a", "rev-b")]
+    first, last = sorted(specs, key=lambda s: s.digest())
+    with (
+        # One description kept: describing `last` forgets `first`, as a restart would.
+        cache_server(overrides={"limits.max_described_namespaces": 1}) as srv,
+        CacheClient(srv.unix_target, shared_memory=True) as client,
+    ):
+        stub = client._conn.stub
+        described: list[str] = []
+
+        class OnlyDescribeOverGrpc:
+            def __getattr__(self, name: str) -> object:
+                if name.startswith("ShmStore"):
+                    raise AssertionError(f"a same-node store called {name} over gRPC")
+                if name == "Describe":
+
+                    def describe(req: Any, **kw: Any) -> object:
+                        described.append(req.namespace)
+                        return stub.Describe(req, **kw)
+
+                    return describe
+                return getattr(stub, name)
+
+        client._conn = dataclasses.replace(client._conn, stub=OnlyDescribeOverGrpc())
+        for spec in (first, last):
+            client.announce(spec.digest(), spec.canonical().decode())
+        key = digest("described-at-once")
+        data = payload_for(key, 10_000)
+        # The store's start describes both, in order: the server keeps `last` only.
+        assert client.store(last.digest(), [key], [data], timeout=10).accepted == 1
+        assert described == [first.digest(), last.digest()]
+        # `first`'s begin is answered "describe": sent within this store, not at the next call.
+        assert client.store(first.digest(), [key], [data], timeout=10).accepted == 1
+        assert described == [first.digest(), last.digest(), first.digest()]
+        assert not client.describes_pending
+
+
+@pytest.mark.process
+def test_a_store_whose_commit_got_no_answer_aborts_its_lease_at_once(ns: str) -> None:
+    """The commit's connection went before its answer (the server may have closed it for a newcomer
+    with the commit unread): the client aborts the lease on a fresh connection, so the staged pages
+    go now, not when the lease expires (30 s here)."""
+    overrides = {"shm.slot_lease_seconds": 30, "shm.prealloc_bytes": 0}
+    key = digest("commit-lost")
+    with cache_server(overrides=overrides) as srv, CacheClient(srv.unix_target, shared_memory=True) as client:
+        assert client._store_blocks is not None
+        channel = client._store_blocks
+        real_end = channel.store_end
+        lost: list[str] = []
+
+        def store_end(lease: str, *, abort: bool = False, deadline: float) -> tuple[int, int]:
+            if not abort:  # the commit is never sent: as if its connection went first
+                lost.append(lease)
+                raise CacheUnavailable("the block socket's connection went before the answer")
+            return real_end(lease, abort=abort, deadline=deadline)
+
+        channel.store_end = store_end  # type: ignore[method-assign]
+        baseline = _staging_memfds(srv)
+        with pytest.raises(CacheUnavailable):
+            client.store(ns, [key], [payload_for(key, 4 << 20)], timeout=10)
+        assert len(lost) == 1
+        # Aborted: nothing leased, no staging memfd, well within the lease's 30 s.
+        deadline = time.monotonic() + 5
+        while True:
+            with CacheClient(srv.unix_target) as c:
+                got = c.stats(timeout=5)
+            if got["arena_used_bytes"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert got["arena_used_bytes"] == 0, "a lease whose commit got no answer was left to expire"
+        assert _staging_memfds(srv) == baseline
+        assert client.load(ns, [key], timeout=5) == []
+
+
+@pytest.mark.process
+def test_a_store_whose_later_batch_fails_reports_the_earlier_batches_as_stored(ns: str) -> None:
+    """More keys than one block-socket exchange names go in batches; when a later one fails, the
+    result counts the keys already stored as accepted and only the rest as dropped (not an error
+    that would say every key failed)."""
+    keys = [digest("batches", i) for i in range(bp.MAX_NAMES + 5)]
+    data = [payload_for(k, 1000) for k in keys]
+    with cache_server() as srv, CacheClient(srv.unix_target, shared_memory=True) as client:
+        assert client._store_blocks is not None
+        channel = client._store_blocks
+        real_end = channel.store_end
+        commits = [0]
+
+        def store_end(lease: str, *, abort: bool = False, deadline: float) -> tuple[int, int]:
+            if not abort:
+                commits[0] += 1
+                if commits[0] == 2:
+                    raise CacheUnavailable("the block socket's connection went before the answer")
+            return real_end(lease, abort=abort, deadline=deadline)
+
+        channel.store_end = store_end  # type: ignore[method-assign]
+        got = client.store(ns, keys, data, timeout=10)
+        assert (got.accepted, got.dropped) == (bp.MAX_NAMES, 5)
+        assert client.load(ns, keys, timeout=10) == data[: bp.MAX_NAMES]
+        # A store whose only batch fails still raises (the connector's breaker counts it).
+        commits[0] = 1
+        with pytest.raises(CacheUnavailable):
+            client.store(ns, keys[bp.MAX_NAMES :], data[bp.MAX_NAMES :], timeout=10)

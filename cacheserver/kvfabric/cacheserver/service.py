@@ -90,6 +90,7 @@ class SharedState:
         self.store_pool = ThreadPoolExecutor(
             max_workers=limits.max_concurrent_stores, thread_name_prefix="store"
         )
+        _start_threads(self.load_pool, limits.io_threads)  # a load's promotion right after another's
         _start_threads(self.store_pool, limits.max_concurrent_stores)
         self.load_slots = asyncio.Semaphore(limits.max_concurrent_loads)
         self.store_inflight = 0

@@ -81,7 +81,7 @@ def test_bench_operator_splits_the_time_to_ready_into_the_stages_the_api_server_
         }
 
     daemonsets = [{"metadata": {"name": f"p{k}-cache", "creationTimestamp": at(1 + k)}} for k in range(2)]
-    pods = [
+    pods: list[dict[str, Any]] = [
         {
             "metadata": {
                 "creationTimestamp": at(3 + k),
@@ -95,7 +95,8 @@ def test_bench_operator_splits_the_time_to_ready_into_the_stages_the_api_server_
         {"metadata": {"name": "p0"}, "status": {"conditions": [cond("Ready", 12)]}},
         {"metadata": {"name": "p1"}, "status": {"conditions": [cond("Ready", 21)]}},
     ]
-    got = ready_timeline(start, daemonsets, pods, pools)
+    stray = {"metadata": {"creationTimestamp": at(59)}, "status": {"conditions": [cond("Ready", 59)]}}
+    got = ready_timeline(start + 0.7, daemonsets, [*pods, stray], pools)
     assert got == {
         "daemonsets_created_s": 2.0,
         "cache_pods": 2,
@@ -108,3 +109,6 @@ def test_bench_operator_splits_the_time_to_ready_into_the_stages_the_api_server_
     # A stage not done by every object has no time (not the time of those done).
     pools[1]["status"]["conditions"] = [cond("Ready", 21, status="False")]
     assert ready_timeline(start, daemonsets, pods, pools)["pools_ready_s"] is None
+    # An unreadable stamp loses that stage's time, not the result.
+    pods[0]["metadata"]["creationTimestamp"] = "yesterday"
+    assert ready_timeline(start, daemonsets, pods, pools)["cache_pods_created_s"] is None

@@ -34,7 +34,7 @@ from kvfabric.cacheserver.transport.arena import StagingArena
 from kvfabric.client import CacheClient
 from kvfabric.client import blocks as blocks_module
 from kvfabric.client.blocks import BlockChannel, StoreBusy
-from kvfabric.client.errors import CacheUnavailable, InvalidRequest
+from kvfabric.client.errors import CacheTimeout, CacheUnavailable, InvalidRequest
 from kvfabric.connector.keys import NamespaceSpec
 from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc import fdpass
@@ -649,30 +649,34 @@ def test_a_store_whose_commit_got_no_answer_aborts_its_lease_at_once(ns: str) ->
 
 
 @pytest.mark.process
-def test_a_store_whose_later_batch_fails_reports_the_earlier_batches_as_stored(ns: str) -> None:
-    """More keys than one block-socket exchange names go in batches; when a later one fails, the
-    result counts the keys already stored as accepted and only the rest as dropped (not an error
-    that would say every key failed)."""
-    keys = [digest("batches", i) for i in range(bp.MAX_NAMES + 5)]
-    data = [payload_for(k, 1000) for k in keys]
-    with cache_server() as srv, CacheClient(srv.unix_target, shared_memory=True) as client:
-        assert client._store_blocks is not None
-        channel = client._store_blocks
-        real_end = channel.store_end
-        commits = [0]
+def test_a_store_whose_deadline_passes_after_its_write_aborts_its_lease_at_once(
+    ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of time between the write and the commit: the client aborts the lease it will never
+    commit, so the staged pages go now, not when the lease expires (30 s here)."""
+    from kvfabric.client import _common
 
-        def store_end(lease: str, *, abort: bool = False, deadline: float) -> tuple[int, int]:
-            if not abort:
-                commits[0] += 1
-                if commits[0] == 2:
-                    raise CacheUnavailable("the block socket's connection went before the answer")
-            return real_end(lease, abort=abort, deadline=deadline)
+    overrides = {"shm.slot_lease_seconds": 30, "shm.prealloc_bytes": 0}
+    key = digest("late-commit")
+    real_write = _common.write_staged
 
-        channel.store_end = store_end  # type: ignore[method-assign]
-        got = client.store(ns, keys, data, timeout=10)
-        assert (got.accepted, got.dropped) == (bp.MAX_NAMES, 5)
-        assert client.load(ns, keys, timeout=10) == data[: bp.MAX_NAMES]
-        # A store whose only batch fails still raises (the connector's breaker counts it).
-        commits[0] = 1
-        with pytest.raises(CacheUnavailable):
-            client.store(ns, keys[bp.MAX_NAMES :], data[bp.MAX_NAMES :], timeout=10)
+    def slow_write(fds: Any, data: Any) -> None:
+        real_write(fds, data)
+        time.sleep(0.6)  # past the store's 0.5 s deadline
+
+    with cache_server(overrides=overrides) as srv, CacheClient(srv.unix_target, shared_memory=True) as client:
+        baseline = _staging_memfds(srv)
+        monkeypatch.setattr(_common, "write_staged", slow_write)
+        with pytest.raises(CacheTimeout):
+            client.store(ns, [key], [payload_for(key, 4 << 20)], timeout=0.5)
+        monkeypatch.undo()
+        deadline = time.monotonic() + 5
+        while True:
+            with CacheClient(srv.unix_target) as c:
+                got = c.stats(timeout=5)
+            if got["arena_used_bytes"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert got["arena_used_bytes"] == 0, "a lease never committed was left to expire"
+        assert _staging_memfds(srv) == baseline
+        assert client.load(ns, [key], timeout=5) == []

@@ -49,35 +49,14 @@ def test_a_load_waiting_on_a_hung_server_fails_when_its_heartbeat_stops(local_in
                     c.load_into(NS, keys, bufs, timeout=2)
         finally:
             srv.proc.send_signal(signal.SIGCONT)
-        # Back: loads work again.
+        # Back once it beats again (until then a load started on the stale heartbeat fails at
+        # once, as it should): loads work again.
+        if local_index:
+            index = c.local_index
+            assert index is not None
+            wait_until(lambda: index.alive(NS) is True, 30, 0.02, "the resumed server's heartbeat")
         assert c.load_into(NS, keys, bufs, timeout=30) == 2
         assert [bytes(b) for b in bufs] == payloads
-
-
-def test_a_load_that_starts_as_a_stopped_server_resumes_is_not_given_up_as_hung() -> None:
-    """The heartbeat is already stale when the load starts: the server gets a whole staleness bound
-    from then on to beat again (it resumes 0.1 s in), not none."""
-    keys = [digest("hw-resume", i) for i in range(2)]
-    payloads = [payload_for(k, MiB) for k in keys]
-    with (
-        cache_server(dram_bytes=64 * MiB) as srv,
-        CacheClient(srv.unix_target, shared_memory=True, local_index=True, reply_floor_s=30) as c,
-    ):
-        assert c.store(NS, keys, payloads, timeout=30).accepted == 2
-        assert c.lookup(NS, keys, timeout=10).matched == 2
-        index = c.local_index
-        assert index is not None
-        assert srv.proc is not None
-        srv.proc.send_signal(signal.SIGSTOP)
-        try:
-            wait_until(lambda: index.alive(NS) is False, 30, 0.02, "a stale heartbeat")
-            bufs = [memoryview(bytearray(MiB)) for _ in keys]
-            resume = threading.Timer(0.1, srv.proc.send_signal, (signal.SIGCONT,))
-            resume.start()
-            assert c.load_into(NS, keys, bufs, timeout=30) == 2
-            assert [bytes(b) for b in bufs] == payloads
-        finally:
-            srv.proc.send_signal(signal.SIGCONT)
 
 
 class _FlakyIndex:
@@ -86,7 +65,7 @@ class _FlakyIndex:
     def __init__(self) -> None:
         self.checks = 0
 
-    def alive(self, namespace: str, since_ns: int = 0) -> bool | None:
+    def alive(self, namespace: str) -> bool | None:
         self.checks += 1
         if self.checks == 1:
             raise RuntimeError("concurrent poll() invocation")

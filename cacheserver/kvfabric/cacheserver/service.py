@@ -58,7 +58,7 @@ _SLOTS_PER_MESSAGE = 256
 """Resident blocks named in one ShmLoad message (about 50 bytes each)."""
 
 
-def _start_threads(pool: ThreadPoolExecutor, workers: int) -> None:
+def _start_threads(pool: ThreadPoolExecutor) -> None:
     """Start all of ``pool``'s threads now, not when work first finds none idle.
 
     A worker frees its idle permit only after its job's result is set, so a request answered by one
@@ -67,6 +67,7 @@ def _start_threads(pool: ThreadPoolExecutor, workers: int) -> None:
     Started at start-up, the pool never asks again. (A limit already reached at start-up leaves the
     rest to be started lazily, as before.)
     """
+    workers = pool._max_workers  # one party per thread the pool may start, or the barrier breaks
     ready = threading.Barrier(workers + 1)
     try:
         for _ in range(workers):
@@ -90,8 +91,8 @@ class SharedState:
         self.store_pool = ThreadPoolExecutor(
             max_workers=limits.max_concurrent_stores, thread_name_prefix="store"
         )
-        _start_threads(self.load_pool, limits.io_threads)  # a load's promotion right after another's
-        _start_threads(self.store_pool, limits.max_concurrent_stores)
+        _start_threads(self.load_pool)  # a load's promotion right after another's
+        _start_threads(self.store_pool)
         self.load_slots = asyncio.Semaphore(limits.max_concurrent_loads)
         self.store_inflight = 0
         self._slot_lock = threading.Lock()

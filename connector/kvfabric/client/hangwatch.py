@@ -50,9 +50,6 @@ class Watched:
         self.call = call
         self.reply_by = reply_by
         """``time.monotonic()`` by which the server's first reply is due (None: no such bound)."""
-        self.since_ns = time.monotonic_ns()
-        """When the watch began: a heartbeat already stale then (a server that just resumed, whose
-        beat thread has not run yet) is given the whole staleness bound from here to beat again."""
         self.replied = False
         self.hung = False
         """Cancelled because the server's heartbeat stopped."""
@@ -130,7 +127,7 @@ class HangWatch:
                     sleep = min(sleep, w.reply_by - now)
                 # None (no table mapped): unknown, left to the call's own deadline.
                 try:
-                    hung = not w.hung and self.index.alive(w.namespace, w.since_ns) is False
+                    hung = not w.hung and self.index.alive(w.namespace) is False
                 except Exception:  # the watch must outlive any one check: log it, keep watching
                     log.exception("hang watch: checking the published index failed")
                     continue

@@ -233,12 +233,10 @@ class LocalIndex:
             return LookupResult(len(tiers), tiers)
         return None
 
-    def alive(self, namespace: str, since_ns: int = 0) -> bool | None:
+    def alive(self, namespace: str) -> bool | None:
         """Whether the server publishing ``namespace``'s table still beats (None: no table mapped).
 
-        False once it hung up or its heartbeat is older than ``stale_after_s`` (counted from
-        ``since_ns``, a ``time.monotonic_ns()``, when that is later: a watcher that began after the
-        last beat gives the server a whole staleness bound to beat again); None as well when the
+        False once it hung up or its heartbeat is older than ``stale_after_s``; None as well when the
         server closed the table's connection for another client's (it still serves). No lock, and a
         syscall only when the connection is readable: for a watchdog polling it while a load waits.
         """
@@ -253,7 +251,7 @@ class LocalIndex:
             # Readable: the server hung up, or closed this connection to make room for another
             # client's (it still serves: a load waiting on it must not be given up for that).
             return None if m.evicted() else False
-        return time.monotonic_ns() - max(int(m.words[it.W_HEARTBEAT]), since_ns) <= self.stale_ns
+        return time.monotonic_ns() - m.words[it.W_HEARTBEAT] <= self.stale_ns
 
     def heartbeat(self, namespace: str) -> int | None:
         """The last heartbeat (``time.monotonic_ns()``) of ``namespace``'s live table; None if none mapped.

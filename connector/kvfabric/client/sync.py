@@ -585,12 +585,6 @@ class CacheClient:
             except StoreBusy:
                 dropped += len(batch)  # dropped under pressure, as the server drops a store
                 continue
-            except CacheError:
-                if not start:
-                    raise
-                # The earlier batches were stored: say so, and count the rest as dropped.
-                log.debug("a store's batch at key %d failed; the rest are dropped", start, exc_info=True)
-                return StoreResult(accepted, dropped + len(keys) - start)
             if begun is None:
                 if start:  # the server changed under us (restarted older): the rest over gRPC
                     rest = self.store(namespace, keys[start:], payloads[start:], timeout=_remaining(deadline))
@@ -610,17 +604,19 @@ class CacheClient:
             try:
                 _remaining(deadline, "while writing to shared memory")
                 got, lost = blocks.store_end(lease, deadline=deadline)
-            except CacheError as exc:
-                if isinstance(exc, CacheUnavailable):
-                    # The connection went before the answer (the server may have closed it for a
-                    # newcomer with the commit unread): abort on a fresh one, so the staged pages go
-                    # now, not when the lease expires. An unknown lease: it was served after all.
-                    with contextlib.suppress(CacheError):
-                        blocks.store_end(lease, abort=True, deadline=time.monotonic() + 1.0)
-                if not start:
-                    raise
-                log.debug("a store's batch at key %d failed; the rest are dropped", start, exc_info=True)
-                return StoreResult(accepted, dropped + len(keys) - start)
+            except CacheTimeout:
+                # Out of time before the commit went out (or while it waited for its answer): abort,
+                # so the staged pages go now, not when the lease expires.
+                with contextlib.suppress(CacheError):
+                    blocks.store_end(lease, abort=True, deadline=time.monotonic() + 1.0)
+                raise
+            except CacheUnavailable:
+                # The connection went before the answer (the server may have closed it for a
+                # newcomer with the commit unread): abort on a fresh one, so the staged pages go
+                # now, not when the lease expires. An unknown lease: the commit was served after all.
+                with contextlib.suppress(CacheError):
+                    blocks.store_end(lease, abort=True, deadline=time.monotonic() + 1.0)
+                raise
             accepted, dropped = accepted + got, dropped + lost
         if asked:
             # Now, on the storer's thread: over the block socket and the published table a client

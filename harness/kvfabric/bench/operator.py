@@ -136,7 +136,10 @@ def _when(stamp: object) -> float | None:
     """An API timestamp (RFC 3339, whole seconds) as seconds since the epoch; None if absent."""
     if not isinstance(stamp, str):
         return None
-    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    try:
+        return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None  # unreadable: that stage has no time, the rest of the result stands
 
 
 def _condition_time(obj: dict[str, Any], kind: str) -> float | None:
@@ -155,23 +158,25 @@ def ready_timeline(
     Seconds after ``start`` (epoch) at which the last object of each stage was done (whole seconds).
     The stages: the operator created every DaemonSet; the DaemonSet controller every cache pod; the
     scheduler bound them; kwok reported them Ready; the operator wrote every pool Ready. ``pool_lag_s``
-    is, per pool, its Ready minus its last pod's Ready: the operator's own reaction time.
+    is, per pool, its Ready minus its last pod's Ready: the DaemonSet controller's status update (a
+    pool is judged by its DaemonSet's ``numberReady``) and the operator's reaction, together.
     """
+    start = math.floor(start)  # the API server's stamps are whole seconds, cut down
 
     def last(times: list[float | None]) -> float | None:
         known = [t for t in times if t is not None]
         return round(max(known) - start, 1) if len(known) == len(times) and known else None
 
+    def owner(pod: dict[str, Any]) -> str | None:
+        refs = pod["metadata"].get("ownerReferences") or []
+        return next((str(o.get("name")) for o in refs if o.get("kind") == "DaemonSet"), None)
+
+    pods = [p for p in pods if owner(p) is not None]  # cache pods only, whatever else the namespace holds
     pod_ready: dict[str, float] = {}  # DaemonSet name -> its last pod's Ready
     for pod in pods:
-        owners = [
-            o.get("name")
-            for o in pod["metadata"].get("ownerReferences") or []
-            if o.get("kind") == "DaemonSet"
-        ]
-        t = _condition_time(pod, "Ready")
-        if owners and t is not None:
-            pod_ready[str(owners[0])] = max(pod_ready.get(str(owners[0]), t), t)
+        ds, t = owner(pod), _condition_time(pod, "Ready")
+        if ds is not None and t is not None:
+            pod_ready[ds] = max(pod_ready.get(ds, t), t)
     lags = []
     for pool in pools:
         t, mine = _condition_time(pool, "Ready"), pod_ready.get(f"{pool['metadata']['name']}-cache")

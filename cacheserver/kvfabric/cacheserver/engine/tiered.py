@@ -49,7 +49,7 @@ from kvfabric.cacheserver.engine.base import (
     read_miss_counter,
 )
 from kvfabric.cacheserver.engine.blockfile import ALIGN, DestinationFailed, payload_checksum
-from kvfabric.cacheserver.engine.dram import BytesBlock, DramBlock, DramTier, OpenBlock
+from kvfabric.cacheserver.engine.dram import BytesBlock, DramBlock, DramTier, OpenBlock, descriptor_budget
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.ordering import DELETE_MARGIN_S, Generations
 from kvfabric.cacheserver.engine.periodic import start_periodic
@@ -60,6 +60,15 @@ from kvfabric.cacheserver.engine.ttl import LocalClock, SharedClock, bucket_of, 
 __all__ = ["HandingOver", "Payload", "Snapshot", "TieredStore"]
 
 log = logging.getLogger(__name__)
+
+WRITEBACK_DESCRIPTOR_SHARE = 0.125
+"""Most of the process's descriptor limit queued write-backs may hold (each holds its block's).
+
+The queue is bounded in bytes (``limits.store_queue_bytes``), but many tiny blocks fill no byte
+bound: without this one a tenant storing 4 KiB blocks faster than the disk takes them queued a
+descriptor per block until the server had none left, and every client's stores failed. The DRAM
+tier holds at most half the limit and the staging arena a quarter, which leaves the sockets theirs.
+"""
 
 Payload = OpenBlock | BytesBlock
 """A load's result: an open DRAM block, or verified bytes when DRAM could not take the block.
@@ -139,6 +148,8 @@ class TieredStore:
         self._wb_done = threading.Condition(self._wb_lock)
         self._wb_bytes = 0
         self._wb_keys: Tally[BlockId] = Tally()  # write-back jobs queued or running, per key
+        self._wb_handles = 0  # ... in all: each holds a descriptor of its block
+        self._wb_max_handles = descriptor_budget(WRITEBACK_DESCRIPTOR_SHARE)
         self._refreshing: set[tuple[TierName, BlockId]] = set()
         self._renaming: set[BlockId] = set()  # names rewrites queued, not started (names_changed)
         self._stop = threading.Event()
@@ -605,11 +616,15 @@ class TieredStore:
         if handle is None:
             return
         with self._wb_lock:
-            if self._wb_bytes + handle.length > self.config.limits.store_queue_bytes:
+            if (
+                self._wb_bytes + handle.length > self.config.limits.store_queue_bytes
+                or self._wb_handles >= self._wb_max_handles
+            ):
                 handle.close()
                 self.counters.inc("dropped_writebacks")
                 return
             self._wb_bytes += handle.length
+            self._wb_handles += 1
             self._wb_keys[bid] += 1
         try:
             self._wb_pool.submit(self._writeback, _Pending(bid, handle, targets))
@@ -620,6 +635,7 @@ class TieredStore:
     def _writeback_done(self, bid: BlockId, nbytes: int) -> None:
         with self._wb_lock:
             self._wb_bytes -= nbytes
+            self._wb_handles -= 1
             self._wb_keys[bid] -= 1
             if self._wb_keys[bid] <= 0:
                 del self._wb_keys[bid]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import select
 import socket
 import subprocess
 import sys
@@ -49,45 +50,88 @@ def served(tmp_path: Path) -> Iterator[blocksock.BlockSocket]:
         os.close(block)
 
 
-def test_a_client_that_stops_reading_its_answers_is_disconnected_and_others_are_served(
+def test_a_client_asking_again_before_reading_gets_one_answer_at_a_time_and_others_are_served(
     served: blocksock.BlockSocket, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Long enough that the checks while greedy is stuck have seconds of margin on a loaded machine.
-    monkeypatch.setattr(blocksock, "SEND_TIMEOUT_SECONDS", 4)
+    # Answers left unread would pile up in its socket, their descriptors charged to the server's user
+    # by the kernel: its next request waits until it has read the last answer.
+    monkeypatch.setattr(blocksock, "SEND_TIMEOUT_SECONDS", 3)
     greedy = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         greedy.connect(str(served.path))
-        greedy.setblocking(False)
-        request = bp.encode_request([NAME])
-        sent = 0
-        started = time.monotonic()
-        blocked_since: float | None = None
-        # Requests and never a read: the answers pile up in greedy's queue until the server's send
-        # blocks (its send buffer is full), and then greedy's own requests stop being read.
-        # Greedy's send buffer fills first and frees as the server reads, so "blocked" is a
-        # quarter of a second of it.
-        while time.monotonic() - started < 20:
-            try:
-                greedy.send(request)
-                sent += 1
-                blocked_since = None
-            except BlockingIOError:
-                blocked_since = blocked_since or time.monotonic()
-                if time.monotonic() - blocked_since > 0.25:
-                    break
-                time.sleep(0.01)
-        assert sent > 0
-        assert served.connections == 1, "still connected while the server waits to send"
-        # Meanwhile another client is served (the loop stopped reading greedy, not serving).
+        greedy.settimeout(5)
+        for _ in range(4):
+            greedy.send(bp.encode_request([NAME]))
+        wait_until(lambda: served.unread_descriptors == 1, 5, what="the first answer")
+        time.sleep(3 * blocksock.TICK_SECONDS)
+        assert served.unread_descriptors == 1, "a second answer was sent before the first was read"
+        # Meanwhile another client is served.
         with BlockChannel(served.path) as polite:
             (fd,) = polite.fetch([NAME], deadline=time.monotonic() + 5)
         assert fd is not None
         os.close(fd)
-        # The server gives up on that send after its timeout and drops the connection (and the
-        # descriptors of the answer it kept). Without the timeout it would keep them forever.
-        wait_until(lambda: served.connections == 0, 20, what="the greedy client to be disconnected")
+        for _ in range(2):  # read one, and the next comes
+            msg, fds, _ = fdpass.recv_fds(greedy, 256, 1)
+            assert (msg, len(fds)) == (bytes([bp.FOUND]), 1)
+            os.close(fds[0])
+        assert served.connections == 1
+        # The third is never read, the fourth request waits: the connection is dropped after the
+        # send timeout, and its answer's descriptor stays counted (in flight) until the client
+        # hangs up.
+        wait_until(lambda: served.connections == 0, 10, what="the greedy client to be dropped")
+        assert served.unread_descriptors == 1
+        greedy.close()
+        wait_until(lambda: served.unread_descriptors == 0, 5, what="the hang-up to free the answer")
     finally:
         greedy.close()
+
+
+def test_answers_not_received_are_bounded_and_counted_until_their_client_hangs_up(tmp_path: Path) -> None:
+    block = _memfd()
+    limits = blocksock.BlockLimits(max_unread_fds=128)
+    server = blocksock.BlockSocket(
+        tmp_path / "b.sock", lambda _: (os.dup(block), len(PAYLOAD)), limits=limits
+    )
+    server.start()
+    names = [NAME] * bp.MAX_NAMES
+    idle: list[socket.socket] = []
+    try:
+        # One uid (this process) may have half the bound unread at most: one answer of 64 here.
+        for _ in range(3):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(str(server.path))
+            s.send(bp.encode_request(names))
+            idle.append(s)
+            assert select.select([s], [], [], 5)[0], "no answer"  # answered (and not read yet)
+        wait_until(lambda: server.connections == 1, 5, what="the two refused closed")
+        statuses = []
+        for s in idle:
+            s.settimeout(5)
+            msg, fds, _ = fdpass.recv_fds(s, 256, bp.MAX_NAMES)
+            statuses.append((msg[:1], len(fds)))
+            for fd in fds:
+                os.close(fd)
+        assert sorted(statuses) == sorted(
+            [(bytes([bp.FOUND]), 64), (bytes([bp.REFUSED]), 0), (bytes([bp.REFUSED]), 0)]
+        )
+        wait_until(lambda: server.unread_descriptors == 0, 5, what="the received answer to be uncounted")
+        # A client that hangs up with an answer unread frees it (the kernel drops its queue).
+        quitter = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        quitter.connect(str(server.path))
+        quitter.send(bp.encode_request(names))
+        wait_until(lambda: server.unread_descriptors == 64, 5, what="the answer to be sent")
+        quitter.close()
+        with BlockChannel(server.path) as polite:
+            got = polite.fetch(names, deadline=time.monotonic() + 5)
+        assert len(got) == 64
+        for one in got:
+            assert one is not None
+            os.close(one)
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+        os.close(block)
 
 
 def test_received_descriptors_are_close_on_exec(served: blocksock.BlockSocket) -> None:

@@ -623,3 +623,109 @@ def test_a_process_keeping_a_request_queued_on_every_connection_refuses_no_newco
         hog.kill()
         hog.communicate()
         server.close()
+
+
+# Loaded by the server process: a low descriptor limit, and without the two capabilities that exempt
+# a process from the kernel's bound on descriptors in flight (a real cache pod has neither).
+UNPRIVILEGED_SITE = textwrap.dedent(
+    """
+    import ctypes, resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (2000, 2000))
+    class _Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+    class _Data(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_uint32) for f in ("effective", "permitted", "inheritable")]
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _header, _data = _Header(0x20080522, 0), (_Data * 2)()
+    assert _libc.capget(ctypes.byref(_header), _data) == 0
+    for _cap in (21, 24):  # CAP_SYS_ADMIN, CAP_SYS_RESOURCE (threads started later inherit this)
+        _data[_cap // 32].effective &= ~(1 << (_cap % 32))
+    assert _libc.capset(ctypes.byref(_header), _data) == 0
+    """
+)
+
+# Another tenant's engine (another uid) that asks for 64 blocks again and again on many connections
+# and never reads an answer; on a line on stdin it reads everything queued and prints the count of
+# descriptors waiting for it.
+NEVER_READS = textwrap.dedent(
+    """
+    import os, socket, sys
+    from kvfabric.rpc import blockproto as bp
+    from kvfabric.rpc import fdpass
+    os.setgid(65534); os.setuid(65534)
+    path, names = sys.argv[1], sys.argv[2].split(",")
+    conns = []
+    for i in range(40):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(path)
+        s.setblocking(False)
+        conns.append(s)
+        for _ in range(12):
+            try:
+                s.send(bp.encode_request(names, client=f"never-reads-{i}"))
+            except OSError:
+                break
+    print("sent", flush=True)
+    sys.stdin.readline()
+    got = 0
+    for s in conns:  # what waits in its sockets now (reading one may bring the next)
+        while True:
+            try:
+                msg, fds, _ = fdpass.recv_fds(s, 256, bp.MAX_NAMES)
+            except OSError:  # BlockingIOError: nothing more waits
+                break
+            if not msg:
+                break
+            got += len(fds)
+            for fd in fds:
+                os.close(fd)
+    print(got, flush=True)
+    """
+)
+
+
+@pytest.mark.process
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the other tenant as another uid")
+def test_answers_one_tenant_leaves_unread_cannot_stop_the_server_passing_descriptors_to_others(
+    tmp_path: Path,
+) -> None:
+    # The kernel charges descriptors sent and not yet received to the sending user, and past its
+    # open-files limit every send carrying one fails (ETOOMANYREFS). Before, a tenant that never read
+    # its answers made the server's every later load and store answer fail, every tenant's.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(UNPRIVILEGED_SITE)
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    with cache_server(dram_bytes=64 * MiB, local_disk_bytes=None, env=env) as srv:
+        blocks = bp.block_socket_for(srv.unix_target[len("unix://") :])
+        for d in (srv.workdir, *srv.workdir.parents):  # the other uid may reach the socket
+            if d == Path("/"):
+                break
+            d.chmod(d.stat().st_mode | 0o111)
+        keys = [digest("never-reads", i) for i in range(bp.MAX_NAMES)]
+        with CacheClient(srv.unix_target) as plain:
+            assert plain.store(NS, keys, [b"x"] * len(keys), timeout=10).accepted == len(keys)
+        names = _slot_names(srv.unix_target, keys)
+        tenant = subprocess.Popen(
+            [sys.executable, "-c", NEVER_READS, str(blocks), ",".join(names)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert tenant.stdout is not None
+            assert tenant.stdin is not None
+            assert tenant.stdout.readline().strip() == "sent"
+            # Every other engine stores and loads through shared memory meanwhile.
+            for i in range(3):
+                assert _roundtrip(srv.unix_target, f"others-{i}", n=16) == 16
+            tenant.stdin.write("read now\n")
+            tenant.stdin.flush()
+            got = int(tenant.stdout.readline())
+        finally:
+            tenant.kill()
+            tenant.communicate()
+        # One uid's answers unread hold at most half the bound (a sixteenth of 2,000, but at least one
+        # answer's 64): before, 40 connections x 11 queued answers x 64 descriptors were sent to it.
+        assert got <= bp.MAX_NAMES, got
+        assert _roundtrip(srv.unix_target, "after", n=16) == 16

@@ -32,6 +32,19 @@ per-client bound; the eviction above is what keeps them from filling the total.)
 reading its answers stops being read (its requests wait in its own socket) and is dropped once an
 answer has waited :data:`SEND_TIMEOUT_SECONDS` to be sent.
 
+Descriptors sent and not yet received are charged by the kernel to the server's user, all its
+processes together, and past its open-files limit every ``sendmsg`` carrying descriptors fails
+(``ETOOMANYREFS``), for every client of every server of that user on the node. A client that sent
+requests and never read the answers would make them pile up in its socket; so the exchange is one
+request at a time: a connection whose last answer is still unread is not read (its next request
+waits in its socket) until its client has received that answer, looked at on every turn, and is
+dropped once it has waited :data:`SEND_TIMEOUT_SECONDS`. The descriptors of answers not yet
+received are bounded in all (``max_unread_fds``, by default a sixteenth of the descriptor limit)
+and per peer uid (half of that): an answer beyond is refused (its client raises
+``CacheOverloaded`` and falls back), and a connection closed while its answer is unread is watched
+until its client reads it or hangs up (the descriptors are in flight until then, whatever the
+server closes).
+
 A connection may *hold* the blocks it loads (``KVBH1``) within its client's budget in bytes and in
 blocks, and the tier's share of both (:mod:`~kvfabric.cacheserver.transport.holdbook`), so its client
 can keep them mapped across loads; the DRAM tier keeps a held block's memory charged until the
@@ -54,11 +67,14 @@ has its lease aborted: a client that sends a store and hangs up leaves nothing b
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import select
 import selectors
 import socket
+import struct
+import termios
 import threading
 import time
 from collections import OrderedDict, deque
@@ -68,6 +84,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from kvfabric.cacheserver.engine.dram import descriptor_budget
 from kvfabric.cacheserver.transport.holdbook import HoldBook, Holds, anonymous_client
 from kvfabric.cacheserver.transport.indexpub import listen_unix, peer_of
 from kvfabric.cacheserver.transport.socketfile import SocketFile
@@ -85,6 +102,8 @@ TICK_SECONDS = 0.5
 """The loop turns at least this often (send deadlines, the heartbeat, a paused accept)."""
 ACCEPT_PAUSE_SECONDS = 0.1
 """After a failed ``accept`` (``EMFILE``...), accepting pauses this long; connections are still served."""
+UNREAD_DESCRIPTOR_SHARE = 1 / 16
+"""Share of the descriptor limit that answers not yet received may carry (see the module doc)."""
 
 Resolver = Callable[[str], tuple[int, int] | None]
 """name -> (a descriptor the socket closes after sending, payload length), or None if gone."""
@@ -121,6 +140,9 @@ class BlockLimits:
     max_store_jobs: int = 16
     """Store requests queued or being served at once, all connections together; a begin beyond is
     answered unavailable (busy) at once."""
+    max_unread_fds: int | None = None
+    """Descriptors in answers sent and not yet received, all connections together (one peer uid:
+    half); None: :data:`UNREAD_DESCRIPTOR_SHARE` of the descriptor limit."""
 
 
 @dataclass(eq=False, slots=True)
@@ -139,6 +161,10 @@ class _Conn:
     """``time.monotonic()`` of the accept (the first-request deadline counts from it)."""
     working: bool = False
     """A store request of this connection is being served off the loop (the connection is not read)."""
+    unread_fds: int = 0
+    """Descriptors of the last answer sent, counted until its client has received it."""
+    paused: float = 0.0
+    """``time.monotonic()`` since when it is not read, its last answer unread (0: it is read)."""
 
 
 class BlockSocket:
@@ -159,6 +185,12 @@ class BlockSocket:
         self._done: deque[tuple[_Conn, Future[StoreAnswer]]] = deque()
         self._store_jobs = 0  # loop thread only: store requests handed to the handler, not answered
         self.limits = limits or BlockLimits()
+        self.max_unread_fds = self.limits.max_unread_fds or descriptor_budget(UNREAD_DESCRIPTOR_SHARE)
+        # Loop thread only: connections (open or closed, see _drop) whose last answer's descriptors
+        # are not received yet, and their sum in all and per peer uid.
+        self._unread: dict[_Conn, None] = {}
+        self._unread_total = 0
+        self._unread_by_uid: dict[int, int] = {}
         self.holds = holds
         self._book: HoldBook | None = None
         if holds is not None and self.limits.hold_bytes_per_client > 0:
@@ -230,6 +262,11 @@ class BlockSocket:
         with self._lock:
             return len(self._conns)
 
+    @property
+    def unread_descriptors(self) -> int:
+        """Descriptors sent in answers that were not received yet when last looked at."""
+        return self._unread_total
+
     def alive(self, within: float = 4 * TICK_SECONDS) -> bool:
         """Whether the loop serves: started, not closed, and it turned in the last ``within`` seconds."""
         return (
@@ -280,7 +317,10 @@ class BlockSocket:
                     if mask & selectors.EVENT_WRITE:
                         self._flush(conn)
                     if mask & selectors.EVENT_READ and conn.pending is None and conn.sock in self._conns:
-                        self._read(conn)
+                        if conn.unread_fds and not self._received(conn):
+                            self._pause(conn)  # asked again before reading the last answer
+                        else:
+                            self._read(conn)
                 except Exception as exc:  # one connection's failure is its own
                     self._drop(conn, exc)
         while self._done:
@@ -302,6 +342,7 @@ class BlockSocket:
             # Silent since its accept: it costs a slot and serves nobody (an idle or hostile peer).
             log.info("block socket: no request in time", extra={"pid": conn.pid, "uid": conn.uid})
             self._drop(conn, None)
+        self._settle()
         if self._accept_paused_until and now >= self._accept_paused_until:
             self._accept_paused_until = 0.0
             assert self._sock is not None
@@ -546,6 +587,15 @@ class BlockSocket:
         return True
 
     def _send(self, conn: _Conn, msg: bytes, fds: list[int]) -> None:
+        if fds and not self._room(conn.uid, len(fds)):
+            _close_fds(fds)
+            log.info(
+                "block socket: too many descriptors unread, answer refused",
+                extra={"pid": conn.pid, "uid": conn.uid, "unread": self._unread_total},
+            )
+            _refuse(conn.sock, b"too many answers unread on this node")
+            self._drop(conn, None)
+            return
         try:
             socket.send_fds(conn.sock, [msg], fds)
         except BlockingIOError:
@@ -562,6 +612,73 @@ class BlockSocket:
             self._drop(conn, None)
             return
         _close_fds(fds)
+        if fds:
+            self._count_unread(conn, len(fds))
+
+    # --- descriptors in flight -----------------------------------------------------------------------
+
+    def _count_unread(self, conn: _Conn, n: int) -> None:
+        conn.unread_fds += n
+        self._unread[conn] = None
+        self._unread_total += n
+        self._unread_by_uid[conn.uid] = self._unread_by_uid.get(conn.uid, 0) + n
+
+    def _received(self, conn: _Conn) -> bool:
+        """Whether ``conn``'s client has received every answer sent (then they are counted no more)."""
+        if _unsent_bytes(conn.sock) > 0:
+            return False
+        self._uncount(conn)
+        return True
+
+    def _uncount(self, conn: _Conn) -> None:
+        if conn in self._unread:
+            del self._unread[conn]
+            self._unread_total -= conn.unread_fds
+            left = self._unread_by_uid[conn.uid] - conn.unread_fds
+            if left:
+                self._unread_by_uid[conn.uid] = left
+            else:
+                del self._unread_by_uid[conn.uid]
+        conn.unread_fds = 0
+
+    def _pause(self, conn: _Conn) -> None:
+        """Stop reading ``conn`` until its client has received its last answer (see :meth:`_settle`)."""
+        assert self._sel is not None
+        self._sel.unregister(conn.sock)
+        conn.paused = time.monotonic()
+
+    def _room(self, uid: int, n: int) -> bool:
+        """Whether an answer of ``n`` descriptors to a peer of ``uid`` stays within the bounds."""
+        for fresh in (False, True):
+            if fresh:  # look again at what clients have received meanwhile
+                self._settle()
+            if self._unread_total + n <= self.max_unread_fds and self._unread_by_uid.get(uid, 0) + n <= max(
+                bp.MAX_NAMES, self.max_unread_fds // 2
+            ):
+                return True
+        return False
+
+    def _settle(self) -> None:
+        """Uncount the answers received since (and resume, drop or close what that settles).
+
+        A paused connection whose client received its answer is read again, one that waited too
+        long is dropped, a closed one with nothing left in flight is closed (a client that hung up
+        has nothing queued any more). One ``ioctl`` per connection with an answer counted: at most
+        the bound's worth, in practice the connections active since the last turn.
+        """
+        now = time.monotonic()
+        for conn in list(self._unread):
+            received = self._received(conn)
+            if conn.sock not in self._conns:
+                if received:
+                    conn.sock.close()
+            elif conn.paused and received:
+                conn.paused = 0.0
+                assert self._sel is not None
+                self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+            elif conn.paused and now - conn.paused > SEND_TIMEOUT_SECONDS:
+                log.info("block socket: a client does not read", extra={"pid": conn.pid, "uid": conn.uid})
+                self._drop(conn, None)
 
     def _flush(self, conn: _Conn) -> None:
         if conn.pending is None or conn.sock not in self._conns:
@@ -592,7 +709,13 @@ class BlockSocket:
             if self._sel is not None:
                 with contextlib.suppress(KeyError, ValueError, OSError):
                     self._sel.unregister(conn.sock)
-            conn.sock.close()
+            if conn.unread_fds and not self._stop.is_set() and not self._received(conn):
+                # Its last answer's descriptors stay in flight until its client reads or hangs up,
+                # whatever happens to this end: keep counting them (closed in _settle).
+                with contextlib.suppress(OSError):
+                    conn.sock.shutdown(socket.SHUT_RDWR)  # its client reads them, then EOF
+            else:
+                conn.sock.close()
             if conn.pending is not None:
                 _close_fds(conn.pending[1])
                 conn.pending = None
@@ -608,6 +731,10 @@ class BlockSocket:
         for conn in conns:
             with contextlib.suppress(Exception):
                 self._drop(conn, None)
+        for conn in list(self._unread):
+            if conn.sock.fileno() >= 0:
+                conn.sock.close()
+        self._unread.clear()
         if self._sel is not None:
             self._sel.close()
 
@@ -677,6 +804,15 @@ def _refuse(sock: socket.socket, reason: bytes, *, status: int = bp.REFUSED) -> 
     with contextlib.suppress(OSError):
         sock.setblocking(False)
         sock.send(bytes([status]) + reason)
+
+
+def _unsent_bytes(sock: socket.socket) -> int:
+    """Bytes sent on ``sock`` its peer has not received yet (``SIOCOUTQ``; 0 once it hung up)."""
+    try:
+        got = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return 0  # closed: nothing of it is counted any more
+    return int(struct.unpack("i", got)[0])
 
 
 def _close_fds(fds: list[int]) -> None:

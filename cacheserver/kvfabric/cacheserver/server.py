@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from kvfabric.cacheserver.config import ServerConfig, TLSConfig
+from kvfabric.cacheserver.engine.dram import descriptor_budget
 from kvfabric.cacheserver.engine.ids import BlockId
 from kvfabric.cacheserver.engine.tiered import TieredStore
 from kvfabric.cacheserver.health import (
@@ -55,11 +56,31 @@ __all__ = ["serve"]
 
 log = logging.getLogger(__name__)
 
-_SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", 80 << 20),  # a 64 MiB piece plus framing, never more
-    ("grpc.max_send_message_length", -1),
-    ("grpc.so_reuseport", 0),
-]
+GRPC_CONNECTION_SHARE = 1 / 32
+"""Share of the descriptor limit each gRPC listener's connections may take (at most 1,024)."""
+GRPC_IDLE_SECONDS = 300
+"""A gRPC connection with no call for this long is closed (its client reconnects on its next call)."""
+GRPC_HANDSHAKE_SECONDS = 5
+"""A connection that has not finished its handshake (HTTP/2, TLS) this long after its accept is closed."""
+
+
+def _server_options() -> list[tuple[str, int]]:
+    """The options of both gRPC listeners.
+
+    Connections are bounded: each holds a descriptor, and a same-node process (or, over TCP, anyone
+    who can reach the port, before any authentication) opening them without end took every
+    descriptor the DRAM tier, the staging areas and the other listeners need.
+    """
+    return [
+        ("grpc.max_receive_message_length", 80 << 20),  # a 64 MiB piece plus framing, never more
+        ("grpc.max_send_message_length", -1),
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_allowed_incoming_connections", min(1024, descriptor_budget(GRPC_CONNECTION_SHARE))),
+        ("grpc.max_connection_idle_ms", GRPC_IDLE_SECONDS * 1000),
+        ("grpc.server_handshake_timeout_ms", GRPC_HANDSHAKE_SECONDS * 1000),
+    ]
+
+
 SERVICE_NAME = "kvfabric.rpc.v1.Cache"
 
 
@@ -473,7 +494,7 @@ def _unix_server(sock: Path, state: SharedState, health: HealthServicer) -> grpc
 
     Not started yet.
     """
-    uds = grpc.aio.server(options=_SERVER_OPTIONS)
+    uds = grpc.aio.server(options=_server_options())
     add_to_server(CacheService(state, allow_shm=True), uds)
     health_pb2_grpc.add_HealthServicer_to_server(health, uds)
     uds.add_insecure_port(f"unix://{sock.absolute()}")
@@ -516,7 +537,7 @@ def _tcp_server(
 
     Not started yet.
     """
-    tcp = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=[auth] if auth else [])
+    tcp = grpc.aio.server(options=_server_options(), interceptors=[auth] if auth else [])
     add_to_server(CacheService(state, allow_shm=False), tcp)
     health_pb2_grpc.add_HealthServicer_to_server(health, tcp)
     addr = f"{config.listen.tcp_host}:{config.listen.tcp_port}"

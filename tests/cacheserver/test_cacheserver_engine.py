@@ -489,6 +489,47 @@ def test_put_sealed_owns_the_memfd_takes_only_a_sealed_one_and_writes_it_back(tm
         store.close()
 
 
+def test_a_store_whose_write_back_finds_no_descriptor_is_stored_and_only_the_write_back_dropped(
+    tmp_path: Path,
+) -> None:
+    """Out of descriptors when its write-back is queued (a real ``EMFILE``), a store still succeeds."""
+    import resource
+
+    from kvfabric.cacheserver.engine.dram import new_memfd, seal
+    from kvfabric.cacheserver.engine.tiered import TieredStore
+
+    cfg = _dram_and_disk(
+        tmp_path, dram=1 << 20, disk=1 << 22, max_payload=1 << 20, janitor_interval_seconds=3600
+    )
+    store = TieredStore(cfg)
+    store.start()
+    try:
+        b = bid("no-descriptor")
+        data = payload_for(b.key, 10_000)
+        fd = new_memfd("test", len(data))
+        assert fd is not None
+        os.pwrite(fd, data, 0)
+        seal(fd)
+        dropped = store.counters.get("dropped_writebacks")
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        lowest = os.dup(0)
+        os.close(lowest)
+        # No descriptor numbered from the lowest free one on: the write-back's duplicate fails.
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+        try:
+            stored = store.put_sealed(b, fd, len(data))  # before: OSError(EMFILE) out of the store
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert stored
+        assert store.counters.get("dropped_writebacks") == dropped + 1
+        handle = store.open_block(b)
+        assert handle is not None
+        with handle:
+            assert handle.read() == data
+    finally:
+        store.close()
+
+
 def test_staging_pages_the_server_cannot_allocate_drop_the_key_and_committed_ones_leave_the_arena(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -612,20 +612,32 @@ class TieredStore:
             self._queue_writeback(bid, targets)
 
     def _queue_writeback(self, bid: BlockId, targets: tuple[BackingTier, ...]) -> None:
-        handle = self.dram.open(bid)
-        if handle is None:
-            return
         with self._wb_lock:
-            if (
-                self._wb_bytes + handle.length > self.config.limits.store_queue_bytes
-                or self._wb_handles >= self._wb_max_handles
-            ):
-                handle.close()
+            if self._wb_handles >= self._wb_max_handles:
                 self.counters.inc("dropped_writebacks")
                 return
-            self._wb_bytes += handle.length
-            self._wb_handles += 1
-            self._wb_keys[bid] += 1
+            self._wb_handles += 1  # taken before the descriptor is: at the bound, none is
+        try:
+            handle = self.dram.open(bid)
+        except OSError:
+            # Out of descriptors (EMFILE, ENFILE) after all: the block is in DRAM and its store
+            # succeeded; only its copy to the backing tiers is dropped.
+            self.counters.inc("dropped_writebacks")
+            handle = None
+        with self._wb_lock:
+            room = self.config.limits.store_queue_bytes - self._wb_bytes
+            fits = handle is not None and handle.length <= room
+            if handle is None or not fits:
+                self._wb_handles -= 1
+            else:
+                self._wb_bytes += handle.length
+                self._wb_keys[bid] += 1
+        if handle is None:
+            return  # evicted meanwhile, or no descriptor
+        if not fits:
+            handle.close()
+            self.counters.inc("dropped_writebacks")
+            return
         try:
             self._wb_pool.submit(self._writeback, _Pending(bid, handle, targets))
         except RuntimeError:  # shutting down

@@ -680,3 +680,37 @@ def test_a_store_whose_deadline_passes_after_its_write_aborts_its_lease_at_once(
         assert got["arena_used_bytes"] == 0, "a lease never committed was left to expire"
         assert _staging_memfds(srv) == baseline
         assert client.load(ns, [key], timeout=5) == []
+
+
+@pytest.mark.process
+def test_a_grpc_store_whose_deadline_passes_after_its_write_aborts_its_lease_at_once(
+    ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same over ShmStoreBegin/Commit (a server that serves no stores on its block socket)."""
+    from kvfabric.client import _common
+
+    overrides = {"shm.slot_lease_seconds": 30, "shm.prealloc_bytes": 0}
+    key = digest("late-grpc-commit")
+    real_write = _common.shm_write
+
+    def slow_write(*args: Any) -> None:
+        real_write(*args)
+        time.sleep(0.6)  # past the store's 0.5 s deadline
+
+    with cache_server(overrides=overrides) as srv, CacheClient(srv.unix_target, shared_memory=True) as client:
+        baseline = _staging_memfds(srv)
+        monkeypatch.setattr(BlockChannel, "store_begin", lambda *_a, **_k: None)  # as an older server
+        monkeypatch.setattr(_common, "shm_write", slow_write)
+        with pytest.raises(CacheTimeout):
+            client.store(ns, [key], [payload_for(key, 4 << 20)], timeout=0.5)
+        monkeypatch.undo()
+        deadline = time.monotonic() + 5
+        while True:
+            with CacheClient(srv.unix_target) as c:
+                got = c.stats(timeout=5)
+            if got["arena_used_bytes"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert got["arena_used_bytes"] == 0, "a lease never committed was left to expire"
+        assert _staging_memfds(srv) == baseline
+        assert client.load(ns, [key], timeout=5) == []

@@ -545,16 +545,17 @@ class CacheClient:
             self._asked_to_describe(namespace, resp)
             try:
                 c.shm_write(blocks, resp.slots, payloads, deadline)
+                commit = pb.ShmStoreCommitRequest(lease_id=resp.lease_id)
+                left = _remaining(deadline, "while writing to shared memory")
+                done = self._call(lambda r: r.stub.ShmStoreCommit(commit, timeout=left, metadata=r.md))
             except BaseException:
-                commit = pb.ShmStoreCommitRequest(lease_id=resp.lease_id, abort=True)
-                # The lease expires on its own if this fails.
+                # Failed, or out of time, before the commit was answered: abort, so the staged pages
+                # go now, not when the lease expires (a lease committed after all is unknown by now).
+                abort = pb.ShmStoreCommitRequest(lease_id=resp.lease_id, abort=True)
                 with contextlib.suppress(grpc.RpcError):
                     conn = self._conn
-                    conn.stub.ShmStoreCommit(commit, timeout=1.0, metadata=conn.md)
+                    conn.stub.ShmStoreCommit(abort, timeout=1.0, metadata=conn.md)
                 raise
-            commit = pb.ShmStoreCommitRequest(lease_id=resp.lease_id)
-            left = _remaining(deadline, "while writing to shared memory")
-            done = self._call(lambda r: r.stub.ShmStoreCommit(commit, timeout=left, metadata=r.md))
             return StoreResult(done.accepted, done.dropped)
         chunks = c.store_chunks(namespace, keys, payloads)
         left = _remaining(deadline)

@@ -611,6 +611,17 @@ def test_a_block_store_whose_answer_asks_for_the_description_sends_it_in_the_sam
         assert not client.describes_pending
 
 
+def _arena_after_aborts(srv: ServerProcess, within: float = 5) -> dict[str, Any]:
+    """The server's stats once its arena is empty, or after ``within`` seconds (well inside a lease)."""
+    deadline = time.monotonic() + within
+    while True:
+        with CacheClient(srv.unix_target) as c:
+            got = c.stats(timeout=5)
+        if got["arena_used_bytes"] == 0 or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)
+
+
 @pytest.mark.process
 def test_a_store_whose_commit_got_no_answer_aborts_its_lease_at_once(ns: str) -> None:
     """The commit's connection went before its answer (the server may have closed it for a newcomer
@@ -636,62 +647,26 @@ def test_a_store_whose_commit_got_no_answer_aborts_its_lease_at_once(ns: str) ->
             client.store(ns, [key], [payload_for(key, 4 << 20)], timeout=10)
         assert len(lost) == 1
         # Aborted: nothing leased, no staging memfd, well within the lease's 30 s.
-        deadline = time.monotonic() + 5
-        while True:
-            with CacheClient(srv.unix_target) as c:
-                got = c.stats(timeout=5)
-            if got["arena_used_bytes"] == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        got = _arena_after_aborts(srv)
         assert got["arena_used_bytes"] == 0, "a lease whose commit got no answer was left to expire"
         assert _staging_memfds(srv) == baseline
         assert client.load(ns, [key], timeout=5) == []
 
 
 @pytest.mark.process
+@pytest.mark.parametrize("path", ["block-socket", "grpc"])
 def test_a_store_whose_deadline_passes_after_its_write_aborts_its_lease_at_once(
-    ns: str, monkeypatch: pytest.MonkeyPatch
+    ns: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Out of time between the write and the commit: the client aborts the lease it will never
-    commit, so the staged pages go now, not when the lease expires (30 s here)."""
+    commit, so the staged pages go now, not when the lease expires (30 s here). On the block socket,
+    and over ShmStoreBegin/Commit (a server that serves no stores on its block socket)."""
     from kvfabric.client import _common
 
     overrides = {"shm.slot_lease_seconds": 30, "shm.prealloc_bytes": 0}
-    key = digest("late-commit")
-    real_write = _common.write_staged
-
-    def slow_write(fds: Any, data: Any) -> None:
-        real_write(fds, data)
-        time.sleep(0.6)  # past the store's 0.5 s deadline
-
-    with cache_server(overrides=overrides) as srv, CacheClient(srv.unix_target, shared_memory=True) as client:
-        baseline = _staging_memfds(srv)
-        monkeypatch.setattr(_common, "write_staged", slow_write)
-        with pytest.raises(CacheTimeout):
-            client.store(ns, [key], [payload_for(key, 4 << 20)], timeout=0.5)
-        monkeypatch.undo()
-        deadline = time.monotonic() + 5
-        while True:
-            with CacheClient(srv.unix_target) as c:
-                got = c.stats(timeout=5)
-            if got["arena_used_bytes"] == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        assert got["arena_used_bytes"] == 0, "a lease never committed was left to expire"
-        assert _staging_memfds(srv) == baseline
-        assert client.load(ns, [key], timeout=5) == []
-
-
-@pytest.mark.process
-def test_a_grpc_store_whose_deadline_passes_after_its_write_aborts_its_lease_at_once(
-    ns: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The same over ShmStoreBegin/Commit (a server that serves no stores on its block socket)."""
-    from kvfabric.client import _common
-
-    overrides = {"shm.slot_lease_seconds": 30, "shm.prealloc_bytes": 0}
-    key = digest("late-grpc-commit")
-    real_write = _common.shm_write
+    key = digest("late-commit", path)
+    writer = "write_staged" if path == "block-socket" else "shm_write"
+    real_write = getattr(_common, writer)
 
     def slow_write(*args: Any) -> None:
         real_write(*args)
@@ -699,18 +674,13 @@ def test_a_grpc_store_whose_deadline_passes_after_its_write_aborts_its_lease_at_
 
     with cache_server(overrides=overrides) as srv, CacheClient(srv.unix_target, shared_memory=True) as client:
         baseline = _staging_memfds(srv)
-        monkeypatch.setattr(BlockChannel, "store_begin", lambda *_a, **_k: None)  # as an older server
-        monkeypatch.setattr(_common, "shm_write", slow_write)
+        if path == "grpc":
+            monkeypatch.setattr(BlockChannel, "store_begin", lambda *_a, **_k: None)  # as an older server
+        monkeypatch.setattr(_common, writer, slow_write)
         with pytest.raises(CacheTimeout):
             client.store(ns, [key], [payload_for(key, 4 << 20)], timeout=0.5)
         monkeypatch.undo()
-        deadline = time.monotonic() + 5
-        while True:
-            with CacheClient(srv.unix_target) as c:
-                got = c.stats(timeout=5)
-            if got["arena_used_bytes"] == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        got = _arena_after_aborts(srv)
         assert got["arena_used_bytes"] == 0, "a lease never committed was left to expire"
         assert _staging_memfds(srv) == baseline
         assert client.load(ns, [key], timeout=5) == []

@@ -40,7 +40,16 @@ from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc import fdpass
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
-from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for, wait_until
+from kvfabric.testing.serverproc import (
+    MiB,
+    ServerProcess,
+    cache_server,
+    digest,
+    nofile_site,
+    payload_for,
+    site_env,
+    wait_until,
+)
 
 NS = digest("blocksock-limits")
 NAME = "d_" + "ab" * 16
@@ -106,14 +115,8 @@ def _roundtrip(target: str, tag: str, n: int = 4) -> int:
 
 @pytest.mark.process
 def test_engines_keep_loading_through_shared_memory_while_no_thread_can_start(tmp_path: Path) -> None:
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(NO_THREADS_SITE)
     trigger = tmp_path / "at-the-pids-limit"
-    env = {
-        "KVF_TEST_NO_THREADS": str(trigger),
-        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = {"KVF_TEST_NO_THREADS": str(trigger), **site_env(tmp_path / "site", NO_THREADS_SITE)}
     with cache_server(dram_bytes=64 * MiB, local_disk_bytes=None, env=env) as srv:
         blocks = bp.block_socket_for(srv.unix_target[len("unix://") :])
         keys = [digest("warm", i) for i in range(4)]
@@ -629,8 +632,7 @@ def test_a_process_keeping_a_request_queued_on_every_connection_refuses_no_newco
 # a process from the kernel's bound on descriptors in flight (a real cache pod has neither).
 UNPRIVILEGED_SITE = textwrap.dedent(
     """
-    import ctypes, resource
-    resource.setrlimit(resource.RLIMIT_NOFILE, (2000, 2000))
+    import ctypes
     class _Header(ctypes.Structure):
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
     class _Data(ctypes.Structure):
@@ -692,10 +694,7 @@ def test_answers_one_tenant_leaves_unread_cannot_stop_the_server_passing_descrip
     # The kernel charges descriptors sent and not yet received to the sending user, and past its
     # open-files limit every send carrying one fails (ETOOMANYREFS). Before, a tenant that never read
     # its answers made the server's every later load and store answer fail, every tenant's.
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(UNPRIVILEGED_SITE)
-    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    env = site_env(tmp_path / "site", nofile_site(2000) + UNPRIVILEGED_SITE)
     with cache_server(dram_bytes=64 * MiB, local_disk_bytes=None, env=env) as srv:
         blocks = bp.block_socket_for(srv.unix_target[len("unix://") :])
         for d in (srv.workdir, *srv.workdir.parents):  # the other uid may reach the socket

@@ -11,13 +11,20 @@ from __future__ import annotations
 import os
 import resource
 import socket
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from kvfabric.client import CacheClient
-from kvfabric.testing.serverproc import MiB, cache_server, digest, payload_for, wait_until
+from kvfabric.testing.serverproc import (
+    MiB,
+    cache_server,
+    digest,
+    nofile_site,
+    payload_for,
+    site_env,
+    wait_until,
+)
 
 pytestmark = pytest.mark.process
 
@@ -32,21 +39,11 @@ def _descriptors(pid: int) -> int:
 
 
 def test_a_flood_of_connections_to_the_grpc_socket_leaves_the_server_its_descriptors(tmp_path: Path) -> None:
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(
-        textwrap.dedent(
-            f"""
-            import resource
-            resource.setrlimit(resource.RLIMIT_NOFILE, ({NOFILE}, {NOFILE}))
-            """
-        )
-    )
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < FLOOD + 500:
         pytest.skip(f"this process may open {hard} descriptors, the flood needs {FLOOD + 500}")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, FLOOD + 500), hard))
-    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    env = site_env(tmp_path / "site", nofile_site(NOFILE))
     flood: list[socket.socket] = []
     try:
         with (

@@ -39,7 +39,15 @@ from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc import fdpass
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
-from kvfabric.testing.serverproc import MiB, cache_server, digest, payload_for, wait_until
+from kvfabric.testing.serverproc import (
+    MiB,
+    cache_server,
+    digest,
+    nofile_site,
+    payload_for,
+    site_env,
+    wait_until,
+)
 
 NS = digest("holds")
 PAGE = 4096
@@ -470,12 +478,6 @@ def test_a_hold_whose_descriptor_cannot_be_duplicated_is_not_taken(monkeypatch: 
 
 NOFILE = 600
 """The server's descriptor limit in the next test: a DRAM cap of 300 blocks, 150 of them holdable."""
-NOFILE_SITE = textwrap.dedent(
-    f"""
-    import resource
-    resource.setrlimit(resource.RLIMIT_NOFILE, ({NOFILE}, {NOFILE}))
-    """
-)
 
 
 @pytest.mark.process
@@ -483,10 +485,7 @@ NOFILE_SITE = textwrap.dedent(
 def test_a_greedy_client_holding_tiny_blocks_leaves_other_engines_the_descriptors_they_need(
     tmp_path: Path, one_id_per_connection: bool
 ) -> None:
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(NOFILE_SITE)
-    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    env = site_env(tmp_path / "site", nofile_site(NOFILE))
     with (
         cache_server(dram_bytes=64 * MiB, local_disk_bytes=None, env=env) as srv,
         CacheClient(srv.unix_target) as plain,

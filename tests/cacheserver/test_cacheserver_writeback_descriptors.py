@@ -10,13 +10,12 @@ limit, a real disk tier.
 from __future__ import annotations
 
 import os
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from kvfabric.client import CacheClient
-from kvfabric.testing.serverproc import MiB, cache_server, digest, payload_for
+from kvfabric.testing.serverproc import MiB, cache_server, digest, nofile_site, payload_for, site_env
 
 pytestmark = pytest.mark.process
 
@@ -26,17 +25,7 @@ NS = digest("writeback-descriptors")
 
 
 def test_a_flood_of_tiny_stores_leaves_the_server_descriptors_for_everyone(tmp_path: Path) -> None:
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(
-        textwrap.dedent(
-            f"""
-            import resource
-            resource.setrlimit(resource.RLIMIT_NOFILE, ({NOFILE}, {NOFILE}))
-            """
-        )
-    )
-    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    env = site_env(tmp_path / "site", nofile_site(NOFILE))
     with (
         cache_server(dram_bytes=256 * MiB, local_disk_bytes=512 * MiB, env=env) as srv,
         CacheClient(srv.unix_target, shared_memory=True) as flood,

@@ -28,7 +28,16 @@ from typing import Any
 
 from kvfabric.cacheserver.config import ServerConfig, apply_overrides
 
-__all__ = ["ServerProcess", "cache_server", "digest", "free_port", "payload_for", "wait_until"]
+__all__ = [
+    "ServerProcess",
+    "cache_server",
+    "digest",
+    "free_port",
+    "nofile_site",
+    "payload_for",
+    "site_env",
+    "wait_until",
+]
 
 MiB = 1 << 20
 
@@ -49,6 +58,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def site_env(site: Path, code: str) -> dict[str, str]:
+    """The environment under which a Python process runs ``code`` first (a ``sitecustomize`` in ``site``).
+
+    How a test puts a real limit or fault into a server process before it starts anything.
+    """
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(code)
+    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+
+
+def nofile_site(limit: int) -> str:
+    """``sitecustomize`` code that sets the process's descriptor limit, soft and hard, to ``limit``."""
+    return f"import resource\nresource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit}))\n"
 
 
 def wait_until(pred: Any, timeout: float = 30.0, interval: float = 0.05, what: str = "condition") -> Any:

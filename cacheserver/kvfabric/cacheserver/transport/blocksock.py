@@ -98,6 +98,8 @@ SEND_TIMEOUT_SECONDS = 5.0
 """How long an answer may wait for its client to read (then the connection is dropped)."""
 FIRST_REQUEST_SECONDS = 1.0
 """How long a new connection may stay silent before its first request (then it is closed)."""
+NEW_CONNECTION_GRACE_SECONDS = 0.1
+"""A connection this young that sent nothing yet is closed for a newcomer only when no other can be."""
 TICK_SECONDS = 0.5
 """The loop turns at least this often (send deadlines, the heartbeat, a paused accept)."""
 ACCEPT_PAUSE_SECONDS = 0.1
@@ -415,15 +417,24 @@ class BlockSocket:
         """The least recently active connection with nothing at stake, if any (see the module doc).
 
         Else the least recently active one that is busy: a request waits unread on it, or its client
-        stopped reading its answers (dropped in :data:`SEND_TIMEOUT_SECONDS` anyway). Only
+        stopped reading its answers (dropped in :data:`SEND_TIMEOUT_SECONDS` anyway); else one
+        accepted less than :data:`NEW_CONNECTION_GRACE_SECONDS` ago that sent nothing yet. Only
         connections holding blocks are never closed for a newcomer.
         """
         busy: _Conn | None = None
+        young: _Conn | None = None
+        now = time.monotonic()
         for conn in self._recent:
             if self._book is not None and self._book.holding(conn):
                 continue
             if conn.pending is not None or conn.working:
                 busy = busy or conn
+                continue
+            if now - conn.opened < NEW_CONNECTION_GRACE_SECONDS and conn in self._silent:
+                # Accepted a moment ago: its first request is on its way (a client sends it right
+                # after connecting). Taken last: else, with every other connection busy, each
+                # newcomer closed the one before it, a well-behaved client's reconnect included.
+                young = young or conn
                 continue
             try:
                 waiting = conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
@@ -438,7 +449,7 @@ class BlockSocket:
             # instead would let a client that keeps a request queued on every connection refuse
             # every newcomer for ever.
             busy = busy or conn
-        return busy
+        return busy or young
 
     def _read(self, conn: _Conn) -> None:
         try:

@@ -40,7 +40,14 @@ from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc import fdpass
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
-from kvfabric.testing.serverproc import ServerProcess, cache_server, digest, make_config, payload_for
+from kvfabric.testing.serverproc import (
+    ServerProcess,
+    cache_server,
+    digest,
+    make_config,
+    payload_for,
+    wait_until,
+)
 
 LEASE = "ab" * 16
 
@@ -489,6 +496,48 @@ def test_a_busy_refusal_is_a_dropped_store_not_a_failure(tmp_path: Path) -> None
         got = c._block_store(cast("BlockChannel", _Busy()), "ab" * 32, keys, payloads, time.monotonic() + 5)
     assert got is not None
     assert (got.accepted, got.dropped) == (0, len(keys))
+
+
+def test_a_begin_whose_staging_descriptors_would_pass_the_unread_bound_is_busy_and_its_lease_undone(
+    tmp_path: Path,
+) -> None:
+    # Another connection of this uid holds its whole share of descriptors unread: the begin's answer
+    # would add to it. It is answered busy (a dropped store, not a failure that trips the breaker),
+    # its lease is aborted at once, and the connection stays.
+    block = os.memfd_create("block", os.MFD_CLOEXEC)
+    undone: list[str] = []
+
+    def begun(req: bp.StoreBegin | bp.StoreEnd, gone: object) -> Future[blocksock.StoreAnswer]:
+        job: Future[blocksock.StoreAnswer] = Future()
+        staging = os.memfd_create("staging", os.MFD_CLOEXEC)
+        job.set_result(blocksock.StoreAnswer(b"begun", [staging], lambda: undone.append("lease")))
+        return job
+
+    served = blocksock.BlockSocket(
+        tmp_path / "b.sock",
+        lambda name: (os.dup(block), 0),
+        limits=blocksock.BlockLimits(max_unread_fds=bp.MAX_NAMES),
+        stores=begun,
+    )
+    served.start()
+    hog = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        hog.connect(str(served.path))
+        hog.send(bp.encode_request(["d_" + "ab" * 16] * bp.MAX_NAMES))  # never read
+        wait_until(lambda: served.unread_descriptors == bp.MAX_NAMES, 5, what="the hog's answer")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.settimeout(5)
+            s.connect(str(served.path))
+            msg, fds = _ask(s, bp.encode_store_begin("ab" * 32, ["cd" * 32], [10]))
+            assert (bp.store_error(msg), fds) == ((bp.BUSY, "busy: too many answers unread on this node"), [])
+            wait_until(lambda: undone == ["lease"], 5, what="the lease to be aborted")
+            assert served.connections == 2  # still connected
+        with pytest.raises(StoreBusy):
+            blocks_module._raise_store_error(msg, [])
+    finally:
+        hog.close()
+        served.close()
+        os.close(block)
 
 
 def test_a_store_whose_connection_drops_is_not_resent(tmp_path: Path) -> None:

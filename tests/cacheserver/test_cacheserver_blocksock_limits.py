@@ -550,14 +550,24 @@ def test_a_client_whose_idle_connection_was_closed_loads_on_its_next_call() -> N
                     s.close()
 
 
+def _reachable_by_any_uid(sock: Path) -> None:
+    """Let processes of other uids reach the socket ``sock`` (search permission on its directories)."""
+    for d in sock.parents:
+        if d == Path("/"):
+            break
+        d.chmod(d.stat().st_mode | 0o111)
+
+
 # A process that keeps a request queued on every connection it opens (reading each answer, so none
 # waits unsent): its connections always have a request unread. Protected as "at stake", they made
 # every newcomer refused (CacheOverloaded: a failed load, not a miss) for as long as it went on.
 PIPELINER = textwrap.dedent(
     """
-    import socket, sys, time
+    import os, socket, sys, time
     from kvfabric.rpc import blockproto as bp
     path, n, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    if os.geteuid() == 0:  # another tenant: another uid (tenants of one uid share its unread share)
+        os.setgid(65534); os.setuid(65534)
     def connect():
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.connect(path)
@@ -603,6 +613,7 @@ def test_a_process_keeping_a_request_queued_on_every_connection_refuses_no_newco
         tmp_path / "b.sock", lambda _: (os.dup(memfd), len(PAYLOAD)), limits=limits
     )
     server.start()
+    _reachable_by_any_uid(server.path)
     hog = subprocess.Popen(
         [sys.executable, "-c", PIPELINER, str(server.path), "16", "20"], stdout=subprocess.PIPE, text=True
     )
@@ -646,7 +657,7 @@ UNPRIVILEGED_SITE = textwrap.dedent(
     """
 )
 
-# Another tenant's engine (another uid) that asks for 64 blocks again and again on many connections
+# Another tenant's engine (uid argv[3]) that asks for 64 blocks again and again on many connections
 # and never reads an answer; on a line on stdin it reads everything queued and prints the count of
 # descriptors waiting for it.
 NEVER_READS = textwrap.dedent(
@@ -654,8 +665,8 @@ NEVER_READS = textwrap.dedent(
     import os, socket, sys
     from kvfabric.rpc import blockproto as bp
     from kvfabric.rpc import fdpass
-    os.setgid(65534); os.setuid(65534)
-    path, names = sys.argv[1], sys.argv[2].split(",")
+    path, names, uid = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
+    os.setgid(uid); os.setuid(uid)
     conns = []
     for i in range(40):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -688,7 +699,7 @@ NEVER_READS = textwrap.dedent(
 
 @pytest.mark.process
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the other tenant as another uid")
-def test_answers_one_tenant_leaves_unread_cannot_stop_the_server_passing_descriptors_to_others(
+def test_answers_tenants_leave_unread_cannot_stop_the_server_passing_descriptors_to_others(
     tmp_path: Path,
 ) -> None:
     # The kernel charges descriptors sent and not yet received to the sending user, and past its
@@ -697,34 +708,41 @@ def test_answers_one_tenant_leaves_unread_cannot_stop_the_server_passing_descrip
     env = site_env(tmp_path / "site", nofile_site(2000) + UNPRIVILEGED_SITE)
     with cache_server(dram_bytes=64 * MiB, local_disk_bytes=None, env=env) as srv:
         blocks = bp.block_socket_for(srv.unix_target[len("unix://") :])
-        for d in (srv.workdir, *srv.workdir.parents):  # the other uid may reach the socket
-            if d == Path("/"):
-                break
-            d.chmod(d.stat().st_mode | 0o111)
+        _reachable_by_any_uid(blocks)
         keys = [digest("never-reads", i) for i in range(bp.MAX_NAMES)]
         with CacheClient(srv.unix_target) as plain:
             assert plain.store(NS, keys, [b"x"] * len(keys), timeout=10).accepted == len(keys)
         names = _slot_names(srv.unix_target, keys)
-        tenant = subprocess.Popen(
-            [sys.executable, "-c", NEVER_READS, str(blocks), ",".join(names)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        # Two tenants, each its own uid.
+        tenants = [
+            subprocess.Popen(
+                [sys.executable, "-c", NEVER_READS, str(blocks), ",".join(names), str(uid)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for uid in (65534, 65533)
+        ]
+        got: list[int] = []
         try:
-            assert tenant.stdout is not None
-            assert tenant.stdin is not None
-            assert tenant.stdout.readline().strip() == "sent"
+            for tenant in tenants:
+                assert tenant.stdout is not None
+                assert tenant.stdout.readline().strip() == "sent"
             # Every other engine stores and loads through shared memory meanwhile.
             for i in range(3):
                 assert _roundtrip(srv.unix_target, f"others-{i}", n=16) == 16
-            tenant.stdin.write("read now\n")
-            tenant.stdin.flush()
-            got = int(tenant.stdout.readline())
+            for tenant in tenants:
+                assert tenant.stdin is not None
+                assert tenant.stdout is not None
+                tenant.stdin.write("read now\n")
+                tenant.stdin.flush()
+                got.append(int(tenant.stdout.readline()))
         finally:
-            tenant.kill()
-            tenant.communicate()
-        # One uid's answers unread hold at most half the bound (a sixteenth of 2,000, but at least one
-        # answer's 64): before, 40 connections x 11 queued answers x 64 descriptors were sent to it.
-        assert got <= bp.MAX_NAMES, got
+            for tenant in tenants:
+                tenant.kill()
+                tenant.communicate()
+        # One uid's answers unread hold at most an eighth of the bound (an eighth of 2,000, but at
+        # least one answer's 64): before, 40 connections x 11 queued answers x 64 descriptors were
+        # sent to each.
+        assert max(got) <= bp.MAX_NAMES, got
         assert _roundtrip(srv.unix_target, "after", n=16) == 16

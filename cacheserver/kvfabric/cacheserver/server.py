@@ -58,8 +58,6 @@ log = logging.getLogger(__name__)
 
 GRPC_CONNECTION_SHARE = 1 / 32
 """Share of the descriptor limit each gRPC listener's connections may take (at most 1,024)."""
-GRPC_IDLE_SECONDS = 300
-"""A gRPC connection with no call for this long is closed (its client reconnects on its next call)."""
 GRPC_HANDSHAKE_SECONDS = 5
 """A connection that has not finished its handshake (HTTP/2, TLS) this long after its accept is closed."""
 
@@ -76,7 +74,6 @@ def _server_options() -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", -1),
         ("grpc.so_reuseport", 0),
         ("grpc.max_allowed_incoming_connections", min(1024, descriptor_budget(GRPC_CONNECTION_SHARE))),
-        ("grpc.max_connection_idle_ms", GRPC_IDLE_SECONDS * 1000),
         ("grpc.server_handshake_timeout_ms", GRPC_HANDSHAKE_SECONDS * 1000),
     ]
 

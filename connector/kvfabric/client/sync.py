@@ -17,7 +17,14 @@ import grpc
 
 from kvfabric.client import _common as c
 from kvfabric.client.blocks import BlockChannel, StoreBusy
-from kvfabric.client.errors import CacheError, CacheSuspect, CacheTimeout, CacheUnavailable, InvalidRequest
+from kvfabric.client.errors import (
+    CacheError,
+    CacheOverloaded,
+    CacheSuspect,
+    CacheTimeout,
+    CacheUnavailable,
+    InvalidRequest,
+)
 from kvfabric.client.hangwatch import HangWatch
 from kvfabric.client.localindex import LocalIndex
 from kvfabric.client.mappings import Lease, release_all
@@ -583,8 +590,10 @@ class CacheClient:
             lengths = [memoryview(p).nbytes for p in data]
             try:
                 begun = blocks.store_begin(namespace, batch, lengths, deadline=deadline)
-            except StoreBusy:
-                dropped += len(batch)  # dropped under pressure, as the server drops a store
+            except (StoreBusy, CacheOverloaded):
+                # Dropped under pressure, as the server drops a store (busy, or no connection free):
+                # the server is up and said so at once.
+                dropped += len(batch)
                 continue
             if begun is None:
                 if start:  # the server changed under us (restarted older): the rest over gRPC

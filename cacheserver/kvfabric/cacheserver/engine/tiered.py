@@ -624,6 +624,10 @@ class TieredStore:
             # succeeded; only its copy to the backing tiers is dropped.
             self.counters.inc("dropped_writebacks")
             handle = None
+        except BaseException:
+            with self._wb_lock:
+                self._wb_handles -= 1
+            raise
         with self._wb_lock:
             room = self.config.limits.store_queue_bytes - self._wb_bytes
             fits = handle is not None and handle.length <= room

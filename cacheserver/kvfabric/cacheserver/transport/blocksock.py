@@ -39,11 +39,12 @@ requests and never read the answers would make them pile up in its socket; so th
 request at a time: a connection whose last answer is still unread is not read (its next request
 waits in its socket) until its client has received that answer, looked at on every turn, and is
 dropped once it has waited :data:`SEND_TIMEOUT_SECONDS`. The descriptors of answers not yet
-received are bounded in all (``max_unread_fds``, by default a sixteenth of the descriptor limit)
-and per peer uid (half of that): an answer beyond is refused (its client raises
-``CacheOverloaded`` and falls back), and a connection closed while its answer is unread is watched
+received are bounded in all (``max_unread_fds``, by default an eighth of the descriptor limit,
+on at most twice ``max_connections`` connections) and per peer uid (an eighth of each): a load's
+answer beyond is refused (its client raises ``CacheOverloaded`` and falls back), a store's begin is
+answered busy (a dropped store), and a connection closed while its answer is unread is watched
 until its client reads it or hangs up (the descriptors are in flight until then, whatever the
-server closes).
+server closes). Tenants that run as the same uid share that uid's share.
 
 A connection may *hold* the blocks it loads (``KVBH1``) within its client's budget in bytes and in
 blocks, and the tier's share of both (:mod:`~kvfabric.cacheserver.transport.holdbook`), so its client
@@ -104,7 +105,11 @@ TICK_SECONDS = 0.5
 """The loop turns at least this often (send deadlines, the heartbeat, a paused accept)."""
 ACCEPT_PAUSE_SECONDS = 0.1
 """After a failed ``accept`` (``EMFILE``...), accepting pauses this long; connections are still served."""
-UNREAD_DESCRIPTOR_SHARE = 1 / 16
+SETTLE_SECONDS = 0.05
+"""An answer beyond the unread bound looks again at every connection at most this often (each look
+is an ``ioctl`` per connection counted; a client at its bound asking again and again must not make
+the loop spend its time looking)."""
+UNREAD_DESCRIPTOR_SHARE = 1 / 8
 """Share of the descriptor limit that answers not yet received may carry (see the module doc)."""
 
 Resolver = Callable[[str], tuple[int, int] | None]
@@ -143,8 +148,8 @@ class BlockLimits:
     """Store requests queued or being served at once, all connections together; a begin beyond is
     answered unavailable (busy) at once."""
     max_unread_fds: int | None = None
-    """Descriptors in answers sent and not yet received, all connections together (one peer uid:
-    half); None: :data:`UNREAD_DESCRIPTOR_SHARE` of the descriptor limit."""
+    """Descriptors in answers sent and not yet received, all connections together (one peer uid: an
+    eighth); None: :data:`UNREAD_DESCRIPTOR_SHARE` of the descriptor limit."""
 
 
 @dataclass(eq=False, slots=True)
@@ -188,11 +193,16 @@ class BlockSocket:
         self._store_jobs = 0  # loop thread only: store requests handed to the handler, not answered
         self.limits = limits or BlockLimits()
         self.max_unread_fds = self.limits.max_unread_fds or descriptor_budget(UNREAD_DESCRIPTOR_SHARE)
+        """Descriptors in answers not received yet, all connections together (see :meth:`_room`)."""
+        self.max_unread_connections = 2 * self.limits.max_connections
+        """Connections, open or closed, with an answer not received yet: each costs an ``ioctl`` per
+        look (:meth:`_settle`), so they are bounded too."""
         # Loop thread only: connections (open or closed, see _drop) whose last answer's descriptors
         # are not received yet, and their sum in all and per peer uid.
         self._unread: dict[_Conn, None] = {}
         self._unread_total = 0
-        self._unread_by_uid: dict[int, int] = {}
+        self._unread_by_uid: dict[int, tuple[int, int]] = {}  # uid -> (descriptors, connections)
+        self._settled_at = 0.0  # time.monotonic() of the last look at all of them
         self.holds = holds
         self._book: HoldBook | None = None
         if holds is not None and self.limits.hold_bytes_per_client > 0:
@@ -344,7 +354,8 @@ class BlockSocket:
             # Silent since its accept: it costs a slot and serves nobody (an idle or hostile peer).
             log.info("block socket: no request in time", extra={"pid": conn.pid, "uid": conn.uid})
             self._drop(conn, None)
-        self._settle()
+        if now - self._settled_at >= TICK_SECONDS:
+            self._settle()
         if self._accept_paused_until and now >= self._accept_paused_until:
             self._accept_paused_until = 0.0
             assert self._sock is not None
@@ -563,11 +574,17 @@ class BlockSocket:
             msg = bp.encode_store_error(bp.UNAVAILABLE, "the server could not serve this store")
             fds, undo = [], None
         conn.working = False
+        busy = bool(fds) and conn.sock in self._conns and not self._room(conn, len(fds))
+        if busy:
+            # Its staging descriptors would pass the unread bound: a store dropped under pressure
+            # (busy, as when too many are queued), not a failure; the connection stays.
+            _close_fds(fds)
+            msg, fds = bp.encode_store_error(bp.BUSY, "busy: too many answers unread on this node"), []
         if conn.sock in self._conns and not self._gone(conn):
             assert self._sel is not None
             self._sel.register(conn.sock, selectors.EVENT_READ, conn)
             self._send(conn, msg, fds)
-            if conn.sock in self._conns:
+            if conn.sock in self._conns and not busy:
                 return  # sent (or waiting to be: a client that reads it late still gets it)
         else:
             _close_fds(fds)
@@ -598,7 +615,7 @@ class BlockSocket:
         return True
 
     def _send(self, conn: _Conn, msg: bytes, fds: list[int]) -> None:
-        if fds and not self._room(conn.uid, len(fds)):
+        if fds and not self._room(conn, len(fds)):
             _close_fds(fds)
             log.info(
                 "block socket: too many descriptors unread, answer refused",
@@ -629,10 +646,13 @@ class BlockSocket:
     # --- descriptors in flight -----------------------------------------------------------------------
 
     def _count_unread(self, conn: _Conn, n: int) -> None:
+        fds, conns = self._unread_by_uid.get(conn.uid, (0, 0))
+        if conn not in self._unread:
+            self._unread[conn] = None
+            conns += 1
         conn.unread_fds += n
-        self._unread[conn] = None
         self._unread_total += n
-        self._unread_by_uid[conn.uid] = self._unread_by_uid.get(conn.uid, 0) + n
+        self._unread_by_uid[conn.uid] = (fds + n, conns)
 
     def _received(self, conn: _Conn) -> bool:
         """Whether ``conn``'s client has received every answer sent (then they are counted no more)."""
@@ -645,9 +665,9 @@ class BlockSocket:
         if conn in self._unread:
             del self._unread[conn]
             self._unread_total -= conn.unread_fds
-            left = self._unread_by_uid[conn.uid] - conn.unread_fds
-            if left:
-                self._unread_by_uid[conn.uid] = left
+            fds, conns = self._unread_by_uid[conn.uid]
+            if conns > 1:
+                self._unread_by_uid[conn.uid] = (fds - conn.unread_fds, conns - 1)
             else:
                 del self._unread_by_uid[conn.uid]
         conn.unread_fds = 0
@@ -658,27 +678,53 @@ class BlockSocket:
         self._sel.unregister(conn.sock)
         conn.paused = time.monotonic()
 
-    def _room(self, uid: int, n: int) -> bool:
-        """Whether an answer of ``n`` descriptors to a peer of ``uid`` stays within the bounds."""
-        for fresh in (False, True):
-            if fresh:  # look again at what clients have received meanwhile
-                self._settle()
-            if self._unread_total + n <= self.max_unread_fds and self._unread_by_uid.get(uid, 0) + n <= max(
-                bp.MAX_NAMES, self.max_unread_fds // 2
-            ):
-                return True
-        return False
+    def _room(self, conn: _Conn, n: int) -> bool:
+        """Whether an answer of ``n`` descriptors on ``conn`` stays within the unread bounds.
 
-    def _settle(self) -> None:
+        In all, :attr:`max_unread_fds` descriptors on at most :attr:`max_unread_connections`
+        connections; per peer uid an eighth of each (at least one answer's 64, on 8 connections).
+        Counts are taken lazily (a client's answer is uncounted on its next request, or when the
+        loop looks at all of them): past a bound, this uid's own connections are looked at first
+        (their cost is its own), then all of them, at most every :data:`SETTLE_SECONDS`.
+        """
+        fds_per_uid = max(bp.MAX_NAMES, self.max_unread_fds // 8)
+        conns_per_uid = max(8, self.max_unread_connections // 8)
+
+        def fits() -> bool:
+            new = 0 if conn in self._unread else 1
+            fds, conns = self._unread_by_uid.get(conn.uid, (0, 0))
+            return (
+                self._unread_total + n <= self.max_unread_fds
+                and len(self._unread) + new <= self.max_unread_connections
+                and fds + n <= fds_per_uid
+                and conns + new <= conns_per_uid
+            )
+
+        if fits():
+            return True
+        if conn.uid in self._unread_by_uid:
+            self._settle([c for c in self._unread if c.uid == conn.uid])
+            if fits():
+                return True
+        if time.monotonic() - self._settled_at < SETTLE_SECONDS:
+            return False  # looked at them all a moment ago (a client at its bound asking again)
+        self._settle()
+        return fits()
+
+    def _settle(self, conns: list[_Conn] | None = None) -> None:
         """Uncount the answers received since (and resume, drop or close what that settles).
 
         A paused connection whose client received its answer is read again, one that waited too
         long is dropped, a closed one with nothing left in flight is closed (a client that hung up
-        has nothing queued any more). One ``ioctl`` per connection with an answer counted: at most
-        the bound's worth, in practice the connections active since the last turn.
+        has nothing queued any more). One ``ioctl`` per connection looked at: ``conns``, else every
+        connection with an answer counted (every :data:`TICK_SECONDS`, and when an answer would
+        pass a bound, at most every :data:`SETTLE_SECONDS`).
         """
         now = time.monotonic()
-        for conn in list(self._unread):
+        if conns is None:
+            conns = list(self._unread)
+            self._settled_at = now
+        for conn in conns:
             received = self._received(conn)
             if conn.sock not in self._conns:
                 if received:

@@ -27,3 +27,11 @@ def test_channels_reconnect_within_a_second() -> None:
     opts = dict(_common.CHANNEL_OPTIONS)
     assert opts["grpc.max_reconnect_backoff_ms"] <= 1000
     assert opts["grpc.initial_reconnect_backoff_ms"] <= opts["grpc.max_reconnect_backoff_ms"]
+
+
+def test_channels_never_go_idle() -> None:
+    """gRPC drops an idle channel's connection after 30 minutes by default; the next call connects
+    as a newcomer, which a server whose listener is full refuses. An engine on the block socket and
+    the published index makes few calls: its channel keeps its connection."""
+    opts = dict(_common.CHANNEL_OPTIONS)
+    assert opts["grpc.client_idle_timeout_ms"] == 2**31 - 1  # gRPC's largest: about 25 days

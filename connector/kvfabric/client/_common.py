@@ -27,6 +27,9 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 RECONNECT_BACKOFF_MAX_MS = 1000
 """Longest wait between two reconnect attempts of a channel to a server that went away."""
 
+CLIENT_IDLE_NEVER_MS = 2**31 - 1
+"""The largest idle timeout gRPC takes: about 25 days, never in practice."""
+
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     # Larger than any payload we accept; the server enforces its own limit.
     ("grpc.max_receive_message_length", -1),
@@ -39,6 +42,11 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     # lowering it fails connections to a slow-to-answer server.)
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
+    # Never let the channel go idle (gRPC's default drops its connection after 30 minutes without a
+    # call): an engine that loads and stores over the block socket and looks up from the published
+    # index makes few calls, and its next one would connect as a newcomer, which the server refuses
+    # while its listener's connections are all taken.
+    ("grpc.client_idle_timeout_ms", CLIENT_IDLE_NEVER_MS),
 ]
 STREAM_PIECE_BYTES = 1 << 20  # 1-2 MiB messages measured fastest through grpcio
 

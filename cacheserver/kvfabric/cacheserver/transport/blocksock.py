@@ -192,7 +192,10 @@ class BlockSocket:
         self._done: deque[tuple[_Conn, Future[StoreAnswer]]] = deque()
         self._store_jobs = 0  # loop thread only: store requests handed to the handler, not answered
         self.limits = limits or BlockLimits()
-        self.max_unread_fds = self.limits.max_unread_fds or descriptor_budget(UNREAD_DESCRIPTOR_SHARE)
+        # At least eight answers' worth, so that a uid's eighth is an eighth even at a low limit.
+        self.max_unread_fds = self.limits.max_unread_fds or max(
+            8 * bp.MAX_NAMES, descriptor_budget(UNREAD_DESCRIPTOR_SHARE)
+        )
         """Descriptors in answers not received yet, all connections together (see :meth:`_room`)."""
         self.max_unread_connections = 2 * self.limits.max_connections
         """Connections, open or closed, with an answer not received yet: each costs an ``ioctl`` per

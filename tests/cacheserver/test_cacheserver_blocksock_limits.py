@@ -741,8 +741,8 @@ def test_answers_tenants_leave_unread_cannot_stop_the_server_passing_descriptors
             for tenant in tenants:
                 tenant.kill()
                 tenant.communicate()
-        # One uid's answers unread hold at most an eighth of the bound (an eighth of 2,000, but at
-        # least one answer's 64): before, 40 connections x 11 queued answers x 64 descriptors were
-        # sent to each.
+        # One uid's answers unread hold at most an eighth of the bound (at least one answer's 64).
+        # Before, answers were sent to it as fast as it asked, until the server's sends failed and
+        # the other engine's first store above with them.
         assert max(got) <= bp.MAX_NAMES, got
         assert _roundtrip(srv.unix_target, "after", n=16) == 16

@@ -606,24 +606,13 @@ class CacheClient:
                 asked = True
             try:
                 c.write_staged(fds, data)
-            except BaseException:
-                # The lease expires on its own if this fails.
-                with contextlib.suppress(CacheError):
-                    blocks.store_end(lease, abort=True, deadline=time.monotonic() + 1.0)
-                raise
-            try:
                 _remaining(deadline, "while writing to shared memory")
                 got, lost = blocks.store_end(lease, deadline=deadline)
-            except CacheTimeout:
-                # Out of time before the commit went out (or while it waited for its answer): abort,
-                # so the staged pages go now, not when the lease expires.
-                with contextlib.suppress(CacheError):
-                    blocks.store_end(lease, abort=True, deadline=time.monotonic() + 1.0)
-                raise
-            except CacheUnavailable:
-                # The connection went before the answer (the server may have closed it for a
-                # newcomer with the commit unread): abort on a fresh one, so the staged pages go
-                # now, not when the lease expires. An unknown lease: the commit was served after all.
+            except BaseException:
+                # Failed, or out of time, before the commit was answered (the connection may have
+                # gone with the commit unread, closed for a newcomer): abort, on a fresh connection
+                # if need be, so the staged pages go now, not when the lease expires. An unknown
+                # lease: the commit was served after all.
                 with contextlib.suppress(CacheError):
                     blocks.store_end(lease, abort=True, deadline=time.monotonic() + 1.0)
                 raise

@@ -617,28 +617,28 @@ class TieredStore:
                 self.counters.inc("dropped_writebacks")
                 return
             self._wb_handles += 1  # taken before the descriptor is: at the bound, none is
+        handle: OpenBlock | None = None
+        queued = False
         try:
-            handle = self.dram.open(bid)
+            handle = self.dram.open(bid)  # None: evicted meanwhile, nothing to write back
+            if handle is not None:
+                with self._wb_lock:
+                    queued = handle.length <= self.config.limits.store_queue_bytes - self._wb_bytes
+                    if queued:
+                        self._wb_bytes += handle.length
+                        self._wb_keys[bid] += 1
         except OSError:
             # Out of descriptors (EMFILE, ENFILE) after all: the block is in DRAM and its store
             # succeeded; only its copy to the backing tiers is dropped.
-            self.counters.inc("dropped_writebacks")
             handle = None
-        except BaseException:
-            with self._wb_lock:
-                self._wb_handles -= 1
-            raise
-        with self._wb_lock:
-            room = self.config.limits.store_queue_bytes - self._wb_bytes
-            fits = handle is not None and handle.length <= room
-            if handle is None or not fits:
-                self._wb_handles -= 1
-            else:
-                self._wb_bytes += handle.length
-                self._wb_keys[bid] += 1
+            self.counters.inc("dropped_writebacks")
+        finally:
+            if not queued:
+                with self._wb_lock:
+                    self._wb_handles -= 1
         if handle is None:
-            return  # evicted meanwhile, or no descriptor
-        if not fits:
+            return
+        if not queued:
             handle.close()
             self.counters.inc("dropped_writebacks")
             return

@@ -70,16 +70,18 @@ def test_a_flood_of_connections_to_the_grpc_socket_leaves_the_server_its_descrip
                 flood.append(s)
             wait_until(lambda: _descriptors(srv.proc.pid) >= before + 32, 10, what="the flood to be accepted")
             most = max(_descriptors(srv.proc.pid) for _ in range(20))
-            # The engine connected before stores and loads meanwhile: its blocks' descriptors are there.
+            print(f"server descriptors: {before} before the flood, at most {most} during it, limit {NOFILE}")
+            # The listener's share (62 here) and a few of gRPC's own; unbounded, the flood took +1,613.
+            # Measured before the engine's store below, whose blocks and staging areas hold
+            # descriptors of their own (a run counted 37 more with them).
+            assert most <= before + 64 + 16, "the flood's connections took more than the listener's share"
+            # The engine connected before stores and loads meanwhile.
             keys = [digest("during", i) for i in range(16)]
             payloads = [payload_for(k, 64 << 10) for k in keys]
             assert engine.store(NS, keys, payloads, timeout=30).accepted == 16
             bufs = [memoryview(bytearray(64 << 10)) for _ in keys]
             assert engine.load_into(NS, keys, bufs, timeout=30) == 16
             assert [bytes(b) for b in bufs] == payloads
-            most = max(most, _descriptors(srv.proc.pid))
-            print(f"server descriptors: {before} before the flood, at most {most} during it, limit {NOFILE}")
-            assert most <= before + 64 + 32, "the flood's connections took more than the listener's share"
             # Silent connections are closed: at once past the bound, the others when their handshake
             # has not finished 5 s after their accept (gRPC's own default took about a minute here).
             # Then a newcomer gets in.

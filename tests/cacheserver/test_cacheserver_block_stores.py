@@ -540,6 +540,66 @@ def test_a_begin_whose_staging_descriptors_would_pass_the_unread_bound_is_busy_a
         os.close(block)
 
 
+@pytest.mark.parametrize("then", ["client hangs up", "unread bound reached"])
+def test_a_begin_answer_that_waited_for_room_and_never_reached_its_client_undoes_its_lease(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, then: str
+) -> None:
+    # The begin's answer found its client's queue full (injected: the send would block), so it waits
+    # for the client to read. Then it never reaches the client: the client hangs up, or by the time
+    # it can be sent the unread bound is reached (it is refused). Either way its lease is aborted at
+    # once, exactly once; before, only an answer that failed at its first send was, and a waiting
+    # one's staged pages stayed for the lease's 30 s.
+    block = os.memfd_create("block", os.MFD_CLOEXEC)
+    undone: list[str] = []
+    hold = threading.Event()
+    hold.set()
+    held: list[int] = []
+    real_send_fds = socket.send_fds
+
+    def send_fds(sock: socket.socket, buffers: list[bytes], fds: list[int], *args: Any) -> int:
+        if hold.is_set() and buffers == [b"begun"]:
+            held.append(len(fds))
+            raise BlockingIOError("injected: the client's queue is full")
+        return real_send_fds(sock, buffers, fds, *args)
+
+    def begun(req: bp.StoreBegin | bp.StoreEnd, gone: object) -> Future[blocksock.StoreAnswer]:
+        job: Future[blocksock.StoreAnswer] = Future()
+        staging = os.memfd_create("staging", os.MFD_CLOEXEC)
+        job.set_result(blocksock.StoreAnswer(b"begun", [staging], lambda: undone.append("lease")))
+        return job
+
+    monkeypatch.setattr(socket, "send_fds", send_fds)
+    served = blocksock.BlockSocket(
+        tmp_path / "b.sock",
+        lambda name: (os.dup(block), 0),
+        limits=blocksock.BlockLimits(max_unread_fds=bp.MAX_NAMES),
+        stores=begun,
+    )
+    served.start()
+    hog = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        client.connect(str(served.path))
+        client.send(bp.encode_store_begin("ab" * 32, ["cd" * 32], [10]))
+        wait_until(lambda: bool(held), 5, what="the begin's answer to wait for room")
+        if then == "client hangs up":
+            client.close()
+        else:  # another connection of this uid takes the whole share, never reading its answer
+            hog.connect(str(served.path))
+            hog.send(bp.encode_request(["d_" + "ab" * 16] * bp.MAX_NAMES))
+            wait_until(lambda: served.unread_descriptors == bp.MAX_NAMES, 5, what="the hog's answer")
+        hold.clear()
+        wait_until(lambda: bool(undone), 5, what="the lease to be aborted")
+        time.sleep(0.2)  # (an undo run twice would abort another store's lease of the same id)
+        assert undone == ["lease"]
+    finally:
+        hold.clear()
+        hog.close()
+        client.close()
+        served.close()
+        os.close(block)
+
+
 def test_a_store_whose_connection_drops_is_not_resent(tmp_path: Path) -> None:
     # A server that reads a store request and hangs up: the client fails that store, once. A resent
     # begin would leak a lease; a resent commit would report a stored store as failed.

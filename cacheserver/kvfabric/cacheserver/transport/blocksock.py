@@ -162,8 +162,9 @@ class _Conn:
     """Set by the connection's first request."""
     named: str | None = None
     """The id the client named itself by, if any."""
-    pending: tuple[bytes, list[int]] | None = None
-    """An answer the client has not taken yet (its descriptors are ours until sent)."""
+    pending: tuple[bytes, list[int], Callable[[], None] | None] | None = None
+    """An answer the client has not taken yet (its descriptors are ours until sent), and what undoes
+    it if it is never sent (a store's begun lease)."""
     since: float = 0.0
     opened: float = 0.0
     """``time.monotonic()`` of the accept (the first-request deadline counts from it)."""
@@ -578,24 +579,25 @@ class BlockSocket:
             msg = bp.encode_store_error(bp.UNAVAILABLE, "the server could not serve this store")
             fds, undo = [], None
         conn.working = False
-        busy = bool(fds) and conn.sock in self._conns and not self._room(conn, len(fds))
-        if busy:
+        busy_undo = None
+        if bool(fds) and conn.sock in self._conns and not self._room(conn, len(fds)):
             # Its staging descriptors would pass the unread bound: a store dropped under pressure
-            # (busy, as when too many are queued), not a failure; the connection stays.
+            # (busy, as when too many are queued), not a failure; the connection stays. Nobody can
+            # commit what this answer began: its lease goes now, not in 30 s.
             _close_fds(fds)
             msg, fds = bp.encode_store_error(bp.BUSY, "busy: too many answers unread on this node"), []
+            undo, busy_undo = None, undo
         if conn.sock in self._conns and not self._gone(conn):
             assert self._sel is not None
             self._sel.register(conn.sock, selectors.EVENT_READ, conn)
-            self._send(conn, msg, fds)
-            if conn.sock in self._conns and not busy:
-                return  # sent (or waiting to be: a client that reads it late still gets it)
+            # Sent, kept until its client reads (a client that reads it late still gets it), or
+            # undone by _send or _drop if it never reaches its client.
+            self._send(conn, msg, fds, undo)
         else:
             _close_fds(fds)
             self._drop(conn, None)  # its client hung up while it was not read
-        if undo is not None:
-            # Nobody can commit what this answer began: its lease goes now, not in 30 s.
-            undo()
+            _undo(undo)
+        _undo(busy_undo)
 
     def _bind(self, conn: _Conn, named: str | None) -> bool:
         """Make ``conn`` its client's (on its first request); False if that client has too many."""
@@ -618,7 +620,13 @@ class BlockSocket:
             self._book.open(conn, client)
         return True
 
-    def _send(self, conn: _Conn, msg: bytes, fds: list[int]) -> None:
+    def _send(self, conn: _Conn, msg: bytes, fds: list[int], undo: Callable[[], None] | None = None) -> None:
+        """Send an answer, or keep it until its client reads; ``undo`` runs if it is never delivered.
+
+        Whether refused here, failed, or kept and then dropped with its connection (:meth:`_drop`),
+        an answer that never reaches its client is undone exactly once: a store's begun lease goes
+        at once instead of when it expires.
+        """
         if fds and not self._room(conn, len(fds)):
             _close_fds(fds)
             log.info(
@@ -627,12 +635,13 @@ class BlockSocket:
             )
             _refuse(conn.sock, b"too many answers unread on this node")
             self._drop(conn, None)
+            _undo(undo)
             return
         try:
             socket.send_fds(conn.sock, [msg], fds)
         except BlockingIOError:
             # The client's queue is full: keep the answer, stop reading it, send when it reads.
-            conn.pending, conn.since = (msg, fds), time.monotonic()
+            conn.pending, conn.since = (msg, fds, undo), time.monotonic()
             self._waiting.add(conn)
             assert self._sel is not None
             self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
@@ -642,6 +651,7 @@ class BlockSocket:
             if not self._stop.is_set():
                 log.info("block socket connection failed", extra={"error": str(exc)})
             self._drop(conn, None)
+            _undo(undo)
             return
         _close_fds(fds)
         if fds:
@@ -744,12 +754,12 @@ class BlockSocket:
     def _flush(self, conn: _Conn) -> None:
         if conn.pending is None or conn.sock not in self._conns:
             return
-        msg, fds = conn.pending
+        msg, fds, undo = conn.pending
         conn.pending = None
         self._waiting.discard(conn)
         assert self._sel is not None
         self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
-        self._send(conn, msg, fds)
+        self._send(conn, msg, fds, undo)
 
     def _drop(self, conn: _Conn, exc: BaseException | None) -> None:
         """Close one connection and release everything it had (idempotent)."""
@@ -777,10 +787,11 @@ class BlockSocket:
                     conn.sock.shutdown(socket.SHUT_RDWR)  # its client reads them, then EOF
             else:
                 conn.sock.close()
-            if conn.pending is not None:
-                _close_fds(conn.pending[1])
-                conn.pending = None
+            pending, conn.pending = conn.pending, None
             self._waiting.discard(conn)
+            if pending is not None:  # an answer its client never took
+                _close_fds(pending[1])
+                _undo(pending[2])
         finally:
             # A closed connection holds nothing, whatever its client did (died, forgot, misbehaved).
             if self._book is not None:
@@ -874,6 +885,16 @@ def _unsent_bytes(sock: socket.socket) -> int:
     except (OSError, ValueError):
         return 0  # closed: nothing of it is counted any more
     return int(struct.unpack("i", got)[0])
+
+
+def _undo(undo: Callable[[], None] | None) -> None:
+    """Undo an answer that never reached its client (a begun lease); its failure is only logged."""
+    if undo is None:
+        return
+    try:
+        undo()
+    except Exception:  # the lease then expires on its own; the loop must go on
+        log.warning("block socket: undoing an undelivered answer failed", exc_info=True)
 
 
 def _close_fds(fds: list[int]) -> None:

@@ -41,7 +41,7 @@ waits in its socket) until its client has received that answer (looked at every
 :data:`TICK_SECONDS`), and is dropped once it has waited :data:`SEND_TIMEOUT_SECONDS`. The
 descriptors of answers not yet received are bounded in all (``max_unread_fds``, by default an
 eighth of the descriptor limit, on at most twice ``max_connections`` connections) and per peer uid
-(an eighth of each): a load's answer beyond is refused (its client raises ``CacheOverloaded`` and
+(an eighth of each; counted by :mod:`~kvfabric.cacheserver.transport.unreadbook`): a load's answer beyond is refused (its client raises ``CacheOverloaded`` and
 falls back), a store's begin is answered busy (a dropped store), and a connection closed while its
 answer is unread is watched until its client reads it or hangs up (the descriptors are in flight
 until then, whatever the
@@ -90,6 +90,7 @@ from kvfabric.cacheserver.engine.dram import descriptor_budget
 from kvfabric.cacheserver.transport.holdbook import HoldBook, Holds, anonymous_client
 from kvfabric.cacheserver.transport.indexpub import listen_unix, peer_of
 from kvfabric.cacheserver.transport.socketfile import SocketFile
+from kvfabric.cacheserver.transport.unreadbook import UnreadBook
 from kvfabric.rpc import blockproto as bp
 
 __all__ = ["BlockLimits", "BlockSocket", "Holds", "Resolver", "StoreAnswer", "StoreHandler"]
@@ -170,8 +171,6 @@ class _Conn:
     """``time.monotonic()`` of the accept (the first-request deadline counts from it)."""
     working: bool = False
     """A store request of this connection is being served off the loop (the connection is not read)."""
-    unread_fds: int = 0
-    """Descriptors of the last answer sent, counted until its client has received it."""
     paused: float = 0.0
     """``time.monotonic()`` since when it is not read, its last answer unread (0: it is read)."""
 
@@ -204,9 +203,7 @@ class BlockSocket:
         look (:meth:`_settle`), so they are bounded too."""
         # Loop thread only: connections (open or closed, see _drop) whose last answer's descriptors
         # are not received yet, and their sum in all and per peer uid.
-        self._unread: dict[_Conn, None] = {}
-        self._unread_total = 0
-        self._unread_by_uid: dict[int, tuple[int, int]] = {}  # uid -> (descriptors, connections)
+        self._unread: UnreadBook[_Conn] = UnreadBook(self.max_unread_fds, self.max_unread_connections)
         self._settled_at = 0.0  # time.monotonic() of the last look at all of them
         self.holds = holds
         self._book: HoldBook | None = None
@@ -282,7 +279,7 @@ class BlockSocket:
     @property
     def unread_descriptors(self) -> int:
         """Descriptors sent in answers that were not received yet when last looked at."""
-        return self._unread_total
+        return self._unread.total
 
     def alive(self, within: float = 4 * TICK_SECONDS) -> bool:
         """Whether the loop serves: started, not closed, and it turned in the last ``within`` seconds."""
@@ -334,7 +331,7 @@ class BlockSocket:
                     if mask & selectors.EVENT_WRITE:
                         self._flush(conn)
                     if mask & selectors.EVENT_READ and conn.pending is None and conn.sock in self._conns:
-                        if conn.unread_fds and not self._received(conn):
+                        if conn in self._unread and not self._received(conn):
                             self._pause(conn)  # asked again before reading the last answer
                         else:
                             self._read(conn)
@@ -631,7 +628,7 @@ class BlockSocket:
             _close_fds(fds)
             log.info(
                 "block socket: too many descriptors unread, answer refused",
-                extra={"pid": conn.pid, "uid": conn.uid, "unread": self._unread_total},
+                extra={"pid": conn.pid, "uid": conn.uid, "unread": self._unread.total},
             )
             _refuse(conn.sock, b"too many answers unread on this node")
             self._drop(conn, None)
@@ -655,36 +652,16 @@ class BlockSocket:
             return
         _close_fds(fds)
         if fds:
-            self._count_unread(conn, len(fds))
+            self._unread.add(conn, conn.uid, len(fds))
 
     # --- descriptors in flight -----------------------------------------------------------------------
-
-    def _count_unread(self, conn: _Conn, n: int) -> None:
-        fds, conns = self._unread_by_uid.get(conn.uid, (0, 0))
-        if conn not in self._unread:
-            self._unread[conn] = None
-            conns += 1
-        conn.unread_fds += n
-        self._unread_total += n
-        self._unread_by_uid[conn.uid] = (fds + n, conns)
 
     def _received(self, conn: _Conn) -> bool:
         """Whether ``conn``'s client has received every answer sent (then they are counted no more)."""
         if _unsent_bytes(conn.sock) > 0:
             return False
-        self._uncount(conn)
+        self._unread.remove(conn)
         return True
-
-    def _uncount(self, conn: _Conn) -> None:
-        if conn in self._unread:
-            del self._unread[conn]
-            self._unread_total -= conn.unread_fds
-            fds, conns = self._unread_by_uid[conn.uid]
-            if conns > 1:
-                self._unread_by_uid[conn.uid] = (fds - conn.unread_fds, conns - 1)
-            else:
-                del self._unread_by_uid[conn.uid]
-        conn.unread_fds = 0
 
     def _pause(self, conn: _Conn) -> None:
         """Stop reading ``conn`` until its client has received its last answer (see :meth:`_settle`)."""
@@ -696,34 +673,23 @@ class BlockSocket:
         """Whether an answer of ``n`` descriptors on ``conn`` stays within the unread bounds.
 
         In all, :attr:`max_unread_fds` descriptors on at most :attr:`max_unread_connections`
-        connections; per peer uid an eighth of each (at least one answer's 64, on 8 connections).
-        Counts are taken lazily (a client's answer is uncounted on its next request, or when the
-        loop looks at all of them): past a bound, this uid's own connections are looked at first
-        (their cost is its own), then all of them, at most every :data:`SETTLE_SECONDS`.
+        connections; per peer uid an eighth of each (:class:`UnreadBook`). Counts are taken lazily
+        (a client's answer is uncounted on its next request, or when the loop looks at all of
+        them): past a bound, this uid's own connections are looked at first (their cost is its
+        own), then all of them, at most every :data:`SETTLE_SECONDS`.
         """
-        fds_per_uid = max(bp.MAX_NAMES, self.max_unread_fds // 8)
-        conns_per_uid = max(8, self.max_unread_connections // 8)
-
-        def fits() -> bool:
-            new = 0 if conn in self._unread else 1
-            fds, conns = self._unread_by_uid.get(conn.uid, (0, 0))
-            return (
-                self._unread_total + n <= self.max_unread_fds
-                and len(self._unread) + new <= self.max_unread_connections
-                and fds + n <= fds_per_uid
-                and conns + new <= conns_per_uid
-            )
-
-        if fits():
+        book = self._unread
+        if book.fits(conn, conn.uid, n):
             return True
-        if conn.uid in self._unread_by_uid:
-            self._settle([c for c in self._unread if c.uid == conn.uid])
-            if fits():
+        own = book.connections(conn.uid)
+        if own:
+            self._settle(own)
+            if book.fits(conn, conn.uid, n):
                 return True
         if time.monotonic() - self._settled_at < SETTLE_SECONDS:
             return False  # looked at them all a moment ago (a client at its bound asking again)
         self._settle()
-        return fits()
+        return book.fits(conn, conn.uid, n)
 
     def _settle(self, conns: list[_Conn] | None = None) -> None:
         """Uncount the answers received since (and resume, drop or close what that settles).
@@ -736,7 +702,7 @@ class BlockSocket:
         """
         now = time.monotonic()
         if conns is None:
-            conns = list(self._unread)
+            conns = self._unread.connections()
             self._settled_at = now
         for conn in conns:
             received = self._received(conn)
@@ -780,7 +746,7 @@ class BlockSocket:
             if self._sel is not None:
                 with contextlib.suppress(KeyError, ValueError, OSError):
                     self._sel.unregister(conn.sock)
-            if conn.unread_fds and not self._stop.is_set() and not self._received(conn):
+            if conn in self._unread and not self._stop.is_set() and not self._received(conn):
                 # Its last answer's descriptors stay in flight until its client reads or hangs up,
                 # whatever happens to this end: keep counting them (closed in _settle).
                 with contextlib.suppress(OSError):
@@ -803,7 +769,7 @@ class BlockSocket:
         for conn in conns:
             with contextlib.suppress(Exception):
                 self._drop(conn, None)
-        for conn in list(self._unread):
+        for conn in self._unread.connections():
             if conn.sock.fileno() >= 0:
                 conn.sock.close()
         self._unread.clear()

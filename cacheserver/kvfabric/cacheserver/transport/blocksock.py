@@ -41,10 +41,10 @@ waits in its socket) until its client has received that answer (looked at every
 :data:`TICK_SECONDS`), and is dropped once it has waited :data:`SEND_TIMEOUT_SECONDS`. The
 descriptors of answers not yet received are bounded in all (``max_unread_fds``, by default an
 eighth of the descriptor limit, on at most twice ``max_connections`` connections) and per peer uid
-(an eighth of each; counted by :mod:`~kvfabric.cacheserver.transport.unreadbook`): a load's answer beyond is refused (its client raises ``CacheOverloaded`` and
-falls back), a store's begin is answered busy (a dropped store), and a connection closed while its
-answer is unread is watched until its client reads it or hangs up (the descriptors are in flight
-until then, whatever the
+(an eighth of each; counted by :mod:`~kvfabric.cacheserver.transport.unreadbook`): a load's
+answer beyond is refused (its client raises ``CacheOverloaded`` and falls back), a store's begin is
+answered busy (a dropped store), and a connection closed while its answer is unread is watched
+until its client reads it or hangs up (the descriptors are in flight until then, whatever the
 server closes). Tenants that run as the same uid share that uid's share.
 
 A connection may *hold* the blocks it loads (``KVBH1``) within its client's budget in bytes and in

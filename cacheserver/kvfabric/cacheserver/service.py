@@ -58,8 +58,8 @@ _SLOTS_PER_MESSAGE = 256
 """Resident blocks named in one ShmLoad message (about 50 bytes each)."""
 
 
-def _start_threads(pool: ThreadPoolExecutor) -> None:
-    """Start all of ``pool``'s threads now, not when work first finds none idle.
+def _started_pool(workers: int, name: str) -> ThreadPoolExecutor:
+    """A pool of ``workers`` threads, all started now, not when work first finds none idle.
 
     A worker frees its idle permit only after its job's result is set, so a request answered by one
     job and followed at once by the next (a store's begin, then its commit) can find no idle worker
@@ -67,7 +67,8 @@ def _start_threads(pool: ThreadPoolExecutor) -> None:
     Started at start-up, the pool never asks again. (A limit already reached at start-up leaves the
     rest to be started lazily, as before.)
     """
-    workers = pool._max_workers  # one party per thread the pool may start, or the barrier breaks
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+    # One party per thread the pool may start: each job holds its thread until all have started.
     ready = threading.Barrier(workers + 1)
     try:
         for _ in range(workers):
@@ -75,6 +76,7 @@ def _start_threads(pool: ThreadPoolExecutor) -> None:
         ready.wait(10)
     except (RuntimeError, threading.BrokenBarrierError):
         ready.abort()
+    return pool
 
 
 class SharedState:
@@ -87,12 +89,10 @@ class SharedState:
         self.arena = arena
         self.metrics = metrics
         self.limits = limits
-        self.load_pool = ThreadPoolExecutor(max_workers=limits.io_threads, thread_name_prefix="load")
-        self.store_pool = ThreadPoolExecutor(
-            max_workers=limits.max_concurrent_stores, thread_name_prefix="store"
-        )
-        _start_threads(self.load_pool)  # a load's promotion right after another's
-        _start_threads(self.store_pool)
+        # All threads started now: a load's promotion right after another's, a store's commit right
+        # after its begin, never ask for a thread at the pod's pids limit.
+        self.load_pool = _started_pool(limits.io_threads, "load")
+        self.store_pool = _started_pool(limits.max_concurrent_stores, "store")
         self.load_slots = asyncio.Semaphore(limits.max_concurrent_loads)
         self.store_inflight = 0
         self._slot_lock = threading.Lock()

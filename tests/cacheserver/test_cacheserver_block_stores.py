@@ -540,15 +540,16 @@ def test_a_begin_whose_staging_descriptors_would_pass_the_unread_bound_is_busy_a
         os.close(block)
 
 
-@pytest.mark.parametrize("then", ["client hangs up", "unread bound reached"])
+@pytest.mark.parametrize("then", ["client hangs up", "unread bound reached", "client never reads"])
 def test_a_begin_answer_that_waited_for_room_and_never_reached_its_client_undoes_its_lease(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, then: str
 ) -> None:
     # The begin's answer found its client's queue full (injected: the send would block), so it waits
-    # for the client to read. Then it never reaches the client: the client hangs up, or by the time
-    # it can be sent the unread bound is reached (it is refused). Either way its lease is aborted at
-    # once, exactly once; before, only an answer that failed at its first send was, and a waiting
-    # one's staged pages stayed for the lease's 30 s.
+    # for the client to read. Then it never reaches the client: the client hangs up, by the time it
+    # can be sent the unread bound is reached (it is refused), or the client never reads and its
+    # connection is dropped with the answer still waiting. Each way its lease is aborted at once,
+    # exactly once; before, only an answer that failed at its first send was, and a waiting one's
+    # staged pages stayed for the lease's 30 s.
     block = os.memfd_create("block", os.MFD_CLOEXEC)
     undone: list[str] = []
     hold = threading.Event()
@@ -558,7 +559,8 @@ def test_a_begin_answer_that_waited_for_room_and_never_reached_its_client_undoes
 
     def send_fds(sock: socket.socket, buffers: list[bytes], fds: list[int], *args: Any) -> int:
         if hold.is_set() and buffers == [b"begun"]:
-            held.append(len(fds))
+            if not held:  # (the loop retries it on every turn: the socket is writable)
+                held.append(len(fds))
             raise BlockingIOError("injected: the client's queue is full")
         return real_send_fds(sock, buffers, fds, *args)
 
@@ -569,6 +571,7 @@ def test_a_begin_answer_that_waited_for_room_and_never_reached_its_client_undoes
         return job
 
     monkeypatch.setattr(socket, "send_fds", send_fds)
+    monkeypatch.setattr(blocksock, "SEND_TIMEOUT_SECONDS", 0.3)
     served = blocksock.BlockSocket(
         tmp_path / "b.sock",
         lambda name: (os.dup(block), 0),
@@ -584,13 +587,14 @@ def test_a_begin_answer_that_waited_for_room_and_never_reached_its_client_undoes
         wait_until(lambda: bool(held), 5, what="the begin's answer to wait for room")
         if then == "client hangs up":
             client.close()
-        else:  # another connection of this uid takes the whole share, never reading its answer
+        elif then == "unread bound reached":  # another connection of this uid takes the whole share
             hog.connect(str(served.path))
             hog.send(bp.encode_request(["d_" + "ab" * 16] * bp.MAX_NAMES))
             wait_until(lambda: served.unread_descriptors == bp.MAX_NAMES, 5, what="the hog's answer")
-        hold.clear()
+        if then != "client never reads":  # else the answer stays held until its wait times out
+            hold.clear()
         wait_until(lambda: bool(undone), 5, what="the lease to be aborted")
-        time.sleep(0.2)  # (an undo run twice would abort another store's lease of the same id)
+        time.sleep(0.2)  # long enough for a second undo, if there were one
         assert undone == ["lease"]
     finally:
         hold.clear()

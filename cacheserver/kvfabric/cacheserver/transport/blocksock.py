@@ -193,17 +193,15 @@ class BlockSocket:
         self._done: deque[tuple[_Conn, Future[StoreAnswer]]] = deque()
         self._store_jobs = 0  # loop thread only: store requests handed to the handler, not answered
         self.limits = limits or BlockLimits()
-        # At least eight answers' worth, so that a uid's eighth is an eighth even at a low limit.
-        self.max_unread_fds = self.limits.max_unread_fds or max(
-            8 * bp.MAX_NAMES, descriptor_budget(UNREAD_DESCRIPTOR_SHARE)
-        )
-        """Descriptors in answers not received yet, all connections together (see :meth:`_room`)."""
-        self.max_unread_connections = 2 * self.limits.max_connections
-        """Connections, open or closed, with an answer not received yet: each costs an ``ioctl`` per
-        look (:meth:`_settle`), so they are bounded too."""
         # Loop thread only: connections (open or closed, see _drop) whose last answer's descriptors
-        # are not received yet, and their sum in all and per peer uid.
-        self._unread: UnreadBook[_Conn] = UnreadBook(self.max_unread_fds, self.max_unread_connections)
+        # are not received yet, and their sum in all and per peer uid. At least eight answers'
+        # worth in all, so that a uid's eighth is an eighth even at a low limit; connections, open
+        # or closed, with an answer not received yet cost an ``ioctl`` per look (_settle), so they
+        # are bounded too.
+        self._unread: UnreadBook[_Conn] = UnreadBook(
+            self.limits.max_unread_fds or max(8 * bp.MAX_NAMES, descriptor_budget(UNREAD_DESCRIPTOR_SHARE)),
+            2 * self.limits.max_connections,
+        )
         self._settled_at = 0.0  # time.monotonic() of the last look at all of them
         self.holds = holds
         self._book: HoldBook | None = None
@@ -243,6 +241,16 @@ class BlockSocket:
         """``time.monotonic()`` of the loop's last completed turn (0: not started)."""
         self.last_error: str | None = None
         """What last went wrong in the loop itself or with a connection (None: nothing yet)."""
+
+    @property
+    def max_unread_fds(self) -> int:
+        """Descriptors in answers not received yet, all connections together (see :meth:`_room`)."""
+        return self._unread.max_fds
+
+    @property
+    def max_unread_connections(self) -> int:
+        """Connections, open or closed, with an answer not received yet."""
+        return self._unread.max_connections
 
     @property
     def hold_blocks_per_client(self) -> int:
@@ -721,11 +729,15 @@ class BlockSocket:
         if conn.pending is None or conn.sock not in self._conns:
             return
         msg, fds, undo = conn.pending
-        conn.pending = None
+        conn.pending, since = None, conn.since
         self._waiting.discard(conn)
         assert self._sel is not None
         self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
         self._send(conn, msg, fds, undo)
+        if conn in self._waiting:
+            # Still would block (a socket can be writable and yet short of room for this answer):
+            # it has waited since it first did, so a client that never reads is dropped in time.
+            conn.since = since
 
     def _drop(self, conn: _Conn, exc: BaseException | None) -> None:
         """Close one connection and release everything it had (idempotent)."""

@@ -79,7 +79,10 @@ def main(argv: list[str] | None = None) -> None:
             n = args.repeats
             steps: list[tuple[str, Callable[[], object]]] = [
                 ("ResilientCache.lookup, keys and digests", lambda: cache.lookup(ns, keys, 5.0, raw=raw)),
-                ("  CacheClient.lookup, keys and digests", lambda: client.lookup(ns, keys, timeout=5.0, raw=raw)),
+                (
+                    "  CacheClient.lookup, keys and digests",
+                    lambda: client.lookup(ns, keys, timeout=5.0, raw=raw),
+                ),
                 ("  CacheClient.lookup_local, keys and digests", lambda: client.lookup_local(ns, keys, raw)),
                 ("    check_raw_ids", lambda: c.check_raw_ids(ns, keys, raw)),
                 ("ResilientCache.lookup, hex keys only", lambda: cache.lookup(ns, keys, 5.0)),

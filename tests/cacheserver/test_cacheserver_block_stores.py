@@ -498,14 +498,9 @@ def test_a_busy_refusal_is_a_dropped_store_not_a_failure(tmp_path: Path) -> None
     assert (got.accepted, got.dropped) == (0, len(keys))
 
 
-def test_a_begin_whose_staging_descriptors_would_pass_the_unread_bound_is_busy_and_its_lease_undone(
-    tmp_path: Path,
-) -> None:
-    # Another connection of this uid holds its whole share of descriptors unread: the begin's answer
-    # would add to it. It is answered busy (a dropped store, not a failure that trips the breaker),
-    # its lease is aborted at once, and the connection stays.
-    block = os.memfd_create("block", os.MFD_CLOEXEC)
-    undone: list[str] = []
+def _beginning_socket(tmp_path: Path, block: int, undone: list[str]) -> blocksock.BlockSocket:
+    """A started block socket whose every store request is answered "begun" with one staging memfd
+    (its undo appends to ``undone``), and whose answers may leave one answer's descriptors unread."""
 
     def begun(req: bp.StoreBegin | bp.StoreEnd, gone: object) -> Future[blocksock.StoreAnswer]:
         job: Future[blocksock.StoreAnswer] = Future()
@@ -520,6 +515,18 @@ def test_a_begin_whose_staging_descriptors_would_pass_the_unread_bound_is_busy_a
         stores=begun,
     )
     served.start()
+    return served
+
+
+def test_a_begin_whose_staging_descriptors_would_pass_the_unread_bound_is_busy_and_its_lease_undone(
+    tmp_path: Path,
+) -> None:
+    # Another connection of this uid holds its whole share of descriptors unread: the begin's answer
+    # would add to it. It is answered busy (a dropped store, not a failure that trips the breaker),
+    # its lease is aborted at once, and the connection stays.
+    block = os.memfd_create("block", os.MFD_CLOEXEC)
+    undone: list[str] = []
+    served = _beginning_socket(tmp_path, block, undone)
     hog = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         hog.connect(str(served.path))
@@ -564,21 +571,9 @@ def test_a_begin_answer_that_waited_for_room_and_never_reached_its_client_undoes
             raise BlockingIOError("injected: the client's queue is full")
         return real_send_fds(sock, buffers, fds, *args)
 
-    def begun(req: bp.StoreBegin | bp.StoreEnd, gone: object) -> Future[blocksock.StoreAnswer]:
-        job: Future[blocksock.StoreAnswer] = Future()
-        staging = os.memfd_create("staging", os.MFD_CLOEXEC)
-        job.set_result(blocksock.StoreAnswer(b"begun", [staging], lambda: undone.append("lease")))
-        return job
-
     monkeypatch.setattr(socket, "send_fds", send_fds)
     monkeypatch.setattr(blocksock, "SEND_TIMEOUT_SECONDS", 0.3)
-    served = blocksock.BlockSocket(
-        tmp_path / "b.sock",
-        lambda name: (os.dup(block), 0),
-        limits=blocksock.BlockLimits(max_unread_fds=bp.MAX_NAMES),
-        stores=begun,
-    )
-    served.start()
+    served = _beginning_socket(tmp_path, block, undone)
     hog = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:

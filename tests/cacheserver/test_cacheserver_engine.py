@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -34,7 +33,7 @@ from kvfabric.cacheserver.engine.ids import BlockId, InvalidId, parse_ids
 from kvfabric.cacheserver.engine.journal import Event, JournalReader, JournalWriter, parse_lines
 from kvfabric.cacheserver.engine.tiered import TieredStore
 from kvfabric.cacheserver.engine.ttl import SharedClock, bucket_of, expired_buckets, owner_of
-from kvfabric.testing.serverproc import digest, payload_for
+from kvfabric.testing.serverproc import digest, open_descriptors, payload_for
 
 NS = digest("engine")
 
@@ -215,15 +214,6 @@ def test_a_promotion_whose_dram_side_fails_keeps_the_disk_copy(
         handle.close()
 
 
-def _open_fds() -> dict[str, str]:
-    """This process's open descriptors and what each is open on."""
-    out: dict[str, str] = {}
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # (the listing's own, closed by now)
-            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
-    return out
-
-
 def test_a_read_error_half_way_through_a_promotion_is_a_miss_and_leaves_nothing_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -244,7 +234,7 @@ def test_a_read_error_half_way_through_a_promotion_is_a_miss_and_leaves_nothing_
             return real(fd, buffers, offset)
 
         threads = set(threading.enumerate())
-        fds = _open_fds()
+        fds = open_descriptors()
         spares = blockfile._spare_pieces.qsize()
         monkeypatch.setattr(os, "preadv", failing)
         assert store.ensure_dram(b) is None
@@ -256,7 +246,7 @@ def test_a_read_error_half_way_through_a_promotion_is_a_miss_and_leaves_nothing_
         assert [t.name for t in threading.enumerate() if t not in threads] == []  # none started and left
         # No descriptor opened meanwhile is still open (one this process closed meanwhile, on another
         # thread, is no leak: a count that came out one lower failed this once).
-        assert {fd: what for fd, what in _open_fds().items() if fds.get(fd) != what} == {}
+        assert {fd: what for fd, what in open_descriptors().items() if fds.get(fd) != what} == {}
         # Every piece buffer the read took (spares first) is a spare again, none lost.
         kept = min(max(spares, blockfile._PIPE_DEPTH), blockfile._SPARE_MAX)
         assert blockfile._spare_pieces.qsize() == kept

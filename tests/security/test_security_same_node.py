@@ -37,7 +37,14 @@ from kvfabric.rpc import blockproto as bp
 from kvfabric.rpc.v1 import cache_pb2 as pb
 from kvfabric.rpc.v1 import cache_pb2_grpc as pb_grpc
 from kvfabric.testing.mountns import run_in_private_mount_namespace
-from kvfabric.testing.serverproc import MiB, ServerProcess, cache_server, digest, payload_for
+from kvfabric.testing.serverproc import (
+    MiB,
+    ServerProcess,
+    cache_server,
+    digest,
+    open_descriptors,
+    payload_for,
+)
 
 pytestmark = pytest.mark.process
 
@@ -330,15 +337,6 @@ def test_through_the_read_only_mount_consumers_get_a_root_client_loads_but_canno
     assert srv.config.listen.unix_socket.is_socket()
 
 
-def _open_fds() -> dict[str, str]:
-    """This process's open descriptors and what each is open on."""
-    out: dict[str, str] = {}
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # (the listing's own, closed by now)
-            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
-    return out
-
-
 def test_a_fetch_that_fails_half_way_closes_every_descriptor_it_already_received(tmp_path: Path) -> None:
     # A block socket that answers the first batch of 64 names with 64 descriptors and then hangs.
     path = tmp_path / "b.sock"
@@ -358,13 +356,13 @@ def test_a_fetch_that_fails_half_way_closes_every_descriptor_it_already_received
 
     th = threading.Thread(target=serve, daemon=True)
     th.start()
-    before = _open_fds()
+    before = open_descriptors()
     try:
         with BlockChannel(path) as chan, pytest.raises(CacheTimeout):
             chan.fetch(names, deadline=time.monotonic() + 0.5)
         th.join(5)  # the fake server's end of the connection is closed too
         # New descriptors only: one closed meanwhile on another thread is no leak.
-        leaked = {fd: what for fd, what in _open_fds().items() if before.get(fd) != what}
+        leaked = {fd: what for fd, what in open_descriptors().items() if before.get(fd) != what}
         assert leaked == {}, "descriptors of the first batch leaked"
     finally:
         listener.close()

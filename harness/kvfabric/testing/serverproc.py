@@ -34,6 +34,7 @@ __all__ = [
     "digest",
     "free_port",
     "nofile_site",
+    "open_descriptors",
     "payload_for",
     "site_env",
     "wait_until",
@@ -73,6 +74,20 @@ def site_env(site: Path, code: str) -> dict[str, str]:
 def nofile_site(limit: int) -> str:
     """``sitecustomize`` code that sets the process's descriptor limit, soft and hard, to ``limit``."""
     return f"import resource\nresource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit}))\n"
+
+
+def open_descriptors(pid: int | str = "self") -> dict[str, str]:
+    """A process's open descriptors and what each is open on (``readlink`` of ``/proc/<pid>/fd/<n>``).
+
+    For leak checks: the descriptors in a later snapshot that are not in an earlier one, by number
+    *and* target, were opened meanwhile and are still open. A count would also move when another
+    thread closes one of its own meanwhile (a store's background work), which is no leak.
+    """
+    out: dict[str, str] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # (the listing's own, closed by now)
+            out[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
+    return out
 
 
 def wait_until(pred: Any, timeout: float = 30.0, interval: float = 0.05, what: str = "condition") -> Any:

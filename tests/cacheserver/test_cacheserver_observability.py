@@ -35,7 +35,9 @@ def test_metrics_probes_and_json_logs() -> None:
             c.lookup(ns, keys, timeout=5)
             c.load(ns, keys, timeout=10)
         assert _get(srv.metrics_url + "/healthz")[0] == 200
-        assert _get(srv.metrics_url + "/readyz")[0] == 200
+        # Ready: every listener's last probe answered within its 1 s deadline. On a machine loaded
+        # past that, one probe may be late (503 until the next one, a second later): not a failure.
+        wait_until(lambda: _get(srv.metrics_url + "/readyz")[0] == 200, 10, what="/readyz to answer 200")
         code, text = _get(srv.metrics_url + "/metrics")
         assert code == 200
         for name in (

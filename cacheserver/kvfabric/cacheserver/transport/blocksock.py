@@ -584,14 +584,14 @@ class BlockSocket:
             msg = bp.encode_store_error(bp.UNAVAILABLE, "the server could not serve this store")
             fds, undo = [], None
         conn.working = False
-        busy_undo = None
         if bool(fds) and conn.sock in self._conns and not self._room(conn, len(fds)):
             # Its staging descriptors would pass the unread bound: a store dropped under pressure
             # (busy, as when too many are queued), not a failure; the connection stays. Nobody can
             # commit what this answer began: its lease goes now, not in 30 s.
             _close_fds(fds)
             msg, fds = bp.encode_store_error(bp.BUSY, "busy: too many answers unread on this node"), []
-            undo, busy_undo = None, undo
+            _undo(undo)
+            undo = None
         if conn.sock in self._conns and not self._gone(conn):
             assert self._sel is not None
             self._sel.register(conn.sock, selectors.EVENT_READ, conn)
@@ -602,7 +602,6 @@ class BlockSocket:
             _close_fds(fds)
             self._drop(conn, None)  # its client hung up while it was not read
             _undo(undo)
-        _undo(busy_undo)
 
     def _bind(self, conn: _Conn, named: str | None) -> bool:
         """Make ``conn`` its client's (on its first request); False if that client has too many."""
